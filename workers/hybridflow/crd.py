@@ -1,0 +1,139 @@
+"""The RLHFJob CustomResourceDefinition, generated from `hybridflow.spec` so the two cannot disagree.
+
+Kubernetes wants a *structural* schema: every node typed, no $ref, no anyOf for optionals, no additionalProperties:
+false (pruning plays that role). The conversion below inlines pydantic's JSON Schema into that shape.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from hybridflow.spec import API_GROUP, KIND, JobSpec
+
+PLURAL = "rlhfjobs"
+VERSION = "v1alpha1"
+_KEEP = {"type", "description", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern",
+         "minItems", "maxItems", "minLength", "maxLength", "default"}  # fmt: skip
+
+
+def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    if "$ref" in node:
+        target = defs[node["$ref"].split("/")[-1]]
+        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        return _structural(merged, defs)
+    if "anyOf" in node:
+        options = [o for o in node["anyOf"] if o.get("type") != "null"]
+        nullable = len(options) != len(node["anyOf"])
+        base = _structural(options[0], defs) if len(options) == 1 else {"x-kubernetes-preserve-unknown-fields": True}
+        if "description" in node:
+            base["description"] = node["description"]
+        if nullable:
+            base["nullable"] = True
+        return base
+    if "const" in node:
+        node = {**node, "enum": [node["const"]]}
+    out: dict[str, Any] = {k: v for k, v in node.items() if k in _KEEP}
+    # OpenAPI v3.0 (which Kubernetes speaks) has boolean exclusive bounds, JSON Schema numeric ones.
+    for key, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if key in out:
+            out[bound] = out.pop(key)
+            out[key] = True
+    out.pop("default", None)  # defaults live in the spec; the operator resolves them
+    t = node.get("type")
+    if t == "object" or "properties" in node:
+        out["type"] = "object"
+        props = node.get("properties", {})
+        if props:
+            out["properties"] = {k: _structural(v, defs) for k, v in props.items()}
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict):
+            out["additionalProperties"] = _structural(extra, defs)
+        elif not props:
+            out["x-kubernetes-preserve-unknown-fields"] = True
+        req = node.get("required")
+        if req:
+            out["required"] = req
+    elif t == "array":
+        out["items"] = _structural(node.get("items", {}), defs)
+    elif t is None and "enum" in out:
+        out["type"] = "string"
+    return out
+
+
+def spec_schema() -> dict[str, Any]:
+    raw = JobSpec.model_json_schema(by_alias=True)
+    schema = _structural(raw, raw.get("$defs", {}))
+    schema["description"] = "What to train and how: algorithm, models, data, rollout, training, pools, trainer."
+    return schema
+
+
+STATUS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "Observed state, written by the operator and the job's driver.",
+    "x-kubernetes-preserve-unknown-fields": True,
+    "properties": {
+        "phase": {"type": "string", "description": "Pending, Initializing, Running, Restarting, Suspending, "
+                  "Suspended, Succeeded or Failed."},
+        "step": {"type": "integer", "description": "Last completed RLHF iteration."},
+        "totalSteps": {"type": "integer", "description": "Iterations requested."},
+        "tokensPerSecond": {"type": "number", "description": "Throughput of the last iteration."},
+        "restarts": {"type": "integer", "description": "Gang restarts so far."},
+        "lastCheckpoint": {"type": "string", "description": "Path of the newest checkpoint."},
+        "lastCheckpointTime": {"type": "string", "format": "date-time", "description": "When it was written."},
+        "message": {"type": "string", "description": "Human-readable summary of the phase."},
+        "conditions": {
+            "type": "array",
+            "description": "metav1.Condition list.",
+            "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+        },
+    },
+}
+
+
+def build_crd() -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{API_GROUP}"},
+        "spec": {
+            "group": API_GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": KIND, "plural": PLURAL, "singular": "rlhfjob", "shortNames": ["rlhf"],
+                      "listKind": f"{KIND}List", "categories": ["all", "ml"]},
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": [
+                        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+                        {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
+                        {"name": "Tokens/s", "type": "number", "jsonPath": ".status.tokensPerSecond"},
+                        {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
+                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                    ],
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "An RLHF training job run HybridFlow-style on Ray inside pods.",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": spec_schema(),
+                                "status": STATUS_SCHEMA,
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+def render_crd() -> str:
+    header = "# Generated by `hybridflow crd` from workers/hybridflow/spec.py. Do not edit by hand.\n"
+    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=120)

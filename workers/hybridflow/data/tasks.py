@@ -1,0 +1,71 @@
+"""Prompt sets generated from a seed, so a job needs no dataset download and held-out prompts never leak into training.
+
+A task yields (prompt token ids, ground truth) pairs; the ground truth is what the task's reward rule checks.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from hybridflow.rewards.rules import successor
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt: list[int]
+    truth: Any
+
+
+def increment_samples(n: int, vocab: int, prompt_len: int, seed: int) -> list[Sample]:
+    """Counting sequences `s, s+1, ...` over ids 1..vocab-1 (wrapping); the response should keep counting."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(2, max(2, prompt_len))
+        tok = rng.randint(1, vocab - 1)
+        prompt = [tok]
+        for _ in range(length - 1):
+            tok = successor(tok, vocab)
+            prompt.append(tok)
+        out.append(Sample(prompt, vocab))
+    return out
+
+
+def arithmetic_samples(n: int, seed: int, encode: Callable[[str], list[int]], max_operand: int = 20) -> list[Sample]:
+    """'What is a + b?' in the model's chat format; the truth is a + b."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        out.append(Sample(encode(f"What is {a} + {b}? Answer with the number only."), a + b))
+    return out
+
+
+def split_train_eval(samples: list[Sample], n_eval: int) -> tuple[list[Sample], list[Sample]]:
+    """Held-out prompts are chosen so that none of them appears (as the same ids) in the training set."""
+    eval_set = samples[:n_eval]
+    seen = {tuple(s.prompt) for s in eval_set}
+    train = [s for s in samples[n_eval:] if tuple(s.prompt) not in seen]
+    return train, eval_set
+
+
+class PromptStream:
+    """Deterministic epoch-shuffled batches with a resumable position (saved in checkpoints)."""
+
+    def __init__(self, samples: list[Sample], batch_size: int, seed: int, position: int = 0) -> None:
+        if len(samples) < batch_size:
+            raise ValueError(f"{len(samples)} prompts cannot fill a batch of {batch_size}")
+        self.samples, self.batch_size, self.seed, self.position = samples, batch_size, seed, position
+
+    def _order(self, epoch: int) -> list[int]:
+        idx = list(range(len(self.samples)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(idx)
+        return idx
+
+    def next_batch(self) -> list[Sample]:
+        per_epoch = len(self.samples) // self.batch_size
+        epoch, k = divmod(self.position, per_epoch)
+        order = self._order(epoch)
+        self.position += 1
+        return [self.samples[i] for i in order[k * self.batch_size : (k + 1) * self.batch_size]]

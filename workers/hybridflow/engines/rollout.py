@@ -1,0 +1,123 @@
+"""Generation engines: token ids in, token ids out, weights replaced in memory after every actor update.
+
+vLLM runs in-process on every rank of the actor's worker group (its `external_launcher` executor joins our own
+torch.distributed world), so the colocated actor can hand it new weights without a reload from disk.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], cfg: SamplingConfig) -> list[list[int]]: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+
+class VLLMRollout:
+    def __init__(self, model_dir: Path, max_model_len: int, dtype: str, seed: int, kv_cache_gib: float,
+                 gpu_memory_utilization: float, on_gpu: bool) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        import torch.distributed as dist
+        from vllm import LLM
+
+        kwargs = {}
+        if dist.is_initialized():
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        self.llm = LLM(
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            enforce_eager=True,
+            seed=seed,
+            max_model_len=max_model_len,
+            tensor_parallel_size=1,
+            gpu_memory_utilization=gpu_memory_utilization if on_gpu else 0.9,
+            **kwargs,
+        )
+
+    def generate(self, prompts: list[list[int]], cfg: SamplingConfig) -> list[list[int]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            max_tokens=cfg.max_tokens,
+            temperature=0.0 if cfg.greedy else cfg.temperature,
+            top_p=1.0 if cfg.greedy else cfg.top_p,
+            detokenize=False,
+            ignore_eos=not cfg.stop_token_ids,
+            stop_token_ids=list(cfg.stop_token_ids) or None,
+        )
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        runner.reload_weights(weights_iterator=iter(weights))
+        self.llm.reset_prefix_cache()
+
+
+class HFRollout:
+    """Plain torch generation with a private copy of the policy: the fallback when vLLM is not available."""
+
+    def __init__(self, model_dir: Path, dtype: str, device: torch.device, seed: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=getattr(torch, dtype)).to(device)
+        self.model.eval()
+        self.device = device
+        self.generator_seed = seed
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], cfg: SamplingConfig) -> list[list[int]]:
+        pad = 0
+        P = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), P), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, P - len(p) :] = torch.tensor(p)
+            mask[i, P - len(p) :] = 1
+        out = self.model.generate(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            max_new_tokens=cfg.max_tokens,
+            min_new_tokens=0 if cfg.stop_token_ids else cfg.max_tokens,
+            do_sample=not cfg.greedy,
+            temperature=cfg.temperature if not cfg.greedy else None,
+            top_p=cfg.top_p if not cfg.greedy else None,
+            top_k=0 if not cfg.greedy else None,
+            eos_token_id=list(cfg.stop_token_ids) or None,
+            pad_token_id=pad,
+        )
+        responses = []
+        for row in out[:, P:].tolist():
+            resp = []
+            for tok in row:
+                resp.append(tok)
+                if tok in cfg.stop_token_ids:
+                    break
+            responses.append(resp)
+        return responses
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, t in weights:
+                if name in params:
+                    params[name].copy_(t)

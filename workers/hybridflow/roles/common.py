@@ -1,0 +1,50 @@
+"""What every model-holding role shares: loading HF weights, checkpoint save/load of its engine, memory readings."""
+from __future__ import annotations
+
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.controller.protocol import Dispatch, register
+
+
+def load_causal_lm(model_dir: Path, dtype: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=getattr(torch, dtype))
+
+
+def peak_memory_bytes() -> int:
+    """Peak device memory on GPU; peak resident set of this process on CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class CheckpointMixin:
+    """Full (unsharded) state of `self.engine`, written by rank 0 into a directory the controller then seals."""
+
+    checkpoint_name = "model"
+    engine: Any
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, directory: str) -> str | None:
+        state = self.engine.state_dict()  # collective: every rank takes part
+        path = Path(directory) / f"{self.checkpoint_name}.pt"
+        if dist.get_rank() == 0:
+            tmp = path.with_suffix(".pt.tmp")
+            torch.save(state, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            return str(path)
+        return None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, directory: str) -> None:
+        state = torch.load(Path(directory) / f"{self.checkpoint_name}.pt", map_location="cpu", weights_only=False)
+        self.engine.load_state_dict(state)

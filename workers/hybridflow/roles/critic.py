@@ -1,0 +1,67 @@
+"""The critic (PPO): the policy's architecture with a scalar value head, one value per response token."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridflow.algorithms.core import value_loss
+from hybridflow.controller.batch import Batch
+from hybridflow.controller.protocol import Dispatch, register
+from hybridflow.controller.worker_group import WorkerContext
+from hybridflow.engines.fsdp import FSDPEngine, sequence_inputs
+from hybridflow.roles.common import CheckpointMixin
+from hybridflow.spec import JobSpec
+
+
+def response_values(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """V(s_t) for each response position t, read where the token that precedes it sits: (B, R)."""
+    out = model(**sequence_inputs(batch), use_cache=False)
+    R = batch["responses"].shape[1]
+    return out.logits[:, -R - 1 : -1, 0].float()
+
+
+class CriticWorker(CheckpointMixin):
+    checkpoint_name = "critic"
+
+    def __init__(self, ctx: WorkerContext, spec: dict[str, Any], model_dir: str) -> None:
+        from transformers import AutoModelForTokenClassification
+
+        self.spec = JobSpec.model_validate(spec)
+        torch.manual_seed(self.spec.trainer.seed + 7)
+        model = AutoModelForTokenClassification.from_pretrained(
+            Path(model_dir), num_labels=1, torch_dtype=getattr(torch, self.spec.models.actor.dtype)
+        )
+        t = self.spec.training
+        self.engine = FSDPEngine(model, t.critic_lr, t.grad_clip, ctx.device)
+
+    @register(Dispatch.DP_COMPUTE, blocking=False)
+    def compute_values(self, batch: Batch) -> Batch:
+        outs = self.engine.forward_micro(batch, self.spec.training.micro_batch_size, response_values)
+        return Batch({"values": torch.cat(outs).cpu() * batch["response_mask"]})
+
+    @register(Dispatch.DP_COMPUTE)
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        t = self.spec.training
+
+        def loss_fn(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+            v = response_values(model, mb)
+            loss, clip_frac = value_loss(v, mb["values"], mb["returns"], mb["response_mask"], t.value_clip)
+            return loss, {"vf_loss": loss.item(), "vf_clip_frac": clip_frac.item()}
+
+        t0 = time.perf_counter()
+        n_mini = t.mini_batch_size or self.spec.trainer.prompts_per_step
+        rows = max(1, len(batch) * n_mini // self.spec.trainer.prompts_per_step)
+        totals: dict[str, float] = {}
+        steps = 0
+        for _ in range(t.ppo_epochs):
+            for mini in batch.split(rows):
+                for k, v in self.engine.train_mini_batch(mini, t.micro_batch_size, loss_fn).items():
+                    totals[k] = totals.get(k, 0.0) + v
+                steps += 1
+        out = {k: v / steps for k, v in totals.items()}
+        out["update_seconds"] = time.perf_counter() - t0
+        return out

