@@ -67,10 +67,29 @@ class VLLMRollout:
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
         runner.reload_weights(weights_iterator=iter(weights))
+        _repack_tied_lm_head(self.model)
         self.llm.reset_prefix_cache()
+
+
+def _repack_tied_lm_head(model: torch.nn.Module) -> None:
+    """vLLM 0.32 on CPU: a tied LM head receives no weights of its own during `reload_weights`, so its GEMM
+    stays packed from the *old* embedding and logits go stale (greedy output then differs from HF). Re-running
+    the embedding method's post-load step re-packs it from the (already updated, shared) weight."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if head is not None and hasattr(head, "cpu_linear") and method is not None:
+        method.process_weights_after_loading(head)
 
 
 class HFRollout:
@@ -79,7 +98,7 @@ class HFRollout:
     def __init__(self, model_dir: Path, dtype: str, device: torch.device, seed: int) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=getattr(torch, dtype)).to(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device)
         self.model.eval()
         self.device = device
         self.generator_seed = seed

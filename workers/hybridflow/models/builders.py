@@ -32,7 +32,7 @@ def tiny_config(t: TinyModel) -> Any:
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=0,
-        torch_dtype="float32",
+        dtype="float32",
     )
 
 
@@ -58,7 +58,7 @@ def build_tiny(t: TinyModel, out_dir: Path, seed: int) -> Path:
 
     def build(tmp: Path) -> None:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(tiny_config(t), torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(tiny_config(t), dtype=torch.float32)
         model.save_pretrained(tmp, safe_serialization=True)
 
     key = json.dumps(t.model_dump(), sort_keys=True)
@@ -91,12 +91,12 @@ def build_smollm2(out_dir: Path) -> Path:
 
         gguf = smollm2_gguf_path()
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32)
+        src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         if hasattr(cfg, "quantization_config"):
             delattr(cfg, "quantization_config")
         cfg.torch_dtype = "float32"
-        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         model.load_state_dict(src.state_dict(), strict=False)
         model.tie_weights()
         model.save_pretrained(tmp, safe_serialization=True)

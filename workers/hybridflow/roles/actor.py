@@ -137,8 +137,7 @@ class ActorRolloutWorker(CheckpointMixin):
         if isinstance(self.rollout, HFRollout):
             emb = self.rollout.model.get_input_embeddings().weight
         else:
-            model = self.rollout.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-            emb = model.model.embed_tokens.weight
+            emb = self.rollout.model.model.embed_tokens.weight
         return float(emb.detach().double().sum())
 
     @register(Dispatch.ONE_TO_ALL)

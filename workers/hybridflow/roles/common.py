@@ -15,7 +15,7 @@ from hybridflow.controller.protocol import Dispatch, register
 def load_causal_lm(model_dir: Path, dtype: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=getattr(torch, dtype))
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
 
 
 def peak_memory_bytes() -> int:

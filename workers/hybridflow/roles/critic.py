@@ -33,7 +33,7 @@ class CriticWorker(CheckpointMixin):
         self.spec = JobSpec.model_validate(spec)
         torch.manual_seed(self.spec.trainer.seed + 7)
         model = AutoModelForTokenClassification.from_pretrained(
-            Path(model_dir), num_labels=1, torch_dtype=getattr(torch, self.spec.models.actor.dtype)
+            Path(model_dir), num_labels=1, dtype=getattr(torch, self.spec.models.actor.dtype)
         )
         t = self.spec.training
         self.engine = FSDPEngine(model, t.critic_lr, t.grad_clip, ctx.device)

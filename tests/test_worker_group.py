@@ -1,0 +1,139 @@
+"""WorkerGroups on a real local Ray: transfer protocols, futures passed between groups, colocation, torch.distributed."""
+import os
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+
+from hybridflow.controller.batch import Batch
+from hybridflow.controller.protocol import Dispatch, DPRank, register
+from hybridflow.controller.worker_group import PendingResult, ResourcePool, RoleSpec, WorkerGroup, pool_resource
+
+pytestmark = pytest.mark.slow
+
+
+class Echo:
+    def __init__(self, ctx, tag):
+        self.ctx, self.tag = ctx, tag
+
+    @register(Dispatch.ONE_TO_ALL)
+    def info(self):
+        return self.ctx.rank, self.ctx.world_size, os.getpid(), self.tag
+
+    @register(Dispatch.ALL_TO_ALL)
+    def scale(self, x):
+        return x * (self.ctx.rank + 1)
+
+    @register(Dispatch.RANK_ZERO)
+    def all_reduce(self, v):
+        t = torch.tensor([float(v) * (self.ctx.rank + 1)])
+        dist.all_reduce(t)
+        return t.item()
+
+    @register(Dispatch.DP_COMPUTE, blocking=False)
+    def produce(self, batch):
+        n = len(batch)
+        return Batch({"x": batch["x"] * 2, "producer": torch.full((n,), self.ctx.rank)})
+
+    @register(Dispatch.DP_COMPUTE)
+    def consume(self, batch):
+        return Batch({"x": batch["x"] + 1, "producer": batch["producer"],
+                      "consumer": torch.full((len(batch),), self.ctx.rank)})
+
+    def not_registered(self):
+        return 1
+
+
+class TensorParallelPair(Echo):
+    """Two ranks per data shard (as under TP=2): only the first of each pair returns data."""
+
+    def dp_rank(self):
+        return DPRank(self.ctx.rank // 2, self.ctx.world_size // 2, self.ctx.rank % 2 == 0)
+
+    @register(Dispatch.DP_COMPUTE)
+    def consume(self, batch):
+        return Batch({"x": batch["x"], "consumer": torch.full((len(batch),), self.ctx.rank)})
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    import sys
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    ray.init(num_cpus=8, resources={pool_resource("p1"): 2, pool_resource("p2"): 4}, include_dashboard=False,
+             object_store_memory=100 << 20, _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def groups(ray_cluster):
+    p1 = ResourcePool("p1", nodes=1, devices_per_node=2, cpus_per_device=0.5)
+    p2 = ResourcePool("p2", nodes=2, devices_per_node=2, cpus_per_device=0.5)  # two "nodes" (placement groups)
+    g1 = WorkerGroup(p1, {"a": RoleSpec(Echo, {"tag": "a"}), "b": RoleSpec(Echo, {"tag": "b"})})
+    g2 = WorkerGroup(p2, {"tp": RoleSpec(TensorParallelPair, {"tag": "tp"})})
+    yield g1, g2
+    for g in (g1, g2):
+        g.shutdown()
+        g.pool.release()
+
+
+def test_one_to_all_and_colocation(groups):
+    g1, _ = groups
+    a, b = g1["a"].info(), g1["b"].info()
+    assert [(r, w, t) for r, w, _, t in a] == [(0, 2, "a"), (1, 2, "a")]
+    assert [x[2] for x in a] == [x[2] for x in b], "colocated roles must share one process per device"
+    assert len({x[2] for x in a}) == 2
+
+
+def test_all_to_all_and_rank_zero(groups):
+    g1, _ = groups
+    assert g1["a"].scale([10, 20]) == [10, 40]
+    with pytest.raises(ValueError, match="one argument per rank"):
+        g1["a"].scale([1, 2, 3])
+    assert g1["a"].all_reduce(1.0) == 3.0  # 1*1 + 1*2 over gloo
+
+
+def test_unregistered_method_is_refused(groups):
+    with pytest.raises(AttributeError, match="not a registered worker method"):
+        groups[0]["a"].not_registered
+
+
+def test_dp_compute_splits_and_gathers_in_order(groups):
+    g1, _ = groups
+    pending = g1["a"].produce(Batch({"x": torch.arange(8)}))
+    assert isinstance(pending, PendingResult)
+    out = pending.get()
+    assert out["x"].tolist() == [0, 2, 4, 6, 8, 10, 12, 14]
+    assert out["producer"].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_futures_pass_between_roles_without_the_controller(groups, monkeypatch):
+    g1, _ = groups
+    pending = g1["a"].produce(Batch({"x": torch.arange(6)}))
+
+    def forbidden(self):
+        raise AssertionError("the controller fetched data it should have handed over as futures")
+
+    monkeypatch.setattr(PendingResult, "get", forbidden)
+    refs = g1["b"]._dispatch("consume", Dispatch.DP_COMPUTE, (pending,), {})
+    monkeypatch.undo()
+    out = refs.get()
+    assert out["x"].tolist() == [1, 3, 5, 7, 9, 11]
+    assert out["producer"].tolist() == out["consumer"].tolist()  # each rank got its own shard back
+
+
+def test_three_d_layout_only_collectors_return(groups):
+    _, g2 = groups
+    assert g2["tp"].dp_size == 2
+    out = g2["tp"].consume(Batch({"x": torch.arange(4)}))
+    assert out["x"].tolist() == [0, 1, 2, 3]
+    assert out["consumer"].tolist() == [0, 0, 2, 2]  # rank 0 owns dp 0, rank 2 owns dp 1
+
+
+def test_futures_cross_groups_with_different_layouts(groups):
+    g1, g2 = groups
+    pending = g1["a"].produce(Batch({"x": torch.arange(4)}))
+    out = g2["tp"].consume(pending)  # dp sizes match (2): handed over per DP rank
+    assert out["x"].tolist() == [0, 2, 4, 6]
