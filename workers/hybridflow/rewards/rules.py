@@ -32,12 +32,18 @@ def successor(tok: int, vocab: int) -> int:
 _INT = re.compile(r"-?\d+")
 
 
+def final_answer(text: str) -> int | None:
+    """The integer after the first '=' ("3 + 5 = 8" -> 8), else the first integer in the text, else None."""
+    _, eq, rest = text.partition("=")
+    m = _INT.search(rest if eq else text)
+    return int(m.group()) if m else None
+
+
 def arithmetic_exact(prompt: Sequence[int], response: Sequence[int], truth: Any, decode: Any = None) -> float:
-    """1 when the first integer in the decoded response equals the answer, else 0."""
+    """1 when the response's final answer (after '=', else its first integer) equals a + b, else 0."""
     if decode is None:
         raise ValueError("the arithmetic_exact rule needs a tokenizer (a model with one, e.g. smollm2)")
-    m = _INT.search(decode(response))
-    return 1.0 if m is not None and int(m.group()) == int(truth) else 0.0
+    return 1.0 if final_answer(decode(response)) == int(truth) else 0.0
 
 
 RULES: dict[str, RewardRule] = {"increment": increment, "arithmetic_exact": arithmetic_exact}

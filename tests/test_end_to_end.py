@@ -1,0 +1,171 @@
+"""`hybridflow run` as a user runs it: real Ray, vLLM, FSDP2 on two CPU ranks, real processes and signals."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import psutil
+import pytest
+import yaml
+from conftest import ROOT, run_cli
+
+pytestmark = pytest.mark.slow
+
+TINY = ROOT / "examples" / "tiny-grpo.yaml"
+# Threshold for "clearly learned": greedy held-out reward (fraction of correct continuation tokens) must reach
+# 0.6 and gain at least 0.4 over the untrained policy (random guessing scores about 1/15).
+LEARNED_MIN, LEARNED_GAIN = 0.6, 0.4
+
+
+def _steps(ckpt_dir):
+    p = ckpt_dir / "steps.jsonl"
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def _variant(tmp_path, src, **spec_changes):
+    doc = yaml.safe_load(src.read_text())
+    for dotted, value in spec_changes.items():
+        node = doc["spec"]
+        *parents, leaf = dotted.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    out = tmp_path / src.name
+    out.write_text(yaml.safe_dump(doc))
+    return out
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tiny_example_learns(tmp_path, model_cache, ray_tmp):
+    ckpt = tmp_path / "run"
+    t0 = time.time()
+    out = run_cli(["run", str(TINY), "--checkpoint-dir", str(ckpt), "--metrics-port", "0", "--ray-temp-dir", ray_tmp],
+                  cwd=tmp_path, env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert time.time() - t0 < 600
+    assert "step 40/40" in out.stdout and "ETA" in out.stdout and "tok/s" in out.stdout
+    summary = json.loads((ckpt / "summary.json").read_text())
+    assert summary["eval_after"] >= LEARNED_MIN, summary
+    assert summary["eval_after"] - summary["eval_before"] >= LEARNED_GAIN, summary
+    records = _steps(ckpt)
+    assert [r["step"] for r in records] == list(range(1, 41))
+    last = records[-1]
+    for stage in ("generate", "old_log_prob", "reference", "reward", "advantages", "actor_update", "weight_sync"):
+        assert last["stages"][stage] > 0, stage
+    assert last["throughput_tokens_per_s"] > 0 and last["actor_peak_memory_bytes"] > 0
+    assert last["reward_mean"] > records[0]["reward_mean"]
+    assert out.stderr.count("\n") < 40, "logs should be quiet by default:\n" + out.stderr[-3000:]
+
+
+def test_ppo_with_hf_generation(tmp_path, model_cache, ray_tmp):
+    ckpt = tmp_path / "run"
+    out = run_cli(["run", str(ROOT / "examples" / "tiny-ppo.yaml"), "--engine", "hf", "--steps", "6",
+                   "--checkpoint-dir", str(ckpt), "--metrics-port", "0", "--ray-temp-dir", ray_tmp],
+                  cwd=tmp_path, env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = _steps(ckpt)
+    assert len(records) == 6
+    for r in records:
+        assert r["stages"]["values"] > 0 and r["stages"]["critic_update"] > 0
+        assert "critic_vf_loss" in r and "kl_mean" in r
+    assert (ckpt / "step_00000006" / "critic.pt").is_file()
+
+
+def _kill_session(proc, ray_tmp):
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    # Ray daemons started by the run must not outlive it; anything left is found by its session dir and ended.
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        left = [p for p in psutil.process_iter(["cmdline"]) if ray_tmp in " ".join(p.info["cmdline"] or [])]
+        if not left:
+            return 0
+        time.sleep(1)
+    for p in left:
+        p.kill()
+    return len(left)
+
+
+def test_kill_9_then_resume_loses_and_repeats_no_step(tmp_path, model_cache, ray_tmp):
+    job = _variant(tmp_path, TINY, trainer__steps=12, trainer__saveFreq=3, trainer__promptsPerStep=16,
+                   trainer__checkpointDir=str(tmp_path / "run"))
+    ckpt = tmp_path / "run"
+    port = _free_port()
+    env = {**os.environ, "HYBRIDFLOW_MODEL_CACHE": str(model_cache)}
+    cmd = [sys.executable, "-m", "hybridflow.cli", "run", str(job), "--metrics-port", str(port),
+           "--ray-temp-dir", ray_tmp]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 400
+    try:
+        while time.time() < deadline and not any(r["step"] >= 7 for r in _steps(ckpt)):
+            assert proc.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.2)
+        # While it runs, its Prometheus endpoint reports progress.
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'hybridflow_step{rlhfjob="tiny-grpo"}' in body
+        assert "hybridflow_throughput_tokens_per_second" in body
+    finally:
+        leftovers = _kill_session(proc, ray_tmp)
+    assert leftovers == 0, f"{leftovers} process(es) outlived the killed run"
+    logged = [r["step"] for r in _steps(ckpt)]
+    assert max(logged) >= 7
+    assert (ckpt / "step_00000006").is_dir()
+    # The newest checkpoint gets corrupted too: resume must fall back to step 3 and say so.
+    with open(ckpt / "step_00000006" / "actor.pt", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00" * 64)
+
+    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp], cwd=tmp_path,
+                  env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "skipping corrupt checkpoint" in out.stderr and "step_00000006" in out.stderr
+    summary = json.loads((ckpt / "summary.json").read_text())
+    assert summary["start_step"] == 3 and summary["steps_done"] == 9
+    assert [r["step"] for r in _steps(ckpt)] == list(range(1, 13)), "each step exactly once"
+    assert "held-out reward before" not in out.stdout  # a resumed job does not pretend to start over
+
+
+def test_smollm2_arithmetic_smoke(tmp_path, model_cache, ray_tmp):
+    ckpt = tmp_path / "run"
+    job = _variant(tmp_path, ROOT / "examples" / "smollm2-arithmetic.yaml", trainer__steps=1,
+                   trainer__promptsPerStep=4, data__evalPrompts=8, trainer__checkpointDir=str(ckpt))
+    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp], cwd=tmp_path,
+                  env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    (rec,) = _steps(ckpt)
+    assert 0 < rec["response_length_mean"] <= 12
+    assert 0.0 <= rec["reward_mean"] <= 1.0 and rec["grad_norm"] > 0
+    summary = json.loads((ckpt / "summary.json").read_text())
+    assert summary["eval_before"] is not None and summary["eval_before"] > 0, "SmolLM2 answers some sums greedily"
+
+
+def test_failure_exits_non_zero_and_keeps_checkpoints(tmp_path, model_cache, ray_tmp):
+    # A path model with a config but broken weights: the job starts, then fails while loading.
+    bad = tmp_path / "broken-model"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": 16}))
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    job = _variant(tmp_path, TINY, models__actor={"source": "path", "path": str(bad)},
+                   trainer__checkpointDir=str(tmp_path / "run"))
+    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp], cwd=tmp_path,
+                  env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)}, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "error: job failed" in out.stderr and "Traceback" not in out.stderr
