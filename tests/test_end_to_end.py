@@ -169,3 +169,46 @@ def test_failure_exits_non_zero_and_keeps_checkpoints(tmp_path, model_cache, ray
                   env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)}, timeout=300)
     assert out.returncode == 1, out.stderr[-2000:]
     assert "error: job failed" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_reward_model_scores_responses(tmp_path, model_cache, ray_tmp):
+    ckpt = tmp_path / "run"
+    job = _variant(tmp_path, TINY, models__reward={"type": "model", "model": {"source": "tiny",
+                   "tiny": {"vocabSize": 16, "hiddenSize": 64, "numHeads": 2, "numKvHeads": 1}}},
+                   trainer__steps=2, trainer__checkpointDir=str(ckpt), trainer__eval=False)
+    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp, "--engine", "hf"],
+                  cwd=tmp_path, env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = _steps(ckpt)
+    assert len(records) == 2
+    # A (random) reward model gives real-valued scores; the counting rule can only give multiples of 1/6.
+    assert any(abs(r["reward_mean"] * 6 * 256 - round(r["reward_mean"] * 6 * 256)) > 1e-3 for r in records)
+
+
+def test_driver_joins_an_existing_ray_cluster(tmp_path, model_cache, ray_tmp):
+    """What the head pod runs: a Ray head started apart from the driver, then `hybridflow driver --address`."""
+    import secrets
+
+    port = _free_port()
+    # As in the pods: head, workers and driver share a token (the operator puts it in a Secret).
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    head = subprocess.run(
+        [ray_bin, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+         '--resources={"hybridflow_pool_default": 2}', f"--temp-dir={ray_tmp}", "--include-dashboard=false",
+         "--object-store-memory=200000000", "--disable-usage-stats"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert head.returncode == 0, head.stderr[-2000:]
+    try:
+        ckpt = tmp_path / "run"
+        job = _variant(tmp_path, TINY, trainer__steps=3, trainer__checkpointDir=str(ckpt), trainer__eval=False)
+        out = run_cli(["driver", str(job), "--address", f"127.0.0.1:{port}", "--metrics-port", "0"], cwd=tmp_path,
+                      env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache), **env}, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert [r["step"] for r in _steps(ckpt)] == [1, 2, 3]
+    finally:
+        for p in psutil.process_iter(["cmdline"]):
+            if ray_tmp in " ".join(p.info["cmdline"] or []):
+                p.kill()
