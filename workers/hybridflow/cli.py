@@ -75,7 +75,7 @@ def start_local_ray(job: RLHFJob, temp_dir: str | None, verbose: bool = False) -
     """A private single-node Ray that listens on loopback only and advertises each pool's devices."""
     import ray
 
-    from hybridflow.controller.worker_group import pool_resource
+    from hybridflow.spec import pool_resource
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keeps Ray on 127.0.0.1
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")

@@ -26,6 +26,12 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 ROLES = ("actor", "rollout", "reference", "critic", "reward")
 
 
+def pool_resource(name: str) -> str:
+    """The Ray custom resource a node advertises for each device it brings to pool `name` (set by the operator's
+    worker pods and by `hybridflow run`, requested by the controller's placement groups)."""
+    return f"hybridflow_pool_{name}"
+
+
 class SpecError(ValueError):
     """A manifest problem a user can fix; `str()` names the field and what to do."""
 
@@ -154,7 +160,10 @@ class ResourcePool(_Spec):
     devices_per_node: int = Field(2, gt=0, description="Devices (GPUs, or CPU ranks on CPU) per node.")
     device: Literal["cpu", "gpu"] = Field("cpu", description="Device type.")
     cpus_per_device: float = Field(1.0, gt=0, description="CPU cores reserved per device process.")
+    memory_per_node: str = Field("4Gi", description="Memory request and limit of each pool pod (Kubernetes).")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector (Kubernetes only).")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations (Kubernetes only).")
+    affinity: dict[str, Any] = Field(default_factory=dict, description="Pod affinity (Kubernetes only).")
 
     @property
     def world_size(self) -> int:
@@ -177,6 +186,37 @@ class Metrics(_Spec):
     address: str = Field("127.0.0.1", description="Bind address of the metrics server.")
 
 
+class RunPolicy(_Spec):
+    """How the operator runs the job on Kubernetes (ignored by `hybridflow run`)."""
+
+    backoff_limit: int = Field(3, ge=0, description="Gang restarts allowed before the job is Failed.")
+    active_deadline_seconds: int | None = Field(None, gt=0, description="Fail the job after this many seconds.")
+    ttl_seconds_after_finished: int | None = Field(
+        None, ge=0, description="Delete the finished job (and its pods) this many seconds after it ends."
+    )
+    suspend: bool = Field(False, description="Delete the pods but keep the job; false again resumes from the checkpoint.")
+    scheduler_name: str | None = Field(None, description="Pod schedulerName (e.g. volcano).")
+    gang_scheduling: bool = Field(False, description="Create a Volcano PodGroup with minMember = all pods.")
+    priority_class_name: str | None = Field(None, description="Pod priorityClassName.")
+
+
+class Kubernetes(_Spec):
+    """Pod-level settings of the job's head and pool pods."""
+
+    image: str = Field("hybridflow/worker-cpu:0.1.0", description="Image with Ray and this project installed.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy.")
+    checkpoint_pvc: str | None = Field(
+        None, description="PersistentVolumeClaim mounted at trainer.checkpointDir (needed to resume after a restart)."
+    )
+    ray_auth_secret: str | None = Field(
+        None, description="Secret with key `token` shared by Ray head, workers and driver (RAY_AUTH_TOKEN); "
+        "unset: Ray token authentication is disabled inside the job."
+    )
+    head_cpu: str = Field("1", description="CPU request of the head pod (Ray head + controller).")
+    head_memory: str = Field("4Gi", description="Memory request and limit of the head pod.")
+    service_account_name: str | None = Field(None, description="ServiceAccount of the job's pods.")
+
+
 class JobSpec(_Spec):
     algorithm: Algorithm = Field(default_factory=Algorithm, description="RL algorithm and its hyper-parameters.")
     models: Models = Field(default_factory=Models, description="Actor, critic, reference and reward.")
@@ -191,6 +231,8 @@ class JobSpec(_Spec):
     )
     trainer: Trainer = Field(default_factory=Trainer, description="Loop, checkpoints, resume.")
     metrics: Metrics = Field(default_factory=Metrics, description="Prometheus exporter.")
+    run_policy: RunPolicy = Field(default_factory=RunPolicy, description="Restarts, deadlines, suspension, scheduling.")
+    kubernetes: Kubernetes = Field(default_factory=Kubernetes, description="Image, volumes and pod settings.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "JobSpec":

@@ -24,11 +24,7 @@ from hybridflow.controller.protocol import (
     split_for_dp,
     validate_dp_layout,
 )
-
-
-def pool_resource(name: str) -> str:
-    """The Ray custom resource a node advertises for each device it brings to pool `name`."""
-    return f"hybridflow_pool_{name}"
+from hybridflow.spec import pool_resource
 
 
 @dataclass

@@ -1,0 +1,36 @@
+"""The operator's own Prometheus metrics (the jobs' training metrics come from their drivers)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+PHASES = ("Pending", "Initializing", "Running", "Restarting", "Suspending", "Suspended", "Succeeded", "Failed")
+
+
+class OperatorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.jobs = Gauge("hybridflow_operator_jobs", "RLHFJobs by phase.", ["namespace", "phase"], registry=r)
+        self.reconcile = Histogram("hybridflow_operator_reconcile_duration_seconds", "Time to reconcile one job.",
+                                   registry=r, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.reconcile_errors = Counter("hybridflow_operator_reconcile_errors", "Reconciles that raised.",
+                                        registry=r)
+        self.restarts = Counter("hybridflow_operator_gang_restarts", "Gang restarts.", ["namespace"], registry=r)
+        self.duration = Histogram("hybridflow_operator_job_duration_seconds", "Start to Succeeded or Failed.",
+                                  ["phase"], registry=r, buckets=(60, 300, 900, 1800, 3600, 7200, 21600, 86400))
+        self._phase_of: dict[tuple[str, str], str] = {}
+
+    def set_phase(self, namespace: str, name: str, phase: str | None) -> None:
+        """Track one job's phase (None when the job is gone) and refresh the per-phase counts."""
+        key = (namespace, name)
+        if phase is None:
+            self._phase_of.pop(key, None)
+        else:
+            self._phase_of[key] = phase
+        namespaces = {ns for ns, _ in self._phase_of} | {namespace}
+        for ns in namespaces:
+            for ph in PHASES:
+                self.jobs.labels(ns, ph).set(sum(1 for (n, _), p in self._phase_of.items() if n == ns and p == ph))
+
+    def serve(self, port: int, address: str = "0.0.0.0") -> int:
+        server, _ = start_http_server(port, addr=address, registry=self.registry)
+        return server.server_port

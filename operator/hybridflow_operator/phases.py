@@ -1,0 +1,198 @@
+"""The RLHFJob state machine: one pure function from (spec, status, observed pods, now) to a plan.
+
+    "" -> Pending -> Initializing -> Running -> Succeeded
+                 \\________________________/ -> Restarting -> Pending ...   (a pod failed, restarts < backoffLimit)
+                                             -> Failed                      (backoff exhausted, deadline, invalid spec)
+    any active phase -> Suspending -> Suspended -> Pending                  (runPolicy.suspend true, then false)
+
+The handler reads the world, calls `decide`, and carries the plan out; nothing here performs I/O, so every
+transition is tested directly. Status is never rebuilt from scratch: restarts, conditions and progress carry over.
+"""
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridflow.spec import RLHFJob
+
+ACTIVE = ("Pending", "Initializing", "Running")
+TERMINAL = ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class PodView:
+    name: str
+    role: str  # head | worker
+    generation: int
+    phase: str  # Pending | Running | Succeeded | Failed | Unknown
+    deleting: bool = False
+    message: str = ""
+
+
+@dataclass
+class Plan:
+    status: dict[str, Any]
+    create_static: bool = False
+    create_gang: int | None = None  # generation whose missing pods to create
+    delete_pods: list[str] = field(default_factory=list)
+    delete_job: bool = False
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+
+
+def iso(t: dt.datetime) -> str:
+    return t.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(s: str | None) -> dt.datetime | None:
+    return dt.datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc) if s else None
+
+
+def set_condition(status: dict[str, Any], ctype: str, value: bool, reason: str, message: str, now: dt.datetime) -> None:
+    """metav1.Condition semantics: lastTransitionTime moves only when the status flips."""
+    conds = [dict(c) for c in status.get("conditions", [])]
+    new = "True" if value else "False"
+    for c in conds:
+        if c["type"] == ctype:
+            if c["status"] != new:
+                c["lastTransitionTime"] = iso(now)
+            c.update(status=new, reason=reason, message=message)
+            break
+    else:
+        conds.append({"type": ctype, "status": new, "reason": reason, "message": message,
+                      "lastTransitionTime": iso(now)})
+    status["conditions"] = conds
+
+
+def expected_pods(job: RLHFJob) -> int:
+    return 1 + sum(p.nodes for p in job.spec.resource_pools)
+
+
+def decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods: list[PodView],
+           now: dt.datetime) -> Plan:
+    st = dict(status)
+    st.setdefault("restarts", 0)
+    plan = Plan(status=st)
+    phase = st.get("phase", "")
+
+    if error is not None:
+        if phase != "Failed":
+            _fail(plan, "ValidationFailed", error, now, pods)
+        return plan
+    assert job is not None
+    policy = job.spec.run_policy
+    gen = int(st["restarts"])
+    st["totalSteps"] = job.spec.trainer.steps
+    current = [p for p in pods if p.generation == gen and not p.deleting]
+    stale = [p for p in pods if p.generation != gen and not p.deleting]
+
+    if phase in TERMINAL:
+        _finished(plan, job, current, now)
+        return plan
+    if policy.suspend and phase not in ("Suspending", "Suspended"):
+        _to(plan, "Suspending", "SuspendRequested", "runPolicy.suspend is true: deleting pods, keeping status", now)
+        set_condition(st, "Suspended", False, "Suspending", "deleting the job's pods", now)
+        plan.delete_pods = [p.name for p in pods if not p.deleting]
+        return plan
+    if phase == "Suspending":
+        plan.delete_pods = [p.name for p in pods if not p.deleting]
+        if not pods:
+            _to(plan, "Suspended", "Suspended", "all pods deleted; set runPolicy.suspend false to resume", now)
+            set_condition(st, "Suspended", True, "Suspended", "job suspended", now)
+        return plan
+    if phase == "Suspended":
+        if policy.suspend:
+            return plan
+        set_condition(st, "Suspended", False, "Resumed", "resuming from the last checkpoint", now)
+        st.pop("startTime", None)  # the deadline counts from the resume, as for Kubernetes Jobs
+        return _start(plan, job, gen, now, "Resumed", "resuming from the last checkpoint")
+
+    deadline = policy.active_deadline_seconds
+    started = parse_time(st.get("startTime"))
+    if deadline and started and (now - started).total_seconds() > deadline and phase in (*ACTIVE, "Restarting"):
+        _fail(plan, "DeadlineExceeded", f"ran longer than runPolicy.activeDeadlineSeconds={deadline}", now, pods)
+        return plan
+
+    if phase == "":
+        return _start(plan, job, gen, now, "Created", "creating the head, pool pods and Ray cluster", static=True)
+    if phase == "Restarting":
+        plan.delete_pods = [p.name for p in stale]
+        if not stale and not [p for p in pods if p.generation != gen]:
+            return _start(plan, job, gen, now, "GangRestarted", f"gang generation {gen} created; the controller "
+                          "resumes from the last checkpoint")
+        return plan
+
+    # Pending / Initializing / Running
+    plan.delete_pods = [p.name for p in stale]  # leftovers of an older generation (e.g. after operator restart)
+    head = next((p for p in current if p.role == "head"), None)
+    if head is not None and head.phase == "Succeeded":
+        _to(plan, "Succeeded", "Completed", "the controller finished every step", now)
+        set_condition(st, "Succeeded", True, "Completed", "the controller finished every step", now)
+        set_condition(st, "Running", False, "Completed", "job finished", now)
+        st["completionTime"] = iso(now)
+        plan.delete_pods += [p.name for p in current if p.role != "head"]
+        return plan
+    failed = [p for p in current if p.phase in ("Failed", "Unknown")]
+    missing = expected_pods(job) - len(current)
+    if failed or (missing and phase in ("Initializing", "Running")):
+        what = (f"pod {failed[0].name} {failed[0].phase.lower()}" + (f": {failed[0].message}" if failed[0].message else "")
+                if failed else f"{missing} pod(s) disappeared")
+        return _restart(plan, job, gen, what, now, pods)
+    if missing:
+        plan.create_gang = gen
+        plan.create_static = True
+        return plan
+    if all(p.phase == "Running" for p in current):
+        if phase != "Running":
+            _to(plan, "Running", "AllPodsRunning", f"{len(current)} pods running; training", now)
+            set_condition(st, "Running", True, "AllPodsRunning", "the Ray cluster formed and the controller runs", now)
+    elif any(p.phase != "Pending" for p in current) and phase == "Pending":
+        _to(plan, "Initializing", "PodsStarting", "pods scheduled; waiting for the Ray cluster", now)
+    return plan
+
+
+def _to(plan: Plan, phase: str, reason: str, message: str, now: dt.datetime, event_type: str = "Normal") -> None:
+    plan.status["phase"] = phase
+    plan.status["reason"] = reason
+    plan.status["message"] = message
+    plan.events.append((event_type, reason, message))
+
+
+def _start(plan: Plan, job: RLHFJob, gen: int, now: dt.datetime, reason: str, message: str,
+           static: bool = False) -> Plan:
+    _to(plan, "Pending", reason, message, now)
+    plan.status.setdefault("startTime", iso(now))
+    set_condition(plan.status, "Created", True, reason, message, now)
+    plan.create_static = True
+    plan.create_gang = gen
+    return plan
+
+
+def _restart(plan: Plan, job: RLHFJob, gen: int, what: str, now: dt.datetime, pods: list[PodView]) -> Plan:
+    limit = job.spec.run_policy.backoff_limit
+    if gen + 1 > limit:
+        _fail(plan, "BackoffLimitExceeded", f"{what}; {gen} restart(s) used of runPolicy.backoffLimit={limit}", now,
+              pods)
+        return plan
+    plan.status["restarts"] = gen + 1
+    _to(plan, "Restarting", "GangRestart", f"{what}; restarting the whole gang ({gen + 1}/{limit})", now, "Warning")
+    set_condition(plan.status, "Running", False, "GangRestart", what, now)
+    plan.delete_pods = [p.name for p in pods if not p.deleting]
+    return plan
+
+
+def _fail(plan: Plan, reason: str, message: str, now: dt.datetime, pods: list[PodView]) -> None:
+    _to(plan, "Failed", reason, message, now, "Warning")
+    set_condition(plan.status, "Failed", True, reason, message, now)
+    set_condition(plan.status, "Running", False, reason, message, now)
+    plan.status["completionTime"] = iso(now)
+    plan.delete_pods = [p.name for p in pods if not p.deleting and p.role != "head"]
+
+
+def _finished(plan: Plan, job: RLHFJob, current: list[PodView], now: dt.datetime) -> None:
+    """Terminal: worker pods go (they hold devices), the head stays for its logs until the TTL."""
+    plan.delete_pods = [p.name for p in current if p.role != "head"]
+    ttl = job.spec.run_policy.ttl_seconds_after_finished
+    done = parse_time(plan.status.get("completionTime"))
+    if ttl is not None and done is not None and (now - done).total_seconds() >= ttl:
+        plan.delete_job = True

@@ -1,0 +1,186 @@
+"""A test double of the kube-apiserver: kmock's stateful Kubernetes emulator served over real HTTP, plus what a
+real API server does and kmock 0.8 does not (see STACK.md): resourceVersion/uid/creationTimestamp/generation,
+`generateName`, 422 on a failed JSON-patch `test`, label selectors on lists, `kind` on lists, and the discovery of our CRD.
+
+It stands in for the API server only; kopf, kubectl and our operator talk to it as they would to a cluster."""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import itertools
+import threading
+import uuid
+from typing import Any
+
+import attrs
+import jsonpatch
+import kmock
+from kmock._internal import enums, rendering
+
+RESOURCES = {
+    "hybridflow.io/v1alpha1/rlhfjobs": kmock.ResourceInfo(
+        kind="RLHFJob", singular="rlhfjob", namespaced=True, shortnames={"rlhf"},
+        verbs={"get", "list", "watch", "create", "update", "patch", "delete"}, subresources={"status"}),
+    "v1/pods": kmock.ResourceInfo(kind="Pod", singular="pod", namespaced=True,
+                                  verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status"}),
+    "v1/services": kmock.ResourceInfo(kind="Service", singular="service", namespaced=True,
+                                      verbs={"get", "list", "watch", "create", "patch", "delete"}),
+    "v1/configmaps": kmock.ResourceInfo(kind="ConfigMap", singular="configmap", namespaced=True,
+                                        verbs={"get", "list", "watch", "create", "patch", "delete"}),
+    "v1/events": kmock.ResourceInfo(kind="Event", singular="event", namespaced=True,
+                                    verbs={"get", "list", "create", "patch"}),
+    "v1/namespaces": kmock.ResourceInfo(kind="Namespace", singular="namespace", namespaced=False,
+                                        verbs={"get", "list", "watch"}),
+    "scheduling.volcano.sh/v1beta1/podgroups": kmock.ResourceInfo(
+        kind="PodGroup", singular="podgroup", namespaced=True, verbs={"get", "list", "watch", "create", "delete"}),
+    "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
+        kind="CustomResourceDefinition", singular="customresourcedefinition", namespaced=False,
+        verbs={"get", "list", "watch", "create", "patch", "delete"}),
+}
+
+
+@attrs.define(eq=False)
+class KubeApiServerDouble(kmock.KubernetesEmulator):
+    _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        for key, info in RESOURCES.items():
+            self.resources[key] = info
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        if request.resource is not None and request.action == enums.action.CREATE and isinstance(request.data, dict):
+            # The request is frozen, its parsed body is not: stamp the fields in place.
+            meta = request.data.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp", _now())
+            meta["resourceVersion"] = str(next(self._versions))
+            meta.setdefault("generation", 1)
+            if request.namespace and "namespace" not in meta:
+                meta["namespace"] = request.namespace
+        elif request.resource is not None and request.action == enums.action.UPDATE and request.name:
+            self._stamp_update(request)
+        return await super()._handle(request)
+
+    def _stamp_update(self, request: rendering.Request) -> None:
+        key = (request.resource, request.namespace, request.name)
+        current = self._objects[key].raw if key in self._objects and not self._objects[key].deleted else None
+        version = str(next(self._versions))
+        if isinstance(request.data, list):  # JSON patch: honour `test`, then stamp the version
+            if current is not None:
+                try:
+                    jsonpatch.apply_patch(current, [op for op in request.data if op.get("op") == "test"])
+                except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict) as err:
+                    raise KubeUnprocessable(str(err)) from None
+            request.data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})
+        elif isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {}) or {}
+            request.data["metadata"] = meta
+            meta["resourceVersion"] = version
+            if current is not None and "spec" in request.data and request.subresource != "status":
+                meta["generation"] = int(current.get("metadata", {}).get("generation", 1)) + 1
+
+    async def _serve_list(self, request: rendering.Request) -> Any:
+        payload = await super()._serve_list(request)
+        selector = request.params.get("labelSelector")
+        items = payload["items"]
+        if selector:
+            want = dict(part.split("=", 1) for part in selector.split(",") if "=" in part)
+            items = [i for i in items if all(i.get("metadata", {}).get("labels", {}).get(k) == v for k, v in want.items())]
+        info = RESOURCES.get(_resource_key(request.resource)) if request.resource else None
+        kind = f"{info.kind}List" if info and info.kind else "List"
+        api_version = _api_version(request.resource)
+        return {"apiVersion": api_version, "kind": kind, "metadata": {"resourceVersion": str(next(self._versions))},
+                "items": items}
+
+
+class KubeUnprocessable(kmock.KubernetesError):
+    code = 422
+
+
+def _api_version(resource: Any) -> str:
+    if resource is None:
+        return "v1"
+    return f"{resource.group}/{resource.version}" if resource.group else resource.version
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class RunningApiServer:
+    """The double served on 127.0.0.1 from a background thread, with a kubeconfig for kopf and kubectl."""
+
+    def __init__(self, kubeconfig_path: str) -> None:
+        self.kubeconfig_path = kubeconfig_path
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.handler: KubeApiServerDouble | None = None
+        self.url = ""
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kube-apiserver-double")
+
+    def __enter__(self) -> "RunningApiServer":
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("the API server double did not start")
+        with open(self.kubeconfig_path, "w") as f:
+            f.write(KUBECONFIG.format(url=self.url))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.loop and self._stop:
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(self._serve())
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        async with KubeApiServerDouble() as handler, kmock.Server(handler, host="127.0.0.1") as server:
+            self.handler = handler
+            self.url = str(server.url).rstrip("/")
+            self._ready.set()
+            await self._stop.wait()
+
+    def objects(self, resource: str, namespace: str | None = None) -> list[dict]:
+        """Live objects of a resource (e.g. 'v1/pods'), read on the server's own loop."""
+        assert self.loop and self.handler
+
+        async def read() -> list[dict]:
+            out = []
+            for (res, ns, _), obj in list(self.handler.objects.items()):
+                if _resource_key(res) == resource and (namespace is None or ns == namespace) and not obj.deleted:
+                    out.append(obj.raw)
+            return out
+
+        return asyncio.run_coroutine_threadsafe(read(), self.loop).result(10)
+
+    def watching(self, plural: str) -> bool:
+        """Whether a client (kopf) has opened a watch on this resource: objects created later reach it."""
+        assert self.handler is not None
+        return any(r.action == enums.action.WATCH and r.resource is not None and r.resource.plural == plural
+                   for r in list(self.handler._requests))
+
+
+def _resource_key(res: Any) -> str:
+    return f"{res.group}/{res.version}/{res.plural}" if res.group else f"{res.version}/{res.plural}"
+
+
+KUBECONFIG = """apiVersion: v1
+kind: Config
+clusters:
+- name: double
+  cluster: {{server: "{url}"}}
+users:
+- name: tester
+  user: {{token: "test-double"}}
+contexts:
+- name: double
+  context: {{cluster: double, user: tester, namespace: default}}
+current-context: double
+"""

@@ -1,0 +1,111 @@
+"""Pieces the operator tests share: the API server double, the operator as a real `kopf run` process, and a
+kubelet *test double* that only writes pod phases (the e2e harness runs pods for real)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from kubernetes import client, config
+
+GROUP, VERSION, PLURAL = "hybridflow.io", "v1alpha1", "rlhfjobs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
+    deadline = time.time() + timeout
+    last = None
+    while time.time() < deadline:
+        last = cond()
+        if last:
+            return last
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+class Operator:
+    """`python -m hybridflow_operator.main` (kopf run) against the double, with its own metrics and liveness ports."""
+
+    def __init__(self, kubeconfig: str, log_path: Path, interval: float = 0.5) -> None:
+        self.kubeconfig, self.log_path, self.interval = kubeconfig, log_path, interval
+        self.metrics_port, self.liveness_port = free_port(), free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Operator":
+        env = {**os.environ, "KUBECONFIG": self.kubeconfig, "HYBRIDFLOW_RECONCILE_INTERVAL": str(self.interval),
+               "HYBRIDFLOW_OPERATOR_METRICS_PORT": str(self.metrics_port),
+               "HYBRIDFLOW_OPERATOR_METRICS_ADDRESS": "127.0.0.1",
+               "HYBRIDFLOW_LIVENESS": f"http://127.0.0.1:{self.liveness_port}/healthz"}
+        self._log = open(self.log_path, "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "hybridflow_operator.main", "--verbose"], env=env,
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc and self.proc.poll() is None:
+            (self.proc.kill if kill else self.proc.terminate)()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+
+class Kube:
+    """The tests' own API client (the official Python client, as any tool would use)."""
+
+    def __init__(self, kubeconfig: str) -> None:
+        self.api = config.new_client_from_config(config_file=kubeconfig)
+        self.core = client.CoreV1Api(self.api)
+        self.custom = client.CustomObjectsApi(self.api)
+
+    def create_job(self, doc: dict, namespace: str = "default") -> dict:
+        return self.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+
+    def job(self, name: str, namespace: str = "default") -> dict | None:
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except client.ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def status(self, name: str, namespace: str = "default") -> dict:
+        return (self.job(name, namespace) or {}).get("status") or {}
+
+    def patch_job(self, name: str, patch: dict, namespace: str = "default") -> None:
+        self.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, patch)
+
+    def delete_job(self, name: str, namespace: str = "default") -> None:
+        self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+
+    def pods(self, job: str, namespace: str = "default") -> list:
+        return self.core.list_namespaced_pod(namespace, label_selector=f"hybridflow.io/job={job}").items
+
+    def set_pod_phase(self, name: str, phase: str, namespace: str = "default", exit_code: int | None = None,
+                      pod_ip: str | None = None) -> None:
+        """The kubelet double: what a kubelet reports, written through the status subresource."""
+        status: dict[str, Any] = {"phase": phase}
+        if pod_ip:
+            status["podIP"] = pod_ip
+        if exit_code is not None:
+            status["containerStatuses"] = [{"name": "main", "ready": False, "restartCount": 0, "image": "x",
+                                            "imageID": "", "state": {"terminated": {"exitCode": exit_code,
+                                                                                     "reason": "Error"}}}]
+        self.core.patch_namespaced_pod_status(name, namespace, {"status": status})
+
+    def events(self, namespace: str = "default") -> list:
+        return self.core.list_namespaced_event(namespace).items

@@ -1,0 +1,186 @@
+"""The operator for real: `kopf run` over HTTP against the kube-apiserver double, pods driven by a kubelet double."""
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from kube.apiserver_double import RunningApiServer
+from kube.harness import Kube, Operator, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = yaml.safe_load((ROOT / "examples" / "tiny-grpo.yaml").read_text())
+
+
+def job_doc(name: str, **run_policy) -> dict:
+    doc = copy.deepcopy(TINY)
+    doc["metadata"] = {"name": name, "namespace": "default"}
+    doc["spec"]["runPolicy"] = {"backoffLimit": 2, **run_policy}
+    return doc
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    kubeconfig = str(tmp_path / "kubeconfig")
+    with RunningApiServer(kubeconfig) as api:
+        op = Operator(kubeconfig, tmp_path / "operator.log").start()
+        try:
+            wait_for(lambda: api.watching("rlhfjobs"), 60, "kopf's watch on rlhfjobs")
+            yield api, Kube(kubeconfig), op
+        finally:
+            op.stop()
+
+
+def _phase(kube, name):
+    return kube.status(name).get("phase")
+
+
+def test_create_makes_children_and_runs(cluster):
+    api, kube, op = cluster
+    kube.create_job(job_doc("j1"))
+    pods = wait_for(lambda: len(kube.pods("j1")) == 2 and kube.pods("j1"), 30, "head + 1 worker pod")
+    names = sorted(p.metadata.name for p in pods)
+    assert names == ["j1-default-0-g0", "j1-head-g0"], names
+    assert wait_for(lambda: api.objects("v1/services", "default"), 10, "head service")[0]["spec"]["clusterIP"] == "None"
+    cms = api.objects("v1/configmaps", "default")
+    assert cms and "job.yaml" in cms[0]["data"]
+    for p in pods:
+        assert p.metadata.owner_references[0].kind == "RLHFJob"
+        kube.set_pod_phase(p.metadata.name, "Running")
+    wait_for(lambda: _phase(kube, "j1") == "Running", 30, "phase Running")
+    st = kube.status("j1")
+    assert any(c["type"] == "Running" and c["status"] == "True" for c in st["conditions"])
+    head = next(p for p in pods if "head" in p.metadata.name)
+    kube.set_pod_phase(head.metadata.name, "Succeeded", exit_code=0)
+    wait_for(lambda: _phase(kube, "j1") == "Succeeded", 30, "phase Succeeded")
+    wait_for(lambda: [p.metadata.name for p in kube.pods("j1")] == [head.metadata.name], 30, "workers cleaned up")
+
+
+def _pod_names(kube, job):
+    return sorted(p.metadata.name for p in kube.pods(job))
+
+
+def _run_all(kube, job):
+    for p in kube.pods(job):
+        if not p.metadata.deletion_timestamp:
+            kube.set_pod_phase(p.metadata.name, "Running")
+
+
+def test_failed_worker_restarts_the_gang_then_backoff_fails_the_job(cluster):
+    _, kube, op = cluster
+    kube.create_job(job_doc("j2", backoffLimit=1))
+    wait_for(lambda: len(kube.pods("j2")) == 2, 30, "pods")
+    _run_all(kube, "j2")
+    wait_for(lambda: _phase(kube, "j2") == "Running", 30, "Running")
+    kube.set_pod_phase("j2-default-0-g0", "Failed", exit_code=137)
+    wait_for(lambda: kube.status("j2").get("restarts") == 1, 30, "restart counted")
+    wait_for(lambda: _pod_names(kube, "j2") == ["j2-default-0-g1", "j2-head-g1"], 30, "generation-1 gang")
+    st = kube.status("j2")
+    assert st["phase"] in ("Pending", "Initializing")
+    reasons = [e.reason for e in kube.events()]
+    assert "GangRestart" in reasons and "GangRestarted" in reasons
+    _run_all(kube, "j2")
+    wait_for(lambda: _phase(kube, "j2") == "Running", 30, "Running again")
+    kube.set_pod_phase("j2-head-g1", "Failed", exit_code=1)
+    wait_for(lambda: _phase(kube, "j2") == "Failed", 30, "Failed")
+    st = kube.status("j2")
+    assert st["reason"] == "BackoffLimitExceeded" and "backoffLimit=1" in st["message"]
+    assert "j2-head-g1" in st["message"] and "exited with code 1" in st["message"]
+    assert any(c["type"] == "Failed" and c["status"] == "True" and c["reason"] == "BackoffLimitExceeded"
+               for c in st["conditions"])
+
+
+def test_suspend_keeps_status_and_resume_recreates_the_gang(cluster):
+    _, kube, _ = cluster
+    kube.create_job(job_doc("j3"))
+    wait_for(lambda: len(kube.pods("j3")) == 2, 30, "pods")
+    _run_all(kube, "j3")
+    wait_for(lambda: _phase(kube, "j3") == "Running", 30, "Running")
+    kube.patch_job("j3", {"spec": {"runPolicy": {"suspend": True}}})
+    wait_for(lambda: _phase(kube, "j3") == "Suspended", 30, "Suspended")
+    assert kube.pods("j3") == []
+    st = kube.status("j3")
+    assert st["restarts"] == 0 and st["totalSteps"] == 40
+    kube.patch_job("j3", {"spec": {"runPolicy": {"suspend": False}}})
+    wait_for(lambda: len(kube.pods("j3")) == 2, 30, "pods again")
+    assert any(c["type"] == "Suspended" and c["status"] == "False" and c["reason"] == "Resumed"
+               for c in kube.status("j3")["conditions"])
+
+
+def test_delete_removes_every_child(cluster):
+    api, kube, _ = cluster
+    kube.create_job(job_doc("j4", gangScheduling=True))
+    wait_for(lambda: len(kube.pods("j4")) == 2, 30, "pods")
+    assert wait_for(lambda: api.objects("scheduling.volcano.sh/v1beta1/podgroups"), 10, "podgroup")
+    kube.delete_job("j4")
+    wait_for(lambda: kube.job("j4") is None, 30, "job gone")
+    assert kube.pods("j4") == []
+    assert not [s for s in api.objects("v1/services") if s["metadata"]["name"].startswith("j4-")]
+    assert not [c for c in api.objects("v1/configmaps") if c["metadata"]["name"].startswith("j4-")]
+    assert not api.objects("scheduling.volcano.sh/v1beta1/podgroups")
+
+
+def test_operator_restart_mid_job_creates_no_duplicates(cluster):
+    api, kube, op = cluster
+    kube.create_job(job_doc("j5"))
+    wait_for(lambda: len(kube.pods("j5")) == 2, 30, "pods")
+    _run_all(kube, "j5")
+    wait_for(lambda: _phase(kube, "j5") == "Running", 30, "Running")
+    before = _pod_names(kube, "j5")
+    op.stop(kill=True)
+    op.start()
+    wait_for(lambda: "resuming" in op.log().lower() or "resume" in op.log().lower(), 60, "operator resumed")
+    import time
+
+    time.sleep(3)  # several reconcile intervals
+    assert _pod_names(kube, "j5") == before
+    assert _phase(kube, "j5") == "Running" and kube.status("j5")["restarts"] == 0
+    assert len([c for c in api.objects("v1/configmaps") if c["metadata"]["name"] == "j5-spec"]) == 1
+
+
+BAD_SPECS = [
+    ({"rollout": {"n": 0}}, "spec.rollout.n"),
+    ({"rollout": {"n": "four"}}, "spec.rollout.n"),
+    ({"rollout": {"temperature": -1}}, "spec.rollout.temperature"),
+    ({"rollout": {"topP": 2}}, "spec.rollout.topP"),
+    ({"rollout": {"engine": "sglang"}}, "spec.rollout.engine"),
+    ({"trainer": {"steps": 0}}, "spec.trainer.steps"),
+    ({"trainer": {"promptsPerStep": 33}}, "spec.trainer.promptsPerStep"),
+    ({"trainer": {"resume": "sometimes"}}, "spec.trainer.resume"),
+    ({"trainer": {"unknownField": 1}}, "spec.trainer.unknownField"),
+    ({"training": {"microBatchSize": -2}}, "spec.training.microBatchSize"),
+    ({"training": {"engine": "deepspeed"}}, "spec.training.engine"),
+    ({"training": {"tensorParallel": 2}}, "spec.training.tensorParallel"),
+    ({"training": {"actorLr": 0}}, "spec.training.actorLr"),
+    ({"algorithm": {"name": "dpo"}}, "spec.algorithm.name"),
+    ({"algorithm": {"klEstimator": "k2"}}, "spec.algorithm.klEstimator"),
+    ({"algorithm": {"gamma": 1.5}}, "spec.algorithm.gamma"),
+    ({"models": {"actor": {"source": "path"}}}, "spec.models.actor"),
+    ({"models": {"reward": {"rule": "nope"}}}, "spec.models.reward.rule"),
+    ({"models": {"reward": {"type": "model"}}}, "spec.models.reward"),
+    ({"placement": {"critic": "nowhere"}}, "spec.placement.critic"),
+    ({"resourcePools": [{"name": "UPPER"}]}, "spec.resourcePools[0].name"),
+    ({"resourcePools": []}, "spec.resourcePools"),
+    ({"runPolicy": {"backoffLimit": -1}}, "spec.runPolicy.backoffLimit"),
+    ({"kubernetes": {"imagePullPolicy": "Sometimes"}}, "spec.kubernetes.imagePullPolicy"),
+]
+
+
+def test_malformed_jobs_fail_with_the_field_named_and_the_operator_survives(cluster):
+    _, kube, op = cluster
+    for i, (patch, field) in enumerate(BAD_SPECS):
+        doc = job_doc(f"bad{i}")
+        for section, value in patch.items():
+            if isinstance(value, dict) and isinstance(doc["spec"].get(section), dict):
+                doc["spec"][section].update(value)
+            else:
+                doc["spec"][section] = value
+        kube.create_job(doc)
+    for i, (_, field) in enumerate(BAD_SPECS):
+        st = wait_for(lambda: kube.status(f"bad{i}").get("phase") == "Failed" and kube.status(f"bad{i}"), 30,
+                      f"bad{i} Failed")
+        assert st["reason"] == "ValidationFailed", st
+        assert field in st["message"], (field, st["message"])
+        assert kube.pods(f"bad{i}") == []
+    assert op.proc.poll() is None, "the operator must survive malformed jobs"
+    kube.create_job(job_doc("good-after-bad"))
+    wait_for(lambda: len(kube.pods("good-after-bad")) == 2, 30, "a valid job still works")
