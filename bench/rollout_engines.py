@@ -47,7 +47,7 @@ def main() -> None:
         doc = yaml.safe_load(Path(args.job).read_text())
         doc["spec"]["trainer"]["saveFreq"] = 0
         if args.n:
-            doc["spec"]["rollout"]["n"] = args.n
+            doc["spec"]["rollout"]["responsesPerPrompt"] = args.n
         if args.response_length:
             doc["spec"]["rollout"]["maxResponseLength"] = args.response_length
         job = work / "job.yaml"

@@ -55,6 +55,6 @@ def test_examples_validate_against_the_crd_schema(path):
 
 def test_crd_schema_rejects_what_the_spec_rejects():
     doc = yaml.safe_load((ROOT / "examples" / "tiny-grpo.yaml").read_text())
-    doc["spec"]["rollout"]["n"] = 0
+    doc["spec"]["rollout"]["responsesPerPrompt"] = 0
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft4Validator(_schema()).validate(doc)

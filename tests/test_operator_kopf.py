@@ -138,8 +138,8 @@ def test_operator_restart_mid_job_creates_no_duplicates(cluster):
 
 
 BAD_SPECS = [
-    ({"rollout": {"n": 0}}, "spec.rollout.n"),
-    ({"rollout": {"n": "four"}}, "spec.rollout.n"),
+    ({"rollout": {"responsesPerPrompt": 0}}, "spec.rollout.responsesPerPrompt"),
+    ({"rollout": {"responsesPerPrompt": "four"}}, "spec.rollout.responsesPerPrompt"),
     ({"rollout": {"temperature": -1}}, "spec.rollout.temperature"),
     ({"rollout": {"topP": 2}}, "spec.rollout.topP"),
     ({"rollout": {"engine": "sglang"}}, "spec.rollout.engine"),
@@ -184,3 +184,90 @@ def test_malformed_jobs_fail_with_the_field_named_and_the_operator_survives(clus
     assert op.proc.poll() is None, "the operator must survive malformed jobs"
     kube.create_job(job_doc("good-after-bad"))
     wait_for(lambda: len(kube.pods("good-after-bad")) == 2, 30, "a valid job still works")
+
+
+def test_progress_comes_from_the_drivers_metrics(cluster):
+    """The head pod's IP is loopback here and a real driver exporter (JobMetrics) serves on the job's port."""
+    from hybridflow.metrics import JobMetrics
+    from kube.harness import free_port
+
+    _, kube, _ = cluster
+    port = free_port()
+    exporter = JobMetrics("j6")
+    exporter.serve(port, "127.0.0.1")
+    exporter.total_steps.labels("j6").set(40)
+    exporter.record_step({"step": 7, "tokens": 100.0, "throughput_tokens_per_s": 1234.5, "throughput_per_device": 1.0,
+                          "generation_tokens_per_s": 1.0, "iteration_seconds": 1.0, "eta_seconds": 33.0}, {})
+    exporter.checkpoint_step.labels("j6").set(5)
+    doc = job_doc("j6")
+    doc["spec"]["metrics"]["port"] = port
+    kube.create_job(doc)
+    wait_for(lambda: len(kube.pods("j6")) == 2, 30, "pods")
+    for p in kube.pods("j6"):
+        kube.set_pod_phase(p.metadata.name, "Running", pod_ip="127.0.0.1")
+    st = wait_for(lambda: kube.status("j6").get("step") == 7 and kube.status("j6"), 30, "step in status")
+    assert st["tokensPerSecond"] == 1234.5 and st["totalSteps"] == 40 and st["etaSeconds"] == 33
+    assert st["lastCheckpoint"].endswith("/step_00000005") and st["lastCheckpointTime"]
+
+
+def test_deadline_and_ttl(cluster):
+    _, kube, _ = cluster
+    kube.create_job(job_doc("j7", activeDeadlineSeconds=2))
+    wait_for(lambda: _phase(kube, "j7") == "Failed", 30, "deadline Failed")
+    assert kube.status("j7")["reason"] == "DeadlineExceeded"
+    kube.create_job(job_doc("j8", ttlSecondsAfterFinished=1))
+    wait_for(lambda: len(kube.pods("j8")) == 2, 30, "pods")
+    _run_all(kube, "j8")
+    kube.set_pod_phase("j8-head-g0", "Succeeded", exit_code=0)
+    wait_for(lambda: kube.job("j8") is None, 30, "finished job deleted after its TTL")
+    assert kube.pods("j8") == []
+
+
+def test_spec_changes_other_than_run_policy_are_ignored_with_a_warning(cluster):
+    api, kube, _ = cluster
+    kube.create_job(job_doc("j9"))
+    wait_for(lambda: len(kube.pods("j9")) == 2, 30, "pods")
+    kube.patch_job("j9", {"spec": {"trainer": {"steps": 999}}})
+    st = wait_for(lambda: any(c["type"] == "SpecChangeIgnored" for c in kube.status("j9").get("conditions", []))
+                  and kube.status("j9"), 30, "SpecChangeIgnored")
+    assert st["totalSteps"] == 40
+    cm = next(c for c in api.objects("v1/configmaps") if c["metadata"]["name"] == "j9-spec")
+    assert "steps: 40" in cm["data"]["job.yaml"]
+    assert "SpecChangeIgnored" in [e.reason for e in kube.events()]
+
+
+def test_operator_metrics_and_liveness(cluster):
+    import urllib.request
+
+    _, kube, op = cluster
+    kube.create_job(job_doc("j10"))
+    wait_for(lambda: _phase(kube, "j10") == "Pending", 30, "Pending")
+
+    def scrape():
+        return urllib.request.urlopen(f"http://127.0.0.1:{op.metrics_port}/metrics", timeout=5).read().decode()
+
+    body = wait_for(lambda: 'hybridflow_operator_jobs{namespace="default",phase="Pending"} 1.0' in scrape()
+                    and scrape(), 30, "jobs by phase")
+    assert "hybridflow_operator_reconcile_duration_seconds_count" in body
+    live = urllib.request.urlopen(f"http://127.0.0.1:{op.liveness_port}/healthz", timeout=5)
+    assert live.status == 200
+
+
+def test_kubectl_apply_and_printer_columns(cluster, tmp_path):
+    import os
+    import subprocess
+
+    _, kube, _ = cluster
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "kubeconfig")}
+    for example in ("tiny-grpo.yaml", "gpu-grpo-7b.yaml"):
+        out = subprocess.run(["kubectl", "apply", "--validate=false", "-f", str(ROOT / "examples" / example)],
+                             env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+    wait_for(lambda: _phase(kube, "tiny-grpo") == "Pending", 30, "tiny-grpo Pending")
+    out = subprocess.run(["kubectl", "get", "rlhfjobs"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    header = out.stdout.splitlines()[0].split()
+    assert header == ["NAME", "PHASE", "STEP", "TOKENS/S", "RESTARTS", "AGE"], out.stdout
+    row = next(line.split() for line in out.stdout.splitlines() if line.startswith("tiny-grpo"))
+    assert row[1] == "Pending" and row[-1].endswith(("s", "m"))
+    assert "qwen2-7b-grpo" in out.stdout

@@ -38,8 +38,8 @@ def _write(tmp_path, spec: dict, top: dict | None = None) -> Path:
 # (spec fragment, text the message must contain: the field and the problem)
 BAD = [
     ({"trainer": {"stepz": 3}}, "spec.trainer.stepz: unknown field"),
-    ({"rollout": {"n": "four"}}, "spec.rollout.n: Input should be a valid integer"),
-    ({"rollout": {"n": 0}}, "spec.rollout.n: Input should be greater than 0"),
+    ({"rollout": {"responsesPerPrompt": "four"}}, "spec.rollout.responsesPerPrompt: Input should be a valid integer"),
+    ({"rollout": {"responsesPerPrompt": 0}}, "spec.rollout.responsesPerPrompt: Input should be greater than 0"),
     ({"trainer": {"promptsPerStep": -4}}, "spec.trainer.promptsPerStep: Input should be greater than 0"),
     ({"training": {"microBatchSize": 0}}, "spec.training.microBatchSize"),
     ({"trainer": {"promptsPerStep": 33}}, "promptsPerStep = 33 is not divisible by the actor's data-parallel size 2"),
@@ -48,7 +48,7 @@ BAD = [
     ({"models": {"actor": {"source": "path"}}}, "spec.models.actor: source is 'path' but no path is given"),
     ({"models": {"reward": {"rule": "nope"}}}, "spec.models.reward.rule: unknown rule 'nope'"),
     ({"algorithm": {"name": "dpo"}}, "spec.algorithm.name: Input should be 'grpo' or 'ppo'"),
-    ({"rollout": {"n": 1}}, "spec.rollout.n: GRPO needs at least 2"),
+    ({"rollout": {"responsesPerPrompt": 1}}, "spec.rollout.responsesPerPrompt: GRPO needs at least 2"),
     ({"placement": {"critic": "gpus"}}, "spec.placement.critic: no resource pool named 'gpus'"),
     ({"placement": {"judge": "default"}}, "spec.placement.judge: unknown role"),
     ({"models": {"actor": {"tiny": {"hiddenSize": 48, "numHeads": 3, "numKvHeads": 1}}}}, "head size"),
@@ -107,9 +107,9 @@ def test_wrong_kind_and_bad_yaml(tmp_path, capsys):
 
 def test_every_problem_is_reported_at_once(tmp_path):
     with pytest.raises(SpecError) as exc:
-        load_job(_write(tmp_path, {"rollout": {"n": 0, "topP": 2}, "trainer": {"bogus": 1}}))
+        load_job(_write(tmp_path, {"rollout": {"responsesPerPrompt": 0, "topP": 2}, "trainer": {"bogus": 1}}))
     msg = str(exc.value)
-    assert "3 problems" in msg and "spec.rollout.n" in msg and "spec.rollout.topP" in msg and "spec.trainer.bogus" in msg
+    assert "3 problems" in msg and "spec.rollout.responsesPerPrompt" in msg and "spec.rollout.topP" in msg and "spec.trainer.bogus" in msg
 
 
 def test_bad_input_through_the_real_cli_has_no_traceback(tmp_path):

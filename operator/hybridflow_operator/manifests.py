@@ -25,6 +25,7 @@ RAY_PORT = 6379
 SPEC_MOUNT = "/etc/hybridflow"
 CHECKPOINT_MOUNT = "/var/lib/hybridflow/checkpoints"
 MODEL_CACHE = "/var/cache/hybridflow/models"
+MODELS_MOUNT = "/models"
 
 
 def job_labels(name: str) -> dict[str, str]:
@@ -150,6 +151,10 @@ def _volumes(job: dict[str, Any], parsed: RLHFJob, shm: str) -> tuple[list[dict]
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "model-cache", "mountPath": MODEL_CACHE},
     ]
+    if parsed.spec.kubernetes.model_pvc:
+        vols.append({"name": "models", "persistentVolumeClaim": {"claimName": parsed.spec.kubernetes.model_pvc,
+                                                                 "readOnly": True}})
+        mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
     if parsed.spec.kubernetes.checkpoint_pvc:
         vols.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": parsed.spec.kubernetes.checkpoint_pvc}})
         mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT})

@@ -1,6 +1,6 @@
 """A test double of the kube-apiserver: kmock's stateful Kubernetes emulator served over real HTTP, plus what a
 real API server does and kmock 0.8 does not (see STACK.md): resourceVersion/uid/creationTimestamp/generation,
-`generateName`, 422 on a failed JSON-patch `test`, label selectors on lists, `kind` on lists, and the discovery of our CRD.
+`generateName`, 422 on a failed JSON-patch `test`, label selectors on lists, `kind` on lists, Table rendering of our printer columns, and the discovery of our CRD.
 
 It stands in for the API server only; kopf, kubectl and our operator talk to it as they would to a cluster."""
 from __future__ import annotations
@@ -10,11 +10,13 @@ import datetime
 import itertools
 import threading
 import uuid
+from pathlib import Path
 from typing import Any
 
 import attrs
 import jsonpatch
 import kmock
+import yaml
 from kmock._internal import enums, rendering
 
 RESOURCES = {
@@ -92,8 +94,53 @@ class KubeApiServerDouble(kmock.KubernetesEmulator):
         info = RESOURCES.get(_resource_key(request.resource)) if request.resource else None
         kind = f"{info.kind}List" if info and info.kind else "List"
         api_version = _api_version(request.resource)
+        if "as=Table" in request.headers.get("Accept", "") and _resource_key(request.resource) in PRINTER_COLUMNS:
+            return _table(items, PRINTER_COLUMNS[_resource_key(request.resource)])
         return {"apiVersion": api_version, "kind": kind, "metadata": {"resourceVersion": str(next(self._versions))},
                 "items": items}
+
+
+def _load_printer_columns() -> dict[str, list[dict[str, Any]]]:
+    """additionalPrinterColumns of our CRD, as the API server reads them to answer `kubectl get`."""
+    crd = yaml.safe_load((Path(__file__).resolve().parents[2] / "crds" / "rlhfjob.yaml").read_text())
+    version = crd["spec"]["versions"][0]
+    key = f"{crd['spec']['group']}/{version['name']}/{crd['spec']['names']['plural']}"
+    return {key: version["additionalPrinterColumns"]}
+
+
+PRINTER_COLUMNS = _load_printer_columns()
+
+
+def _json_path(obj: dict[str, Any], path: str) -> Any:
+    node: Any = obj
+    for part in path.strip(".").split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _age(ts: str | None) -> str:
+    if not ts:
+        return "<unknown>"
+    then = datetime.datetime.strptime(ts, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+    secs = int((datetime.datetime.now(tz=datetime.timezone.utc) - then).total_seconds())
+    return f"{secs}s" if secs < 120 else f"{secs // 60}m"
+
+
+def _table(items: list[dict[str, Any]], columns: list[dict[str, Any]]) -> dict[str, Any]:
+    """A meta.k8s.io/v1 Table, as the API server renders custom resources for kubectl."""
+    defs = [{"name": "Name", "type": "string", "format": "name", "description": "Name", "priority": 0}]
+    defs += [{"name": c["name"], "type": "string" if c["type"] == "date" else c["type"], "format": "",
+              "description": c.get("description", ""), "priority": c.get("priority", 0)} for c in columns]
+    rows = []
+    for obj in items:
+        cells: list[Any] = [obj["metadata"]["name"]]
+        for c in columns:
+            value = _json_path(obj, c["jsonPath"])
+            cells.append(_age(value) if c["type"] == "date" else value)
+        rows.append({"cells": cells, "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+                                                "metadata": obj["metadata"]}})
+    return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": "1"},
+            "columnDefinitions": defs, "rows": rows}
 
 
 class KubeUnprocessable(kmock.KubernetesError):

@@ -108,7 +108,7 @@ def execute(job: RLHFJob, progress: bool = True) -> int:
     cache = Path(os.environ.get("HYBRIDFLOW_MODEL_CACHE", Path.home() / ".cache" / "hybridflow" / "models"))
     say = print if progress else (lambda *_: None)
     say(f"job {job.metadata.name}: {s.algorithm.name} on {s.models.actor.source} model, rollout {s.rollout.engine}, "
-        f"{s.trainer.steps} steps x {s.trainer.prompts_per_step} prompts x {s.rollout.n} samples")
+        f"{s.trainer.steps} steps x {s.trainer.prompts_per_step} prompts x {s.rollout.responses_per_prompt} samples")
     model_dir = materialize(s.models.actor, cache, s.trainer.seed)
     critic_dir = materialize(s.models.critic, cache, s.trainer.seed) if s.models.critic else None
     rm_dir = materialize(s.models.reward.model, cache, s.trainer.seed) if s.models.reward.model else None

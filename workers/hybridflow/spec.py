@@ -131,7 +131,8 @@ class Data(_Spec):
 
 class Rollout(_Spec):
     engine: Literal["vllm", "hf"] = Field("vllm", description="vllm: in-process vLLM; hf: plain torch generation.")
-    n: int = Field(4, gt=0, description="Responses sampled per prompt (GRPO's group size).")
+    # Not `n`: YAML 1.1 (kubectl's parser) reads a bare `n` key as the boolean false.
+    responses_per_prompt: int = Field(4, gt=0, description="Responses sampled per prompt (GRPO's group size).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
     max_prompt_length: int = Field(16, gt=0, description="Prompts are left-padded or rejected beyond this.")
@@ -207,6 +208,9 @@ class Kubernetes(_Spec):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy.")
     checkpoint_pvc: str | None = Field(
         None, description="PersistentVolumeClaim mounted at trainer.checkpointDir (needed to resume after a restart)."
+    )
+    model_pvc: str | None = Field(
+        None, description="PersistentVolumeClaim mounted read-only at /models (point models.*.path into it)."
     )
     ray_auth_secret: str | None = Field(
         None, description="Secret with key `token` shared by Ray head, workers and driver (RAY_AUTH_TOKEN); "
@@ -297,8 +301,8 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
         out.append(f"spec.training.miniBatchSize = {mini} does not divide spec.trainer.promptsPerStep")
     elif mini % dp:
         out.append(f"spec.training.miniBatchSize = {mini} is not divisible by the data-parallel size {dp}")
-    if spec.algorithm.name == "grpo" and spec.rollout.n < 2:
-        out.append("spec.rollout.n: GRPO needs at least 2 responses per prompt to normalise within a group")
+    if spec.algorithm.name == "grpo" and spec.rollout.responses_per_prompt < 2:
+        out.append("spec.rollout.responsesPerPrompt: GRPO needs at least 2 responses per prompt to normalise within a group")
     if spec.algorithm.kl_coef > 0 and not spec.models.reference:
         out.append("spec.algorithm.klCoef > 0 needs spec.models.reference: true")
     if spec.data.train_prompts < spec.trainer.prompts_per_step:

@@ -187,7 +187,7 @@ def rlhf_iteration(job: RLHFJob, w: Workers, task: Task, prompts: Batch) -> tupl
     s, algo = job.spec, job.spec.algorithm
     actor, ref, critic, rm = (w.roles.get(r) for r in ("actor", "reference", "critic", "reward"))
     clock = StageClock()
-    batch = prompts.repeat(s.rollout.n)  # n responses per prompt, groups adjacent
+    batch = prompts.repeat(s.rollout.responses_per_prompt)  # n responses per prompt, groups adjacent
 
     with clock("generate"):
         rollout = actor.generate(batch)  # futures: the next calls take them without the controller touching data
