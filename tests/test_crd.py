@@ -58,3 +58,10 @@ def test_crd_schema_rejects_what_the_spec_rejects():
     doc["spec"]["rollout"]["responsesPerPrompt"] = 0
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft4Validator(_schema()).validate(doc)
+
+
+def test_only_run_policy_may_change_after_creation():
+    props = _schema()["properties"]["spec"]["properties"]
+    for field, node in props.items():
+        rules = [v["rule"] for v in node.get("x-kubernetes-validations", [])]
+        assert rules == ([] if field == "runPolicy" else ["self == oldSelf"]), field

@@ -61,9 +61,22 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Only runPolicy (suspend, deadlines, backoff) may change once a job exists: the running gang, its checkpoints and
+# its ConfigMap all assume the rest. The API server enforces this with CEL transition rules; the operator also
+# ignores such changes (with a Warning) where no API server enforces them.
+MUTABLE_SPEC_FIELDS = {"runPolicy"}
+
+
 def spec_schema() -> dict[str, Any]:
     raw = JobSpec.model_json_schema(by_alias=True)
     schema = _structural(raw, raw.get("$defs", {}))
+    for field, node in schema["properties"].items():
+        if field not in MUTABLE_SPEC_FIELDS:
+            node["x-kubernetes-validations"] = [{
+                "rule": "self == oldSelf",
+                "message": f"spec.{field} cannot change once the job exists; only spec.runPolicy can "
+                           "(delete and re-create the job to change it)",
+            }]
     schema["description"] = "What to train and how: algorithm, models, data, rollout, training, pools, trainer."
     return schema
 
