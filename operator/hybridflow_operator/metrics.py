@@ -17,15 +17,25 @@ class OperatorMetrics:
         self.restarts = Counter("hybridflow_operator_gang_restarts", "Gang restarts.", ["namespace"], registry=r)
         self.duration = Histogram("hybridflow_operator_job_duration_seconds", "Start to Succeeded or Failed.",
                                   ["phase"], registry=r, buckets=(60, 300, 900, 1800, 3600, 7200, 21600, 86400))
+        self.job_info = Gauge("hybridflow_operator_job_info", "1 for each job, labelled with its phase.",
+                              ["namespace", "rlhfjob", "phase"], registry=r)
+        self.job_restarts = Gauge("hybridflow_operator_job_restarts", "Gang restarts of each job so far.",
+                                  ["namespace", "rlhfjob"], registry=r)
         self._phase_of: dict[tuple[str, str], str] = {}
 
     def set_phase(self, namespace: str, name: str, phase: str | None) -> None:
         """Track one job's phase (None when the job is gone) and refresh the per-phase counts."""
         key = (namespace, name)
+        old = self._phase_of.get(key)
+        if old is not None and old != phase:
+            self.job_info.remove(namespace, name, old)
         if phase is None:
             self._phase_of.pop(key, None)
+            if old is not None:
+                self.job_restarts.remove(namespace, name)
         else:
             self._phase_of[key] = phase
+            self.job_info.labels(namespace, name, phase).set(1)
         namespaces = {ns for ns, _ in self._phase_of} | {namespace}
         for ns in namespaces:
             for ph in PHASES:

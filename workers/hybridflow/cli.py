@@ -177,6 +177,14 @@ def cmd_crd(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dashboards(args: argparse.Namespace) -> int:
+    from hybridflow.dashboards import write_all
+
+    for p in write_all(Path(args.output)):
+        print(f"wrote {p}")
+    return 0
+
+
 def cmd_rules(args: argparse.Namespace) -> int:
     from hybridflow.rewards.rules import RULES
 
@@ -212,6 +220,9 @@ def parser() -> argparse.ArgumentParser:
     crd = sub.add_parser("crd", help="write the RLHFJob CRD generated from the spec")
     crd.add_argument("-o", "--output", default="crds/rlhfjob.yaml", help="file, or - for stdout")
     crd.set_defaults(fn=cmd_crd)
+    dash = sub.add_parser("dashboards", help="write the Grafana dashboards (JSON) generated from code")
+    dash.add_argument("-o", "--output", default="helm/hybridflow/files/dashboards", help="directory")
+    dash.set_defaults(fn=cmd_dashboards)
     rules = sub.add_parser("rules", help="list registered reward rules")
     rules.set_defaults(fn=cmd_rules)
     return p

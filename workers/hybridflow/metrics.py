@@ -58,6 +58,8 @@ class JobMetrics:
         self.checkpoint_step = Gauge("hybridflow_last_checkpoint_step", "Step of the newest checkpoint.", lbl,
                                      registry=r)
         self.eta = Gauge("hybridflow_eta_seconds", "Estimated seconds to the last step.", lbl, registry=r)
+        self.devices = Gauge("hybridflow_devices", "Devices (ranks) the job's worker groups use.", lbl, registry=r)
+        self.parameters = Gauge("hybridflow_model_parameters", "Parameters of the actor model.", lbl, registry=r)
         self.gauges = {
             key: Gauge(f"hybridflow_{name}", doc, lbl, registry=r) for name, (key, doc) in STEP_GAUGES.items()
         }

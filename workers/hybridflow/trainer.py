@@ -325,7 +325,10 @@ def fit(
     start_step, position = restore(w, root) if s.trainer.resume == "auto" else (0, 0)
     stream = PromptStream(task.train, s.trainer.prompts_per_step, s.data.seed, position)
     metrics.total_steps.labels(metrics.job).set(s.trainer.steps)
+    metrics.devices.labels(metrics.job).set(w.devices)
+    metrics.parameters.labels(metrics.job).set(w.roles["actor"].num_parameters())
     metrics.step.labels(metrics.job).set(start_step)
+    metrics.checkpoint_step.labels(metrics.job).set(start_step)  # 0: none yet
 
     eval_before = None
     if s.trainer.eval and start_step == 0:

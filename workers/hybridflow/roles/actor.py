@@ -131,6 +131,10 @@ class ActorRolloutWorker(CheckpointMixin):
         self.rollout.load_weights(weights())
         return {"seconds": time.perf_counter() - t0, "bytes": float(nbytes)}
 
+    @register(Dispatch.RANK_ZERO)
+    def num_parameters(self) -> int:
+        return int(sum(p.numel() for p in self.engine.module.parameters()))  # DTensor.numel() is the global size
+
     @register(Dispatch.ONE_TO_ALL)
     def rollout_checksum(self) -> float:
         """Sum of the generation engine's copy of the embedding: lets tests see that a sync really landed."""

@@ -1,0 +1,162 @@
+"""Grafana dashboards as data: each panel is a title, a unit and PromQL. `hybridflow dashboards` writes the JSON the
+Helm chart ships (Grafana's sidecar loads it); a test runs every expression against a real Prometheus.
+
+Template variables: $namespace and $rlhfjob select a job; $peak_flops_per_device is the accelerator's peak
+(bf16 dense FLOP/s, default: H100 SXM) for the MFU estimate.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+JOB = '{namespace=~"$namespace", rlhfjob=~"$rlhfjob"}'
+OP = '{namespace=~"$namespace"}'
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    exprs: tuple[str, ...]
+    unit: str = "short"
+    kind: str = "timeseries"  # timeseries | stat
+    stacked: bool = False
+    legend: str = ""
+    width: int = 8
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Dashboard:
+    uid: str
+    title: str
+    panels: tuple[Panel, ...]
+    variables: tuple[str, ...] = ("namespace", "rlhfjob")
+    tags: tuple[str, ...] = field(default=("hybridflow",))
+
+
+JOB_OVERVIEW = Dashboard(
+    uid="hybridflow-job",
+    title="HybridFlow / RLHF job",
+    variables=("namespace", "rlhfjob", "peak_flops_per_device"),
+    panels=(
+        Panel("Phase", (f'max by (rlhfjob, phase) (hybridflow_operator_job_info{JOB})',), kind="stat",
+              legend="{{phase}}", width=4, description="From the operator."),
+        Panel("Step", (f"max by (rlhfjob) (hybridflow_step{JOB})", f"max by (rlhfjob) (hybridflow_steps_target{JOB})"),
+              kind="stat", width=4, legend="{{rlhfjob}}"),
+        Panel("ETA", (f"max by (rlhfjob) (hybridflow_eta_seconds{JOB})",), unit="s", kind="stat", width=4),
+        Panel("Restarts", (f"max by (rlhfjob) (hybridflow_operator_job_restarts{JOB})",), kind="stat", width=4),
+        Panel("Last checkpoint step", (f"max by (rlhfjob) (hybridflow_last_checkpoint_step{JOB})",), kind="stat",
+              width=4),
+        Panel("Throughput (tokens/s)", (f"sum by (rlhfjob) (hybridflow_throughput_tokens_per_second{JOB})",),
+              unit="short", legend="{{rlhfjob}}", width=12,
+              description="(prompt + response tokens of a global batch) / iteration time, as in the paper."),
+        Panel("Throughput per device (tokens/s)",
+              (f"sum by (rlhfjob) (hybridflow_throughput_per_device_tokens_per_second{JOB})",), legend="{{rlhfjob}}",
+              width=12),
+        Panel("Seconds per stage", (f"max by (stage) (hybridflow_stage_duration_seconds{JOB})",), unit="s",
+              stacked=True, legend="{{stage}}", width=12, description="Last iteration, stacked by stage."),
+        Panel("Generation throughput (tokens/s)", (f"sum by (rlhfjob) (hybridflow_generation_tokens_per_second{JOB})",),
+              legend="{{rlhfjob}}", width=12),
+        Panel("MFU estimate", (
+            f"6 * max by (rlhfjob) (hybridflow_model_parameters{JOB}) "
+            f"* max by (rlhfjob) (hybridflow_throughput_tokens_per_second{JOB}) "
+            f"/ (max by (rlhfjob) (hybridflow_devices{JOB}) * $peak_flops_per_device)",),
+              unit="percentunit", legend="{{rlhfjob}}", width=8,
+              description="6 x parameters x tokens/s / (devices x peak FLOP/s): a dense-training approximation."),
+        Panel("Peak memory", (f"max by (role) (hybridflow_peak_memory_bytes{JOB})",), unit="bytes",
+              legend="{{role}}", width=8),
+        Panel("Weight sync bytes per rank", (f"max by (rlhfjob) (hybridflow_weight_sync_bytes{JOB})",), unit="bytes",
+              width=8),
+        Panel("Reward", (f"avg by (rlhfjob) (hybridflow_reward_mean{JOB})",
+                         f"max by (rlhfjob, phase) (hybridflow_eval_reward_mean{JOB})"), legend="{{rlhfjob}} {{phase}}",
+              width=8),
+        Panel("KL to reference", (f"avg by (rlhfjob) (hybridflow_kl_mean{JOB})",), width=8),
+        Panel("Response length (tokens)", (f"avg by (rlhfjob) (hybridflow_response_length_tokens_mean{JOB})",),
+              width=8),
+        Panel("Entropy and clip fraction", (f"avg by (rlhfjob) (hybridflow_entropy_mean{JOB})",
+                                            f"avg by (rlhfjob) (hybridflow_clip_fraction{JOB})"), width=8),
+        Panel("Grad norm", (f"avg by (rlhfjob) (hybridflow_grad_norm{JOB})",), width=8),
+        Panel("Iteration time p90", (
+            f"histogram_quantile(0.9, sum by (le, rlhfjob) (rate(hybridflow_iteration_duration_seconds_bucket{JOB}[5m])))",),
+              unit="s", width=8),
+    ),
+)
+
+OPERATOR = Dashboard(
+    uid="hybridflow-operator",
+    title="HybridFlow / operator",
+    variables=("namespace",),
+    panels=(
+        Panel("Jobs by phase", (f"sum by (phase) (hybridflow_operator_jobs{OP})",), stacked=True, legend="{{phase}}",
+              width=12),
+        Panel("Reconcile rate (1/s)", ("sum(rate(hybridflow_operator_reconcile_duration_seconds_count[5m]))",),
+              unit="reqps", width=12),
+        Panel("Reconcile latency p50 / p95", (
+            "histogram_quantile(0.5, sum by (le) (rate(hybridflow_operator_reconcile_duration_seconds_bucket[5m])))",
+            "histogram_quantile(0.95, sum by (le) (rate(hybridflow_operator_reconcile_duration_seconds_bucket[5m])))",
+        ), unit="s", width=12),
+        Panel("Reconcile errors (1/s)", ("sum(rate(hybridflow_operator_reconcile_errors_total[5m]))",), unit="reqps",
+              width=6),
+        Panel("Gang restarts (1h)", (f"sum(increase(hybridflow_operator_gang_restarts_total{OP}[1h]))",), width=6),
+    ),
+)
+
+DASHBOARDS = (JOB_OVERVIEW, OPERATOR)
+
+
+def _variable(name: str) -> dict[str, Any]:
+    if name == "peak_flops_per_device":
+        return {"name": name, "type": "constant", "query": "989e12", "hide": 2,
+                "label": "Peak FLOP/s per device"}
+    source = {"namespace": "hybridflow_step", "rlhfjob": "hybridflow_step"}[name]
+    if name == "namespace":
+        query = f"label_values({source}, namespace)"
+    else:
+        query = f'label_values({source}{{namespace=~"$namespace"}}, rlhfjob)'
+    return {"name": name, "type": "query", "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "query": {"query": query, "refId": "vars"}, "refresh": 2, "includeAll": True, "multi": True,
+            "allValue": ".*", "current": {"text": "All", "value": "$__all"}}
+
+
+def render(d: Dashboard) -> dict[str, Any]:
+    """Grafana dashboard JSON (schemaVersion 39)."""
+    panels, x, y, row_h = [], 0, 0, 0
+    for i, p in enumerate(d.panels):
+        h = 4 if p.kind == "stat" else 8
+        if x + p.width > 24:
+            x, y = 0, y + row_h
+            row_h = 0
+        targets = [{"datasource": {"type": "prometheus", "uid": "${datasource}"}, "expr": e,
+                    "legendFormat": p.legend or "__auto", "refId": chr(65 + j)} for j, e in enumerate(p.exprs)]
+        custom: dict[str, Any] = {}
+        if p.kind == "timeseries":
+            custom = {"drawStyle": "line", "fillOpacity": 30 if p.stacked else 0,
+                      "stacking": {"mode": "normal" if p.stacked else "none", "group": "A"}}
+        panels.append({
+            "id": i + 1, "type": p.kind, "title": p.title, "description": p.description,
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "gridPos": {"x": x, "y": y, "w": p.width, "h": h},
+            "fieldConfig": {"defaults": {"unit": p.unit, "custom": custom}, "overrides": []},
+            "options": {}, "targets": targets,
+        })
+        x += p.width
+        row_h = max(row_h, h)
+    ds_var = {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Prometheus"}
+    return {
+        "uid": d.uid, "title": d.title, "tags": list(d.tags), "schemaVersion": 39, "version": 1,
+        "editable": True, "refresh": "30s", "time": {"from": "now-6h", "to": "now"},
+        "templating": {"list": [ds_var] + [_variable(v) for v in d.variables]},
+        "panels": panels, "annotations": {"list": []},
+    }
+
+
+def write_all(out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for d in DASHBOARDS:
+        p = out_dir / f"{d.uid}.json"
+        p.write_text(json.dumps(render(d), indent=1, sort_keys=False) + "\n")
+        paths.append(p)
+    return paths
