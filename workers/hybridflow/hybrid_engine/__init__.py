@@ -1,0 +1,1 @@
+"""The 3D-HybridEngine: layout arithmetic and the train -> generate resharding."""
