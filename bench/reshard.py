@@ -1,6 +1,6 @@
 """The train -> generate transition on 8 gloo ranks, three layouts x three schemes, side by side: bytes each rank
 received (measured) against the paper's formula, generation-time parameter memory, transient peak, and time.
-Usage: python bench/reshard.py [--layers 8] [--hidden 1024]   (about 400 MB of fp32 weights by default)"""
+Usage: python bench/reshard.py [--layers 8] [--hidden 1024]   (about 290 MB of fp32 weights by default)"""
 from __future__ import annotations
 
 import argparse
@@ -21,8 +21,8 @@ MB = 1 << 20
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--repeat", type=int, default=3, help="transitions per cell; the median time is shown")
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--repeat", type=int, default=1, help="transitions per cell; the median time is shown")
     args = ap.parse_args()
     M = model_bytes(decoder_specs(args.layers, args.hidden))
     print(f"model: {args.layers} layers, hidden {args.hidden}, {M / MB:.0f} MB fp32; 8 ranks on gloo\n")
