@@ -13,6 +13,8 @@ import pytest
 import yaml
 from conftest import ROOT, run_cli
 
+from hybridflow.checkpoint import read_step_log
+
 pytestmark = pytest.mark.slow
 
 TINY = ROOT / "examples" / "tiny-grpo.yaml"
@@ -22,16 +24,7 @@ LEARNED_MIN, LEARNED_GAIN = 0.6, 0.4
 
 
 def _steps(ckpt_dir):
-    p = ckpt_dir / "steps.jsonl"
-    if not p.exists():
-        return []
-    out = []
-    for line in p.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return out
+    return read_step_log(ckpt_dir)
 
 
 def _variant(tmp_path, src, **spec_changes):

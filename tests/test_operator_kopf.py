@@ -65,12 +65,17 @@ def _run_all(kube, job):
             kube.set_pod_phase(p.metadata.name, "Running")
 
 
+def _start_running(kube, name, **run_policy):
+    """Create a job, let the kubelet double report its pods Running, wait for phase Running."""
+    kube.create_job(job_doc(name, **run_policy))
+    wait_for(lambda: len(kube.pods(name)) == 2, 30, "pods")
+    _run_all(kube, name)
+    wait_for(lambda: _phase(kube, name) == "Running", 30, "Running")
+
+
 def test_failed_worker_restarts_the_gang_then_backoff_fails_the_job(cluster):
     _, kube, op = cluster
-    kube.create_job(job_doc("j2", backoffLimit=1))
-    wait_for(lambda: len(kube.pods("j2")) == 2, 30, "pods")
-    _run_all(kube, "j2")
-    wait_for(lambda: _phase(kube, "j2") == "Running", 30, "Running")
+    _start_running(kube, "j2", backoffLimit=1)
     kube.set_pod_phase("j2-default-0-g0", "Failed", exit_code=137)
     wait_for(lambda: kube.status("j2").get("restarts") == 1, 30, "restart counted")
     wait_for(lambda: _pod_names(kube, "j2") == ["j2-default-0-g1", "j2-head-g1"], 30, "generation-1 gang")
@@ -91,10 +96,7 @@ def test_failed_worker_restarts_the_gang_then_backoff_fails_the_job(cluster):
 
 def test_suspend_keeps_status_and_resume_recreates_the_gang(cluster):
     _, kube, _ = cluster
-    kube.create_job(job_doc("j3"))
-    wait_for(lambda: len(kube.pods("j3")) == 2, 30, "pods")
-    _run_all(kube, "j3")
-    wait_for(lambda: _phase(kube, "j3") == "Running", 30, "Running")
+    _start_running(kube, "j3")
     kube.patch_job("j3", {"spec": {"runPolicy": {"suspend": True}}})
     wait_for(lambda: _phase(kube, "j3") == "Suspended", 30, "Suspended")
     assert kube.pods("j3") == []
@@ -121,10 +123,7 @@ def test_delete_removes_every_child(cluster):
 
 def test_operator_restart_mid_job_creates_no_duplicates(cluster):
     api, kube, op = cluster
-    kube.create_job(job_doc("j5"))
-    wait_for(lambda: len(kube.pods("j5")) == 2, 30, "pods")
-    _run_all(kube, "j5")
-    wait_for(lambda: _phase(kube, "j5") == "Running", 30, "Running")
+    _start_running(kube, "j5")
     before = _pod_names(kube, "j5")
     op.stop(kill=True)
     op.start()

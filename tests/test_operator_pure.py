@@ -1,5 +1,4 @@
 """The operator's pure functions: manifests (validated with the official schemas) and the phase machine."""
-import copy
 import datetime as dt
 from pathlib import Path
 

@@ -7,7 +7,6 @@ import torch
 from hybridflow import trainer
 from hybridflow.cli import start_local_ray
 from hybridflow.data.packing import unpack_responses
-from hybridflow.metrics import JobMetrics
 from hybridflow.models.builders import materialize
 from hybridflow.spec import load_job
 

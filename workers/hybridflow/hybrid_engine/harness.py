@@ -24,15 +24,8 @@ def _groups_for(L: lay.Layout, scheme: str) -> list[list[int]]:
     if scheme == "hybridflow":
         return lay.micro_dp_groups(L)
     if scheme == "hybridflow-v":
-        return lay.train_dp_groups(L) and [sorted(g) for g in _model_parallel_groups(L)]
+        return lay.model_parallel_groups(L)
     return [list(range(L.world))]
-
-
-def _model_parallel_groups(L: lay.Layout) -> list[list[int]]:
-    out: dict[int, list[int]] = {}
-    for r in range(L.world):
-        out.setdefault(L.coords(r)[1], []).append(r)
-    return list(out.values())
 
 
 def _worker(rank: int, world: int, init: str, L: lay.Layout, scheme: str, layers: int, hidden: int,

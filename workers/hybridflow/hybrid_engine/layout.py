@@ -77,6 +77,11 @@ def train_dp_groups(L: Layout) -> list[list[int]]:
     return _groups(L, lambda tp, dp, pp: (tp, pp))
 
 
+def model_parallel_groups(L: Layout) -> list[list[int]]:
+    """All TP x PP ranks of one training replica (what HybridFlow-V gathers over)."""
+    return _groups(L, lambda tp, dp, pp: (dp,))
+
+
 # --- HybridFlow grouping -----------------------------------------------------------------------------------------
 
 def gen_tp_rank(L: Layout, rank: int) -> int:
