@@ -7,6 +7,7 @@ restarts mid-job, creates nothing twice.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import os
 import time
@@ -77,9 +78,8 @@ def _pod_view(pod: dict[str, Any]) -> PodView:
 
 
 def _list_pods(namespace: str, name: str) -> list[dict[str, Any]]:
+    # Raw JSON rather than the client's models: the pure functions work on plain dicts.
     resp = _core().list_namespaced_pod(namespace, label_selector=mf.selector(name), _preload_content=False)
-    import json
-
     return json.loads(resp.data).get("items", [])
 
 

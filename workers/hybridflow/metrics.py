@@ -84,7 +84,7 @@ class JobMetrics:
         for stage, secs in stages.items():
             self.stage.labels(j, stage).set(secs)
             self.stage_total.labels(j, stage).inc(secs)
-        for key, gauge in ((k, g) for k, g in self.gauges.items()):
+        for key, gauge in self.gauges.items():
             if key in rec:
                 gauge.labels(j).set(rec[key])
         for role in ("actor", "critic"):

@@ -5,7 +5,6 @@ Field names are camelCase in YAML (Kubernetes style) and snake_case in Python.
 """
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -40,9 +39,6 @@ class _Spec(BaseModel):
     model_config = ConfigDict(
         alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_default=True
     )
-
-
-PositiveInt = Field(gt=0)
 
 
 class TinyModel(_Spec):
@@ -402,7 +398,3 @@ def check_runtime_paths(job: RLHFJob) -> list[str]:
 
 def dump_job(job: RLHFJob) -> dict[str, Any]:
     return job.model_dump(by_alias=True, exclude_none=True, mode="json")
-
-
-def round_up(x: int, m: int) -> int:
-    return int(math.ceil(x / m) * m)
