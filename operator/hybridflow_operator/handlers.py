@@ -18,13 +18,13 @@ import yaml
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from hybridflow.spec import RLHFJob, SpecError, parse_job
+from hybridflow.spec import API_GROUP as GROUP
+from hybridflow.spec import PLURAL, VERSION, RLHFJob, SpecError, parse_job
 from hybridflow_operator import manifests as mf
 from hybridflow_operator.metrics import OperatorMetrics
 from hybridflow_operator.phases import TERMINAL, PodView, decide, iso, parse_time, set_condition
 from hybridflow_operator.progress import fetch, merge_progress, parse_progress
 
-GROUP, VERSION, PLURAL = "hybridflow.io", "v1alpha1", "rlhfjobs"
 INTERVAL = float(os.environ.get("HYBRIDFLOW_RECONCILE_INTERVAL", "5"))
 METRICS = OperatorMetrics()
 log = logging.getLogger("hybridflow.operator")
@@ -50,11 +50,12 @@ def _core() -> client.CoreV1Api:
     return client.CoreV1Api()
 
 
-def _ignore(status: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+def _ignore(status: int | tuple[int, ...], fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call fn; an ApiException with one of these statuses (409: exists, 404: gone) counts as success."""
     try:
         return fn(*args, **kwargs)
     except ApiException as err:
-        if err.status != status:
+        if err.status not in ((status,) if isinstance(status, int) else status):
             raise
         return None
 
@@ -198,10 +199,6 @@ def cleanup(name: str, namespace: str, **_: Any) -> None:
     names = mf.names(name)
     _ignore(404, core.delete_namespaced_service, names["service"], namespace)
     _ignore(404, core.delete_namespaced_config_map, names["configmap"], namespace)
-    try:
-        client.CustomObjectsApi().delete_namespaced_custom_object(
+    _ignore((404, 405), client.CustomObjectsApi().delete_namespaced_custom_object,  # 405: no Volcano installed
             "scheduling.volcano.sh", "v1beta1", namespace, "podgroups", names["podgroup"])
-    except ApiException as err:
-        if err.status not in (404, 405):
-            raise
     METRICS.set_phase(namespace, name, None)

@@ -11,9 +11,9 @@ from typing import Any
 
 import yaml
 
+from hybridflow.spec import API_GROUP as GROUP
 from hybridflow.spec import RLHFJob, ResourcePool, dump_job, pool_resource
 
-GROUP = "hybridflow.io"
 LABEL_JOB = f"{GROUP}/job"
 LABEL_ROLE = f"{GROUP}/role"
 LABEL_POOL = f"{GROUP}/pool"

@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 from kubernetes import client, config
 
-GROUP, VERSION, PLURAL = "hybridflow.io", "v1alpha1", "rlhfjobs"
+from hybridflow.spec import API_GROUP as GROUP
+from hybridflow.spec import PLURAL, VERSION
 
 
 def free_port() -> int:

@@ -9,10 +9,7 @@ from typing import Any
 
 import yaml
 
-from hybridflow.spec import API_GROUP, KIND, JobSpec
-
-PLURAL = "rlhfjobs"
-VERSION = "v1alpha1"
+from hybridflow.spec import API_GROUP, KIND, PLURAL, VERSION, JobSpec
 _KEEP = {"type", "description", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern",
          "minItems", "maxItems", "minLength", "maxLength", "default"}  # fmt: skip
 

@@ -110,11 +110,10 @@ def _variable(name: str) -> dict[str, Any]:
     if name == "peak_flops_per_device":
         return {"name": name, "type": "constant", "query": "989e12", "hide": 2,
                 "label": "Peak FLOP/s per device"}
-    source = {"namespace": "hybridflow_step", "rlhfjob": "hybridflow_step"}[name]
     if name == "namespace":
-        query = f"label_values({source}, namespace)"
+        query = "label_values(hybridflow_step, namespace)"
     else:
-        query = f'label_values({source}{{namespace=~"$namespace"}}, rlhfjob)'
+        query = 'label_values(hybridflow_step{namespace=~"$namespace"}, rlhfjob)'
     return {"name": name, "type": "query", "datasource": {"type": "prometheus", "uid": "${datasource}"},
             "query": {"query": query, "refId": "vars"}, "refresh": 2, "includeAll": True, "multi": True,
             "allValue": ".*", "current": {"text": "All", "value": "$__all"}}

@@ -16,7 +16,9 @@ from pydantic.alias_generators import to_camel
 from hybridflow.rewards.rules import RULES, TASK_DEFAULT_RULE
 
 API_GROUP = "hybridflow.io"
-API_VERSION = f"{API_GROUP}/v1alpha1"
+VERSION = "v1alpha1"
+PLURAL = "rlhfjobs"
+API_VERSION = f"{API_GROUP}/{VERSION}"
 KIND = "RLHFJob"
 
 # vLLM's CPU attention kernels (vllm/v1/attention/backends/cpu_attn.py, 0.32).
