@@ -4,7 +4,8 @@ Device-agnostic: gloo on CPU, NCCL on GPU. The engine knows nothing of RL; roles
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+import time
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -82,6 +83,31 @@ class FSDPEngine:
         if torch.isfinite(norm):
             self.optimizer.step()
         return stats
+
+    def ppo_update(
+        self,
+        batch: Batch,
+        spec: Any,
+        loss_fn: Callable[[nn.Module, Batch], tuple[torch.Tensor, dict[str, float]]],
+    ) -> dict[str, float]:
+        """`ppoEpochs` passes over this rank's shard, one optimizer step per mini-batch; stats averaged over steps.
+
+        A mini-batch is `miniBatchSize` prompts of the global batch, i.e. the same fraction of this rank's rows.
+        """
+        t0 = time.perf_counter()
+        t = spec.training
+        prompts = spec.trainer.prompts_per_step
+        rows = max(1, len(batch) * (t.mini_batch_size or prompts) // prompts)
+        totals: dict[str, float] = {}
+        steps = 0
+        for _ in range(t.ppo_epochs):
+            for mini in batch.split(rows):
+                for k, v in self.train_mini_batch(mini, t.micro_batch_size, loss_fn).items():
+                    totals[k] = totals.get(k, 0.0) + v
+                steps += 1
+        out = {k: v / steps for k, v in totals.items()}
+        out["update_seconds"] = time.perf_counter() - t0
+        return out
 
     def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter gathered whole (an all-gather per tensor), HF names; what a generation engine loads."""

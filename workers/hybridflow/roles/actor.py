@@ -100,19 +100,7 @@ class ActorRolloutWorker(CheckpointMixin):
                 stats["kl_loss"] = kl.item()
             return loss, stats
 
-        t0 = time.perf_counter()
-        n_mini = (t.mini_batch_size or spec.trainer.prompts_per_step)
-        rows_per_mini = max(1, len(batch) * n_mini // spec.trainer.prompts_per_step)
-        totals: dict[str, float] = {}
-        steps = 0
-        for _ in range(t.ppo_epochs):
-            for mini in batch.split(rows_per_mini):
-                stats = self.engine.train_mini_batch(mini, t.micro_batch_size, loss_fn)
-                for k, v in stats.items():
-                    totals[k] = totals.get(k, 0.0) + v
-                steps += 1
-        out = {k: v / steps for k, v in totals.items()}
-        out["update_seconds"] = time.perf_counter() - t0
+        out = self.engine.ppo_update(batch, spec, loss_fn)
         out["peak_memory_bytes"] = float(peak_memory_bytes())
         return out
 

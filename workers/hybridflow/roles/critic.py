@@ -1,7 +1,6 @@
 """The critic (PPO): the policy's architecture with a scalar value head, one value per response token."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -52,16 +51,4 @@ class CriticWorker(CheckpointMixin):
             loss, clip_frac = value_loss(v, mb["values"], mb["returns"], mb["response_mask"], t.value_clip)
             return loss, {"vf_loss": loss.item(), "vf_clip_frac": clip_frac.item()}
 
-        t0 = time.perf_counter()
-        n_mini = t.mini_batch_size or self.spec.trainer.prompts_per_step
-        rows = max(1, len(batch) * n_mini // self.spec.trainer.prompts_per_step)
-        totals: dict[str, float] = {}
-        steps = 0
-        for _ in range(t.ppo_epochs):
-            for mini in batch.split(rows):
-                for k, v in self.engine.train_mini_batch(mini, t.micro_batch_size, loss_fn).items():
-                    totals[k] = totals.get(k, 0.0) + v
-                steps += 1
-        out = {k: v / steps for k, v in totals.items()}
-        out["update_seconds"] = time.perf_counter() - t0
-        return out
+        return self.engine.ppo_update(batch, self.spec, loss_fn)
