@@ -60,7 +60,7 @@ def test_tiny_example_learns(tmp_path, model_cache, ray_tmp):
     records = _steps(ckpt)
     assert [r["step"] for r in records] == list(range(1, 41))
     last = records[-1]
-    for stage in ("generate", "old_log_prob", "reference", "reward", "advantages", "actor_update", "weight_sync"):
+    for stage in ("generate", "old_log_prob", "reference", "reward", "advantages", "actor_update", "reshard"):
         assert last["stages"][stage] > 0, stage
     assert last["throughput_tokens_per_s"] > 0 and last["actor_peak_memory_bytes"] > 0
     assert last["reward_mean"] > records[0]["reward_mean"]

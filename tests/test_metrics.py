@@ -12,7 +12,7 @@ def _record(step):
         "step": step, "tokens": 1000.0, "throughput_tokens_per_s": 500.0, "throughput_per_device": 250.0,
         "generation_tokens_per_s": 800.0, "iteration_seconds": 2.0, "eta_seconds": 10.0, "reward_mean": 0.5,
         "response_length_mean": 6.0, "kl_mean": 0.01, "entropy_mean": 2.0, "clip_frac": 0.1, "grad_norm": 1.5,
-        "actor_peak_memory_bytes": 1e9, "weight_sync_bytes": 4096.0,
+        "actor_peak_memory_bytes": 1e9, "reshard_bytes": 4096.0,
     }
 
 

@@ -47,14 +47,21 @@ class Echo:
 
 
 class TensorParallelPair(Echo):
-    """Two ranks per data shard (as under TP=2): only the first of each pair returns data."""
+    """Two ranks per data shard when training (as under TP=2): only the first of each pair returns data. Every rank
+    is its own replica when generating (as under t_g=1), so generation has twice the data-parallel size."""
 
-    def dp_rank(self):
+    def dp_rank(self, mesh):
+        if mesh == "rollout":
+            return DPRank(self.ctx.rank, self.ctx.world_size, True)
         return DPRank(self.ctx.rank // 2, self.ctx.world_size // 2, self.ctx.rank % 2 == 0)
 
     @register(Dispatch.DP_COMPUTE)
     def consume(self, batch):
         return Batch({"x": batch["x"], "consumer": torch.full((len(batch),), self.ctx.rank)})
+
+    @register(Dispatch.DP_COMPUTE, blocking=False, mesh="rollout")
+    def generate(self, batch):
+        return Batch({"x": batch["x"], "generator": torch.full((len(batch),), self.ctx.rank)})
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +125,7 @@ def test_futures_pass_between_roles_without_the_controller(groups, monkeypatch):
         raise AssertionError("the controller fetched data it should have handed over as futures")
 
     monkeypatch.setattr(PendingResult, "get", forbidden)
-    refs = g1["b"]._dispatch("consume", Dispatch.DP_COMPUTE, (pending,), {})
+    refs = g1["b"]._dispatch("consume", Dispatch.DP_COMPUTE, "train", (pending,), {})
     monkeypatch.undo()
     out = refs.get()
     assert out["x"].tolist() == [1, 3, 5, 7, 9, 11]
@@ -138,3 +145,14 @@ def test_futures_cross_groups_with_different_layouts(groups):
     pending = g1["a"].produce(Batch({"x": torch.arange(4)}))
     out = g2["tp"].consume(pending)  # dp sizes match (2): handed over per DP rank
     assert out["x"].tolist() == [0, 2, 4, 6]
+
+
+def test_rollout_mesh_splits_wider_and_train_mesh_resplits(groups):
+    _, g2 = groups
+    assert g2["tp"].dp_sizes == {"train": 2, "rollout": 4}
+    gen = g2["tp"].generate(Batch({"x": torch.arange(8)}))
+    assert len(gen.dp_refs) == 4  # every rank generated a quarter
+    out = g2["tp"].consume(gen)  # 4 generation shards -> 2 training shards, order kept
+    assert gen.get()["generator"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert out["x"].tolist() == list(range(8))
+    assert out["consumer"].tolist() == [0, 0, 0, 0, 2, 2, 2, 2]

@@ -67,8 +67,11 @@ JOB_OVERVIEW = Dashboard(
               description="6 x parameters x tokens/s / (devices x peak FLOP/s): a dense-training approximation."),
         Panel("Peak memory", (f"max by (role) (hybridflow_peak_memory_bytes{JOB})",), unit="bytes",
               legend="{{role}}", width=8),
-        Panel("Weight sync bytes per rank", (f"max by (rlhfjob) (hybridflow_weight_sync_bytes{JOB})",), unit="bytes",
-              width=8),
+        Panel("Reshard (train -> generate) per rank",
+              ('max by (__name__) ({__name__=~"hybridflow_(reshard_received|reshard_peak|generation_weight)_bytes", '
+               'namespace=~"$namespace", rlhfjob=~"$rlhfjob"})',), unit="bytes", legend="{{__name__}}", width=8,
+              description="Received: bytes gathered at the transition. Peak: largest transient buffer. "
+                          "Generation weight: what a rank holds to generate (1/t_g of the model under HybridFlow)."),
         Panel("Reward", (f"avg by (rlhfjob) (hybridflow_reward_mean{JOB})",
                          f"max by (rlhfjob, phase) (hybridflow_eval_reward_mean{JOB})"), legend="{{rlhfjob}} {{phase}}",
               width=8),

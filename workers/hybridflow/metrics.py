@@ -8,11 +8,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 STAGES = (
     "generate", "old_log_prob", "reference", "values", "reward", "advantages",
-    "critic_update", "actor_update", "weight_sync", "checkpoint",
+    "critic_update", "actor_update", "reshard", "checkpoint",
 )  # fmt: skip
 
 # Step statistics exported as gauges: metric name suffix -> key in the step record.
 STEP_GAUGES = {
+    "reshard_received_bytes": ("reshard_bytes", "Bytes a rank received in the last train->generate transition (mean)."),
+    "reshard_peak_bytes": ("reshard_peak_bytes", "Largest transient buffer of the last transition (max over ranks)."),
+    "generation_weight_bytes": ("generation_weight_bytes", "Generation weights a rank holds after the transition (max)."),
     "reward_mean": ("reward_mean", "Mean sequence reward of the step's responses."),
     "response_length_tokens_mean": ("response_length_mean", "Mean response length in tokens."),
     "kl_mean": ("kl_mean", "Mean per-token KL(actor || reference) estimate."),
@@ -51,8 +54,6 @@ class JobMetrics:
                                    registry=r)
         self.peak_memory = Gauge("hybridflow_peak_memory_bytes", "Peak memory of a role's processes (max over ranks).",
                                  [*lbl, "role"], registry=r)
-        self.sync_bytes = Gauge("hybridflow_weight_sync_bytes", "Bytes gathered per rank by the last weight sync.",
-                                lbl, registry=r)
         self.eval_reward = Gauge("hybridflow_eval_reward_mean", "Mean reward on held-out prompts (greedy).",
                                  [*lbl, "phase"], registry=r)
         self.checkpoint_step = Gauge("hybridflow_last_checkpoint_step", "Step of the newest checkpoint.", lbl,
@@ -79,8 +80,6 @@ class JobMetrics:
         self.generation_throughput.labels(j).set(rec["generation_tokens_per_s"])
         self.iteration.labels(j).observe(rec["iteration_seconds"])
         self.eta.labels(j).set(rec["eta_seconds"])
-        if "weight_sync_bytes" in rec:
-            self.sync_bytes.labels(j).set(rec["weight_sync_bytes"])
         for stage, secs in stages.items():
             self.stage.labels(j, stage).set(secs)
             self.stage_total.labels(j, stage).inc(secs)

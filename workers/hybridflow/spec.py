@@ -128,7 +128,14 @@ class Data(_Spec):
 
 
 class Rollout(_Spec):
-    engine: Literal["vllm", "hf"] = Field("vllm", description="vllm: in-process vLLM; hf: plain torch generation.")
+    engine: Literal["vllm", "hf", "megatron"] = Field(
+        "vllm",
+        description="vllm: in-process vLLM; hf: plain torch generation; megatron: tensor-parallel generation with "
+        "megatron-core layers on the 3D-HybridEngine's generation groups (needs training.engine megatron).",
+    )
+    tensor_parallel: int = Field(
+        1, gt=0, description="Generation TP size t_g; must divide training.tensorParallel (megatron engine only)."
+    )
     # Not `n`: YAML 1.1 (kubectl's parser) reads a bare `n` key as the boolean false.
     responses_per_prompt: int = Field(4, gt=0, description="Responses sampled per prompt (GRPO's group size).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
@@ -288,6 +295,7 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
         return out
     if t.engine == "fsdp" and mp != 1:
         out.append("spec.training.tensorParallel/pipelineParallel: only the megatron engine supports them; set 1")
+    out += _hybrid_engine_problems(spec)
     dp = actor_pool.world_size // mp
     if spec.trainer.prompts_per_step % dp:
         out.append(
@@ -322,6 +330,29 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
             )
     if m.source == "tiny" and spec.data.task == "increment" and m.tiny.vocab_size < 4:
         out.append("spec.models.actor.tiny.vocabSize: the increment task needs at least 4 tokens")
+    return out
+
+
+def _hybrid_engine_problems(spec: JobSpec) -> list[str]:
+    t, r, m = spec.training, spec.rollout, spec.models.actor
+    out = []
+    if t.engine == "megatron" and t.pipeline_parallel != 1:
+        out.append("spec.training.pipelineParallel: the megatron actor trains tensor x data parallel in the RLHF loop; "
+                   "set 1 (pipeline stages are covered by the engine's loss/gradient checks only)")
+    if r.engine == "megatron" and t.engine != "megatron":
+        out.append("spec.rollout.engine: megatron generation is fed by the megatron actor; set spec.training.engine: "
+                   "megatron or pick vllm/hf")
+    if r.tensor_parallel > 1 and r.engine != "megatron":
+        out.append(f"spec.rollout.tensorParallel = {r.tensor_parallel}: only spec.rollout.engine megatron generates "
+                   "tensor-parallel (vLLM's external_launcher groups consecutive ranks, the hybrid engine strided ones)")
+    if t.tensor_parallel % r.tensor_parallel:
+        out.append(f"spec.rollout.tensorParallel = {r.tensor_parallel} must divide spec.training.tensorParallel = "
+                   f"{t.tensor_parallel}")
+    if t.engine == "megatron" and m.source == "tiny":
+        for field, value in (("vocabSize", m.tiny.vocab_size), ("numKvHeads", m.tiny.num_kv_heads)):
+            if value % t.tensor_parallel:
+                out.append(f"spec.models.actor.tiny.{field} = {value} is not divisible by "
+                           f"spec.training.tensorParallel = {t.tensor_parallel}")
     return out
 
 

@@ -228,9 +228,9 @@ def rlhf_iteration(job: RLHFJob, w: Workers, task: Task, prompts: Batch) -> tupl
             stats.update(_mean_stats(critic.update_critic(data), "critic_"))
     with clock("actor_update"):
         stats.update(_mean_stats(actor.update_actor(data), ""))
-    with clock("weight_sync"):
+    with clock("reshard"):  # train -> generate (the 3D-HybridEngine transition, or FSDP's whole-tensor gather)
         sync = actor.sync_rollout_weights()
-    stats["weight_sync_bytes"] = float(np.mean([x["bytes"] for x in sync]))
+    stats.update(reshard_stats(sync))
 
     resp_len = mask.sum(1).float()
     stats.update(
@@ -243,6 +243,13 @@ def rlhf_iteration(job: RLHFJob, w: Workers, task: Task, prompts: Batch) -> tupl
     if kl is not None:
         stats["kl_mean"] = float(masked_mean(kl, mask))
     return stats, clock.seconds
+
+
+def reshard_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Bytes received per rank (mean), the largest transient buffer and generation weights held (max)."""
+    return {"reshard_bytes": float(np.mean([x["bytes"] for x in per_rank])),
+            "reshard_peak_bytes": float(max(x["peak_bytes"] for x in per_rank)),
+            "generation_weight_bytes": float(max(x["generation_bytes"] for x in per_rank))}
 
 
 def _seq_kl(kl: torch.Tensor | None, mask: torch.Tensor, coef: float) -> torch.Tensor:
@@ -385,7 +392,7 @@ def progress_line(rec: dict[str, Any], total: int) -> str:
         f"{rec['throughput_tokens_per_s']:.0f} tok/s",
         f"gen {st.get('generate', 0):.2f}s",
         f"train {st.get('actor_update', 0) + st.get('critic_update', 0):.2f}s",
-        f"sync {st.get('weight_sync', 0):.2f}s",
+        f"reshard {st.get('reshard', 0):.2f}s",
         f"ETA {int(eta // 60)}m{int(eta % 60):02d}s" if math.isfinite(eta) else "ETA ?",
     ]
     if rec.get("checkpoint"):

@@ -34,25 +34,34 @@ class DPRank:
 _ATTR = "__hybridflow_dispatch__"
 
 
-def register(dispatch: Dispatch = Dispatch.ONE_TO_ALL, blocking: bool = True) -> Callable[[Callable], Callable]:
+@dataclass(frozen=True)
+class Protocol:
+    dispatch: Dispatch
+    blocking: bool
+    mesh: str  # which data-parallel layout DP_COMPUTE splits by: "train" or "rollout" (they differ under 3D layouts)
+
+
+def register(dispatch: Dispatch = Dispatch.ONE_TO_ALL, blocking: bool = True,
+             mesh: str = "train") -> Callable[[Callable], Callable]:
     """Mark a worker method as callable from the controller with this protocol.
 
     blocking=False returns a PendingResult that another worker group accepts as input without the controller
-    touching the data.
+    touching the data. `mesh` names the layout a DP_COMPUTE method is split by: the 3D-HybridEngine generates with
+    more data-parallel replicas (d * d_g) than it trains with (d), on the same ranks.
     """
 
     def deco(fn: Callable) -> Callable:
-        setattr(fn, _ATTR, (Dispatch(dispatch), blocking))
+        setattr(fn, _ATTR, Protocol(Dispatch(dispatch), blocking, mesh))
         return fn
 
     return deco
 
 
-def method_protocol(cls: type, name: str) -> tuple[Dispatch, bool] | None:
+def method_protocol(cls: type, name: str) -> Protocol | None:
     return getattr(getattr(cls, name, None), _ATTR, None)
 
 
-def registered_methods(cls: type) -> dict[str, tuple[Dispatch, bool]]:
+def registered_methods(cls: type) -> dict[str, Protocol]:
     out = {}
     for name in dir(cls):
         proto = method_protocol(cls, name)

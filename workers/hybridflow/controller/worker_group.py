@@ -21,6 +21,7 @@ from hybridflow.controller.protocol import (
     collect_dp,
     concat_results,
     method_protocol,
+    registered_methods,
     split_for_dp,
     validate_dp_layout,
 )
@@ -121,10 +122,10 @@ class WorkerHost:
     def build(self, role: str, spec: RoleSpec) -> None:
         self.roles[role] = spec.cls(self.ctx, **spec.kwargs)
 
-    def dp_rank(self, role: str) -> DPRank:
+    def dp_rank(self, role: str, mesh: str) -> DPRank:
         obj = self.roles[role]
         if hasattr(obj, "dp_rank"):
-            return obj.dp_rank()
+            return obj.dp_rank(mesh)
         return DPRank(self.ctx.rank, self.ctx.world_size, True)
 
     def execute(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -150,35 +151,40 @@ def resolve(x: Any) -> Any:
 class RoleHandle:
     """The controller's view of one role in a WorkerGroup: calling a registered method runs it on every rank."""
 
-    def __init__(self, group: "WorkerGroup", role: str, cls: type, layout: list[DPRank]) -> None:
-        self._group, self._role, self._cls, self.layout = group, role, cls, layout
-        self.dp_size = validate_dp_layout(layout)
+    def __init__(self, group: "WorkerGroup", role: str, cls: type, layouts: dict[str, list[DPRank]]) -> None:
+        self._group, self._role, self._cls, self.layouts = group, role, cls, layouts
+        self.dp_sizes = {mesh: validate_dp_layout(layout) for mesh, layout in layouts.items()}
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size of the training layout (what batches must divide by)."""
+        return self.dp_sizes["train"]
 
     def __getattr__(self, method: str) -> Callable[..., Any]:
         proto = method_protocol(self._cls, method)
         if proto is None:
             raise AttributeError(f"{self._cls.__name__}.{method} is not a registered worker method")
-        dispatch, blocking = proto
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            pending = self._dispatch(method, dispatch, args, kwargs)
-            return pending.get() if blocking else pending
+            pending = self._dispatch(method, proto.dispatch, proto.mesh, args, kwargs)
+            return pending.get() if proto.blocking else pending
 
         call.__name__ = method
         return call
 
-    def _dispatch(self, method: str, dispatch: Dispatch, args: tuple, kwargs: dict) -> PendingResult:
+    def _dispatch(self, method: str, dispatch: Dispatch, mesh: str, args: tuple, kwargs: dict) -> PendingResult:
         hosts = self._group.hosts
         n = len(hosts)
         if dispatch == Dispatch.DP_COMPUTE:
-            per_rank = [self._dp_args(a) for a in args]
-            per_rank_kw = {k: self._dp_args(v) for k, v in kwargs.items()}
+            layout = self.layouts[mesh]
+            per_rank = [self._dp_args(a, layout) for a in args]
+            per_rank_kw = {k: self._dp_args(v, layout) for k, v in kwargs.items()}
             refs = [
                 h.execute.remote(self._role, method, *[a[i] for a in per_rank], **{k: v[i] for k, v in per_rank_kw.items()})
                 for i, h in enumerate(hosts)
             ]
-            dp_refs = collect_dp(refs, self.layout)
-            return PendingResult(refs, lambda outs: concat_results(collect_dp(outs, self.layout)), dp_refs)
+            dp_refs = collect_dp(refs, layout)
+            return PendingResult(refs, lambda outs: concat_results(collect_dp(outs, layout)), dp_refs)
         if dispatch == Dispatch.ALL_TO_ALL:
             for a in [*args, *kwargs.values()]:
                 if not isinstance(a, (list, tuple)) or len(a) != n:
@@ -195,14 +201,16 @@ class RoleHandle:
             return PendingResult(refs, lambda outs: outs[0], None)
         return PendingResult(refs, list, None)
 
-    def _dp_args(self, a: Any) -> list[Any]:
-        """Per-rank values of one argument: futures of an equally sharded producer pass straight through."""
-        if isinstance(a, PendingResult) and a.dp_refs is not None and len(a.dp_refs) == self.dp_size:
-            return [a.dp_refs[r.dp_rank] for r in self.layout]
+    @staticmethod
+    def _dp_args(a: Any, layout: list[DPRank]) -> list[Any]:
+        """Per-rank values of one argument: futures of an equally sharded producer pass straight through; a
+        producer sharded differently (generation replicas vs training replicas) is gathered and re-split."""
+        if isinstance(a, PendingResult) and a.dp_refs is not None and len(a.dp_refs) == layout[0].dp_size:
+            return [a.dp_refs[r.dp_rank] for r in layout]
         a = resolve(a)
         if isinstance(a, Batch):
-            return split_for_dp(a, self.layout)
-        return [a] * len(self.layout)
+            return split_for_dp(a, layout)
+        return [a] * len(layout)
 
 
 class WorkerGroup:
@@ -227,8 +235,9 @@ class WorkerGroup:
         self._roles: dict[str, RoleHandle] = {}
         for role, spec in roles.items():
             ray.get([h.build.remote(role, spec) for h in self.hosts])
-            layout = ray.get([h.dp_rank.remote(role) for h in self.hosts])
-            self._roles[role] = RoleHandle(self, role, spec.cls, layout)
+            meshes = {"train"} | {p.mesh for p in registered_methods(spec.cls).values()}
+            layouts = {m: ray.get([h.dp_rank.remote(role, m) for h in self.hosts]) for m in sorted(meshes)}
+            self._roles[role] = RoleHandle(self, role, spec.cls, layouts)
 
     def __getitem__(self, role: str) -> RoleHandle:
         return self._roles[role]

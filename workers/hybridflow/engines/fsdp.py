@@ -4,14 +4,15 @@ Device-agnostic: gloo on CPU, NCCL on GPU. The engine knows nothing of RL; roles
 """
 from __future__ import annotations
 
-import time
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridflow.algorithms.core import entropy_from_logits
 from hybridflow.controller.batch import Batch
+from hybridflow.engines.base import TrainEngine
 
 
 def sequence_inputs(batch: Batch) -> dict[str, torch.Tensor]:
@@ -33,7 +34,7 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-class FSDPEngine:
+class FSDPEngine(TrainEngine):
     """A module sharded with FSDP2 plus its AdamW optimizer."""
 
     def __init__(self, module: nn.Module, lr: float, grad_clip: float, device: str, trainable: bool = True) -> None:
@@ -54,60 +55,16 @@ class FSDPEngine:
             module.requires_grad_(False)
             module.eval()
 
-    @torch.no_grad()
-    def forward_micro(self, batch: Batch, micro_batch_size: int, fn: Callable[[nn.Module, Batch], torch.Tensor]) -> list:
-        self.module.eval()
-        return [fn(self.module, mb.to(self.device)) for mb in batch.split(micro_batch_size)]
-
-    def train_mini_batch(
-        self,
-        batch: Batch,
-        micro_batch_size: int,
-        loss_fn: Callable[[nn.Module, Batch], tuple[torch.Tensor, dict[str, float]]],
-    ) -> dict[str, float]:
-        """One optimizer step over `batch`, accumulating micro-batches weighted by their share of the rows."""
-        assert self.optimizer is not None, "this engine was built frozen"
-        self.module.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        stats: dict[str, float] = {}
-        n = len(batch)
-        for mb in batch.split(micro_batch_size):
-            loss, mstats = loss_fn(self.module, mb.to(self.device))
-            (loss * (len(mb) / n)).backward()
-            for k, v in mstats.items():
-                stats[k] = stats.get(k, 0.0) + float(v) * len(mb) / n
+    def clip_grad_norm(self) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        stats["grad_norm"] = float(norm)
-        if torch.isfinite(norm):
-            self.optimizer.step()
-        return stats
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
-    def ppo_update(
-        self,
-        batch: Batch,
-        spec: Any,
-        loss_fn: Callable[[nn.Module, Batch], tuple[torch.Tensor, dict[str, float]]],
-    ) -> dict[str, float]:
-        """`ppoEpochs` passes over this rank's shard, one optimizer step per mini-batch; stats averaged over steps.
+    def log_probs(self, model: nn.Module, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = response_logits(model, batch, temperature)
+        return token_log_probs(logits, batch["responses"]), logits
 
-        A mini-batch is `miniBatchSize` prompts of the global batch, i.e. the same fraction of this rank's rows.
-        """
-        t0 = time.perf_counter()
-        t = spec.training
-        prompts = spec.trainer.prompts_per_step
-        rows = max(1, len(batch) * (t.mini_batch_size or prompts) // prompts)
-        totals: dict[str, float] = {}
-        steps = 0
-        for _ in range(t.ppo_epochs):
-            for mini in batch.split(rows):
-                for k, v in self.train_mini_batch(mini, t.micro_batch_size, loss_fn).items():
-                    totals[k] = totals.get(k, 0.0) + v
-                steps += 1
-        out = {k: v / steps for k, v in totals.items()}
-        out["update_seconds"] = time.perf_counter() - t0
-        return out
+    def entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        return entropy_from_logits(logits)
 
     def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter gathered whole (an all-gather per tensor), HF names; what a generation engine loads."""

@@ -1,78 +1,146 @@
-"""Run one forward/backward of a megatron GPTModel at a given TP size on spawned gloo processes and return the
-loss and the full (unsharded) gradients: how the tests show that TP=2 computes what TP=1 computes."""
+"""Run one forward/backward of the megatron training engine on N local gloo processes (as torchrun would) and
+return what rank 0 saw: the loss, every response token's log-probability, the whole (TP-gathered) gradients under
+HF names and the global gradient norm. Tests compare this against plain HF autograd on one process, which checks
+the weight conversion, tensor parallelism, vocab-parallel log-probs/entropy and the data-parallel reduction at once.
+
+`pipeline` mode does the same with the layers split into pipeline stages, run by megatron's own 1F1B schedule
+(two micro-batches), point-to-point over gloo.
+"""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hybridflow.engines import megatron_model as mm
+from hybridflow.controller.batch import Batch
 
-CFG = dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
-VOCAB, SEQ = 32, 12
+ENTROPY_COEF = 0.1
 
 
-def run_rank(rank: int, tp: int, init: str, state_path: str, tokens: torch.Tensor, out_path: str) -> None:
+def objective(logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+    """A loss that exercises both outputs an actor update uses."""
+    return -logp.mean() - ENTROPY_COEF * entropy.mean()
+
+
+def run_rank(rank: int, world: int, init: str, cfg: dict) -> None:
+    from hybridflow.engines import megatron_model as mm
+    from hybridflow.engines.megatron import MegatronEngine
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=tp)
-    from hybridflow.engines.megatron_cpu import apply_cpu_fallbacks
-
-    apply_cpu_fallbacks()
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
-    model_parallel_cuda_manual_seed(0)
-    model = mm.build_gpt(mm.transformer_config(**CFG), VOCAB, 64, tie_embeddings=False)
-    if not os.path.exists(state_path):  # first run: this (TP=1) model's weights become the reference
-        assert tp == 1
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")},
-                   state_path)
-    full = torch.load(state_path)
-    own = model.state_dict()
-    own.update({k: mm.shard(k, v, tp, rank) for k, v in full.items()})
-    model.load_state_dict(own)
-    ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    pos = torch.arange(ids.shape[1])[None].expand_as(ids)
-    loss = model(ids, pos, attention_mask=None, labels=labels).float().mean()  # vocab-parallel cross entropy
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    if cfg.get("pp", 1) > 1:
+        return run_pipeline_rank(rank, world, cfg)
+    engine = MegatronEngine(Path(cfg["model_dir"]), "float32", cfg["tp"], lr=1e-3, grad_clip=1e9, device="cpu")
+    full = Batch(torch.load(cfg["batch"]))
+    mine = full.split(len(full) // engine.dp_size)[engine.dp_rank]
+    logp, logits = engine.log_probs(engine.module, mine, 1.0)
+    loss = objective(logp, engine.entropy(logits))
     loss.backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        parts = [torch.empty_like(p.grad) for _ in range(tp)]
-        dist.all_gather(parts, p.grad.contiguous())
-        grads[name] = mm.unshard(name, parts)
+    norm = engine.clip_grad_norm()  # averages over DP; grad_clip is huge, so nothing is scaled
+    grads = {n: engine.gather_tp(n, p.grad) for n, p in engine.module.named_parameters()}
+    hf_grads = mm.megatron_to_hf(grads, engine.shape)
+    logps = [torch.empty_like(logp) for _ in range(world)]
+    dist.all_gather(logps, logp.detach().contiguous())
+    losses = [None] * world
+    dist.all_gather_object(losses, loss.item())
     if rank == 0:
-        torch.save({"loss": loss.item(), "grads": grads}, out_path)
+        tp0 = [r for r in range(world) if r % cfg["tp"] == 0]  # one rank per DP replica, in DP order
+        torch.save({"loss": sum(losses[r] for r in tp0) / len(tp0), "log_probs": torch.cat([logps[r] for r in tp0]),
+                    "grads": hf_grads, "grad_norm": float(norm)}, cfg["out"])
     dist.barrier()
     dist.destroy_process_group()
 
 
-def loss_and_grads(tp: int, state_path: str, tokens: torch.Tensor, timeout: float = 300) -> dict[str, Any]:
-    """Launch `tp` processes (as torchrun would) and return rank 0's loss and full gradients."""
+def run_pipeline_rank(rank: int, world: int, cfg: dict) -> None:
+    """One 1F1B step over `world` pipeline stages (TP = DP = 1)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from transformers import AutoConfig
+
+    from hybridflow.engines import megatron_model as mm
+    from hybridflow.engines.megatron import (
+        attention_inputs,
+        init_model_parallel,
+        load_hf_state,
+        vocab_parallel_entropy,
+        vocab_parallel_log_probs,
+    )
+
+    init_model_parallel(1, world)
+    shape = mm.shape_from_hf(AutoConfig.from_pretrained(cfg["model_dir"]))
+    tcfg = mm.transformer_config(shape)
+    stage, per = ps.get_pipeline_model_parallel_rank(), shape.layers // world
+    model = mm.build_gpt(tcfg, shape, pre_process=ps.is_pipeline_first_stage(),
+                         post_process=ps.is_pipeline_last_stage())
+    full = mm.hf_to_megatron(load_hf_state(Path(cfg["model_dir"])), shape)
+    own = model.state_dict()
+    own.update({k: full[mm.global_layer_name(k, stage * per)] for k in own if not k.endswith("_extra_state")})
+    model.load_state_dict(own)
+    batch = torch.load(cfg["batch"])
+    ids, pos, mask = attention_inputs(batch)
+    R, half = batch["responses"].shape[1], len(ids) // 2
+    micro = [{"ids": ids[i:i + half], "pos": pos[i:i + half], "mask": mask[i:i + half],
+              "responses": batch["responses"][i:i + half]} for i in (0, half)]
+
+    def forward_step(data, m):
+        mb = next(data)
+        out = m(mb["ids"], mb["pos"], attention_mask=mb["mask"])
+
+        def loss_func(logits):
+            lg = logits[:, -R - 1: -1].float()
+            logp = vocab_parallel_log_probs(lg, mb["responses"])
+            loss = objective(logp, vocab_parallel_entropy(lg))
+            return loss, {"loss": loss.detach(), "log_probs": logp.detach()}
+
+        return out, loss_func
+
+    tcfg.variable_seq_lengths = False
+    outs = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro), model=[model],
+                                       num_microbatches=2, seq_length=ids.shape[1], micro_batch_size=half)
+    grads = {mm.global_layer_name(n, stage * per): p.grad for n, p in model.named_parameters()}
+    every: list = [None] * world
+    dist.all_gather_object(every, (grads, outs))
+    if rank == 0:
+        merged = {k: v for g, _ in every for k, v in g.items()}
+        last = every[-1][1]  # the schedule scales each micro-batch loss by 1/num_microbatches
+        torch.save({"loss": float(sum(o["loss"] for o in last)),
+                    "log_probs": torch.cat([o["log_probs"] for o in last]),
+                    "grads": mm.megatron_to_hf(merged, shape),
+                    "grad_norm": float(torch.sqrt(sum(g.double().pow(2).sum() for g in merged.values())))},
+                   cfg["out"])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def engine_step(model_dir: str, batch: dict[str, torch.Tensor], tp: int, world: int, pp: int = 1,
+                timeout: float = 300) -> dict[str, Any]:
+    """Launch `world` ranks (tp * dp, or pp stages) and return rank 0's view of one step."""
     with tempfile.TemporaryDirectory() as tmp:
-        tok_path, out_path = os.path.join(tmp, "tokens.pt"), os.path.join(tmp, "out.pt")
-        torch.save(tokens, tok_path)
+        cfg = {"model_dir": model_dir, "tp": tp, "pp": pp, "batch": os.path.join(tmp, "batch.pt"),
+               "out": os.path.join(tmp, "out.pt")}
+        torch.save(batch, cfg["batch"])
         init = f"file://{os.path.join(tmp, 'rdzv')}"
-        procs = [subprocess.Popen([sys.executable, "-m", "hybridflow.engines.megatron_check", str(r), str(tp), init,
-                                   state_path, tok_path, out_path], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True) for r in range(tp)]
+        procs = [subprocess.Popen([sys.executable, "-m", "hybridflow.engines.megatron_check", str(r), str(world), init,
+                                   json.dumps(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for r in range(world)]
         try:
             for p in procs:
                 _, err = p.communicate(timeout=timeout)
                 if p.returncode:
-                    raise RuntimeError(f"megatron rank exited with {p.returncode}: {err[-2000:]}")
+                    raise RuntimeError(f"megatron rank exited with {p.returncode}: {err[-3000:]}")
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-        return torch.load(out_path)
+        return torch.load(cfg["out"])
 
 
 if __name__ == "__main__":
-    r, w, init_, state, tok, out = sys.argv[1:7]
-    run_rank(int(r), int(w), init_, state, torch.load(tok), out)
+    run_rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]))

@@ -8,12 +8,24 @@ What megatron calls, and what we answer:
   torch.cuda.synchronize()             -> no-op
   transformer.utils.get_default_causal_mask (device="cuda") -> the same mask on the CPU
   tensor_parallel.random._{get,set}_cuda_rng_state -> CPU generator state
+  pipeline_parallel.schedules: torch.zeros(..., device="cuda") -> on the CPU (its token counter)
 """
 from __future__ import annotations
 
 import torch
 
 _APPLIED = False
+
+
+class _TorchOnCpu:
+    """`torch` as the pipeline schedules see it: identical, except tensors asked for on "cuda" land on the CPU."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
 def apply_cpu_fallbacks() -> None:
@@ -34,6 +46,10 @@ def apply_cpu_fallbacks() -> None:
 
     tf_utils.get_default_causal_mask = causal_mask
     fused_softmax.get_default_causal_mask = causal_mask  # imported by name there
+
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _TorchOnCpu()  # type: ignore[attr-defined]
 
     mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[attr-defined]
     mp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # type: ignore[attr-defined]

@@ -230,3 +230,51 @@ def reshard_deepspeed_chat(L: Layout, rank: int, shards: dict, specs: list[Param
 
 def model_bytes(specs: list[ParamSpec], dtype: torch.dtype = torch.float32) -> int:
     return sum(int(torch.Size(s.shape).numel()) for s in specs) * torch.tensor([], dtype=dtype).element_size()
+
+
+# --- the same transition on a real megatron model -------------------------------------------------------------------
+
+def _bucket_key(name: str) -> str:
+    """Parameters of one decoder layer travel together; anything else (embedding, final norm) alone."""
+    parts = name.split(".")
+    return ".".join(parts[:3]) if name.startswith("decoder.layers.") else name
+
+
+def gather_micro_dp(named_shards: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, size: int,
+                    stats: ReshardStats):
+    """HybridFlow's train -> generate transition for megatron TP shards: one all-gather per layer inside the
+    micro-DP group (consecutive TP ranks), each gathered list unsharded into this rank's generation shard.
+
+    Yields (megatron name, generation shard) as buckets complete, so the consumer installs a layer before the
+    next is gathered; with size 1 there is nothing to gather and the training shard itself is yielded."""
+    from hybridflow.engines.megatron_model import split_rule, unshard
+
+    t0 = time.perf_counter()
+    bucket: list[tuple[str, torch.Tensor]] = []
+
+    def flush():
+        if size == 1:
+            yield from bucket
+            return
+        flat = _flatten(t for _, t in bucket)
+        parts = _gather(flat, group, size, stats)
+        stats.peak_transient_bytes = max(stats.peak_transient_bytes, sum(p.numel() * p.element_size() for p in parts))
+        offset = 0
+        for name, t in bucket:
+            n = t.numel()
+            pieces = [p[offset: offset + n].view(t.shape) for p in parts]
+            offset += n
+            yield name, pieces[0].clone() if split_rule(name) == "replicated" else unshard(name, pieces)
+
+    for name, t in named_shards:
+        if bucket and _bucket_key(bucket[-1][0]) != _bucket_key(name):
+            for item in flush():
+                stats.generation_bytes += item[1].numel() * item[1].element_size()
+                yield item
+            bucket = []
+        bucket.append((name, t))
+    if bucket:
+        for item in flush():
+            stats.generation_bytes += item[1].numel() * item[1].element_size()
+            yield item
+    stats.seconds = time.perf_counter() - t0

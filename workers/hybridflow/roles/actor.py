@@ -1,7 +1,10 @@
-"""The actor role: trains the policy (FSDP2) and generates with it (vLLM or HF) on the same devices.
+"""The actor role: trains the policy and generates with it on the same devices.
 
-Training and generation share a process, so the train -> generate transition is a gather of the FSDP shards
-straight into the running generation engine (`sync_rollout_weights`), with no files and no engine restart.
+Training runs on FSDP2 or megatron-core (tensor x data parallel). Generation runs on vLLM, plain HF, or megatron
+layers at a generation TP size t_g. The train -> generate transition happens in memory with no files and no engine
+restart (`sync_rollout_weights`):
+* FSDP: gather each parameter whole into the generation engine;
+* megatron: the 3D-HybridEngine all-gathers inside micro-DP groups, one layer at a time, into generation shards.
 """
 from __future__ import annotations
 
@@ -12,18 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridflow.algorithms.core import (
-    entropy_from_logits,
-    kl_estimate,
-    masked_mean,
-    ppo_policy_loss,
-)
+from hybridflow.algorithms.core import kl_estimate, masked_mean, ppo_policy_loss
 from hybridflow.controller.batch import Batch
-from hybridflow.controller.protocol import Dispatch, register
+from hybridflow.controller.protocol import Dispatch, DPRank, register
 from hybridflow.controller.worker_group import WorkerContext
 from hybridflow.data.packing import pack_rollout
-from hybridflow.engines.fsdp import FSDPEngine, response_logits, token_log_probs
+from hybridflow.engines import megatron_model as mm
 from hybridflow.engines.rollout import HFRollout, SamplingConfig, VLLMRollout
+from hybridflow.hybrid_engine.reshard import ReshardStats
 from hybridflow.roles.common import CheckpointMixin, load_causal_lm, peak_memory_bytes
 from hybridflow.spec import JobSpec
 
@@ -36,25 +35,52 @@ class ActorRolloutWorker(CheckpointMixin):
         self.spec = JobSpec.model_validate(spec)
         torch.manual_seed(self.spec.trainer.seed)
         t, r = self.spec.training, self.spec.rollout
-        model = load_causal_lm(Path(model_dir), self.spec.models.actor.dtype)
-        self.engine = FSDPEngine(model, t.actor_lr, t.grad_clip, ctx.device)
+        dtype = self.spec.models.actor.dtype
+        self.hybrid: Any = None
+        if t.engine == "megatron":
+            from hybridflow.engines.megatron import MegatronEngine
+            from hybridflow.hybrid_engine.engine import HybridEngine
+            from hybridflow.hybrid_engine.layout import Layout
+
+            self.engine: Any = MegatronEngine(Path(model_dir), dtype, t.tensor_parallel, t.actor_lr, t.grad_clip,
+                                              ctx.device, self.spec.trainer.seed)
+            layout = Layout(p=1, t=t.tensor_parallel, d=ctx.world_size // t.tensor_parallel, p_g=1,
+                            t_g=r.tensor_parallel)
+            self.hybrid = HybridEngine(layout, ctx.rank)
+            replica = self.hybrid.generation_replica
+        else:
+            from hybridflow.engines.fsdp import FSDPEngine
+
+            self.engine = FSDPEngine(load_causal_lm(Path(model_dir), dtype), t.actor_lr, t.grad_clip, ctx.device)
+            replica = ctx.rank
         self.stop_token_ids = tuple(stop_token_ids)
-        seed = self.spec.trainer.seed + 1000 * ctx.rank  # distinct sampling streams per data-parallel rank
+        seed = self.spec.trainer.seed + 1000 * replica  # distinct sampling streams per generation replica
         if r.engine == "vllm":
             self.rollout: Any = VLLMRollout(
                 Path(model_dir),
                 max_model_len=r.max_prompt_length + r.max_response_length,
-                dtype=self.spec.models.actor.dtype,
+                dtype=dtype,
                 seed=seed,
                 kv_cache_gib=r.kv_cache_gib,
                 gpu_memory_utilization=r.gpu_memory_utilization,
                 on_gpu=ctx.device == "gpu",
             )
+        elif r.engine == "megatron":
+            from hybridflow.engines.megatron_rollout import MegatronRollout
+
+            self.rollout = MegatronRollout(self.engine.shape, dtype, self.hybrid.gen_tp_group,
+                                           self.hybrid.gen_tp_ranks, seed, self.engine.device)
+            self.sync_rollout_weights()  # it starts empty: its weights only ever come from a transition
         else:
             torch.manual_seed(seed)
-            self.rollout = HFRollout(Path(model_dir), self.spec.models.actor.dtype, self.engine.device, seed)
+            self.rollout = HFRollout(Path(model_dir), dtype, self.engine.device, seed)
 
-    @register(Dispatch.DP_COMPUTE, blocking=False)
+    def dp_rank(self, mesh: str) -> DPRank:
+        if self.hybrid is not None:
+            return self.hybrid.dp_rank(mesh)
+        return DPRank(self.ctx.rank, self.ctx.world_size, True)
+
+    @register(Dispatch.DP_COMPUTE, blocking=False, mesh="rollout")
     def generate(self, batch: Batch, greedy: bool = False) -> Batch:
         """Prompts (non-tensor column `prompt_ids`) -> packed prompt+response tensors; other columns pass through."""
         r = self.spec.rollout
@@ -71,8 +97,8 @@ class ActorRolloutWorker(CheckpointMixin):
         temp = self.spec.rollout.temperature
 
         def fn(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-            logits = response_logits(model, mb, temp)
-            return token_log_probs(logits, mb["responses"]), entropy_from_logits(logits)
+            logp, logits = self.engine.log_probs(model, mb, temp)
+            return logp, self.engine.entropy(logits)
 
         outs = self.engine.forward_micro(batch, self.spec.training.micro_batch_size, fn)
         return Batch({"old_log_probs": torch.cat([o[0] for o in outs]).cpu(), "entropy": torch.cat([o[1] for o in outs]).cpu()})
@@ -83,16 +109,17 @@ class ActorRolloutWorker(CheckpointMixin):
         spec, t = self.spec, self.spec.training
         algo, temp = spec.algorithm, spec.rollout.temperature
         kl_loss = algo.kl_in == "loss" and algo.kl_coef > 0
+        if hasattr(self.rollout, "release"):
+            self.rollout.release()  # generate -> train: generation shards go, training shards never left
 
         def loss_fn(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
             mask = mb["response_mask"]
-            logits = response_logits(model, mb, temp)
-            logp = token_log_probs(logits, mb["responses"])
+            logp, logits = self.engine.log_probs(model, mb, temp)
             pl = ppo_policy_loss(logp, mb["old_log_probs"], mb["advantages"], mask, t.clip_ratio)
             loss = pl.loss
             stats = {"pg_loss": pl.loss.item(), "clip_frac": pl.clip_frac.item(), "approx_kl": pl.approx_kl.item()}
             if algo.entropy_coef > 0:
-                ent = masked_mean(entropy_from_logits(logits), mask)
+                ent = masked_mean(self.engine.entropy(logits), mask)
                 loss = loss - algo.entropy_coef * ent
             if kl_loss:
                 kl = masked_mean(kl_estimate(logp, mb["ref_log_probs"], algo.kl_estimator), mask)
@@ -106,35 +133,57 @@ class ActorRolloutWorker(CheckpointMixin):
 
     @register(Dispatch.ONE_TO_ALL)
     def sync_rollout_weights(self) -> dict[str, float]:
-        """Train -> generate: gather the FSDP shards into the generation engine, in memory."""
+        """Train -> generate, in memory. Returns what this rank received, the largest transient buffer it held,
+        and the generation weights it now holds (bytes), plus seconds."""
         t0 = time.perf_counter()
-        nbytes = 0
+        stats = ReshardStats()
+        if self.hybrid is not None:
+            shards = self.hybrid.transition(self.engine.named_shards(), stats)
+            if hasattr(self.rollout, "load_shards"):
+                self.rollout.load_shards(shards)
+            else:  # t_g = 1 into an engine that speaks HF names: the generation shards are whole tensors
+                self.rollout.load_weights(mm.megatron_to_hf_items(shards, self.engine.shape))
+        else:
+            def whole():
+                for name, tensor in self.engine.full_params():
+                    n = tensor.numel() * tensor.element_size()
+                    stats.generation_bytes += n
+                    stats.peak_transient_bytes = max(stats.peak_transient_bytes, n)
+                    yield name, tensor
 
-        def weights():
-            nonlocal nbytes
-            for name, tensor in self.engine.full_params():
-                nbytes += tensor.numel() * tensor.element_size()
-                yield name, tensor
-
-        self.rollout.load_weights(weights())
-        return {"seconds": time.perf_counter() - t0, "bytes": float(nbytes)}
+            self.rollout.load_weights(whole())
+            world = self.ctx.world_size
+            stats.bytes_received = stats.generation_bytes * (world - 1) // world
+        return {"seconds": time.perf_counter() - t0, "bytes": float(stats.bytes_received),
+                "peak_bytes": float(stats.peak_transient_bytes), "generation_bytes": float(stats.generation_bytes)}
 
     @register(Dispatch.RANK_ZERO)
     def num_parameters(self) -> int:
+        if self.hybrid is not None:
+            return int(sum(t.numel() for _, t in self.engine.full_params()))
         return int(sum(p.numel() for p in self.engine.module.parameters()))  # DTensor.numel() is the global size
 
     @register(Dispatch.ONE_TO_ALL)
-    def rollout_checksum(self) -> float:
-        """Sum of the generation engine's copy of the embedding: lets tests see that a sync really landed."""
+    def rollout_checksum(self) -> dict[str, float]:
+        """Sums of the generation engine's whole tensors: lets tests see that a transition really landed.
+        megatron generation: every parameter; vLLM/HF: the embedding."""
+        if hasattr(self.rollout, "checksum"):
+            return {name: self.rollout.checksum(name) for name in sorted(self.rollout.shapes)}
         if isinstance(self.rollout, HFRollout):
             emb = self.rollout.model.get_input_embeddings().weight
         else:
             emb = self.rollout.model.model.embed_tokens.weight
-        return float(emb.detach().double().sum())
+        return {"embedding": float(emb.detach().double().sum())}
 
     @register(Dispatch.ONE_TO_ALL)
-    def train_checksum(self) -> float:
+    def train_checksum(self) -> dict[str, float]:
+        """The same sums over the training engine's weights (collective under TP)."""
+        if self.hybrid is not None:
+            sums = {n: float(self.engine.gather_tp(n, t).double().sum()) for n, t in self.engine.named_shards()}
+            if hasattr(self.rollout, "checksum"):
+                return dict(sorted(sums.items()))
+            return {"embedding": sums["embedding.word_embeddings.weight"]}
         for name, tensor in self.engine.full_params():
             if "embed_tokens" in name:
-                return float(tensor.double().sum())
+                return {"embedding": float(tensor.double().sum())}
         raise KeyError("no embedding parameter found")

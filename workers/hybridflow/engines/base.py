@@ -1,0 +1,69 @@
+"""The training loop every engine shares: micro-batch accumulation, one optimizer step per mini-batch, PPO epochs.
+
+Engines differ only in how gradients are reduced and their norm computed (FSDP: by torch; megatron: over the
+tensor- and data-parallel groups), and in how log-probabilities come out of the model (whole or vocab-parallel).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from hybridflow.controller.batch import Batch
+
+LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, dict[str, float]]]
+
+
+class TrainEngine:
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    device: torch.device
+
+    def clip_grad_norm(self) -> torch.Tensor:
+        """Reduce gradients as the layout needs, clip them to `grad_clip`, return the global norm before clipping."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def forward_micro(self, batch: Batch, micro_batch_size: int, fn: Callable[[nn.Module, Batch], Any]) -> list:
+        self.module.eval()
+        return [fn(self.module, mb.to(self.device)) for mb in batch.split(micro_batch_size)]
+
+    def train_mini_batch(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over `batch`, accumulating micro-batches weighted by their share of the rows."""
+        assert self.optimizer is not None, "this engine was built frozen"
+        self.module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats: dict[str, float] = {}
+        n = len(batch)
+        for mb in batch.split(micro_batch_size):
+            loss, mstats = loss_fn(self.module, mb.to(self.device))
+            (loss * (len(mb) / n)).backward()
+            for k, v in mstats.items():
+                stats[k] = stats.get(k, 0.0) + float(v) * len(mb) / n
+        norm = self.clip_grad_norm()
+        stats["grad_norm"] = float(norm)
+        if torch.isfinite(norm):
+            self.optimizer.step()
+        return stats
+
+    def ppo_update(self, batch: Batch, spec: Any, loss_fn: LossFn) -> dict[str, float]:
+        """`ppoEpochs` passes over this rank's shard, one optimizer step per mini-batch; stats averaged over steps.
+
+        A mini-batch is `miniBatchSize` prompts of the global batch, i.e. the same fraction of this rank's rows.
+        """
+        t0 = time.perf_counter()
+        t = spec.training
+        prompts = spec.trainer.prompts_per_step
+        rows = max(1, len(batch) * (t.mini_batch_size or prompts) // prompts)
+        totals: dict[str, float] = {}
+        steps = 0
+        for _ in range(t.ppo_epochs):
+            for mini in batch.split(rows):
+                for k, v in self.train_mini_batch(mini, t.micro_batch_size, loss_fn).items():
+                    totals[k] = totals.get(k, 0.0) + v
+                steps += 1
+        out = {k: v / steps for k, v in totals.items()}
+        out["update_seconds"] = time.perf_counter() - t0
+        return out
