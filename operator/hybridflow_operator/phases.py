@@ -130,6 +130,8 @@ def decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods:
         set_condition(st, "Succeeded", True, "Completed", "the controller finished every step", now)
         set_condition(st, "Running", False, "Completed", "job finished", now)
         st["completionTime"] = iso(now)
+        if st.get("totalSteps"):  # the driver exits 0 only after its last step, which polling may have missed
+            st["step"] = st["totalSteps"]
         plan.delete_pods += [p.name for p in current if p.role != "head"]
         return plan
     failed = [p for p in current if p.phase in ("Failed", "Unknown")]

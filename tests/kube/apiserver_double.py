@@ -1,6 +1,7 @@
 """A test double of the kube-apiserver: kmock's stateful Kubernetes emulator served over real HTTP, plus what a
 real API server does and kmock 0.8 does not (see STACK.md): resourceVersion/uid/creationTimestamp/generation,
-`generateName`, 422 on a failed JSON-patch `test`, label selectors on lists, `kind` on lists, Table rendering of our printer columns, and the discovery of our CRD.
+`generateName`, 422 on a failed JSON-patch `test`, label selectors on lists, `kind` on lists, Table rendering of our printer columns, the discovery of our CRD, and the core group's discovery spelled as
+kubectl expects ("v1", not "/v1").
 
 It stands in for the API server only; kopf, kubectl and our operator talk to it as they would to a cluster."""
 from __future__ import annotations
@@ -29,6 +30,11 @@ RESOURCES = {
                                       verbs={"get", "list", "watch", "create", "patch", "delete"}),
     "v1/configmaps": kmock.ResourceInfo(kind="ConfigMap", singular="configmap", namespaced=True,
                                         verbs={"get", "list", "watch", "create", "patch", "delete"}),
+    "v1/persistentvolumeclaims": kmock.ResourceInfo(kind="PersistentVolumeClaim", singular="persistentvolumeclaim",
+                                                    namespaced=True, shortnames={"pvc"},
+                                                    verbs={"get", "list", "watch", "create", "patch", "delete"}),
+    "v1/secrets": kmock.ResourceInfo(kind="Secret", singular="secret", namespaced=True,
+                                     verbs={"get", "list", "watch", "create", "patch", "delete"}),
     "v1/events": kmock.ResourceInfo(kind="Event", singular="event", namespaced=True,
                                     verbs={"get", "list", "create", "patch"}),
     "v1/namespaces": kmock.ResourceInfo(kind="Namespace", singular="namespace", namespaced=False,
@@ -83,6 +89,12 @@ class KubeApiServerDouble(kmock.KubernetesEmulator):
             meta["resourceVersion"] = version
             if current is not None and "spec" in request.data and request.subresource != "status":
                 meta["generation"] = int(current.get("metadata", {}).get("generation", 1)) + 1
+
+    async def _serve_version(self, request: rendering.Request) -> Any:
+        """kmock names the core group's version "/v1"; kubectl only maps kinds of a groupVersion spelled "v1"."""
+        payload = await super()._serve_version(request)
+        payload["groupVersion"] = payload["groupVersion"].lstrip("/")
+        return payload
 
     async def _serve_list(self, request: rendering.Request) -> Any:
         payload = await super()._serve_list(request)

@@ -102,10 +102,10 @@ def start_local_ray(job: RLHFJob, temp_dir: str | None, verbose: bool = False) -
 def execute(job: RLHFJob, progress: bool = True) -> int:
     from hybridflow import trainer
     from hybridflow.metrics import JobMetrics
-    from hybridflow.models.builders import materialize
+    from hybridflow.models.builders import materialize, model_cache_dir
 
     s = job.spec
-    cache = Path(os.environ.get("HYBRIDFLOW_MODEL_CACHE", Path.home() / ".cache" / "hybridflow" / "models"))
+    cache = model_cache_dir()
     say = print if progress else (lambda *_: None)
     say(f"job {job.metadata.name}: {s.algorithm.name} on {s.models.actor.source} model, rollout {s.rollout.engine}, "
         f"{s.trainer.steps} steps x {s.trainer.prompts_per_step} prompts x {s.rollout.responses_per_prompt} samples")
@@ -133,6 +133,8 @@ def execute(job: RLHFJob, progress: bool = True) -> int:
         "steps_done": summary.steps_done, "start_step": summary.start_step, "eval_before": summary.eval_before,
         "eval_after": summary.eval_after, "seconds": summary.seconds, "mean_tokens_per_s": summary.mean_throughput,
     }, indent=1))
+    if s.metrics.port and s.metrics.linger_seconds:
+        time.sleep(s.metrics.linger_seconds)  # the final step's values reach Prometheus before the exporter goes
     return 0
 
 

@@ -190,6 +190,10 @@ class Trainer(_Spec):
 class Metrics(_Spec):
     port: int = Field(8000, ge=0, le=65535, description="Prometheus port of the driver (0: disabled).")
     address: str = Field("127.0.0.1", description="Bind address of the metrics server.")
+    linger_seconds: int = Field(
+        0, ge=0, le=3600, description="Keep serving /metrics this long after the last step, so Prometheus scrapes "
+        "the final values (set it to at least the scrape interval)."
+    )
 
 
 class RunPolicy(_Spec):

@@ -40,6 +40,20 @@ def tiny_config(t: TinyModel) -> Any:
     )
 
 
+def save_hf(model: Any, directory: Path) -> None:
+    """`save_pretrained` that writes on every rank: transformers 5 silently skips the weights on ranks other than 0
+    when torch.distributed is initialised, which left worker pods (rank 1 of the actor group) an empty model dir."""
+    from safetensors.torch import save_model
+
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(directory)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
+    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    if not (directory / "config.json").is_file():
+        raise RuntimeError(f"{directory}: the model's config.json was not written")
+
+
 def _write_atomically(target: Path, build: Any) -> Path:
     """Build into a temp dir and rename: concurrent ranks or a crash never leave a half-written model."""
     if (target / "config.json").is_file():
@@ -66,7 +80,7 @@ def build_tiny(t: TinyModel, out_dir: Path, seed: int) -> Path:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        model.save_pretrained(tmp, safe_serialization=True)
+        save_hf(model, tmp)
 
     key = json.dumps(t.model_dump(), sort_keys=True)
     name = f"tiny-{hashlib.sha256(f'{key}{seed}'.encode()).hexdigest()[:12]}"
@@ -108,10 +122,31 @@ def build_smollm2(out_dir: Path) -> Path:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         model.load_state_dict(src.state_dict(), strict=False)
         model.tie_weights()
-        model.save_pretrained(tmp, safe_serialization=True)
+        save_hf(model, tmp)
         tok.save_pretrained(tmp)
 
     return _write_atomically(out_dir / "smollm2-135m-instruct", build)
+
+
+def model_cache_dir() -> Path:
+    """Where models are built on this machine ($HYBRIDFLOW_MODEL_CACHE; pods point it at an emptyDir)."""
+    return Path(os.environ.get("HYBRIDFLOW_MODEL_CACHE", Path.home() / ".cache" / "hybridflow" / "models"))
+
+
+def local_model_dir(model_dir: str | Path, src: ModelSource, seed: int) -> Path:
+    """The driver's model directory when this process can see it; otherwise the same model materialised here.
+
+    On Kubernetes the driver builds models in the head pod's own cache, which worker pods on other nodes cannot
+    see; a tiny model rebuilds identically from its config and seed, SmolLM2 comes from the installed package and a
+    `path` model lives on a volume every pod mounts at the same place."""
+    p = Path(model_dir)
+    if (p / "config.json").is_file():
+        return p
+    here = materialize(src, model_cache_dir(), seed)
+    if not (here / "config.json").is_file():
+        raise FileNotFoundError(f"{here}: no HF model (config.json) on this node; a `path` model must sit on a volume "
+                                "every pod mounts at the same place (spec.kubernetes.modelPvc, mounted at /models)")
+    return here
 
 
 def materialize(src: ModelSource, cache_dir: Path, seed: int) -> Path:

@@ -23,6 +23,7 @@ from hybridflow.data.packing import pack_rollout
 from hybridflow.engines import megatron_model as mm
 from hybridflow.engines.rollout import HFRollout, SamplingConfig, VLLMRollout
 from hybridflow.hybrid_engine.reshard import ReshardStats
+from hybridflow.models.builders import local_model_dir
 from hybridflow.roles.common import CheckpointMixin, load_causal_lm, peak_memory_bytes
 from hybridflow.spec import JobSpec
 
@@ -36,6 +37,7 @@ class ActorRolloutWorker(CheckpointMixin):
         torch.manual_seed(self.spec.trainer.seed)
         t, r = self.spec.training, self.spec.rollout
         dtype = self.spec.models.actor.dtype
+        model_dir = str(local_model_dir(model_dir, self.spec.models.actor, self.spec.trainer.seed))
         self.hybrid: Any = None
         if t.engine == "megatron":
             from hybridflow.engines.megatron import MegatronEngine

@@ -1,7 +1,6 @@
 """The critic (PPO): the policy's architecture with a scalar value head, one value per response token."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +11,7 @@ from hybridflow.controller.batch import Batch
 from hybridflow.controller.protocol import Dispatch, register
 from hybridflow.controller.worker_group import WorkerContext
 from hybridflow.engines.fsdp import FSDPEngine, sequence_inputs
+from hybridflow.models.builders import local_model_dir
 from hybridflow.roles.common import CheckpointMixin
 from hybridflow.spec import JobSpec
 
@@ -31,8 +31,10 @@ class CriticWorker(CheckpointMixin):
 
         self.spec = JobSpec.model_validate(spec)
         torch.manual_seed(self.spec.trainer.seed + 7)
+        s = self.spec
+        model_dir = local_model_dir(model_dir, s.models.critic or s.models.actor, s.trainer.seed)
         model = AutoModelForTokenClassification.from_pretrained(
-            Path(model_dir), num_labels=1, dtype=getattr(torch, self.spec.models.actor.dtype)
+            model_dir, num_labels=1, dtype=getattr(torch, self.spec.models.actor.dtype)
         )
         t = self.spec.training
         self.engine = FSDPEngine(model, t.critic_lr, t.grad_clip, ctx.device)

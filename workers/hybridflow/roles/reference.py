@@ -1,7 +1,6 @@
 """The reference policy: a frozen, sharded copy of the initial actor that scores responses for the KL term."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,13 +11,15 @@ from hybridflow.controller.protocol import Dispatch, register
 from hybridflow.controller.worker_group import WorkerContext
 from hybridflow.engines.fsdp import FSDPEngine, response_logits, token_log_probs
 from hybridflow.roles.common import load_causal_lm
+from hybridflow.models.builders import local_model_dir
 from hybridflow.spec import JobSpec
 
 
 class ReferenceWorker:
     def __init__(self, ctx: WorkerContext, spec: dict[str, Any], model_dir: str) -> None:
         self.spec = JobSpec.model_validate(spec)
-        model = load_causal_lm(Path(model_dir), self.spec.models.actor.dtype)
+        s = self.spec
+        model = load_causal_lm(local_model_dir(model_dir, s.models.actor, s.trainer.seed), s.models.actor.dtype)
         self.engine = FSDPEngine(model, lr=0.0, grad_clip=1.0, device=ctx.device, trainable=False)
 
     @register(Dispatch.DP_COMPUTE, blocking=False)

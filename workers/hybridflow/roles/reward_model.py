@@ -1,7 +1,6 @@
 """An optional reward model: a sequence classifier scoring prompt + response with one scalar."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,6 +10,7 @@ from hybridflow.controller.batch import Batch
 from hybridflow.controller.protocol import Dispatch, register
 from hybridflow.controller.worker_group import WorkerContext
 from hybridflow.engines.fsdp import FSDPEngine, sequence_inputs
+from hybridflow.models.builders import local_model_dir
 from hybridflow.spec import JobSpec
 
 
@@ -26,7 +26,10 @@ class RewardModelWorker:
         from transformers import AutoModelForTokenClassification
 
         self.spec = JobSpec.model_validate(spec)
-        model = AutoModelForTokenClassification.from_pretrained(Path(model_dir), num_labels=1)
+        src = self.spec.models.reward.model
+        assert src is not None, "a reward model worker needs spec.models.reward.model"
+        model = AutoModelForTokenClassification.from_pretrained(
+            local_model_dir(model_dir, src, self.spec.trainer.seed), num_labels=1)
         self.engine = FSDPEngine(model, lr=0.0, grad_clip=1.0, device=ctx.device, trainable=False)
 
     @register(Dispatch.DP_COMPUTE, blocking=False)

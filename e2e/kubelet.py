@@ -1,0 +1,330 @@
+"""A kubelet *test double*: it watches pods on the (emulated) API server and runs each one's containers as real
+processes — init containers first, each pod in its own network namespace (e2e/netns.py), mount namespace (its own
+/tmp, /dev/shm and volumes) and hostname — then writes phase, pod IP and container exit codes back through the
+status subresource, as a kubelet does. A pod that disappears from the API has its processes killed.
+
+It also plays the two cluster add-ons a pod relies on: a volume provisioner (a PersistentVolumeClaim is a directory
+under the harness's work dir that outlives pods) and the data behind cluster DNS (`names`: pods, and headless
+Services' `<service>.<namespace>.svc[.cluster.local]` names -> pod addresses), served by e2e/dns.py and also
+written to a hosts file bind-mounted over /etc/hosts.
+
+Not emulated: resource limits, probes, image pulls (every "image" is this machine's Python environment).
+"""
+from __future__ import annotations
+
+import base64
+import datetime
+import json
+import logging
+import os
+import shlex
+import subprocess
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from e2e.netns import GATEWAY, PodNetwork
+
+log = logging.getLogger("kubelet-double")
+
+ENV_DROP = ("KUBECONFIG", "PYTEST", "RAY_", "HYBRIDFLOW_")  # the harness's own settings never leak into pods
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def exit_code(returncode: int) -> int:
+    """Popen's -N (killed by signal N) as a container runtime reports it: 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def cluster_names(pods: dict[tuple[str, str], tuple[str, dict]], services: list[dict]) -> dict[str, str]:
+    """DNS names -> addresses, as kube-dns would answer: pods by name, headless Services by their FQDNs."""
+    names = {}
+    for (ns, name), (ip, _) in sorted(pods.items()):
+        names[name] = ip
+        names[f"{ip.replace('.', '-')}.{ns}.pod.cluster.local"] = ip
+    for svc in services:
+        meta, spec = svc["metadata"], svc.get("spec") or {}
+        sel = spec.get("selector") or {}
+        ns = meta.get("namespace", "default")
+        ips = sorted(ip for (pns, _), (ip, labels) in pods.items() if pns == ns and sel and labels_match(sel, labels))
+        if ips:
+            n = meta["name"]
+            for fqdn in (f"{n}.{ns}.svc.cluster.local", f"{n}.{ns}.svc", f"{n}.{ns}"):
+                names[fqdn] = ips[0]
+    return names
+
+
+def hosts_file(names: dict[str, str]) -> str:
+    lines = ["127.0.0.1 localhost", "::1 localhost"] + [f"{ip} {name}" for name, ip in names.items()]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class RunningPod:
+    namespace: str
+    name: str
+    uid: str
+    netns: str
+    ip: str = ""
+    labels: dict = field(default_factory=dict)
+    procs: list = field(default_factory=list)
+    deleted: bool = False
+    thread: threading.Thread | None = None
+
+
+class KubeletDouble:
+    def __init__(self, kube: Any, net: PodNetwork, workdir: Path, hosts_path: Path, poll: float = 0.3) -> None:
+        self.kube, self.net, self.workdir, self.hosts_path, self.poll = kube, net, workdir, hosts_path, poll
+        self.pods: dict[str, RunningPod] = {}  # by uid
+        self.finished: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="kubelet-double")
+        self._lock = threading.Lock()
+        self._made_dirs: list[Path] = []
+        self._hosts = ""
+        self.names: dict[str, str] = {}  # what the cluster DNS double answers (e2e/dns.py reads it)
+
+    # --- lifecycle ---
+
+    def start(self) -> "KubeletDouble":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for pod in list(self.pods.values()):
+            self._stop_pod(pod)
+        for d in reversed(self._made_dirs):  # mount points this double had to create
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
+    def kill_processes(self, namespace: str, name: str) -> int:
+        """Fault injection: SIGKILL everything in a pod (as an OOM kill or a node loss would); returns the count."""
+        pod = next(p for p in self.pods.values() if (p.namespace, p.name) == (namespace, name))
+        pids = self.net.pids(pod.netns)
+        self.net.kill(pod.netns, grace=0)
+        return len(pids)
+
+    def running(self, name: str, namespace: str = "default") -> bool:
+        """Whether the pod's containers have started (its sandbox has processes)."""
+        pod = next((p for p in list(self.pods.values()) if (p.namespace, p.name) == (namespace, name)), None)
+        return bool(pod and pod.procs and self.net.pids(pod.netns))
+
+    def running_pids(self) -> list[int]:
+        return [pid for p in list(self.pods.values()) for pid in self.net.pids(p.netns)]
+
+    def logs(self, namespace: str, name: str) -> str:
+        out = []
+        for f in sorted((self.workdir / "pods").glob(f"{namespace}.{name}.*/*.log")):
+            out.append(f"--- {f.parent.name}/{f.name}\n{f.read_text(errors='replace')[-4000:]}")
+        return "\n".join(out)
+
+    # --- the sync loop ---
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sync()
+            except Exception:  # the API server double restarting, a pod racing its deletion: try again
+                log.exception("kubelet double sync failed")
+            self._stop.wait(self.poll)
+
+    def _list(self, kind: str) -> list[dict]:
+        resp = getattr(self.kube.core, f"list_{kind}_for_all_namespaces")(_preload_content=False)
+        return json.loads(resp.data)["items"]
+
+    def sync(self) -> None:
+        live = {}
+        for pod in self._list("pod"):
+            meta = pod["metadata"]
+            uid = meta["uid"]
+            live[uid] = pod
+            phase = (pod.get("status") or {}).get("phase")
+            if uid not in self.pods and uid not in self.finished and phase not in ("Succeeded", "Failed") \
+                    and not meta.get("deletionTimestamp"):
+                self._admit(pod)
+            elif uid in self.pods and meta.get("deletionTimestamp"):
+                self._stop_pod(self.pods[uid])
+        for uid, pod in list(self.pods.items()):
+            if uid not in live:
+                self._stop_pod(pod)
+        self._write_hosts()
+
+    def _write_hosts(self) -> None:
+        pods = {(p.namespace, p.name): (p.ip, p.labels) for p in list(self.pods.values()) if p.ip and not p.deleted}
+        self.names = cluster_names(pods, self._list("service"))
+        text = hosts_file(self.names)
+        if text != self._hosts:
+            with open(self.hosts_path, "r+") as f:  # in place: the bind mount follows the inode
+                f.seek(0)
+                f.write(text)
+                f.truncate()
+            self._hosts = text
+
+    def _admit(self, pod: dict) -> None:
+        meta = pod["metadata"]
+        ns, name = meta.get("namespace", "default"), meta["name"]
+        rp = RunningPod(ns, name, meta["uid"], f"{ns}.{name}", labels=dict(meta.get("labels") or {}))
+        with self._lock:
+            self.pods[rp.uid] = rp
+        rp.thread = threading.Thread(target=self._run_pod, args=(rp, pod), daemon=True, name=f"pod-{name}")
+        rp.thread.start()
+
+    def _stop_pod(self, rp: RunningPod) -> None:
+        rp.deleted = True
+        self.net.remove(rp.netns)
+        for p in rp.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        with self._lock:
+            self.pods.pop(rp.uid, None)
+            self.finished.add(rp.uid)
+
+    # --- one pod ---
+
+    def _status(self, rp: RunningPod, status: dict) -> None:
+        if rp.deleted:
+            return
+        try:
+            self.kube.core.patch_namespaced_pod_status(rp.name, rp.namespace, {"status": status})
+        except Exception as err:  # deleted meanwhile
+            log.info("status of %s/%s not written: %s", rp.namespace, rp.name, err)
+
+    def _run_pod(self, rp: RunningPod, pod: dict) -> None:
+        try:
+            rp.ip = self.net.add(rp.netns)
+        except Exception as err:
+            log.error("pod %s: no network: %s", rp.name, err)
+            return
+        base = {"podIP": rp.ip, "podIPs": [{"ip": rp.ip}], "hostIP": GATEWAY, "startTime": _now()}
+        self._status(rp, {**base, "phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]})
+        self._write_hosts()
+        spec = pod["spec"]
+        poddir = self.workdir / "pods" / f"{rp.namespace}.{rp.name}.{rp.uid[:8]}"
+        (poddir / "tmp").mkdir(parents=True, exist_ok=True)
+        try:
+            volumes = self._volumes(pod, poddir)
+        except Exception as err:
+            self._status(rp, {**base, "phase": "Failed", "reason": "VolumeError", "message": str(err)})
+            return
+        for c in spec.get("initContainers") or []:
+            proc = self._spawn(rp, pod, c, volumes, poddir)
+            rc = exit_code(proc.wait())
+            if rp.deleted:
+                return
+            if rc:
+                self._status(rp, {**base, "phase": "Failed", "initContainerStatuses": [
+                    _terminated(c, rc)]})
+                return
+        procs = [(c, self._spawn(rp, pod, c, volumes, poddir)) for c in spec["containers"]]
+        self._status(rp, {**base, "phase": "Running",
+                          "conditions": [{"type": "Ready", "status": "True"}],
+                          "containerStatuses": [{"name": c["name"], "ready": True, "restartCount": 0,
+                                                 "image": c.get("image", ""), "imageID": "",
+                                                 "state": {"running": {"startedAt": _now()}}} for c, _ in procs]})
+        codes = [(c, exit_code(p.wait())) for c, p in procs]
+        if rp.deleted:
+            return
+        phase = "Succeeded" if all(rc == 0 for _, rc in codes) else "Failed"
+        self._status(rp, {**base, "phase": phase, "containerStatuses": [_terminated(c, rc) for c, rc in codes]})
+        self.net.remove(rp.netns)  # a finished pod keeps its object but no longer holds a sandbox
+        with self._lock:
+            self.pods.pop(rp.uid, None)
+            self.finished.add(rp.uid)
+
+    def _volumes(self, pod: dict, poddir: Path) -> dict[str, tuple[str, Path]]:
+        """Volume name -> (kind, host directory)."""
+        ns = pod["metadata"].get("namespace", "default")
+        out = {}
+        for v in pod["spec"].get("volumes") or []:
+            d = poddir / "volumes" / v["name"]
+            if "configMap" in v:
+                cm = self.kube.core.read_namespaced_config_map(v["configMap"]["name"], ns)
+                d.mkdir(parents=True, exist_ok=True)
+                for key, text in (cm.data or {}).items():
+                    (d / key).write_text(text)
+                out[v["name"]] = ("configMap", d)
+            elif "persistentVolumeClaim" in v:
+                claim = v["persistentVolumeClaim"]["claimName"]
+                d = self.workdir / "volumes" / ns / claim
+                d.mkdir(parents=True, exist_ok=True)
+                out[v["name"]] = ("pvc", d)
+            elif "emptyDir" in v:
+                d.mkdir(parents=True, exist_ok=True)
+                medium = (v["emptyDir"] or {}).get("medium", "")
+                out[v["name"]] = ("tmpfs" if medium == "Memory" else "emptyDir", d)
+            else:
+                raise ValueError(f"volume {v['name']}: only configMap, persistentVolumeClaim and emptyDir are emulated")
+        return out
+
+    def _env(self, rp: RunningPod, pod: dict, c: dict) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_DROP)}
+        env.update(HOSTNAME=rp.name, POD_NAME=rp.name)
+        fields = {"status.podIP": rp.ip, "metadata.name": rp.name, "metadata.namespace": rp.namespace,
+                  "status.hostIP": GATEWAY, "spec.nodeName": "e2e-node"}
+        for e in c.get("env") or []:
+            if "value" in e:
+                env[e["name"]] = str(e["value"])
+            elif "fieldRef" in (e.get("valueFrom") or {}):
+                env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+            elif "secretKeyRef" in (e.get("valueFrom") or {}):
+                ref = e["valueFrom"]["secretKeyRef"]
+                secret = self.kube.core.read_namespaced_secret(ref["name"], rp.namespace)
+                env[e["name"]] = base64.b64decode(secret.data[ref["key"]]).decode()
+        return env
+
+    def _mount_point(self, target: Path) -> None:
+        missing = []
+        p = target
+        while not p.exists():
+            missing.append(p)
+            p = p.parent
+        for d in reversed(missing):
+            d.mkdir()
+            self._made_dirs.append(d)
+
+    def _spawn(self, rp: RunningPod, pod: dict, c: dict, volumes: dict, poddir: Path) -> subprocess.Popen:
+        script = ["set -e", f"hostname {shlex.quote(rp.name)}"]
+        for m in c.get("volumeMounts") or []:
+            kind, src = volumes[m["name"]]
+            target = Path(m["mountPath"])
+            with self._lock:
+                self._mount_point(target)
+            t = shlex.quote(str(target))
+            if kind == "tmpfs":
+                script.append(f"mount -t tmpfs -o size=2g tmpfs {t}")
+            else:
+                script.append(f"mount --bind {shlex.quote(str(src))} {t}")
+                if m.get("readOnly"):
+                    script.append(f"mount -o remount,bind,ro {t}")
+        # the pod's own /tmp last: the volumes' host directories may live under the harness's /tmp
+        script += [f"mount --bind {shlex.quote(str(poddir / 'tmp'))} /tmp", 'exec "$@"']
+        argv = [*(c.get("command") or []), *(c.get("args") or [])]
+        logf = open(poddir / f"{c['name']}.log", "ab")
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", rp.netns, "unshare", "--mount", "--uts", "--propagation", "private", "--",
+             "sh", "-c", "\n".join(script), "sh", *argv],
+            env=self._env(rp, pod, c), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=str(poddir / "tmp"), start_new_session=True)
+        logf.close()
+        rp.procs.append(proc)
+        return proc
+
+
+def _terminated(c: dict, rc: int) -> dict:
+    return {"name": c["name"], "ready": False, "restartCount": 0, "image": c.get("image", ""), "imageID": "",
+            "state": {"terminated": {"exitCode": rc, "reason": "Completed" if rc == 0 else "Error",
+                                     "finishedAt": _now()}}}

@@ -1,0 +1,87 @@
+"""Pod networking for the kubelet double: one network namespace per pod, joined to a bridge by a veth pair, with
+its own address on 10.244.0.0/24 — what a CNI plugin gives each pod. Runs inside the e2e user+network namespace
+(see e2e/README.md), so nothing here touches the host's network.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import subprocess
+import threading
+import time
+
+BRIDGE = "hfe2e0"
+SUBNET = ipaddress.ip_network("10.244.0.0/24")
+GATEWAY = str(next(SUBNET.hosts()))
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and out.returncode:
+        raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip()}")
+    return out
+
+
+def next_free(used: set[str]) -> str:
+    """Lowest pod address not in use (the gateway is the bridge)."""
+    for host in SUBNET.hosts():
+        addr = str(host)
+        if addr != GATEWAY and addr not in used:
+            return addr
+    raise RuntimeError(f"no free address in {SUBNET}")
+
+
+class PodNetwork:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pods: dict[str, tuple[str, str]] = {}  # netns name -> (address, host-side veth)
+        self._serial = 0
+        _ip("link", "set", "lo", "up")
+        if _ip("link", "show", BRIDGE, check=False).returncode:
+            _ip("link", "add", BRIDGE, "type", "bridge")
+        _ip("addr", "replace", f"{GATEWAY}/{SUBNET.prefixlen}", "dev", BRIDGE)
+        _ip("link", "set", BRIDGE, "up")
+
+    def add(self, netns: str) -> str:
+        """A namespace named `netns` with eth0 on the bridge; returns its address."""
+        with self._lock:
+            addr = next_free({a for a, _ in self._pods.values()})
+            self._serial += 1
+            veth = f"hfv{self._serial}"
+            self._pods[netns] = (addr, veth)
+        _ip("netns", "add", netns)
+        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
+        _ip("link", "set", veth, "master", BRIDGE, "up")
+        for cmd in (("link", "set", "lo", "up"), ("addr", "add", f"{addr}/{SUBNET.prefixlen}", "dev", "eth0"),
+                    ("link", "set", "eth0", "up"), ("route", "add", "default", "via", GATEWAY)):
+            _ip("-n", netns, *cmd)
+        return addr
+
+    def pids(self, netns: str) -> list[int]:
+        out = _ip("netns", "pids", netns, check=False)
+        return [int(p) for p in out.stdout.split()] if out.returncode == 0 else []
+
+    def kill(self, netns: str, grace: float = 3.0) -> None:
+        """Every process in the pod's network namespace: SIGTERM, then SIGKILL after `grace` seconds."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in self.pids(netns):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.time() + grace
+            while self.pids(netns) and time.time() < deadline:
+                time.sleep(0.1)
+            if not self.pids(netns):
+                return
+
+    def remove(self, netns: str) -> None:
+        self.kill(netns, grace=0.5)
+        with self._lock:
+            self._pods.pop(netns, None)
+        _ip("netns", "del", netns, check=False)  # its veth end goes with it
+
+    def namespaces(self) -> list[str]:
+        out = _ip("netns", "list", check=False)
+        return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]

@@ -1,0 +1,32 @@
+"""Model materialisation on a worker that is not rank 0 (a pod on Kubernetes builds its own copy)."""
+import pytest
+import torch
+
+from hybridflow.models.builders import build_tiny, local_model_dir
+from hybridflow.spec import ModelSource, TinyModel
+
+
+def test_tiny_model_is_written_on_ranks_other_than_zero(tmp_path, monkeypatch):
+    from transformers.distributed import mixin
+
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)  # where save_pretrained writes nothing
+    out = build_tiny(TinyModel(), tmp_path / "rank1", seed=3)
+    assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    monkeypatch.undo()
+    again = build_tiny(TinyModel(), tmp_path / "rank0", seed=3)
+    from safetensors.torch import load_file
+
+    a, b = load_file(out / "model.safetensors"), load_file(again / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_local_model_dir_rebuilds_what_the_driver_built_elsewhere(tmp_path, monkeypatch):
+    src = ModelSource(source="tiny")
+    driver = build_tiny(src.tiny, tmp_path / "driver-cache", seed=0)
+    monkeypatch.setenv("HYBRIDFLOW_MODEL_CACHE", str(tmp_path / "pod-cache"))
+    here = local_model_dir(tmp_path / "driver-cache-not-mounted" / driver.name, src, seed=0)
+    assert here.parent == tmp_path / "pod-cache" and here.name == driver.name
+    assert local_model_dir(driver, src, seed=0) == driver  # visible: used as is
+    with pytest.raises(FileNotFoundError):
+        local_model_dir(tmp_path / "nowhere", ModelSource(source="path", path=str(tmp_path / "nowhere")), 0)
