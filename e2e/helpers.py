@@ -1,7 +1,6 @@
 """What the scenarios ask of the cluster, phrased once."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import yaml
@@ -11,20 +10,12 @@ EXAMPLE = ROOT / "examples" / "tiny-grpo-k8s.yaml"
 PVC = ROOT / "e2e" / "manifests" / "pvc.yaml"
 
 
-def pod_ip(kube, name: str, namespace: str = "default") -> str | None:
-    try:
-        pod = kube.core.read_namespaced_pod(name, namespace)
-    except Exception:
-        return None
-    return pod.status.pod_ip if pod.status else None
-
-
 def live_pod_names(kube, job: str) -> list[str]:
     return sorted(p.metadata.name for p in kube.pods(job) if not p.metadata.deletion_timestamp)
 
 
 def job_variant(tmp: Path, name: str, **changes) -> Path:
-    """The example under another name (and its own checkpoint claim), with spec sections overridden."""
+    """The example under another name (with its own checkpoint claim), spec sections overridden; PVC + job."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["name"] = name
     doc["spec"]["kubernetes"]["checkpointPvc"] = f"{name}-checkpoints"
@@ -37,12 +28,8 @@ def job_variant(tmp: Path, name: str, **changes) -> Path:
     return path
 
 
-def step_log(world, job: str) -> list[int]:
-    """Steps recorded in the job's step log on its checkpoint volume, in order."""
-    path = world.workdir / "volumes" / "default" / f"{job}-checkpoints" / "steps.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+def phase(world, job: str) -> str | None:
+    return world.kube.status(job).get("phase")
 
 
 def prom_value(resp: dict) -> float | None:

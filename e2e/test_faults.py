@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kube.harness import wait_for
 
-from e2e.helpers import job_variant, live_pod_names, step_log
+from e2e.helpers import job_variant, live_pod_names, phase
 
 STEPS = 30
 LONG = {"trainer": {"steps": STEPS, "saveFreq": 3}, "metrics": {"port": 8000, "lingerSeconds": 0}}
@@ -12,46 +12,41 @@ LONG = {"trainer": {"steps": STEPS, "saveFreq": 3}, "metrics": {"port": 8000, "l
 
 def _start(world, tmp_path, name, **changes):
     world.kubectl("apply", "--validate=false", "-f", str(job_variant(tmp_path, name, **{**LONG, **changes})))
-    wait_for(lambda: world.kube.status(name).get("phase") == "Running", 180, f"{name} Running")
+    wait_for(lambda: phase(world, name) == "Running", 300, f"{name} Running")
 
 
-def _head_log(world, name, gen=0):
-    return world.kubelet.logs("default", f"{name}-head-g{gen}")
+def _finish(world, name, head):
+    wait_for(lambda: phase(world, name) in ("Succeeded", "Failed"), 600, f"the end; {world.logs(head)}")
+    return world.kube.status(name)
 
 
 def test_killed_worker_restarts_the_gang_and_resumes_from_the_checkpoint(world, tmp_path):
     name = "fault-worker"
     _start(world, tmp_path, name)
-    ck = wait_for(lambda: (world.kube.status(name).get("lastCheckpointStep") or 0) >= 3
-                  and world.kube.status(name)["lastCheckpointStep"], 180, f"a checkpoint; {_head_log(world, name)}")
-    assert world.kubelet.kill_processes("default", f"{name}-default-1-g0") > 0
-    wait_for(lambda: world.kube.status(name).get("restarts") == 1, 60, "the gang restart")
-    wait_for(lambda: world.kube.status(name).get("phase") in ("Succeeded", "Failed"), 300,
-             f"the end; {_head_log(world, name, 1)}")
-    st = world.kube.status(name)
+    ck = wait_for(lambda: world.kube.status(name).get("lastCheckpointStep", 0) >= 3
+                  and world.kube.status(name)["lastCheckpointStep"], 300, "a checkpoint")
+    world.kill_pod_processes(f"{name}-default-1-g0")
+    wait_for(lambda: world.kube.status(name).get("restarts") == 1, 120, "the gang restart")
+    st = _finish(world, name, f"{name}-head-g1")
     assert st["phase"] == "Succeeded", st
     assert st["restarts"] == 1 and st["step"] == STEPS
-    assert step_log(world, name) == list(range(1, STEPS + 1)), "a step was lost or repeated"
-    resumed = _head_log(world, name, 1)
+    assert world.step_log(name) == list(range(1, STEPS + 1)), "a step was lost or repeated"
+    resumed = world.logs(f"{name}-head-g1")
     start = int(resumed.split("(from step ")[1].split(")")[0])
-    assert start >= ck and start % 3 == 0, resumed[-2000:]  # resumed from a checkpoint, not from scratch
-    events = [e.reason for e in world.kube.events() if e.involved_object.name == name]
-    assert "GangRestart" in events
+    assert start >= ck and start % 3 == 0, resumed[-2000:]  # from a checkpoint, not from scratch
+    assert "GangRestart" in [e.reason for e in world.kube.events() if e.involved_object.name == name]
 
 
 def test_killed_operator_is_replaced_and_adopts_the_pods(world, tmp_path):
     name = "fault-operator"
     _start(world, tmp_path, name)
     before = {p.metadata.name: p.metadata.uid for p in world.kube.pods(name)}
-    world.restart_operator(kill=True)
-    wait_for(lambda: world.api.watching("rlhfjobs"), 60, "the new operator's watch")
-    wait_for(lambda: world.kube.status(name).get("phase") in ("Succeeded", "Failed"), 300,
-             f"the end; {_head_log(world, name)}")
-    st = world.kube.status(name)
+    world.restart_operator()
+    st = _finish(world, name, f"{name}-head-g0")
     assert st["phase"] == "Succeeded" and st.get("restarts", 0) == 0, st
     after = {p.metadata.name: p.metadata.uid for p in world.kube.pods(name)}
     assert after.items() <= before.items(), "the new operator created pods of its own"
-    assert step_log(world, name) == list(range(1, STEPS + 1))
+    assert world.step_log(name) == list(range(1, STEPS + 1))
 
 
 def test_exhausted_backoff_limit_fails_the_job_with_the_reason(world, tmp_path):
@@ -59,12 +54,12 @@ def test_exhausted_backoff_limit_fails_the_job_with_the_reason(world, tmp_path):
     _start(world, tmp_path, name, runPolicy={"backoffLimit": 1})
     for gen in (0, 1):
         pod = f"{name}-default-0-g{gen}"
-        wait_for(lambda: pod in live_pod_names(world.kube, name) and world.kubelet.running(pod), 120, f"{pod} running")
-        world.kubelet.kill_processes("default", pod)
+        wait_for(lambda: pod in live_pod_names(world.kube, name) and world.pod_running(pod), 300, f"{pod} running")
+        world.kill_pod_processes(pod)
         if gen == 0:
-            wait_for(lambda: world.kube.status(name).get("phase") == "Running"
-                     and world.kube.status(name).get("restarts") == 1, 180, "generation 1 running")
-    wait_for(lambda: world.kube.status(name).get("phase") == "Failed", 120, "phase Failed")
+            wait_for(lambda: phase(world, name) == "Running" and world.kube.status(name).get("restarts") == 1, 300,
+                     "generation 1 running")
+    wait_for(lambda: phase(world, name) == "Failed", 120, "phase Failed")
     st = world.kube.status(name)
     assert st["reason"] == "BackoffLimitExceeded"
     assert f"{name}-default-0-g1" in st["message"] and "137" in st["message"], st["message"]

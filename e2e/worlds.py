@@ -1,0 +1,179 @@
+"""The two places the scenarios run, behind one interface: `LocalWorld` (the doubles, inside the e2e namespaces)
+and `RealCluster` (whatever KUBECONFIG points at, e.g. kind with the CPU worker image). Scenarios only call what
+is here, plus `world.kube` (the official Python client) and `world.local` for the checks only a local run can make
+(processes and pod sandboxes on this machine)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator
+
+from kube.apiserver_double import RunningApiServer
+from kube.harness import Kube, Operator, free_port, wait_for
+
+from e2e.dns import ClusterDNS, resolv_conf
+from e2e.kubelet import KubeletDouble
+from e2e.netns import GATEWAY, PodNetwork
+
+
+OPERATOR_METRICS_PORT = 8080  # the chart's metrics.port default (helm/hybridflow/values.yaml)
+
+
+class _Kubectl:
+    kubeconfig: str
+
+    def kubectl(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+        out = subprocess.run(["kubectl", *args], env={**os.environ, "KUBECONFIG": self.kubeconfig},
+                             capture_output=True, text=True, timeout=timeout)
+        if check and out.returncode:
+            raise AssertionError(f"kubectl {' '.join(args)}: {out.stderr}")
+        return out
+
+
+class LocalWorld(_Kubectl):
+    local = True
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        handler = logging.FileHandler(workdir / "kubelet.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logging.getLogger("kubelet-double").addHandler(handler)
+        logging.getLogger("kubelet-double").setLevel(logging.INFO)
+        self.kubeconfig = str(workdir / "kubeconfig")
+        hosts, resolv = workdir / "hosts", workdir / "resolv.conf"
+        hosts.write_text("127.0.0.1 localhost\n")
+        resolv.write_text(resolv_conf(GATEWAY))
+        for src, dst in ((hosts, "/etc/hosts"), (resolv, "/etc/resolv.conf")):  # cluster DNS, namespace-wide
+            subprocess.run(["mount", "--bind", str(src), dst], check=True)
+        self.net = PodNetwork()
+        self.api = RunningApiServer(self.kubeconfig).__enter__()
+        self.kube = Kube(self.kubeconfig)
+        self.operator = Operator(self.kubeconfig, workdir / "operator.log").start()
+        self.kubelet = KubeletDouble(self.kube, self.net, workdir, hosts).start()
+        self.dns = ClusterDNS(lambda: self.kubelet.names, GATEWAY).start()
+        wait_for(lambda: self.api.watching("rlhfjobs"), 60, "kopf's watch on rlhfjobs")
+
+    def close(self) -> None:
+        self.dns.stop()
+        self.kubelet.stop()
+        self.operator.stop()
+        self.api.__exit__(None, None, None)
+        subprocess.run(["umount", "/etc/hosts", "/etc/resolv.conf"], check=False)
+
+    # --- what scenarios do and read ---
+
+    def restart_operator(self) -> None:
+        """SIGKILL the operator mid-flight and start a new one (as a Deployment would)."""
+        self.operator.stop(kill=True)
+        self.operator = Operator(self.kubeconfig, self.workdir / "operator.log").start()
+        wait_for(lambda: self.api.watching("rlhfjobs"), 60, "the new operator's watch")
+
+    def kill_pod_processes(self, pod: str, namespace: str = "default") -> None:
+        assert self.kubelet.kill_processes(namespace, pod) > 0, f"{pod} had no processes"
+
+    def pod_running(self, pod: str, namespace: str = "default") -> bool:
+        return self.kubelet.running(pod, namespace)
+
+    def logs(self, pod: str, namespace: str = "default") -> str:
+        return self.kubelet.logs(namespace, pod)
+
+    def step_log(self, job: str, namespace: str = "default") -> list[int]:
+        path = self.workdir / "volumes" / namespace / f"{job}-checkpoints" / "steps.jsonl"
+        return _steps(path.read_text() if path.exists() else "")
+
+    @contextlib.contextmanager
+    def metrics_targets(self, job: str, namespace: str = "default") -> Iterator[dict[str, str]]:
+        head_ip = wait_for(lambda: _pod_ip(self.kube, f"{job}-head-g0", namespace), 60, "head pod IP")
+        yield {"driver": f"{head_ip}:8000", "operator": f"127.0.0.1:{self.operator.metrics_port}"}
+
+    def leftovers(self, job: str, namespace: str = "default") -> list[str]:
+        """Pod sandboxes and processes of the job's pods still on this machine."""
+        import psutil
+
+        out = [f"netns {n}" for n in self.net.namespaces() if n.startswith(f"{namespace}.{job}-")]
+        for p in psutil.process_iter(["pid", "environ"]):
+            try:
+                pod = (p.info["environ"] or {}).get("POD_NAME", "")
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if pod.startswith(f"{job}-"):
+                out.append(f"pid {p.info['pid']} of pod {pod}")
+        return out
+
+
+class RealCluster(_Kubectl):
+    """A cluster with the chart installed (`helm install hybridflow helm/hybridflow`) and the worker image loaded."""
+
+    local = False
+
+    def __init__(self, workdir: Path, kubeconfig: str, operator_namespace: str = "default") -> None:
+        self.workdir, self.kubeconfig, self.operator_namespace = workdir, kubeconfig, operator_namespace
+        self.kube = Kube(kubeconfig)
+        self._forwards: list[subprocess.Popen] = []
+
+    def close(self) -> None:
+        for p in self._forwards:
+            p.terminate()
+
+    def restart_operator(self) -> None:
+        sel = "app.kubernetes.io/name=hybridflow,app.kubernetes.io/component=operator"
+        self.kubectl("-n", self.operator_namespace, "delete", "pod", "-l", sel, "--grace-period=0", "--force")
+        wait_for(lambda: "Running" in self.kubectl("-n", self.operator_namespace, "get", "pod", "-l", sel, "-o",
+                                                   "jsonpath={.items[*].status.phase}", check=False).stdout,
+                 180, "the operator's replacement pod")
+
+    def kill_pod_processes(self, pod: str, namespace: str = "default") -> None:
+        self.kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", "kill -9 -1", check=False)
+
+    def pod_running(self, pod: str, namespace: str = "default") -> bool:
+        out = self.kubectl("-n", namespace, "get", "pod", pod, "-o", "jsonpath={.status.phase}", check=False)
+        return out.stdout == "Running"
+
+    def logs(self, pod: str, namespace: str = "default") -> str:
+        return self.kubectl("-n", namespace, "logs", pod, "--all-containers", check=False).stdout
+
+    def step_log(self, job: str, namespace: str = "default") -> list[int]:
+        """Read steps.jsonl from the job's checkpoint claim with a throwaway pod of the worker image."""
+        name = f"{job}-steplog-{int(time.time())}"
+        image = self.kube.job(job, namespace)["spec"].get("kubernetes", {}).get("image", "hybridflow/worker-cpu:0.1.0")
+        overrides = {"spec": {"restartPolicy": "Never", "containers": [{
+            "name": "cat", "image": image, "command": ["sh", "-c", "cat /ckpt/steps.jsonl || true"],
+            "volumeMounts": [{"name": "c", "mountPath": "/ckpt"}]}],
+            "volumes": [{"name": "c", "persistentVolumeClaim": {"claimName": f"{job}-checkpoints"}}]}}
+        self.kubectl("-n", namespace, "run", name, f"--image={image}", "--restart=Never",
+                     f"--overrides={json.dumps(overrides)}")
+        wait_for(lambda: self.kubectl("-n", namespace, "get", "pod", name, "-o", "jsonpath={.status.phase}",
+                                      check=False).stdout in ("Succeeded", "Failed"), 180, "the step-log reader")
+        text = self.kubectl("-n", namespace, "logs", name).stdout
+        self.kubectl("-n", namespace, "delete", "pod", name, "--wait=false", check=False)
+        return _steps(text)
+
+    @contextlib.contextmanager
+    def metrics_targets(self, job: str, namespace: str = "default") -> Iterator[dict[str, str]]:
+        driver, operator = free_port(), free_port()
+        for target, port, ns in ((f"pod/{job}-head-g0", f"{driver}:8000", namespace),
+                                 ("svc/hybridflow-metrics", f"{operator}:{OPERATOR_METRICS_PORT}", self.operator_namespace)):
+            self._forwards.append(subprocess.Popen(
+                ["kubectl", "-n", ns, "port-forward", target, port], env={**os.environ, "KUBECONFIG": self.kubeconfig},
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        yield {"driver": f"127.0.0.1:{driver}", "operator": f"127.0.0.1:{operator}"}
+
+    def leftovers(self, job: str, namespace: str = "default") -> list[str]:
+        return []  # processes and sandboxes live on the nodes; the pods being gone is what the API can show
+
+
+def _steps(text: str) -> list[int]:
+    return [json.loads(line)["step"] for line in text.splitlines() if line.strip()]
+
+
+def _pod_ip(kube, name: str, namespace: str) -> str | None:
+    try:
+        pod = kube.core.read_namespaced_pod(name, namespace)
+    except Exception:
+        return None
+    return pod.status.pod_ip if pod.status else None
