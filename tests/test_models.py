@@ -6,19 +6,24 @@ from hybridflow.models.builders import build_tiny, local_model_dir
 from hybridflow.spec import ModelSource, TinyModel
 
 
-def test_tiny_model_is_written_on_ranks_other_than_zero(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tied", [True, False])
+def test_tiny_model_is_written_on_ranks_other_than_zero_as_save_pretrained_would(tmp_path, monkeypatch, tied):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
     from transformers.distributed import mixin
 
+    from hybridflow.models.builders import tiny_config
+
+    t = TinyModel(tie_embeddings=tied)
     monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
     monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)  # where save_pretrained writes nothing
-    out = build_tiny(TinyModel(), tmp_path / "rank1", seed=3)
+    out = build_tiny(t, tmp_path / "rank1", seed=3)
     assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
     monkeypatch.undo()
-    again = build_tiny(TinyModel(), tmp_path / "rank0", seed=3)
-    from safetensors.torch import load_file
-
-    a, b = load_file(out / "model.safetensors"), load_file(again / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    torch.manual_seed(3)  # what build_tiny does, saved the stock way on a non-distributed process
+    AutoModelForCausalLM.from_config(tiny_config(t), dtype=torch.float32).save_pretrained(tmp_path / "stock")
+    a, b = load_file(out / "model.safetensors"), load_file(tmp_path / "stock" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # same names: vLLM loads both
 
 
 def test_local_model_dir_rebuilds_what_the_driver_built_elsewhere(tmp_path, monkeypatch):

@@ -13,6 +13,26 @@ from hybridflow.spec import load_job
 pytestmark = pytest.mark.slow
 
 
+def _greedy_matches_hf(job, w, task, model_dir, step):
+    """Save a checkpoint, load its actor weights into plain HF, and compare greedy responses on held-out prompts."""
+    from transformers import AutoModelForCausalLM
+
+    saved = trainer.save(job, w, trainer.Path(job.spec.trainer.checkpoint_dir), step,
+                         trainer.PromptStream(task.train, 8, 0))
+    state = torch.load(saved / "actor.pt", weights_only=False)["model"]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing)
+    hf.eval()
+    held_out = task.eval[:8]
+    got = unpack_responses(trainer.resolve(w.roles["actor"].generate(trainer.prompt_batch(held_out), greedy=True)))
+    for sample, resp in zip(held_out, got):
+        ids = torch.tensor([sample.prompt])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(resp), do_sample=False,
+                          min_new_tokens=len(resp), pad_token_id=0)[0, ids.shape[1]:].tolist()
+        assert resp == ref
+
+
 @pytest.mark.parametrize("engine", ["vllm", "hf"])
 def test_generation_engine_follows_the_trained_weights(tmp_path, model_cache, ray_tmp, engine):
     job = load_job(trainer.Path(__file__).resolve().parents[1] / "examples" / "tiny-grpo.yaml")
@@ -42,21 +62,7 @@ def test_generation_engine_follows_the_trained_weights(tmp_path, model_cache, ra
         assert len(engine_ids_before) == len(after_rollout)
 
         # Greedy generation by the synced engine equals HF greedy on the trained weights.
-        saved = trainer.save(job, w, trainer.Path(job.spec.trainer.checkpoint_dir), 1,
-                             trainer.PromptStream(task.train, 8, 0))
-        state = torch.load(saved / "actor.pt", weights_only=False)["model"]
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(model_dir)
-        hf.load_state_dict(state, strict=False)
-        hf.eval()
-        held_out = task.eval[:8]
-        got = unpack_responses(trainer.resolve(actor.generate(trainer.prompt_batch(held_out), greedy=True)))
-        for sample, resp in zip(held_out, got):
-            ids = torch.tensor([sample.prompt])
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(resp), do_sample=False,
-                              min_new_tokens=len(resp), pad_token_id=0)[0, ids.shape[1]:].tolist()
-            assert resp == ref
+        _greedy_matches_hf(job, w, task, model_dir, step=1)
     finally:
         w.shutdown()
         ray.shutdown()
@@ -103,22 +109,16 @@ def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cac
         if rollout == "megatron":
             assert len(after_rollout[0]) > 10  # every tensor was compared, not just one
 
-        saved = trainer.save(job, w, trainer.Path(job.spec.trainer.checkpoint_dir), 2,
-                             trainer.PromptStream(task.train, 8, 0))
-        state = torch.load(saved / "actor.pt", weights_only=False)["model"]
-        from transformers import AutoModelForCausalLM
+        _greedy_matches_hf(job, w, task, model_dir, step=2)  # the checkpoint's HF-named weights, exported
 
-        hf = AutoModelForCausalLM.from_pretrained(model_dir)
-        missing, unexpected = hf.load_state_dict(state, strict=False)
-        assert not unexpected and all("lm_head" in k for k in missing)
-        hf.eval()
-        held_out = task.eval[:8]
-        got = unpack_responses(trainer.resolve(actor.generate(trainer.prompt_batch(held_out), greedy=True)))
-        for sample, resp in zip(held_out, got):
-            ids = torch.tensor([sample.prompt])
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(resp), do_sample=False,
-                              min_new_tokens=len(resp), pad_token_id=0)[0, ids.shape[1]:].tolist()
-            assert resp == ref
+        # resume: another update moves the weights; restoring step 2 brings back exactly the saved ones
+        saved_sums = actor.train_checksum()
+        trainer.rlhf_iteration(job, w, task, trainer.prompt_batch(task.train[16:24]))
+        assert actor.train_checksum() != saved_sums
+        assert trainer.restore(w, trainer.Path(job.spec.trainer.checkpoint_dir))[0] == 2
+        assert actor.train_checksum() == saved_sums
+        if rollout == "megatron":
+            assert actor.rollout_checksum() == saved_sums
     finally:
         w.shutdown()
         ray.shutdown()

@@ -43,13 +43,19 @@ def tiny_config(t: TinyModel) -> Any:
 def save_hf(model: Any, directory: Path) -> None:
     """`save_pretrained` that writes on every rank: transformers 5 silently skips the weights on ranks other than 0
     when torch.distributed is initialised, which left worker pods (rank 1 of the actor group) an empty model dir."""
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(directory)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(directory)
-    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    weights, seen = {}, set()
+    for name, t in model.state_dict().items():  # the first name of a tied tensor, as HF writes it (embed_tokens):
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))  # loaders re-tie the head
+        if key not in seen:
+            seen.add(key)
+            weights[name] = t.detach().contiguous()
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     if not (directory / "config.json").is_file():
         raise RuntimeError(f"{directory}: the model's config.json was not written")
 
