@@ -5,6 +5,7 @@ PID 1 there; when it exits the kernel ends every process left). With KUBECONFIG 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -21,6 +22,11 @@ def pytest_configure(config):
     if not INSIDE and not REAL:
         raise pytest.UsageError("the e2e scenarios run inside their own namespaces: use `make e2e` (e2e/run.sh), "
                                 "or set KUBECONFIG to run them against a cluster")
+
+
+def pytest_sessionstart(session):
+    if INSIDE:  # pytest is PID 1 of its PID namespace, where SIGTERM is ignored unless handled
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ import logging
 import os
 import shlex
 import subprocess
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,10 @@ from e2e.netns import GATEWAY, PodNetwork
 log = logging.getLogger("kubelet-double")
 
 ENV_DROP = ("KUBECONFIG", "PYTEST", "RAY_", "HYBRIDFLOW_")  # the harness's own settings never leak into pods
+# Pods get a private /tmp, as containers do; the parts of "the image" (this machine's Python environment and this
+# checkout, which the editable install points into) that happen to live under /tmp must stay visible in them.
+IMAGE_PATHS_UNDER_TMP = sorted({p for p in (Path(__file__).resolve().parents[1], Path(sys.prefix).resolve())
+                                if Path("/tmp") in p.parents})
 
 
 def _now() -> str:
@@ -310,8 +315,13 @@ class KubeletDouble:
                 script.append(f"mount --bind {shlex.quote(str(src))} {t}")
                 if m.get("readOnly"):
                     script.append(f"mount -o remount,bind,ro {t}")
-        # the pod's own /tmp last: the volumes' host directories may live under the harness's /tmp
-        script += [f"mount --bind {shlex.quote(str(poddir / 'tmp'))} /tmp", 'exec "$@"']
+        # The pod's own /tmp last: the volumes' host directories may live under the harness's /tmp. What the "image"
+        # provides from under /tmp (this checkout, a virtualenv there) is bound into the pod's /tmp first.
+        for keep in IMAGE_PATHS_UNDER_TMP:
+            inside = poddir / "tmp" / keep.relative_to("/tmp")
+            inside.mkdir(parents=True, exist_ok=True)
+            script.append(f"mount --bind {shlex.quote(str(keep))} {shlex.quote(str(inside))}")
+        script += [f"mount --rbind {shlex.quote(str(poddir / 'tmp'))} /tmp", 'exec "$@"']
         argv = [*(c.get("command") or []), *(c.get("args") or [])]
         logf = open(poddir / f"{c['name']}.log", "ab")
         proc = subprocess.Popen(

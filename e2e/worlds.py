@@ -50,6 +50,8 @@ class LocalWorld(_Kubectl):
         resolv.write_text(resolv_conf(GATEWAY))
         for src, dst in ((hosts, "/etc/hosts"), (resolv, "/etc/resolv.conf")):  # cluster DNS, namespace-wide
             subprocess.run(["mount", "--bind", str(src), dst], check=True)
+        os.makedirs("/run/netns", exist_ok=True)  # pod sandboxes' handles stay in this mount namespace, not the host's
+        subprocess.run(["mount", "-t", "tmpfs", "tmpfs", "/run/netns"], check=True)
         self.net = PodNetwork()
         self.api = RunningApiServer(self.kubeconfig).__enter__()
         self.kube = Kube(self.kubeconfig)
