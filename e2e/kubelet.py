@@ -81,6 +81,7 @@ class RunningPod:
     ip: str = ""
     labels: dict = field(default_factory=dict)
     procs: list = field(default_factory=list)
+    main_started: bool = False
     deleted: bool = False
     thread: threading.Thread | None = None
 
@@ -122,9 +123,9 @@ class KubeletDouble:
         return len(pids)
 
     def running(self, name: str, namespace: str = "default") -> bool:
-        """Whether the pod's containers have started (its sandbox has processes)."""
+        """Whether the pod's main containers have started (init containers done) and have processes."""
         pod = next((p for p in list(self.pods.values()) if (p.namespace, p.name) == (namespace, name)), None)
-        return bool(pod and pod.procs and self.net.pids(pod.netns))
+        return bool(pod and pod.main_started and self.net.pids(pod.netns))
 
     def running_pids(self) -> list[int]:
         return [pid for p in list(self.pods.values()) for pid in self.net.pids(p.netns)]
@@ -235,6 +236,7 @@ class KubeletDouble:
                     _terminated(c, rc)]})
                 return
         procs = [(c, self._spawn(rp, pod, c, volumes, poddir)) for c in spec["containers"]]
+        rp.main_started = True
         self._status(rp, {**base, "phase": "Running",
                           "conditions": [{"type": "Ready", "status": "True"}],
                           "containerStatuses": [{"name": c["name"], "ready": True, "restartCount": 0,

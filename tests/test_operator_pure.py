@@ -212,3 +212,15 @@ def test_operator_does_not_import_torch_or_ray():
     code = "import sys, hybridflow_operator.handlers; print('torch' in sys.modules or 'ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("key,kind", [("containerStatuses", "container"), ("initContainerStatuses", "init container")])
+def test_pod_view_names_the_container_and_exit_code(key, kind):
+    from hybridflow_operator.handlers import _pod_view
+
+    pod = {"metadata": {"name": "j-default-0-g1", "labels": {mf.LABEL_GENERATION: "1"}},
+           "status": {"phase": "Failed", key: [{"name": "c1", "state": {"terminated": {"exitCode": 137,
+                                                                                     "reason": "Error"}}}]}}
+    view = _pod_view(pod)
+    assert view.generation == 1 and view.phase == "Failed"
+    assert view.message == f"{kind} c1 exited with code 137 (Error)"

@@ -64,10 +64,11 @@ def _pod_view(pod: dict[str, Any]) -> PodView:
     meta, st = pod["metadata"], pod.get("status") or {}
     labels = meta.get("labels") or {}
     message = st.get("message") or st.get("reason") or ""
-    for cs in st.get("containerStatuses") or []:
-        term = (cs.get("state") or {}).get("terminated")
-        if term and term.get("exitCode"):
-            message = f"container {cs['name']} exited with code {term['exitCode']} ({term.get('reason', 'Error')})"
+    for kind, key in (("init container", "initContainerStatuses"), ("container", "containerStatuses")):
+        for cs in st.get(key) or []:
+            term = (cs.get("state") or {}).get("terminated")
+            if term and term.get("exitCode"):
+                message = f"{kind} {cs['name']} exited with code {term['exitCode']} ({term.get('reason', 'Error')})"
     return PodView(
         name=meta["name"],
         role=labels.get(mf.LABEL_ROLE, "worker"),
