@@ -63,8 +63,9 @@ class PodNetwork:
         return [int(p) for p in out.stdout.split()] if out.returncode == 0 else []
 
     def kill(self, netns: str, grace: float = 3.0) -> None:
-        """Every process in the pod's network namespace: SIGTERM, then SIGKILL after `grace` seconds."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        """Every process in the pod's network namespace: SIGTERM, then SIGKILL after `grace` seconds (grace 0: SIGKILL
+        straight away, as an OOM kill or a lost node would end them)."""
+        for sig in (signal.SIGTERM, signal.SIGKILL) if grace > 0 else (signal.SIGKILL,):
             for pid in self.pids(netns):
                 try:
                     os.kill(pid, sig)
