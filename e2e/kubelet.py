@@ -188,7 +188,12 @@ class KubeletDouble:
         rp.thread.start()
 
     def _stop_pod(self, rp: RunningPod) -> None:
+        """The pod was deleted from the API: nothing more is reported for it."""
         rp.deleted = True
+        self._release(rp)
+
+    def _release(self, rp: RunningPod) -> None:
+        """Kill what is left of the pod, drop its sandbox and forget it; a finished pod's object stays in the API."""
         self.net.remove(rp.netns)
         for p in rp.procs:
             try:
@@ -210,6 +215,13 @@ class KubeletDouble:
             log.info("status of %s/%s not written: %s", rp.namespace, rp.name, err)
 
     def _run_pod(self, rp: RunningPod, pod: dict) -> None:
+        try:
+            self._run_containers(rp, pod)
+        finally:  # however the pod ended (a failed init container too), its sandbox goes
+            if not rp.deleted:
+                self._release(rp)
+
+    def _run_containers(self, rp: RunningPod, pod: dict) -> None:
         try:
             rp.ip = self.net.add(rp.netns)
         except Exception as err:
@@ -247,10 +259,6 @@ class KubeletDouble:
             return
         phase = "Succeeded" if all(rc == 0 for _, rc in codes) else "Failed"
         self._status(rp, {**base, "phase": phase, "containerStatuses": [_terminated(c, rc) for c, rc in codes]})
-        self.net.remove(rp.netns)  # a finished pod keeps its object but no longer holds a sandbox
-        with self._lock:
-            self.pods.pop(rp.uid, None)
-            self.finished.add(rp.uid)
 
     def _volumes(self, pod: dict, poddir: Path) -> dict[str, tuple[str, Path]]:
         """Volume name -> (kind, host directory)."""

@@ -13,6 +13,17 @@ from hybridflow.spec import load_job
 pytestmark = pytest.mark.slow
 
 
+def _start_workers(job, tmp_path, model_cache, ray_tmp):
+    """Eight prompts a step and a big learning rate, so that stale weights could not pass for new ones."""
+    job.spec.trainer.checkpoint_dir = str(tmp_path / "ckpt")
+    job.spec.trainer.prompts_per_step = 8
+    job.spec.training.actor_lr = 0.05
+    model_dir = materialize(job.spec.models.actor, model_cache, job.spec.trainer.seed)
+    task = trainer.build_task(job, model_dir)
+    start_local_ray(job, ray_tmp)
+    return trainer.build_workers(job, model_dir, task, None, None), task, model_dir
+
+
 def _greedy_matches_hf(job, w, task, model_dir, step):
     """Save a checkpoint, load its actor weights into plain HF, and compare greedy responses on held-out prompts."""
     from transformers import AutoModelForCausalLM
@@ -37,13 +48,7 @@ def _greedy_matches_hf(job, w, task, model_dir, step):
 def test_generation_engine_follows_the_trained_weights(tmp_path, model_cache, ray_tmp, engine):
     job = load_job(trainer.Path(__file__).resolve().parents[1] / "examples" / "tiny-grpo.yaml")
     job.spec.rollout.engine = engine
-    job.spec.trainer.checkpoint_dir = str(tmp_path / "ckpt")
-    job.spec.trainer.prompts_per_step = 8
-    job.spec.training.actor_lr = 0.05  # a big step, so that stale weights could not pass for new ones
-    model_dir = materialize(job.spec.models.actor, model_cache, job.spec.trainer.seed)
-    task = trainer.build_task(job, model_dir)
-    start_local_ray(job, ray_tmp)
-    w = trainer.build_workers(job, model_dir, task, None, None)
+    w, task, model_dir = _start_workers(job, tmp_path, model_cache, ray_tmp)
     try:
         actor = w.roles["actor"]
         engine_ids_before = [id(x) for x in actor.rollout_checksum()]
@@ -82,13 +87,7 @@ def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cac
     job.spec.resource_pools[0].devices_per_node = t
     job.spec.training.tensor_parallel = t
     job.spec.rollout.engine, job.spec.rollout.tensor_parallel = rollout, t_g
-    job.spec.trainer.checkpoint_dir = str(tmp_path / "ckpt")
-    job.spec.trainer.prompts_per_step = 8
-    job.spec.training.actor_lr = 0.05
-    model_dir = materialize(job.spec.models.actor, model_cache, job.spec.trainer.seed)
-    task = trainer.build_task(job, model_dir)
-    start_local_ray(job, ray_tmp)
-    w = trainer.build_workers(job, model_dir, task, None, None)
+    w, task, model_dir = _start_workers(job, tmp_path, model_cache, ray_tmp)
     try:
         actor = w.roles["actor"]
         assert actor.dp_sizes == {"train": 1, "rollout": t // t_g}

@@ -14,6 +14,7 @@ Generate -> train needs no communication: training shards are never dropped, gen
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Iterable
@@ -240,6 +241,24 @@ def _bucket_key(name: str) -> str:
     return ".".join(parts[:3]) if name.startswith("decoder.layers.") else name
 
 
+def _gather_bucket(bucket: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, size: int,
+                   stats: ReshardStats):
+    """One all-gather of a bucket's flattened shards; each member's pieces unsharded into the generation shard."""
+    from hybridflow.engines.megatron_model import split_rule, unshard
+
+    if size == 1:
+        yield from bucket
+        return
+    parts = _gather(_flatten(t for _, t in bucket), group, size, stats)
+    stats.peak_transient_bytes = max(stats.peak_transient_bytes, sum(p.numel() * p.element_size() for p in parts))
+    offset = 0
+    for name, t in bucket:
+        n = t.numel()
+        pieces = [p[offset: offset + n].view(t.shape) for p in parts]
+        offset += n
+        yield name, pieces[0].clone() if split_rule(name) == "replicated" else unshard(name, pieces)
+
+
 def gather_micro_dp(named_shards: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, size: int,
                     stats: ReshardStats):
     """HybridFlow's train -> generate transition for megatron TP shards: one all-gather per layer inside the
@@ -247,34 +266,9 @@ def gather_micro_dp(named_shards: Iterable[tuple[str, torch.Tensor]], group: dis
 
     Yields (megatron name, generation shard) as buckets complete, so the consumer installs a layer before the
     next is gathered; with size 1 there is nothing to gather and the training shard itself is yielded."""
-    from hybridflow.engines.megatron_model import split_rule, unshard
-
     t0 = time.perf_counter()
-    bucket: list[tuple[str, torch.Tensor]] = []
-
-    def flush():
-        if size == 1:
-            yield from bucket
-            return
-        flat = _flatten(t for _, t in bucket)
-        parts = _gather(flat, group, size, stats)
-        stats.peak_transient_bytes = max(stats.peak_transient_bytes, sum(p.numel() * p.element_size() for p in parts))
-        offset = 0
-        for name, t in bucket:
-            n = t.numel()
-            pieces = [p[offset: offset + n].view(t.shape) for p in parts]
-            offset += n
-            yield name, pieces[0].clone() if split_rule(name) == "replicated" else unshard(name, pieces)
-
-    for name, t in named_shards:
-        if bucket and _bucket_key(bucket[-1][0]) != _bucket_key(name):
-            for item in flush():
-                stats.generation_bytes += item[1].numel() * item[1].element_size()
-                yield item
-            bucket = []
-        bucket.append((name, t))
-    if bucket:
-        for item in flush():
-            stats.generation_bytes += item[1].numel() * item[1].element_size()
-            yield item
+    for _, items in itertools.groupby(named_shards, key=lambda item: _bucket_key(item[0])):
+        for name, gen in _gather_bucket(list(items), group, size, stats):
+            stats.generation_bytes += gen.numel() * gen.element_size()
+            yield name, gen
     stats.seconds = time.perf_counter() - t0
