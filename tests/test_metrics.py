@@ -41,7 +41,22 @@ def test_naming_conventions():
         for s in fam.samples:
             assert "job" not in s.labels, f"{s.name} uses the label 'job', which Prometheus owns"
             assert set(s.labels) <= {"rlhfjob", "stage", "role", "phase", "le"}, s.labels
-        if fam.type == "counter":
-            assert not fam.name.endswith("_total")  # the client appends _total itself
         if re.search(r"(seconds|time)", fam.name):
             assert "seconds" in fam.name
+
+
+def test_exposition_suffixes_match_metric_types():
+    """What Prometheus sees: counters end in `_total`, and nothing else does (a gauge named `..._total` reads as
+    a counter to `rate()` users); histogram series come only from histograms."""
+    from prometheus_client import generate_latest
+
+    m = JobMetrics("tiny")
+    m.record_step(_record(1), {s: 0.1 for s in STAGES})
+    text = generate_latest(m.registry).decode()
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    assert "counter" in types.values() and "gauge" in types.values(), types
+    for name, kind in types.items():
+        assert name.endswith("_total") == (kind == "counter"), f"{name} is a {kind}"
+        series = set(re.findall(rf"^({re.escape(name)}\w*)[{{ ]", text, re.M))
+        if kind != "histogram":
+            assert not any(x.endswith(("_bucket", "_count", "_sum")) for x in series), (name, series)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, running
 from kube.apiserver_double import RunningApiServer
 from kube.harness import Kube, Operator, free_port, wait_for
 from prometheus_server import Prometheus, prometheus_binary
@@ -61,37 +61,42 @@ def test_every_panel_and_alert_has_data_from_live_exporters(tmp_path, model_cach
             run_doc["spec"]["trainer"].update(steps=120, saveFreq=0, checkpointDir=str(tmp_path / "run"))
             job.write_text(yaml.safe_dump(run_doc))
             env = {**os.environ, "HYBRIDFLOW_MODEL_CACHE": str(model_cache)}
-            run = subprocess.Popen([sys.executable, "-m", "hybridflow.cli", "run", str(job), "-q", "--metrics-port",
-                                    str(driver_port), "--ray-temp-dir", ray_tmp], env=env, cwd=tmp_path,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            targets = {"rlhf-driver": f"127.0.0.1:{driver_port}", "hybridflow-operator": f"127.0.0.1:{op.metrics_port}"}
-            with Prometheus(tmp_path, targets, prom_port) as prom:
-                steps = tmp_path / "run" / "steps.jsonl"
-                wait_for(lambda: steps.exists() and len(steps.read_text().splitlines()) >= 20, 400,
-                         "20 training steps")
-                wait_for(lambda: all(prom.targets_up().get(t) for t in targets), 60, "both targets up")
-                time.sleep(3)
-                at = time.time()
-                empty, failed = [], []
-                for dash in DASHBOARDS:
-                    for panel in dash.panels:
-                        for expr in panel.exprs:
-                            body = prom.query(_expr(expr), at)
-                            if body.get("status") != "success":
-                                failed.append((dash.uid, panel.title, body.get("error")))
-                            elif not body["data"]["result"]:
-                                empty.append((dash.uid, panel.title, expr))
-                assert not failed, failed
-                assert not empty, "panels without data:\n" + "\n".join(map(str, empty))
-                alerts = yaml.safe_load(ALERTS.read_text())
-                for rule in (r for g in alerts["groups"] for r in g["rules"]):
-                    body = prom.query(rule["expr"], at)
-                    assert body.get("status") == "success", (rule["alert"], body)
-                assert run.wait(timeout=400) == 0, run.stderr.read()[-3000:]
+            run_cmd = [sys.executable, "-m", "hybridflow.cli", "run", str(job), "-q", "--metrics-port",
+                       str(driver_port), "--ray-temp-dir", ray_tmp]
+            with running(run_cmd, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True) as run:
+                _check_panels_and_alerts(run, tmp_path, driver_port, prom_port, op)
         finally:
             op.stop()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps_done"] == 120
+
+
+def _check_panels_and_alerts(run, tmp_path, driver_port, prom_port, op):
+    targets = {"rlhf-driver": f"127.0.0.1:{driver_port}", "hybridflow-operator": f"127.0.0.1:{op.metrics_port}"}
+    with Prometheus(tmp_path, targets, prom_port) as prom:
+        steps = tmp_path / "run" / "steps.jsonl"
+        wait_for(lambda: steps.exists() and len(steps.read_text().splitlines()) >= 20, 400,
+                 "20 training steps")
+        wait_for(lambda: all(prom.targets_up().get(t) for t in targets), 60, "both targets up")
+        time.sleep(3)
+        at = time.time()
+        empty, failed = [], []
+        for dash in DASHBOARDS:
+            for panel in dash.panels:
+                for expr in panel.exprs:
+                    body = prom.query(_expr(expr), at)
+                    if body.get("status") != "success":
+                        failed.append((dash.uid, panel.title, body.get("error")))
+                    elif not body["data"]["result"]:
+                        empty.append((dash.uid, panel.title, expr))
+        assert not failed, failed
+        assert not empty, "panels without data:\n" + "\n".join(map(str, empty))
+        alerts = yaml.safe_load(ALERTS.read_text())
+        for rule in (r for g in alerts["groups"] for r in g["rules"]):
+            body = prom.query(rule["expr"], at)
+            assert body.get("status") == "success", (rule["alert"], body)
+        assert run.wait(timeout=400) == 0, run.stderr.read()[-3000:]
 
 
 def test_metric_names_follow_prometheus_conventions():

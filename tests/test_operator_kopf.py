@@ -1,5 +1,6 @@
 """The operator for real: `kopf run` over HTTP against the kube-apiserver double, pods driven by a kubelet double."""
 import copy
+import time
 from pathlib import Path
 
 import pytest
@@ -128,7 +129,6 @@ def test_operator_restart_mid_job_creates_no_duplicates(cluster):
     op.stop(kill=True)
     op.start()
     wait_for(lambda: "resuming" in op.log().lower() or "resume" in op.log().lower(), 60, "operator resumed")
-    import time
 
     time.sleep(3)  # several reconcile intervals
     assert _pod_names(kube, "j5") == before
@@ -216,8 +216,83 @@ def test_deadline_and_ttl(cluster):
     assert kube.status("j7")["reason"] == "DeadlineExceeded"
     _start_running(kube, "j8", ttlSecondsAfterFinished=1)  # a kubelet reports Running before Succeeded
     kube.set_pod_phase("j8-head-g0", "Succeeded", exit_code=0)
+    wait_for(lambda: _phase(kube, "j8") == "Succeeded", 30, "Succeeded")
+    t0 = time.monotonic()
+    # The TTL deletion is issued from inside a reconcile: kopf used to hold the finalizer for 60 s after it.
     wait_for(lambda: kube.job("j8") is None, 30, "finished job deleted after its TTL")
+    assert time.monotonic() - t0 < 1 + 10, "the TTL deletion was held up"
     assert kube.pods("j8") == []
+
+
+class SlowMetrics:
+    """A driver metrics endpoint that answers after `delay` seconds, so the operator's reconcile (which polls it
+    while the job runs) is busy most of the time; `polled` is set while a poll is in flight."""
+
+    def __init__(self, delay: float) -> None:
+        import http.server
+        import threading
+
+        from kube.harness import free_port
+
+        self.port, self.polled = free_port(), threading.Event()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                outer.polled.set()
+                time.sleep(delay)
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"")
+                outer.polled.clear()
+
+            def log_message(self, *_):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "SlowMetrics":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_deleting_a_job_mid_reconcile_releases_it_within_10s(cluster):
+    _, kube, _ = cluster
+    with SlowMetrics(delay=1.5) as metrics:
+        doc = job_doc("j-busy")
+        doc["spec"]["metrics"]["port"] = metrics.port
+        kube.create_job(doc)
+        wait_for(lambda: len(kube.pods("j-busy")) == 2, 30, "pods")
+        for p in kube.pods("j-busy"):
+            kube.set_pod_phase(p.metadata.name, "Running", pod_ip="127.0.0.1")
+        assert metrics.polled.wait(30), "the operator never polled the driver's metrics"
+        t0 = time.monotonic()
+        kube.delete_job("j-busy")  # while that reconcile is still waiting for the answer
+        wait_for(lambda: kube.job("j-busy") is None, 30, "job released")
+        assert time.monotonic() - t0 < 10
+    assert kube.pods("j-busy") == []
+
+
+def test_many_jobs_at_once_each_start_exactly_once(cluster):
+    """The first reconcile of a job and the next one must not both start it: one Created event and one create
+    request per child, with no status write in between to tell the second tick."""
+    api, kube, _ = cluster
+    names = [f"many{i}" for i in range(8)]
+    for n in names:
+        kube.create_job(job_doc(n))
+    for n in names:
+        wait_for(lambda: len(kube.pods(n)) == 2 and _phase(kube, n) == "Pending", 60, f"{n} started")
+    time.sleep(2)  # several more reconcile intervals
+    created = [e.involved_object.name for e in kube.events() if e.reason == "Created"]
+    assert sorted(created) == sorted(names), created
+    pod_posts = api.requests("POST", "pods", "default")
+    assert len([r for r in pod_posts if (r.data or {}).get("metadata", {}).get("name", "").startswith("many")]) \
+        == 2 * len(names)
 
 
 def test_spec_changes_other_than_run_policy_are_ignored_with_a_warning(cluster):

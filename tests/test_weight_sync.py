@@ -1,11 +1,9 @@
 """The train -> generate transition: after an actor update, the running vLLM engine holds exactly the trained
 weights (checksums) and generates what HF generates with them (greedy), without being re-created."""
 import pytest
-import ray
 import torch
 
 from hybridflow import trainer
-from hybridflow.cli import start_local_ray
 from hybridflow.data.packing import unpack_responses
 from hybridflow.models.builders import materialize
 from hybridflow.spec import load_job
@@ -13,14 +11,14 @@ from hybridflow.spec import load_job
 pytestmark = pytest.mark.slow
 
 
-def _start_workers(job, tmp_path, model_cache, ray_tmp):
+def _start_workers(job, tmp_path, model_cache, local_ray):
     """Eight prompts a step and a big learning rate, so that stale weights could not pass for new ones."""
     job.spec.trainer.checkpoint_dir = str(tmp_path / "ckpt")
     job.spec.trainer.prompts_per_step = 8
     job.spec.training.actor_lr = 0.05
     model_dir = materialize(job.spec.models.actor, model_cache, job.spec.trainer.seed)
     task = trainer.build_task(job, model_dir)
-    start_local_ray(job, ray_tmp)
+    local_ray(job)
     return trainer.build_workers(job, model_dir, task, None, None), task, model_dir
 
 
@@ -45,13 +43,14 @@ def _greedy_matches_hf(job, w, task, model_dir, step):
 
 
 @pytest.mark.parametrize("engine", ["vllm", "hf"])
-def test_generation_engine_follows_the_trained_weights(tmp_path, model_cache, ray_tmp, engine):
+def test_generation_engine_follows_the_trained_weights(tmp_path, model_cache, local_ray, engine):
     job = load_job(trainer.Path(__file__).resolve().parents[1] / "examples" / "tiny-grpo.yaml")
     job.spec.rollout.engine = engine
-    w, task, model_dir = _start_workers(job, tmp_path, model_cache, ray_tmp)
+    w, task, model_dir = _start_workers(job, tmp_path, model_cache, local_ray)
     try:
         actor = w.roles["actor"]
-        engine_ids_before = [id(x) for x in actor.rollout_checksum()]
+        engines_before = actor.rollout_instance()
+        assert len(set(engines_before)) == len(engines_before) > 1, "each rank has its own engine"
         before = actor.rollout_checksum()
         assert [x["embedding"] for x in before] == pytest.approx([x["embedding"] for x in actor.train_checksum()],
                                                                  rel=0, abs=1e-6)
@@ -64,17 +63,16 @@ def test_generation_engine_follows_the_trained_weights(tmp_path, model_cache, ra
         assert after_train[0]["embedding"] != pytest.approx(before[0]["embedding"], abs=1e-3), \
             "the update did not change the weights"
         assert after_rollout == after_train, "generation weights differ from training weights after the sync"
-        assert len(engine_ids_before) == len(after_rollout)
+        assert actor.rollout_instance() == engines_before, "the generation engine was re-created, not updated"
 
         # Greedy generation by the synced engine equals HF greedy on the trained weights.
         _greedy_matches_hf(job, w, task, model_dir, step=1)
     finally:
         w.shutdown()
-        ray.shutdown()
 
 
 @pytest.mark.parametrize("t,t_g,rollout", [(4, 2, "megatron"), (2, 1, "vllm")], ids=["t4-tg2-megatron", "t2-tg1-vllm"])
-def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cache, ray_tmp, t, t_g, rollout):
+def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cache, local_ray, t, t_g, rollout):
     """The 3D-HybridEngine in the RLHF loop: a megatron actor trains at TP=t and generates at TP=t_g on the same
     ranks. After every transition the generation weights equal the training weights (per-tensor checksums on every
     rank), the bytes moved match the paper's formula, and greedy generation equals HF's on the exported weights."""
@@ -87,7 +85,7 @@ def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cac
     job.spec.resource_pools[0].devices_per_node = t
     job.spec.training.tensor_parallel = t
     job.spec.rollout.engine, job.spec.rollout.tensor_parallel = rollout, t_g
-    w, task, model_dir = _start_workers(job, tmp_path, model_cache, ray_tmp)
+    w, task, model_dir = _start_workers(job, tmp_path, model_cache, local_ray)
     try:
         actor = w.roles["actor"]
         assert actor.dp_sizes == {"train": 1, "rollout": t // t_g}
@@ -120,4 +118,3 @@ def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cac
             assert actor.rollout_checksum() == saved_sums
     finally:
         w.shutdown()
-        ray.shutdown()

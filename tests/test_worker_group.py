@@ -69,10 +69,14 @@ def ray_cluster(tmp_path_factory):
     import sys
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-    ray.init(num_cpus=8, resources={pool_resource("p1"): 2, pool_resource("p2"): 4}, include_dashboard=False,
-             object_store_memory=100 << 20, _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
-    yield
-    ray.shutdown()
+    if ray.is_initialized():  # left by an earlier failure: one defect must not fail every test here too
+        ray.shutdown()
+    try:
+        ray.init(num_cpus=8, resources={pool_resource("p1"): 2, pool_resource("p2"): 4}, include_dashboard=False,
+                 object_store_memory=100 << 20, _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
+        yield
+    finally:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,15 @@
 """kopf handlers: read the job and its pods, call the pure state machine, write what it planned.
 
-Every handler is idempotent: objects are created by name (409 means already there), deleted by name (404 means
-already gone), and status is recomputed from what exists, so a handler that runs twice, or an operator that
-restarts mid-job, creates nothing twice.
+One path reconciles a job: a timer, which kopf never runs twice at once for the same object (an `on.create`
+beside it used to overlap the first tick and start jobs twice). Children are followed from kopf's in-memory index
+of the jobs' pods, fed by one watch, instead of a LIST per job per tick; the accepted spec is read once. Between a
+status write and the watch event that brings it back, the timer sees its own last write (`_known_status`), so a
+fast tick never acts on a stale phase. Everything stays idempotent: objects are created by name (409 means already
+there), deleted by name (404 means already gone), so an operator that restarts mid-job creates nothing twice.
 """
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import json
 import logging
@@ -30,24 +34,47 @@ METRICS = OperatorMetrics()
 log = logging.getLogger("hybridflow.operator")
 
 
+# How long a pod this operator created counts as existing (Pending) while the pod watch has not shown it yet.
+CREATED_GRACE_SECONDS = 60.0
+_API: client.ApiClient | None = None
+
+
+def tune_kopf(settings: kopf.OperatorSettings) -> None:
+    """kopf settings that decide how fast a deleted job is released.
+
+    On deletion kopf stops the job's timer and cannot cancel a tick that is running (timers are never cancelled),
+    so it re-checks only every `cancellation_polling` seconds, 60 by default: a job deleted mid-reconcile, as a
+    TTL deletion always is (it is issued from the tick), kept its finalizer for a minute. Waiting briefly for the
+    tick to end, and re-checking every second after that, releases it as soon as the tick returns."""
+    settings.background.instant_exit_timeout = 2.0
+    settings.background.cancellation_polling = 1.0
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    global _API
     settings.persistence.finalizer = f"{GROUP}/cleanup"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
+    tune_kopf(settings)
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
+    _API = client.ApiClient()  # one connection pool for every call (a client per call opened a connection each)
     port = int(os.environ.get("HYBRIDFLOW_OPERATOR_METRICS_PORT", "8080"))
     if port:
         METRICS.serve(port, os.environ.get("HYBRIDFLOW_OPERATOR_METRICS_ADDRESS", "0.0.0.0"))
 
 
 def _core() -> client.CoreV1Api:
-    return client.CoreV1Api()
+    return client.CoreV1Api(_API)
+
+
+def _custom() -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(_API)
 
 
 def _ignore(status: int | tuple[int, ...], fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -79,18 +106,52 @@ def _pod_view(pod: dict[str, Any]) -> PodView:
     )
 
 
+@kopf.index("pods", labels={mf.LABEL_JOB: kopf.PRESENT})
+def job_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    """The jobs' pods by (namespace, job), kept current by one pod watch: what a tick used to LIST."""
+    st = body.get("status") or {}
+    return {(namespace, labels[mf.LABEL_JOB]): {"view": _pod_view(body), "podIP": st.get("podIP")}}
+
+
 def _list_pods(namespace: str, name: str) -> list[dict[str, Any]]:
     # Raw JSON rather than the client's models: the pure functions work on plain dicts.
     resp = _core().list_namespaced_pod(namespace, label_selector=mf.selector(name), _preload_content=False)
     return json.loads(resp.data).get("items", [])
 
 
-def _accepted_job(live: RLHFJob, namespace: str) -> tuple[RLHFJob, bool]:
-    """The spec the job started with (its ConfigMap), with the live runPolicy; and whether other fields changed."""
-    cm = _ignore(404, _core().read_namespaced_config_map, mf.names(live.metadata.name)["configmap"], namespace)
-    if cm is None:
-        return live, False
-    accepted = parse_job(yaml.safe_load(cm.data["job.yaml"]), "accepted spec")
+def _observed_pods(index: kopf.Index, namespace: str, name: str, memo: kopf.Memo) -> list[dict[str, Any]]:
+    """The job's pods from the index, plus pods this operator created that the watch has not shown yet."""
+    seen = list(index.get((namespace, name), []))
+    names = {p["view"].name for p in seen}
+    created: dict[str, tuple[float, PodView]] = memo.setdefault("created", {})
+    now = time.monotonic()
+    for pod_name, (when, view) in list(created.items()):
+        if pod_name in names or now - when > CREATED_GRACE_SECONDS:
+            del created[pod_name]
+        else:
+            seen.append({"view": view, "podIP": None})
+    return seen
+
+
+def _known_status(body: kopf.Body, memo: kopf.Memo) -> dict[str, Any]:
+    """The job's status as of this operator's last write: the body's, unless the watch has not yet delivered a
+    version newer than the one that write was based on (read-your-writes)."""
+    observed = {k: v for k, v in dict(body.get("status") or {}).items() if k != "kopf"}
+    written = memo.get("written")
+    if written and written[0] == body["metadata"].get("resourceVersion"):
+        return dict(written[1])
+    return observed
+
+
+def _accepted_job(live: RLHFJob, namespace: str, memo: kopf.Memo) -> tuple[RLHFJob, bool]:
+    """The spec the job started with (its ConfigMap, read once), with the live runPolicy; and whether other fields
+    changed."""
+    if "accepted" not in memo:
+        cm = _ignore(404, _core().read_namespaced_config_map, mf.names(live.metadata.name)["configmap"], namespace)
+        if cm is None:
+            return live, False
+        memo["accepted"] = parse_job(yaml.safe_load(cm.data["job.yaml"]), "accepted spec")
+    accepted = memo["accepted"].model_copy(deep=True)
     accepted.spec.run_policy = live.spec.run_policy
     resolved_live = mf.resolved_job(live)
     changed = resolved_live.spec.model_dump(exclude={"run_policy"}) != accepted.spec.model_dump(exclude={"run_policy"})
@@ -106,19 +167,17 @@ def _create(obj: dict[str, Any]) -> None:
     elif kind == "ConfigMap":
         _ignore(409, _core().create_namespaced_config_map, ns, obj)
     elif kind == "PodGroup":
-        _ignore(409, client.CustomObjectsApi().create_namespaced_custom_object,
-                "scheduling.volcano.sh", "v1beta1", ns, "podgroups", obj)
+        _ignore(409, _custom().create_namespaced_custom_object, "scheduling.volcano.sh", "v1beta1", ns, "podgroups",
+                obj)
     else:  # pragma: no cover - manifests only builds the kinds above
         raise ValueError(f"unexpected kind {kind}")
 
 
-@kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.resume(GROUP, VERSION, PLURAL)
-@kopf.timer(GROUP, VERSION, PLURAL, interval=INTERVAL, initial_delay=INTERVAL)
-def reconcile(body: kopf.Body, name: str, namespace: str, patch: kopf.Patch, **_: Any) -> None:
+@kopf.timer(GROUP, VERSION, PLURAL, interval=INTERVAL)
+def reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, job_pods: kopf.Index, **_: Any) -> None:
     t0 = time.perf_counter()
     try:
-        _reconcile(body, name, namespace, patch)
+        _reconcile(body, name, namespace, memo, job_pods)
     except Exception:
         METRICS.reconcile_errors.inc()
         raise
@@ -126,22 +185,22 @@ def reconcile(body: kopf.Body, name: str, namespace: str, patch: kopf.Patch, **_
         METRICS.reconcile.observe(time.perf_counter() - t0)
 
 
-def _reconcile(body: kopf.Body, name: str, namespace: str, patch: kopf.Patch) -> None:
+def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, index: kopf.Index) -> None:
     now = dt.datetime.now(dt.timezone.utc)
     raw = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "metadata": dict(body["metadata"]),
            "spec": dict(body.get("spec") or {})}
-    status = {k: v for k, v in dict(body.get("status") or {}).items() if k != "kopf"}
+    status = _known_status(body, memo)
     job: RLHFJob | None = None
     error: str | None = None
     try:
         live = parse_job({"apiVersion": raw["apiVersion"], "kind": raw["kind"],
                           "metadata": {"name": name, "namespace": namespace}, "spec": raw["spec"]},
                          f"RLHFJob {namespace}/{name}")
-        job, changed = _accepted_job(live, namespace)
+        job, changed = _accepted_job(live, namespace, memo)
     except SpecError as err:
         error, changed = str(err), False
-    pods = _list_pods(namespace, name)
-    plan = decide(job, error, status, [_pod_view(p) for p in pods], now)
+    pods = _observed_pods(index, namespace, name, memo)
+    plan = decide(job, error, status, [p["view"] for p in pods], now)
 
     if changed and status.get("phase") not in TERMINAL:
         msg = "spec changed while the job exists; only runPolicy can change: the job keeps its original spec"
@@ -154,11 +213,14 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, patch: kopf.Patch) ->
         for obj in mf.static_children(raw, job):
             _create(obj)
     if job is not None and plan.create_gang is not None:
-        existing = {p["metadata"]["name"] for p in pods}
+        existing = {p["view"].name for p in pods}
+        created = memo.setdefault("created", {})
         for pod in mf.gang_pods(raw, job, plan.create_gang):
             if pod["metadata"]["name"] not in existing:
                 _create(pod)
+                created[pod["metadata"]["name"]] = (time.monotonic(), _pod_view(pod))
     for pod_name in plan.delete_pods:
+        memo.setdefault("created", {}).pop(pod_name, None)
         _ignore(404, _core().delete_namespaced_pod, pod_name, namespace, grace_period_seconds=30)
     if job is not None and plan.status.get("phase") == "Running":
         _poll_progress(job, pods, plan.status, now)
@@ -173,19 +235,25 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, patch: kopf.Patch) ->
     METRICS.set_phase(namespace, name, plan.status.get("phase"))
     METRICS.job_restarts.labels(namespace, name).set(plan.status.get("restarts", 0))
     if plan.status != status:
-        for k, v in plan.status.items():
-            patch.status[k] = v
+        _write_status(body, namespace, name, status, plan.status, memo)
     if plan.delete_job:
-        _ignore(404, client.CustomObjectsApi().delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
-                name)
+        _ignore(404, _custom().delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
+
+
+def _write_status(body: kopf.Body, namespace: str, name: str, old: dict[str, Any], new: dict[str, Any],
+                  memo: kopf.Memo) -> None:
+    """Merge-patch the status subresource now (not after the tick, as kopf's `patch` would), so that the write is
+    known to have landed before the next tick relies on it; fields the plan dropped are removed."""
+    patch = {"status": {**{k: None for k in old if k not in new}, **new}}
+    _custom().patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, patch)
+    memo["written"] = (body["metadata"].get("resourceVersion"), copy.deepcopy(new))
 
 
 def _poll_progress(job: RLHFJob, pods: list[dict[str, Any]], status: dict[str, Any], now: dt.datetime) -> None:
-    head = [p for p in pods if (p["metadata"].get("labels") or {}).get(mf.LABEL_ROLE) == "head"
-            and (p.get("status") or {}).get("podIP")]
+    head = [p for p in pods if p["view"].role == "head" and p["podIP"]]
     if not head or not job.spec.metrics.port:
         return
-    ip = head[-1]["status"]["podIP"]
+    ip = head[-1]["podIP"]
     text = fetch(f"http://{ip}:{job.spec.metrics.port}/metrics")
     if text:
         merge_progress(status, parse_progress(text, job.metadata.name), job.spec.trainer.checkpoint_dir, iso(now))
@@ -200,6 +268,6 @@ def cleanup(name: str, namespace: str, **_: Any) -> None:
     names = mf.names(name)
     _ignore(404, core.delete_namespaced_service, names["service"], namespace)
     _ignore(404, core.delete_namespaced_config_map, names["configmap"], namespace)
-    _ignore((404, 405), client.CustomObjectsApi().delete_namespaced_custom_object,  # 405: no Volcano installed
+    _ignore((404, 405), _custom().delete_namespaced_custom_object,  # 405: no Volcano installed
             "scheduling.volcano.sh", "v1beta1", namespace, "podgroups", names["podgroup"])
     METRICS.set_phase(namespace, name, None)

@@ -81,7 +81,7 @@ class KubeApiServerDouble(kmock.KubernetesEmulator):
                 try:
                     jsonpatch.apply_patch(current, [op for op in request.data if op.get("op") == "test"])
                 except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict) as err:
-                    raise KubeUnprocessable(str(err)) from None
+                    raise KubeUnprocessable(message=str(err)) from None
             request.data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})
         elif isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {}) or {}
@@ -155,8 +155,11 @@ def _table(items: list[dict[str, Any]], columns: list[dict[str, Any]]) -> dict[s
             "columnDefinitions": defs, "rows": rows}
 
 
+@attrs.frozen
 class KubeUnprocessable(kmock.KubernetesError):
-    code = 422
+    """422, as a real API server answers a JSON patch whose `test` fails (e.g. a stale resourceVersion)."""
+    status: int = 422
+    reason: str = "Invalid"
 
 
 def _api_version(resource: Any) -> str:
@@ -218,6 +221,13 @@ class RunningApiServer:
             return out
 
         return asyncio.run_coroutine_threadsafe(read(), self.loop).result(10)
+
+    def requests(self, method: str, plural: str, namespace: str | None = None) -> list[Any]:
+        """Requests the double received, e.g. requests("POST", "pods"): what a client really sent."""
+        assert self.handler is not None
+        return [r for r in list(self.handler._requests)
+                if str(r.method).upper().endswith(method) and r.resource is not None and r.resource.plural == plural
+                and (namespace is None or r.namespace == namespace)]
 
     def watching(self, plural: str) -> bool:
         """Whether a client (kopf) has opened a watch on this resource: objects created later reach it."""

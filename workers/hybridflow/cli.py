@@ -5,13 +5,14 @@ Exit codes: 0 success, 1 the job failed while running, 2 bad input (manifest, pa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from hybridflow.spec import RLHFJob, SpecError, check_runtime_paths, load_job
 
@@ -138,15 +139,23 @@ def execute(job: RLHFJob, progress: bool = True) -> int:
     return 0
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    job = _load(args.job, _overrides(args))
-    start_local_ray(job, args.ray_temp_dir, args.verbose)
+@contextlib.contextmanager
+def local_ray(job: RLHFJob, temp_dir: str | None, verbose: bool = False) -> Iterator[None]:
+    """`start_local_ray` for the length of a block: Ray is shut down however the block ends, and a start that
+    fails half-way is shut down too, so the next `ray.init` in this process does not inherit it."""
     import ray
 
     try:
-        return execute(job, progress=not args.quiet)
+        start_local_ray(job, temp_dir, verbose)
+        yield
     finally:
         ray.shutdown()
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    job = _load(args.job, _overrides(args))
+    with local_ray(job, args.ray_temp_dir, args.verbose):
+        return execute(job, progress=not args.quiet)
 
 
 def cmd_driver(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ this engine exists because vLLM's external_launcher forms TP groups from consecu
 """
 from __future__ import annotations
 
+import uuid
 from typing import Iterable
 
 import torch
@@ -33,6 +34,7 @@ class MegatronRollout:
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.params = dict(self.model.named_parameters())
         self.shapes = {k: p.shape for k, p in self.params.items()}
+        self.instance_id = uuid.uuid4().hex
         self.release()
 
     @property
@@ -44,8 +46,8 @@ class MegatronRollout:
         for p in self.params.values():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
-    def load_shards(self, shards: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Install generation shards (megatron names) as the parameters' storage, without copying."""
+    def load_weights(self, shards: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Install generation shards (megatron names, this rank's TP part) as the parameters' storage, no copy."""
         seen = set()
         for name, t in shards:
             if name not in self.shapes:
@@ -57,8 +59,11 @@ class MegatronRollout:
         if seen != set(self.shapes):
             raise KeyError(f"generation shards missing: {sorted(set(self.shapes) - seen)[:3]}")
 
-    def checksum(self, name: str) -> float:
-        """Sum of the whole (TP-gathered) tensor: tests compare it with training's."""
+    def weight_checksums(self) -> dict[str, float]:
+        """Sums of every whole (TP-gathered) tensor: tests compare them with training's (collective over TP)."""
+        return {name: self._checksum(name) for name in sorted(self.shapes)}
+
+    def _checksum(self, name: str) -> float:
         t = self.params[name].detach()
         if mm.split_rule(name) != "replicated" and self.tp > 1:
             parts = [torch.empty_like(t) for _ in range(self.tp)]

@@ -6,6 +6,7 @@ torch.distributed world), so the colocated actor can hand it new weights without
 from __future__ import annotations
 
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Protocol
@@ -23,9 +24,24 @@ class SamplingConfig:
 
 
 class RolloutEngine(Protocol):
+    """What the actor needs of a generation engine; every engine implements all of it."""
+
+    instance_id: str  # made once when the engine is built: a changed id means the engine was re-created
+
     def generate(self, prompts: list[list[int]], cfg: SamplingConfig) -> list[list[int]]: ...
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the weights in memory from HF-named tensors (whole, or the engine's own shards)."""
+
+    def release(self) -> None:
+        """Free what generation holds that training does not need (a no-op where the engine cannot)."""
+
+    def weight_checksums(self) -> dict[str, float]:
+        """Sums of the weights it generates with, to check that a transition landed."""
+
+
+def _new_instance_id() -> str:
+    return uuid.uuid4().hex
 
 
 class VLLMRollout:
@@ -37,6 +53,7 @@ class VLLMRollout:
         import torch.distributed as dist
         from vllm import LLM
 
+        self.instance_id = _new_instance_id()
         kwargs = {}
         if dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
@@ -77,6 +94,12 @@ class VLLMRollout:
         _repack_tied_lm_head(self.model)
         self.llm.reset_prefix_cache()
 
+    def release(self) -> None:
+        """vLLM's sleep mode frees weights and KV cache only on GPUs; on CPU the engine keeps its memory."""
+
+    def weight_checksums(self) -> dict[str, float]:
+        return {"embedding": float(self.model.model.embed_tokens.weight.detach().double().sum())}
+
 
 def _repack_tied_lm_head(model: torch.nn.Module) -> None:
     """vLLM 0.32 on CPU: a tied LM head receives no weights of its own during `reload_weights`, so its GEMM
@@ -102,6 +125,13 @@ class HFRollout:
         self.model.eval()
         self.device = device
         self.generator_seed = seed
+        self.instance_id = _new_instance_id()
+
+    def release(self) -> None:
+        """The private copy is what generation runs on; nothing to give back."""
+
+    def weight_checksums(self) -> dict[str, float]:
+        return {"embedding": float(self.model.get_input_embeddings().weight.detach().double().sum())}
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], cfg: SamplingConfig) -> list[list[int]]:

@@ -21,7 +21,7 @@ from hybridflow.controller.protocol import Dispatch, DPRank, register
 from hybridflow.controller.worker_group import WorkerContext
 from hybridflow.data.packing import pack_rollout
 from hybridflow.engines import megatron_model as mm
-from hybridflow.engines.rollout import HFRollout, SamplingConfig, VLLMRollout
+from hybridflow.engines.rollout import HFRollout, RolloutEngine, SamplingConfig, VLLMRollout
 from hybridflow.hybrid_engine.reshard import ReshardStats
 from hybridflow.models.builders import local_model_dir
 from hybridflow.roles.common import CheckpointMixin, load_causal_lm, peak_memory_bytes
@@ -39,6 +39,7 @@ class ActorRolloutWorker(CheckpointMixin):
         dtype = self.spec.models.actor.dtype
         model_dir = str(local_model_dir(model_dir, self.spec.models.actor, self.spec.trainer.seed))
         self.hybrid: Any = None
+        self.rollout: RolloutEngine
         if t.engine == "megatron":
             from hybridflow.engines.megatron import MegatronEngine
             from hybridflow.hybrid_engine.engine import HybridEngine
@@ -58,7 +59,7 @@ class ActorRolloutWorker(CheckpointMixin):
         self.stop_token_ids = tuple(stop_token_ids)
         seed = self.spec.trainer.seed + 1000 * replica  # distinct sampling streams per generation replica
         if r.engine == "vllm":
-            self.rollout: Any = VLLMRollout(
+            self.rollout = VLLMRollout(
                 Path(model_dir),
                 max_model_len=r.max_prompt_length + r.max_response_length,
                 dtype=dtype,
@@ -111,8 +112,7 @@ class ActorRolloutWorker(CheckpointMixin):
         spec, t = self.spec, self.spec.training
         algo, temp = spec.algorithm, spec.rollout.temperature
         kl_loss = algo.kl_in == "loss" and algo.kl_coef > 0
-        if hasattr(self.rollout, "release"):
-            self.rollout.release()  # generate -> train: generation shards go, training shards never left
+        self.rollout.release()  # generate -> train: generation memory goes, training shards never left
 
         def loss_fn(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
             mask = mb["response_mask"]
@@ -141,8 +141,8 @@ class ActorRolloutWorker(CheckpointMixin):
         stats = ReshardStats()
         if self.hybrid is not None:
             shards = self.hybrid.transition(self.engine.named_shards(), stats)
-            if hasattr(self.rollout, "load_shards"):
-                self.rollout.load_shards(shards)
+            if self.spec.rollout.engine == "megatron":  # megatron layers take megatron-named TP shards
+                self.rollout.load_weights(shards)
             else:  # t_g = 1 into an engine that speaks HF names: the generation shards are whole tensors
                 self.rollout.load_weights(mm.megatron_to_hf_items(shards, self.engine.shape))
         else:
@@ -169,20 +169,20 @@ class ActorRolloutWorker(CheckpointMixin):
     def rollout_checksum(self) -> dict[str, float]:
         """Sums of the generation engine's whole tensors: lets tests see that a transition really landed.
         megatron generation: every parameter; vLLM/HF: the embedding."""
-        if hasattr(self.rollout, "checksum"):
-            return {name: self.rollout.checksum(name) for name in sorted(self.rollout.shapes)}
-        if isinstance(self.rollout, HFRollout):
-            emb = self.rollout.model.get_input_embeddings().weight
-        else:
-            emb = self.rollout.model.model.embed_tokens.weight
-        return {"embedding": float(emb.detach().double().sum())}
+        return self.rollout.weight_checksums()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def rollout_instance(self) -> str:
+        """This rank's generation engine's id, made when the engine was built: equal ids across calls prove the
+        weights were swapped in place, not by building a new engine."""
+        return self.rollout.instance_id
 
     @register(Dispatch.ONE_TO_ALL)
     def train_checksum(self) -> dict[str, float]:
         """The same sums over the training engine's weights (collective under TP)."""
         if self.hybrid is not None:
             sums = {n: float(self.engine.gather_tp(n, t).double().sum()) for n, t in self.engine.named_shards()}
-            if hasattr(self.rollout, "checksum"):
+            if self.spec.rollout.engine == "megatron":
                 return dict(sorted(sums.items()))
             return {"embedding": sums["embedding.word_embeddings.weight"]}
         for name, tensor in self.engine.full_params():
