@@ -9,8 +9,10 @@ there), deleted by name (404 means already gone), so an operator that restarts m
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 import datetime as dt
+import functools
 import json
 import logging
 import os
@@ -260,14 +262,16 @@ def _poll_progress(job: RLHFJob, pods: list[dict[str, Any]], status: dict[str, A
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
-def cleanup(name: str, namespace: str, **_: Any) -> None:
-    """Remove every child by label, for clusters (and test doubles) without garbage collection."""
-    core = _core()
-    for pod in _list_pods(namespace, name):
-        _ignore(404, core.delete_namespaced_pod, pod["metadata"]["name"], namespace, grace_period_seconds=0)
-    names = mf.names(name)
-    _ignore(404, core.delete_namespaced_service, names["service"], namespace)
-    _ignore(404, core.delete_namespaced_config_map, names["configmap"], namespace)
-    _ignore((404, 405), _custom().delete_namespaced_custom_object,  # 405: no Volcano installed
-            "scheduling.volcano.sh", "v1beta1", namespace, "podgroups", names["podgroup"])
+async def cleanup(name: str, namespace: str, **_: Any) -> None:
+    """Remove every child by label, for clusters (and test doubles) without garbage collection. The deletions go
+    out together: the finalizer, and so the job, goes as soon as the slowest of them is answered."""
+    core, names = _core(), mf.names(name)
+    pods = await asyncio.to_thread(_list_pods, namespace, name)
+    calls = [functools.partial(_ignore, 404, core.delete_namespaced_pod, p["metadata"]["name"], namespace,
+                               grace_period_seconds=0) for p in pods]
+    calls += [functools.partial(_ignore, 404, core.delete_namespaced_service, names["service"], namespace),
+              functools.partial(_ignore, 404, core.delete_namespaced_config_map, names["configmap"], namespace),
+              functools.partial(_ignore, (404, 405), _custom().delete_namespaced_custom_object,  # 405: no Volcano
+                                "scheduling.volcano.sh", "v1beta1", namespace, "podgroups", names["podgroup"])]
+    await asyncio.gather(*(asyncio.to_thread(c) for c in calls))
     METRICS.set_phase(namespace, name, None)
