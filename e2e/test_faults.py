@@ -29,7 +29,7 @@ def test_killed_worker_restarts_the_gang_and_resumes_from_the_checkpoint(world, 
     wait_for(lambda: world.kube.status(name).get("restarts") == 1, 120, "the gang restart")
     st = _finish(world, name, f"{name}-head-g1")
     assert st["phase"] == "Succeeded", st
-    assert st["restarts"] == 1 and st["step"] == STEPS
+    assert st["restarts"] == 1
     assert world.step_log(name) == list(range(1, STEPS + 1)), "a step was lost or repeated"
     resumed = world.logs(f"{name}-head-g1")
     start = int(resumed.split("(from step ")[1].split(")")[0])

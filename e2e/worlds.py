@@ -4,14 +4,12 @@ is here, plus `world.kube` (the official Python client) and `world.local` for th
 (processes and pod sandboxes on this machine)."""
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Iterator
 
 from kube.apiserver_double import RunningApiServer
 from kube.harness import Kube, Operator, free_port, wait_for
@@ -71,9 +69,10 @@ class LocalWorld(_Kubectl):
 
     def restart_operator(self) -> None:
         """SIGKILL the operator mid-flight and start a new one (as a Deployment would)."""
+        watches = self.api.watches("rlhfjobs")
         self.operator.stop(kill=True)
         self.operator = Operator(self.kubeconfig, self.workdir / "operator.log").start()
-        wait_for(lambda: self.api.watching("rlhfjobs"), 60, "the new operator's watch")
+        wait_for(lambda: self.api.watches("rlhfjobs") > watches, 60, "the new operator's watch")
 
     def kill_pod_processes(self, pod: str, namespace: str = "default") -> None:
         assert self.kubelet.kill_processes(namespace, pod) > 0, f"{pod} had no processes"
@@ -88,10 +87,11 @@ class LocalWorld(_Kubectl):
         path = self.workdir / "volumes" / namespace / f"{job}-checkpoints" / "steps.jsonl"
         return _steps(path.read_text() if path.exists() else "")
 
-    @contextlib.contextmanager
-    def metrics_targets(self, job: str, namespace: str = "default") -> Iterator[dict[str, str]]:
-        head_ip = wait_for(lambda: _pod_ip(self.kube, f"{job}-head-g0", namespace), 60, "head pod IP")
-        yield {"driver": f"{head_ip}:8000", "operator": f"127.0.0.1:{self.operator.metrics_port}"}
+    def metrics_targets(self, job: str, namespace: str = "default") -> dict[str, str]:
+        """Scrape targets: the job's current head (after a gang restart, the newest one) and the operator."""
+        head = current_head(self.kube, job, namespace)
+        head_ip = wait_for(lambda: _pod_ip(self.kube, head, namespace), 60, f"{head} pod IP")
+        return {"driver": f"{head_ip}:8000", "operator": f"127.0.0.1:{self.operator.metrics_port}"}
 
     def leftovers(self, job: str, namespace: str = "default") -> list[str]:
         """Pod sandboxes and processes of the job's pods still on this machine."""
@@ -155,15 +155,15 @@ class RealCluster(_Kubectl):
         self.kubectl("-n", namespace, "delete", "pod", name, "--wait=false", check=False)
         return _steps(text)
 
-    @contextlib.contextmanager
-    def metrics_targets(self, job: str, namespace: str = "default") -> Iterator[dict[str, str]]:
+    def metrics_targets(self, job: str, namespace: str = "default") -> dict[str, str]:
+        """Port-forwards to the job's current head and the operator (new ones on every call: heads change)."""
         driver, operator = free_port(), free_port()
-        for target, port, ns in ((f"pod/{job}-head-g0", f"{driver}:8000", namespace),
+        for target, port, ns in ((f"pod/{current_head(self.kube, job, namespace)}", f"{driver}:8000", namespace),
                                  ("svc/hybridflow-metrics", f"{operator}:{OPERATOR_METRICS_PORT}", self.operator_namespace)):
             self._forwards.append(subprocess.Popen(
                 ["kubectl", "-n", ns, "port-forward", target, port], env={**os.environ, "KUBECONFIG": self.kubeconfig},
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        yield {"driver": f"127.0.0.1:{driver}", "operator": f"127.0.0.1:{operator}"}
+        return {"driver": f"127.0.0.1:{driver}", "operator": f"127.0.0.1:{operator}"}
 
     def leftovers(self, job: str, namespace: str = "default") -> list[str]:
         return []  # processes and sandboxes live on the nodes; the pods being gone is what the API can show
@@ -171,6 +171,12 @@ class RealCluster(_Kubectl):
 
 def _steps(text: str) -> list[int]:
     return [json.loads(line)["step"] for line in text.splitlines() if line.strip()]
+
+
+def current_head(kube, job: str, namespace: str = "default") -> str:
+    """The head pod of the job's current gang generation (`-g<restarts>`): a gang restart replaces the head."""
+    st = (kube.job(job, namespace) or {}).get("status") or {}
+    return f"{job}-head-g{int(st.get('restarts', 0))}"
 
 
 def _pod_ip(kube, name: str, namespace: str) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import time
 import urllib.parse
@@ -23,14 +24,26 @@ def prometheus_binary() -> str:
 class Prometheus:
     def __init__(self, workdir: Path, targets: dict[str, str], port: int, interval: str = "1s") -> None:
         self.workdir, self.port = workdir, port
+        self.interval = interval
+        self.config_path = workdir / "prometheus.yml"
+        self._write_config(targets)
+        self.proc: subprocess.Popen | None = None
+
+    def _write_config(self, targets: dict[str, str]) -> None:
+        self.targets = dict(targets)
         config = {
-            "global": {"scrape_interval": interval, "evaluation_interval": interval},
+            "global": {"scrape_interval": self.interval, "evaluation_interval": self.interval},
             "scrape_configs": [{"job_name": name, "static_configs": [{"targets": [addr]}]}
                                for name, addr in targets.items()],
         }
-        self.config_path = workdir / "prometheus.yml"
         self.config_path.write_text(yaml.safe_dump(config))
-        self.proc: subprocess.Popen | None = None
+
+    def retarget(self, targets: dict[str, str]) -> None:
+        """Scrape other addresses from now on (a restarted pod has a new IP): rewrite the config, reload."""
+        if targets != self.targets:
+            self._write_config(targets)
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGHUP)
 
     def __enter__(self) -> "Prometheus":
         self.log = open(self.workdir / "prometheus.log", "w")

@@ -96,17 +96,24 @@ def test_failed_worker_restarts_the_gang_then_backoff_fails_the_job(cluster):
 
 
 def test_suspend_keeps_status_and_resume_recreates_the_gang(cluster):
+    """Status that a fresh job could not have (a restart, a GangRestart condition) survives suspend and resume."""
     _, kube, _ = cluster
     _start_running(kube, "j3")
+    kube.set_pod_phase("j3-default-0-g0", "Failed", exit_code=137)
+    wait_for(lambda: _pod_names(kube, "j3") == ["j3-default-0-g1", "j3-head-g1"], 30, "generation-1 gang")
+    _run_all(kube, "j3")
+    wait_for(lambda: _phase(kube, "j3") == "Running", 30, "Running again")
     kube.patch_job("j3", {"spec": {"runPolicy": {"suspend": True}}})
     wait_for(lambda: _phase(kube, "j3") == "Suspended", 30, "Suspended")
     assert kube.pods("j3") == []
     st = kube.status("j3")
-    assert st["restarts"] == 0 and st["totalSteps"] == 40
+    assert st["restarts"] == 1 and st["startTime"]
     kube.patch_job("j3", {"spec": {"runPolicy": {"suspend": False}}})
-    wait_for(lambda: len(kube.pods("j3")) == 2, 30, "pods again")
+    wait_for(lambda: _pod_names(kube, "j3") == ["j3-default-0-g1", "j3-head-g1"], 30, "the same generation again")
+    st = kube.status("j3")
+    assert st["restarts"] == 1
     assert any(c["type"] == "Suspended" and c["status"] == "False" and c["reason"] == "Resumed"
-               for c in kube.status("j3")["conditions"])
+               for c in st["conditions"])
 
 
 def test_delete_removes_every_child(cluster):
@@ -126,9 +133,10 @@ def test_operator_restart_mid_job_creates_no_duplicates(cluster):
     api, kube, op = cluster
     _start_running(kube, "j5")
     before = _pod_names(kube, "j5")
+    watches = api.watches("rlhfjobs")
     op.stop(kill=True)
     op.start()
-    wait_for(lambda: "resuming" in op.log().lower() or "resume" in op.log().lower(), 60, "operator resumed")
+    wait_for(lambda: api.watches("rlhfjobs") > watches, 60, "the new operator's watch")
 
     time.sleep(3)  # several reconcile intervals
     assert _pod_names(kube, "j5") == before

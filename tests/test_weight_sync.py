@@ -35,7 +35,8 @@ def _greedy_matches_hf(job, w, task, model_dir, step):
     hf.eval()
     held_out = task.eval[:8]
     got = unpack_responses(trainer.resolve(w.roles["actor"].generate(trainer.prompt_batch(held_out), greedy=True)))
-    for sample, resp in zip(held_out, got):
+    assert len(got) == len(held_out)
+    for sample, resp in zip(held_out, got, strict=True):
         ids = torch.tensor([sample.prompt])
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(resp), do_sample=False,
                           min_new_tokens=len(resp), pad_token_id=0)[0, ids.shape[1]:].tolist()

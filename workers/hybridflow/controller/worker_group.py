@@ -6,7 +6,6 @@ which is what lets the actor train and generate on the same devices (HybridFlow 
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -82,10 +81,14 @@ class WorkerContext:
     device: str
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def interface_for(ip: str) -> str | None:
+    """The network interface that holds this address (e.g. eth0 for a pod IP, lo for 127.0.0.1)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs):
+            return name
+    return None
 
 
 @ray.remote
@@ -96,9 +99,19 @@ class WorkerHost:
         os.environ.update(env)
         self.ctx = WorkerContext(rank, world_size, local_rank, device)
         self.roles: dict[str, Any] = {}
+        self._store: Any = None
 
-    def address(self) -> tuple[str, int]:
-        return ray.util.get_node_ip_address(), _free_port()
+    def open_rendezvous(self) -> tuple[str, int]:
+        """Rank 0: listen for the group's rendezvous on this node's address, on a port the kernel picks.
+
+        Binding port 0 leaves no gap between choosing the port and listening on it. The port used to be probed
+        free on 127.0.0.1 and bound later on every address, and a port free on loopback can already belong to one
+        of Ray's servers on the pod IP: the other ranks then talked to that server (connection reset by peer)."""
+        import torch.distributed as dist
+
+        ip = ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(ip, 0, self.ctx.world_size, is_master=True, wait_for_workers=False)
+        return ip, int(self._store.port)
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         import torch.distributed as dist
@@ -110,14 +123,18 @@ class WorkerHost:
             WORLD_SIZE=str(self.ctx.world_size),
             LOCAL_RANK=str(self.ctx.local_rank),
         )
+        # gloo listens where the hostname resolves, or on loopback when it does not resolve (yet): bind it to the
+        # interface of the address Ray reaches this node on, which the other ranks can reach too.
+        iface = interface_for(ray.util.get_node_ip_address())
+        if iface and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
         if self.ctx.device == "gpu":
             import torch
 
             torch.cuda.set_device(0)  # Ray exposes exactly the bundle's GPU
         backend = "nccl" if self.ctx.device == "gpu" else "gloo"
-        dist.init_process_group(
-            backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.ctx.rank, world_size=self.ctx.world_size
-        )
+        store = self._store or dist.TCPStore(master_addr, master_port, self.ctx.world_size, is_master=False)
+        dist.init_process_group(backend, store=store, rank=self.ctx.rank, world_size=self.ctx.world_size)
 
     def build(self, role: str, spec: RoleSpec) -> None:
         self.roles[role] = spec.cls(self.ctx, **spec.kwargs)
@@ -230,7 +247,7 @@ class WorkerGroup:
             ).remote(rank, pool.world_size, idx, pool.device, env or {})
             for rank, (pg, idx) in enumerate(placements)
         ]
-        addr, port = ray.get(self.hosts[0].address.remote())
+        addr, port = ray.get(self.hosts[0].open_rendezvous.remote())
         ray.get([h.init_distributed.remote(addr, port) for h in self.hosts])
         self._roles: dict[str, RoleHandle] = {}
         for role, spec in roles.items():
