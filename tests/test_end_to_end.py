@@ -141,6 +141,41 @@ def test_smollm2_arithmetic_smoke(tmp_path, model_cache, ray_tmp):
     assert summary["eval_before"] is not None and summary["eval_before"] > 0, "SmolLM2 answers some sums greedily"
 
 
+def test_smollm2_with_a_users_reward_function(tmp_path, model_cache, ray_tmp):
+    """examples/smollm2-arithmetic-reward.yaml for one step: the user's file scores every response in its sandboxed
+    workers, and the extra key it returns reaches the step log."""
+    ckpt = tmp_path / "run"
+    reward = ROOT / "examples" / "rewards" / "arithmetic_reward.py"
+    job = _variant(tmp_path, ROOT / "examples" / "smollm2-arithmetic-reward.yaml", trainer__steps=1,
+                   trainer__promptsPerStep=4, data__evalPrompts=8, trainer__checkpointDir=str(ckpt),
+                   models__reward__function={"path": str(reward)})
+    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp], cwd=tmp_path,
+                  env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    (rec,) = _steps(ckpt)
+    assert rec["reward_errors"] == 0
+    assert 0 <= rec["reward_answered_mean"] <= 1
+    # the file's rule: 1 right, 0.1 wrong but a number, 0 no number; so the mean reward is bounded by `answered`
+    assert rec["reward_mean"] <= rec["reward_answered_mean"] + 1e-6
+    assert rec["reward_mean"] >= 0.1 * rec["reward_answered_mean"] - 1e-6
+
+
+def test_a_reward_function_that_fails_stops_the_job_naming_the_sample(tmp_path, model_cache, ray_tmp):
+    reward = tmp_path / "bad_reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                      "    return int(solution_str) / 0\n")
+    job = _variant(tmp_path, ROOT / "examples" / "smollm2-arithmetic-reward.yaml", trainer__steps=1,
+                   trainer__promptsPerStep=4, data__evalPrompts=8, trainer__eval=False,
+                   trainer__checkpointDir=str(tmp_path / "run"), models__reward__function={"path": str(reward)})
+    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp], cwd=tmp_path,
+                  env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)}, timeout=600)
+    assert out.returncode == 1, out.stderr[-3000:]
+    err = out.stderr
+    assert "RewardFailure" in err and f"{reward}:compute_score" in err and "maxErrorFraction" in err, err[-3000:]
+    assert "sample 0 (ground truth" in err and ("ValueError" in err or "ZeroDivisionError" in err), err[-3000:]
+    assert "bad_reward.py:2" in err, err[-3000:]
+
+
 def test_failure_exits_non_zero_and_keeps_checkpoints(tmp_path, model_cache, ray_tmp):
     # A path model with a config but broken weights: the job starts, then fails while loading.
     bad = tmp_path / "broken-model"

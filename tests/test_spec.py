@@ -65,6 +65,15 @@ BAD = [
     ({"resourcePools": [{"name": "Bad_Name"}]}, "spec.resourcePools[0].name: String should match pattern"),
     ({"rollout": {"topP": 1.5}}, "spec.rollout.topP: Input should be less than or equal to 1"),
     ({"data": {"task": "arithmetic"}}, "arithmetic_exact needs a model with a tokenizer"),
+    ({"models": {"reward": {"type": "function"}}}, "type is 'function' but no function is given"),
+    ({"models": {"reward": {"type": "scorer"}}}, "type is 'scorer' but reward.scorers is empty"),
+    ({"models": {"reward": {"type": "scorer", "scorers": [{"name": "math"}, {"name": "bleu"}]}}},
+     "spec.models.reward.scorers[1].name: unknown scorer 'bleu'; registered scorers: exact, format, math, regex"),
+    ({"models": {"reward": {"type": "scorer", "scorers": [{"name": "math"}]}}},
+     "spec.models.reward.type: scorer scores decoded text and needs a model with a tokenizer"),
+    ({"models": {"reward": {"type": "function", "function": {"path": "/nonexistent/r.py"}, "timeoutSeconds": 0}}},
+     "spec.models.reward.timeoutSeconds: Input should be greater than 0"),
+    ({"models": {"reward": {"maxErrorFraction": 2}}}, "spec.models.reward.maxErrorFraction: Input should be less"),
 ]
 
 
@@ -75,6 +84,22 @@ def test_bad_manifest_names_the_field(tmp_path, capsys, spec, expected):
     assert rc == 2
     assert expected in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("body,expected", [
+    (None, "reward file not found"),
+    ("def compute_score(a, b:\n", "r.py:1: syntax error"),
+    ("def other(a, b, c, d):\n    return 1\n", "no top-level function 'compute_score' (functions found: other)"),
+])
+def test_reward_file_problems_are_reported_before_anything_runs(tmp_path, capsys, body, expected):
+    reward = tmp_path / "r.py"
+    if body is not None:
+        reward.write_text(body)
+    spec = {"models": {"actor": {"source": "smollm2"}, "reward": {"type": "function", "function": {"path": str(reward)}}},
+            "data": {"task": "arithmetic"}, "trainer": {"checkpointDir": str(tmp_path / "ck")}}
+    rc = main(["validate", str(_write(tmp_path, spec))])
+    err = capsys.readouterr().err
+    assert rc == 2 and "spec.models.reward.function" in err and expected in err, err
 
 
 def test_missing_model_path_is_reported(tmp_path, capsys):

@@ -118,11 +118,14 @@ def execute(job: RLHFJob, progress: bool = True) -> int:
     if s.metrics.port:
         port = metrics.serve(s.metrics.port, s.metrics.address)
         say(f"metrics: http://{s.metrics.address}:{port}/metrics")
-    workers = trainer.build_workers(job, model_dir, task, critic_dir, rm_dir)
     try:
-        summary = trainer.fit(job, workers, task, metrics, progress=say)
+        workers = trainer.build_workers(job, model_dir, task, critic_dir, rm_dir)
+        try:
+            summary = trainer.fit(job, workers, task, metrics, progress=say)
+        finally:
+            workers.shutdown()
     finally:
-        workers.shutdown()
+        task.close()  # a reward function's worker processes
     say(
         f"done: {summary.steps_done} steps (from step {summary.start_step}) in {summary.seconds:.1f}s, "
         f"mean {summary.mean_throughput:.0f} tokens/s"

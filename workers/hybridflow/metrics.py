@@ -61,6 +61,8 @@ class JobMetrics:
         self.eta = Gauge("hybridflow_eta_seconds", "Estimated seconds to the last step.", lbl, registry=r)
         self.devices = Gauge("hybridflow_devices", "Devices (ranks) the job's worker groups use.", lbl, registry=r)
         self.parameters = Gauge("hybridflow_model_parameters", "Parameters of the actor model.", lbl, registry=r)
+        self.reward_errors = Counter("hybridflow_reward_errors", "Samples whose reward function raised, timed out or "
+                                     "returned no score (they score errorScore).", lbl, registry=r)
         self.gauges = {
             key: Gauge(f"hybridflow_{name}", doc, lbl, registry=r) for name, (key, doc) in STEP_GAUGES.items()
         }
@@ -80,6 +82,8 @@ class JobMetrics:
         self.generation_throughput.labels(j).set(rec["generation_tokens_per_s"])
         self.iteration.labels(j).observe(rec["iteration_seconds"])
         self.eta.labels(j).set(rec["eta_seconds"])
+        if rec.get("reward_errors"):
+            self.reward_errors.labels(j).inc(rec["reward_errors"])
         for stage, secs in stages.items():
             self.stage.labels(j, stage).set(secs)
             self.stage_total.labels(j, stage).inc(secs)

@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.alias_generators import to_camel
 
 from hybridflow.rewards.rules import RULES, TASK_DEFAULT_RULE
+from hybridflow.rewards.sandbox import RewardFileError, check_reward_file
+from hybridflow.rewards.scorers import SCORERS
 
 API_GROUP = "hybridflow.io"
 VERSION = "v1alpha1"
@@ -82,17 +84,59 @@ class ModelSource(_Spec):
         return self
 
 
-class RewardSpec(_Spec):
-    """The reward: a rule function over token ids, or a reward model scoring the whole sequence."""
+class RewardFunctionSpec(_Spec):
+    """A user's Python file with a verl-compatible reward function, run in sandboxed worker processes."""
 
-    type: Literal["rule", "model"] = Field("rule", description="rule: a registered function; model: a reward model.")
+    path: str = Field(..., min_length=1, description="The Python file (on Kubernetes: a path inside a mounted volume).")
+    name: str = Field("compute_score", description="The function: (data_source, solution_str, ground_truth, "
+                      "extra_info) -> float, or a dict with 'score' (other numeric keys become metrics).")
+    batched: bool = Field(False, description="The function takes lists and returns a list of scores.")
+
+
+class ScorerPart(_Spec):
+    """One built-in scorer of a (weighted) combination."""
+
+    name: str = Field(..., description="math (math-verify), exact, regex or format.")
+    weight: float = Field(1.0, description="Its weight in the sum.")
+    pattern: str | None = Field(None, description="regex: the answer's pattern (group 1); format: the whole-response "
+                                "pattern. Defaults: the number a response ends with; a \\boxed{} answer.")
+    case_sensitive: bool | None = Field(None, description="exact: compare case-sensitively (default true).")
+
+    def options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {}
+        if self.pattern is not None:
+            opts["pattern"] = self.pattern
+        if self.case_sensitive is not None:
+            opts["case_sensitive"] = self.case_sensitive
+        return opts
+
+
+class RewardSpec(_Spec):
+    """The reward: a rule over token ids, built-in scorers or a user's function over decoded text, or a reward
+    model scoring the whole sequence."""
+
+    type: Literal["rule", "model", "scorer", "function"] = Field(
+        "rule", description="rule: a registered token-id rule; model: a reward model; scorer: built-in text scorers "
+        "(scorers); function: a user's Python function (function).")
     rule: str | None = Field(None, description="Rule name (see `hybridflow rules`); defaults to the task's own rule.")
     model: ModelSource | None = Field(None, description="Reward model weights, for type=model.")
+    scorers: list[ScorerPart] = Field(default_factory=list, description="For type=scorer: summed with their weights.")
+    function: RewardFunctionSpec | None = Field(None, description="For type=function.")
+    timeout_seconds: float = Field(10.0, gt=0, description="Per-sample deadline of a user's function (a batched one "
+                                   "gets this times the batch size); past it the sample scores errorScore.")
+    error_score: float = Field(0.0, description="The score of a sample whose scoring raised or timed out.")
+    max_error_fraction: float = Field(0.5, ge=0, le=1, description="More failing samples than this fraction of a "
+                                      "batch fail the job, naming the first sample and its exception.")
+    workers: int = Field(2, ge=1, le=64, description="Worker processes for a user's (non-batched) function.")
 
     @model_validator(mode="after")
     def _model_given(self) -> "RewardSpec":
         if self.type == "model" and self.model is None:
             raise ValueError("type is 'model' but no model is given: set reward.model")
+        if self.type == "function" and self.function is None:
+            raise ValueError("type is 'function' but no function is given: set reward.function.path")
+        if self.type == "scorer" and not self.scorers:
+            raise ValueError("type is 'scorer' but reward.scorers is empty: e.g. scorers: [{name: math}]")
         return self
 
 
@@ -324,6 +368,13 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
         spec.models.actor.source == "tiny"
     ):
         out.append("spec.models.reward.rule: arithmetic_exact needs a model with a tokenizer (source smollm2 or path)")
+    for i, part in enumerate(r.scorers):
+        if part.name not in SCORERS:
+            out.append(f"spec.models.reward.scorers[{i}].name: unknown scorer '{part.name}'; registered scorers: "
+                       f"{', '.join(sorted(SCORERS))}")
+    if r.type in ("scorer", "function") and spec.models.actor.source == "tiny":
+        out.append(f"spec.models.reward.type: {r.type} scores decoded text and needs a model with a tokenizer "
+                   "(source smollm2 or path)")
     m = spec.models.actor
     if m.source == "tiny" and spec.rollout.engine == "vllm":
         head_dim = m.tiny.hidden_size // m.tiny.num_heads
@@ -422,6 +473,12 @@ def check_runtime_paths(job: RLHFJob) -> list[str]:
             d = Path(m.path or "")
             if not (d / "config.json").is_file():
                 out.append(f"{field}.path: '{d}' is not an HF model directory (no config.json); fix the path")
+    fn = job.spec.models.reward.function
+    if job.spec.models.reward.type == "function" and fn is not None:
+        try:
+            check_reward_file(fn.path, fn.name, fn.batched)
+        except RewardFileError as err:
+            out.append(f"spec.models.reward.function: {err}")
     ckpt = Path(job.spec.trainer.checkpoint_dir)
     probe = ckpt
     while not probe.exists() and probe != probe.parent:

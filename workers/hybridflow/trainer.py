@@ -32,6 +32,7 @@ from hybridflow.data.tasks import (
 )
 from hybridflow.metrics import JobMetrics
 from hybridflow.rewards.rules import TASK_DEFAULT_RULE, get_rule
+from hybridflow.rewards.text import TextReward
 from hybridflow.spec import RLHFJob
 
 log = logging.getLogger("hybridflow.trainer")
@@ -48,6 +49,12 @@ class Task:
     rule: Callable[..., float]
     decode: Callable[[list[int]], str] | None
     stop_token_ids: list[int]
+    text_reward: TextReward | None = None  # reward types scorer/function: scored on decoded responses
+    data_source: str = ""
+
+    def close(self) -> None:
+        if self.text_reward is not None:
+            self.text_reward.close()
 
 
 def build_task(job: RLHFJob, model_dir: Path) -> Task:
@@ -77,7 +84,8 @@ def build_task(job: RLHFJob, model_dir: Path) -> Task:
                 f"({too_long} tokens); raise it"
             )
     train, held_out = split_train_eval(samples, s.data.eval_prompts)
-    return Task(train, held_out, rule, decode, stop)
+    text_reward = TextReward(s.models.reward) if s.models.reward.type in ("scorer", "function") else None
+    return Task(train, held_out, rule, decode, stop, text_reward, s.data.task)
 
 
 def _vocab_size(model_dir: Path) -> int:
@@ -157,11 +165,25 @@ def prompt_batch(samples: list[Sample], uid_offset: int = 0) -> Batch:
     )
 
 
-def rule_scores(batch: Batch, task: Task) -> torch.Tensor:
+def reward_scores(batch: Batch, task: Task) -> tuple[torch.Tensor, dict[str, float]]:
+    """Scores of the batch's responses by the task's rule or text reward, and reward statistics for the step log
+    (failed samples, and the means of a reward function's extra metrics)."""
     prompts, responses = unpack_prompts(batch), unpack_responses(batch)
-    return torch.tensor(
-        [task.rule(p, r, t, task.decode) for p, r, t in zip(prompts, responses, batch["truth"])], dtype=torch.float32
-    )
+    if task.text_reward is None:
+        scores = [task.rule(p, r, t, task.decode) for p, r, t in zip(prompts, responses, batch["truth"])]
+        return torch.tensor(scores, dtype=torch.float32), {}
+    assert task.decode is not None
+    n = len(responses)
+    out = task.text_reward.score([task.data_source] * n, [task.decode(r) for r in responses], list(batch["truth"]),
+                                 [{} for _ in range(n)])
+    stats = {"reward_errors": float(len(out.errors))}
+    for key, values in out.extras.items():
+        got = [v for v in values if v == v]  # NaN: that sample's result had no such key
+        if got:
+            stats[f"reward_{key}_mean"] = float(np.mean(got))
+    if out.errors:
+        log.warning("%d of %d samples could not be scored; first: %s", len(out.errors), n, out.errors[0])
+    return torch.tensor(out.scores, dtype=torch.float32), stats
 
 
 def real_tokens(batch: Batch) -> int:
@@ -209,7 +231,11 @@ def rlhf_iteration(job: RLHFJob, w: Workers, task: Task, prompts: Batch) -> tupl
             data = data.union(resolve(ref_lp))
         if critic is not None:
             data = data.union(resolve(values))
-        scores = resolve(rm.compute_rm_scores(data))["rm_scores"] if rm is not None else rule_scores(data, task)
+        reward_stats: dict[str, float] = {}
+        if rm is not None:
+            scores = resolve(rm.compute_rm_scores(data))["rm_scores"]
+        else:
+            scores, reward_stats = reward_scores(data, task)
     with clock("advantages"):
         mask = data["response_mask"]
         kl = kl_estimate(data["old_log_probs"], data["ref_log_probs"], algo.kl_estimator) if ref else None
@@ -222,7 +248,7 @@ def rlhf_iteration(job: RLHFJob, w: Workers, task: Task, prompts: Batch) -> tupl
             rewards = token_rewards(scores, mask, kl, kl_reward)
             adv, returns = gae(rewards, data["values"], mask, algo.gamma, algo.lam)
             data.tensors.update(advantages=adv, returns=returns)
-    stats: dict[str, float] = {}
+    stats: dict[str, float] = dict(reward_stats)
     if critic is not None:
         with clock("critic_update"):
             stats.update(_mean_stats(critic.update_critic(data), "critic_"))
@@ -281,7 +307,7 @@ def evaluate(w: Workers, task: Task, samples: list[Sample]) -> float:
     dp = w.roles["actor"].dp_size
     usable = samples[: len(samples) // dp * dp]
     out = resolve(w.roles["actor"].generate(prompt_batch(usable), greedy=True))
-    return float(rule_scores(out, task).mean())
+    return float(reward_scores(out, task)[0].mean())
 
 
 def save(job: RLHFJob, w: Workers, root: Path, step: int, stream: PromptStream) -> Path:

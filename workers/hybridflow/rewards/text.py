@@ -1,0 +1,56 @@
+"""Rewards over decoded responses: built-in scorers (in the driver) or a user's function (in sandboxed workers),
+behind one call that applies the job's error policy.
+
+A sample whose scoring fails scores `errorScore` and is counted; when more than `maxErrorFraction` of a batch fails,
+the job stops with the first failing sample, the function and the exception, since training on mostly-default
+rewards would only waste the run.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from hybridflow.rewards.sandbox import RewardError, RewardFunction, RewardResult
+from hybridflow.rewards.scorers import weighted
+from hybridflow.spec import RewardSpec
+
+
+class RewardFailure(RuntimeError):
+    """Too many samples of a batch could not be scored."""
+
+
+class TextReward:
+    def __init__(self, spec: RewardSpec) -> None:
+        self.spec = spec
+        self.function: RewardFunction | None = None
+        if spec.type == "function":
+            assert spec.function is not None
+            f = spec.function
+            self.function = RewardFunction(f.path, f.name, f.batched, workers=spec.workers,
+                                           timeout_seconds=spec.timeout_seconds, error_score=spec.error_score)
+            self.what = f"{f.path}:{f.name}"
+        else:
+            self.scorer = weighted([(p.name, p.weight, p.options()) for p in spec.scorers])
+            self.what = " + ".join(f"{p.weight:g} * {p.name}" for p in spec.scorers)
+
+    def close(self) -> None:
+        if self.function is not None:
+            self.function.close()
+
+    def score(self, data_sources: Sequence[str], solutions: Sequence[str], ground_truths: Sequence[Any],
+              extra_infos: Sequence[dict[str, Any]]) -> RewardResult:
+        if self.function is not None:
+            out = self.function.score(data_sources, solutions, ground_truths, extra_infos)
+        else:
+            out = RewardResult(scores=[])
+            for i, args in enumerate(zip(data_sources, solutions, ground_truths, extra_infos)):
+                try:
+                    out.scores.append(float(self.scorer(*args)))
+                except Exception as err:  # noqa: BLE001 - reported with its sample, like a user's function
+                    out.errors.append(RewardError(i, solutions[i], ground_truths[i], f"{type(err).__name__}: {err}"))
+                    out.scores.append(self.spec.error_score)
+        n = max(1, len(solutions))
+        if out.errors and len(out.errors) / n > self.spec.max_error_fraction:
+            raise RewardFailure(
+                f"reward {self.what}: {len(out.errors)} of {len(solutions)} samples failed, more than "
+                f"spec.models.reward.maxErrorFraction = {self.spec.max_error_fraction:g}; first: {out.errors[0]}")
+        return out
