@@ -114,3 +114,50 @@ def test_kwargs_signature_is_accepted(tmp_path):
     body = "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n    return 0.5\n"
     with RewardFunction(_file(tmp_path, body), timeout_seconds=5) as fn:
         assert _score(fn, ["x"]).scores == [0.5]
+
+
+def test_verl_names_are_passed_by_keyword_in_any_order(tmp_path):
+    """verl calls compute_score by keyword: a file that orders the parameters its own way still gets each one."""
+    body = """
+    def compute_score(solution_str, ground_truth, data_source=None, extra_info=None):
+        return solution_str == ground_truth and data_source == "gsm8k"
+    """
+    with RewardFunction(_file(tmp_path, body), timeout_seconds=5) as fn:
+        out = _score(fn, ["72", "7"])
+    assert out.errors == [] and out.scores == [1.0, 0.0]  # a bool is a score
+
+
+def test_numpy_scalars_are_scores(tmp_path):
+    body = """
+    import numpy as np
+    def compute_score(data_source, solution_str, ground_truth, extra_info):
+        return {"score": np.float32(0.5), "hits": np.int64(3)}
+    """
+    with RewardFunction(_file(tmp_path, body), timeout_seconds=10) as fn:
+        out = _score(fn, ["x"])
+    assert out.errors == [] and out.scores == [0.5] and out.extras["hits"] == [3.0]
+
+
+def test_a_worker_that_died_while_idle_is_replaced(tmp_path):
+    with RewardFunction(_file(tmp_path, GOOD), workers=1, timeout_seconds=5) as fn:
+        assert _score(fn, ["72"]).scores == [1.0]
+        victim = fn._procs[0].proc
+        victim.kill()
+        victim.wait(5)
+        out = _score(fn, ["72", "71"])
+    assert out.scores == [1.0, 0.0] and out.errors == []
+
+
+def test_functions_bound_otherwise_are_checked_when_loaded(tmp_path):
+    ok = """
+    import functools
+    def _score(data_source, solution_str, ground_truth, extra_info, scale):
+        return scale * float(solution_str == ground_truth)
+    compute_score = functools.partial(_score, scale=2.0)
+    """
+    check_reward_file(_file(tmp_path, ok), "compute_score")  # not a plain def: no verdict from the AST
+    with RewardFunction(tmp_path / "reward.py", timeout_seconds=5) as fn:
+        assert _score(fn, ["72"]).scores == [2.0]
+    bad = "compute_score = lambda solution_str: 1.0\n"
+    with pytest.raises(RewardFileError, match="must accept .data_source, solution_str, ground_truth, extra_info"):
+        RewardFunction(_file(tmp_path, bad, "bad.py"), timeout_seconds=5)

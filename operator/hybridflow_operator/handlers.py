@@ -136,13 +136,13 @@ def _observed_pods(index: kopf.Index, namespace: str, name: str, memo: kopf.Memo
 
 
 def _known_status(body: kopf.Body, memo: kopf.Memo) -> dict[str, Any]:
-    """The job's status as of this operator's last write: the body's, unless the watch has not yet delivered a
-    version newer than the one that write was based on (read-your-writes)."""
-    observed = {k: v for k, v in dict(body.get("status") or {}).items() if k != "kopf"}
+    """The job's status: what this operator last wrote, since it is the status's only writer and the watch may
+    still deliver versions from before that write (kopf's own annotation patches make such versions routinely);
+    the body's status only before the first write of this process (a new or restarted operator)."""
     written = memo.get("written")
-    if written and written[0] == body["metadata"].get("resourceVersion"):
-        return dict(written[1])
-    return observed
+    if written is not None:
+        return copy.deepcopy(written)
+    return {k: v for k, v in dict(body.get("status") or {}).items() if k != "kopf"}
 
 
 def _accepted_job(live: RLHFJob, namespace: str, memo: kopf.Memo) -> tuple[RLHFJob, bool]:
@@ -188,6 +188,8 @@ def reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, job_p
 
 
 def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, index: kopf.Index) -> None:
+    if body["metadata"].get("deletionTimestamp"):
+        return  # being deleted: `cleanup` owns it now; a tick must not create children after cleanup has run
     now = dt.datetime.now(dt.timezone.utc)
     raw = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "metadata": dict(body["metadata"]),
            "spec": dict(body.get("spec") or {})}
@@ -211,6 +213,12 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
             plan.events.append(("Warning", "SpecChangeIgnored", msg))
         set_condition(plan.status, "SpecChangeIgnored", True, "SpecChangeIgnored", msg, now)
 
+    if job is not None and plan.status.get("phase") == "Running":
+        _poll_progress(job, pods, plan.status, now)
+    # The status is written before anything is done about it: a tick that fails half-way is redone from the
+    # new status (missing pods are created again, stale ones deleted again), never from the old one.
+    if plan.status != status:
+        _write_status(namespace, name, status, plan.status, memo)
     if job is not None and plan.create_static:
         for obj in mf.static_children(raw, job):
             _create(obj)
@@ -224,8 +232,6 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     for pod_name in plan.delete_pods:
         memo.setdefault("created", {}).pop(pod_name, None)
         _ignore(404, _core().delete_namespaced_pod, pod_name, namespace, grace_period_seconds=30)
-    if job is not None and plan.status.get("phase") == "Running":
-        _poll_progress(job, pods, plan.status, now)
     for etype, reason, message in plan.events:
         kopf.event(body, type=etype, reason=reason, message=message)
     if plan.status.get("restarts", 0) > status.get("restarts", 0):
@@ -236,23 +242,23 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
             METRICS.duration.labels(plan.status["phase"]).observe((now - started).total_seconds())
     METRICS.set_phase(namespace, name, plan.status.get("phase"))
     METRICS.job_restarts.labels(namespace, name).set(plan.status.get("restarts", 0))
-    if plan.status != status:
-        _write_status(body, namespace, name, status, plan.status, memo)
     if plan.delete_job:
         _ignore(404, _custom().delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
 
 
-def _write_status(body: kopf.Body, namespace: str, name: str, old: dict[str, Any], new: dict[str, Any],
-                  memo: kopf.Memo) -> None:
+def _write_status(namespace: str, name: str, old: dict[str, Any], new: dict[str, Any], memo: kopf.Memo) -> None:
     """Merge-patch the status subresource now (not after the tick, as kopf's `patch` would), so that the write is
-    known to have landed before the next tick relies on it; fields the plan dropped are removed."""
+    known to have landed before anything relies on it; fields the plan dropped are removed."""
     patch = {"status": {**{k: None for k in old if k not in new}, **new}}
     _custom().patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, patch)
-    memo["written"] = (body["metadata"].get("resourceVersion"), copy.deepcopy(new))
+    memo["written"] = copy.deepcopy(new)
 
 
 def _poll_progress(job: RLHFJob, pods: list[dict[str, Any]], status: dict[str, Any], now: dt.datetime) -> None:
-    head = [p for p in pods if p["view"].role == "head" and p["podIP"]]
+    """Progress from the current generation's head: an old head that still has an IP must not move step back."""
+    gen = int(status.get("restarts", 0))
+    head = [p for p in pods if p["view"].role == "head" and p["podIP"] and p["view"].generation == gen
+            and not p["view"].deleting]
     if not head or not job.spec.metrics.port:
         return
     ip = head[-1]["podIP"]

@@ -1,6 +1,8 @@
 """The operator's own Prometheus metrics (the jobs' training metrics come from their drivers)."""
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 PHASES = ("Pending", "Initializing", "Running", "Restarting", "Suspending", "Suspended", "Succeeded", "Failed")
@@ -22,9 +24,14 @@ class OperatorMetrics:
         self.job_restarts = Gauge("hybridflow_operator_job_restarts", "Gang restarts of each job so far.",
                                   ["namespace", "rlhfjob"], registry=r)
         self._phase_of: dict[tuple[str, str], str] = {}
+        self._lock = threading.Lock()  # ticks run in kopf's thread pool, cleanup on its event loop
 
     def set_phase(self, namespace: str, name: str, phase: str | None) -> None:
         """Track one job's phase (None when the job is gone) and refresh the per-phase counts."""
+        with self._lock:
+            self._set_phase(namespace, name, phase)
+
+    def _set_phase(self, namespace: str, name: str, phase: str | None) -> None:
         key = (namespace, name)
         old = self._phase_of.get(key)
         if old is not None and old != phase:

@@ -114,11 +114,11 @@ def execute(job: RLHFJob, progress: bool = True) -> int:
     critic_dir = materialize(s.models.critic, cache, s.trainer.seed) if s.models.critic else None
     rm_dir = materialize(s.models.reward.model, cache, s.trainer.seed) if s.models.reward.model else None
     task = trainer.build_task(job, model_dir)
-    metrics = JobMetrics(job.metadata.name)
-    if s.metrics.port:
-        port = metrics.serve(s.metrics.port, s.metrics.address)
-        say(f"metrics: http://{s.metrics.address}:{port}/metrics")
     try:
+        metrics = JobMetrics(job.metadata.name)
+        if s.metrics.port:
+            port = metrics.serve(s.metrics.port, s.metrics.address)
+            say(f"metrics: http://{s.metrics.address}:{port}/metrics")
         workers = trainer.build_workers(job, model_dir, task, critic_dir, rm_dir)
         try:
             summary = trainer.fit(job, workers, task, metrics, progress=say)

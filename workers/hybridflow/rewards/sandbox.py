@@ -2,21 +2,25 @@
 
 The function has verl's signature, `compute_score(data_source, solution_str, ground_truth, extra_info)`, and returns a
 number or a dict with a numeric `score` (its other numeric keys become per-sample metrics). With `batched` it takes
-lists and returns a list. It runs in worker processes that never see the driver's memory, start from an environment
-with no credentials in it (only SAFE_ENV), in an empty working directory; a call that raises, returns
+lists and returns a list. Parameters named as verl names them are passed by keyword (as verl does), otherwise by
+position. It runs in worker processes that never see the driver's memory, start from an environment with no
+credentials in it (only SAFE_ENV), each in a fresh temporary directory; a call that raises, returns
 something that is not a score, or runs past its deadline scores `error_score` and is reported with its sample. A
 worker that timed out is killed and replaced, so a function that hangs once costs one deadline, not the job.
 
 This is process isolation, not a security boundary against a hostile author: the code runs as the job's own user,
-with the job's files and network. It is meant for a job author's own reward code, so that their bugs cannot hang or
-crash the training loop.
+with the job's files and network (it could read the driver's environment through /proc), and with no memory limit
+of its own (a leaking reward shares the pod's). It keeps a job author's own reward bugs (exceptions, hangs, crashes)
+from hanging or crashing the training loop.
 """
 from __future__ import annotations
 
 import ast
+import importlib.util
+import inspect
 import math
+import numbers
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -59,8 +63,10 @@ class RewardResult:
 
 
 def check_reward_file(path: str | Path, name: str, batched: bool = False) -> None:
-    """What can be checked without running the user's code: the file exists, parses, defines `name` at top level
-    taking verl's four arguments (data_source, solution_str, ground_truth, extra_info) by position. Raises RewardFileError naming the file (and line)."""
+    """What can be checked without running the user's code: the file exists and parses, and `name` is bound at its
+    top level; when it is a plain `def`, that it can take verl's four arguments (data_source, solution_str,
+    ground_truth, extra_info). Anything else (a decorated, assigned or imported function) is checked when a worker
+    loads the file. Raises RewardFileError naming the file (and line)."""
     p = Path(path)
     if not p.is_file():
         raise RewardFileError(f"{p}: reward file not found")
@@ -72,54 +78,106 @@ def check_reward_file(path: str | Path, name: str, batched: bool = False) -> Non
         raise RewardFileError(f"{p}: not a text file ({err})") from None
     fns = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     if name not in fns:
+        if name in _other_top_level_names(tree):
+            return  # bound by an assignment, import, or inside if/try: the worker checks it at load
         found = ", ".join(sorted(fns)) or "none"
         raise RewardFileError(f"{p}: no top-level function '{name}' (functions found: {found})")
     fn = fns[name]
     if isinstance(fn, ast.AsyncFunctionDef):
         raise RewardFileError(f"{p}:{fn.lineno}: '{name}' is async; write a plain function")
-    a = fn.args  # called positionally with four arguments: parameter names are the author's
+    if fn.decorator_list:
+        return  # a decorator may change the signature: checked at load
+    a = fn.args
     positional = [x.arg for x in a.posonlyargs + a.args]
     required = len(positional) - len(a.defaults)
     required_kwonly = [x.arg for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
-    if (len(positional) < len(SIGNATURE) and a.vararg is None) or required > len(SIGNATURE) or required_kwonly:
+    by_name = set(SIGNATURE) <= set(positional[len(a.posonlyargs):]) | {x.arg for x in a.kwonlyargs} or a.kwarg
+    by_position = len(positional) >= len(SIGNATURE) or a.vararg is not None
+    if not (by_name or by_position) or required > len(SIGNATURE) or (required_kwonly and not by_name):
         raise RewardFileError(
             f"{p}:{fn.lineno}: '{name}' must accept ({', '.join(SIGNATURE)})"
             + (" as lists (batched: true)" if batched else "") + f"; it takes ({', '.join(positional)})")
 
 
+def _other_top_level_names(tree: ast.Module) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)) and node is not tree:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)  # nested in if/try at top level; body names of functions are not walked
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
 def _score_of(value: Any) -> tuple[float, dict[str, float]]:
-    """A result -> (score, extra metrics); ValueError says what was wrong with it."""
+    """A result -> (score, extra metrics); ValueError says what was wrong with it. Any real number counts,
+    bools and numpy scalars included (`return answer == truth` is a score of 0 or 1)."""
     extras: dict[str, float] = {}
     if isinstance(value, dict):
         if "score" not in value:
-            raise ValueError(f"returned a dict without 'score' (keys: {sorted(value)})")
-        extras = {k: float(v) for k, v in value.items()
-                  if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            raise ValueError(f"returned a dict without 'score' (keys: {sorted(map(str, value))})")
+        for k, v in value.items():
+            if k != "score" and _is_real(v):
+                extras[str(k)] = float(v)
         value = value["score"]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not _is_real(value):
         raise ValueError(f"returned {type(value).__name__} {value!r:.80}, not a number")
     if not math.isfinite(float(value)):
         raise ValueError(f"returned {value}, not a finite number")
     return float(value), extras
 
 
-def _worker_main(path: str, name: str, cpu_seconds: int) -> None:
-    """The reward worker (`python -m hybridflow.rewards.sandbox PATH NAME CPU`): load the file once, then answer
+def _is_real(v: Any) -> bool:
+    if isinstance(v, numbers.Real):
+        return True
+    try:  # numpy and torch scalars
+        return getattr(v, "ndim", None) == 0 or (hasattr(v, "item") and isinstance(v.item(), numbers.Real))
+    except Exception:  # noqa: BLE001 - not a scalar
+        return False
+
+
+def _call_style(fn: Any) -> str:
+    """'keyword' when the function names verl's four parameters (verl calls them by keyword), else 'position'.
+    Raises TypeError when it can take them neither way."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return "position"  # a builtin or C function: try it
+    try:
+        sig.bind(**dict.fromkeys(SIGNATURE))
+        return "keyword"
+    except TypeError:
+        pass
+    try:
+        sig.bind(*SIGNATURE)
+        return "position"
+    except TypeError:
+        raise TypeError(f"it must accept ({', '.join(SIGNATURE)}); its signature is {sig}") from None
+
+
+def _worker_main(path: str, name: str) -> None:
+    """The reward worker (`python -m hybridflow.rewards.sandbox PATH NAME`): load the file once, then answer
     calls until the driver closes the pipe. The protocol runs on the original stdin/stdout; the user's prints go
-    to stderr."""
+    to stderr. Only plain floats and error strings go back: the driver never unpickles the user's objects."""
     proto_in, proto_out = os.dup(0), os.dup(1)
     os.dup2(2, 1)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     conn_in, conn = Connection(proto_in, writable=False), Connection(proto_out, readable=False)
-    if cpu_seconds:
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
     try:
-        namespace: dict[str, Any] = {"__name__": "hybridflow_user_reward", "__file__": path}
-        exec(compile(Path(path).read_text(), path, "exec"), namespace)  # noqa: S102 - the point: run the user's file
-        fn = namespace[name]
-        if not callable(fn):
-            raise TypeError(f"'{name}' is not a function")
+        spec = importlib.util.spec_from_file_location("hybridflow_user_reward", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # so that what the file defines can be pickled (e.g. its own pools)
+        spec.loader.exec_module(module)
+        fn = getattr(module, name, None)
+        if fn is None or not callable(fn):
+            raise TypeError(f"'{name}' is not a function in the file")
+        style = _call_style(fn)
         conn.send(("ready", None))
     except BaseException as err:  # noqa: BLE001 - whatever the file does at import is reported, not raised here
         conn.send(("load-error", _describe(err)))
@@ -130,14 +188,27 @@ def _worker_main(path: str, name: str, cpu_seconds: int) -> None:
         except EOFError:
             return
         try:
-            result = fn(*args)
+            result = fn(**dict(zip(SIGNATURE, args))) if style == "keyword" else fn(*args)
         except BaseException as err:  # noqa: BLE001 - a user's exception is a result, reported with its sample
             conn.send(("error", _describe(err)))
             continue
         try:
-            conn.send(("ok", result))
-        except Exception as err:  # noqa: BLE001 - e.g. an object that cannot be pickled
-            conn.send(("error", f"returned {type(result).__name__}, which cannot be sent back: {err}"))
+            if isinstance(args[1], list):  # batched: one result per sample, each a score or its error
+                if not isinstance(result, (list, tuple)) or len(result) != len(args[1]):
+                    raise ValueError(f"a batched function must return a list of {len(args[1])} scores, got "
+                                     f"{type(result).__name__}")
+                conn.send(("ok", [_checked(r) for r in result]))
+            else:
+                conn.send(("ok", _score_of(result)))
+        except ValueError as err:
+            conn.send(("error", str(err)))
+
+
+def _checked(value: Any) -> tuple[float, dict[str, float]] | str:
+    try:
+        return _score_of(value)
+    except ValueError as err:
+        return str(err)
 
 
 def _describe(err: BaseException) -> str:
@@ -147,12 +218,13 @@ def _describe(err: BaseException) -> str:
 
 
 class _Proc:
-    """One worker process, started with only SAFE_ENV of the driver's environment, in an empty directory."""
+    """One worker process, started with only SAFE_ENV of the driver's environment, in a directory of its own."""
 
-    def __init__(self, path: str, name: str, cpu_seconds: int, workdir: str) -> None:
+    def __init__(self, path: str, name: str, workdir: str) -> None:
         env = {k: v for k, v in os.environ.items() if k in SAFE_ENV}
-        self.proc = subprocess.Popen([sys.executable, "-m", "hybridflow.rewards.sandbox", path, name, str(cpu_seconds)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=workdir,
+        self.workdir = tempfile.mkdtemp(prefix="worker-", dir=workdir)
+        self.proc = subprocess.Popen([sys.executable, "-m", "hybridflow.rewards.sandbox", path, name],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=self.workdir,
                                      start_new_session=True)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.send_conn = Connection(os.dup(self.proc.stdin.fileno()), readable=False)
@@ -163,14 +235,28 @@ class _Proc:
     def send(self, obj: Any) -> None:
         self.send_conn.send(obj)
 
+    def recv(self) -> tuple[str, Any]:
+        """A reply, or ('error', why) when the worker died or sent something unreadable."""
+        try:
+            kind, value = self.conn.recv()
+            return kind, value
+        except (EOFError, OSError):
+            return "error", "the reward worker process died"
+        except Exception as err:  # noqa: BLE001 - a garbled reply is that sample's error, not the job's
+            return "error", f"unreadable reply from the reward worker: {err}"
+
     def kill(self) -> None:
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # and anything the user's code started
         except ProcessLookupError:
             pass
-        self.proc.wait(10)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:  # stuck in the kernel: leave it, it is SIGKILLed
+            pass
         self.send_conn.close()
         self.conn.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 class RewardFunction:
@@ -181,17 +267,22 @@ class RewardFunction:
         self.path, self.name, self.batched = str(Path(path).resolve()), name, batched
         check_reward_file(self.path, name, batched)
         self.timeout, self.error_score = timeout_seconds, error_score
-        self.cpu_seconds = 0  # no RLIMIT_CPU: it counts a worker's whole life; the per-call deadline is the limit
         self._workdir = tempfile.mkdtemp(prefix="reward-")
         self._load_timeout = load_timeout_seconds
-        self._procs = [self._start() for _ in range(1 if batched else max(1, workers))]
+        self._procs: list[_Proc] = []
+        try:
+            for _ in range(1 if batched else max(1, workers)):
+                self._procs.append(self._start())
+        except BaseException:
+            self.close()
+            raise
 
     def _start(self) -> _Proc:
-        p = _Proc(self.path, self.name, self.cpu_seconds, self._workdir)
+        p = _Proc(self.path, self.name, self._workdir)
         if not p.conn.poll(self._load_timeout):
             p.kill()
             raise RewardFileError(f"{self.path}: loading took longer than {self._load_timeout:.0f} s")
-        kind, detail = p.conn.recv()
+        kind, detail = p.recv()
         if kind != "ready":
             p.kill()
             raise RewardFileError(f"{self.path}: loading it failed: {detail}")
@@ -211,70 +302,77 @@ class RewardFunction:
 
     def score(self, data_sources: Sequence[str], solutions: Sequence[str], ground_truths: Sequence[Any],
               extra_infos: Sequence[dict[str, Any]]) -> RewardResult:
-        n = len(solutions)
         if self.batched:
             return self._score_batched(list(data_sources), list(solutions), list(ground_truths), list(extra_infos))
+        n = len(solutions)
         results: list[tuple[float, dict[str, float]] | RewardError | None] = [None] * n
         pending = list(range(n))
-        busy: dict[int, tuple[int, float]] = {}  # proc slot -> (sample, deadline)
-        while pending or busy:
-            for slot in range(len(self._procs)):
-                if slot not in busy and pending:
-                    i = pending.pop(0)
-                    self._procs[slot].send((data_sources[i], solutions[i], ground_truths[i], extra_infos[i]))
-                    busy[slot] = (i, time.monotonic() + self.timeout)
-            ready = wait_for_any([self._procs[s].conn for s in busy],
-                                       timeout=max(0.0, min(d for _, d in busy.values()) - time.monotonic()))
-            now = time.monotonic()
-            for slot, (i, deadline) in list(busy.items()):
-                conn = self._procs[slot].conn
-                if conn in ready:
-                    try:
-                        kind, value = conn.recv()
-                    except EOFError:  # the worker died (os._exit, a signal, its CPU limit)
-                        kind, value = "error", "the reward worker process died"
+        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (sample, deadline)
+        try:
+            while pending or busy:
+                for slot in range(len(self._procs)):
+                    if slot not in busy and pending:
+                        i = pending.pop(0)
+                        try:
+                            self._procs[slot].send((data_sources[i], solutions[i], ground_truths[i], extra_infos[i]))
+                        except OSError:  # it died while idle: a new one takes the sample
+                            self._replace(slot)
+                            self._procs[slot].send((data_sources[i], solutions[i], ground_truths[i], extra_infos[i]))
+                        busy[slot] = (i, time.monotonic() + self.timeout)
+                ready = wait_for_any([self._procs[s].conn for s in busy],
+                                     timeout=max(0.0, min(d for _, d in busy.values()) - time.monotonic()))
+                now = time.monotonic()
+                for slot, (i, deadline) in list(busy.items()):
+                    if self._procs[slot].conn in ready:
+                        kind, value = self._procs[slot].recv()
+                        if kind == "error" and value == "the reward worker process died":
+                            self._replace(slot)
+                        results[i] = self._result(i, kind, value, solutions, ground_truths)
+                        del busy[slot]
+                    elif now >= deadline:
+                        results[i] = RewardError(i, solutions[i], ground_truths[i],
+                                                 f"timed out after {self.timeout:g} s")
                         self._replace(slot)
-                    results[i] = self._result(i, kind, value, solutions, ground_truths)
-                    del busy[slot]
-                elif now >= deadline:
-                    results[i] = RewardError(i, solutions[i], ground_truths[i], f"timed out after {self.timeout:g} s")
-                    self._replace(slot)
-                    del busy[slot]
+                        del busy[slot]
+        finally:
+            for slot in busy:  # left abnormally: a late reply must never be read as another sample's
+                self._replace(slot, must_start=False)
         return self._collect(results)
 
     def _score_batched(self, sources: list[str], solutions: list[str], truths: list[Any],
                        infos: list[dict[str, Any]]) -> RewardResult:
         n = len(solutions)
-        proc = self._procs[0]
-        proc.send((sources, solutions, truths, infos))
         limit = self.timeout * max(1, n)
-        if not proc.conn.poll(limit):
-            self._replace(0)
-            err = f"the batch timed out after {limit:g} s"
-            return self._collect([RewardError(i, solutions[i], truths[i], err) for i in range(n)])
         try:
-            kind, value = proc.conn.recv()
-        except EOFError:
+            self._procs[0].send((sources, solutions, truths, infos))
+        except OSError:
             self._replace(0)
-            kind, value = "error", "the reward worker process died"
-        if kind == "ok" and not (isinstance(value, (list, tuple)) and len(value) == n):
-            kind, value = "error", f"a batched function must return a list of {n} scores, got {type(value).__name__}"
+            self._procs[0].send((sources, solutions, truths, infos))
+        if not self._procs[0].conn.poll(limit):
+            self._replace(0)
+            kind, value = "error", f"the batch timed out after {limit:g} s"
+        else:
+            kind, value = self._procs[0].recv()
+            if kind == "error" and value == "the reward worker process died":
+                self._replace(0)
         if kind != "ok":
             return self._collect([RewardError(i, solutions[i], truths[i], str(value)) for i in range(n)])
         return self._collect([self._result(i, "ok", v, solutions, truths) for i, v in enumerate(value)])
 
     def _result(self, i: int, kind: str, value: Any, solutions: Sequence[str],
                 truths: Sequence[Any]) -> tuple[float, dict[str, float]] | RewardError:
-        if kind != "ok":
-            return RewardError(i, solutions[i], truths[i], str(value))
-        try:
-            return _score_of(value)
-        except ValueError as err:
-            return RewardError(i, solutions[i], truths[i], str(err))
+        """The worker already turned the user's result into (score, extras) or an error string."""
+        if kind == "ok" and isinstance(value, tuple):
+            return (float(value[0]), {str(k): float(v) for k, v in value[1].items()})
+        return RewardError(i, solutions[i], truths[i], str(value))
 
-    def _replace(self, slot: int) -> None:
+    def _replace(self, slot: int, must_start: bool = True) -> None:
         self._procs[slot].kill()
-        self._procs[slot] = self._start()
+        try:
+            self._procs[slot] = self._start()
+        except RewardFileError:
+            if must_start:
+                raise
 
     def _collect(self, results: list[Any]) -> RewardResult:
         out = RewardResult(scores=[])
@@ -294,4 +392,4 @@ class RewardFunction:
 
 
 if __name__ == "__main__":
-    _worker_main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    _worker_main(sys.argv[1], sys.argv[2])
