@@ -102,7 +102,8 @@ class WorkerHost:
         self._store: Any = None
 
     def open_rendezvous(self) -> tuple[str, int]:
-        """Rank 0: listen for the group's rendezvous on this node's address, on a port the kernel picks.
+        """Rank 0: start the group's rendezvous store on a port the kernel picks (the server listens on every
+        address; the other ranks reach it at this node's address, which is returned with the port).
 
         Binding port 0 leaves no gap between choosing the port and listening on it. The port used to be probed
         free on 127.0.0.1 and bound later on every address, and a port free on loopback can already belong to one
