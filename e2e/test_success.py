@@ -21,10 +21,14 @@ def test_kubectl_apply_runs_to_succeeded(world, tmp_path):
     pods = wait_for(lambda: len(kube.pods(NAME)) == 3 and kube.pods(NAME), 60, "head + 2 worker pods")
     assert sorted(p.metadata.name for p in pods) == [f"{NAME}-default-0-g0", f"{NAME}-default-1-g0", f"{NAME}-head-g0"]
     wait_for(lambda: phase(world, NAME) == "Running", 300, f"phase Running; {world.logs(current_head(kube, NAME))}")
+    scraped = [current_head(kube, NAME)]
     with Prometheus(tmp_path, world.metrics_targets(NAME), free_port()) as prom:
         def follow(cond):
             """Evaluate cond while scraping the current head: should the gang restart, the new head is scraped."""
-            prom.retarget(world.metrics_targets(NAME))
+            head = current_head(kube, NAME)
+            if head != scraped[-1]:  # new targets only then (on a real cluster, each call starts port-forwards)
+                prom.retarget(world.metrics_targets(NAME))
+                scraped.append(head)
             return cond()
 
         up = wait_for(lambda: follow(lambda: (t := prom.targets_up()) and all(t.get(j) for j in prom.targets) and t),

@@ -94,6 +94,8 @@ def test_batched_functions_take_lists(tmp_path):
      "no top-level function 'compute_score' (functions found: score)"),
     ("def compute_score(solution_str):\n    return 1\n", "must accept (data_source, solution_str, ground_truth"),
     ("async def compute_score(data_source, solution_str, ground_truth, extra_info):\n    return 1\n", "is async"),
+    ("def helper():\n    compute_score = 1\n    return compute_score\n",  # bound only inside a function body
+     "no top-level function 'compute_score' (functions found: helper)"),
 ])
 def test_bad_reward_files_are_refused_with_the_file_named(tmp_path, body, message):
     path = _file(tmp_path, body)

@@ -40,10 +40,6 @@ class RolloutEngine(Protocol):
         """Sums of the weights it generates with, to check that a transition landed."""
 
 
-def _new_instance_id() -> str:
-    return uuid.uuid4().hex
-
-
 class VLLMRollout:
     def __init__(self, model_dir: Path, max_model_len: int, dtype: str, seed: int, kv_cache_gib: float,
                  gpu_memory_utilization: float, on_gpu: bool) -> None:
@@ -53,7 +49,7 @@ class VLLMRollout:
         import torch.distributed as dist
         from vllm import LLM
 
-        self.instance_id = _new_instance_id()
+        self.instance_id = uuid.uuid4().hex
         kwargs = {}
         if dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
@@ -125,7 +121,7 @@ class HFRollout:
         self.model.eval()
         self.device = device
         self.generator_seed = seed
-        self.instance_id = _new_instance_id()
+        self.instance_id = uuid.uuid4().hex
 
     def release(self) -> None:
         """The private copy is what generation runs on; nothing to give back."""

@@ -34,6 +34,7 @@ from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
 from typing import Any, Sequence
 
+WORKER_DIED = "the reward worker process died"
 # The environment a reward worker starts from: nothing else of the driver's (tokens, keys, Ray's addresses) is passed.
 SAFE_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "HOME")
 SIGNATURE = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -100,16 +101,24 @@ def check_reward_file(path: str | Path, name: str, batched: bool = False) -> Non
 
 
 def _other_top_level_names(tree: ast.Module) -> set[str]:
+    """Names the module binds at its top level other than by a plain `def`: assignments, imports, and anything
+    bound inside top-level if/try/with/for blocks; not the names inside function or class bodies."""
     names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)) and node is not tree:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                names.add(node.name)  # nested in if/try at top level; body names of functions are not walked
-            continue
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            return  # its body binds names of its own scope
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        if not isinstance(node, ast.Lambda):
+            for child in ast.iter_child_nodes(node):
+                visit(child)
+
+    for stmt in tree.body:
+        visit(stmt)
     return names
 
 
@@ -241,7 +250,7 @@ class _Proc:
             kind, value = self.conn.recv()
             return kind, value
         except (EOFError, OSError):
-            return "error", "the reward worker process died"
+            return "error", WORKER_DIED
         except Exception as err:  # noqa: BLE001 - a garbled reply is that sample's error, not the job's
             return "error", f"unreadable reply from the reward worker: {err}"
 
@@ -313,20 +322,14 @@ class RewardFunction:
                 for slot in range(len(self._procs)):
                     if slot not in busy and pending:
                         i = pending.pop(0)
-                        try:
-                            self._procs[slot].send((data_sources[i], solutions[i], ground_truths[i], extra_infos[i]))
-                        except OSError:  # it died while idle: a new one takes the sample
-                            self._replace(slot)
-                            self._procs[slot].send((data_sources[i], solutions[i], ground_truths[i], extra_infos[i]))
+                        self._send(slot, (data_sources[i], solutions[i], ground_truths[i], extra_infos[i]))
                         busy[slot] = (i, time.monotonic() + self.timeout)
                 ready = wait_for_any([self._procs[s].conn for s in busy],
                                      timeout=max(0.0, min(d for _, d in busy.values()) - time.monotonic()))
                 now = time.monotonic()
                 for slot, (i, deadline) in list(busy.items()):
                     if self._procs[slot].conn in ready:
-                        kind, value = self._procs[slot].recv()
-                        if kind == "error" and value == "the reward worker process died":
-                            self._replace(slot)
+                        kind, value = self._recv(slot)
                         results[i] = self._result(i, kind, value, solutions, ground_truths)
                         del busy[slot]
                     elif now >= deadline:
@@ -343,18 +346,12 @@ class RewardFunction:
                        infos: list[dict[str, Any]]) -> RewardResult:
         n = len(solutions)
         limit = self.timeout * max(1, n)
-        try:
-            self._procs[0].send((sources, solutions, truths, infos))
-        except OSError:
-            self._replace(0)
-            self._procs[0].send((sources, solutions, truths, infos))
+        self._send(0, (sources, solutions, truths, infos))
         if not self._procs[0].conn.poll(limit):
             self._replace(0)
             kind, value = "error", f"the batch timed out after {limit:g} s"
         else:
-            kind, value = self._procs[0].recv()
-            if kind == "error" and value == "the reward worker process died":
-                self._replace(0)
+            kind, value = self._recv(0)
         if kind != "ok":
             return self._collect([RewardError(i, solutions[i], truths[i], str(value)) for i in range(n)])
         return self._collect([self._result(i, "ok", v, solutions, truths) for i, v in enumerate(value)])
@@ -365,6 +362,19 @@ class RewardFunction:
         if kind == "ok" and isinstance(value, tuple):
             return (float(value[0]), {str(k): float(v) for k, v in value[1].items()})
         return RewardError(i, solutions[i], truths[i], str(value))
+
+    def _send(self, slot: int, call: tuple[Any, ...]) -> None:
+        try:
+            self._procs[slot].send(call)
+        except OSError:  # the worker died while idle: a new one takes the call
+            self._replace(slot)
+            self._procs[slot].send(call)
+
+    def _recv(self, slot: int) -> tuple[str, Any]:
+        kind, value = self._procs[slot].recv()
+        if kind == "error" and value == WORKER_DIED:
+            self._replace(slot)
+        return kind, value
 
     def _replace(self, slot: int, must_start: bool = True) -> None:
         self._procs[slot].kill()
