@@ -133,11 +133,11 @@ def test_numpy_scalars_are_scores(tmp_path):
     body = """
     import numpy as np
     def compute_score(data_source, solution_str, ground_truth, extra_info):
-        return {"score": np.float32(0.5), "hits": np.int64(3)}
+        return {"score": np.float32(0.5), "hits": np.int64(3), "mean": np.array(0.25)}  # scalars, a 0-d array
     """
     with RewardFunction(_file(tmp_path, body), timeout_seconds=10) as fn:
         out = _score(fn, ["x"])
-    assert out.errors == [] and out.scores == [0.5] and out.extras["hits"] == [3.0]
+    assert out.errors == [] and out.scores == [0.5] and out.extras["hits"] == [3.0] and out.extras["mean"] == [0.25]
 
 
 def test_a_worker_that_died_while_idle_is_replaced(tmp_path):
