@@ -258,7 +258,8 @@ class KubeletDouble:
         if rp.deleted:
             return
         phase = "Succeeded" if all(rc == 0 for _, rc in codes) else "Failed"
-        self._status(rp, {**base, "phase": phase, "containerStatuses": [_terminated(c, rc) for c, rc in codes]})
+        self._status(rp, {**base, "phase": phase, "containerStatuses": [
+            _terminated(c, rc, _termination_message(c, rc, poddir)) for c, rc in codes]})
 
     def _volumes(self, pod: dict, poddir: Path) -> dict[str, tuple[str, Path]]:
         """Volume name -> (kind, host directory)."""
@@ -344,7 +345,18 @@ class KubeletDouble:
         return proc
 
 
-def _terminated(c: dict, rc: int) -> dict:
+def _terminated(c: dict, rc: int, message: str = "") -> dict:
+    term = {"exitCode": rc, "reason": "Completed" if rc == 0 else "Error", "finishedAt": _now()}
+    if message:
+        term["message"] = message
     return {"name": c["name"], "ready": False, "restartCount": 0, "image": c.get("image", ""), "imageID": "",
-            "state": {"terminated": {"exitCode": rc, "reason": "Completed" if rc == 0 else "Error",
-                                     "finishedAt": _now()}}}
+            "state": {"terminated": term}}
+
+
+def _termination_message(c: dict, rc: int, poddir: Path) -> str:
+    """terminationMessagePolicy FallbackToLogsOnError, as the kubelet does it: a failed container's message is its
+    log's tail, at most 80 lines and 2048 bytes (this double emulates no termination-message file)."""
+    if rc == 0 or c.get("terminationMessagePolicy") != "FallbackToLogsOnError":
+        return ""
+    lines = (poddir / f"{c['name']}.log").read_bytes().splitlines()[-80:]
+    return b"\n".join(lines)[-2048:].decode(errors="replace")

@@ -84,8 +84,18 @@ class LocalWorld(_Kubectl):
         return self.kubelet.logs(namespace, pod)
 
     def step_log(self, job: str, namespace: str = "default") -> list[int]:
+        return [r["step"] for r in self.step_records(job, namespace)]
+
+    def step_records(self, job: str, namespace: str = "default") -> list[dict]:
         path = self.workdir / "volumes" / namespace / f"{job}-checkpoints" / "steps.jsonl"
-        return _steps(path.read_text() if path.exists() else "")
+        return _records(path.read_text() if path.exists() else "")
+
+    def fill_volume(self, claim: str, files: dict[str, bytes], namespace: str = "default") -> None:
+        """Files into a PersistentVolumeClaim (created by the caller): here, the directory that backs it."""
+        root = self.workdir / "volumes" / namespace / claim
+        for rel, data in files.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_bytes(data)
 
     def metrics_targets(self, job: str, namespace: str = "default") -> dict[str, str]:
         """Scrape targets: the job's current head (after a gang restart, the newest one) and the operator."""
@@ -140,6 +150,34 @@ class RealCluster(_Kubectl):
         return self.kubectl("-n", namespace, "logs", pod, "--all-containers", check=False).stdout
 
     def step_log(self, job: str, namespace: str = "default") -> list[int]:
+        return [r["step"] for r in self.step_records(job, namespace)]
+
+    def fill_volume(self, claim: str, files: dict[str, bytes], namespace: str = "default") -> None:
+        """Files into a PersistentVolumeClaim through a throwaway pod that mounts it (`kubectl cp` into it)."""
+        import tempfile
+
+        name = f"fill-{claim}-{int(time.time())}"[:63]
+        image = "hybridflow/worker-cpu:0.1.0"
+        overrides = {"spec": {"restartPolicy": "Never", "containers": [{
+            "name": "fill", "image": image, "command": ["sleep", "600"],
+            "volumeMounts": [{"name": "v", "mountPath": "/fill"}]}],
+            "volumes": [{"name": "v", "persistentVolumeClaim": {"claimName": claim}}]}}
+        self.kubectl("-n", namespace, "run", name, f"--image={image}", "--restart=Never",
+                     f"--overrides={json.dumps(overrides)}")
+        try:
+            self.kubectl("-n", namespace, "wait", "--for=condition=Ready", f"pod/{name}", "--timeout=180s",
+                         timeout=200)
+            with tempfile.TemporaryDirectory() as tmp:
+                for rel, data in files.items():
+                    local = Path(tmp) / rel
+                    local.parent.mkdir(parents=True, exist_ok=True)
+                    local.write_bytes(data)
+                    self.kubectl("-n", namespace, "exec", name, "--", "mkdir", "-p", str(Path("/fill", rel).parent))
+                    self.kubectl("-n", namespace, "cp", str(local), f"{name}:/fill/{rel}")
+        finally:
+            self.kubectl("-n", namespace, "delete", "pod", name, "--wait=false", check=False)
+
+    def step_records(self, job: str, namespace: str = "default") -> list[dict]:
         """Read steps.jsonl from the job's checkpoint claim with a throwaway pod of the worker image."""
         name = f"{job}-steplog-{int(time.time())}"
         image = self.kube.job(job, namespace)["spec"].get("kubernetes", {}).get("image", "hybridflow/worker-cpu:0.1.0")
@@ -153,7 +191,7 @@ class RealCluster(_Kubectl):
                                       check=False).stdout in ("Succeeded", "Failed"), 180, "the step-log reader")
         text = self.kubectl("-n", namespace, "logs", name).stdout
         self.kubectl("-n", namespace, "delete", "pod", name, "--wait=false", check=False)
-        return _steps(text)
+        return _records(text)
 
     def metrics_targets(self, job: str, namespace: str = "default") -> dict[str, str]:
         """Port-forwards to the job's current head and the operator (new ones on every call: heads change)."""
@@ -169,8 +207,8 @@ class RealCluster(_Kubectl):
         return []  # processes and sandboxes live on the nodes; the pods being gone is what the API can show
 
 
-def _steps(text: str) -> list[int]:
-    return [json.loads(line)["step"] for line in text.splitlines() if line.strip()]
+def _records(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def current_head(kube, job: str, namespace: str = "default") -> str:

@@ -16,6 +16,17 @@ def model_cache(tmp_path_factory) -> Path:
     return Path(os.environ.get("HYBRIDFLOW_TEST_MODEL_CACHE") or tmp_path_factory.mktemp("models"))
 
 
+@pytest.fixture(scope="session")
+def word_problems(tmp_path_factory) -> Path:
+    """examples/data/make_word_problems.py's two data sets (200 train, 20 test rows), as a user makes them."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("word-problems")
+    subprocess.run([sys.executable, str(ROOT / "examples" / "data" / "make_word_problems.py"), "--out", str(out),
+                    "--train", "200", "--test", "20"], check=True, capture_output=True)
+    return out
+
+
 def run_cli(args, cwd, env_extra=None, timeout=900):
     import subprocess
 

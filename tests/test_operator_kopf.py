@@ -351,3 +351,36 @@ def test_kubectl_apply_and_printer_columns(cluster, tmp_path):
     row = next(line.split() for line in out.stdout.splitlines() if line.startswith("tiny-grpo"))
     assert row[1] == "Pending" and row[-1].endswith(("s", "m"))
     assert "qwen2-7b-grpo" in out.stdout
+
+
+def test_missing_reward_configmap_and_pvc_hold_the_job_pending_until_created(cluster):
+    """The operator checks what the pods would mount before creating them: the job waits with the reason (one
+    event), and starts by itself once the PVC and the ConfigMap with the reward file's key exist."""
+    from kubernetes import client
+
+    _, kube, op = cluster
+    doc = job_doc("inputs")
+    doc["spec"]["models"] = {"actor": {"source": "smollm2"}, "reward": {
+        "type": "function", "function": {"path": "my_reward.py"}}}
+    doc["spec"]["data"] = {"source": "files", "train": ["train.jsonl"], "promptKey": "question"}
+    doc["spec"]["kubernetes"] = {"dataPvc": "prompts", "rewardConfigMap": "my-reward"}
+    kube.create_job(doc)
+    st = wait_for(lambda: (s := kube.status("inputs")).get("reason") == "InputsMissing" and s, 30, "InputsMissing")
+    assert st["phase"] == "Pending" and "PersistentVolumeClaim 'prompts' not found" in st["message"]
+    assert "ConfigMap 'my-reward' not found" in st["message"]
+    time.sleep(2)  # several ticks
+    assert kube.pods("inputs") == []
+    warned = [e for e in kube.events() if e.reason == "InputsMissing"]
+    assert len(warned) == 1, [e.message for e in warned]
+    kube.core.create_namespaced_persistent_volume_claim("default", {
+        "metadata": {"name": "prompts"}, "spec": {"accessModes": ["ReadOnlyMany"],
+                                                  "resources": {"requests": {"storage": "1Gi"}}}})
+    kube.core.create_namespaced_config_map("default", client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="my-reward"), data={"other.py": "x = 1\n"}))
+    wait_for(lambda: "has no key 'my_reward.py' (its keys: other.py)" in kube.status("inputs").get("message", ""),
+             30, "the missing key named")
+    assert kube.pods("inputs") == []
+    kube.core.patch_namespaced_config_map("my-reward", "default", {"data": {"my_reward.py": "def compute_score(*a): return 1\n"}})
+    wait_for(lambda: len(kube.pods("inputs")) == 2, 30, "pods once the inputs exist")
+    ready = next(c for c in kube.status("inputs")["conditions"] if c["type"] == "InputsReady")
+    assert ready["status"] == "True"

@@ -224,3 +224,101 @@ def test_pod_view_names_the_container_and_exit_code(key, kind):
     view = _pod_view(pod)
     assert view.generation == 1 and view.phase == "Failed"
     assert view.message == f"{kind} c1 exited with code 137 (Error)"
+
+
+# --- the user's inputs on Kubernetes: data PVC, reward ConfigMap --------------------------------------------------
+
+def _files_job(**k8s):
+    raw = _raw("word-problems.yaml", kubernetes={"image": "hybridflow/worker-cpu:0.1.0", **k8s})
+    raw["spec"]["data"]["train"] = ["word_problems/train.jsonl", "more/*.jsonl"]
+    raw["spec"]["models"]["reward"]["function"]["path"] = "word_problem_reward.py"
+    return raw
+
+
+def test_data_pvc_and_reward_configmap_reach_the_head_only_read_only():
+    raw = _files_job(dataPvc="prompts", rewardConfigMap="my-reward")
+    objs = _all_manifests(raw)
+    head, *workers = [o for o in objs if o["kind"] == "Pod"]
+    vols = {v["name"]: v for v in head["spec"]["volumes"]}
+    assert vols["data"]["persistentVolumeClaim"] == {"claimName": "prompts", "readOnly": True}
+    assert vols["reward"]["configMap"] == {"name": "my-reward"}
+    mounts = {m["name"]: m for m in head["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["data"] == {"name": "data", "mountPath": "/data", "readOnly": True}
+    assert mounts["reward"]["mountPath"] == "/var/lib/hybridflow/reward" and mounts["reward"]["readOnly"]
+    for w in workers:  # rewards and prompts are the driver's: pool pods do not see them
+        assert not {"data", "reward"} & {v["name"] for v in w["spec"]["volumes"]}
+    for version in (K8S_VERSIONS[0], K8S_VERSIONS[-1]):
+        for obj in objs:
+            if obj["kind"] != "PodGroup":
+                kubernetes_validate.validate(obj, version, strict=True)
+    # the spec the driver reads points inside the mounts, and resolving it again changes nothing
+    cm = next(o for o in objs if o["kind"] == "ConfigMap")
+    ran = parse_job(yaml.safe_load(cm["data"]["job.yaml"]))
+    assert ran.spec.data.train == ["/data/word_problems/train.jsonl", "/data/more/*.jsonl"]
+    assert ran.spec.models.reward.function.path == "/var/lib/hybridflow/reward/word_problem_reward.py"
+    assert mf.resolved_job(ran) == ran
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"data": {"source": "files", "train": ["/etc/passwd"], "promptKey": "q"}},
+     r"spec.data.train\[0\]: with kubernetes.dataPvc, give a path inside the volume"),
+    ({"data": {"source": "files", "train": ["../x.jsonl"]}}, r"spec.data.train\[0\]: .*no '..'"),
+])
+def test_data_paths_must_stay_inside_the_volume(change, message):
+    from hybridflow.spec import SpecError
+
+    raw = _files_job(dataPvc="prompts")
+    raw["spec"]["data"].update(change["data"])
+    with pytest.raises(SpecError, match=message):
+        parse_job(raw)
+
+
+def test_reward_configmap_needs_a_function_named_by_its_key():
+    from hybridflow.spec import SpecError
+
+    raw = _files_job(rewardConfigMap="my-reward")
+    raw["spec"]["models"]["reward"]["function"]["path"] = "rewards/word_problem_reward.py"
+    with pytest.raises(SpecError, match=r"function.path: with kubernetes.rewardConfigMap it is the ConfigMap's key"):
+        parse_job(raw)
+    raw["spec"]["models"]["reward"] = {"type": "scorer", "scorers": [{"name": "math"}]}
+    with pytest.raises(SpecError, match=r"rewardConfigMap: holds a reward file, so spec.models.reward.type must be"):
+        parse_job(raw)
+
+
+def test_missing_inputs_hold_the_pods_back_with_a_reason_until_they_appear():
+    job = parse_job(_files_job(rewardConfigMap="my-reward"))
+    why = "spec.kubernetes.rewardConfigMap: ConfigMap 'my-reward' not found in namespace ml; create it"
+    plan = decide(job, None, {}, [], NOW, missing_inputs=why)
+    assert plan.create_gang is None and plan.status["phase"] == "Pending" and plan.status["reason"] == "InputsMissing"
+    assert plan.events == [("Warning", "InputsMissing", why)]
+    cond = next(c for c in plan.status["conditions"] if c["type"] == "InputsReady")
+    assert cond["status"] == "False" and cond["message"] == why
+    again = decide(job, None, plan.status, [], NOW, missing_inputs=why)
+    assert again.create_gang is None and again.events == []  # one event, not one per tick
+    found = decide(job, None, again.status, [], NOW)
+    assert found.create_gang == 0
+    assert next(c for c in found.status["conditions"] if c["type"] == "InputsReady")["status"] == "True"
+
+
+def test_a_driver_that_rejects_its_input_fails_the_job_without_restarts():
+    msg = "container controller exited with code 2 (Error): spec.data.train: cannot read '/data/x.parquet' as parquet"
+    views = [PodView("h-g0", "head", 0, "Failed", message=msg, exit_code=2), PodView("w-g0", "worker", 0, "Running")]
+    plan = decide(JOB, None, {"phase": "Running", "restarts": 0}, views, NOW)
+    assert plan.status["phase"] == "Failed" and plan.status["reason"] == "InvalidInput" and plan.status["restarts"] == 0
+    assert "cannot read '/data/x.parquet'" in plan.status["message"] and plan.delete_pods == ["w-g0"]
+    views[0] = PodView("h-g0", "head", 0, "Failed", message="container controller exited with code 1", exit_code=1)
+    assert decide(JOB, None, {"phase": "Running", "restarts": 0}, views, NOW).status["phase"] == "Restarting"
+
+
+def test_the_drivers_error_is_read_from_its_log_tail():
+    from hybridflow_operator.handlers import _pod_view, last_error
+
+    tail = ("2026-11-30 ray started\nsome progress\nerror: /etc/hybridflow/job.yaml: cannot run here\n"
+            "  spec.data.train: 'x.jsonl' does not exist\n")
+    assert last_error(tail) == "/etc/hybridflow/job.yaml: cannot run here spec.data.train: 'x.jsonl' does not exist"
+    assert last_error("just a line\nKilled\n") == "Killed"
+    pod = {"metadata": {"name": "j-head-g0", "labels": {mf.LABEL_ROLE: "head"}},
+           "status": {"phase": "Failed", "containerStatuses": [{"name": "controller", "state": {"terminated": {
+               "exitCode": 2, "reason": "Error", "message": tail}}}]}}
+    view = _pod_view(pod)
+    assert view.exit_code == 2 and view.message.endswith("spec.data.train: 'x.jsonl' does not exist")

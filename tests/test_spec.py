@@ -74,6 +74,15 @@ BAD = [
     ({"models": {"reward": {"type": "function", "function": {"path": "/nonexistent/r.py"}, "timeoutSeconds": 0}}},
      "spec.models.reward.timeoutSeconds: Input should be greater than 0"),
     ({"models": {"reward": {"maxErrorFraction": 2}}}, "spec.models.reward.maxErrorFraction: Input should be less"),
+    ({"data": {"source": "files"}, "models": {"actor": {"source": "smollm2"}, "reward": {
+        "type": "scorer", "scorers": [{"name": "math"}]}}}, "spec.data.train: source is 'files' but no file is given"),
+    ({"data": {"source": "files", "train": ["t.jsonl"]}},
+     "spec.models.actor.source: prompts from files need a model with a tokenizer"),
+    ({"data": {"source": "files", "train": ["t.jsonl"]}, "models": {"actor": {"source": "smollm2"}}},
+     "spec.models.reward.type: rule scores the token ids of a generated task; for prompts from files use scorer"),
+    ({"data": {"train": ["t.jsonl"]}}, "spec.data.train/eval: files are only read with spec.data.source: files"),
+    ({"data": {"source": "parquet"}}, "spec.data.source: Input should be 'generated' or 'files'"),
+    ({"data": {"source": "files", "train": "t.jsonl"}}, "spec.data.train: Input should be a valid list"),
 ]
 
 

@@ -25,7 +25,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from hybridflow.spec import API_GROUP as GROUP
-from hybridflow.spec import PLURAL, VERSION, RLHFJob, SpecError, parse_job
+from hybridflow.spec import PLURAL, REWARD_MOUNT, VERSION, RLHFJob, SpecError, parse_job
 from hybridflow_operator import manifests as mf
 from hybridflow_operator.metrics import OperatorMetrics
 from hybridflow_operator.phases import TERMINAL, PodView, decide, iso, parse_time, set_condition
@@ -93,11 +93,15 @@ def _pod_view(pod: dict[str, Any]) -> PodView:
     meta, st = pod["metadata"], pod.get("status") or {}
     labels = meta.get("labels") or {}
     message = st.get("message") or st.get("reason") or ""
+    exit_code = None
     for kind, key in (("init container", "initContainerStatuses"), ("container", "containerStatuses")):
         for cs in st.get(key) or []:
             term = (cs.get("state") or {}).get("terminated")
             if term and term.get("exitCode"):
-                message = f"{kind} {cs['name']} exited with code {term['exitCode']} ({term.get('reason', 'Error')})"
+                exit_code = int(term["exitCode"])
+                message = f"{kind} {cs['name']} exited with code {exit_code} ({term.get('reason', 'Error')})"
+                if term.get("message"):
+                    message += f": {last_error(term['message'])}"
     return PodView(
         name=meta["name"],
         role=labels.get(mf.LABEL_ROLE, "worker"),
@@ -105,7 +109,17 @@ def _pod_view(pod: dict[str, Any]) -> PodView:
         phase=st.get("phase") or "Pending",
         deleting=bool(meta.get("deletionTimestamp")),
         message=message,
+        exit_code=exit_code,
     )
+
+
+def last_error(termination_message: str) -> str:
+    """The driver's error from a termination message (its log's tail with FallbackToLogsOnError): from the last
+    line starting 'error:' to the end, else the last line."""
+    lines = [ln.rstrip() for ln in termination_message.strip().splitlines() if ln.strip()]
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("error:")]
+    picked = lines[starts[-1]:] if starts else lines[-1:]
+    return " ".join(ln.strip() for ln in picked).removeprefix("error: ")[:1000]
 
 
 @kopf.index("pods", labels={mf.LABEL_JOB: kopf.PRESENT})
@@ -160,6 +174,30 @@ def _accepted_job(live: RLHFJob, namespace: str, memo: kopf.Memo) -> tuple[RLHFJ
     return accepted, changed
 
 
+def _missing_inputs(job: RLHFJob, namespace: str) -> str | None:
+    """What the job's pods would mount but does not exist: its PVCs, the reward ConfigMap and the reward file's key
+    in it. Checked before pods are created, so the job waits with a reason instead of pods stuck creating."""
+    k8s = job.spec.kubernetes
+    problems = []
+    for field, claim in (("checkpointPvc", k8s.checkpoint_pvc), ("modelPvc", k8s.model_pvc),
+                         ("dataPvc", k8s.data_pvc)):
+        if claim and _ignore(404, _core().read_namespaced_persistent_volume_claim, claim, namespace) is None:
+            problems.append(f"spec.kubernetes.{field}: PersistentVolumeClaim '{claim}' not found in namespace "
+                            f"{namespace}; create it")
+    if k8s.reward_config_map:
+        cm = _ignore(404, _core().read_namespaced_config_map, k8s.reward_config_map, namespace)
+        fn = job.spec.models.reward.function
+        key = fn.path.removeprefix(REWARD_MOUNT + "/") if fn is not None else ""
+        if cm is None:
+            problems.append(f"spec.kubernetes.rewardConfigMap: ConfigMap '{k8s.reward_config_map}' not found in "
+                            f"namespace {namespace}; create it, e.g. kubectl create configmap "
+                            f"{k8s.reward_config_map} --from-file={key or 'my_reward.py'}")
+        elif key not in (cm.data or {}):
+            problems.append(f"spec.models.reward.function.path: ConfigMap '{k8s.reward_config_map}' has no key "
+                            f"'{key}' (its keys: {', '.join(sorted(cm.data or {})) or 'none'})")
+    return "; ".join(problems) or None
+
+
 def _create(obj: dict[str, Any]) -> None:
     ns, kind = obj["metadata"]["namespace"], obj["kind"]
     if kind == "Pod":
@@ -204,7 +242,12 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     except SpecError as err:
         error, changed = str(err), False
     pods = _observed_pods(index, namespace, name, memo)
-    plan = decide(job, error, status, [p["view"] for p in pods], now)
+    views = [p["view"] for p in pods]
+    plan = decide(job, error, status, views, now)
+    if job is not None and plan.create_gang is not None:  # about to create pods: are their inputs there?
+        missing = _missing_inputs(job, namespace)
+        if missing:
+            plan = decide(job, error, status, views, now, missing_inputs=missing)
 
     if changed and status.get("phase") not in TERMINAL:
         msg = "spec changed while the job exists; only runPolicy can change: the job keeps its original spec"

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from hybridflow.spec import API_GROUP as GROUP
-from hybridflow.spec import RLHFJob, ResourcePool, dump_job, pool_resource
+from hybridflow.spec import DATA_MOUNT, REWARD_MOUNT, RLHFJob, ResourcePool, dump_job, pool_resource
 
 LABEL_JOB = f"{GROUP}/job"
 LABEL_ROLE = f"{GROUP}/role"
@@ -76,12 +76,25 @@ def worker_pod_name(job_name: str, pool: str, index: int, generation: int) -> st
 
 
 def resolved_job(job: RLHFJob) -> RLHFJob:
-    """The spec as it runs in pods: metrics on all interfaces, checkpoints on the PVC when one is given."""
+    """The spec as it runs in pods: metrics on all interfaces, checkpoints on the PVC when one is given, prompt
+    files inside the data volume and the reward file inside the ConfigMap's mount."""
     run = job.model_copy(deep=True)
-    run.spec.metrics.address = "0.0.0.0"
-    if run.spec.kubernetes.checkpoint_pvc:
-        run.spec.trainer.checkpoint_dir = CHECKPOINT_MOUNT
+    s, k8s = run.spec, run.spec.kubernetes
+    s.metrics.address = "0.0.0.0"
+    if k8s.checkpoint_pvc:
+        s.trainer.checkpoint_dir = CHECKPOINT_MOUNT
+    if k8s.data_pvc:
+        s.data.train = [_inside(DATA_MOUNT, p) for p in s.data.train]
+        s.data.eval = [_inside(DATA_MOUNT, p) for p in s.data.eval]
+    if k8s.reward_config_map and s.models.reward.function is not None:
+        s.models.reward.function.path = _inside(REWARD_MOUNT, s.models.reward.function.path)
     return run
+
+
+def _inside(mount: str, path: str) -> str:
+    """A path the spec gives relative to a volume, as the pod sees it (idempotent: the accepted spec is resolved
+    again when compared with the live one)."""
+    return path if path.startswith(mount + "/") else f"{mount}/{path}"
 
 
 def configmap(job: dict[str, Any], parsed: RLHFJob) -> dict[str, Any]:
@@ -140,7 +153,7 @@ def _ray_env(parsed: RLHFJob) -> list[dict[str, Any]]:
     return env
 
 
-def _volumes(job: dict[str, Any], parsed: RLHFJob, shm: str) -> tuple[list[dict], list[dict]]:
+def _volumes(job: dict[str, Any], parsed: RLHFJob, shm: str, head: bool) -> tuple[list[dict], list[dict]]:
     vols = [
         {"name": "spec", "configMap": {"name": names(parsed.metadata.name)["configmap"]}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}},
@@ -158,6 +171,13 @@ def _volumes(job: dict[str, Any], parsed: RLHFJob, shm: str) -> tuple[list[dict]
     if parsed.spec.kubernetes.checkpoint_pvc:
         vols.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": parsed.spec.kubernetes.checkpoint_pvc}})
         mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT})
+    k8s = parsed.spec.kubernetes
+    if head and k8s.data_pvc:
+        vols.append({"name": "data", "persistentVolumeClaim": {"claimName": k8s.data_pvc, "readOnly": True}})
+        mounts.append({"name": "data", "mountPath": DATA_MOUNT, "readOnly": True})
+    if head and k8s.reward_config_map:
+        vols.append({"name": "reward", "configMap": {"name": k8s.reward_config_map}})
+        mounts.append({"name": "reward", "mountPath": REWARD_MOUNT, "readOnly": True})
     return vols, mounts
 
 
@@ -172,7 +192,7 @@ def _pod(
     shm: str,
 ) -> dict[str, Any]:
     k8s, policy = parsed.spec.kubernetes, parsed.spec.run_policy
-    volumes, mounts = _volumes(job, parsed, shm)
+    volumes, mounts = _volumes(job, parsed, shm, head=pool is None)
     for c in [*containers, *init_containers]:
         c.setdefault("image", k8s.image)
         c.setdefault("imagePullPolicy", k8s.image_pull_policy)
@@ -228,6 +248,9 @@ def head_pod(job: dict[str, Any], parsed: RLHFJob, generation: int) -> dict[str,
     container = {
         "name": "controller",
         "command": ["bash", "-c", script],
+        # The driver's last words ("error: spec.data.train: ...") become the container's termination message,
+        # which the operator puts into the job's Failed condition.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "ports": [{"name": "gcs", "containerPort": RAY_PORT}, {"name": "metrics", "containerPort": port}],
         "resources": {
             "requests": {"cpu": k8s.head_cpu, "memory": k8s.head_memory},

@@ -14,7 +14,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.spec import RLHFJob
+from hybridflow.spec import EXIT_BAD_INPUT, RLHFJob
 
 ACTIVE = ("Pending", "Initializing", "Running")
 TERMINAL = ("Succeeded", "Failed")
@@ -28,6 +28,7 @@ class PodView:
     phase: str  # Pending | Running | Succeeded | Failed | Unknown
     deleting: bool = False
     message: str = ""
+    exit_code: int | None = None  # of the container that failed
 
 
 @dataclass
@@ -69,7 +70,27 @@ def expected_pods(job: RLHFJob) -> int:
 
 
 def decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods: list[PodView],
-           now: dt.datetime) -> Plan:
+           now: dt.datetime, missing_inputs: str | None = None) -> Plan:
+    """missing_inputs: what the operator found absent (a PVC, the reward ConfigMap or its key); pods are not
+    created while it is set, and the job waits in Pending with the reason, as a pod waits for its volumes."""
+    plan = _decide(job, error, status, pods, now)
+    if job is None or plan.status.get("phase") in TERMINAL:
+        return plan
+    had = next((c for c in status.get("conditions", []) if c["type"] == "InputsReady"), None)
+    if missing_inputs and plan.create_gang is not None:
+        plan.create_gang = None
+        plan.events = [e for e in plan.events if e[0] != "Normal"]  # no "creating the pods" when none are created
+        plan.status.update(phase="Pending", reason="InputsMissing", message=missing_inputs)
+        if not had or had["status"] != "False" or had["message"] != missing_inputs:
+            plan.events.append(("Warning", "InputsMissing", missing_inputs))
+        set_condition(plan.status, "InputsReady", False, "InputsMissing", missing_inputs, now)
+    elif had and had["status"] == "False" and not missing_inputs:
+        set_condition(plan.status, "InputsReady", True, "InputsFound", "the job's volumes and reward file exist", now)
+    return plan
+
+
+def _decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods: list[PodView],
+            now: dt.datetime) -> Plan:
     st = dict(status)
     st.setdefault("restarts", 0)
     plan = Plan(status=st)
@@ -135,6 +156,9 @@ def decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods:
         plan.delete_pods += [p.name for p in current if p.role != "head"]
         return plan
     failed = [p for p in current if p.phase in ("Failed", "Unknown")]
+    if head is not None and head in failed and head.exit_code == EXIT_BAD_INPUT:
+        _fail(plan, "InvalidInput", f"the driver rejected the job's input (not retried): {head.message}", now, pods)
+        return plan
     missing = expected_pods(job) - len(current)
     if failed or (missing and phase in ("Initializing", "Running")):
         what = (f"pod {failed[0].name} {failed[0].phase.lower()}" + (f": {failed[0].message}" if failed[0].message else "")

@@ -11,14 +11,13 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from hybridflow.spec import RLHFJob, SpecError, check_runtime_paths, load_job
+from hybridflow.spec import EXIT_BAD_INPUT, EXIT_FAILED, RLHFJob, SpecError, check_runtime_paths, load_job
 
 log = logging.getLogger("hybridflow")
-
-EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 
 
 class KeyValueFormatter(logging.Formatter):
@@ -100,32 +99,55 @@ def start_local_ray(job: RLHFJob, temp_dir: str | None, verbose: bool = False) -
     )
 
 
-def execute(job: RLHFJob, progress: bool = True) -> int:
+@dataclass
+class Prepared:
+    """What a job needs before its workers start: model directories, and the prompts and the reward."""
+
+    model_dir: Path
+    critic_dir: Path | None
+    rm_dir: Path | None
+    task: Any  # trainer.Task
+
+    def close(self) -> None:
+        self.task.close()  # a reward function's worker processes
+
+
+def prepare(job: RLHFJob, progress: bool = True) -> Prepared:
+    """Models and data, before Ray starts: a bad data file is exit 2 with nothing started, and tokenizing does not
+    hold a cluster's devices."""
     from hybridflow import trainer
-    from hybridflow.metrics import JobMetrics
     from hybridflow.models.builders import materialize, model_cache_dir
 
     s = job.spec
     cache = model_cache_dir()
-    say = print if progress else (lambda *_: None)
-    say(f"job {job.metadata.name}: {s.algorithm.name} on {s.models.actor.source} model, rollout {s.rollout.engine}, "
-        f"{s.trainer.steps} steps x {s.trainer.prompts_per_step} prompts x {s.rollout.responses_per_prompt} samples")
+    if progress:
+        print(f"job {job.metadata.name}: {s.algorithm.name} on {s.models.actor.source} model, rollout "
+              f"{s.rollout.engine}, {s.trainer.steps} steps x {s.trainer.prompts_per_step} prompts x "
+              f"{s.rollout.responses_per_prompt} samples")
     model_dir = materialize(s.models.actor, cache, s.trainer.seed)
     critic_dir = materialize(s.models.critic, cache, s.trainer.seed) if s.models.critic else None
     rm_dir = materialize(s.models.reward.model, cache, s.trainer.seed) if s.models.reward.model else None
     task = trainer.build_task(job, model_dir)
+    if progress:
+        print(f"prompts: {len(task.train)} for training, {len(task.eval)} held out")
+    return Prepared(model_dir, critic_dir, rm_dir, task)
+
+
+def execute(job: RLHFJob, prepared: Prepared, progress: bool = True) -> int:
+    from hybridflow import trainer
+    from hybridflow.metrics import JobMetrics
+
+    s = job.spec
+    say = print if progress else (lambda *_: None)
+    metrics = JobMetrics(job.metadata.name)
+    if s.metrics.port:
+        port = metrics.serve(s.metrics.port, s.metrics.address)
+        say(f"metrics: http://{s.metrics.address}:{port}/metrics")
+    workers = trainer.build_workers(job, prepared.model_dir, prepared.task, prepared.critic_dir, prepared.rm_dir)
     try:
-        metrics = JobMetrics(job.metadata.name)
-        if s.metrics.port:
-            port = metrics.serve(s.metrics.port, s.metrics.address)
-            say(f"metrics: http://{s.metrics.address}:{port}/metrics")
-        workers = trainer.build_workers(job, model_dir, task, critic_dir, rm_dir)
-        try:
-            summary = trainer.fit(job, workers, task, metrics, progress=say)
-        finally:
-            workers.shutdown()
+        summary = trainer.fit(job, workers, prepared.task, metrics, progress=say)
     finally:
-        task.close()  # a reward function's worker processes
+        workers.shutdown()
     say(
         f"done: {summary.steps_done} steps (from step {summary.start_step}) in {summary.seconds:.1f}s, "
         f"mean {summary.mean_throughput:.0f} tokens/s"
@@ -157,19 +179,27 @@ def local_ray(job: RLHFJob, temp_dir: str | None, verbose: bool = False) -> Iter
 
 def cmd_run(args: argparse.Namespace) -> int:
     job = _load(args.job, _overrides(args))
-    with local_ray(job, args.ray_temp_dir, args.verbose):
-        return execute(job, progress=not args.quiet)
+    prepared = prepare(job, progress=not args.quiet)
+    try:
+        with local_ray(job, args.ray_temp_dir, args.verbose):
+            return execute(job, prepared, progress=not args.quiet)
+    finally:
+        prepared.close()
 
 
 def cmd_driver(args: argparse.Namespace) -> int:
     import ray
 
     job = _load(args.job, _overrides(args))
-    ray.init(address=args.address, logging_level=logging.ERROR, log_to_driver=args.verbose)
+    prepared = prepare(job, progress=not args.quiet)
     try:
-        return execute(job, progress=not args.quiet)
+        ray.init(address=args.address, logging_level=logging.ERROR, log_to_driver=args.verbose)
+        try:
+            return execute(job, prepared, progress=not args.quiet)
+        finally:
+            ray.shutdown()
     finally:
-        ray.shutdown()
+        prepared.close()
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

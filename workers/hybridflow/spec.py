@@ -6,6 +6,7 @@ Field names are camelCase in YAML (Kubernetes style) and snake_case in Python.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +28,16 @@ KIND = "RLHFJob"
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 ROLES = ("actor", "rollout", "reference", "critic", "reward")
+
+# `hybridflow run|driver` exit codes; the operator fails a job without restarts when its driver exits EXIT_BAD_INPUT
+# (a restart would read the same bad input again).
+EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
+
+# Where the job's pods see the user's inputs: kubernetes.dataPvc (the prompt files) and kubernetes.rewardConfigMap
+# (the reward file), both read-only in the head pod, where the driver reads prompts and scores responses. The
+# operator rewrites spec.data.train/eval and reward.function.path to point inside them.
+DATA_MOUNT = "/data"
+REWARD_MOUNT = "/var/lib/hybridflow/reward"
 
 
 def pool_resource(name: str) -> str:
@@ -96,7 +107,8 @@ class RewardFunctionSpec(_Spec):
 class ScorerPart(_Spec):
     """One built-in scorer of a (weighted) combination."""
 
-    name: str = Field(..., description="math (math-verify), exact, regex or format.")
+    name: str = Field(..., description="A registered scorer: math (math-verify), exact, regex or format.",
+                      json_schema_extra={"enum": sorted(SCORERS)})
     weight: float = Field(1.0, description="Its weight in the sum.")
     pattern: str | None = Field(None, description="regex: the answer's pattern (group 1); format: the whole-response "
                                 "pattern. Defaults: the number a response ends with; a \\boxed{} answer.")
@@ -161,14 +173,34 @@ class Algorithm(_Spec):
 
 
 class Data(_Spec):
+    """Where prompts come from: a generated task, or the user's files (verl's Parquet layout loads unchanged)."""
+
+    source: Literal["generated", "files"] = Field(
+        "generated", description="generated: a seeded synthetic task (task); files: the user's prompt files (train).")
     task: Literal["increment", "arithmetic"] = Field(
         "increment",
-        description="increment: continue a sequence of token ids counting up (synthetic, tiny models); "
-        "arithmetic: 'a+b=' with an exact-answer reward (real tokenizer).",
+        description="For source=generated. increment: continue a sequence of token ids counting up (synthetic, tiny "
+        "models); arithmetic: 'a+b=' with an exact-answer reward (real tokenizer).",
     )
-    train_prompts: int = Field(1024, gt=0, description="Number of generated training prompts.")
-    eval_prompts: int = Field(64, gt=0, description="Held-out prompts for the before/after evaluation.")
-    seed: int = Field(0, description="Seed for the generated data.")
+    train_prompts: int = Field(1024, gt=0, description="For source=generated: number of generated training prompts.")
+    eval_prompts: int = Field(64, gt=0, description="Held-out prompts for the before/after evaluation: generated, "
+                              "split off the training files (rows never used for training) or, with `eval`, the "
+                              "first ones of the eval set.")
+    seed: int = Field(0, description="Seed for generated data, the held-out split and the shuffling.")
+    train: list[str] = Field(default_factory=list, description="For source=files: files, globs or directories of "
+                             "JSONL, JSON or Parquet, or one datasets.save_to_disk directory. With "
+                             "kubernetes.dataPvc: relative paths inside that volume.")
+    eval: list[str] = Field(default_factory=list, description="Optional held-out set, like train.")
+    prompt_key: str = Field("prompt", min_length=1, description="Column of the prompt: a string, or a list of chat "
+                            "messages {role, content}. Dotted paths reach into nested columns.")
+    answer_key: str | None = Field("reward_model.ground_truth", description="Column of the ground truth handed to "
+                                   "the reward (dotted paths reach into nested columns); null: none.")
+    system_prompt: str | None = Field(None, description="A system message put before (or in place of) the prompt's "
+                                      "own.")
+    chat_template: str | None = Field(None, description="A Jinja chat template used instead of the model's; without "
+                                      "either, prompts are plain text.")
+    cache_dir: str | None = Field(None, description="Where tokenized prompts are cached (default: "
+                                  "<trainer.checkpointDir>/data-cache).")
 
 
 class Rollout(_Spec):
@@ -272,6 +304,14 @@ class Kubernetes(_Spec):
     head_cpu: str = Field("1", description="CPU request of the head pod (Ray head + controller).")
     head_memory: str = Field("4Gi", description="Memory request and limit of the head pod.")
     service_account_name: str | None = Field(None, description="ServiceAccount of the job's pods.")
+    data_pvc: str | None = Field(
+        None, description="PersistentVolumeClaim with the prompt files, mounted read-only in the head pod; "
+        "spec.data.train and eval are paths inside it."
+    )
+    reward_config_map: str | None = Field(
+        None, description="ConfigMap holding the reward file (spec.models.reward.function.path names its key), "
+        "mounted read-only in the head pod."
+    )
 
 
 class JobSpec(_Spec):
@@ -359,12 +399,12 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
         out.append("spec.rollout.responsesPerPrompt: GRPO needs at least 2 responses per prompt to normalise within a group")
     if spec.algorithm.kl_coef > 0 and not spec.models.reference:
         out.append("spec.algorithm.klCoef > 0 needs spec.models.reference: true")
-    if spec.data.train_prompts < spec.trainer.prompts_per_step:
-        out.append("spec.data.trainPrompts must be at least spec.trainer.promptsPerStep")
+    out += _data_problems(spec)
     r = spec.models.reward
     if r.type == "rule" and r.rule is not None and r.rule not in RULES:
         out.append(f"spec.models.reward.rule: unknown rule '{r.rule}'; registered rules: {', '.join(sorted(RULES))}")
-    if r.type == "rule" and (r.rule or TASK_DEFAULT_RULE[spec.data.task]) == "arithmetic_exact" and (
+    if r.type == "rule" and spec.data.source == "generated" and (
+        r.rule or TASK_DEFAULT_RULE[spec.data.task]) == "arithmetic_exact" and (
         spec.models.actor.source == "tiny"
     ):
         out.append("spec.models.reward.rule: arithmetic_exact needs a model with a tokenizer (source smollm2 or path)")
@@ -383,9 +423,46 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
                 f"spec.models.actor.tiny: head size hiddenSize/numHeads = {head_dim} is not one vLLM's CPU attention "
                 f"supports ({', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); change hiddenSize or numHeads"
             )
-    if m.source == "tiny" and spec.data.task == "increment" and m.tiny.vocab_size < 4:
+    if m.source == "tiny" and spec.data.source == "generated" and spec.data.task == "increment" and (
+        m.tiny.vocab_size < 4
+    ):
         out.append("spec.models.actor.tiny.vocabSize: the increment task needs at least 4 tokens")
     return out
+
+
+def _data_problems(spec: JobSpec) -> list[str]:
+    d, k, r = spec.data, spec.kubernetes, spec.models.reward
+    out = []
+    if d.source == "generated":
+        if d.train_prompts < spec.trainer.prompts_per_step:
+            out.append("spec.data.trainPrompts must be at least spec.trainer.promptsPerStep")
+        if d.train or d.eval:
+            out.append("spec.data.train/eval: files are only read with spec.data.source: files")
+    else:
+        if not d.train:
+            out.append("spec.data.train: source is 'files' but no file is given, e.g. train: [data/train.parquet]")
+        if spec.models.actor.source == "tiny":
+            out.append("spec.models.actor.source: prompts from files need a model with a tokenizer (smollm2 or path)")
+        if r.type == "rule":
+            out.append("spec.models.reward.type: rule scores the token ids of a generated task; for prompts from "
+                       "files use scorer (e.g. scorers: [{name: math}]), function or model")
+    if k.data_pvc:
+        for field, paths in (("train", d.train), ("eval", d.eval)):
+            for i, p in enumerate(paths):
+                if (Path(p).is_absolute() and not p.startswith(DATA_MOUNT + "/")) or ".." in Path(p).parts:
+                    out.append(f"spec.data.{field}[{i}]: with kubernetes.dataPvc, give a path inside the volume "
+                               f"(relative, no '..'), got '{p}'")
+    if k.reward_config_map:
+        if r.type != "function" or r.function is None:
+            out.append("spec.kubernetes.rewardConfigMap: holds a reward file, so spec.models.reward.type must be "
+                       "function with function.path naming the ConfigMap key")
+        elif not _CONFIGMAP_KEY.fullmatch(r.function.path.removeprefix(REWARD_MOUNT + "/")):
+            out.append(f"spec.models.reward.function.path: with kubernetes.rewardConfigMap it is the ConfigMap's key "
+                       f"(a file name such as my_reward.py), got '{r.function.path}'")
+    return out
+
+
+_CONFIGMAP_KEY = re.compile(r"[-._a-zA-Z0-9]+")
 
 
 def _hybrid_engine_problems(spec: JobSpec) -> list[str]:
@@ -479,6 +556,15 @@ def check_runtime_paths(job: RLHFJob) -> list[str]:
             check_reward_file(fn.path, fn.name, fn.batched)
         except RewardFileError as err:
             out.append(f"spec.models.reward.function: {err}")
+    if job.spec.data.source == "files":
+        from hybridflow.data.files import DataError, resolve_paths  # imports this module
+
+        for field, entries in (("spec.data.train", job.spec.data.train), ("spec.data.eval", job.spec.data.eval)):
+            try:
+                if entries:
+                    resolve_paths(field, entries)
+            except DataError as err:
+                out.append(str(err))
     ckpt = Path(job.spec.trainer.checkpoint_dir)
     probe = ckpt
     while not probe.exists() and probe != probe.parent:

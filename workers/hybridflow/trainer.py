@@ -13,7 +13,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from hybridflow import checkpoint as ckpt
 from hybridflow.algorithms.core import gae, grpo_advantages, kl_estimate, masked_mean, token_rewards
 from hybridflow.controller.batch import Batch
 from hybridflow.controller.worker_group import ResourcePool, RoleSpec, WorkerGroup, resolve
+from hybridflow.data.files import load_prompt_files
 from hybridflow.data.packing import unpack_prompts, unpack_responses
 from hybridflow.data.tasks import (
     PromptStream,
@@ -44,13 +45,13 @@ log = logging.getLogger("hybridflow.trainer")
 
 @dataclass
 class Task:
-    train: list[Sample]
-    eval: list[Sample]
-    rule: Callable[..., float]
+    train: Sequence[Sample]
+    eval: Sequence[Sample]
+    rule: Callable[..., float] | None  # reward type rule: over token ids
     decode: Callable[[list[int]], str] | None
     stop_token_ids: list[int]
     text_reward: TextReward | None = None  # reward types scorer/function: scored on decoded responses
-    data_source: str = ""
+    data_fingerprint: str | None = None  # prompts from files: a resumed job checks it reads the same rows
 
     def close(self) -> None:
         if self.text_reward is not None:
@@ -58,34 +59,42 @@ class Task:
 
 
 def build_task(job: RLHFJob, model_dir: Path) -> Task:
+    """The prompts (generated, or the user's files tokenized once) and how responses are scored."""
     s = job.spec
-    rule = get_rule(s.models.reward.rule or TASK_DEFAULT_RULE[s.data.task])
-    n = s.data.train_prompts + s.data.eval_prompts
-    decode, stop = None, []
-    if s.data.task == "increment":
+    r = s.models.reward
+    # A generated task always has its rule: with a reward model it still scores the held-out evaluation.
+    rule = get_rule(r.rule or TASK_DEFAULT_RULE[s.data.task]) if s.data.source == "generated" else None
+    decode, stop, fingerprint = None, [], None
+    if s.data.source == "generated" and s.data.task == "increment":
         vocab = s.models.actor.tiny.vocab_size if s.models.actor.source == "tiny" else _vocab_size(model_dir)
-        samples = increment_samples(n, vocab, min(8, s.rollout.max_prompt_length), s.data.seed)
+        n = s.data.train_prompts + s.data.eval_prompts
+        train, held_out = split_train_eval(increment_samples(n, vocab, min(8, s.rollout.max_prompt_length),
+                                                             s.data.seed), s.data.eval_prompts)
     else:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model_dir)
-
-        def encode(text: str) -> list[int]:
-            msgs = [{"role": "user", "content": text}]
-            return list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
-
-        samples = arithmetic_samples(n, s.data.seed, encode)
         decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
         stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
-        too_long = max(len(x.prompt) for x in samples)
-        if too_long > s.rollout.max_prompt_length:
-            raise ValueError(
-                f"spec.rollout.maxPromptLength={s.rollout.max_prompt_length} is shorter than the task's prompts "
-                f"({too_long} tokens); raise it"
-            )
-    train, held_out = split_train_eval(samples, s.data.eval_prompts)
-    text_reward = TextReward(s.models.reward) if s.models.reward.type in ("scorer", "function") else None
-    return Task(train, held_out, rule, decode, stop, text_reward, s.data.task)
+        if s.data.source == "files":
+            cache = Path(s.data.cache_dir or Path(s.trainer.checkpoint_dir) / "data-cache")
+            files = load_prompt_files(s.data, tok, s.rollout.max_prompt_length, cache, s.trainer.prompts_per_step)
+            train, held_out, fingerprint = files.train, files.eval, files.fingerprint
+        else:
+            def encode(text: str) -> list[int]:
+                msgs = [{"role": "user", "content": text}]
+                return list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+            samples = arithmetic_samples(s.data.train_prompts + s.data.eval_prompts, s.data.seed, encode)
+            too_long = max(len(x.prompt) for x in samples)
+            if too_long > s.rollout.max_prompt_length:
+                raise ValueError(
+                    f"spec.rollout.maxPromptLength={s.rollout.max_prompt_length} is shorter than the task's prompts "
+                    f"({too_long} tokens); raise it"
+                )
+            train, held_out = split_train_eval(samples, s.data.eval_prompts)
+    text_reward = TextReward(r) if r.type in ("scorer", "function") else None
+    return Task(train, held_out, rule, decode, stop, text_reward, fingerprint)
 
 
 def _vocab_size(model_dir: Path) -> int:
@@ -160,6 +169,8 @@ def prompt_batch(samples: list[Sample], uid_offset: int = 0) -> Batch:
         non_tensors={
             "prompt_ids": [s.prompt for s in samples],
             "truth": [s.truth for s in samples],
+            "data_source": [s.data_source for s in samples],
+            "extra_info": [s.extra_info for s in samples],
             "uid": list(range(uid_offset, uid_offset + len(samples))),
         }
     )
@@ -170,12 +181,13 @@ def reward_scores(batch: Batch, task: Task) -> tuple[torch.Tensor, dict[str, flo
     (failed samples, and the means of a reward function's extra metrics)."""
     prompts, responses = unpack_prompts(batch), unpack_responses(batch)
     if task.text_reward is None:
+        assert task.rule is not None
         scores = [task.rule(p, r, t, task.decode) for p, r, t in zip(prompts, responses, batch["truth"])]
         return torch.tensor(scores, dtype=torch.float32), {}
     assert task.decode is not None
     n = len(responses)
-    out = task.text_reward.score([task.data_source] * n, [task.decode(r) for r in responses], list(batch["truth"]),
-                                 [{} for _ in range(n)])
+    out = task.text_reward.score(list(batch["data_source"]), [task.decode(r) for r in responses],
+                                 list(batch["truth"]), [dict(x) for x in batch["extra_info"]])
     stats = {"reward_errors": float(len(out.errors))}
     for key, values in out.extras.items():
         got = [v for v in values if v == v]  # NaN: that sample's result had no such key
@@ -302,29 +314,35 @@ def _mean_stats(per_rank: list[dict[str, float]], prefix: str) -> dict[str, floa
 # Evaluation, checkpoints, the loop
 
 
-def evaluate(w: Workers, task: Task, samples: list[Sample]) -> float:
+def evaluate(w: Workers, task: Task, samples: Sequence[Sample]) -> float:
     """Mean reward of greedy responses to held-out prompts."""
     dp = w.roles["actor"].dp_size
     usable = samples[: len(samples) // dp * dp]
     out = resolve(w.roles["actor"].generate(prompt_batch(usable), greedy=True))
+    if task.rule is None and task.text_reward is None:  # files scored by a reward model only: it judges
+        return float(resolve(w.roles["reward"].compute_rm_scores(out))["rm_scores"].mean())
     return float(reward_scores(out, task)[0].mean())
 
 
-def save(job: RLHFJob, w: Workers, root: Path, step: int, stream: PromptStream) -> Path:
+def save(job: RLHFJob, w: Workers, root: Path, step: int, stream: PromptStream,
+         data_fingerprint: str | None = None) -> Path:
     staging = ckpt.staging_dir(root, step)
     for role in ("actor", "critic"):
         if role in w.roles:
             w.roles[role].save_checkpoint(str(staging))
-    state = {"data_position": stream.position, "job": job.metadata.name}
+    state = {"data_position": stream.position, "data_fingerprint": data_fingerprint, "job": job.metadata.name}
     return ckpt.seal(root, staging, step, state, job.spec.trainer.keep_checkpoints)
 
 
-def restore(w: Workers, root: Path) -> tuple[int, int]:
+def restore(w: Workers, root: Path, data_fingerprint: str | None = None) -> tuple[int, int]:
     """(step, data position) of the checkpoint loaded, or (0, 0) for a fresh start."""
     found = ckpt.latest_good(root)
     if found is None:
         return 0, 0
     path, state = found
+    if data_fingerprint != state.get("data_fingerprint", data_fingerprint):
+        log.warning("the training prompts differ from the ones %s was trained on (files or their settings changed): "
+                    "continuing at position %d of the new prompt order", path, state["data_position"])
     for role in ("actor", "critic"):
         if role in w.roles:
             w.roles[role].load_checkpoint(str(path))
@@ -355,7 +373,7 @@ def fit(
     s = job.spec
     root = Path(s.trainer.checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
-    start_step, position = restore(w, root) if s.trainer.resume == "auto" else (0, 0)
+    start_step, position = restore(w, root, task.data_fingerprint) if s.trainer.resume == "auto" else (0, 0)
     stream = PromptStream(task.train, s.trainer.prompts_per_step, s.data.seed, position)
     metrics.total_steps.labels(metrics.job).set(s.trainer.steps)
     metrics.devices.labels(metrics.job).set(w.devices)
@@ -377,7 +395,7 @@ def fit(
         saved = None
         if (s.trainer.save_freq and step % s.trainer.save_freq == 0) or step == s.trainer.steps:
             c0 = time.perf_counter()
-            saved = save(job, w, root, step, stream)
+            saved = save(job, w, root, step, stream, task.data_fingerprint)
             stages["checkpoint"] = time.perf_counter() - c0
             metrics.checkpoint_step.labels(metrics.job).set(step)
         it = time.perf_counter() - t0

@@ -47,6 +47,10 @@ token reaches pods through secretKeyRef, which the kubelet resolves, never the o
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["get", "list", "watch", "create", "delete"]
+# Before creating pods: do the job's PersistentVolumeClaims exist? (Read only; the operator never changes them.)
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get"]
 # Events on RLHFJobs (GangRestart, Suspended, ValidationFailed, ...).
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]

@@ -5,8 +5,8 @@ A task yields (prompt token ids, ground truth) pairs; the ground truth is what t
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
 
 from hybridflow.rewards.rules import successor
 
@@ -15,6 +15,8 @@ from hybridflow.rewards.rules import successor
 class Sample:
     prompt: list[int]
     truth: Any
+    data_source: str = ""  # verl's reward arguments: which data set the sample is from, and anything else it carries
+    extra_info: Mapping[str, Any] = field(default_factory=dict)
 
 
 def increment_samples(n: int, vocab: int, prompt_len: int, seed: int) -> list[Sample]:
@@ -28,7 +30,7 @@ def increment_samples(n: int, vocab: int, prompt_len: int, seed: int) -> list[Sa
         for _ in range(length - 1):
             tok = successor(tok, vocab)
             prompt.append(tok)
-        out.append(Sample(prompt, vocab))
+        out.append(Sample(prompt, vocab, "increment"))
     return out
 
 
@@ -38,7 +40,7 @@ def arithmetic_samples(n: int, seed: int, encode: Callable[[str], list[int]], ma
     out = []
     for _ in range(n):
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        out.append(Sample(encode(f"What is {a} + {b}? Answer with the number only."), a + b))
+        out.append(Sample(encode(f"What is {a} + {b}? Answer with the number only."), a + b, "arithmetic"))
     return out
 
 
@@ -53,7 +55,7 @@ def split_train_eval(samples: list[Sample], n_eval: int) -> tuple[list[Sample], 
 class PromptStream:
     """Deterministic epoch-shuffled batches with a resumable position (saved in checkpoints)."""
 
-    def __init__(self, samples: list[Sample], batch_size: int, seed: int, position: int = 0) -> None:
+    def __init__(self, samples: Sequence[Sample], batch_size: int, seed: int, position: int = 0) -> None:
         if len(samples) < batch_size:
             raise ValueError(f"{len(samples)} prompts cannot fill a batch of {batch_size}")
         self.samples, self.batch_size, self.seed, self.position = samples, batch_size, seed, position

@@ -1,0 +1,92 @@
+"""Scenario: the user's own data and reward on Kubernetes. The word problems sit on a PVC (mounted read-only in the
+head pod) and the reward function in a ConfigMap. The job waits with a reason while the ConfigMap is missing, then
+trains SmolLM2 to Succeeded, every response scored by the user's file. A job whose data file is not on the volume
+fails once with the driver's own message, and is not restarted."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import yaml
+from kube.harness import wait_for
+
+from e2e.helpers import PVC, ROOT, phase
+
+EXAMPLE = ROOT / "examples" / "word-problems.yaml"
+REWARD = ROOT / "examples" / "rewards" / "word_problem_reward.py"
+DATA_CLAIM, REWARD_CM = "word-problems", "word-problem-reward"
+STEPS = 2
+
+
+def _claim(name: str) -> dict:
+    doc = yaml.safe_load(PVC.read_text())
+    doc["metadata"]["name"] = name
+    return doc
+
+
+def _job(tmp_path, name: str, train: list[str]):
+    """examples/word-problems.yaml, shaped for the cluster and cut to two small steps."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = name
+    s = doc["spec"]
+    s["data"].update(train=train, evalPrompts=4)
+    s["models"]["reward"]["function"]["path"] = REWARD.name  # the ConfigMap's key
+    s["rollout"].update(responsesPerPrompt=2, maxResponseLength=16)
+    s["training"]["microBatchSize"] = 4
+    s["trainer"] = {"steps": STEPS, "promptsPerStep": 4, "saveFreq": 1}
+    s["resourcePools"] = [{"name": "default", "nodes": 2, "devicesPerNode": 1}]
+    s["metrics"] = {"port": 8000, "lingerSeconds": 0}
+    s["runPolicy"] = {"backoffLimit": 2}
+    s["kubernetes"] = {"image": "hybridflow/worker-cpu:0.1.0", "checkpointPvc": f"{name}-checkpoints",
+                       "dataPvc": DATA_CLAIM, "rewardConfigMap": REWARD_CM, "headMemory": "4Gi"}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump_all([_claim(f"{name}-checkpoints"), doc], sort_keys=False))
+    return path
+
+
+def _condition(world, name: str, ctype: str) -> dict | None:
+    return next((c for c in world.kube.status(name).get("conditions", []) if c["type"] == ctype), None)
+
+
+def test_data_on_a_pvc_and_reward_in_a_configmap(world, tmp_path):
+    name = "user-inputs"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "data" / "make_word_problems.py"), "--out",
+                    str(tmp_path), "--train", "64", "--test", "8"], check=True, capture_output=True)
+    claim = tmp_path / "claim.yaml"
+    claim.write_text(yaml.safe_dump(_claim(DATA_CLAIM)))
+    world.kubectl("apply", "--validate=false", "-f", str(claim))
+    world.fill_volume(DATA_CLAIM, {"word_problems/train.jsonl": (tmp_path / "word_problems" / "train.jsonl").read_bytes()})
+
+    world.kubectl("apply", "--validate=false", "-f", str(_job(tmp_path, name, ["word_problems/train.jsonl"])))
+    waiting = wait_for(lambda: (c := _condition(world, name, "InputsReady")) and c["status"] == "False" and c, 60,
+                       "InputsReady=False while the ConfigMap is missing")
+    assert f"ConfigMap '{REWARD_CM}' not found" in waiting["message"] and phase(world, name) == "Pending"
+    assert world.kube.pods(name) == []
+    cm = tmp_path / "reward.yaml"  # what `kubectl create configmap --from-file` makes, applied (the double speaks JSON)
+    cm.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": REWARD_CM},
+                                  "data": {REWARD.name: REWARD.read_text()}}))
+    world.kubectl("apply", "--validate=false", "-f", str(cm))
+
+    head = f"{name}-head-g0"
+    wait_for(lambda: phase(world, name) in ("Succeeded", "Failed"), 900, f"the end; {world.logs(head)}")
+    st = world.kube.status(name)
+    assert st["phase"] == "Succeeded", (st, world.logs(head)[-3000:])
+    assert st["restarts"] == 0 and _condition(world, name, "InputsReady")["status"] == "True"
+    logs = world.logs(head)
+    assert "prompts: 60 for training, 4 held out" in logs, logs[-3000:]  # 64 rows on the volume, 4 held out
+    records = world.step_records(name)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r in records:  # scored by the ConfigMap's file: its extra key is there, nothing failed
+        assert r["reward_errors"] == 0 and 0 <= r["reward_answered_mean"] <= 1, r
+
+
+def test_a_data_file_missing_from_the_volume_fails_once_with_the_drivers_message(world, tmp_path):
+    name = "user-inputs-bad"
+    world.kubectl("apply", "--validate=false", "-f", str(_job(tmp_path, name, ["word_problems/missing.jsonl"])))
+    wait_for(lambda: phase(world, name) in ("Succeeded", "Failed"), 300,
+             f"the end; {world.logs(f'{name}-head-g0')}")
+    st = world.kube.status(name)
+    assert st["phase"] == "Failed" and st["reason"] == "InvalidInput", st
+    assert "spec.data.train: '/data/word_problems/missing.jsonl' does not exist" in st["message"], st
+    assert st["restarts"] == 0, "a bad input was retried"
+    assert any(e.reason == "InvalidInput" for e in world.kube.events() if e.involved_object.name == name)

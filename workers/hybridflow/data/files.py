@@ -1,0 +1,327 @@
+"""Prompt sets from the user's files (JSONL, JSON, Parquet, or a `datasets.save_to_disk` directory) via HF `datasets`.
+
+verl's layout loads unchanged: `prompt` as chat messages, the ground truth at `reward_model.ground_truth`, and
+`data_source` and `extra_info` handed to the reward function. Prompts are rendered with the model's chat template
+and tokenized once: the token ids are a `datasets` map cached under a fingerprint of the data, the prompt column,
+the template, the system prompt and the tokenizer, so a restarted job (or the next job on the same files) reads them
+back instead of tokenizing again. Rows are read lazily by index, so a large set never sits in Python lists.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence, overload
+
+from hybridflow.data.tasks import Sample
+from hybridflow.spec import Data, SpecError
+
+log = logging.getLogger("hybridflow.data")
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # file suffix -> datasets builder
+IDS, LENGTH, DIGEST = "_hybridflow_prompt_ids", "_hybridflow_prompt_length", "_hybridflow_prompt_digest"
+NULL_PROMPT = -1  # LENGTH of a row whose prompt is null: skipped and counted
+_CACHE_VERSION = "1"  # bump when the encoding below changes, so old cache files are not read back
+_GLOB = re.compile(r"[*?\[]")
+
+
+class DataError(SpecError):
+    """Bad prompt data; the message names the spec field or the file, and what to do."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Files
+
+
+def _saved_dataset(d: Path) -> bool:
+    return (d / "state.json").is_file() or (d / "dataset_dict.json").is_file()
+
+
+def resolve_paths(field: str, entries: Sequence[str]) -> tuple[str, list[Path]]:
+    """The datasets builder ('json', 'parquet', or 'disk' for a save_to_disk directory) and the files of a list of
+    files, globs and directories. Cheap (no file is read), so it runs before Ray starts."""
+    files: list[Path] = []
+    saved: list[Path] = []
+    for entry in entries:
+        p = Path(entry)
+        if _GLOB.search(entry):
+            found = sorted(Path(x) for x in glob.glob(entry, recursive=True) if Path(x).is_file())
+            if not found:
+                raise DataError(f"{field}: the pattern '{entry}' matches no file{_relative(p)}")
+            files += found
+        elif p.is_dir():
+            if _saved_dataset(p):
+                saved.append(p)
+                continue
+            found = sorted(x for x in p.rglob("*") if x.is_file() and x.suffix in BUILDERS)
+            if not found:
+                raise DataError(f"{field}: the directory '{entry}' holds no .jsonl, .json or .parquet file and is not "
+                                "a directory written by datasets' save_to_disk")
+            files += found
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise DataError(f"{field}: '{entry}' does not exist{_relative(p)}; fix the path")
+    if saved:
+        if len(saved) > 1 or files:
+            raise DataError(f"{field}: a save_to_disk directory ('{saved[0]}') must be the only entry")
+        return "disk", saved
+    odd = [f for f in files if f.suffix not in BUILDERS]
+    if odd:
+        raise DataError(f"{field}: '{odd[0]}' is not a .jsonl, .json or .parquet file")
+    builders = sorted({BUILDERS[f.suffix] for f in files})
+    if len(builders) > 1:
+        raise DataError(f"{field}: mixes JSON and Parquet files; give one format per set")
+    return builders[0], files
+
+
+def _relative(p: Path) -> str:
+    return "" if p.is_absolute() else f" (relative to {Path.cwd()})"
+
+
+def _quiet_datasets() -> Any:
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity_error()
+    return datasets
+
+
+def load_table(field: str, entries: Sequence[str], cache_dir: Path) -> Any:
+    """The rows of `entries` as a `datasets.Dataset`; unreadable files are a DataError naming them."""
+    datasets = _quiet_datasets()
+    kind, paths = resolve_paths(field, entries)
+    where = ", ".join(f"'{p}'" for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    try:
+        if kind == "disk":
+            ds = datasets.load_from_disk(str(paths[0]))
+            if isinstance(ds, datasets.DatasetDict):
+                if "train" not in ds:
+                    raise DataError(f"{field}: {where} is a DatasetDict without a 'train' split (it has "
+                                    f"{', '.join(ds)}); save the split you want with save_to_disk")
+                ds = ds["train"]
+        else:
+            ds = datasets.load_dataset(kind, data_files=[str(p) for p in paths], split="train",
+                                       cache_dir=str(cache_dir))
+    except DataError:
+        raise
+    except Exception as err:  # noqa: BLE001 - pyarrow, json and datasets raise many types for a bad file
+        cause = err.__cause__ or err
+        if "corresponds to no data" in str(cause):  # datasets' words for files without a single row
+            raise DataError(f"{field}: {where} holds no rows") from None
+        text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise DataError(f"{field}: cannot read {where} as {kind}: {type(cause).__name__}: {text[:300]}; "
+                        "check that the file is complete and in that format") from None
+    if len(ds) == 0:
+        raise DataError(f"{field}: {where} holds no rows")
+    return ds
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Columns
+
+
+def column_names(features: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Every column, nested ones as dotted paths ('reward_model', 'reward_model.ground_truth', ...)."""
+    out = []
+    for name, feature in features.items():
+        out.append(prefix + name)
+        if isinstance(feature, dict):
+            out += column_names(feature, f"{prefix}{name}.")
+    return out
+
+
+def get_path(row: Mapping[str, Any], dotted: str) -> Any:
+    value: Any = row
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
+
+
+def require_column(field: str, key: str, ds: Any, where: str) -> None:
+    names = column_names(ds.features)
+    if key not in names:
+        raise DataError(f"{field}: {where} has no column '{key}'; columns found: {', '.join(names)}. Point the key "
+                        "at one of them")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Rendering prompts
+
+
+class PromptRenderer:
+    """A prompt value (a string, or chat messages) -> token ids, through the chat template when there is one."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None, system_prompt: str | None) -> None:
+        self.tokenizer, self.system_prompt = tokenizer, system_prompt
+        self.template = chat_template or getattr(tokenizer, "chat_template", None)
+        self.template_field = "spec.data.chatTemplate" if chat_template else "the model's chat template"
+        try:
+            self.ids([{"role": "user", "content": "2 + 2?"}], "a test prompt")
+        except Exception as err:  # noqa: BLE001 - jinja raises several types
+            raise DataError(f"{self.template_field}: cannot render a prompt: {type(err).__name__}: {err}") from None
+
+    def messages(self, value: Any, where: str) -> list[dict[str, str]]:
+        if isinstance(value, str):
+            msgs = [{"role": "user", "content": value}]
+        elif isinstance(value, list) and value and all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value
+        ):
+            msgs = [{"role": m["role"], "content": m["content"]} for m in value]
+        else:
+            raise DataError(f"{where}: a prompt must be a string or a list of chat messages {{role, content}}, got "
+                            f"{type(value).__name__}: {str(value)[:120]}")
+        if self.system_prompt is not None:
+            msgs = [{"role": "system", "content": self.system_prompt}] + [m for m in msgs if m["role"] != "system"]
+        return msgs
+
+    def ids(self, value: Any, where: str) -> list[int]:
+        msgs = self.messages(value, where)
+        if self.template:
+            return list(self.tokenizer.apply_chat_template(msgs, chat_template=self.template, tokenize=True,
+                                                           add_generation_prompt=True, return_dict=False))
+        return list(self.tokenizer("\n\n".join(m["content"] for m in msgs))["input_ids"])
+
+    def digest(self) -> str:
+        """What the token ids depend on besides the data."""
+        h = hashlib.sha256()
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        h.update(backend.to_str().encode() if backend is not None else repr(sorted(self.tokenizer.get_vocab().items())).encode())
+        h.update(repr((self.template, self.system_prompt, _CACHE_VERSION)).encode())
+        return h.hexdigest()
+
+
+def tokenize(ds: Any, prompt_key: str, renderer: PromptRenderer, cache_dir: Path, field: str) -> Any:
+    """The rows plus their prompt's token ids, length (NULL_PROMPT when the prompt is null) and a digest of the ids,
+    from the cache when this data was tokenized this way before."""
+    from datasets.fingerprint import Hasher
+
+    root, _, rest = prompt_key.partition(".")
+    fingerprint = Hasher.hash([ds._fingerprint, prompt_key, renderer.digest()])
+    cache_dir.mkdir(parents=True, exist_ok=True)
+
+    def encode(value: Any, index: int) -> dict[str, Any]:
+        value = get_path({root: value}, prompt_key) if rest else value
+        if value is None:
+            return {IDS: [], LENGTH: NULL_PROMPT, DIGEST: ""}
+        ids = renderer.ids(value, f"{field}: row {index}, column '{prompt_key}'")
+        return {IDS: ids, LENGTH: len(ids), DIGEST: hashlib.blake2b(repr(ids).encode(), digest_size=12).hexdigest()}
+
+    return ds.map(encode, input_columns=[root], with_indices=True, new_fingerprint=fingerprint,
+                  cache_file_name=str(cache_dir / f"prompts-{fingerprint}.arrow"), desc="tokenizing prompts")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Samples
+
+
+class FileSamples(Sequence[Sample]):
+    """Rows of a tokenized dataset as Samples, read on access."""
+
+    def __init__(self, ds: Any, rows: list[int], data: Data, default_source: str) -> None:
+        self.ds, self.rows, self.data, self.default_source = ds, rows, data, default_source
+        prompt_root = data.prompt_key.split(".")[0]
+        answer_root = data.answer_key.split(".")[0] if data.answer_key else None
+        self._not_extra = {IDS, LENGTH, DIGEST, prompt_root, answer_root, "data_source", "extra_info"}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @overload
+    def __getitem__(self, i: int) -> Sample: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Sample]: ...
+    def __getitem__(self, i: int | slice) -> Sample | list[Sample]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        return self.sample(self.ds[self.rows[i]])
+
+    def __iter__(self) -> Iterator[Sample]:
+        return (self[k] for k in range(len(self)))
+
+    def sample(self, row: Mapping[str, Any]) -> Sample:
+        """verl's reward arguments: data_source from its column (else the file's name), extra_info from its column
+        merged over every column the prompt and answer do not use."""
+        extra = {k: v for k, v in row.items() if k not in self._not_extra}
+        if isinstance(row.get("extra_info"), Mapping):
+            extra.update(row["extra_info"])
+        truth = get_path(row, self.data.answer_key) if self.data.answer_key else None
+        return Sample(list(row[IDS]), truth, str(row.get("data_source") or self.default_source), extra)
+
+
+@dataclass
+class PromptFiles:
+    train: FileSamples
+    eval: FileSamples
+    fingerprint: str  # of the training rows: a resumed job checks it still reads the same data
+
+
+def _usable_rows(ds: Any, field: str, max_len: int) -> list[int]:
+    """Indices of rows with a prompt that fits; nulls are skipped and too-long prompts dropped, both reported."""
+    lengths = list(ds[LENGTH])
+    nulls = [i for i, n in enumerate(lengths) if n == NULL_PROMPT]
+    too_long = [n for n in lengths if n > max_len]
+    keep = [i for i, n in enumerate(lengths) if 0 <= n <= max_len]
+    if nulls:
+        log.warning("%s: skipped %d of %d rows whose prompt is null (rows %s)", field, len(nulls), len(lengths),
+                    ", ".join(map(str, nulls[:5])) + (", ..." if len(nulls) > 5 else ""))
+    if too_long and not keep:
+        raise DataError(f"{field}: all {len(too_long)} prompts are longer than spec.rollout.maxPromptLength = "
+                        f"{max_len} tokens (the longest has {max(too_long)}); raise maxPromptLength")
+    if too_long:
+        log.warning("%s: dropped %d of %d prompts longer than spec.rollout.maxPromptLength = %d tokens (the longest "
+                    "has %d)", field, len(too_long), len(lengths), max_len, max(too_long))
+    if not keep:
+        raise DataError(f"{field}: no row has a prompt (every prompt is null)")
+    return keep
+
+
+def _prepared(field: str, entries: Sequence[str], data: Data, renderer: PromptRenderer, cache_dir: Path,
+              max_len: int) -> tuple[Any, list[int], str]:
+    ds = load_table(field, entries, cache_dir)
+    where = f"'{entries[0]}'" + (f" (+{len(entries) - 1})" if len(entries) > 1 else "")
+    require_column(field, data.prompt_key, ds, where)
+    if data.answer_key:
+        require_column(f"{field} (spec.data.answerKey)", data.answer_key, ds, where)
+    ds = tokenize(ds, data.prompt_key, renderer, cache_dir, field)
+    return ds, _usable_rows(ds, field, max_len), _source_name(entries[0])
+
+
+def _source_name(entry: str) -> str:
+    """data_source for rows without that column: the file's name, or its directory's for a bare split name."""
+    p = Path(entry.split("*")[0].rstrip("/") or ".").resolve()
+    return p.parent.name if p.stem in ("train", "test", "eval", "validation", "dev", "") else p.stem
+
+
+def load_prompt_files(data: Data, tokenizer: Any, max_prompt_length: int, cache_dir: Path,
+                      batch_size: int) -> PromptFiles:
+    renderer = PromptRenderer(tokenizer, data.chat_template, data.system_prompt)
+    train_ds, train_rows, source = _prepared("spec.data.train", data.train, data, renderer, cache_dir,
+                                             max_prompt_length)
+    if data.eval:
+        eval_ds, eval_rows, eval_source = _prepared("spec.data.eval", data.eval, data, renderer, cache_dir,
+                                                    max_prompt_length)
+        eval_rows = eval_rows[: data.eval_prompts]
+    else:  # held out: a seeded choice of rows, and no training row with the same prompt ids
+        if len(train_rows) <= data.eval_prompts:
+            raise DataError(f"spec.data.evalPrompts = {data.eval_prompts} leaves no training prompt of the "
+                            f"{len(train_rows)} usable rows in spec.data.train; lower it or give spec.data.eval")
+        order = list(train_rows)
+        random.Random(data.seed).shuffle(order)
+        eval_ds, eval_rows, eval_source = train_ds, sorted(order[: data.eval_prompts]), source
+        digests = list(train_ds[DIGEST])
+        held = {digests[i] for i in eval_rows}
+        train_rows = [i for i in train_rows if digests[i] not in held]  # the eval rows too: same digests
+    if len(train_rows) < batch_size:
+        raise DataError(f"spec.data.train: {len(train_rows)} usable training prompts cannot fill "
+                        f"spec.trainer.promptsPerStep = {batch_size}")
+    log.info("prompts: %d for training, %d held out (%s)", len(train_rows), len(eval_rows),
+             "spec.data.eval" if data.eval else "split off spec.data.train")
+    fingerprint = hashlib.sha256(repr((train_ds._fingerprint, train_rows)).encode()).hexdigest()[:16]
+    return PromptFiles(FileSamples(train_ds, train_rows, data, source), FileSamples(eval_ds, eval_rows, data,
+                                                                                      eval_source), fingerprint)
