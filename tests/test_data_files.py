@@ -265,3 +265,38 @@ def test_a_corrupt_file_is_exit_2_before_ray_starts(word_problems, tmp_path, mod
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"spec.data.train: cannot read '{bad}' as parquet" in out.stderr
     assert not (tmp_path / "ray").exists(), "Ray was started for a job whose data cannot be read"
+
+
+def test_a_run_of_null_prompts_first_and_a_row_the_template_rejects(tokenizer, tmp_path):
+    rows = [{"prompt": None, "reward_model": {"ground_truth": "1"}}] * 1200 + \
+        [{"prompt": f"q{i}", "reward_model": {"ground_truth": "1"}} for i in range(20)]
+    files = _load(Data(source="files", train=[str(_jsonl(tmp_path / "d.jsonl", rows))], eval_prompts=2), tokenizer,
+                  tmp_path)
+    assert len(files.train) == 18  # typed outputs: 1000+ leading nulls do not make the ids column null
+    picky = "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}{% endif %}" \
+            "{{ m.content }}{% endfor %}"
+    rows = [{"prompt": [{"role": "system" if i == 5 else "user", "content": "hi"}], "reward_model": {
+        "ground_truth": "1"}} for i in range(10)]
+    with pytest.raises(DataError, match=r"spec.data.train: row 5, column 'prompt': spec.data.chatTemplate cannot "
+                                        r"render it: TemplateError: no system role"):
+        _load(Data(source="files", train=[str(_jsonl(tmp_path / "m.jsonl", rows))], chat_template=picky), tokenizer,
+              tmp_path)
+
+
+def test_an_eval_datasetdict_uses_its_test_split_and_hidden_files_are_skipped(word_problems, tokenizer, tmp_path):
+    import datasets
+
+    d = word_problems / "gsm8k_style"
+    saved = tmp_path / "dd"
+    datasets.DatasetDict({"train": datasets.Dataset.from_parquet(str(d / "train.parquet")),
+                          "test": datasets.Dataset.from_parquet(str(d / "test.parquet"))}).save_to_disk(str(saved))
+    files = _load(Data(source="files", train=[str(saved)], eval=[str(saved)], eval_prompts=8), tokenizer, tmp_path)
+    assert len(files.train) == 200 and {s.extra_info["split"] for s in files.eval} == {"test"}
+    data = tmp_path / "data"
+    (data / ".ipynb_checkpoints").mkdir(parents=True)
+    (data / "a.jsonl").write_text('{"prompt": "x"}\n')
+    (data / ".ipynb_checkpoints" / "a-checkpoint.jsonl").write_text('{"prompt": "x"}\n')
+    assert resolve_paths("f", [str(data)]) == ("json", [data / "a.jsonl"])
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match=r"spec.data.train: '.*empty.jsonl' holds no rows"):
+        _load(Data(source="files", train=[str(tmp_path / "empty.jsonl")]), tokenizer, tmp_path)

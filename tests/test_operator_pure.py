@@ -295,8 +295,14 @@ def test_missing_inputs_hold_the_pods_back_with_a_reason_until_they_appear():
     assert cond["status"] == "False" and cond["message"] == why
     again = decide(job, None, plan.status, [], NOW, missing_inputs=why)
     assert again.create_gang is None and again.events == []  # one event, not one per tick
-    found = decide(job, None, again.status, [], NOW)
-    assert found.create_gang == 0
+    paused = job.model_copy(deep=True)
+    paused.spec.run_policy.suspend = True
+    suspended = decide(paused, None, again.status, [], NOW)
+    assert next(c for c in suspended.status["conditions"] if c["type"] == "InputsReady")["status"] == "False", \
+        "nothing was checked: the condition must not flip"
+    found = decide(job, None, again.status, [], NOW, missing_inputs="")
+    assert found.create_gang == 0 and found.status["reason"] == "InputsFound"
+    assert "creating the pods" in found.status["message"]
     assert next(c for c in found.status["conditions"] if c["type"] == "InputsReady")["status"] == "True"
 
 

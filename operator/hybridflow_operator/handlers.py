@@ -174,7 +174,7 @@ def _accepted_job(live: RLHFJob, namespace: str, memo: kopf.Memo) -> tuple[RLHFJ
     return accepted, changed
 
 
-def _missing_inputs(job: RLHFJob, namespace: str) -> str | None:
+def _missing_inputs(job: RLHFJob, namespace: str) -> str:
     """What the job's pods would mount but does not exist: its PVCs, the reward ConfigMap and the reward file's key
     in it. Checked before pods are created, so the job waits with a reason instead of pods stuck creating."""
     k8s = job.spec.kubernetes
@@ -195,7 +195,7 @@ def _missing_inputs(job: RLHFJob, namespace: str) -> str | None:
         elif key not in (cm.data or {}):
             problems.append(f"spec.models.reward.function.path: ConfigMap '{k8s.reward_config_map}' has no key "
                             f"'{key}' (its keys: {', '.join(sorted(cm.data or {})) or 'none'})")
-    return "; ".join(problems) or None
+    return "; ".join(problems)
 
 
 def _create(obj: dict[str, Any]) -> None:
@@ -245,9 +245,7 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     views = [p["view"] for p in pods]
     plan = decide(job, error, status, views, now)
     if job is not None and plan.create_gang is not None:  # about to create pods: are their inputs there?
-        missing = _missing_inputs(job, namespace)
-        if missing:
-            plan = decide(job, error, status, views, now, missing_inputs=missing)
+        plan = decide(job, error, status, views, now, missing_inputs=_missing_inputs(job, namespace))
 
     if changed and status.get("phase") not in TERMINAL:
         msg = "spec changed while the job exists; only runPolicy can change: the job keeps its original spec"

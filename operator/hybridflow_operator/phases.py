@@ -71,21 +71,24 @@ def expected_pods(job: RLHFJob) -> int:
 
 def decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods: list[PodView],
            now: dt.datetime, missing_inputs: str | None = None) -> Plan:
-    """missing_inputs: what the operator found absent (a PVC, the reward ConfigMap or its key); pods are not
-    created while it is set, and the job waits in Pending with the reason, as a pod waits for its volumes."""
+    """missing_inputs: None when the job's inputs were not checked; "" when they were and all exist; else what the
+    operator found absent (a PVC, the reward ConfigMap or its key). Pods are not created while something is missing:
+    the job waits in Pending with the reason, as a pod waits for its volumes."""
     plan = _decide(job, error, status, pods, now)
-    if job is None or plan.status.get("phase") in TERMINAL:
+    if job is None or plan.status.get("phase") in TERMINAL or plan.create_gang is None or missing_inputs is None:
         return plan
     had = next((c for c in status.get("conditions", []) if c["type"] == "InputsReady"), None)
-    if missing_inputs and plan.create_gang is not None:
+    if missing_inputs:
         plan.create_gang = None
         plan.events = [e for e in plan.events if e[0] != "Normal"]  # no "creating the pods" when none are created
         plan.status.update(phase="Pending", reason="InputsMissing", message=missing_inputs)
         if not had or had["status"] != "False" or had["message"] != missing_inputs:
             plan.events.append(("Warning", "InputsMissing", missing_inputs))
         set_condition(plan.status, "InputsReady", False, "InputsMissing", missing_inputs, now)
-    elif had and had["status"] == "False" and not missing_inputs:
-        set_condition(plan.status, "InputsReady", True, "InputsFound", "the job's volumes and reward file exist", now)
+    elif had and had["status"] == "False":
+        found = "the job's volumes and reward file exist; creating the pods"
+        _to(plan, "Pending", "InputsFound", found, now)
+        set_condition(plan.status, "InputsReady", True, "InputsFound", found, now)
     return plan
 
 

@@ -57,7 +57,8 @@ def resolve_paths(field: str, entries: Sequence[str]) -> tuple[str, list[Path]]:
             if _saved_dataset(p):
                 saved.append(p)
                 continue
-            found = sorted(x for x in p.rglob("*") if x.is_file() and x.suffix in BUILDERS)
+            found = sorted(x for x in p.rglob("*") if x.is_file() and x.suffix in BUILDERS
+                           and not any(part.startswith(".") for part in x.relative_to(p).parts))
             if not found:
                 raise DataError(f"{field}: the directory '{entry}' holds no .jsonl, .json or .parquet file and is not "
                                 "a directory written by datasets' save_to_disk")
@@ -96,14 +97,19 @@ def load_table(field: str, entries: Sequence[str], cache_dir: Path) -> Any:
     datasets = _quiet_datasets()
     kind, paths = resolve_paths(field, entries)
     where = ", ".join(f"'{p}'" for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    if kind != "disk" and all(p.stat().st_size == 0 for p in paths):
+        raise DataError(f"{field}: {where} holds no rows (empty file)")
     try:
         if kind == "disk":
             ds = datasets.load_from_disk(str(paths[0]))
             if isinstance(ds, datasets.DatasetDict):
-                if "train" not in ds:
-                    raise DataError(f"{field}: {where} is a DatasetDict without a 'train' split (it has "
-                                    f"{', '.join(ds)}); save the split you want with save_to_disk")
-                ds = ds["train"]
+                wanted = ("train",) if field.endswith("train") else ("test", "validation")
+                split = next((k for k in wanted if k in ds), None)
+                if split is None:
+                    raise DataError(f"{field}: {where} is a DatasetDict without a {' or '.join(map(repr, wanted))} "
+                                    f"split (it has {', '.join(ds)}); point at one split's directory, e.g. "
+                                    f"{paths[0]}/{next(iter(ds))}")
+                ds = ds[split]
         else:
             ds = datasets.load_dataset(kind, data_files=[str(p) for p in paths], split="train",
                                        cache_dir=str(cache_dir))
@@ -111,6 +117,8 @@ def load_table(field: str, entries: Sequence[str], cache_dir: Path) -> Any:
         raise
     except Exception as err:  # noqa: BLE001 - pyarrow, json and datasets raise many types for a bad file
         cause = err.__cause__ or err
+        if isinstance(cause, OSError) and str(cache_dir) in str(cause):
+            raise  # the cache (disk full, read-only): not the data's fault, not exit 2
         if "corresponds to no data" in str(cause):  # datasets' words for files without a single row
             raise DataError(f"{field}: {where} holds no rows") from None
         text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
@@ -166,6 +174,8 @@ class PromptRenderer:
             raise DataError(f"{self.template_field}: cannot render a prompt: {type(err).__name__}: {err}") from None
 
     def messages(self, value: Any, where: str) -> list[dict[str, str]]:
+        if isinstance(value, Mapping) and isinstance(value.get("role"), list) and isinstance(value.get("content"), list):
+            value = [{"role": r, "content": c} for r, c in zip(value["role"], value["content"])]  # a Sequence feature
         if isinstance(value, str):
             msgs = [{"role": "user", "content": value}]
         elif isinstance(value, list) and value and all(
@@ -209,10 +219,21 @@ def tokenize(ds: Any, prompt_key: str, renderer: PromptRenderer, cache_dir: Path
         value = get_path({root: value}, prompt_key) if rest else value
         if value is None:
             return {IDS: [], LENGTH: NULL_PROMPT, DIGEST: ""}
-        ids = renderer.ids(value, f"{field}: row {index}, column '{prompt_key}'")
+        where = f"{field}: row {index}, column '{prompt_key}'"
+        try:
+            ids = renderer.ids(value, where)
+        except DataError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a template may reject a row (roles that do not alternate, ...)
+            raise DataError(f"{where}: {renderer.template_field} cannot render it: {type(err).__name__}: {err}") \
+                from None
         return {IDS: ids, LENGTH: len(ids), DIGEST: hashlib.blake2b(repr(ids).encode(), digest_size=12).hexdigest()}
 
-    return ds.map(encode, input_columns=[root], with_indices=True, new_fingerprint=fingerprint,
+    from datasets import Features, List, Value
+
+    # Typed outputs: datasets would infer them from the first rows, and a run of null prompts there reads as nulls.
+    features = Features({**ds.features, IDS: List(Value("int32")), LENGTH: Value("int32"), DIGEST: Value("string")})
+    return ds.map(encode, input_columns=[root], with_indices=True, new_fingerprint=fingerprint, features=features,
                   cache_file_name=str(cache_dir / f"prompts-{fingerprint}.arrow"), desc="tokenizing prompts")
 
 
