@@ -43,9 +43,11 @@ def _greedy_matches_hf(job, w, task, model_dir, step):
         assert resp == ref
 
 
-@pytest.mark.parametrize("engine", ["vllm", "hf"])
-def test_generation_engine_follows_the_trained_weights(tmp_path, model_cache, local_ray, engine):
-    job = load_job(trainer.Path(__file__).resolve().parents[1] / "examples" / "tiny-grpo.yaml")
+@pytest.mark.parametrize("example,engine", [("tiny-grpo.yaml", "vllm"), ("tiny-grpo.yaml", "hf"),
+                                            ("smollm2-arithmetic.yaml", "vllm")])
+def test_generation_engine_follows_the_trained_weights(tmp_path, model_cache, local_ray, example, engine):
+    """The tiny Qwen2 model, and SmolLM2 (Llama, tied embeddings, grouped-query attention) in vLLM."""
+    job = load_job(trainer.Path(__file__).resolve().parents[1] / "examples" / example)
     job.spec.rollout.engine = engine
     w, task, model_dir = _start_workers(job, tmp_path, model_cache, local_ray)
     try:
