@@ -25,7 +25,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from hybridflow.spec import API_GROUP as GROUP
-from hybridflow.spec import PLURAL, REWARD_MOUNT, VERSION, RLHFJob, SpecError, parse_job
+from hybridflow.spec import PLURAL, VERSION, RLHFJob, SpecError, parse_job, reward_configmap_key
 from hybridflow_operator import manifests as mf
 from hybridflow_operator.metrics import OperatorMetrics
 from hybridflow_operator.phases import TERMINAL, PodView, decide, iso, parse_time, set_condition
@@ -187,7 +187,7 @@ def _missing_inputs(job: RLHFJob, namespace: str) -> str:
     if k8s.reward_config_map:
         cm = _ignore(404, _core().read_namespaced_config_map, k8s.reward_config_map, namespace)
         fn = job.spec.models.reward.function
-        key = fn.path.removeprefix(REWARD_MOUNT + "/") if fn is not None else ""
+        key = reward_configmap_key(fn.path) if fn is not None else ""
         if cm is None:
             problems.append(f"spec.kubernetes.rewardConfigMap: ConfigMap '{k8s.reward_config_map}' not found in "
                             f"namespace {namespace}; create it, e.g. kubectl create configmap "

@@ -40,6 +40,11 @@ DATA_MOUNT = "/data"
 REWARD_MOUNT = "/var/lib/hybridflow/reward"
 
 
+def reward_configmap_key(path: str) -> str:
+    """The kubernetes.rewardConfigMap key a reward.function.path names (as written, or resolved into the mount)."""
+    return path.removeprefix(REWARD_MOUNT + "/")
+
+
 def pool_resource(name: str) -> str:
     """The Ray custom resource a node advertises for each device it brings to pool `name` (set by the operator's
     worker pods and by `hybridflow run`, requested by the controller's placement groups)."""
@@ -456,7 +461,7 @@ def _data_problems(spec: JobSpec) -> list[str]:
         if r.type != "function" or r.function is None:
             out.append("spec.kubernetes.rewardConfigMap: holds a reward file, so spec.models.reward.type must be "
                        "function with function.path naming the ConfigMap key")
-        elif not _CONFIGMAP_KEY.fullmatch(r.function.path.removeprefix(REWARD_MOUNT + "/")):
+        elif not _CONFIGMAP_KEY.fullmatch(reward_configmap_key(r.function.path)):
             out.append(f"spec.models.reward.function.path: with kubernetes.rewardConfigMap it is the ConfigMap's key "
                        f"(a file name such as my_reward.py), got '{r.function.path}'")
     return out

@@ -22,7 +22,7 @@ from hybridflow import checkpoint as ckpt
 from hybridflow.algorithms.core import gae, grpo_advantages, kl_estimate, masked_mean, token_rewards
 from hybridflow.controller.batch import Batch
 from hybridflow.controller.worker_group import ResourcePool, RoleSpec, WorkerGroup, resolve
-from hybridflow.data.files import load_prompt_files
+from hybridflow.data.files import PromptRenderer, load_prompt_files
 from hybridflow.data.packing import unpack_prompts, unpack_responses
 from hybridflow.data.tasks import (
     PromptStream,
@@ -81,11 +81,9 @@ def build_task(job: RLHFJob, model_dir: Path) -> Task:
             files = load_prompt_files(s.data, tok, s.rollout.max_prompt_length, cache, s.trainer.prompts_per_step)
             train, held_out, fingerprint = files.train, files.eval, files.fingerprint
         else:
-            def encode(text: str) -> list[int]:
-                msgs = [{"role": "user", "content": text}]
-                return list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
-
-            samples = arithmetic_samples(s.data.train_prompts + s.data.eval_prompts, s.data.seed, encode)
+            renderer = PromptRenderer(tok, None, None)  # the model's chat template, one user message
+            samples = arithmetic_samples(s.data.train_prompts + s.data.eval_prompts, s.data.seed,
+                                         lambda text: renderer.ids(text, "the arithmetic task"))
             too_long = max(len(x.prompt) for x in samples)
             if too_long > s.rollout.max_prompt_length:
                 raise ValueError(

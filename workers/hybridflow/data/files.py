@@ -15,7 +15,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence, overload
+from typing import Any, Mapping, Sequence, overload
 
 from hybridflow.data.tasks import Sample
 from hybridflow.spec import Data, SpecError
@@ -201,7 +201,8 @@ class PromptRenderer:
         """What the token ids depend on besides the data."""
         h = hashlib.sha256()
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        h.update(backend.to_str().encode() if backend is not None else repr(sorted(self.tokenizer.get_vocab().items())).encode())
+        vocab = backend.to_str() if backend is not None else repr(sorted(self.tokenizer.get_vocab().items()))
+        h.update(vocab.encode())
         h.update(repr((self.template, self.system_prompt, _CACHE_VERSION)).encode())
         return h.hexdigest()
 
@@ -209,6 +210,7 @@ class PromptRenderer:
 def tokenize(ds: Any, prompt_key: str, renderer: PromptRenderer, cache_dir: Path, field: str) -> Any:
     """The rows plus their prompt's token ids, length (NULL_PROMPT when the prompt is null) and a digest of the ids,
     from the cache when this data was tokenized this way before."""
+    from datasets import Features, List, Value
     from datasets.fingerprint import Hasher
 
     root, _, rest = prompt_key.partition(".")
@@ -228,8 +230,6 @@ def tokenize(ds: Any, prompt_key: str, renderer: PromptRenderer, cache_dir: Path
             raise DataError(f"{where}: {renderer.template_field} cannot render it: {type(err).__name__}: {err}") \
                 from None
         return {IDS: ids, LENGTH: len(ids), DIGEST: hashlib.blake2b(repr(ids).encode(), digest_size=12).hexdigest()}
-
-    from datasets import Features, List, Value
 
     # Typed outputs: datasets would infer them from the first rows, and a run of null prompts there reads as nulls.
     features = Features({**ds.features, IDS: List(Value("int32")), LENGTH: Value("int32"), DIGEST: Value("string")})
@@ -261,9 +261,6 @@ class FileSamples(Sequence[Sample]):
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
         return self.sample(self.ds[self.rows[i]])
-
-    def __iter__(self) -> Iterator[Sample]:
-        return (self[k] for k in range(len(self)))
 
     def sample(self, row: Mapping[str, Any]) -> Sample:
         """verl's reward arguments: data_source from its column (else the file's name), extra_info from its column
@@ -341,8 +338,6 @@ def load_prompt_files(data: Data, tokenizer: Any, max_prompt_length: int, cache_
     if len(train_rows) < batch_size:
         raise DataError(f"spec.data.train: {len(train_rows)} usable training prompts cannot fill "
                         f"spec.trainer.promptsPerStep = {batch_size}")
-    log.info("prompts: %d for training, %d held out (%s)", len(train_rows), len(eval_rows),
-             "spec.data.eval" if data.eval else "split off spec.data.train")
     fingerprint = hashlib.sha256(repr((train_ds._fingerprint, train_rows)).encode()).hexdigest()[:16]
     return PromptFiles(FileSamples(train_ds, train_rows, data, source), FileSamples(eval_ds, eval_rows, data,
                                                                                       eval_source), fingerprint)
