@@ -5,6 +5,9 @@ import pytest
 import torch
 
 from hybridflow.algorithms import core
+from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
+from hybridflow.algorithms.kl import KL_ESTIMATORS
+from hybridflow.algorithms.losses import ClipConfig, POLICY_LOSSES, LOSS_AGGREGATIONS
 
 
 def _rand(*shape, seed=0):
@@ -13,6 +16,21 @@ def _rand(*shape, seed=0):
 
 
 MASK = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]])
+
+
+def _outcome_inputs(scores, group, mask, **kw):
+    """Outcome scores as the controller hands them over: on each response's last real token."""
+    return AdvantageInputs(core.token_rewards(scores, mask, None, 0.0), mask, group, **kw)
+
+
+class _Loss:
+    def __init__(self, token, mask):
+        self.loss = LOSS_AGGREGATIONS["token-mean"](token.loss, mask)
+        self.clip_frac = core.masked_mean(token.clipped.float(), mask)
+
+
+def _ppo_token_mean(logp, old, adv, mask, eps):
+    return _Loss(POLICY_LOSSES["ppo"](logp, old, adv, mask, ClipConfig(eps, eps)), mask)
 
 
 def test_masked_mean_ignores_padding():
@@ -26,7 +44,7 @@ def test_grpo_advantages_match_reference():
     group = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     mask = torch.ones(8, 3)
     mask[1, 2] = 0
-    adv = core.grpo_advantages(scores, group, mask, norm_by_std=True, eps=1e-6)
+    adv, _ = ADVANTAGE_ESTIMATORS["grpo"](_outcome_inputs(scores, group, mask))
     for g in (0, 1):
         members = [i for i in range(8) if group[i] == g]
         vals = [float(scores[i]) for i in members]
@@ -40,14 +58,14 @@ def test_grpo_advantages_match_reference():
 
 def test_grpo_without_std_is_centred_only():
     scores = torch.tensor([1.0, 3.0])
-    adv = core.grpo_advantages(scores, torch.tensor([0, 0]), torch.ones(2, 1), norm_by_std=False)
+    adv, _ = ADVANTAGE_ESTIMATORS["grpo"](_outcome_inputs(scores, torch.tensor([0, 0]), torch.ones(2, 1), norm_by_std=False))
     assert adv[:, 0].tolist() == [-1.0, 1.0]
 
 
 def test_gae_matches_reference():
     gamma, lam = 0.99, 0.9
     rewards, values = _rand(3, 5, seed=1), _rand(3, 5, seed=2)
-    adv, ret = core.gae(rewards, values, MASK, gamma, lam)
+    adv, ret = ADVANTAGE_ESTIMATORS["gae"](AdvantageInputs(rewards, MASK, torch.zeros(3), values, None, gamma, lam))
     raw = [[0.0] * 5 for _ in range(3)]
     for i in range(3):
         n = int(MASK[i].sum())
@@ -73,7 +91,7 @@ def test_ppo_policy_loss_and_clip_fraction():
     logp, old = _rand(3, 5, seed=3) * 0.5, _rand(3, 5, seed=4) * 0.5
     adv = _rand(3, 5, seed=5)
     eps = 0.2
-    out = core.ppo_policy_loss(logp, old, adv, MASK, eps)
+    out = _ppo_token_mean(logp, old, adv, MASK, eps)
     total, clipped, n = 0.0, 0, 0
     for i in range(3):
         for t in range(5):
@@ -92,7 +110,7 @@ def test_ppo_policy_loss_and_clip_fraction():
 
 def test_ppo_policy_loss_gradient_zero_when_clipped():
     logp = torch.tensor([[1.0]], requires_grad=True)
-    out = core.ppo_policy_loss(logp, torch.tensor([[0.0]]), torch.tensor([[1.0]]), torch.ones(1, 1), 0.2)
+    out = _ppo_token_mean(logp, torch.tensor([[0.0]]), torch.tensor([[1.0]]), torch.ones(1, 1), 0.2)
     out.loss.backward()
     assert logp.grad.item() == 0.0  # ratio e > 1.2 with positive advantage: clipped, no gradient
 
@@ -116,14 +134,14 @@ def test_value_loss_matches_reference():
     assert frac.item() == pytest.approx(c / n)
 
 
-@pytest.mark.parametrize("kind", ["k1", "k3"])
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
 def test_kl_estimators(kind):
     logp, ref = _rand(2, 4, seed=9), _rand(2, 4, seed=10)
-    out = core.kl_estimate(logp, ref, kind)
+    out = KL_ESTIMATORS[kind](logp, ref)
     for i in range(2):
         for t in range(4):
             lr = float(logp[i, t]) - float(ref[i, t])
-            expect = lr if kind == "k1" else math.exp(-lr) - 1 + lr
+            expect = {"k1": lr, "k2": 0.5 * lr * lr, "k3": math.exp(-lr) - 1 + lr}[kind]
             assert out[i, t].item() == pytest.approx(expect, rel=1e-5, abs=1e-6)
     if kind == "k3":
         assert (out >= 0).all()
@@ -137,13 +155,13 @@ def test_kl_estimators_are_unbiased_on_samples():
     g = torch.Generator().manual_seed(0)
     idx = torch.multinomial(p, 200_000, replacement=True, generator=g)
     for kind in ("k1", "k3"):
-        est = core.kl_estimate(p.log()[idx], q.log()[idx], kind).mean().item()
+        est = KL_ESTIMATORS[kind](p.log()[idx], q.log()[idx]).mean().item()
         assert est == pytest.approx(exact, abs=0.01)
 
 
-def test_unknown_kl_estimator():
-    with pytest.raises(ValueError, match="k2"):
-        core.kl_estimate(torch.zeros(1), torch.zeros(1), "k2")
+def test_unknown_names_list_the_registered_ones():
+    with pytest.raises(KeyError, match="k1, k2, k3"):
+        KL_ESTIMATORS["k4"]
 
 
 def test_entropy_from_logits():
@@ -166,3 +184,298 @@ def test_token_rewards_put_score_on_last_token_and_kl_everywhere():
         for t in range(5):
             expect = -0.1 * float(kl[i, t]) * float(MASK[i, t]) + (float(scores[i]) if t == last else 0.0)
             assert r[i, t].item() == pytest.approx(expect, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Every registered estimator, loss and aggregation against a plain float64 reference. A name registered without a
+# reference here fails `test_every_registered_piece_has_a_reference`.
+
+D = torch.float64
+GROUP = torch.tensor([0, 0, 0, 1, 1, 1])
+MASK6 = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]])
+
+
+def _rewards6(seed=20):
+    """Per-token rewards (a KL-like penalty everywhere, a score at the end), zero on padding; float64."""
+    r = _rand(6, 4, seed=seed).to(D) * 0.1
+    for i in range(6):
+        r[i, int(MASK6[i].sum()) - 1] += float(i % 3) - 0.5 * (i // 3)
+    return r * MASK6
+
+
+def _rows(t):
+    return [[float(v) for v in row] for row in t]
+
+
+def _plain_whiten(vals):
+    """(x - mean) / sqrt(unbiased var + 1e-8) over a flat list."""
+    mean = sum(vals) / len(vals)
+    var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
+    return [(v - mean) / math.sqrt(var + 1e-8) for v in vals]
+
+
+def _real(i):
+    return int(MASK6[i].sum())
+
+
+def _ref_scores(r):
+    return [sum(r[i][:_real(i)]) for i in range(6)]
+
+
+def _ref_returns(r, gamma):
+    out = [[0.0] * 4 for _ in range(6)]
+    for i in range(6):
+        running = 0.0
+        for t in reversed(range(_real(i))):
+            running = r[i][t] + gamma * running
+            out[i][t] = running
+    return out
+
+
+def _ref_members(i):
+    return [j for j in range(6) if GROUP[j] == GROUP[i]]
+
+
+def ref_grpo(r, values, baseline):
+    s = _ref_scores(r)
+    out = []
+    for i in range(6):
+        g = [s[j] for j in _ref_members(i)]
+        mean = sum(g) / len(g)
+        std = math.sqrt(sum((v - mean) ** 2 for v in g) / (len(g) - 1))
+        out.append([(s[i] - mean) / (std + 1e-6)] * 4)
+    return out
+
+
+def ref_rloo(r, values, baseline):
+    s = _ref_scores(r)
+    out = []
+    for i in range(6):
+        others = [s[j] for j in _ref_members(i) if j != i]
+        out.append([s[i] - sum(others) / len(others)] * 4)
+    return out
+
+
+def ref_reinforce_plus_plus(r, values, baseline):
+    ret = _ref_returns(r, 0.9)
+    flat = _plain_whiten([ret[i][t] for i in range(6) for t in range(_real(i))])
+    out, k = [[0.0] * 4 for _ in range(6)], 0
+    for i in range(6):
+        for t in range(_real(i)):
+            out[i][t], k = flat[k], k + 1
+    return out
+
+
+def ref_reinforce_plus_plus_baseline(r, values, baseline):
+    s = _ref_scores(r)
+    centred = [s[i] - sum(s[j] for j in _ref_members(i)) / 3 for i in range(6)]
+    flat = _plain_whiten([centred[i] for i in range(6) for t in range(_real(i))])
+    out, k = [[0.0] * 4 for _ in range(6)], 0
+    for i in range(6):
+        for t in range(_real(i)):
+            out[i][t], k = flat[k], k + 1
+    return out
+
+
+def ref_remax(r, values, baseline):
+    ret = _ref_returns(r, 1.0)
+    return [[ret[i][t] - baseline[i] if t < _real(i) else 0.0 for t in range(4)] for i in range(6)]
+
+
+def ref_gae(r, values, baseline):
+    raw = [[0.0] * 4 for _ in range(6)]
+    for i in range(6):
+        last = 0.0
+        for t in reversed(range(_real(i))):
+            nv = values[i][t + 1] if t + 1 < _real(i) else 0.0
+            last = r[i][t] + 0.9 * nv - values[i][t] + 0.9 * 0.8 * last
+            raw[i][t] = last
+    flat = _plain_whiten([raw[i][t] for i in range(6) for t in range(_real(i))])
+    out, k = [[0.0] * 4 for _ in range(6)], 0
+    for i in range(6):
+        for t in range(_real(i)):
+            out[i][t], k = flat[k], k + 1
+    return out
+
+
+ESTIMATOR_REFERENCES = {"grpo": ref_grpo, "rloo": ref_rloo, "reinforce_plus_plus": ref_reinforce_plus_plus,
+                        "reinforce_plus_plus_baseline": ref_reinforce_plus_plus_baseline, "remax": ref_remax,
+                        "gae": ref_gae}
+
+
+@pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS.names())
+def test_advantage_estimator_matches_float64_reference(name):
+    rewards, values = _rewards6(), _rand(6, 4, seed=21).to(D) * MASK6
+    baseline = torch.tensor([0.3, -0.2, 0.1, 0.0, 0.5, -0.4], dtype=D)
+    x = AdvantageInputs(rewards, MASK6, GROUP, values, baseline, gamma=0.9, lam=0.8)
+    adv, _ = ADVANTAGE_ESTIMATORS[name](x)
+    assert adv.dtype == D
+    expect = ESTIMATOR_REFERENCES[name](_rows(rewards), _rows(values), [float(b) for b in baseline])
+    for i in range(6):
+        for t in range(4):
+            want = expect[i][t] if MASK6[i, t] else 0.0
+            assert float(adv[i, t]) == pytest.approx(want, abs=1e-9), (name, i, t)
+
+
+def test_grpo_without_std_is_dr_grpos_estimator():
+    rewards = _rewards6()
+    adv, _ = ADVANTAGE_ESTIMATORS["grpo"](AdvantageInputs(rewards, MASK6, GROUP, norm_by_std=False))
+    s = _ref_scores(_rows(rewards))
+    for i in range(6):
+        mean = sum(s[j] for j in _ref_members(i)) / 3
+        assert float(adv[i, 0]) == pytest.approx(s[i] - mean, abs=1e-12)
+
+
+def _ref_ratio_terms(logp, old, adv, low, high, dual, seq_ratio=None):
+    out = [[0.0] * 4 for _ in range(6)]
+    for i in range(6):
+        for t in range(_real(i)):
+            r = seq_ratio[i] if seq_ratio else math.exp(logp[i][t] - old[i][t])
+            a = adv[i][t]
+            loss = max(-a * r, -a * min(max(r, 1 - low), 1 + high))
+            if dual is not None and a < 0:
+                loss = min(loss, -a * dual)
+            out[i][t] = loss
+    return out
+
+
+def ref_ppo(logp, old, adv, low, high, dual):
+    return _ref_ratio_terms(logp, old, adv, low, high, dual)
+
+
+def ref_gspo(logp, old, adv, low, high, dual):
+    seq = [math.exp(sum(logp[i][t] - old[i][t] for t in range(_real(i))) / _real(i)) for i in range(6)]
+    return _ref_ratio_terms(logp, old, adv, low, high, dual, seq)
+
+
+LOSS_REFERENCES = {"ppo": ref_ppo, "gspo": ref_gspo}
+
+
+@pytest.mark.parametrize("name", POLICY_LOSSES.names())
+@pytest.mark.parametrize("low,high,dual", [(0.2, 0.2, None), (0.2, 0.28, None), (0.1, 0.3, 3.0)],
+                         ids=["symmetric", "clip-higher", "dual-clip"])
+def test_policy_loss_matches_float64_reference(name, low, high, dual):
+    logp, old = _rand(6, 4, seed=22).to(D) * 0.4, _rand(6, 4, seed=23).to(D) * 0.4
+    adv = _rand(6, 4, seed=24).to(D) * 2
+    out = POLICY_LOSSES[name](logp, old, adv, MASK6, ClipConfig(low, high, dual))
+    expect = LOSS_REFERENCES[name](_rows(logp), _rows(old), _rows(adv), low, high, dual)
+    for i in range(6):
+        for t in range(_real(i)):
+            assert float(out.loss[i, t]) == pytest.approx(expect[i][t], abs=1e-12), (name, i, t)
+    if dual is not None and name == "ppo":
+        assert out.dual_clipped is not None and bool(out.dual_clipped[MASK6.bool()].any()), "dual clip never bit"
+
+
+def test_clip_higher_lets_a_positive_advantage_push_further():
+    logp = torch.tensor([[math.log(1.25)]], dtype=D, requires_grad=True)
+    old, adv, mask = torch.zeros(1, 1, dtype=D), torch.ones(1, 1, dtype=D), torch.ones(1, 1)
+    POLICY_LOSSES["ppo"](logp, old, adv, mask, ClipConfig(0.2, 0.28)).loss.sum().backward()
+    assert float(logp.grad) == pytest.approx(-1.25)  # ratio 1.25 < 1.28: still learning
+    logp.grad = None
+    POLICY_LOSSES["ppo"](logp, old, adv, mask, ClipConfig(0.2, 0.2)).loss.sum().backward()
+    assert float(logp.grad) == 0.0  # symmetric 0.2: clipped
+
+
+def test_gspo_gradient_flows_through_every_token_with_the_sequence_ratio():
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=D, requires_grad=True)
+    old = torch.tensor([[-1.1, -1.9, -0.6]], dtype=D)
+    adv = torch.full((1, 3), 0.7, dtype=D)
+    out = POLICY_LOSSES["gspo"](logp, old, adv, torch.ones(1, 3), ClipConfig(0.5, 0.5))
+    out.loss.sum().backward()
+    seq = math.exp((0.1 - 0.1 + 0.1) / 3)
+    assert [float(g) for g in logp.grad[0]] == pytest.approx([-0.7 * seq] * 3, abs=1e-12)
+
+
+def ref_token_mean(loss):
+    vals = [loss[i][t] for i in range(6) for t in range(_real(i))]
+    return sum(vals) / len(vals)
+
+
+def ref_seq_mean_token_sum(loss):
+    return sum(sum(loss[i][:_real(i)]) for i in range(6)) / 6
+
+
+def ref_seq_mean_token_mean(loss):
+    return sum(sum(loss[i][:_real(i)]) / _real(i) for i in range(6)) / 6
+
+
+def ref_seq_mean_token_sum_norm(loss):
+    return sum(sum(loss[i][:_real(i)]) / 4 for i in range(6)) / 6
+
+
+AGG_REFERENCES = {"token-mean": ref_token_mean, "seq-mean-token-sum": ref_seq_mean_token_sum,
+                  "seq-mean-token-mean": ref_seq_mean_token_mean,
+                  "seq-mean-token-sum-norm": ref_seq_mean_token_sum_norm}
+
+
+@pytest.mark.parametrize("name", LOSS_AGGREGATIONS.names())
+def test_loss_aggregation_matches_float64_reference(name):
+    loss = _rand(6, 4, seed=25).to(D)
+    got = float(LOSS_AGGREGATIONS[name](loss, MASK6))
+    assert got == pytest.approx(AGG_REFERENCES[name](_rows(loss)), abs=1e-12)
+
+
+def test_every_registered_piece_has_a_reference():
+    assert set(ADVANTAGE_ESTIMATORS.names()) == set(ESTIMATOR_REFERENCES)
+    assert set(POLICY_LOSSES.names()) == set(LOSS_REFERENCES)
+    assert set(LOSS_AGGREGATIONS.names()) == set(AGG_REFERENCES)
+    assert set(KL_ESTIMATORS.names()) == {"k1", "k2", "k3"}  # each in test_kl_estimators
+
+
+def test_truncated_importance_weights():
+    from hybridflow.algorithms.losses import truncated_is_weights
+
+    old = torch.tensor([[-1.0, -0.5, -3.0]], dtype=D)
+    rollout = torch.tensor([[-1.2, -0.4, -0.1]], dtype=D)
+    w = truncated_is_weights(old, rollout, 1.1)
+    expect = [min(math.exp(o - r), 1.1) for o, r in zip([-1.0, -0.5, -3.0], [-1.2, -0.4, -0.1])]
+    assert [float(x) for x in w[0]] == pytest.approx(expect, abs=1e-12)
+    assert float(w.max()) <= 1.1
+
+
+def test_overlong_penalty():
+    lengths = torch.tensor([2, 6, 7, 8])
+    got = core.overlong_penalty(lengths, max_length=8, buffer=4, penalty=0.5)
+    expect = [-0.5 * max(0, min(n - 4, 4)) / 4 for n in (2, 6, 7, 8)]
+    assert [float(x) for x in got] == pytest.approx(expect)
+    assert float(core.overlong_penalty(lengths, 8, 0, 0.5).abs().sum()) == 0
+
+
+def test_kl_controllers():
+    from hybridflow.algorithms.kl import KL_CONTROLLERS
+
+    fixed = KL_CONTROLLERS["fixed"](0.1)
+    fixed.update(5.0, 64)
+    assert fixed.value == 0.1
+    adaptive = KL_CONTROLLERS["adaptive"](0.1, target=0.05, horizon=1000)
+    value = 0.1
+    for measured in (0.2, 0.2, 0.06, 0.01):  # far above target: +20% * n/horizon; slightly above; far below
+        adaptive.update(measured, 100)
+        value *= 1 + min(max(measured / 0.05 - 1, -0.2), 0.2) * 100 / 1000
+        assert adaptive.value == pytest.approx(value, rel=1e-12)
+    restored = KL_CONTROLLERS["adaptive"](0.1, target=0.05, horizon=1000)
+    restored.load(adaptive.state())
+    assert restored.value == adaptive.value
+    with pytest.raises(ValueError, match="targetKl"):
+        KL_CONTROLLERS["adaptive"](0.1, target=None)
+
+
+def test_lagrangian_rises_with_excess_cost_and_stays_non_negative():
+    from hybridflow.algorithms.safe_rlhf import Lagrangian
+
+    lam = Lagrangian(init=0.5, lr=0.1, limit=0.2)
+    assert lam.update(0.7) == pytest.approx(0.55)
+    assert lam.update(0.2) == pytest.approx(0.55)
+    assert lam.update(-10.0) == 0.0
+
+
+def test_numeric_modules_import_without_torch():
+    """The spec (torch-free: the operator image has no torch) imports every registry."""
+    import subprocess
+    import sys
+
+    code = ("import sys, hybridflow.algorithms, hybridflow.spec; "
+            "assert 'torch' not in sys.modules, 'torch imported'; print(len(hybridflow.algorithms.ALGORITHMS.names()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) >= 9

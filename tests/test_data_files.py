@@ -3,7 +3,6 @@ token-id cache, held-out splits, resumable order, and every bad input with a mes
 import json
 import logging
 import re
-import subprocess
 import sys
 
 import pytest

@@ -159,7 +159,7 @@ BAD_SPECS = [
     ({"training": {"tensorParallel": 2}}, "spec.training.tensorParallel"),
     ({"training": {"actorLr": 0}}, "spec.training.actorLr"),
     ({"algorithm": {"name": "dpo"}}, "spec.algorithm.name"),
-    ({"algorithm": {"klEstimator": "k2"}}, "spec.algorithm.klEstimator"),
+    ({"algorithm": {"klEstimator": "k4"}}, "spec.algorithm.klEstimator"),
     ({"algorithm": {"gamma": 1.5}}, "spec.algorithm.gamma"),
     ({"models": {"actor": {"source": "path"}}}, "spec.models.actor"),
     ({"models": {"reward": {"rule": "nope"}}}, "spec.models.reward.rule"),

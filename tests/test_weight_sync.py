@@ -3,7 +3,12 @@ weights (checksums) and generates what HF generates with them (greedy), without 
 import pytest
 import torch
 
-from hybridflow import trainer
+from pathlib import Path
+
+from hybridflow import loop, setup
+from hybridflow.controller.step import AlgorithmState
+from hybridflow.controller.worker_group import resolve
+from hybridflow.data.tasks import PromptStream
 from hybridflow.data.packing import unpack_responses
 from hybridflow.models.builders import materialize
 from hybridflow.spec import load_job
@@ -17,24 +22,24 @@ def _start_workers(job, tmp_path, model_cache, local_ray):
     job.spec.trainer.prompts_per_step = 8
     job.spec.training.actor_lr = 0.05
     model_dir = materialize(job.spec.models.actor, model_cache, job.spec.trainer.seed)
-    task = trainer.build_task(job, model_dir)
+    task = setup.build_task(job, model_dir)
     local_ray(job)
-    return trainer.build_workers(job, model_dir, task, None, None), task, model_dir
+    return setup.build_workers(job, model_dir, task, None, None), task, model_dir
 
 
 def _greedy_matches_hf(job, w, task, model_dir, step):
     """Save a checkpoint, load its actor weights into plain HF, and compare greedy responses on held-out prompts."""
     from transformers import AutoModelForCausalLM
 
-    saved = trainer.save(job, w, trainer.Path(job.spec.trainer.checkpoint_dir), step,
-                         trainer.PromptStream(task.train, 8, 0))
+    saved = loop.save(job, w, Path(job.spec.trainer.checkpoint_dir), step, PromptStream(task.train, 8, 0),
+                      AlgorithmState.for_spec(job.spec))
     state = torch.load(saved / "actor.pt", weights_only=False)["model"]
     hf = AutoModelForCausalLM.from_pretrained(model_dir)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and all("lm_head" in k for k in missing)
     hf.eval()
     held_out = task.eval[:8]
-    got = unpack_responses(trainer.resolve(w.roles["actor"].generate(trainer.prompt_batch(held_out), greedy=True)))
+    got = unpack_responses(resolve(w.roles["actor"].generate(setup.prompt_batch(held_out), greedy=True)))
     assert len(got) == len(held_out)
     for sample, resp in zip(held_out, got, strict=True):
         ids = torch.tensor([sample.prompt])
@@ -47,7 +52,7 @@ def _greedy_matches_hf(job, w, task, model_dir, step):
                                             ("smollm2-arithmetic.yaml", "vllm")])
 def test_generation_engine_follows_the_trained_weights(tmp_path, model_cache, local_ray, example, engine):
     """The tiny Qwen2 model, and SmolLM2 (Llama, tied embeddings, grouped-query attention) in vLLM."""
-    job = load_job(trainer.Path(__file__).resolve().parents[1] / "examples" / example)
+    job = load_job(Path(__file__).resolve().parents[1] / "examples" / example)
     job.spec.rollout.engine = engine
     w, task, model_dir = _start_workers(job, tmp_path, model_cache, local_ray)
     try:
@@ -58,8 +63,8 @@ def test_generation_engine_follows_the_trained_weights(tmp_path, model_cache, lo
         assert [x["embedding"] for x in before] == pytest.approx([x["embedding"] for x in actor.train_checksum()],
                                                                  rel=0, abs=1e-6)
 
-        prompts = trainer.prompt_batch(task.train[:8])
-        stats, stages = trainer.rlhf_iteration(job, w, task, prompts)
+        prompts = setup.prompt_batch(task.train[:8])
+        stats, stages = loop.run_iteration(job, w, task, prompts)
         assert stats["reshard_bytes"] > 0 and stages["reshard"] > 0
 
         after_train, after_rollout = actor.train_checksum(), actor.rollout_checksum()
@@ -83,7 +88,7 @@ def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cac
 
     from hybridflow.hybrid_engine.layout import Layout, comm_fraction
 
-    job = load_job(trainer.Path(__file__).resolve().parents[1] / "examples" / "tiny-grpo-megatron.yaml")
+    job = load_job(Path(__file__).resolve().parents[1] / "examples" / "tiny-grpo-megatron.yaml")
     job.spec.models.actor.tiny.num_heads = job.spec.models.actor.tiny.num_kv_heads = t
     job.spec.resource_pools[0].devices_per_node = t
     job.spec.training.tensor_parallel = t
@@ -96,7 +101,7 @@ def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cac
         assert actor.rollout_checksum() == before
         params = actor.num_parameters()
         for step in range(2):
-            stats, stages = trainer.rlhf_iteration(job, w, task, trainer.prompt_batch(task.train[8 * step: 8 * step + 8]))
+            stats, stages = loop.run_iteration(job, w, task, setup.prompt_batch(task.train[8 * step: 8 * step + 8]))
             after_train, after_rollout = actor.train_checksum(), actor.rollout_checksum()
             assert after_rollout == after_train, f"generation weights differ from training weights after step {step}"
             assert after_train != before, "the update did not change the weights"
@@ -113,9 +118,9 @@ def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cac
 
         # resume: another update moves the weights; restoring step 2 brings back exactly the saved ones
         saved_sums = actor.train_checksum()
-        trainer.rlhf_iteration(job, w, task, trainer.prompt_batch(task.train[16:24]))
+        loop.run_iteration(job, w, task, setup.prompt_batch(task.train[16:24]))
         assert actor.train_checksum() != saved_sums
-        assert trainer.restore(w, trainer.Path(job.spec.trainer.checkpoint_dir))[0] == 2
+        assert loop.restore(w, Path(job.spec.trainer.checkpoint_dir), AlgorithmState.for_spec(job.spec))[0] == 2
         assert actor.train_checksum() == saved_sums
         if rollout == "megatron":
             assert actor.rollout_checksum() == saved_sums

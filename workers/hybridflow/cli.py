@@ -1,4 +1,4 @@
-"""`hybridflow run|driver|validate|crd|rules`: the same job YAML on a laptop (local Ray) or inside a pod.
+"""`hybridflow run|driver|validate|crd|rules|algorithms`: the same job YAML on a laptop (local Ray) or inside a pod.
 
 Exit codes: 0 success, 1 the job failed while running, 2 bad input (manifest, paths), 130 interrupted.
 """
@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -99,71 +97,6 @@ def start_local_ray(job: RLHFJob, temp_dir: str | None, verbose: bool = False) -
     )
 
 
-@dataclass
-class Prepared:
-    """What a job needs before its workers start: model directories, and the prompts and the reward."""
-
-    model_dir: Path
-    critic_dir: Path | None
-    rm_dir: Path | None
-    task: Any  # trainer.Task
-
-    def close(self) -> None:
-        self.task.close()  # a reward function's worker processes
-
-
-def prepare(job: RLHFJob, progress: bool = True) -> Prepared:
-    """Models and data, before Ray starts: a bad data file is exit 2 with nothing started, and tokenizing does not
-    hold a cluster's devices."""
-    from hybridflow import trainer
-    from hybridflow.models.builders import materialize, model_cache_dir
-
-    s = job.spec
-    cache = model_cache_dir()
-    if progress:
-        print(f"job {job.metadata.name}: {s.algorithm.name} on {s.models.actor.source} model, rollout "
-              f"{s.rollout.engine}, {s.trainer.steps} steps x {s.trainer.prompts_per_step} prompts x "
-              f"{s.rollout.responses_per_prompt} samples")
-    model_dir = materialize(s.models.actor, cache, s.trainer.seed)
-    critic_dir = materialize(s.models.critic, cache, s.trainer.seed) if s.models.critic else None
-    rm_dir = materialize(s.models.reward.model, cache, s.trainer.seed) if s.models.reward.model else None
-    task = trainer.build_task(job, model_dir)
-    if progress:
-        print(f"prompts: {len(task.train)} for training, {len(task.eval)} held out")
-    return Prepared(model_dir, critic_dir, rm_dir, task)
-
-
-def execute(job: RLHFJob, prepared: Prepared, progress: bool = True) -> int:
-    from hybridflow import trainer
-    from hybridflow.metrics import JobMetrics
-
-    s = job.spec
-    say = print if progress else (lambda *_: None)
-    metrics = JobMetrics(job.metadata.name)
-    if s.metrics.port:
-        port = metrics.serve(s.metrics.port, s.metrics.address)
-        say(f"metrics: http://{s.metrics.address}:{port}/metrics")
-    workers = trainer.build_workers(job, prepared.model_dir, prepared.task, prepared.critic_dir, prepared.rm_dir)
-    try:
-        summary = trainer.fit(job, workers, prepared.task, metrics, progress=say)
-    finally:
-        workers.shutdown()
-    say(
-        f"done: {summary.steps_done} steps (from step {summary.start_step}) in {summary.seconds:.1f}s, "
-        f"mean {summary.mean_throughput:.0f} tokens/s"
-    )
-    if summary.eval_before is not None and summary.eval_after is not None:
-        say(f"held-out reward: before {summary.eval_before:.3f} -> after {summary.eval_after:.3f}")
-    summary_path = Path(s.trainer.checkpoint_dir) / "summary.json"
-    summary_path.write_text(json.dumps({
-        "steps_done": summary.steps_done, "start_step": summary.start_step, "eval_before": summary.eval_before,
-        "eval_after": summary.eval_after, "seconds": summary.seconds, "mean_tokens_per_s": summary.mean_throughput,
-    }, indent=1))
-    if s.metrics.port and s.metrics.linger_seconds:
-        time.sleep(s.metrics.linger_seconds)  # the final step's values reach Prometheus before the exporter goes
-    return 0
-
-
 @contextlib.contextmanager
 def local_ray(job: RLHFJob, temp_dir: str | None, verbose: bool = False) -> Iterator[None]:
     """`start_local_ray` for the length of a block: Ray is shut down however the block ends, and a start that
@@ -179,6 +112,9 @@ def local_ray(job: RLHFJob, temp_dir: str | None, verbose: bool = False) -> Iter
 
 def cmd_run(args: argparse.Namespace) -> int:
     job = _load(args.job, _overrides(args))
+    from hybridflow.loop import execute
+    from hybridflow.setup import prepare
+
     prepared = prepare(job, progress=not args.quiet)
     try:
         with local_ray(job, args.ray_temp_dir, args.verbose):
@@ -191,6 +127,9 @@ def cmd_driver(args: argparse.Namespace) -> int:
     import ray
 
     job = _load(args.job, _overrides(args))
+    from hybridflow.loop import execute
+    from hybridflow.setup import prepare
+
     prepared = prepare(job, progress=not args.quiet)
     try:
         ray.init(address=args.address, logging_level=logging.ERROR, log_to_driver=args.verbose)
@@ -226,6 +165,24 @@ def cmd_dashboards(args: argparse.Namespace) -> int:
 
     for p in write_all(Path(args.output)):
         print(f"wrote {p}")
+    return 0
+
+
+def cmd_algorithms(args: argparse.Namespace) -> int:
+    """Each registered algorithm with the roles it adds and its defaults, then the registered pieces."""
+    from hybridflow.algorithms import ALGORITHMS
+    from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS
+    from hybridflow.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
+    from hybridflow.algorithms.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
+    from pydantic.alias_generators import to_camel
+
+    for name in ALGORITHMS.names():
+        a = ALGORITHMS[name]
+        roles = ", ".join(r for r, on in (("critic", a.critic), ("cost + cost critic", a.cost)) if on) or "no critic"
+        defaults = ", ".join(f"{to_camel(k)}={v}" for k, v in a.defaults.items())
+        print(f"{name}: {a.summary}\n    roles: actor, {roles}; min responses per prompt {a.min_group}; {defaults}")
+    for registry in (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, LOSS_AGGREGATIONS, KL_ESTIMATORS, KL_CONTROLLERS):
+        print(f"registered {registry.kind}: {', '.join(registry.names())}")
     return 0
 
 
@@ -269,6 +226,8 @@ def parser() -> argparse.ArgumentParser:
     dash.set_defaults(fn=cmd_dashboards)
     rules = sub.add_parser("rules", help="list registered reward rules")
     rules.set_defaults(fn=cmd_rules)
+    algorithms = sub.add_parser("algorithms", help="list registered algorithms, estimators, losses and KL pieces")
+    algorithms.set_defaults(fn=cmd_algorithms)
     return p
 
 

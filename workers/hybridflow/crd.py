@@ -23,8 +23,9 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         options = [o for o in node["anyOf"] if o.get("type") != "null"]
         nullable = len(options) != len(node["anyOf"])
         base = _structural(options[0], defs) if len(options) == 1 else {"x-kubernetes-preserve-unknown-fields": True}
-        if "description" in node:
-            base["description"] = node["description"]
+        for key in ("description", "enum"):  # an optional registry name keeps its enum
+            if key in node:
+                base[key] = node[key]
         if nullable:
             base["nullable"] = True
         return base

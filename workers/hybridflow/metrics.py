@@ -7,8 +7,8 @@ from typing import Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 STAGES = (
-    "generate", "old_log_prob", "reference", "values", "reward", "advantages",
-    "critic_update", "actor_update", "reshard", "checkpoint",
+    "generate", "old_log_prob", "reference", "values", "cost_values", "reward", "cost", "advantages",
+    "critic_update", "cost_critic_update", "actor_update", "reshard", "checkpoint",
 )  # fmt: skip
 
 # Step statistics exported as gauges: metric name suffix -> key in the step record.
@@ -22,6 +22,12 @@ STEP_GAUGES = {
     "entropy_mean": ("entropy_mean", "Mean per-token entropy of the actor on its samples."),
     "clip_fraction": ("clip_frac", "Fraction of tokens where the PPO ratio was clipped."),
     "grad_norm": ("grad_norm", "Actor gradient norm before clipping."),
+    "kl_coefficient": ("kl_coef", "KL coefficient in use (moves with klController adaptive)."),
+    "rollout_log_prob_gap": ("rollout_log_prob_gap", "Mean |log pi_train - log pi_rollout| per token: how far the "
+                             "generation engine's sampler is from the trainer's forward pass."),
+    "cost_mean": ("cost_mean", "safe_rlhf: mean cost of the step's responses."),
+    "lagrange_multiplier": ("lagrange_multiplier", "safe_rlhf: the Lagrangian multiplier weighing the cost."),
+    "kept_groups": ("kept_groups", "dapo: groups with differing rewards found this step (dynamic sampling)."),
 }
 
 
@@ -90,6 +96,6 @@ class JobMetrics:
         for key, gauge in self.gauges.items():
             if key in rec:
                 gauge.labels(j).set(rec[key])
-        for role in ("actor", "critic"):
+        for role in ("actor", "critic", "cost_critic"):
             if f"{role}_peak_memory_bytes" in rec:
                 self.peak_memory.labels(j, role).set(rec[f"{role}_peak_memory_bytes"])

@@ -11,9 +11,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from hybridflow.algorithms import ALGORITHMS
+from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from hybridflow.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
+from hybridflow.algorithms.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
 from hybridflow.rewards.rules import RULES, TASK_DEFAULT_RULE
 from hybridflow.rewards.sandbox import RewardFileError, check_reward_file
 from hybridflow.rewards.scorers import SCORERS
@@ -27,7 +31,7 @@ KIND = "RLHFJob"
 # vLLM's CPU attention kernels (vllm/v1/attention/backends/cpu_attn.py, 0.32).
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
-ROLES = ("actor", "rollout", "reference", "critic", "reward")
+ROLES = ("actor", "rollout", "reference", "critic", "reward", "cost", "cost_critic")
 
 # `hybridflow run|driver` exit codes; the operator fails a job without restarts when its driver exits EXIT_BAD_INPUT
 # (a restart would read the same bad input again).
@@ -164,17 +168,80 @@ class Models(_Spec):
     )
     reference: bool = Field(True, description="Keep a frozen copy of the initial actor for the KL term.")
     reward: RewardSpec = Field(default_factory=RewardSpec, description="Reward function or model.")
+    cost: RewardSpec | None = Field(None, description="safe_rlhf: the cost of a response (type rule or model), kept "
+                                    "at or under algorithm.costLimit on average.")
 
 
 class Algorithm(_Spec):
-    name: Literal["grpo", "ppo"] = Field("grpo", description="grpo: group-normalised advantages; ppo: GAE + critic.")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount (PPO).")
-    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (PPO).")
-    kl_coef: float = Field(0.0, ge=0, description="KL coefficient against the reference policy.")
-    kl_in: Literal["reward", "loss"] = Field("loss", description="Apply KL as a per-token reward penalty or as a loss.")
-    kl_estimator: Literal["k1", "k3"] = Field("k3", description="k1: log-ratio; k3: low-variance unbiased estimator.")
+    """The RL algorithm and its pieces. Fields left unset take the algorithm's own defaults (see `hybridflow
+    algorithms`); the names are those registered in hybridflow.algorithms."""
+
+    name: str = Field("grpo", description="The algorithm (its dataflow, roles and defaults).",
+                      json_schema_extra={"enum": ALGORITHMS.names()})
+    advantage_estimator: str | None = Field(None, description="Advantage estimator; default: the algorithm's.",
+                                            json_schema_extra={"enum": ADVANTAGE_ESTIMATORS.names()})
+    policy_loss: str | None = Field(None, description="Policy loss: ppo (clipped, dual-clip with dualClip) or gspo "
+                                    "(sequence-level ratio); default: the algorithm's.",
+                                    json_schema_extra={"enum": POLICY_LOSSES.names()})
+    loss_agg: str | None = Field(None, description="How token losses become one number; default: the algorithm's.",
+                                 json_schema_extra={"enum": LOSS_AGGREGATIONS.names()})
+    norm_adv_by_std: bool | None = Field(None, description="grpo estimator: divide by the group's reward std "
+                                         "(default true; dr_grpo: false).")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount (GAE, REINFORCE++).")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    kl_coef: float = Field(0.0, ge=0, description="KL coefficient against the reference policy (the initial one "
+                           "with klController adaptive).")
+    kl_in: Literal["reward", "loss"] | None = Field(None, description="Apply KL as a per-token reward penalty or as "
+                                                    "a loss term; default loss (reinforce_plus_plus: reward).")
+    kl_estimator: str = Field("k3", description="k1: log-ratio; k2: squared log-ratio / 2; k3: low-variance "
+                              "unbiased, never negative.", json_schema_extra={"enum": KL_ESTIMATORS.names()})
+    kl_controller: str = Field("fixed", description="fixed: klCoef throughout; adaptive: moved toward targetKl.",
+                               json_schema_extra={"enum": KL_CONTROLLERS.names()})
+    target_kl: float | None = Field(None, gt=0, description="klController adaptive: the KL per token to track.")
+    kl_horizon: int = Field(10000, gt=0, description="klController adaptive: responses over which the coefficient "
+                            "may change by 20%.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight in the actor loss.")
-    norm_adv_by_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
+    clip_ratio_low: float | None = Field(None, gt=0, description="Ratio clipped below at 1 - this; default "
+                                         "training.clipRatio (gspo: 3e-4).")
+    clip_ratio_high: float | None = Field(None, gt=0, description="Ratio clipped above at 1 + this; default "
+                                          "training.clipRatio (dapo: 0.28, gspo: 4e-4).")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip PPO: a negative advantage's loss is capped at "
+                                    "-A * dualClip (e.g. 3); unset: off.")
+    tis_cap: float | None = Field(None, gt=0, description="Truncated importance sampling against the rollout "
+                                  "engine's own log-probs: each token's loss weighted by min(pi_train/pi_rollout, "
+                                  "tisCap) (e.g. 2); unset: off.")
+    max_sampling_rounds: int | None = Field(None, ge=1, description="dapo: generations per step to fill the batch "
+                                            "with groups whose rewards differ (default 3).")
+    overlong_buffer: int = Field(0, ge=0, description="Overlong shaping: responses within this many tokens of "
+                                 "rollout.maxResponseLength lose up to overlongPenalty, linearly; 0: off.")
+    overlong_penalty: float = Field(1.0, ge=0, description="The overlong shaping's largest penalty.")
+    cost_limit: float = Field(0.0, description="safe_rlhf: the bound on the mean cost per response.")
+    lambda_init: float = Field(1.0, ge=0, description="safe_rlhf: the Lagrangian multiplier's start value.")
+    lambda_lr: float = Field(0.5, gt=0, description="safe_rlhf: the multiplier's step size per unit of excess cost.")
+
+    @field_validator("name", "advantage_estimator", "policy_loss", "loss_agg", "kl_estimator", "kl_controller")
+    @classmethod
+    def _registered(cls, value: str | None, info: ValidationInfo) -> str | None:
+        registry = _ALGORITHM_REGISTRIES[info.field_name]
+        if value is not None and value not in registry:
+            raise ValueError(f"unknown {registry.kind} '{value}'; registered: {', '.join(registry.names())}")
+        return value
+
+    @model_validator(mode="after")
+    def _algorithm_defaults(self) -> "Algorithm":
+        """Unset fields take the named algorithm's defaults, so every role reads one resolved section."""
+        for key, value in {**_ALGORITHM_BASE_DEFAULTS, **ALGORITHMS[self.name].defaults}.items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        if self.kl_controller == "adaptive" and self.target_kl is None:
+            raise ValueError("klController adaptive needs targetKl (the KL per token to track, e.g. 0.05)")
+        return self
+
+
+_ALGORITHM_REGISTRIES: dict[str, Any] = {
+    "name": ALGORITHMS, "advantage_estimator": ADVANTAGE_ESTIMATORS, "policy_loss": POLICY_LOSSES,
+    "loss_agg": LOSS_AGGREGATIONS, "kl_estimator": KL_ESTIMATORS, "kl_controller": KL_CONTROLLERS}
+_ALGORITHM_BASE_DEFAULTS = {"kl_in": "loss", "norm_adv_by_std": True, "max_sampling_rounds": 1}
 
 
 class Data(_Spec):
@@ -400,8 +467,7 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
         out.append(f"spec.training.miniBatchSize = {mini} does not divide spec.trainer.promptsPerStep")
     elif mini % dp:
         out.append(f"spec.training.miniBatchSize = {mini} is not divisible by the data-parallel size {dp}")
-    if spec.algorithm.name == "grpo" and spec.rollout.responses_per_prompt < 2:
-        out.append("spec.rollout.responsesPerPrompt: GRPO needs at least 2 responses per prompt to normalise within a group")
+    out += _algorithm_problems(spec)
     if spec.algorithm.kl_coef > 0 and not spec.models.reference:
         out.append("spec.algorithm.klCoef > 0 needs spec.models.reference: true")
     out += _data_problems(spec)
@@ -432,6 +498,33 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
         m.tiny.vocab_size < 4
     ):
         out.append("spec.models.actor.tiny.vocabSize: the increment task needs at least 4 tokens")
+    return out
+
+
+def _algorithm_problems(spec: JobSpec) -> list[str]:
+    """What the algorithm and its pieces need of the rest of the job: group sizes, a critic, a cost."""
+    a = spec.algorithm
+    algorithm, needs = ALGORITHMS[a.name], ADVANTAGE_ESTIMATORS.info(a.advantage_estimator or "")["needs"]
+    out = []
+    n = spec.rollout.responses_per_prompt
+    if n < algorithm.min_group or ("groups" in needs and n < 2):
+        out.append(f"spec.rollout.responsesPerPrompt: {a.name} with the {a.advantage_estimator} estimator needs at "
+                   f"least 2 responses per prompt (it compares the responses to the same prompt), got {n}")
+    if "values" in needs and not algorithm.critic:
+        out.append(f"spec.algorithm.advantageEstimator: {a.advantage_estimator} needs a critic's values; "
+                   f"{a.name} has no critic (use ppo or safe_rlhf, or another estimator)")
+    if "baseline" in needs and a.name != "remax":
+        out.append(f"spec.algorithm.advantageEstimator: {a.advantage_estimator} needs the greedy-response baseline "
+                   "only the remax algorithm generates")
+    if algorithm.cost and spec.models.cost is None:
+        out.append(f"spec.models.cost: {a.name} needs a cost, e.g. cost: {{type: rule, rule: top_ids}}")
+    if not algorithm.cost and spec.models.cost is not None:
+        out.append(f"spec.models.cost: only a constrained algorithm (safe_rlhf) uses a cost; {a.name} would ignore it")
+    c = spec.models.cost
+    if c is not None and c.type not in ("rule", "model"):
+        out.append(f"spec.models.cost.type: a cost is a rule or a model, got {c.type}")
+    if c is not None and c.type == "rule" and (c.rule is None or c.rule not in RULES):
+        out.append(f"spec.models.cost.rule: name a registered rule ({', '.join(sorted(RULES))}), got {c.rule!r}")
     return out
 
 

@@ -100,6 +100,10 @@ class Batch:
             non_tensors[k] = v
         return Batch(tensors, non_tensors, {**self.meta, **other.meta})
 
+    def with_columns(self, **tensors: torch.Tensor) -> "Batch":
+        """A copy with these tensor columns added or replaced; the original stays as it was."""
+        return Batch({**self.tensors, **tensors}, dict(self.non_tensors), dict(self.meta))
+
     def repeat(self, n: int, interleave: bool = True) -> "Batch":
         """Each row n times: [a, a, b, b] when interleaved (GRPO groups stay adjacent), else [a, b, a, b]."""
         if interleave:

@@ -37,6 +37,16 @@ def pack_rollout(prompts: list[list[int]], responses: list[list[int]], prompt_wi
     }
 
 
+def pad_log_probs(log_probs: list[list[float]], response_width: int) -> torch.Tensor:
+    """Per-token log-probs right-padded with 0 to (B, response_width), aligned with `responses`."""
+    out = torch.zeros((len(log_probs), response_width), dtype=torch.float32)
+    for i, lp in enumerate(log_probs):
+        lp = lp[:response_width]
+        if lp:
+            out[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return out
+
+
 def unpack_prompts(batch: Batch) -> list[list[int]]:
     P = batch["prompts"].shape[1]
     mask = batch["attention_mask"][:, :P]

@@ -9,14 +9,15 @@ this engine exists because vLLM's external_launcher forms TP groups from consecu
 from __future__ import annotations
 
 import uuid
-from typing import Iterable
+from dataclasses import replace
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hybridflow.engines import megatron_model as mm
 from hybridflow.engines.megatron import attention_inputs
-from hybridflow.engines.rollout import SamplingConfig
+from hybridflow.engines.rollout import Generation, SamplingConfig
 
 
 class MegatronRollout:
@@ -72,7 +73,12 @@ class MegatronRollout:
         return float(t.double().sum())
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], cfg: SamplingConfig) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], cfgs: Sequence[SamplingConfig]) -> list[Generation]:
+        """Rows may differ only in `greedy` (ReMax's baseline rows): one decode loop serves them all."""
+        if len({replace(c, greedy=False) for c in cfgs}) > 1:
+            raise ValueError("megatron generation takes one sampling setting per call (rows may differ in greedy)")
+        cfg = cfgs[0]
+        greedy_rows = torch.tensor([c.greedy for c in cfgs])
         B = len(prompts)
         P = max(len(p) for p in prompts)
         ids = torch.zeros(B, P, dtype=torch.long)
@@ -82,16 +88,18 @@ class MegatronRollout:
             keep[i, P - len(p):] = 1
         stops = torch.tensor(list(cfg.stop_token_ids) or [-1])
         done = torch.zeros(B, dtype=torch.bool)
-        out: list[list[int]] = [[] for _ in range(B)]
+        out = [Generation([], []) for _ in range(B)]
         for _ in range(cfg.max_tokens):
             x, pos, mask = attention_inputs({"input_ids": ids.to(self.device), "attention_mask": keep.to(self.device)})
             local = self.model(x, pos, attention_mask=mask)[:, -1, :].float()
             logits = self._gather_vocab(local).cpu()
-            nxt = self._sample(logits, cfg)
+            nxt = self._sample(logits, cfg).where(~greedy_rows, logits.argmax(-1))
             dist.broadcast(nxt, src=self.leader, group=self.group)  # one decision per TP group
+            logp = (logits / cfg.temperature).log_softmax(-1).gather(-1, nxt[:, None]).squeeze(-1)
             for i in range(B):
                 if not done[i]:
-                    out[i].append(int(nxt[i]))
+                    out[i].tokens.append(int(nxt[i]))
+                    out[i].log_probs.append(float(logp[i]))
             done |= torch.isin(nxt, stops)
             if bool(done.all()):
                 break

@@ -9,7 +9,7 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Iterable, Protocol, Sequence
 
 import torch
 
@@ -23,12 +23,19 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
 
 
+@dataclass
+class Generation:
+    tokens: list[int]
+    log_probs: list[float]  # the engine's own log-prob of each token, after temperature (truncated IS compares them)
+
+
 class RolloutEngine(Protocol):
     """What the actor needs of a generation engine; every engine implements all of it."""
 
     instance_id: str  # made once when the engine is built: a changed id means the engine was re-created
 
-    def generate(self, prompts: list[list[int]], cfg: SamplingConfig) -> list[list[int]]: ...
+    def generate(self, prompts: list[list[int]], cfgs: Sequence[SamplingConfig]) -> list[Generation]:
+        """One response per prompt, each with its own sampling settings (e.g. sampled and greedy in one call)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the weights in memory from HF-named tensors (whole, or the engine's own shards)."""
@@ -62,23 +69,34 @@ class VLLMRollout:
             max_model_len=max_model_len,
             tensor_parallel_size=1,
             gpu_memory_utilization=gpu_memory_utilization if on_gpu else 0.9,
+            logprobs_mode="processed_logprobs",  # after temperature, as the trainer computes them
             **kwargs,
         )
 
-    def generate(self, prompts: list[list[int]], cfg: SamplingConfig) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], cfgs: Sequence[SamplingConfig]) -> list[Generation]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
-            max_tokens=cfg.max_tokens,
-            temperature=0.0 if cfg.greedy else cfg.temperature,
-            top_p=1.0 if cfg.greedy else cfg.top_p,
-            detokenize=False,
-            ignore_eos=not cfg.stop_token_ids,
-            stop_token_ids=list(cfg.stop_token_ids) or None,
-        )
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+        def params(cfg: SamplingConfig) -> SamplingParams:
+            return SamplingParams(
+                max_tokens=cfg.max_tokens,
+                temperature=0.0 if cfg.greedy else cfg.temperature,
+                top_p=1.0 if cfg.greedy else cfg.top_p,
+                detokenize=False,
+                ignore_eos=not cfg.stop_token_ids,
+                stop_token_ids=list(cfg.stop_token_ids) or None,
+                logprobs=0,  # the sampled token's own log-prob
+            )
+
+        made = {cfg: params(cfg) for cfg in set(cfgs)}
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], [made[c] for c in cfgs],
+                                 use_tqdm=False)
+        result = []
+        for o in outs:
+            done = o.outputs[0]
+            logprobs = [step[tok].logprob for tok, step in zip(done.token_ids, done.logprobs or [])]
+            result.append(Generation(list(done.token_ids), logprobs))
+        return result
 
     @property
     def model(self) -> torch.nn.Module:
@@ -129,8 +147,16 @@ class HFRollout:
     def weight_checksums(self) -> dict[str, float]:
         return {"embedding": float(self.model.get_input_embeddings().weight.detach().double().sum())}
 
+    def generate(self, prompts: list[list[int]], cfgs: Sequence[SamplingConfig]) -> list[Generation]:
+        out: list[Generation | None] = [None] * len(prompts)
+        for cfg in dict.fromkeys(cfgs):  # one model.generate per distinct setting, in first-seen order
+            rows = [i for i, c in enumerate(cfgs) if c == cfg]
+            for i, g in zip(rows, self._generate([prompts[i] for i in rows], cfg)):
+                out[i] = g
+        return [g for g in out if g is not None]
+
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], cfg: SamplingConfig) -> list[list[int]]:
+    def _generate(self, prompts: list[list[int]], cfg: SamplingConfig) -> list[Generation]:
         pad = 0
         P = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), P), pad, dtype=torch.long)
@@ -149,15 +175,19 @@ class HFRollout:
             top_k=0 if not cfg.greedy else None,
             eos_token_id=list(cfg.stop_token_ids) or None,
             pad_token_id=pad,
+            output_scores=True,  # the processed (temperature-scaled) scores each token was sampled from
+            return_dict_in_generate=True,
         )
+        tokens = out.sequences[:, P:]
+        logprobs = torch.stack(out.scores, 1).float().log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
         responses = []
-        for row in out[:, P:].tolist():
+        for row, lps in zip(tokens.tolist(), logprobs.tolist()):
             resp = []
             for tok in row:
                 resp.append(tok)
                 if tok in cfg.stop_token_ids:
                     break
-            responses.append(resp)
+            responses.append(Generation(resp, lps[: len(resp)]))
         return responses
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -46,7 +46,14 @@ def arithmetic_exact(prompt: Sequence[int], response: Sequence[int], truth: Any,
     return 1.0 if final_answer(decode(response)) == int(truth) else 0.0
 
 
-RULES: dict[str, RewardRule] = {"increment": increment, "arithmetic_exact": arithmetic_exact}
+def top_ids(prompt: Sequence[int], response: Sequence[int], truth: Any, decode: Any = None) -> float:
+    """Fraction of response tokens among the vocabulary's three highest ids: a cost for the increment task (truth is
+    the vocabulary size), which a correct count meets about one token in five; Safe-RLHF keeps it under a limit."""
+    vocab = int(truth)
+    return sum(tok >= vocab - 3 for tok in response) / len(response) if response else 0.0
+
+
+RULES: dict[str, RewardRule] = {"increment": increment, "arithmetic_exact": arithmetic_exact, "top_ids": top_ids}
 TASK_DEFAULT_RULE = {"increment": "increment", "arithmetic": "arithmetic_exact"}
 
 

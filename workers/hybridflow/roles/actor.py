@@ -9,17 +9,20 @@ restart (`sync_rollout_weights`):
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from hybridflow.algorithms.core import kl_estimate, masked_mean, ppo_policy_loss
+from hybridflow.algorithms.core import masked_mean
+from hybridflow.algorithms.kl import KL_ESTIMATORS
+from hybridflow.algorithms.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, ClipConfig, truncated_is_weights
 from hybridflow.controller.batch import Batch
 from hybridflow.controller.protocol import Dispatch, DPRank, register
 from hybridflow.controller.worker_group import WorkerContext
-from hybridflow.data.packing import pack_rollout
+from hybridflow.data.packing import pack_rollout, pad_log_probs
 from hybridflow.engines import megatron_model as mm
 from hybridflow.engines.rollout import HFRollout, RolloutEngine, SamplingConfig, VLLMRollout
 from hybridflow.hybrid_engine.reshard import ReshardStats
@@ -85,15 +88,20 @@ class ActorRolloutWorker(CheckpointMixin):
 
     @register(Dispatch.DP_COMPUTE, blocking=False, mesh="rollout")
     def generate(self, batch: Batch, greedy: bool = False) -> Batch:
-        """Prompts (non-tensor column `prompt_ids`) -> packed prompt+response tensors; other columns pass through."""
+        """Prompts (non-tensor column `prompt_ids`; rows flagged in `greedy` decode greedily) -> packed
+        prompt+response tensors and the engine's own log-probs; other columns pass through."""
         r = self.spec.rollout
-        cfg = SamplingConfig(r.max_response_length, r.temperature, r.top_p, greedy, self.stop_token_ids)
+        sampled = SamplingConfig(r.max_response_length, r.temperature, r.top_p, greedy, self.stop_token_ids)
+        greedy_cfg = replace(sampled, greedy=True)
+        flags = batch["greedy"] if "greedy" in batch else [greedy] * len(batch)
         t0 = time.perf_counter()
         prompts = [list(p) for p in batch["prompt_ids"]]
-        responses = self.rollout.generate(prompts, cfg) if prompts else []
-        out = Batch(pack_rollout(prompts, responses, r.max_prompt_length, r.max_response_length), batch.non_tensors)
-        out.meta["generate_seconds"] = time.perf_counter() - t0
-        return out
+        out = self.rollout.generate(prompts, [greedy_cfg if g else sampled for g in flags]) if prompts else []
+        packed = pack_rollout(prompts, [g.tokens for g in out], r.max_prompt_length, r.max_response_length)
+        packed["rollout_log_probs"] = pad_log_probs([g.log_probs for g in out], r.max_response_length)
+        result = Batch(packed, batch.non_tensors)
+        result.meta["generate_seconds"] = time.perf_counter() - t0
+        return result
 
     @register(Dispatch.DP_COMPUTE, blocking=False)
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -108,24 +116,36 @@ class ActorRolloutWorker(CheckpointMixin):
 
     @register(Dispatch.DP_COMPUTE)
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        """PPO epochs over mini-batches of this rank's shard; returns averaged loss statistics."""
+        """Epochs over mini-batches of this rank's shard with the algorithm's policy loss and aggregation; returns
+        averaged loss statistics. The KL coefficient comes with the batch (an adaptive controller moves it)."""
         spec, t = self.spec, self.spec.training
         algo, temp = spec.algorithm, spec.rollout.temperature
-        kl_loss = algo.kl_in == "loss" and algo.kl_coef > 0
+        policy_loss, aggregate = POLICY_LOSSES[algo.policy_loss or ""], LOSS_AGGREGATIONS[algo.loss_agg or ""]
+        kl_estimate = KL_ESTIMATORS[algo.kl_estimator]
+        clip = ClipConfig(algo.clip_ratio_low or t.clip_ratio, algo.clip_ratio_high or t.clip_ratio, algo.dual_clip)
+        kl_coef = float(batch.meta.get("kl_coef", algo.kl_coef))
+        kl_loss = algo.kl_in == "loss" and kl_coef > 0
         self.rollout.release()  # generate -> train: generation memory goes, training shards never left
 
         def loss_fn(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
             mask = mb["response_mask"]
             logp, logits = self.engine.log_probs(model, mb, temp)
-            pl = ppo_policy_loss(logp, mb["old_log_probs"], mb["advantages"], mask, t.clip_ratio)
-            loss = pl.loss
-            stats = {"pg_loss": pl.loss.item(), "clip_frac": pl.clip_frac.item(), "approx_kl": pl.approx_kl.item()}
+            pl = policy_loss(logp, mb["old_log_probs"], mb["advantages"], mask, clip)
+            token_loss = pl.loss
+            if algo.tis_cap is not None:
+                token_loss = token_loss * truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"],
+                                                               algo.tis_cap)
+            loss = aggregate(token_loss, mask)
+            stats = {"pg_loss": loss.item(), "clip_frac": masked_mean(pl.clipped.float(), mask).item(),
+                     "approx_kl": masked_mean(mb["old_log_probs"] - logp, mask).item()}
+            if pl.dual_clipped is not None:
+                stats["dual_clip_frac"] = masked_mean(pl.dual_clipped.float(), mask).item()
             if algo.entropy_coef > 0:
                 ent = masked_mean(self.engine.entropy(logits), mask)
                 loss = loss - algo.entropy_coef * ent
             if kl_loss:
-                kl = masked_mean(kl_estimate(logp, mb["ref_log_probs"], algo.kl_estimator), mask)
-                loss = loss + algo.kl_coef * kl
+                kl = aggregate(kl_estimate(logp, mb["ref_log_probs"]), mask)
+                loss = loss + kl_coef * kl
                 stats["kl_loss"] = kl.item()
             return loss, stats
 

@@ -1,4 +1,5 @@
-"""The critic (PPO): the policy's architecture with a scalar value head, one value per response token."""
+"""A critic: the policy's architecture with a scalar value head, one value per response token. PPO has one for the
+reward; Safe-RLHF a second one for the cost (columns prefixed `cost_`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -26,9 +27,11 @@ def response_values(model: nn.Module, batch: Batch) -> torch.Tensor:
 class CriticWorker(CheckpointMixin):
     checkpoint_name = "critic"
 
-    def __init__(self, ctx: WorkerContext, spec: dict[str, Any], model_dir: str) -> None:
+    def __init__(self, ctx: WorkerContext, spec: dict[str, Any], model_dir: str, prefix: str = "") -> None:
         from transformers import AutoModelForTokenClassification
 
+        self.prefix = prefix  # reads `{prefix}values` and `{prefix}returns`
+        self.checkpoint_name = f"{prefix}critic"
         self.spec = JobSpec.model_validate(spec)
         torch.manual_seed(self.spec.trainer.seed + 7)
         s = self.spec
@@ -42,7 +45,7 @@ class CriticWorker(CheckpointMixin):
     @register(Dispatch.DP_COMPUTE, blocking=False)
     def compute_values(self, batch: Batch) -> Batch:
         outs = self.engine.forward_micro(batch, self.spec.training.micro_batch_size, response_values)
-        return Batch({"values": torch.cat(outs).cpu() * batch["response_mask"]})
+        return Batch({f"{self.prefix}values": torch.cat(outs).cpu() * batch["response_mask"]})
 
     @register(Dispatch.DP_COMPUTE)
     def update_critic(self, batch: Batch) -> dict[str, float]:
@@ -50,7 +53,8 @@ class CriticWorker(CheckpointMixin):
 
         def loss_fn(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
             v = response_values(model, mb)
-            loss, clip_frac = value_loss(v, mb["values"], mb["returns"], mb["response_mask"], t.value_clip)
+            p = self.prefix
+            loss, clip_frac = value_loss(v, mb[f"{p}values"], mb[f"{p}returns"], mb["response_mask"], t.value_clip)
             return loss, {"vf_loss": loss.item(), "vf_clip_frac": clip_frac.item()}
 
         return self.engine.ppo_update(batch, self.spec, loss_fn)

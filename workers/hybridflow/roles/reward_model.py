@@ -1,4 +1,4 @@
-"""An optional reward model: a sequence classifier scoring prompt + response with one scalar."""
+"""An optional reward (or cost) model: a sequence classifier scoring prompt + response with one scalar."""
 from __future__ import annotations
 
 from typing import Any
@@ -22,12 +22,13 @@ def last_token_scores(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 
 class RewardModelWorker:
-    def __init__(self, ctx: WorkerContext, spec: dict[str, Any], model_dir: str) -> None:
+    def __init__(self, ctx: WorkerContext, spec: dict[str, Any], model_dir: str, judges: str = "reward") -> None:
         from transformers import AutoModelForTokenClassification
 
         self.spec = JobSpec.model_validate(spec)
-        src = self.spec.models.reward.model
-        assert src is not None, "a reward model worker needs spec.models.reward.model"
+        judged = self.spec.models.reward if judges == "reward" else self.spec.models.cost
+        src = judged.model if judged is not None else None
+        assert src is not None, f"a {judges} model worker needs spec.models.{judges}.model"
         model = AutoModelForTokenClassification.from_pretrained(
             local_model_dir(model_dir, src, self.spec.trainer.seed), num_labels=1)
         self.engine = FSDPEngine(model, lr=0.0, grad_clip=1.0, device=ctx.device, trainable=False)

@@ -1,0 +1,34 @@
+"""DAPO (Yu et al. 2025): GRPO's dataflow plus dynamic sampling - a group whose responses all score the same has
+zero advantage and teaches nothing, so it is dropped and more prompts are sampled until the batch is full (at most
+maxSamplingRounds generations). Clip-higher, token-level aggregation and overlong shaping come as its defaults."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hybridflow.algorithms.base import Algorithm, register_algorithm
+
+if TYPE_CHECKING:
+    from hybridflow.controller.batch import Batch
+    from hybridflow.controller.step import Step
+
+
+def dapo_iteration(c: Step, prompts: Batch) -> None:
+    informative: list[Batch] = []
+    for _ in range(c.algo.max_sampling_rounds):
+        batch = c.compute(c.generate(prompts), "reward")
+        informative += c.groups_with_varied_scores(batch)
+        if len(informative) >= c.prompts_per_step:
+            break
+        prompts = c.next_prompts()
+    batch = c.fill_batch(informative, spare=batch)  # promptsPerStep groups; short only after the last round
+    batch = c.compute(batch, "old_log_prob", "reference")
+    advantages, _ = c.advantages(batch)
+    batch = batch.with_columns(advantages=advantages)
+    c.update_actor(batch)
+    c.sync_weights()
+
+
+register_algorithm(Algorithm(
+    "dapo", dapo_iteration, "GRPO with dynamic sampling, clip-higher, token-mean loss and overlong shaping",
+    min_group=2, defaults={"advantage_estimator": "grpo", "policy_loss": "ppo", "loss_agg": "token-mean",
+                           "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "max_sampling_rounds": 3}))

@@ -1,0 +1,93 @@
+"""Policy losses and loss aggregations, one registered function each.
+
+A policy loss returns per-token losses (B, R) plus statistics; an aggregation reduces them to the scalar the
+optimizer sees. Truncated importance sampling (TIS) multiplies each token's loss by min(pi_old / pi_rollout, cap):
+the rollout engine's sampler differs slightly from the trainer's forward pass, and this corrects for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from hybridflow.algorithms.core import masked_mean
+from hybridflow.algorithms.registry import Registry
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+@dataclass(frozen=True)
+class ClipConfig:
+    low: float = 0.2  # ratio clipped to [1 - low, 1 + high]; DAPO's clip-higher raises `high` only
+    high: float = 0.2
+    dual: float | None = None  # dual-clip PPO: a negative advantage's loss is capped at -A * dual (dual > 1)
+
+
+@dataclass
+class TokenLosses:
+    loss: Tensor  # (B, R), before aggregation
+    clipped: Tensor  # (B, R) bool: the clipped branch was taken
+    dual_clipped: Tensor | None = None
+
+
+PolicyLoss = Callable[["Tensor", "Tensor", "Tensor", "Tensor", ClipConfig], TokenLosses]
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+Aggregation = Callable[["Tensor", "Tensor"], "Tensor"]
+LOSS_AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
+
+
+def _clipped_objective(ratio: Tensor, adv: Tensor, clip: ClipConfig) -> TokenLosses:
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - clip.low, 1 + clip.high)
+    loss = unclipped.maximum(clipped)
+    if clip.dual is None:
+        return TokenLosses(loss, clipped > unclipped)
+    capped = loss.minimum(-adv * clip.dual)
+    negative = adv < 0
+    return TokenLosses(capped.where(negative, loss), clipped > unclipped, negative & (capped < loss))
+
+
+@POLICY_LOSSES.register("ppo")
+def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, clip: ClipConfig) -> TokenLosses:
+    """PPO-clip per token: max(-A*r, -A*clip(r, 1-low, 1+high)), r = pi/pi_old; dual-clip when `clip.dual`."""
+    return _clipped_objective((logp - old_logp).exp(), adv, clip)
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, clip: ClipConfig) -> TokenLosses:
+    """GSPO: one importance ratio per sequence, exp(mean over its tokens of log pi/pi_old), clipped as a whole.
+
+    Each token's term carries that ratio's value and its own log-prob's gradient (the paper's token-level form)."""
+    seq_log_ratio = masked_mean(logp - old_logp, mask, dim=1)
+    log_ratio = logp - logp.detach() + seq_log_ratio.detach()[:, None]
+    return _clipped_objective(log_ratio.clamp(max=10.0).exp(), adv, clip)
+
+
+@LOSS_AGGREGATIONS.register("token-mean")
+def token_mean(loss: Tensor, mask: Tensor) -> Tensor:
+    """Every token of the batch weighs the same (DAPO): long responses count for more."""
+    return masked_mean(loss, mask)
+
+
+@LOSS_AGGREGATIONS.register("seq-mean-token-sum")
+def seq_mean_token_sum(loss: Tensor, mask: Tensor) -> Tensor:
+    """Each response's summed token losses, averaged over responses."""
+    return (loss * mask).sum(1).mean()
+
+
+@LOSS_AGGREGATIONS.register("seq-mean-token-mean")
+def seq_mean_token_mean(loss: Tensor, mask: Tensor) -> Tensor:
+    """Each response's mean token loss, averaged over responses (GRPO's original form, GSPO)."""
+    return masked_mean(loss, mask, dim=1).mean()
+
+
+@LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(loss: Tensor, mask: Tensor) -> Tensor:
+    """Summed token losses over a constant (the maximum response length), averaged over responses (Dr. GRPO): no
+    length bias either way."""
+    return (loss * mask).sum(1).mean() / loss.shape[1]
+
+
+def truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> Tensor:
+    """min(pi_old / pi_rollout, cap) per token, without gradient."""
+    return (old_logp - rollout_logp).clamp(max=20.0).exp().clamp(max=cap).detach()

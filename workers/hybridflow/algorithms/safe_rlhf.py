@@ -1,0 +1,52 @@
+"""Safe-RLHF (Dai et al. 2023; the paper's third dataflow): maximise reward subject to E[cost] <= costLimit.
+
+A reward critic and a cost critic give two GAE advantages; the Lagrangian multiplier lambda weighs them and rises
+while the batch's mean cost exceeds the limit (projected gradient ascent on the dual). lambda is saved in
+checkpoints and exported as a metric.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hybridflow.algorithms.base import Algorithm, register_algorithm
+
+if TYPE_CHECKING:
+    from hybridflow.controller.batch import Batch
+    from hybridflow.controller.step import Step
+
+
+class Lagrangian:
+    """lambda <- max(0, lambda + lr * (mean cost - limit))."""
+
+    def __init__(self, init: float, lr: float, limit: float) -> None:
+        self.value, self.lr, self.limit = init, lr, limit
+
+    def update(self, mean_cost: float) -> float:
+        self.value = max(0.0, self.value + self.lr * (mean_cost - self.limit))
+        return self.value
+
+    def state(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.value = float(state["value"])
+
+
+def safe_rlhf_iteration(c: Step, prompts: Batch) -> None:
+    batch = c.generate(prompts)
+    batch = c.compute(batch, "old_log_prob", "reference", "values", "cost_values", "reward", "cost")
+    reward_adv, returns = c.advantages(batch, scores="scores", values="values")
+    cost_adv, cost_returns = c.advantages(batch, scores="costs", values="cost_values", kl_penalty=False)
+    lam = c.lagrangian.update(float(batch["costs"].mean()))  # before the update, from this batch's cost
+    batch = batch.with_columns(advantages=(reward_adv - lam * cost_adv) / (1 + lam), returns=returns,
+                               cost_returns=cost_returns)
+    c.update_critic(batch, "critic")
+    c.update_critic(batch, "cost_critic")
+    c.update_actor(batch)
+    c.sync_weights()
+
+
+register_algorithm(Algorithm(
+    "safe_rlhf", safe_rlhf_iteration, "reward minus lambda * cost, lambda the Lagrangian multiplier of E[cost] <= "
+    "costLimit; reward and cost critics", critic=True, cost=True,
+    defaults={"advantage_estimator": "gae", "policy_loss": "ppo", "loss_agg": "token-mean"}))

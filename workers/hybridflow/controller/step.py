@@ -1,0 +1,286 @@
+"""The controller's operations for one RLHF iteration, as the algorithms' dataflow programs call them.
+
+`compute` launches every requested stage at once: stages whose roles live on different resource pools run
+concurrently, stages colocated on one pool take turns (one process per device hosts them). Each stage's seconds are
+measured from when its pool could start it to when it finished, so overlap shows as an iteration shorter than the
+sum of its stages.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
+from hybridflow.algorithms.base import ALGORITHMS
+from hybridflow.algorithms.core import masked_mean, overlong_penalty, token_rewards
+from hybridflow.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
+from hybridflow.algorithms.safe_rlhf import Lagrangian
+from hybridflow.controller.batch import Batch
+from hybridflow.controller.worker_group import PendingResult, resolve
+from hybridflow.spec import JobSpec
+
+# stage -> (role, method, column it adds). "reward"/"cost" run on the controller when they are rules or functions.
+REMOTE_STAGES: dict[str, tuple[str, str]] = {
+    "old_log_prob": ("actor", "compute_log_prob"),
+    "reference": ("reference", "compute_ref_log_prob"),
+    "values": ("critic", "compute_values"),
+    "cost_values": ("cost_critic", "compute_values"),
+    "reward": ("reward", "compute_rm_scores"),
+    "cost": ("cost", "compute_rm_scores"),
+}
+OPTIONAL_STAGES = {"reference"}  # skipped when the job has no reference policy (no KL term)
+
+
+@dataclass
+class StageClock:
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self.add(stage, time.perf_counter() - t0)
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+
+@dataclass
+class AlgorithmState:
+    """What an algorithm carries from step to step (saved in checkpoints): the KL coefficient and the multiplier."""
+
+    kl: Any
+    lagrangian: Lagrangian
+
+    @classmethod
+    def for_spec(cls, spec: JobSpec) -> "AlgorithmState":
+        a = spec.algorithm
+        return cls(KL_CONTROLLERS[a.kl_controller](a.kl_coef, a.target_kl, a.kl_horizon),
+                   Lagrangian(a.lambda_init, a.lambda_lr, a.cost_limit))
+
+    def state(self) -> dict[str, Any]:
+        return {"kl": self.kl.state(), "lagrangian": self.lagrangian.state()}
+
+    def load(self, state: dict[str, Any]) -> None:
+        if state:
+            self.kl.load(state["kl"])
+            self.lagrangian.load(state["lagrangian"])
+
+
+Scorer = Callable[[Batch], "tuple[torch.Tensor, dict[str, float]]"]
+
+
+class Step:
+    """One iteration: the program calls these in the order of its algorithm; stats and stage times accumulate."""
+
+    def __init__(self, spec: JobSpec, roles: dict[str, Any], pools: dict[str, str], scorers: dict[str, Scorer],
+                 state: AlgorithmState, next_prompts: Callable[[], Batch]) -> None:
+        self.spec, self.algo = spec, spec.algorithm
+        self.roles, self.pools, self.scorers, self.state = roles, pools, scorers, state
+        self.next_prompts = next_prompts
+        self.clock = StageClock()
+        self.stats: dict[str, float] = {}
+        self.trained: Batch | None = None
+
+    @property
+    def responses_per_prompt(self) -> int:
+        return self.spec.rollout.responses_per_prompt
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.spec.trainer.prompts_per_step
+
+    @property
+    def lagrangian(self) -> Lagrangian:
+        return self.state.lagrangian
+
+    # -- generation ----------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Batch, greedy_baseline: bool = False) -> Any:
+        """responsesPerPrompt samples per prompt (groups adjacent); with greedy_baseline also one greedy response
+        per prompt from the same engine call, returned apart: (sampled, greedy)."""
+        n = self.responses_per_prompt
+        batch = prompts.repeat(n)
+        batch.non_tensors["greedy"] = np.zeros(len(batch), dtype=bool)
+        if greedy_baseline:
+            greedy = prompts.with_columns()
+            greedy.non_tensors["greedy"] = np.ones(len(prompts), dtype=bool)
+            batch = Batch.concat([batch, greedy])
+        with self.clock("generate"):
+            out = self.roles["actor"].generate(batch)
+            _wait(out)
+        if not greedy_baseline:
+            return out
+        both = resolve(out)
+        return both.index(slice(0, n * len(prompts))), both.index(slice(n * len(prompts), None))
+
+    # -- stages --------------------------------------------------------------------------------------------------
+
+    def compute(self, batch: Any, *stages: str) -> Batch:
+        """Run `stages` on `batch` and return it with their columns; remote stages all start before any is waited
+        for, and rule rewards are scored on the controller meanwhile."""
+        launched: dict[str, PendingResult] = {}
+        t0 = time.perf_counter()
+        for stage in stages:
+            role, method = REMOTE_STAGES[stage]
+            if role in self.roles:
+                launched[stage] = getattr(self.roles[role], method)(batch)
+            elif stage not in OPTIONAL_STAGES and stage not in self.scorers:
+                raise RuntimeError(f"stage '{stage}' needs the '{role}' role, which this job did not create")
+        data = resolve(batch)
+        local: dict[str, torch.Tensor] = {}
+        for stage in stages:
+            if stage not in launched and stage in self.scorers:
+                with self.clock(stage):
+                    local[stage], stats = self.scorers[stage](data)
+                self.stats.update(stats)
+        for stage, seconds in self._wait_stages(launched, t0).items():
+            self.clock.add(stage, seconds)
+        for stage, pending in launched.items():
+            out = resolve(pending)
+            if stage in ("reward", "cost"):
+                local[stage] = out["rm_scores"]
+            else:
+                data = data.union(out)
+        if "reward" in local:
+            scores = local["reward"]
+            if self.algo.overlong_buffer:
+                lengths = data["response_mask"].sum(1)
+                scores = scores + overlong_penalty(lengths, self.spec.rollout.max_response_length,
+                                                   self.algo.overlong_buffer, self.algo.overlong_penalty)
+            data = data.with_columns(scores=scores.float())
+        if "cost" in local:
+            data = data.with_columns(costs=local["cost"].float())
+        return data
+
+    def _wait_stages(self, launched: dict[str, PendingResult], t0: float) -> dict[str, float]:
+        """Seconds of each stage: from when its pool was free (launch, or the end of the stage launched before it
+        on the same pool) to its last result."""
+        import ray
+
+        pending = {s: set(p.refs) for s, p in launched.items()}
+        done_at: dict[str, float] = {}
+        while pending:
+            refs = [r for rs in pending.values() for r in rs]
+            ready, _ = ray.wait(refs, num_returns=1, fetch_local=False)
+            now = time.perf_counter()
+            for stage in list(pending):
+                pending[stage] -= set(ready)
+                if not pending[stage]:
+                    done_at[stage] = now
+                    del pending[stage]
+        seconds, free_at = {}, {}
+        for stage in launched:  # launch order = the order a pool runs them
+            pool = self.pools[REMOTE_STAGES[stage][0]]
+            start = max(t0, free_at.get(pool, t0))
+            seconds[stage] = done_at[stage] - start
+            free_at[pool] = done_at[stage]
+        return seconds
+
+    # -- advantages ----------------------------------------------------------------------------------------------
+
+    def advantages(self, batch: Batch, scores: str = "scores", values: str = "values", kl_penalty: bool = True,
+                   baseline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(advantages, returns) by the configured estimator, from per-token rewards: the score on the last token,
+        minus coef * KL on every token when KL is in the reward."""
+        a = self.algo
+        with self.clock("advantages"):
+            mask = batch["response_mask"]
+            kl = self._kl(batch)
+            coef = self.state.kl.value if (kl_penalty and a.kl_in == "reward") else 0.0
+            inputs = AdvantageInputs(
+                token_rewards(batch[scores], mask, kl, coef), mask,
+                torch.as_tensor(batch["uid"].astype(np.int64)),
+                batch[values] if values in batch else None, baseline, a.gamma, a.lam, bool(a.norm_adv_by_std))
+            return ADVANTAGE_ESTIMATORS[a.advantage_estimator or ""](inputs)
+
+    def _kl(self, batch: Batch) -> torch.Tensor | None:
+        if "ref_log_probs" not in batch:
+            return None
+        return KL_ESTIMATORS[self.algo.kl_estimator](batch["old_log_probs"], batch["ref_log_probs"])
+
+    # -- dynamic sampling (DAPO) ---------------------------------------------------------------------------------
+
+    def groups_with_varied_scores(self, batch: Batch) -> list[Batch]:
+        """The batch's groups (responses to one prompt) whose scores are not all equal."""
+        groups = batch.chunk(len(batch) // self.responses_per_prompt)
+        kept = [g for g in groups if float(g["scores"].max() - g["scores"].min()) > 1e-6]
+        self.stats["sampled_groups"] = self.stats.get("sampled_groups", 0.0) + len(groups)
+        self.stats["kept_groups"] = self.stats.get("kept_groups", 0.0) + len(kept)
+        return kept
+
+    def fill_batch(self, groups: list[Batch], spare: Batch) -> Batch:
+        """promptsPerStep groups: the informative ones first, then (after the last round) spare ones, which have zero
+        advantage and only keep the batch its size."""
+        need = self.prompts_per_step
+        fill = spare.chunk(len(spare) // self.responses_per_prompt)
+        self.stats["filler_groups"] = float(max(0, need - len(groups)))
+        return Batch.concat((groups + fill * need)[:need])
+
+    # -- updates -------------------------------------------------------------------------------------------------
+
+    def update_critic(self, batch: Batch, role: str = "critic") -> None:
+        with self.clock(f"{role}_update"):
+            self.stats.update(mean_stats(self.roles[role].update_critic(batch), f"{role}_"))
+
+    def update_actor(self, batch: Batch) -> None:
+        batch.meta["kl_coef"] = self.state.kl.value
+        with self.clock("actor_update"):
+            self.stats.update(mean_stats(self.roles["actor"].update_actor(batch), ""))
+        self.trained = batch
+
+    def sync_weights(self) -> None:
+        """Train -> generate (the 3D-HybridEngine transition, or FSDP's whole-tensor gather)."""
+        with self.clock("reshard"):
+            per_rank = self.roles["actor"].sync_rollout_weights()
+        self.stats.update(reshard_bytes=float(np.mean([x["bytes"] for x in per_rank])),
+                          reshard_peak_bytes=float(max(x["peak_bytes"] for x in per_rank)),
+                          generation_weight_bytes=float(max(x["generation_bytes"] for x in per_rank)))
+
+    # -- after the program ---------------------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, float]:
+        """The step's statistics over the batch the actor trained on; updates the KL controller."""
+        batch = self.trained
+        if batch is None:
+            raise RuntimeError(f"the {self.algo.name} program never called update_actor")
+        mask = batch["response_mask"]
+        resp_len = mask.sum(1).float()
+        out = dict(self.stats)
+        out.update(reward_mean=float(batch["scores"].mean()), response_length_mean=float(resp_len.mean()),
+                   entropy_mean=float(masked_mean(batch["entropy"], mask)), tokens=float(batch["attention_mask"].sum()),
+                   response_tokens=float(resp_len.sum()), kl_coef=float(self.state.kl.value))
+        kl = self._kl(batch)
+        if kl is not None:
+            out["kl_mean"] = float(masked_mean(kl, mask))
+            self.state.kl.update(out["kl_mean"], len(batch))
+        if "costs" in batch:
+            out.update(cost_mean=float(batch["costs"].mean()), lagrange_multiplier=self.lagrangian.value)
+        if "rollout_log_probs" in batch:
+            gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
+            out["rollout_log_prob_gap"] = float(masked_mean(gap, mask))
+        return out
+
+
+def run_program(spec: JobSpec, step: Step, prompts: Batch) -> tuple[dict[str, float], dict[str, float]]:
+    ALGORITHMS[spec.algorithm.name].program(step, prompts)
+    return step.summary(), step.clock.seconds
+
+
+def mean_stats(per_rank: list[dict[str, float]], prefix: str) -> dict[str, float]:
+    keys = per_rank[0].keys()
+    out = {f"{prefix}{k}": float(np.mean([r[k] for r in per_rank])) for k in keys}
+    if "peak_memory_bytes" in keys:
+        out[f"{prefix or 'actor_'}peak_memory_bytes"] = float(max(r["peak_memory_bytes"] for r in per_rank))
+    return out
+
+
+def _wait(pending: Any) -> None:
+    import ray
+
+    ray.wait(pending.refs, num_returns=len(pending.refs), fetch_local=False)

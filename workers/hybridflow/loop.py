@@ -1,0 +1,238 @@
+"""The training loop around the algorithm's program: evaluation before and after, checkpoints every saveFreq steps
+(with the algorithm's own state), resume, progress lines, the step log and metrics; and `execute`, the job runner
+that `hybridflow run` and `hybridflow driver` call once Ray is up."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from hybridflow import checkpoint as ckpt
+from hybridflow.controller.step import AlgorithmState, Step, run_program
+from hybridflow.controller.worker_group import resolve
+from hybridflow.data.tasks import PromptStream, Sample
+from hybridflow.metrics import JobMetrics
+from hybridflow.controller.batch import Batch
+from hybridflow.setup import (
+    Prepared,
+    Task,
+    Workers,
+    build_workers,
+    controller_scorers,
+    cost_scores,
+    prompt_batch,
+    reward_scores,
+)
+from hybridflow.spec import RLHFJob
+
+log = logging.getLogger("hybridflow.loop")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Evaluation, checkpoints, the loop
+
+
+CHECKPOINTED_ROLES = ("actor", "critic", "cost_critic")
+
+
+@dataclass
+class Evaluation:
+    reward: float
+    cost: float | None = None  # safe_rlhf with a cost rule
+
+
+def evaluate(w: Workers, task: Task, samples: Sequence[Sample]) -> Evaluation:
+    """Mean reward (and cost) of greedy responses to held-out prompts."""
+    dp = w.roles["actor"].dp_size
+    usable = samples[: len(samples) // dp * dp]
+    out = resolve(w.roles["actor"].generate(prompt_batch(usable), greedy=True))
+    if task.rule is None and task.text_reward is None:  # files scored by a reward model only: it judges
+        reward = float(resolve(w.roles["reward"].compute_rm_scores(out))["rm_scores"].mean())
+    else:
+        reward = float(reward_scores(out, task)[0].mean())
+    cost = float(cost_scores(out, task)[0].mean()) if task.cost_rule is not None else None
+    return Evaluation(reward, cost)
+
+
+def save(job: RLHFJob, w: Workers, root: Path, step: int, stream: PromptStream, algorithm: AlgorithmState,
+         data_fingerprint: str | None = None) -> Path:
+    staging = ckpt.staging_dir(root, step)
+    for role in CHECKPOINTED_ROLES:
+        if role in w.roles:
+            w.roles[role].save_checkpoint(str(staging))
+    state = {"data_position": stream.position, "data_fingerprint": data_fingerprint, "job": job.metadata.name,
+             "algorithm": algorithm.state()}
+    return ckpt.seal(root, staging, step, state, job.spec.trainer.keep_checkpoints)
+
+
+def restore(w: Workers, root: Path, algorithm: AlgorithmState, data_fingerprint: str | None = None) -> tuple[int, int]:
+    """(step, data position) of the checkpoint loaded, or (0, 0) for a fresh start."""
+    found = ckpt.latest_good(root)
+    if found is None:
+        return 0, 0
+    path, state = found
+    if data_fingerprint != state.get("data_fingerprint", data_fingerprint):
+        log.warning("the training prompts differ from the ones %s was trained on (files or their settings changed): "
+                    "continuing at position %d of the new prompt order", path, state["data_position"])
+    for role in CHECKPOINTED_ROLES:
+        if role in w.roles:
+            w.roles[role].load_checkpoint(str(path))
+    algorithm.load(state.get("algorithm", {}))
+    w.roles["actor"].sync_rollout_weights()
+    dropped = ckpt.rewind_step_log(root, state["step"])
+    log.info("resumed from %s (step %d); %d logged step(s) after it will be redone", path, state["step"], dropped)
+    return int(state["step"]), int(state["data_position"])
+
+
+def run_iteration(job: RLHFJob, w: Workers, task: Task, prompts: Batch, algorithm: AlgorithmState | None = None,
+                  next_prompts: Callable[[], Batch] | None = None) -> tuple[dict[str, float], dict[str, float]]:
+    """One step of the job's algorithm: (statistics, seconds per stage)."""
+    def no_more() -> Batch:
+        raise RuntimeError("this iteration was given no prompt source for dynamic sampling")
+
+    state = algorithm or AlgorithmState.for_spec(job.spec)
+    step = Step(job.spec, w.roles, w.pools, controller_scorers(task), state, next_prompts or no_more)
+    return run_program(job.spec, step, prompts)
+
+
+@dataclass
+class RunSummary:
+    steps_done: int
+    start_step: int
+    eval_before: Evaluation | None
+    eval_after: Evaluation | None
+    seconds: float
+    mean_throughput: float
+    records: list[dict[str, Any]]
+
+
+def fit(
+    job: RLHFJob,
+    w: Workers,
+    task: Task,
+    metrics: JobMetrics,
+    progress: Callable[[str], None] = print,
+) -> RunSummary:
+    s = job.spec
+    root = Path(s.trainer.checkpoint_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    algorithm = AlgorithmState.for_spec(s)
+    start_step, position = (restore(w, root, algorithm, task.data_fingerprint) if s.trainer.resume == "auto"
+                            else (0, 0))
+    stream = PromptStream(task.train, s.trainer.prompts_per_step, s.data.seed, position)
+    uids = iter(range(10**12))
+
+    def next_prompts() -> Batch:  # fresh group ids: dynamic sampling draws several batches in one step
+        samples = stream.next_batch()
+        return prompt_batch(samples, uid_offset=next(uids) * len(samples))
+    metrics.total_steps.labels(metrics.job).set(s.trainer.steps)
+    metrics.devices.labels(metrics.job).set(w.devices)
+    metrics.parameters.labels(metrics.job).set(w.roles["actor"].num_parameters())
+    metrics.step.labels(metrics.job).set(start_step)
+    metrics.checkpoint_step.labels(metrics.job).set(start_step)  # 0: none yet
+
+    eval_before = None
+    if s.trainer.eval and start_step == 0:
+        eval_before = evaluate(w, task, task.eval)
+        metrics.eval_reward.labels(metrics.job, "before").set(eval_before.reward)
+        progress(f"held-out reward before training: {eval_before.reward:.3f} ({len(task.eval)} prompts, greedy)"
+                 + (f", cost {eval_before.cost:.3f}" if eval_before.cost is not None else ""))
+    t_start = time.perf_counter()
+    records = []
+    for step in range(start_step + 1, s.trainer.steps + 1):
+        t0 = time.perf_counter()
+        stats, stages = run_iteration(job, w, task, next_prompts(), algorithm, next_prompts)
+        saved = None
+        if (s.trainer.save_freq and step % s.trainer.save_freq == 0) or step == s.trainer.steps:
+            c0 = time.perf_counter()
+            saved = save(job, w, root, step, stream, algorithm, task.data_fingerprint)
+            stages["checkpoint"] = time.perf_counter() - c0
+            metrics.checkpoint_step.labels(metrics.job).set(step)
+        it = time.perf_counter() - t0
+        done = step - start_step
+        eta = (time.perf_counter() - t_start) / done * (s.trainer.steps - step)
+        rec = {
+            "step": step,
+            **stats,
+            "iteration_seconds": it,
+            "throughput_tokens_per_s": stats["tokens"] / it,
+            "throughput_per_device": stats["tokens"] / it / w.devices,
+            "generation_tokens_per_s": stats["response_tokens"] / max(stages["generate"], 1e-9),
+            "eta_seconds": eta,
+            "stages": stages,
+            "checkpoint": str(saved) if saved else None,
+            "time": time.time(),
+        }
+        ckpt.append_step_log(root, rec)
+        metrics.record_step(rec, stages)
+        records.append(rec)
+        progress(progress_line(rec, s.trainer.steps))
+    eval_after = None
+    if s.trainer.eval:
+        eval_after = evaluate(w, task, task.eval)
+        metrics.eval_reward.labels(metrics.job, "after").set(eval_after.reward)
+        progress(f"held-out reward after training: {eval_after.reward:.3f}"
+                 + (f", cost {eval_after.cost:.3f}" if eval_after.cost is not None else ""))
+    secs = time.perf_counter() - t_start
+    tput = float(np.mean([r["throughput_tokens_per_s"] for r in records])) if records else 0.0
+    return RunSummary(len(records), start_step, eval_before, eval_after, secs, tput, records)
+
+
+def progress_line(rec: dict[str, Any], total: int) -> str:
+    st = rec["stages"]
+    eta = rec["eta_seconds"]
+    parts = [
+        f"step {rec['step']}/{total}",
+        f"reward {rec['reward_mean']:.3f}",
+        f"{rec['throughput_tokens_per_s']:.0f} tok/s",
+        f"gen {st.get('generate', 0):.2f}s",
+        f"train {sum(v for k, v in st.items() if k.endswith('_update')):.2f}s",
+        f"reshard {st.get('reshard', 0):.2f}s",
+        f"ETA {int(eta // 60)}m{int(eta % 60):02d}s" if math.isfinite(eta) else "ETA ?",
+    ]
+    if "cost_mean" in rec:
+        parts.insert(2, f"cost {rec['cost_mean']:.3f} (lambda {rec['lagrange_multiplier']:.2f})")
+    if rec.get("checkpoint"):
+        parts.append("saved")
+    return " | ".join(parts)
+
+
+def execute(job: RLHFJob, prepared: Prepared, progress: bool = True) -> int:
+    s = job.spec
+    say = print if progress else (lambda *_: None)
+    metrics = JobMetrics(job.metadata.name)
+    if s.metrics.port:
+        port = metrics.serve(s.metrics.port, s.metrics.address)
+        say(f"metrics: http://{s.metrics.address}:{port}/metrics")
+    workers = build_workers(job, prepared.model_dir, prepared.task, prepared.critic_dir, prepared.rm_dir,
+                            prepared.cost_dir)
+    try:
+        summary = fit(job, workers, prepared.task, metrics, progress=say)
+    finally:
+        workers.shutdown()
+    say(
+        f"done: {summary.steps_done} steps (from step {summary.start_step}) in {summary.seconds:.1f}s, "
+        f"mean {summary.mean_throughput:.0f} tokens/s"
+    )
+    before, after = summary.eval_before, summary.eval_after
+    if before is not None and after is not None:
+        say(f"held-out reward: before {before.reward:.3f} -> after {after.reward:.3f}")
+        if before.cost is not None and after.cost is not None:
+            say(f"held-out cost: before {before.cost:.3f} -> after {after.cost:.3f} "
+                f"(limit {s.algorithm.cost_limit:g})")
+    summary_path = Path(s.trainer.checkpoint_dir) / "summary.json"
+    summary_path.write_text(json.dumps({
+        "steps_done": summary.steps_done, "start_step": summary.start_step,
+        "eval_before": before.reward if before else None, "eval_after": after.reward if after else None,
+        "eval_cost_before": before.cost if before else None, "eval_cost_after": after.cost if after else None,
+        "seconds": summary.seconds, "mean_tokens_per_s": summary.mean_throughput,
+    }, indent=1))
+    if s.metrics.port and s.metrics.linger_seconds:
+        time.sleep(s.metrics.linger_seconds)  # the final step's values reach Prometheus before the exporter goes
+    return 0
