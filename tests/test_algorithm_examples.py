@@ -57,3 +57,31 @@ def test_algorithm_example_learns(tmp_path, model_cache, ray_tmp, stem):
         assert all(r["kept_groups"] + r["filler_groups"] >= job["spec"]["trainer"]["promptsPerStep"] for r in records)
     if algo["name"] == "remax":
         assert "values" not in last["stages"]  # no critic
+
+
+def test_safe_rlhf_with_a_cost_model_on_its_own_pool(tmp_path, model_cache, ray_tmp):
+    """The cost judged by a (random, tiny) model instead of a rule, the cost model and cost critic placed on a second
+    resource pool: their stages run beside the actor pool's, and the multiplier moves with real-valued costs."""
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-safe-rlhf.yaml").read_text())
+    s = doc["spec"]
+    s["models"]["cost"] = {"type": "model", "model": {"source": "tiny", "tiny": s["models"]["actor"]["tiny"]}}
+    s["resourcePools"].append({"name": "judges", "devicesPerNode": 1})
+    s["placement"] = {"cost": "judges", "cost_critic": "judges"}
+    s["trainer"].update(steps=2, checkpointDir=str(tmp_path / "run"))
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp, "--engine", "hf"],
+                  cwd=tmp_path, env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = read_step_log(tmp_path / "run")
+    assert len(records) == 2
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["eval_cost_before"] is not None and summary["eval_cost_after"] is not None  # by the cost model
+    for r in records:
+        assert r["stages"]["cost"] > 0 and r["stages"]["cost_values"] > 0 and r["stages"]["cost_critic_update"] > 0
+    a = s["algorithm"]  # the multiplier's dual step on the first batch's mean cost
+    expect = max(0.0, a["lambdaInit"] + a["lambdaLr"] * (records[0]["cost_mean"] - a["costLimit"]))
+    assert records[0]["lagrange_multiplier"] == pytest.approx(expect, rel=1e-5)
+    # A model's costs are real-valued; the top_ids rule can only give multiples of 1/6 per response.
+    assert any(abs(r["cost_mean"] * 6 * 128 - round(r["cost_mean"] * 6 * 128)) > 1e-3 for r in records)
+

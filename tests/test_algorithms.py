@@ -58,7 +58,8 @@ def test_grpo_advantages_match_reference():
 
 def test_grpo_without_std_is_centred_only():
     scores = torch.tensor([1.0, 3.0])
-    adv, _ = ADVANTAGE_ESTIMATORS["grpo"](_outcome_inputs(scores, torch.tensor([0, 0]), torch.ones(2, 1), norm_by_std=False))
+    inputs = _outcome_inputs(scores, torch.tensor([0, 0]), torch.ones(2, 1), norm_by_std=False)
+    adv, _ = ADVANTAGE_ESTIMATORS["grpo"](inputs)
     assert adv[:, 0].tolist() == [-1.0, 1.0]
 
 

@@ -52,6 +52,7 @@ def test_independent_stages_overlap_across_pools(tmp_path, model_cache, local_ra
             assert step.clock.seconds["old_log_prob"] > 0 and step.clock.seconds["reference"] > 0
         assert "old_log_probs" in out and "ref_log_probs" in out
         wall, total = min(walls), min(sums)
+        print(f"{'two pools' if separate_pools else 'colocated'}: {wall:.3f}s wall, stages sum to {total:.3f}s")
         if separate_pools:
             assert wall < 0.8 * total, f"no overlap: {wall:.3f}s wall for {total:.3f}s of stages"
         else:  # taking turns: the stage times add up to the wall time, nothing counted twice

@@ -75,7 +75,13 @@ JOB_OVERVIEW = Dashboard(
         Panel("Reward", (f"avg by (rlhfjob) (hybridflow_reward_mean{JOB})",
                          f"max by (rlhfjob, phase) (hybridflow_eval_reward_mean{JOB})"), legend="{{rlhfjob}} {{phase}}",
               width=8),
-        Panel("KL to reference", (f"avg by (rlhfjob) (hybridflow_kl_mean{JOB})",), width=8),
+        Panel("KL to reference and its coefficient", (f"avg by (rlhfjob) (hybridflow_kl_mean{JOB})",
+                                                      f"avg by (rlhfjob) (hybridflow_kl_coefficient{JOB})"), width=8,
+              description="The coefficient moves only with klController adaptive."),
+        Panel("Trainer vs rollout log-prob gap", (f"avg by (rlhfjob) (hybridflow_rollout_log_prob_gap{JOB})",),
+              width=8, description="Mean |log pi_train - log pi_rollout| per token on the same weights: near 0 "
+                                   "unless the generation engine samples from a different distribution (then "
+                                   "consider algorithm.tisCap)."),
         Panel("Response length (tokens)", (f"avg by (rlhfjob) (hybridflow_response_length_tokens_mean{JOB})",),
               width=8),
         Panel("Entropy and clip fraction", (f"avg by (rlhfjob) (hybridflow_entropy_mean{JOB})",

@@ -14,11 +14,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from hybridflow import checkpoint as ckpt
+from hybridflow.controller.batch import Batch
 from hybridflow.controller.step import AlgorithmState, Step, run_program
 from hybridflow.controller.worker_group import resolve
 from hybridflow.data.tasks import PromptStream, Sample
 from hybridflow.metrics import JobMetrics
-from hybridflow.controller.batch import Batch
 from hybridflow.setup import (
     Prepared,
     Task,
@@ -34,17 +34,13 @@ from hybridflow.spec import RLHFJob
 log = logging.getLogger("hybridflow.loop")
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Evaluation, checkpoints, the loop
-
-
 CHECKPOINTED_ROLES = ("actor", "critic", "cost_critic")
 
 
 @dataclass
 class Evaluation:
     reward: float
-    cost: float | None = None  # safe_rlhf with a cost rule
+    cost: float | None = None  # safe_rlhf: its cost rule or cost model
 
 
 def evaluate(w: Workers, task: Task, samples: Sequence[Sample]) -> Evaluation:
@@ -56,7 +52,11 @@ def evaluate(w: Workers, task: Task, samples: Sequence[Sample]) -> Evaluation:
         reward = float(resolve(w.roles["reward"].compute_rm_scores(out))["rm_scores"].mean())
     else:
         reward = float(reward_scores(out, task)[0].mean())
-    cost = float(cost_scores(out, task)[0].mean()) if task.cost_rule is not None else None
+    cost = None
+    if task.cost_rule is not None:
+        cost = float(cost_scores(out, task)[0].mean())
+    elif "cost" in w.roles:
+        cost = float(resolve(w.roles["cost"].compute_rm_scores(out))["rm_scores"].mean())
     return Evaluation(reward, cost)
 
 

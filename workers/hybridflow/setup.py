@@ -19,6 +19,7 @@ from hybridflow.data.packing import unpack_prompts, unpack_responses
 from hybridflow.data.tasks import Sample, arithmetic_samples, increment_samples, split_train_eval
 from hybridflow.rewards.rules import TASK_DEFAULT_RULE, RewardRule, get_rule
 from hybridflow.rewards.text import TextReward
+from hybridflow.roles import config as rc
 from hybridflow.spec import RLHFJob
 
 log = logging.getLogger("hybridflow.setup")
@@ -114,22 +115,21 @@ def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | 
     from hybridflow.roles.reward_model import RewardModelWorker
 
     s = job.spec
-    spec = s.model_dump()
     algorithm = ALGORITHMS[s.algorithm.name]
-    critic = {"spec": spec, "model_dir": str(critic_dir or model_dir)}
-    wanted: dict[str, RoleSpec] = {
-        "actor": RoleSpec(ActorRolloutWorker, {"spec": spec, "model_dir": str(model_dir), "stop_token_ids": task.stop_token_ids})
-    }
+    critic = {"config": rc.critic_config(s), "model_dir": str(critic_dir or model_dir)}
+    wanted: dict[str, RoleSpec] = {"actor": RoleSpec(ActorRolloutWorker, {
+        "config": rc.actor_config(s), "model_dir": str(model_dir), "stop_token_ids": task.stop_token_ids})}
     if s.models.reference:
-        wanted["reference"] = RoleSpec(ReferenceWorker, {"spec": spec, "model_dir": str(model_dir)})
+        wanted["reference"] = RoleSpec(ReferenceWorker, {"config": rc.reference_config(s), "model_dir": str(model_dir)})
     if algorithm.critic:
         wanted["critic"] = RoleSpec(CriticWorker, critic)
     if algorithm.cost:
         wanted["cost_critic"] = RoleSpec(CriticWorker, {**critic, "prefix": "cost_"})
     if rm_dir is not None:
-        wanted["reward"] = RoleSpec(RewardModelWorker, {"spec": spec, "model_dir": str(rm_dir)})
+        wanted["reward"] = RoleSpec(RewardModelWorker, {"config": rc.judge_config(s, "reward"),
+                                                        "model_dir": str(rm_dir)})
     if cost_dir is not None:
-        wanted["cost"] = RoleSpec(RewardModelWorker, {"spec": spec, "model_dir": str(cost_dir), "judges": "cost"})
+        wanted["cost"] = RoleSpec(RewardModelWorker, {"config": rc.judge_config(s, "cost"), "model_dir": str(cost_dir)})
     by_pool: dict[str, dict[str, RoleSpec]] = {}
     for role, rs in wanted.items():
         by_pool.setdefault(s.pool(role).name, {})[role] = rs

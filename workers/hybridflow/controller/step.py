@@ -24,7 +24,7 @@ from hybridflow.controller.batch import Batch
 from hybridflow.controller.worker_group import PendingResult, resolve
 from hybridflow.spec import JobSpec
 
-# stage -> (role, method, column it adds). "reward"/"cost" run on the controller when they are rules or functions.
+# stage -> (role, worker method). "reward" and "cost" run on the controller instead when they are rules or functions.
 REMOTE_STAGES: dict[str, tuple[str, str]] = {
     "old_log_prob": ("actor", "compute_log_prob"),
     "reference": ("reference", "compute_ref_log_prob"),

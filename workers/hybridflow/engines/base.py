@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hybridflow.controller.batch import Batch
+from hybridflow.spec import Training
 
 LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, dict[str, float]]]
 
@@ -48,14 +49,13 @@ class TrainEngine:
             self.optimizer.step()
         return stats
 
-    def ppo_update(self, batch: Batch, spec: Any, loss_fn: LossFn) -> dict[str, float]:
+    def ppo_update(self, batch: Batch, t: Training, prompts_per_step: int, loss_fn: LossFn) -> dict[str, float]:
         """`ppoEpochs` passes over this rank's shard, one optimizer step per mini-batch; stats averaged over steps.
 
         A mini-batch is `miniBatchSize` prompts of the global batch, i.e. the same fraction of this rank's rows.
         """
         t0 = time.perf_counter()
-        t = spec.training
-        prompts = spec.trainer.prompts_per_step
+        prompts = prompts_per_step
         rows = max(1, len(batch) * (t.mini_batch_size or prompts) // prompts)
         totals: dict[str, float] = {}
         steps = 0

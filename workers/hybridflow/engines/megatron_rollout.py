@@ -47,10 +47,10 @@ class MegatronRollout:
         for p in self.params.values():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
-    def load_weights(self, shards: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Install generation shards (megatron names, this rank's TP part) as the parameters' storage, no copy."""
         seen = set()
-        for name, t in shards:
+        for name, t in weights:
             if name not in self.shapes:
                 raise KeyError(f"generation engine has no parameter {name}")
             if t.shape != self.shapes[name]:

@@ -28,19 +28,19 @@ from hybridflow.engines.rollout import HFRollout, RolloutEngine, SamplingConfig,
 from hybridflow.hybrid_engine.reshard import ReshardStats
 from hybridflow.models.builders import local_model_dir
 from hybridflow.roles.common import CheckpointMixin, load_causal_lm, peak_memory_bytes
-from hybridflow.spec import JobSpec
+from hybridflow.roles.config import ActorConfig
 
 
 class ActorRolloutWorker(CheckpointMixin):
     checkpoint_name = "actor"
 
-    def __init__(self, ctx: WorkerContext, spec: dict[str, Any], model_dir: str, stop_token_ids: list[int]) -> None:
+    def __init__(self, ctx: WorkerContext, config: ActorConfig, model_dir: str, stop_token_ids: list[int]) -> None:
         self.ctx = ctx
-        self.spec = JobSpec.model_validate(spec)
-        torch.manual_seed(self.spec.trainer.seed)
-        t, r = self.spec.training, self.spec.rollout
-        dtype = self.spec.models.actor.dtype
-        model_dir = str(local_model_dir(model_dir, self.spec.models.actor, self.spec.trainer.seed))
+        self.config = config
+        torch.manual_seed(config.seed)
+        t, r = config.training, config.rollout
+        dtype = config.model.dtype
+        model_dir = str(local_model_dir(model_dir, config.model, config.seed))
         self.hybrid: Any = None
         self.rollout: RolloutEngine
         if t.engine == "megatron":
@@ -49,7 +49,7 @@ class ActorRolloutWorker(CheckpointMixin):
             from hybridflow.hybrid_engine.layout import Layout
 
             self.engine: Any = MegatronEngine(Path(model_dir), dtype, t.tensor_parallel, t.actor_lr, t.grad_clip,
-                                              ctx.device, self.spec.trainer.seed)
+                                              ctx.device, config.seed)
             layout = Layout(p=1, t=t.tensor_parallel, d=ctx.world_size // t.tensor_parallel, p_g=1,
                             t_g=r.tensor_parallel)
             self.hybrid = HybridEngine(layout, ctx.rank)
@@ -60,7 +60,7 @@ class ActorRolloutWorker(CheckpointMixin):
             self.engine = FSDPEngine(load_causal_lm(Path(model_dir), dtype), t.actor_lr, t.grad_clip, ctx.device)
             replica = ctx.rank
         self.stop_token_ids = tuple(stop_token_ids)
-        seed = self.spec.trainer.seed + 1000 * replica  # distinct sampling streams per generation replica
+        seed = config.seed + 1000 * replica  # distinct sampling streams per generation replica
         if r.engine == "vllm":
             self.rollout = VLLMRollout(
                 Path(model_dir),
@@ -90,7 +90,7 @@ class ActorRolloutWorker(CheckpointMixin):
     def generate(self, batch: Batch, greedy: bool = False) -> Batch:
         """Prompts (non-tensor column `prompt_ids`; rows flagged in `greedy` decode greedily) -> packed
         prompt+response tensors and the engine's own log-probs; other columns pass through."""
-        r = self.spec.rollout
+        r = self.config.rollout
         sampled = SamplingConfig(r.max_response_length, r.temperature, r.top_p, greedy, self.stop_token_ids)
         greedy_cfg = replace(sampled, greedy=True)
         flags = batch["greedy"] if "greedy" in batch else [greedy] * len(batch)
@@ -105,21 +105,22 @@ class ActorRolloutWorker(CheckpointMixin):
 
     @register(Dispatch.DP_COMPUTE, blocking=False)
     def compute_log_prob(self, batch: Batch) -> Batch:
-        temp = self.spec.rollout.temperature
+        temp = self.config.rollout.temperature
 
         def fn(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
             logp, logits = self.engine.log_probs(model, mb, temp)
             return logp, self.engine.entropy(logits)
 
-        outs = self.engine.forward_micro(batch, self.spec.training.micro_batch_size, fn)
-        return Batch({"old_log_probs": torch.cat([o[0] for o in outs]).cpu(), "entropy": torch.cat([o[1] for o in outs]).cpu()})
+        outs = self.engine.forward_micro(batch, self.config.training.micro_batch_size, fn)
+        return Batch({"old_log_probs": torch.cat([o[0] for o in outs]).cpu(),
+                      "entropy": torch.cat([o[1] for o in outs]).cpu()})
 
     @register(Dispatch.DP_COMPUTE)
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """Epochs over mini-batches of this rank's shard with the algorithm's policy loss and aggregation; returns
         averaged loss statistics. The KL coefficient comes with the batch (an adaptive controller moves it)."""
-        spec, t = self.spec, self.spec.training
-        algo, temp = spec.algorithm, spec.rollout.temperature
+        c, t = self.config, self.config.training
+        algo, temp = c.algorithm, c.rollout.temperature
         policy_loss, aggregate = POLICY_LOSSES[algo.policy_loss or ""], LOSS_AGGREGATIONS[algo.loss_agg or ""]
         kl_estimate = KL_ESTIMATORS[algo.kl_estimator]
         clip = ClipConfig(algo.clip_ratio_low or t.clip_ratio, algo.clip_ratio_high or t.clip_ratio, algo.dual_clip)
@@ -149,7 +150,7 @@ class ActorRolloutWorker(CheckpointMixin):
                 stats["kl_loss"] = kl.item()
             return loss, stats
 
-        out = self.engine.ppo_update(batch, spec, loss_fn)
+        out = self.engine.ppo_update(batch, t, c.prompts_per_step, loss_fn)
         out["peak_memory_bytes"] = float(peak_memory_bytes())
         return out
 
@@ -161,7 +162,7 @@ class ActorRolloutWorker(CheckpointMixin):
         stats = ReshardStats()
         if self.hybrid is not None:
             shards = self.hybrid.transition(self.engine.named_shards(), stats)
-            if self.spec.rollout.engine == "megatron":  # megatron layers take megatron-named TP shards
+            if self.config.rollout.engine == "megatron":  # megatron layers take megatron-named TP shards
                 self.rollout.load_weights(shards)
             else:  # t_g = 1 into an engine that speaks HF names: the generation shards are whole tensors
                 self.rollout.load_weights(mm.megatron_to_hf_items(shards, self.engine.shape))
@@ -202,7 +203,7 @@ class ActorRolloutWorker(CheckpointMixin):
         """The same sums over the training engine's weights (collective under TP)."""
         if self.hybrid is not None:
             sums = {n: float(self.engine.gather_tp(n, t).double().sum()) for n, t in self.engine.named_shards()}
-            if self.spec.rollout.engine == "megatron":
+            if self.config.rollout.engine == "megatron":
                 return dict(sorted(sums.items()))
             return {"embedding": sums["embedding.word_embeddings.weight"]}
         for name, tensor in self.engine.full_params():

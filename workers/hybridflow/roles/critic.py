@@ -2,8 +2,6 @@
 reward; Safe-RLHF a second one for the cost (columns prefixed `cost_`)."""
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -14,7 +12,7 @@ from hybridflow.controller.worker_group import WorkerContext
 from hybridflow.engines.fsdp import FSDPEngine, sequence_inputs
 from hybridflow.models.builders import local_model_dir
 from hybridflow.roles.common import CheckpointMixin
-from hybridflow.spec import JobSpec
+from hybridflow.roles.config import CriticConfig
 
 
 def response_values(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -27,29 +25,26 @@ def response_values(model: nn.Module, batch: Batch) -> torch.Tensor:
 class CriticWorker(CheckpointMixin):
     checkpoint_name = "critic"
 
-    def __init__(self, ctx: WorkerContext, spec: dict[str, Any], model_dir: str, prefix: str = "") -> None:
+    def __init__(self, ctx: WorkerContext, config: CriticConfig, model_dir: str, prefix: str = "") -> None:
         from transformers import AutoModelForTokenClassification
 
         self.prefix = prefix  # reads `{prefix}values` and `{prefix}returns`
         self.checkpoint_name = f"{prefix}critic"
-        self.spec = JobSpec.model_validate(spec)
-        torch.manual_seed(self.spec.trainer.seed + 7)
-        s = self.spec
-        model_dir = local_model_dir(model_dir, s.models.critic or s.models.actor, s.trainer.seed)
+        self.config = config
+        torch.manual_seed(config.seed + 7)
         model = AutoModelForTokenClassification.from_pretrained(
-            model_dir, num_labels=1, dtype=getattr(torch, self.spec.models.actor.dtype)
-        )
-        t = self.spec.training
+            local_model_dir(model_dir, config.model, config.seed), num_labels=1, dtype=getattr(torch, config.dtype))
+        t = config.training
         self.engine = FSDPEngine(model, t.critic_lr, t.grad_clip, ctx.device)
 
     @register(Dispatch.DP_COMPUTE, blocking=False)
     def compute_values(self, batch: Batch) -> Batch:
-        outs = self.engine.forward_micro(batch, self.spec.training.micro_batch_size, response_values)
+        outs = self.engine.forward_micro(batch, self.config.training.micro_batch_size, response_values)
         return Batch({f"{self.prefix}values": torch.cat(outs).cpu() * batch["response_mask"]})
 
     @register(Dispatch.DP_COMPUTE)
     def update_critic(self, batch: Batch) -> dict[str, float]:
-        t = self.spec.training
+        t = self.config.training
 
         def loss_fn(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
             v = response_values(model, mb)
@@ -57,4 +52,4 @@ class CriticWorker(CheckpointMixin):
             loss, clip_frac = value_loss(v, mb[f"{p}values"], mb[f"{p}returns"], mb["response_mask"], t.value_clip)
             return loss, {"vf_loss": loss.item(), "vf_clip_frac": clip_frac.item()}
 
-        return self.engine.ppo_update(batch, self.spec, loss_fn)
+        return self.engine.ppo_update(batch, t, self.config.prompts_per_step, loss_fn)

@@ -1,8 +1,6 @@
 """An optional reward (or cost) model: a sequence classifier scoring prompt + response with one scalar."""
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -11,7 +9,7 @@ from hybridflow.controller.protocol import Dispatch, register
 from hybridflow.controller.worker_group import WorkerContext
 from hybridflow.engines.fsdp import FSDPEngine, sequence_inputs
 from hybridflow.models.builders import local_model_dir
-from hybridflow.spec import JobSpec
+from hybridflow.roles.config import ScoringConfig
 
 
 def last_token_scores(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -22,18 +20,15 @@ def last_token_scores(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 
 class RewardModelWorker:
-    def __init__(self, ctx: WorkerContext, spec: dict[str, Any], model_dir: str, judges: str = "reward") -> None:
+    def __init__(self, ctx: WorkerContext, config: ScoringConfig, model_dir: str) -> None:
         from transformers import AutoModelForTokenClassification
 
-        self.spec = JobSpec.model_validate(spec)
-        judged = self.spec.models.reward if judges == "reward" else self.spec.models.cost
-        src = judged.model if judged is not None else None
-        assert src is not None, f"a {judges} model worker needs spec.models.{judges}.model"
+        self.config = config
         model = AutoModelForTokenClassification.from_pretrained(
-            local_model_dir(model_dir, src, self.spec.trainer.seed), num_labels=1)
+            local_model_dir(model_dir, config.model, config.seed), num_labels=1)
         self.engine = FSDPEngine(model, lr=0.0, grad_clip=1.0, device=ctx.device, trainable=False)
 
     @register(Dispatch.DP_COMPUTE, blocking=False)
     def compute_rm_scores(self, batch: Batch) -> Batch:
-        outs = self.engine.forward_micro(batch, self.spec.training.micro_batch_size, last_token_scores)
+        outs = self.engine.forward_micro(batch, self.config.micro_batch_size, last_token_scores)
         return Batch({"rm_scores": torch.cat(outs).cpu()})

@@ -1,0 +1,66 @@
+"""The step's pure operations (no workers): dynamic sampling's group selection and refill, and advantages built
+from the algorithm's estimator with the KL controller's current coefficient."""
+import numpy as np
+import pytest
+import torch
+
+from hybridflow.controller.batch import Batch
+from hybridflow.controller.step import AlgorithmState, Step
+from hybridflow.spec import JobSpec
+
+
+def _step(**algorithm):
+    spec = JobSpec.model_validate({"algorithm": algorithm, "rollout": {"responsesPerPrompt": 2},
+                                   "trainer": {"promptsPerStep": 4}})
+    return Step(spec, {}, {}, {}, AlgorithmState.for_spec(spec), lambda: Batch())
+
+
+def _scored(scores, uid0=0):
+    n = len(scores)
+    return Batch({"scores": torch.tensor(scores, dtype=torch.float32), "response_mask": torch.ones(n, 3)},
+                 {"uid": np.repeat(np.arange(uid0, uid0 + n // 2), 2)})
+
+
+def test_dynamic_sampling_keeps_groups_whose_scores_differ_and_refills():
+    step = _step(name="dapo")
+    first = _scored([1.0, 0.0, 0.5, 0.5, 0.0, 0.0, 0.2, 0.3])  # groups: varied, same, same, varied
+    kept = step.groups_with_varied_scores(first)
+    assert [g["uid"][0] for g in kept] == [0, 3]
+    second = _scored([0.0, 1.0, 1.0, 1.0], uid0=10)
+    kept += step.groups_with_varied_scores(second)
+    assert step.stats["sampled_groups"] == 6 and step.stats["kept_groups"] == 3
+    batch = step.fill_batch(kept, spare=second)  # one short after the last round: one spare group fills in
+    assert len(batch) == 8 and step.stats["filler_groups"] == 1
+    assert list(batch["uid"]) == [0, 0, 3, 3, 10, 10, 10, 10]
+    full = step.fill_batch(kept * 2, spare=second)
+    assert len(full) == 8 and step.stats["filler_groups"] == 0
+
+
+def test_advantages_use_the_estimator_and_the_controllers_kl_coefficient():
+    step = _step(name="reinforce_plus_plus", klCoef=0.5, klController="adaptive", targetKl=0.1)
+    batch = _scored([1.0, 0.0, 0.5, 0.25]).with_columns(
+        old_log_probs=torch.full((4, 3), -1.0), ref_log_probs=torch.full((4, 3), -1.5))
+    step.state.kl.value = 0.2  # as an adaptive controller may have moved it
+    _, returns = step.advantages(batch)
+    # k3 of log-ratio 0.5 per token, times 0.2, subtracted on each of 3 tokens; the score on the last one.
+    k3 = float(np.exp(-0.5) - 1 + 0.5)
+    assert float(returns[0, 0]) == pytest.approx(1.0 - 3 * 0.2 * k3, abs=1e-6)
+    _, no_kl = step.advantages(batch, kl_penalty=False)
+    assert float(no_kl[0, 0]) == pytest.approx(1.0)
+
+
+def test_a_program_that_never_updates_the_actor_is_an_error():
+    with pytest.raises(RuntimeError, match="never called update_actor"):
+        _step().summary()
+
+
+def test_the_step_summary_moves_an_adaptive_kl_coefficient_toward_its_target():
+    step = _step(name="grpo", klCoef=0.1, klController="adaptive", targetKl=0.01, klHorizon=100)
+    batch = _scored([1.0, 0.0, 0.5, 0.25]).with_columns(
+        old_log_probs=torch.full((4, 3), -1.0), ref_log_probs=torch.full((4, 3), -1.5), entropy=torch.ones(4, 3),
+        attention_mask=torch.ones(4, 5))
+    step.trained = batch  # as update_actor leaves it
+    stats = step.summary()
+    assert stats["kl_coef"] == pytest.approx(0.1)  # the coefficient the step trained with
+    assert stats["kl_mean"] > 0.01
+    assert step.state.kl.value == pytest.approx(0.1 * (1 + 0.2 * 4 / 100))  # KL above target: +20% x n/horizon
