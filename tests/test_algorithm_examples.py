@@ -85,3 +85,13 @@ def test_safe_rlhf_with_a_cost_model_on_its_own_pool(tmp_path, model_cache, ray_
     # A model's costs are real-valued; the top_ids rule can only give multiples of 1/6 per response.
     assert any(abs(r["cost_mean"] * 6 * 128 - round(r["cost_mean"] * 6 * 128)) > 1e-3 for r in records)
 
+    # One more step, resumed from the step-2 checkpoint: the multiplier continues from its saved value.
+    out = run_cli(["run", str(job), "--steps", "3", "--metrics-port", "0", "--ray-temp-dir", ray_tmp, "--engine",
+                   "hf"], cwd=tmp_path, env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    third = read_step_log(tmp_path / "run")[2]
+    saved = records[1]["lagrange_multiplier"]
+    assert saved != pytest.approx(a["lambdaInit"])
+    assert third["lagrange_multiplier"] == pytest.approx(
+        max(0.0, saved + a["lambdaLr"] * (third["cost_mean"] - a["costLimit"])), rel=1e-5)
+
