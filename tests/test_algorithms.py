@@ -423,6 +423,28 @@ def test_every_registered_piece_has_a_reference():
     assert set(KL_ESTIMATORS.names()) == {"k1", "k2", "k3"}  # each in test_kl_estimators
 
 
+def test_clip_range_defaults_come_with_the_loss():
+    from hybridflow.spec import JobSpec
+
+    def clip(**algorithm):
+        a = JobSpec.model_validate({"algorithm": algorithm}).algorithm
+        return a.clip_ratio_low, a.clip_ratio_high
+
+    assert clip(name="gspo") == clip(name="grpo", policyLoss="gspo") == (3e-4, 4e-4)
+    assert clip(name="gspo", policyLoss="ppo") == (None, None)  # training.clipRatio
+    assert clip(name="dapo") == (0.2, 0.28)
+    assert clip(name="grpo", policyLoss="gspo", clipRatioHigh=0.01) == (None, 0.01)
+
+
+def test_ppo_loss_stays_finite_for_extreme_ratios():
+    logp = torch.tensor([[0.0, -1000.0]], dtype=D, requires_grad=True)
+    old = torch.tensor([[-1000.0, 0.0]], dtype=D)
+    out = POLICY_LOSSES["ppo"](logp, old, torch.tensor([[-1.0, 1.0]], dtype=D), torch.ones(1, 2),
+                               ClipConfig(0.2, 0.2))
+    out.loss.sum().backward()
+    assert torch.isfinite(out.loss).all() and torch.isfinite(logp.grad).all()
+
+
 def test_truncated_importance_weights():
     from hybridflow.algorithms.losses import truncated_is_weights
 
@@ -457,6 +479,9 @@ def test_kl_controllers():
     restored = KL_CONTROLLERS["adaptive"](0.1, target=0.05, horizon=1000)
     restored.load(adaptive.state())
     assert restored.value == adaptive.value
+    changed = KL_CONTROLLERS["fixed"](0.3)  # a fixed coefficient is the spec's: a resumed job may change it
+    changed.load({"value": 0.1})
+    assert changed.value == 0.3
     with pytest.raises(ValueError, match="targetKl"):
         KL_CONTROLLERS["adaptive"](0.1, target=None)
 

@@ -29,9 +29,9 @@ def test_dynamic_sampling_keeps_groups_whose_scores_differ_and_refills():
     second = _scored([0.0, 1.0, 1.0, 1.0], uid0=10)
     kept += step.groups_with_varied_scores(second)
     assert step.stats["sampled_groups"] == 6 and step.stats["kept_groups"] == 3
-    batch = step.fill_batch(kept, spare=second)  # one short after the last round: one spare group fills in
+    batch = step.fill_batch(kept, spare=second)  # one short after the last round: its uniform group fills in
     assert len(batch) == 8 and step.stats["filler_groups"] == 1
-    assert list(batch["uid"]) == [0, 0, 3, 3, 10, 10, 10, 10]
+    assert list(batch["uid"]) == [0, 0, 3, 3, 10, 10, 11, 11]  # never a second copy of a kept group
     full = step.fill_batch(kept * 2, spare=second)
     assert len(full) == 8 and step.stats["filler_groups"] == 0
 
@@ -45,7 +45,7 @@ def test_advantages_use_the_estimator_and_the_controllers_kl_coefficient():
     # k3 of log-ratio 0.5 per token, times 0.2, subtracted on each of 3 tokens; the score on the last one.
     k3 = float(np.exp(-0.5) - 1 + 0.5)
     assert float(returns[0, 0]) == pytest.approx(1.0 - 3 * 0.2 * k3, abs=1e-6)
-    _, no_kl = step.advantages(batch, kl_penalty=False)
+    _, no_kl = step.advantages(batch, kl_weight=0.0)
     assert float(no_kl[0, 0]) == pytest.approx(1.0)
 
 

@@ -202,14 +202,14 @@ class Algorithm(_Spec):
                             "may change by 20%.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight in the actor loss.")
     clip_ratio_low: float | None = Field(None, gt=0, description="Ratio clipped below at 1 - this; default "
-                                         "training.clipRatio (gspo: 3e-4).")
+                                         "training.clipRatio (policyLoss gspo: 3e-4).")
     clip_ratio_high: float | None = Field(None, gt=0, description="Ratio clipped above at 1 + this; default "
-                                          "training.clipRatio (dapo: 0.28, gspo: 4e-4).")
+                                          "training.clipRatio (dapo: 0.28; policyLoss gspo: 4e-4).")
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip PPO: a negative advantage's loss is capped at "
                                     "-A * dualClip (e.g. 3); unset: off.")
     tis_cap: float | None = Field(None, gt=0, description="Truncated importance sampling against the rollout "
                                   "engine's own log-probs: each token's loss weighted by min(pi_train/pi_rollout, "
-                                  "tisCap) (e.g. 2); unset: off.")
+                                  "tisCap) (e.g. 2); unset: off. Needs rollout.topP 1.")
     max_sampling_rounds: int | None = Field(None, ge=1, description="dapo: generations per step to fill the batch "
                                             "with groups whose rewards differ (default 3).")
     overlong_buffer: int = Field(0, ge=0, description="Overlong shaping: responses within this many tokens of "
@@ -233,8 +233,12 @@ class Algorithm(_Spec):
         for key, value in {**_ALGORITHM_BASE_DEFAULTS, **ALGORITHMS[self.name].defaults}.items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
-        if self.kl_controller == "adaptive" and self.target_kl is None:
-            raise ValueError("klController adaptive needs targetKl (the KL per token to track, e.g. 0.05)")
+        loss_clip = POLICY_LOSSES.info(self.policy_loss or "")["clip"]  # e.g. gspo's, whichever algorithm uses it
+        if loss_clip is not None and self.clip_ratio_low is None and self.clip_ratio_high is None:
+            self.clip_ratio_low, self.clip_ratio_high = loss_clip
+        if self.kl_controller == "adaptive" and (self.target_kl is None or self.kl_coef <= 0):
+            raise ValueError("klController adaptive needs targetKl (the KL per token to track, e.g. 0.05) and "
+                             "klCoef > 0 (its starting value)")
         return self
 
 
@@ -516,6 +520,15 @@ def _algorithm_problems(spec: JobSpec) -> list[str]:
     if "baseline" in needs and a.name != "remax":
         out.append(f"spec.algorithm.advantageEstimator: {a.advantage_estimator} needs the greedy-response baseline "
                    "only the remax algorithm generates")
+    if algorithm.critic and "values" not in needs:
+        out.append(f"spec.algorithm.advantageEstimator: {a.name} trains a critic on GAE returns; "
+                   f"{a.advantage_estimator} gives none (use gae, or an algorithm without a critic)")
+    if a.tis_cap is not None and spec.rollout.top_p < 1:
+        out.append("spec.algorithm.tisCap: the generation engines report log-probs over the top-p nucleus, the "
+                   "trainer over the whole vocabulary, so the weights would be biased; set rollout.topP: 1")
+    if a.overlong_buffer > spec.rollout.max_response_length:
+        out.append(f"spec.algorithm.overlongBuffer = {a.overlong_buffer} exceeds rollout.maxResponseLength = "
+                   f"{spec.rollout.max_response_length}: every response, even an empty one, would be penalised")
     if algorithm.cost and spec.models.cost is None:
         out.append(f"spec.models.cost: {a.name} needs a cost, e.g. cost: {{type: rule, rule: top_ids}}")
     if not algorithm.cost and spec.models.cost is not None:
@@ -525,6 +538,8 @@ def _algorithm_problems(spec: JobSpec) -> list[str]:
         out.append(f"spec.models.cost.type: a cost is a rule or a model, got {c.type}")
     if c is not None and c.type == "rule" and (c.rule is None or c.rule not in RULES):
         out.append(f"spec.models.cost.rule: name a registered rule ({', '.join(sorted(RULES))}), got {c.rule!r}")
+    elif c is not None and c.type == "rule" and c.rule == "arithmetic_exact" and spec.models.actor.source == "tiny":
+        out.append("spec.models.cost.rule: arithmetic_exact needs a model with a tokenizer (source smollm2 or path)")
     return out
 
 

@@ -25,6 +25,7 @@ class AdvantageInputs:
     gamma: float = 1.0
     lam: float = 1.0
     norm_by_std: bool = True
+    whiten: bool = True  # gae: whiten over the batch (Safe-RLHF combines raw reward and cost advantages instead)
     eps: float = 1e-6
 
     @property
@@ -53,7 +54,8 @@ def _discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
 
 @ADVANTAGE_ESTIMATORS.register("gae", needs={"values"})
 def gae(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation (whitened over the batch) and returns = advantages + values.
+    """Generalised advantage estimation (whitened over the batch unless `whiten` is off) and returns = advantages +
+    values.
 
     Positions beyond the response (mask 0) are skipped, so a right-padded response ends at its last real token.
     """
@@ -69,7 +71,7 @@ def gae(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
         next_value = values[:, t].where(real, next_value)
         adv[:, t] = last
     returns = adv + values
-    return masked_whiten(adv, mask) * mask, returns * mask
+    return (masked_whiten(adv, mask) if x.whiten else adv) * mask, returns * mask
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo", needs={"groups"})

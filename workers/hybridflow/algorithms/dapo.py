@@ -1,6 +1,7 @@
 """DAPO (Yu et al. 2025): GRPO's dataflow plus dynamic sampling - a group whose responses all score the same has
 zero advantage and teaches nothing, so it is dropped and more prompts are sampled until the batch is full (at most
-maxSamplingRounds generations). Clip-higher, token-level aggregation and overlong shaping come as its defaults."""
+maxSamplingRounds generations). Clip-higher and token-level aggregation come as its defaults; overlong shaping is
+algorithm.overlongBuffer (off unless set, since it depends on the response budget)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -14,13 +15,14 @@ if TYPE_CHECKING:
 
 def dapo_iteration(c: Step, prompts: Batch) -> None:
     informative: list[Batch] = []
-    for _ in range(c.algo.max_sampling_rounds):
+    for round_ in range(c.algo.max_sampling_rounds):
+        if round_:
+            prompts = c.next_prompts()
         batch = c.compute(c.generate(prompts), "reward")
         informative += c.groups_with_varied_scores(batch)
         if len(informative) >= c.prompts_per_step:
             break
-        prompts = c.next_prompts()
-    batch = c.fill_batch(informative, spare=batch)  # promptsPerStep groups; short only after the last round
+    batch = c.fill_batch(informative, spare=batch)  # short after the last round: topped up with uniform groups
     batch = c.compute(batch, "old_log_prob", "reference")
     advantages, _ = c.advantages(batch)
     batch = batch.with_columns(advantages=advantages)

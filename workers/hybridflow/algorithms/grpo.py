@@ -36,4 +36,4 @@ _outcome("reinforce_plus_plus", "REINFORCE++: discounted token returns with the 
 _outcome("reinforce_plus_plus_baseline", "REINFORCE++ with the group mean as baseline, whitened over the batch",
          advantage_estimator="reinforce_plus_plus_baseline")
 _outcome("gspo", "group advantages with a sequence-level importance ratio (GSPO), clipped as a whole",
-         policy_loss="gspo", loss_agg="seq-mean-token-mean", clip_ratio_low=3e-4, clip_ratio_high=4e-4)
+         policy_loss="gspo", loss_agg="seq-mean-token-mean")

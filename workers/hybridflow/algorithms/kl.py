@@ -48,7 +48,7 @@ class FixedKL:
         return {"value": self.value}
 
     def load(self, state: dict[str, Any]) -> None:
-        self.value = float(state["value"])
+        """Nothing to restore: a fixed coefficient is the spec's, so a resumed job with a new klCoef uses it."""
 
 
 @KL_CONTROLLERS.register("adaptive")
@@ -64,3 +64,6 @@ class AdaptiveKL(FixedKL):
     def update(self, measured_kl: float, n_steps: int) -> None:
         error = min(max(measured_kl / self.target - 1, -0.2), 0.2)
         self.value *= 1 + error * n_steps / self.horizon
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.value = float(state["value"])

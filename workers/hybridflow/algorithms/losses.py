@@ -47,13 +47,13 @@ def _clipped_objective(ratio: Tensor, adv: Tensor, clip: ClipConfig) -> TokenLos
     return TokenLosses(capped.where(negative, loss), clipped > unclipped, negative & (capped < loss))
 
 
-@POLICY_LOSSES.register("ppo")
+@POLICY_LOSSES.register("ppo", clip=None)  # None: training.clipRatio
 def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, clip: ClipConfig) -> TokenLosses:
     """PPO-clip per token: max(-A*r, -A*clip(r, 1-low, 1+high)), r = pi/pi_old; dual-clip when `clip.dual`."""
-    return _clipped_objective((logp - old_logp).exp(), adv, clip)
+    return _clipped_objective((logp - old_logp).clamp(-20, 20).exp(), adv, clip)
 
 
-@POLICY_LOSSES.register("gspo")
+@POLICY_LOSSES.register("gspo", clip=(3e-4, 4e-4))  # a sequence's ratio moves far less than a token's
 def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, clip: ClipConfig) -> TokenLosses:
     """GSPO: one importance ratio per sequence, exp(mean over its tokens of log pi/pi_old), clipped as a whole.
 
@@ -65,7 +65,9 @@ def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, clip: ClipCo
 
 @LOSS_AGGREGATIONS.register("token-mean")
 def token_mean(loss: Tensor, mask: Tensor) -> Tensor:
-    """Every token of the batch weighs the same (DAPO): long responses count for more."""
+    """Every token weighs the same (DAPO): long responses count for more. Exactly so within a micro-batch; across
+    micro-batches and ranks the engine weighs each micro-batch by its rows (as verl did before its global token
+    normalisation)."""
     return masked_mean(loss, mask)
 
 

@@ -1,8 +1,10 @@
 """Safe-RLHF (Dai et al. 2023; the paper's third dataflow): maximise reward subject to E[cost] <= costLimit.
 
-A reward critic and a cost critic give two GAE advantages; the Lagrangian multiplier lambda weighs them and rises
-while the batch's mean cost exceeds the limit (projected gradient ascent on the dual). lambda is saved in
-checkpoints and exported as a metric.
+A reward critic and a cost critic give two GAE advantages, left unwhitened so that lambda prices cost in its own
+units; the Lagrangian multiplier lambda weighs them and rises while the batch's mean cost exceeds the limit
+(projected gradient ascent on the dual; the paper's code uses Adam on log lambda). With KL in the reward, half the
+penalty goes on the reward and half on the cost, so its weight in (A_r - lambda A_c) / (1 + lambda) does not shrink
+as lambda grows. lambda is saved in checkpoints and exported as a metric.
 """
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ class Lagrangian:
 def safe_rlhf_iteration(c: Step, prompts: Batch) -> None:
     batch = c.generate(prompts)
     batch = c.compute(batch, "old_log_prob", "reference", "values", "cost_values", "reward", "cost")
-    reward_adv, returns = c.advantages(batch, scores="scores", values="values")
-    cost_adv, cost_returns = c.advantages(batch, scores="costs", values="cost_values", kl_penalty=False)
+    reward_adv, returns = c.advantages(batch, "scores", "values", kl_weight=0.5, whiten=False)
+    cost_adv, cost_returns = c.advantages(batch, "costs", "cost_values", kl_weight=-0.5, whiten=False)
     lam = c.lagrangian.update(float(batch["costs"].mean()))  # before the update, from this batch's cost
     batch = batch.with_columns(advantages=(reward_adv - lam * cost_adv) / (1 + lam), returns=returns,
                                cost_returns=cost_returns)

@@ -8,6 +8,7 @@ sum of its stages.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -132,15 +133,17 @@ class Step:
                 launched[stage] = getattr(self.roles[role], method)(batch)
             elif stage not in OPTIONAL_STAGES and stage not in self.scorers:
                 raise RuntimeError(f"stage '{stage}' needs the '{role}' role, which this job did not create")
-        data = resolve(batch)
-        local: dict[str, torch.Tensor] = {}
-        for stage in stages:
-            if stage not in launched and stage in self.scorers:
-                with self.clock(stage):
-                    local[stage], stats = self.scorers[stage](data)
-                self.stats.update(stats)
-        for stage, seconds in self._wait_stages(launched, t0).items():
-            self.clock.add(stage, seconds)
+        with ThreadPoolExecutor(1) as waiter:  # remote stages are timed while the controller scores locally
+            remote_seconds = waiter.submit(self._wait_stages, launched, t0)
+            data = resolve(batch)
+            local: dict[str, torch.Tensor] = {}
+            for stage in stages:
+                if stage not in launched and stage in self.scorers:
+                    with self.clock(stage):
+                        local[stage], stats = self.scorers[stage](data)
+                    self.stats.update(stats)
+            for stage, seconds in remote_seconds.result().items():
+                self.clock.add(stage, seconds)
         for stage, pending in launched.items():
             out = resolve(pending)
             if stage in ("reward", "cost"):
@@ -184,19 +187,19 @@ class Step:
 
     # -- advantages ----------------------------------------------------------------------------------------------
 
-    def advantages(self, batch: Batch, scores: str = "scores", values: str = "values", kl_penalty: bool = True,
-                   baseline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def advantages(self, batch: Batch, scores: str = "scores", values: str = "values", kl_weight: float = 1.0,
+                   baseline: torch.Tensor | None = None, whiten: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(advantages, returns) by the configured estimator, from per-token rewards: the score on the last token,
-        minus coef * KL on every token when KL is in the reward."""
+        minus kl_weight * coef * KL on every token when KL is in the reward."""
         a = self.algo
         with self.clock("advantages"):
             mask = batch["response_mask"]
             kl = self._kl(batch)
-            coef = self.state.kl.value if (kl_penalty and a.kl_in == "reward") else 0.0
+            coef = kl_weight * self.state.kl.value if a.kl_in == "reward" else 0.0
             inputs = AdvantageInputs(
                 token_rewards(batch[scores], mask, kl, coef), mask,
                 torch.as_tensor(batch["uid"].astype(np.int64)),
-                batch[values] if values in batch else None, baseline, a.gamma, a.lam, bool(a.norm_adv_by_std))
+                batch[values] if values in batch else None, baseline, a.gamma, a.lam, bool(a.norm_adv_by_std), whiten)
             return ADVANTAGE_ESTIMATORS[a.advantage_estimator or ""](inputs)
 
     def _kl(self, batch: Batch) -> torch.Tensor | None:
@@ -209,18 +212,18 @@ class Step:
     def groups_with_varied_scores(self, batch: Batch) -> list[Batch]:
         """The batch's groups (responses to one prompt) whose scores are not all equal."""
         groups = batch.chunk(len(batch) // self.responses_per_prompt)
-        kept = [g for g in groups if float(g["scores"].max() - g["scores"].min()) > 1e-6]
+        kept = [g for g in groups if _varied(g)]
         self.stats["sampled_groups"] = self.stats.get("sampled_groups", 0.0) + len(groups)
         self.stats["kept_groups"] = self.stats.get("kept_groups", 0.0) + len(kept)
         return kept
 
     def fill_batch(self, groups: list[Batch], spare: Batch) -> Batch:
-        """promptsPerStep groups: the informative ones first, then (after the last round) spare ones, which have zero
-        advantage and only keep the batch its size."""
+        """promptsPerStep groups: the informative ones first; if the last round left it short, the last round's
+        uniform groups (zero advantage: they keep the batch its size and teach nothing)."""
         need = self.prompts_per_step
-        fill = spare.chunk(len(spare) // self.responses_per_prompt)
+        uniform = [g for g in spare.chunk(len(spare) // self.responses_per_prompt) if not _varied(g)]
         self.stats["filler_groups"] = float(max(0, need - len(groups)))
-        return Batch.concat((groups + fill * need)[:need])
+        return Batch.concat((groups + uniform)[:need])
 
     # -- updates -------------------------------------------------------------------------------------------------
 
@@ -265,6 +268,10 @@ class Step:
             gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
             out["rollout_log_prob_gap"] = float(masked_mean(gap, mask))
         return out
+
+
+def _varied(group: Batch) -> bool:
+    return float(group["scores"].max() - group["scores"].min()) > 1e-6
 
 
 def run_program(spec: JobSpec, step: Step, prompts: Batch) -> tuple[dict[str, float], dict[str, float]]:
