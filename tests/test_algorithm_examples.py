@@ -37,8 +37,11 @@ def test_algorithm_example_learns(tmp_path, model_cache, ray_tmp, stem):
     assert f"job tiny-{stem}: {algo['name']}" in out.stdout
     for stage in ("generate", "old_log_prob", "reward", "advantages", "actor_update", "reshard"):
         assert last["stages"][stage] > 0, stage
-    # vLLM's own log-probs (after temperature) agree with the trainer's forward pass on the same weights.
-    assert 0 <= last["rollout_log_prob_gap"] < 1e-3
+    # With truncated IS on (dapo's example), vLLM returns its own log-probs (after temperature); they agree with the
+    # trainer's forward pass on the same weights. Without it none are asked for (vLLM's first such call is slow).
+    assert ("rollout_log_prob_gap" in last) == ("tisCap" in algo)
+    if "tisCap" in algo:
+        assert 0 <= last["rollout_log_prob_gap"] < 1e-3
 
     if algo["name"] == "safe_rlhf":
         # The cost stays at or under its limit on held-out prompts while the reward rises; the constraint was

@@ -79,9 +79,9 @@ JOB_OVERVIEW = Dashboard(
                                                       f"avg by (rlhfjob) (hybridflow_kl_coefficient{JOB})"), width=8,
               description="The coefficient moves only with klController adaptive."),
         Panel("Trainer vs rollout log-prob gap", (f"avg by (rlhfjob) (hybridflow_rollout_log_prob_gap{JOB})",),
-              width=8, description="Mean |log pi_train - log pi_rollout| per token on the same weights: near 0 "
-                                   "unless the generation engine samples from a different distribution (then "
-                                   "consider algorithm.tisCap)."),
+              width=8, description="With algorithm.tisCap set: mean |log pi_train - log pi_rollout| per token on "
+                                   "the same weights, near 0 unless the generation engine samples from a "
+                                   "different distribution than the trainer computes."),
         Panel("Response length (tokens)", (f"avg by (rlhfjob) (hybridflow_response_length_tokens_mean{JOB})",),
               width=8),
         Panel("Entropy and clip fraction", (f"avg by (rlhfjob) (hybridflow_entropy_mean{JOB})",

@@ -99,7 +99,8 @@ class MegatronRollout:
             for i in range(B):
                 if not done[i]:
                     out[i].tokens.append(int(nxt[i]))
-                    out[i].log_probs.append(float(logp[i]))
+                    if cfg.log_probs:
+                        out[i].log_probs.append(float(logp[i]))
             done |= torch.isin(nxt, stops)
             if bool(done.all()):
                 break

@@ -21,12 +21,13 @@ class SamplingConfig:
     top_p: float = 1.0
     greedy: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    log_probs: bool = False  # also return each token's log-prob (vLLM's first such call costs seconds of set-up)
 
 
 @dataclass
 class Generation:
     tokens: list[int]
-    log_probs: list[float]  # the engine's own log-prob of each token, after temperature (truncated IS compares them)
+    log_probs: list[float]  # the engine's own log-prob of each token after temperature, when asked (truncated IS)
 
 
 class RolloutEngine(Protocol):
@@ -85,7 +86,7 @@ class VLLMRollout:
                 detokenize=False,
                 ignore_eos=not cfg.stop_token_ids,
                 stop_token_ids=list(cfg.stop_token_ids) or None,
-                logprobs=0,  # the sampled token's own log-prob
+                logprobs=0 if cfg.log_probs else None,  # the sampled token's own log-prob
             )
 
         made = {cfg: params(cfg) for cfg in set(cfgs)}
@@ -175,11 +176,14 @@ class HFRollout:
             top_k=0 if not cfg.greedy else None,
             eos_token_id=list(cfg.stop_token_ids) or None,
             pad_token_id=pad,
-            output_scores=True,  # the processed (temperature-scaled) scores each token was sampled from
+            output_scores=cfg.log_probs,  # the processed (temperature-scaled) scores each token was sampled from
             return_dict_in_generate=True,
         )
         tokens = out.sequences[:, P:]
-        logprobs = torch.stack(out.scores, 1).float().log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
+        if cfg.log_probs:
+            logprobs = torch.stack(out.scores, 1).float().log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
+        else:
+            logprobs = torch.zeros(tokens.shape)
         responses = []
         for row, lps in zip(tokens.tolist(), logprobs.tolist()):
             resp = []
@@ -187,7 +191,7 @@ class HFRollout:
                 resp.append(tok)
                 if tok in cfg.stop_token_ids:
                     break
-            responses.append(Generation(resp, lps[: len(resp)]))
+            responses.append(Generation(resp, lps[: len(resp)] if cfg.log_probs else []))
         return responses
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

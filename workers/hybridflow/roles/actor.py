@@ -91,14 +91,18 @@ class ActorRolloutWorker(CheckpointMixin):
         """Prompts (non-tensor column `prompt_ids`; rows flagged in `greedy` decode greedily) -> packed
         prompt+response tensors and the engine's own log-probs; other columns pass through."""
         r = self.config.rollout
-        sampled = SamplingConfig(r.max_response_length, r.temperature, r.top_p, greedy, self.stop_token_ids)
+        # Truncated IS compares the engine's log-probs with the trainer's; evaluation (greedy=True) needs none.
+        want_log_probs = self.config.algorithm.tis_cap is not None and not greedy
+        sampled = SamplingConfig(r.max_response_length, r.temperature, r.top_p, greedy, self.stop_token_ids,
+                                 want_log_probs)
         greedy_cfg = replace(sampled, greedy=True)
         flags = batch["greedy"] if "greedy" in batch else [greedy] * len(batch)
         t0 = time.perf_counter()
         prompts = [list(p) for p in batch["prompt_ids"]]
         out = self.rollout.generate(prompts, [greedy_cfg if g else sampled for g in flags]) if prompts else []
         packed = pack_rollout(prompts, [g.tokens for g in out], r.max_prompt_length, r.max_response_length)
-        packed["rollout_log_probs"] = pad_log_probs([g.log_probs for g in out], r.max_response_length)
+        if want_log_probs:
+            packed["rollout_log_probs"] = pad_log_probs([g.log_probs for g in out], r.max_response_length)
         result = Batch(packed, batch.non_tensors)
         result.meta["generate_seconds"] = time.perf_counter() - t0
         return result
