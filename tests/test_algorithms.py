@@ -219,6 +219,16 @@ def _real(i):
     return int(MASK6[i].sum())
 
 
+def _ref_whitened_tokens(per_token):
+    """`_plain_whiten` over the real tokens of all six responses, put back in place (0 on padding)."""
+    flat = _plain_whiten([per_token[i][t] for i in range(6) for t in range(_real(i))])
+    out, k = [[0.0] * 4 for _ in range(6)], 0
+    for i in range(6):
+        for t in range(_real(i)):
+            out[i][t], k = flat[k], k + 1
+    return out
+
+
 def _ref_scores(r):
     return [sum(r[i][:_real(i)]) for i in range(6)]
 
@@ -258,24 +268,13 @@ def ref_rloo(r, values, baseline):
 
 
 def ref_reinforce_plus_plus(r, values, baseline):
-    ret = _ref_returns(r, 0.9)
-    flat = _plain_whiten([ret[i][t] for i in range(6) for t in range(_real(i))])
-    out, k = [[0.0] * 4 for _ in range(6)], 0
-    for i in range(6):
-        for t in range(_real(i)):
-            out[i][t], k = flat[k], k + 1
-    return out
+    return _ref_whitened_tokens(_ref_returns(r, 0.9))
 
 
 def ref_reinforce_plus_plus_baseline(r, values, baseline):
     s = _ref_scores(r)
     centred = [s[i] - sum(s[j] for j in _ref_members(i)) / 3 for i in range(6)]
-    flat = _plain_whiten([centred[i] for i in range(6) for t in range(_real(i))])
-    out, k = [[0.0] * 4 for _ in range(6)], 0
-    for i in range(6):
-        for t in range(_real(i)):
-            out[i][t], k = flat[k], k + 1
-    return out
+    return _ref_whitened_tokens([[centred[i]] * 4 for i in range(6)])
 
 
 def ref_remax(r, values, baseline):
@@ -291,12 +290,7 @@ def ref_gae(r, values, baseline):
             nv = values[i][t + 1] if t + 1 < _real(i) else 0.0
             last = r[i][t] + 0.9 * nv - values[i][t] + 0.9 * 0.8 * last
             raw[i][t] = last
-    flat = _plain_whiten([raw[i][t] for i in range(6) for t in range(_real(i))])
-    out, k = [[0.0] * 4 for _ in range(6)], 0
-    for i in range(6):
-        for t in range(_real(i)):
-            out[i][t], k = flat[k], k + 1
-    return out
+    return _ref_whitened_tokens(raw)
 
 
 ESTIMATOR_REFERENCES = {"grpo": ref_grpo, "rloo": ref_rloo, "reinforce_plus_plus": ref_reinforce_plus_plus,

@@ -13,6 +13,7 @@ import torch
 
 from hybridflow.algorithms import ALGORITHMS
 from hybridflow.controller.batch import Batch
+from hybridflow.controller.step import Scorer
 from hybridflow.controller.worker_group import ResourcePool, RoleSpec, WorkerGroup
 from hybridflow.data.files import PromptRenderer, load_prompt_files
 from hybridflow.data.packing import unpack_prompts, unpack_responses
@@ -236,9 +237,9 @@ def cost_scores(batch: Batch, task: Task) -> tuple[torch.Tensor, dict[str, float
     return torch.tensor(costs, dtype=torch.float32), {}
 
 
-def controller_scorers(task: Task) -> dict[str, Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]]:
+def controller_scorers(task: Task) -> dict[str, Scorer]:
     """The stages scored on the controller rather than by a model: rules and reward functions."""
-    out: dict[str, Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]] = {}
+    out: dict[str, Scorer] = {}
     if task.rule is not None or task.text_reward is not None:
         out["reward"] = lambda batch: reward_scores(batch, task)
     if task.cost_rule is not None:

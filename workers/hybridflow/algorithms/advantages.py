@@ -38,8 +38,13 @@ Estimator = Callable[[AdvantageInputs], "tuple[Tensor, Tensor]"]
 ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
 
 
-def _groups(group: Tensor) -> list[Tensor]:
-    return [group == g for g in group.unique()]
+def _within_groups(scores: Tensor, group: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """fn applied to the scores of each prompt's responses, back in the batch's order."""
+    out = scores.new_zeros(scores.shape)
+    for g in group.unique():
+        idx = group == g
+        out[idx] = fn(scores[idx])
+    return out
 
 
 def _discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
@@ -77,29 +82,22 @@ def gae(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
 @ADVANTAGE_ESTIMATORS.register("grpo", needs={"groups"})
 def grpo(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """(score - group mean) / group std (std dropped with normAdvByStd false: Dr. GRPO), on every token."""
-    scores = x.scores
-    adv = scores.new_zeros(scores.shape)
-    for idx in _groups(x.group):
-        s = scores[idx]
-        centred = s - s.mean()
-        if x.norm_by_std:
-            std = s.std() if s.numel() > 1 else s.new_ones(())
-            centred = centred / (std + x.eps)
-        adv[idx] = centred
-    out = broadcast(adv, x.mask)
+    def normalised(s: Tensor) -> Tensor:
+        if not x.norm_by_std:
+            return s - s.mean()
+        return (s - s.mean()) / ((s.std() if s.numel() > 1 else s.new_ones(())) + x.eps)
+
+    out = broadcast(_within_groups(x.scores, x.group, normalised), x.mask)
     return out, out
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo", needs={"groups"})
 def rloo(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """REINFORCE leave-one-out: each score minus the mean of the other responses to the same prompt."""
-    scores = x.scores
-    adv = scores.new_zeros(scores.shape)
-    for idx in _groups(x.group):
-        s = scores[idx]
-        n = s.numel()
-        adv[idx] = (s - (s.sum() - s) / (n - 1)) if n > 1 else s * 0
-    out = broadcast(adv, x.mask)
+    def leave_one_out(s: Tensor) -> Tensor:
+        return s - (s.sum() - s) / (s.numel() - 1) if s.numel() > 1 else s * 0
+
+    out = broadcast(_within_groups(x.scores, x.group, leave_one_out), x.mask)
     return out, out
 
 
@@ -113,11 +111,7 @@ def reinforce_plus_plus(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline", needs={"groups"})
 def reinforce_plus_plus_baseline(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """REINFORCE++ with a baseline: score minus its group mean, then whitened over the whole batch."""
-    scores = x.scores
-    centred = scores.new_zeros(scores.shape)
-    for idx in _groups(x.group):
-        centred[idx] = scores[idx] - scores[idx].mean()
-    out = broadcast(centred, x.mask)
+    out = broadcast(_within_groups(x.scores, x.group, lambda s: s - s.mean()), x.mask)
     return masked_whiten(out, x.mask) * x.mask, out
 
 

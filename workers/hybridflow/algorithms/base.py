@@ -33,5 +33,5 @@ ALGORITHMS: Registry[Algorithm] = Registry("algorithm")
 
 
 def register_algorithm(algorithm: Algorithm) -> Algorithm:
-    ALGORITHMS.add(algorithm.name, algorithm, summary=algorithm.summary)
+    ALGORITHMS.add(algorithm.name, algorithm)
     return algorithm

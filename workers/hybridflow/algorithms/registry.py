@@ -5,7 +5,7 @@ them stay importable without torch (the operator image has none): numeric code u
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -41,9 +41,6 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names())
 
     def names(self) -> list[str]:
         return sorted(self._entries)
