@@ -5,6 +5,7 @@ from __future__ import annotations
 from kube.harness import wait_for
 
 from e2e.helpers import job_variant, live_pod_names, phase
+from e2e.worlds import current_head
 
 STEPS = 30
 LONG = {"trainer": {"steps": STEPS, "saveFreq": 3}, "metrics": {"port": 8000, "lingerSeconds": 0}}
@@ -20,6 +21,13 @@ def _finish(world, name, head):
     return world.kube.status(name)
 
 
+def _restart_reasons(world, name: str) -> str:
+    """Why each gang restart happened, and the newest head's log: what a failed scenario needs to be read."""
+    why = [e.message for e in world.kube.events() if e.involved_object.name == name and e.reason == "GangRestart"]
+    head = current_head(world.kube, name)
+    return f"restarts: {why}; {head}: {world.logs(head)[-3000:]}"
+
+
 def test_killed_worker_restarts_the_gang_and_resumes_from_the_checkpoint(world, tmp_path):
     name = "fault-worker"
     _start(world, tmp_path, name)
@@ -29,7 +37,7 @@ def test_killed_worker_restarts_the_gang_and_resumes_from_the_checkpoint(world, 
     wait_for(lambda: world.kube.status(name).get("restarts") == 1, 120, "the gang restart")
     st = _finish(world, name, f"{name}-head-g1")
     assert st["phase"] == "Succeeded", st
-    assert st["restarts"] == 1
+    assert st["restarts"] == 1, _restart_reasons(world, name)
     assert world.step_log(name) == list(range(1, STEPS + 1)), "a step was lost or repeated"
     resumed = world.logs(f"{name}-head-g1")
     start = int(resumed.split("(from step ")[1].split(")")[0])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hybridflow.controller.batch import Batch
-from hybridflow.controller.step import AlgorithmState, Step
+from hybridflow.controller.step import AlgorithmState, Step, stage_seconds
 from hybridflow.spec import JobSpec
 
 
@@ -64,3 +64,14 @@ def test_the_step_summary_moves_an_adaptive_kl_coefficient_toward_its_target():
     assert stats["kl_coef"] == pytest.approx(0.1)  # the coefficient the step trained with
     assert stats["kl_mean"] > 0.01
     assert step.state.kl.value == pytest.approx(0.1 * (1 + 0.2 * 4 / 100))  # KL above target: +20% x n/horizon
+
+
+def test_stage_seconds_start_when_the_pool_is_free_and_are_never_negative():
+    # old_log_prob and ref share the actor pool, values runs on the critic pool; launched at t=10.
+    launched = [("old_log_prob", "actor"), ("ref", "actor"), ("values", "critic")]
+    in_order = stage_seconds(launched, {"old_log_prob": 12.0, "ref": 15.0, "values": 11.0}, 10.0)
+    assert in_order == {"old_log_prob": 2.0, "ref": 3.0, "values": 1.0}
+    # A busy machine reorders the pool's results: ref's last row lands before old_log_prob's. Prometheus counters
+    # refuse a negative increment, which once failed a resumed job.
+    reordered = stage_seconds(launched, {"old_log_prob": 15.0, "ref": 12.0, "values": 11.0}, 10.0)
+    assert reordered == {"old_log_prob": 5.0, "ref": 0.0, "values": 1.0}

@@ -92,7 +92,7 @@ class JobMetrics:
             self.reward_errors.labels(j).inc(rec["reward_errors"])
         for stage, secs in stages.items():
             self.stage.labels(j, stage).set(secs)
-            self.stage_total.labels(j, stage).inc(secs)
+            self.stage_total.labels(j, stage).inc(max(0.0, secs))  # a counter refuses less; a metric never fails a job
         for key, gauge in self.gauges.items():
             if key in rec:
                 gauge.labels(j).set(rec[key])

@@ -51,6 +51,20 @@ class StageClock:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
 
+def stage_seconds(launched: list[tuple[str, str]], done_at: dict[str, float], t0: float) -> dict[str, float]:
+    """Each remote stage's seconds from (stage, pool) in launch order and when each one's last result came: a
+    stage's time starts when its pool was free, i.e. at launch or when the pool's previous stage ended. Stages of
+    one pool can finish out of launch order (their rows sit on different ranks, a busy machine reorders them):
+    such a stage took no time of its own, never negative time."""
+    seconds: dict[str, float] = {}
+    free_at: dict[str, float] = {}
+    for stage, pool in launched:
+        start = free_at.get(pool, t0)
+        seconds[stage] = max(0.0, done_at[stage] - start)
+        free_at[pool] = max(start, done_at[stage])
+    return seconds
+
+
 @dataclass
 class AlgorithmState:
     """What an algorithm carries from step to step (saved in checkpoints): the KL coefficient and the multiplier."""
@@ -177,13 +191,7 @@ class Step:
                 if not pending[stage]:
                     done_at[stage] = now
                     del pending[stage]
-        seconds, free_at = {}, {}
-        for stage in launched:  # launch order = the order a pool runs them
-            pool = self.pools[REMOTE_STAGES[stage][0]]
-            start = max(t0, free_at.get(pool, t0))
-            seconds[stage] = done_at[stage] - start
-            free_at[pool] = done_at[stage]
-        return seconds
+        return stage_seconds([(s, self.pools[REMOTE_STAGES[s][0]]) for s in launched], done_at, t0)
 
     # -- advantages ----------------------------------------------------------------------------------------------
 
