@@ -1,5 +1,11 @@
-"""Atomic checkpoints, corrupt-checkpoint fallback and step-log rewinding (no models needed)."""
+"""Atomic checkpoints, corrupt-checkpoint fallback, step-log rewinding, whose checkpoint it is, full disks and
+hostile files (no models needed)."""
+import errno
+import json
 import logging
+import os
+
+import pytest
 
 from hybridflow import checkpoint as ck
 
@@ -56,3 +62,223 @@ def test_step_log_rewind_and_torn_line(tmp_path):
     assert [r["step"] for r in ck.read_step_log(tmp_path)] == [1, 2, 3, 4, 5]
     assert ck.rewind_step_log(tmp_path, 3) == 2
     assert [r["step"] for r in ck.read_step_log(tmp_path)] == [1, 2, 3]
+
+
+# --- whose checkpoint: per-job directories, identity checks on resume and save --------------------------------
+
+def _ident(job="job-a", hidden=64, namespace="team"):
+    from hybridflow.spec import ModelSource
+
+    src = ModelSource(tiny={"hidden_size": hidden})
+    return ck.identity(job, namespace, {"actor": ck.model_architecture(src)})
+
+
+def _make_for(root, step, ident, keep=3):
+    st = ck.staging_dir(root, step)
+    (st / "actor.pt").write_bytes(bytes([step]) * 1000)
+    return ck.seal(root, st, step, {"data_position": step}, keep=keep, ident=ident)
+
+
+def test_job_checkpoint_dir_is_one_directory_per_job():
+    root = "/var/lib/hybridflow/checkpoints"
+    assert ck.job_checkpoint_dir(root, "team", "job-a") == f"{root}/team/job-a"
+    assert ck.job_checkpoint_dir(root, None, "job-a") == f"{root}/job-a"
+    assert ck.job_checkpoint_dir(root, "team", "job-b") != ck.job_checkpoint_dir(root, "team", "job-a")
+    assert ck.job_checkpoint_dir(root, "other", "job-a") != ck.job_checkpoint_dir(root, "team", "job-a")
+    for bad in ("..", "", "a/b"):
+        with pytest.raises(ValueError):
+            ck.job_checkpoint_dir(root, "team", bad)
+
+
+def test_identity_is_recorded_and_restore_refuses_another_job(tmp_path):
+    ckpt = _make_for(tmp_path, 1, _ident("job-a"))
+    assert ck.read_identity(ckpt)["job"] == "job-a"
+    ck.check_compatible(ckpt, _ident("job-a"))  # its own job resumes
+    with pytest.raises(ck.CheckpointError) as err:
+        ck.check_compatible(ckpt, _ident("job-b"))
+    msg = str(err.value)
+    assert str(ckpt) in msg and "team/job-a" in msg and "team/job-b" in msg and "spec.trainer.checkpointDir" in msg
+
+
+def test_restore_refuses_an_incompatible_model(tmp_path):
+    ckpt = _make_for(tmp_path, 1, _ident(hidden=64))
+    with pytest.raises(ck.CheckpointError) as err:
+        ck.check_compatible(ckpt, _ident(hidden=128))
+    msg = str(err.value)
+    assert str(ckpt) in msg and "hidden_size 64 there, 128 here" in msg
+    assert "spec.trainer.checkpointDir" in msg and "spec.trainer.resume: never" in msg
+
+
+def test_model_architecture_is_shapes_not_dtype(tmp_path):
+    from hybridflow.spec import ModelSource
+
+    arch = ck.model_architecture
+    assert arch(ModelSource(dtype="bfloat16")) == arch(ModelSource(dtype="float32"))  # load_state_dict casts
+    assert arch(ModelSource(tiny={"num_layers": 3})) != arch(ModelSource())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 576, "rope_theta": 1.0}))
+    assert arch(ModelSource(source="path", path=str(tmp_path))) == {"source": "path", "model_type": "llama",
+                                                                     "hidden_size": 576}
+
+
+def test_old_checkpoint_without_identity_is_accepted_with_a_warning(tmp_path, caplog):
+    ckpt = _make(tmp_path, 1)  # written without identity, as before
+    with caplog.at_level(logging.WARNING, logger="hybridflow.checkpoint"):
+        ck.check_compatible(ckpt, _ident())
+    assert "records no model" in caplog.text
+    st = ck.staging_dir(tmp_path, 2)  # older versions named the job in the trainer state: still checked
+    old = ck.seal(tmp_path, st, 2, {"data_position": 2, "job": "job-b"}, keep=3)
+    with pytest.raises(ck.CheckpointError, match="job-b"):
+        ck.check_compatible(old, _ident("job-a"))
+
+
+def test_loop_restore_refuses_before_loading_weights(tmp_path):
+    from types import SimpleNamespace
+
+    from hybridflow import loop
+    from hybridflow.spec import RLHFJob
+
+    _make_for(tmp_path, 1, _ident("job-a"))
+    loaded = []
+    actor = SimpleNamespace(load_checkpoint=loaded.append, sync_rollout_weights=lambda: None)
+    w = SimpleNamespace(roles={"actor": actor})
+    other = RLHFJob(metadata={"name": "job-b", "namespace": "team"})
+    with pytest.raises(ck.CheckpointError, match="belongs to job 'team/job-a'"):
+        loop.restore(w, tmp_path, SimpleNamespace(load=lambda s: None), job=other)
+    assert loaded == []
+    own = RLHFJob(metadata={"name": "job-a", "namespace": "team"})
+    assert loop.restore(w, tmp_path, SimpleNamespace(load=lambda s: None), job=own) == (1, 1)
+    assert loaded == [str(tmp_path / "step_00000001")]
+
+
+def test_save_refuses_a_directory_of_another_job_and_leaves_it_alone(tmp_path):
+    theirs = _make_for(tmp_path, 5, _ident("job-a"))
+    with pytest.raises(ck.CheckpointError, match="holds checkpoints of job 'team/job-a'"):
+        with ck.writing(tmp_path, 1, _ident("job-b")):
+            raise AssertionError("nothing may be written")
+    assert ck.list_checkpoints(tmp_path) == [theirs] and ck.verify(theirs) is None
+    assert not list(tmp_path.glob(".step_*"))
+    _make_for(tmp_path, 1, _ident("job-b"), keep=1)  # even a direct seal never prunes another job's checkpoint
+    assert theirs.is_dir()
+
+
+# --- pruning counts only intact checkpoints ----------------------------------------------------------------------
+
+def test_pruning_never_counts_corrupt_checkpoints(tmp_path):
+    ident = _ident()
+    _make_for(tmp_path, 1, ident, keep=2)
+    p2 = _make_for(tmp_path, 2, ident, keep=2)
+    (p2 / "actor.pt").write_bytes(b"bit rot")
+    (tmp_path / "step_00000003").mkdir()  # half-written, no manifest
+    _make_for(tmp_path, 4, ident, keep=2)
+    names = [p.name for p in ck.list_checkpoints(tmp_path)]
+    assert names == ["step_00000001", "step_00000004"], "the corrupt ones must not push out the last good one"
+
+
+def test_a_fresh_run_replaces_later_and_other_model_checkpoints(tmp_path):
+    """resume: never in a directory of this job: a checkpoint of its old model, and a later one of its old run,
+    neither count nor stay (else a later `resume: auto` would pick up the abandoned run)."""
+    _make_for(tmp_path, 1, _ident(hidden=64), keep=3)
+    _make_for(tmp_path, 9, _ident(hidden=128), keep=3)
+    _make_for(tmp_path, 2, _ident(hidden=128), keep=3)
+    _make_for(tmp_path, 3, _ident(hidden=128), keep=3)
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
+    assert ck.latest_good(tmp_path)[0].name == "step_00000003"
+
+
+# --- a full disk keeps the previous checkpoints -------------------------------------------------------------------
+
+def _enospc(*_a, **_k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_full_disk_while_a_role_writes_keeps_the_previous_checkpoint(tmp_path):
+    ident = _ident()
+    prev = _make_for(tmp_path, 2, ident)
+    with pytest.raises(ck.CheckpointError) as err:
+        with ck.writing(tmp_path, 3, ident) as st:
+            (st / "actor.pt.tmp").write_bytes(b"half")
+            _enospc()
+    msg = str(err.value)
+    assert "no space left on device" in msg and "step 3" in msg and str(tmp_path) in msg
+    assert "step_00000002 is kept" in msg
+    assert isinstance(err.value.__cause__, OSError)
+    assert ck.list_checkpoints(tmp_path) == [prev] and ck.verify(prev) is None
+    assert not list(tmp_path.glob(".step_*")), "the partial checkpoint must be removed"
+
+
+def test_full_disk_while_sealing_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    ident = _ident()
+    prev = _make_for(tmp_path, 2, ident)
+    monkeypatch.setattr(ck, "_write_json", _enospc)  # the trainer state or manifest write hits ENOSPC
+    with pytest.raises(ck.CheckpointError, match="no space left on device while saving checkpoint step 3"):
+        with ck.writing(tmp_path, 3, ident) as st:
+            (st / "actor.pt").write_bytes(b"x" * 100)
+            ck.seal(tmp_path, st, 3, {}, keep=1, ident=ident)
+    assert ck.list_checkpoints(tmp_path) == [prev] and ck.verify(prev) is None
+    assert not list(tmp_path.glob(".step_*"))
+
+
+def test_full_disk_in_a_worker_is_recognised_through_rays_wrapping(tmp_path):
+    exceptions = pytest.importorskip("ray.exceptions")
+    remote = exceptions.RayTaskError("save_checkpoint", "traceback", OSError(errno.ENOSPC, "No space left on "
+                                     "device")).as_instanceof_cause()
+    with pytest.raises(ck.CheckpointError, match="no space left on device"):
+        with ck.writing(tmp_path, 1, _ident()):
+            raise remote
+    with pytest.raises(ValueError):  # anything else passes through unchanged (and still cleans up)
+        with ck.writing(tmp_path, 1, _ident()):
+            raise ValueError("not a disk problem")
+    assert not list(tmp_path.glob(".step_*"))
+
+
+# --- no pickle from shared storage --------------------------------------------------------------------------------
+
+class _Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_malicious_pickle_is_refused_and_never_runs(tmp_path):
+    import torch
+
+    from hybridflow.roles.common import CheckpointMixin
+
+    marker = tmp_path / "pwned"
+    st = ck.staging_dir(tmp_path, 1)
+    torch.save({"model": _Exploit(marker)}, st / "actor.pt")
+    ckpt = ck.seal(tmp_path, st, 1, {"data_position": 0}, keep=2, ident=_ident())
+    assert ck.verify(ckpt) is None  # the digests match: only the loader can stop it
+    with pytest.raises(ck.CheckpointError, match="refusing to load .*actor.pt"):
+        ck.load_tensors(ckpt / "actor.pt")
+    role = type("Role", (CheckpointMixin,), {"checkpoint_name": "actor"})()
+    with pytest.raises(ck.CheckpointError):
+        role.load_checkpoint(str(ckpt))
+    assert not marker.exists(), "loading a checkpoint ran code from it"
+    torch.load(ckpt / "actor.pt", weights_only=False)  # the file is a real exploit: a full unpickle runs it
+    assert marker.exists()
+
+
+def test_model_and_optimizer_state_load_as_plain_data(tmp_path):
+    import torch
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "optimizer_tp": [opt.state_dict()],
+                "tensor_parallel": 1}, tmp_path / "actor.pt")
+    state = ck.load_tensors(tmp_path / "actor.pt")
+    assert torch.equal(state["model"]["weight"], model.weight.detach())
+    assert state["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
+
+
+def test_redoing_a_step_replaces_it_without_leftovers(tmp_path):
+    _make_for(tmp_path, 2, _ident())
+    st = ck.staging_dir(tmp_path, 2)  # step 2 again, after a fallback to step 1
+    (st / "actor.pt").write_bytes(b"new")
+    ck.seal(tmp_path, st, 2, {"data_position": 2}, keep=3, ident=_ident())
+    assert (tmp_path / "step_00000002" / "actor.pt").read_bytes() == b"new"
+    assert ck.verify(tmp_path / "step_00000002") is None and not list(tmp_path.glob(".step_*"))

@@ -1,23 +1,77 @@
-"""Checkpoints that survive `kill -9`: each one is built in a hidden temp directory, sealed with a manifest of
-SHA-256 digests, then renamed into place. A checkpoint whose manifest is missing or whose files do not match is
-skipped with a warning, and the previous one is used. The step log is rewound to the checkpoint on resume, so the
-final log lists every step exactly once."""
+"""Checkpoints that survive `kill -9`, full disks, other jobs and hostile files.
+
+Each checkpoint is built in a hidden temp directory, sealed with a manifest of SHA-256 digests, then renamed into
+place; a save that fails (a full disk) removes its temp directory and leaves the previous checkpoints as they were.
+A checkpoint whose manifest is missing or whose files do not match is skipped with a warning, and the previous one
+is used; it never counts toward `keepCheckpoints`. The manifest also records whose checkpoint it is (job and model
+architecture), so that a directory shared by mistake is refused on resume instead of loading another job's weights.
+Weight files are read with `torch.load(weights_only=True)`: they live on shared storage, and unpickling runs code.
+The step log is rewound to the checkpoint on resume, so the final log lists every step exactly once."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterator
 
 log = logging.getLogger("hybridflow.checkpoint")
 
 MANIFEST = "MANIFEST.json"
 STEP_LOG = "steps.jsonl"
+TRAINER_STATE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+# HF config fields that fix every parameter's name and shape (what makes a checkpoint loadable into a model)
+_ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that must not be used, or one that could not be written; the message says what to do."""
+
+
+def job_checkpoint_dir(root: str, namespace: str | None, job: str) -> str:
+    """`<root>/<namespace>/<job>` (`<root>/<job>` without a namespace): the directory of one job's checkpoints and
+    step log under a volume that many jobs may share. Pruning and resuming only ever look inside it, so jobs
+    cannot delete or resume each other's checkpoints. Names are used as path components, so a name that could
+    leave `root` ('', '.', '..', or one with '/') is refused."""
+    parts = [p for p in (namespace, job) if p is not None]
+    for p in parts:
+        if p in ("", ".", "..") or "/" in p or "\0" in p:
+            raise ValueError(f"{p!r} cannot name a checkpoint directory (job {namespace}/{job})")
+    return str(PurePosixPath(root, *parts))
+
+
+def model_architecture(source: Any) -> dict[str, Any]:
+    """What must match for a checkpoint to load into a model built from `source` (a spec ModelSource).
+
+    Cheap and known before any worker starts: the tiny model's config (it fixes every shape), the shape fields of
+    config.json for a model directory, the source's name for the built-in SmolLM2. Not the weights (training
+    changes them) and not the dtype (`load_state_dict` casts, so a resume may switch between float32 and bfloat16).
+    """
+    if source.source == "tiny":
+        return {"source": "tiny", **source.tiny.model_dump()}
+    if source.source == "path":
+        try:
+            config = json.loads((Path(source.path) / "config.json").read_text())
+        except (OSError, ValueError):
+            return {"source": "path", "path": source.path}
+        return {"source": "path", **{k: config[k] for k in _ARCH_KEYS if k in config}}
+    return {"source": source.source}
+
+
+def identity(job: str, namespace: str | None, models: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Whose checkpoint this is: the job, and each saved role's `model_architecture`."""
+    return {"job": job, "namespace": namespace, "models": models}
+
+
+def _label(ident: dict[str, Any]) -> str:
+    return f"{ident['namespace']}/{ident['job']}" if ident.get("namespace") else str(ident.get("job"))
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -29,6 +83,51 @@ def staging_dir(root: Path, step: int) -> Path:
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     return d
+
+
+@contextlib.contextmanager
+def writing(root: Path, step: int, ident: dict[str, Any] | None = None) -> Iterator[Path]:
+    """The staging directory of checkpoint `step`, for the roles to write into and `seal` to finish. Refuses up
+    front (before hours of writes) a directory holding another job's checkpoints. On any failure the staging
+    directory is removed, so a full disk keeps only complete checkpoints; an OSError becomes a CheckpointError
+    that names the directory, the reason and the checkpoint kept."""
+    if ident is not None:
+        _refuse_other_jobs(root, ident)
+    staging = None
+    try:
+        staging = staging_dir(root, step)
+        yield staging
+    except BaseException as err:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        cause = _os_error(err)
+        if cause is None:
+            raise
+        raise CheckpointError(_save_failure(root, step, cause)) from err
+
+
+def _os_error(err: BaseException) -> OSError | None:
+    """The OSError behind `err`, also when a worker raised it (Ray re-raises it wrapped; `cause` is the original).
+    Only explicit causes are followed: an error merely raised while handling an OSError is not a disk failure."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, OSError):
+            return cause
+        if isinstance(e, OSError):
+            return e
+        e = cause if isinstance(cause, BaseException) else e.__cause__
+    return None
+
+
+def _save_failure(root: Path, step: int, err: OSError) -> str:
+    reason = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+    prev = _newest_intact(root)
+    kept = f"the previous checkpoint {prev.name} is kept" if prev else "there is no earlier checkpoint"
+    return (f"{reason} while saving checkpoint step {step} to {root} ({err}); {kept}. Free space on that volume (or "
+            f"lower spec.trainer.keepCheckpoints) and resume")
 
 
 def _sha256(path: Path) -> str:
@@ -47,22 +146,55 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def seal(root: Path, staging: Path, step: int, trainer_state: dict[str, Any], keep: int) -> Path:
-    """Write trainer state and manifest into `staging`, rename it to step_N, prune old checkpoints."""
-    (staging / "trainer_state.json").write_text(json.dumps({"step": step, **trainer_state}, indent=1))
+def _write_json(path: Path, obj: Any) -> None:
+    """Write and fsync, so that a sealed checkpoint's small files are on disk before its rename is."""
+    with open(path, "w") as f:
+        f.write(json.dumps(obj, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def seal(root: Path, staging: Path, step: int, trainer_state: dict[str, Any], keep: int,
+         ident: dict[str, Any] | None = None) -> Path:
+    """Write trainer state and manifest (with `ident`) into `staging`, rename it to step_N, prune (`_prune`)."""
+    _write_json(staging / TRAINER_STATE, {"step": step, **trainer_state})
     files = {p.name: _sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
+    manifest: dict[str, Any] = {"step": step, "files": files}
+    if ident is not None:
+        manifest["identity"] = ident
     tmp = staging / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
+    _write_json(tmp, manifest)
     os.replace(tmp, staging / MANIFEST)
     _fsync_dir(staging)
     final = step_dir(root, step)
-    if final.exists():
-        shutil.rmtree(final)
+    old = root / f".{final.name}.old"
+    if final.exists():  # a step redone after a fallback: set the old one aside until the new one is in place
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
     os.replace(staging, final)
     _fsync_dir(root)
-    for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+    _prune(root, final, ident, keep)
     return final
+
+
+def _prune(root: Path, newest: Path, ident: dict[str, Any] | None, keep: int) -> None:
+    """Keep `newest` and the keep-1 newest intact checkpoints of the same job and model before it. Delete the rest:
+    corrupt or half-written ones (they never count, else a bad one could push out the last good one), this job's
+    checkpoints of another model, and ones after `newest` (a run this one replaced: resume: never, or steps redone
+    after a fallback). Another job's checkpoints are never touched."""
+    kept = 1
+    for c in reversed(list_checkpoints(root)):
+        if c == newest:
+            continue
+        found = read_identity(c)
+        if ident is not None and _other_job(found, c, ident):
+            continue
+        if (kept < keep and c.name < newest.name and verify(c) is None
+                and (ident is None or not _model_mismatch(found, ident))):
+            kept += 1
+        else:
+            shutil.rmtree(c, ignore_errors=True)
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -71,32 +203,129 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)), key=lambda p: p.name)
 
 
+def _read_manifest(ckpt: Path) -> dict[str, Any]:
+    return json.loads((ckpt / MANIFEST).read_text())
+
+
 def verify(ckpt: Path) -> str | None:
     """None when intact, else what is wrong."""
-    mf = ckpt / MANIFEST
-    if not mf.is_file():
+    if not (ckpt / MANIFEST).is_file():
         return "no manifest (interrupted while writing?)"
     try:
-        manifest = json.loads(mf.read_text())
-    except (json.JSONDecodeError, OSError) as err:
+        manifest = _read_manifest(ckpt)
+    except (ValueError, OSError) as err:
         return f"unreadable manifest: {err}"
     for name, digest in manifest.get("files", {}).items():
         p = ckpt / name
         if not p.is_file():
             return f"missing file {name}"
-        if _sha256(p) != digest:
-            return f"file {name} does not match its checksum"
+        try:
+            if _sha256(p) != digest:
+                return f"file {name} does not match its checksum"
+        except OSError as err:
+            return f"unreadable file {name}: {err}"
+    return None
+
+
+def read_identity(ckpt: Path) -> dict[str, Any] | None:
+    """The manifest's identity; None for a checkpoint written before checkpoints recorded one."""
+    try:
+        found = _read_manifest(ckpt).get("identity")
+    except (ValueError, OSError):
+        return None
+    if found is None:  # older checkpoints named their job in the trainer state only
+        try:
+            job = json.loads((ckpt / TRAINER_STATE).read_text()).get("job")
+        except (ValueError, OSError):
+            job = None
+        return {"job": job, "namespace": None, "models": None} if job else None
+    return found
+
+
+def _other_job(found: dict[str, Any] | None, ckpt: Path, ident: dict[str, Any]) -> str | None:
+    """The other job's name when `ckpt` is not `ident`'s job's (a namespace counts only where both record one)."""
+    if found is None or not found.get("job"):
+        return None
+    ns_differ = found.get("namespace") and ident.get("namespace") and found["namespace"] != ident["namespace"]
+    return _label(found) if found["job"] != ident["job"] or ns_differ else None
+
+
+def _model_mismatch(found: dict[str, Any] | None, ident: dict[str, Any]) -> str | None:
+    """How the checkpoint's models differ from `ident`'s, or None (also when the checkpoint recorded none)."""
+    if found is None or found.get("models") is None:
+        return None
+    problems = []
+    for role, want in ident["models"].items():
+        have = found["models"].get(role)
+        if have is None:
+            problems.append(f"it has no {role}")
+        elif have != want:
+            diff = ", ".join(f"{k} {have.get(k)!r} there, {want.get(k)!r} here"
+                             for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k))
+            problems.append(f"{role}: {diff}")
+    return "; ".join(problems) or None
+
+
+def _refuse_other_jobs(root: Path, ident: dict[str, Any]) -> None:
+    for c in list_checkpoints(root):
+        other = _other_job(read_identity(c), c, ident)
+        if other:
+            raise CheckpointError(
+                f"{root} holds checkpoints of job '{other}' ({c.name}), not of '{_label(ident)}': jobs must not share "
+                f"a checkpoint directory. Point spec.trainer.checkpointDir at a directory of this job's own")
+
+
+def check_compatible(ckpt: Path, ident: dict[str, Any]) -> None:
+    """Refuse to resume `ident`'s job from `ckpt` when it belongs to another job or to an incompatible model;
+    a checkpoint written before identities were recorded is accepted with a warning (its model is unknown)."""
+    found = read_identity(ckpt)
+    other = _other_job(found, ckpt, ident)
+    if other:
+        raise CheckpointError(
+            f"{ckpt} belongs to job '{other}', not to '{_label(ident)}': will not resume another job's training. "
+            f"Point spec.trainer.checkpointDir at a directory of this job's own (the other job's checkpoints stay)")
+    problem = _model_mismatch(found, ident)
+    if problem:
+        raise CheckpointError(
+            f"{ckpt} was saved for a different model than job '{_label(ident)}' has now ({problem}). Point "
+            f"spec.trainer.checkpointDir elsewhere, or set spec.trainer.resume: never to start over (this job's "
+            f"checkpoints of the old model are then replaced)")
+    if found is None or found.get("models") is None:
+        log.warning("%s records no model (written by an older version): assuming it fits job '%s'", ckpt,
+                    _label(ident))
+
+
+def load_tensors(path: Path) -> Any:
+    """A role's weight file, with `torch.load(weights_only=True)`: checkpoints sit on storage that other jobs and
+    people can write, and a full unpickle would run any code a file names. Tensors, dicts, lists, tuples, numbers
+    and strings (model and optimizer state) load; any other object is refused."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"refusing to load {path}: it holds Python objects other than tensors and plain values, which could run "
+            f"code when loaded. Checkpoints are only loaded as data; delete this file's checkpoint or point "
+            f"spec.trainer.checkpointDir elsewhere ({str(err).splitlines()[0]})") from err
+
+
+def _newest_intact(root: Path, warn: bool = False) -> Path | None:
+    for ckpt in reversed(list_checkpoints(root)):
+        problem = verify(ckpt)
+        if problem is None:
+            return ckpt
+        if warn:
+            log.warning("skipping corrupt checkpoint %s: %s; falling back to the previous one", ckpt, problem)
     return None
 
 
 def latest_good(root: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest intact checkpoint and its trainer state; corrupt newer ones are reported and skipped."""
-    for ckpt in reversed(list_checkpoints(root)):
-        problem = verify(ckpt)
-        if problem is None:
-            return ckpt, json.loads((ckpt / "trainer_state.json").read_text())
-        log.warning("skipping corrupt checkpoint %s: %s; falling back to the previous one", ckpt, problem)
-    return None
+    ckpt = _newest_intact(root, warn=True)
+    return None if ckpt is None else (ckpt, json.loads((ckpt / TRAINER_STATE).read_text()))
 
 
 def append_step_log(root: Path, record: dict[str, Any]) -> None:

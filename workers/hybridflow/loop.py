@@ -60,23 +60,37 @@ def evaluate(w: Workers, task: Task, samples: Sequence[Sample]) -> Evaluation:
     return Evaluation(reward, cost)
 
 
+def checkpoint_identity(job: RLHFJob, w: Workers) -> dict[str, Any]:
+    """The job and the architecture of each checkpointed role's model (critics default to the actor's)."""
+    m = job.spec.models
+    sources = {"actor": m.actor, "critic": m.critic or m.actor, "cost_critic": m.critic or m.actor}
+    models = {role: ckpt.model_architecture(sources[role]) for role in CHECKPOINTED_ROLES if role in w.roles}
+    return ckpt.identity(job.metadata.name, job.metadata.namespace, models)
+
+
 def save(job: RLHFJob, w: Workers, root: Path, step: int, stream: PromptStream, algorithm: AlgorithmState,
          data_fingerprint: str | None = None) -> Path:
-    staging = ckpt.staging_dir(root, step)
-    for role in CHECKPOINTED_ROLES:
-        if role in w.roles:
-            w.roles[role].save_checkpoint(str(staging))
-    state = {"data_position": stream.position, "data_fingerprint": data_fingerprint, "job": job.metadata.name,
-             "algorithm": algorithm.state()}
-    return ckpt.seal(root, staging, step, state, job.spec.trainer.keep_checkpoints)
+    """Checkpoint `step`; a failed save (full disk) removes what it wrote and keeps the previous checkpoints."""
+    ident = checkpoint_identity(job, w)
+    with ckpt.writing(root, step, ident) as staging:
+        for role in CHECKPOINTED_ROLES:
+            if role in w.roles:
+                w.roles[role].save_checkpoint(str(staging))
+        state = {"data_position": stream.position, "data_fingerprint": data_fingerprint,
+                 "algorithm": algorithm.state()}
+        return ckpt.seal(root, staging, step, state, job.spec.trainer.keep_checkpoints, ident)
 
 
-def restore(w: Workers, root: Path, algorithm: AlgorithmState, data_fingerprint: str | None = None) -> tuple[int, int]:
-    """(step, data position) of the checkpoint loaded, or (0, 0) for a fresh start."""
+def restore(w: Workers, root: Path, algorithm: AlgorithmState, data_fingerprint: str | None = None,
+            job: RLHFJob | None = None) -> tuple[int, int]:
+    """(step, data position) of the checkpoint loaded, or (0, 0) for a fresh start. With `job`, a checkpoint of
+    another job or of an incompatible model is refused (CheckpointError) before any weights are read."""
     found = ckpt.latest_good(root)
     if found is None:
         return 0, 0
     path, state = found
+    if job is not None:
+        ckpt.check_compatible(path, checkpoint_identity(job, w))
     if data_fingerprint != state.get("data_fingerprint", data_fingerprint):
         log.warning("the training prompts differ from the ones %s was trained on (files or their settings changed): "
                     "continuing at position %d of the new prompt order", path, state["data_position"])
@@ -123,7 +137,7 @@ def fit(
     root = Path(s.trainer.checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
     algorithm = AlgorithmState.for_spec(s)
-    start_step, position = (restore(w, root, algorithm, task.data_fingerprint) if s.trainer.resume == "auto"
+    start_step, position = (restore(w, root, algorithm, task.data_fingerprint, job) if s.trainer.resume == "auto"
                             else (0, 0))
     stream = PromptStream(task.train, s.trainer.prompts_per_step, s.data.seed, position)
     uids = iter(range(10**12))

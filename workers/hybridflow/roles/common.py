@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridflow.checkpoint import load_tensors
 from hybridflow.controller.protocol import Dispatch, register
 
 
@@ -46,5 +47,5 @@ class CheckpointMixin:
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> None:
-        state = torch.load(Path(directory) / f"{self.checkpoint_name}.pt", map_location="cpu", weights_only=False)
+        state = load_tensors(Path(directory) / f"{self.checkpoint_name}.pt")  # never a full unpickle
         self.engine.load_state_dict(state)
