@@ -88,7 +88,33 @@ BAD = [
     ({"models": {"actor": {"tiny": {"hiddenSize": 48, "numHeads": 3, "numKvHeads": 1}}}}, "head size"),
     ({"models": {"actor": {"tiny": {"hiddenSize": 64, "numHeads": 3}}}}, "must be divisible by numHeads"),
     ({"algorithm": {"klCoef": 0.1}, "models": {"reference": False}}, "klCoef > 0 needs spec.models.reference"),
-    ({"resourcePools": [{"name": "Bad_Name"}]}, "spec.resourcePools[0].name: String should match pattern"),
+    ({"resourcePools": [{"name": "Bad_Name"}]}, "spec.resourcePools[0].name: must be lowercase letters and digits"),
+    ({"resourcePools": [{"name": "gpu-a"}]}, "(no '-': the pods '<job>-<pool>-<index>-g<gen>' of two jobs could"),
+    ({"resourcePools": [{"nodes": 1025}]}, "spec.resourcePools[0].nodes: Input should be less than or equal to 1024"),
+    ({"resourcePools": [{"devicesPerNode": 65}]}, "spec.resourcePools[0].devicesPerNode: Input should be less than "
+     "or equal to 64"),
+    ({"resourcePools": [{"memoryPerNode": "4GB"}]}, "spec.resourcePools[0].memoryPerNode: must be a Kubernetes "
+     "quantity such as 4Gi, 512Mi, 2 or 500m, got '4GB'"),
+    ({"resourcePools": [{"nodeSelector": {"zone": "a b"}}]}, "spec.resourcePools[0].nodeSelector.zone: must be a "
+     "label value"),
+    ({"kubernetes": {"headCpu": "-1"}}, "spec.kubernetes.headCpu: must be a Kubernetes quantity"),
+    ({"kubernetes": {"headMemory": "4 Gi"}}, "spec.kubernetes.headMemory: must be a Kubernetes quantity"),
+    ({"kubernetes": {"checkpointPvc": "My_Claim"}}, "spec.kubernetes.checkpointPvc: must be a Kubernetes object name "
+     "(a DNS-1123 subdomain"),
+    ({"kubernetes": {"rayAuthSecret": "a" * 254}}, "spec.kubernetes.rayAuthSecret: String should have at most 253"),
+    ({"kubernetes": {"serviceAccountName": "-sa"}}, "spec.kubernetes.serviceAccountName: must be a Kubernetes object"),
+    ({"runPolicy": {"priorityClassName": "High"}}, "spec.runPolicy.priorityClassName: must be a Kubernetes object"),
+    ({"runPolicy": {"backoffLimit": 1001}}, "spec.runPolicy.backoffLimit: Input should be less than or equal to 1000"),
+    ({"trainer": {"steps": 10_000_001}}, "spec.trainer.steps: Input should be less than or equal to 10000000"),
+    ({"trainer": {"promptsPerStep": 2**21}}, "spec.trainer.promptsPerStep: Input should be less than or equal to "
+     "1048576"),
+    ({"rollout": {"maxResponseLength": 2**20 + 1}}, "spec.rollout.maxResponseLength: Input should be less than"),
+    ({"rollout": {"responsesPerPrompt": 1025}}, "spec.rollout.responsesPerPrompt: Input should be less than"),
+    ({"rollout": {"temperature": float("inf")}}, "spec.rollout.temperature: Input should be a finite number"),
+    ({"trainer": {"seed": -1}}, "spec.trainer.seed: Input should be greater than or equal to 0"),
+    ({"data": {"chatTemplate": "x" * 65537}}, "spec.data.chatTemplate: String should have at most 65536 characters"),
+    ({"trainer": {"checkpointDir": "/" + "d" * 4096}}, "spec.trainer.checkpointDir: String should have at most 4096"),
+    ({"resourcePools": [{"name": f"p{i}"} for i in range(17)]}, "spec.resourcePools: List should have at most 16"),
     ({"rollout": {"topP": 1.5}}, "spec.rollout.topP: Input should be less than or equal to 1"),
     ({"data": {"task": "arithmetic"}}, "arithmetic_exact needs a model with a tokenizer"),
     ({"models": {"reward": {"type": "function"}}}, "type is 'function' but no function is given"),
@@ -201,3 +227,172 @@ def test_round_trip_through_yaml_keeps_the_spec():
     again = parse_job(yaml.safe_load(yaml.safe_dump(job.model_dump(by_alias=True, mode="json", exclude_none=True))))
     assert again.spec == job.spec
     assert isinstance(again.spec, JobSpec)
+
+
+# --- bad YAML is bad input (exit 2), however it is bad ---------------------------------------------------------------
+
+LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{c}: &{c} [{', '.join([f'*{p}'] * 10)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+
+
+@pytest.mark.parametrize("text,expected", [
+    (LAUGHS + "kind: RLHFJob\n", "refused: more than 100000 values once its aliases are expanded"),
+    ("kind: RLHFJob\nspec: " + "[" * 100 + "]" * 100 + "\n", "refused: nested deeper than 64 levels"),
+    ("kind: RLHFJob\nspec: " + "[" * 100_000 + "]" * 100_000 + "\n", "refused: nested deeper than 64 levels"),
+    ("kind: RLHFJob\nspec: &s {x: [*s]}\n", "nested deeper than 64 levels once its aliases are expanded"),
+    ("a: &a [[[[[[[[[[1]]]]]]]]]]\nb: &b [[[[[[[[[[*a]]]]]]]]]]\nc: &c [[[[[[[[[[*b]]]]]]]]]]\n"
+     "d: &d [[[[[[[[[[*c]]]]]]]]]]\ne: &e [[[[[[[[[[*d]]]]]]]]]]\nf: &f [[[[[[[[[[*e]]]]]]]]]]\n"
+     "g: [[[[[[[[[[*f]]]]]]]]]]\n", "nested deeper than 64 levels once its aliases are expanded"),
+    (b"kind: RLHFJob\nmetadata: {name: \xff}\n", "not UTF-8 text"),
+    ("kind: RLHFJob\n" + "#" * (3 << 20), "more than the 3145728 a Kubernetes request may hold"),
+], ids=["billion-laughs", "deep", "very-deep", "recursive-anchor", "deep-through-aliases", "not-utf8", "too-big"])
+def test_manifests_past_the_limits_are_bad_input(tmp_path, capsys, text, expected):
+    p = tmp_path / "bomb.yaml"
+    p.write_bytes(text if isinstance(text, bytes) else text.encode())
+    for cmd in ("validate", "run"):
+        assert main([cmd, str(p)]) == 2
+        err = capsys.readouterr().err
+        assert f"{p}: " in err and expected in err, err
+        assert "Traceback" not in err and "job failed" not in err
+
+
+def test_ordinary_aliases_still_load(tmp_path):
+    doc = ("apiVersion: hybridflow.io/v1alpha1\nkind: RLHFJob\nmetadata: {name: anchors}\nspec:\n"
+           "  resourcePools:\n  - {name: a, nodeSelector: &zone {zone: z1}}\n  - {name: b, nodeSelector: *zone}\n")
+    p = tmp_path / "job.yaml"
+    p.write_text(doc)
+    assert load_job(p).spec.resource_pools[1].node_selector == {"zone": "z1"}
+
+
+# --- every child the operator names fits, and no two jobs name a child alike ---------------------------------------
+
+def test_the_longest_job_and_pool_names_give_valid_child_names():
+    import re
+
+    from hybridflow_operator.manifests import head_pod_name, names, worker_pod_name
+
+    from hybridflow.spec import DNS1035_LABEL, DNS1123_SUBDOMAIN, MAX_BACKOFF, MAX_JOB_NAME, MAX_NODES
+
+    job, pool = "j" * MAX_JOB_NAME, "p" * 63
+    parse_job({"kind": "RLHFJob", "metadata": {"name": job}, "spec": {
+        "resourcePools": [{"name": pool, "nodes": MAX_NODES, "devicesPerNode": 1}], "trainer": {"promptsPerStep": 1024},
+        "runPolicy": {"backoffLimit": MAX_BACKOFF}}})
+    service = names(job)["service"]
+    assert len(service) <= 63 and re.fullmatch(DNS1035_LABEL, service)  # a Service name is a DNS-1035 label
+    children = [*names(job).values(), head_pod_name(job, MAX_BACKOFF), worker_pod_name(job, pool, MAX_NODES - 1,
+                                                                                        MAX_BACKOFF)]
+    for name in children:
+        assert len(name) <= 253 and re.fullmatch(DNS1123_SUBDOMAIN, name), name
+    assert len(job) <= 63  # the value of the label hybridflow.io/job
+    with pytest.raises(SpecError, match="at most 58 characters"):
+        parse_job({"kind": "RLHFJob", "metadata": {"name": "j" * (MAX_JOB_NAME + 1)}})
+
+
+def test_pod_names_of_two_jobs_never_collide():
+    """Exhaustively over short names with dashes where they are allowed (job names), digits and the word `head`:
+    distinct (job, pod) pairs give distinct names. Pool names without '-' are what makes this hold."""
+    import itertools
+    import re
+
+    from hybridflow_operator.manifests import head_pod_name, worker_pod_name
+
+    from hybridflow.spec import DNS1035_LABEL, POOL_NAME
+
+    words = ["a", "b", "0", "1", "g0", "head", "a-b", "a-0", "b-1", "a-head", "a-b-0", "a-g0", "a-0-g1"]
+    jobs = [w for w in words if re.fullmatch(DNS1035_LABEL, w)]
+    pools = [w for w in words if re.fullmatch(POOL_NAME, w)]
+    seen: dict[str, tuple] = {}
+    for job, gen in itertools.product(jobs, (0, 1, 10)):
+        pods = {("head", gen): head_pod_name(job, gen)}
+        pods.update({(pool, i, gen): worker_pod_name(job, pool, i, gen) for pool in pools for i in (0, 1, 10)})
+        for key, name in pods.items():
+            assert seen.setdefault(name, (job, key)) == (job, key), f"{name}: {(job, key)} and {seen[name]}"
+    # ...and the collision that a dash in a pool name would allow:
+    assert worker_pod_name("a", "b-c", 0, 0) == worker_pod_name("a-b", "c", 0, 0)
+    assert not re.fullmatch(POOL_NAME, "b-c")
+
+
+# --- `hybridflow run` refuses what this machine cannot hold ----------------------------------------------------------
+
+GIB = 1 << 30
+
+
+def _machine(gib: float = 23, gpus: int = 0):
+    from hybridflow.capacity import Machine
+
+    return Machine(memory_bytes=int(gib * GIB), gpus=gpus)
+
+
+LOCAL_EXAMPLES = [p for p in EXAMPLES if all(
+    pool.device == "cpu" and pool.nodes == 1 for pool in load_job(p).spec.resource_pools)]
+
+
+@pytest.mark.parametrize("path", LOCAL_EXAMPLES, ids=lambda p: p.name)
+def test_every_local_example_fits_the_project_machine(path):
+    """`make run` (tiny-grpo) and every single-node CPU example the tests run, on the 24 GiB machines (23 usable)."""
+    from hybridflow.capacity import local_capacity_problems
+
+    assert local_capacity_problems(load_job(path).spec, _machine(23)) == []
+
+
+def test_sixteen_local_devices_do_not_fit_24_gib():
+    """The job that used to start 16 workers on a 24 GiB machine and die of OOM two minutes later."""
+    from hybridflow.capacity import local_capacity_problems
+
+    job = load_job(ROOT / "examples" / "tiny-grpo.yaml")
+    job.spec.resource_pools[0].devices_per_node = 16
+    [problem] = local_capacity_problems(job.spec, _machine(24))
+    assert problem.startswith("spec.resourcePools: the job needs at least 29.5 GiB of memory here and this machine "
+                              "has 24.0 GiB: spec.resourcePools[0] ('default'): 16 devices x 1.8 GiB (process 0.8 GiB, "
+                              "vLLM KV cache (spec.rollout.kvCacheGib) 1.0 GiB"), problem
+    assert "lower devicesPerNode" in problem
+    job.spec.rollout.engine = "hf"  # no KV cache: 16 processes of 0.75 GiB fit
+    assert local_capacity_problems(job.spec, _machine(24)) == []
+
+
+def test_the_model_counts_toward_each_rank():
+    from hybridflow.capacity import SMOLLM2_PARAMS, local_capacity_problems, rank_floor, tiny_params
+
+    job = load_job(ROOT / "examples" / "gsm8k-style.yaml")
+    parts = rank_floor(job.spec, job.spec.resource_pools[0], _machine())
+    assert parts["the actor's generation weights"] == SMOLLM2_PARAMS * 4
+    [problem] = local_capacity_problems(job.spec, _machine(5))
+    assert "2 devices x 2.3 GiB" in problem and "the actor's generation weights 0.5 GiB" in problem, problem
+    tiny = load_job(ROOT / "examples" / "tiny-grpo.yaml").spec.models.actor.tiny
+    assert tiny_params(tiny) == 16 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 64 + 64 + 3 * 64 * 128 + 2 * 64) + 64
+
+
+def test_gpus_and_nodes_the_machine_lacks_are_named():
+    from hybridflow.capacity import local_capacity_problems
+
+    spec = load_job(ROOT / "examples" / "gpu-grpo-7b.yaml").spec
+    assert local_capacity_problems(spec, _machine(gpus=16)) == [
+        "spec.resourcePools[0].nodes = 2: more than one node needs a Ray cluster: use `hybridflow driver --address` "
+        "(or the operator)"]
+    spec.resource_pools[0].nodes = 1
+    assert local_capacity_problems(spec, _machine(gpus=0)) == [
+        "spec.resourcePools: the job asks for 8 GPUs (spec.resourcePools[0] ('gpus') 8) and this machine has 0; lower "
+        "devicesPerNode, or run the job on a cluster (the operator)"]
+    assert local_capacity_problems(spec, _machine(gpus=8)) == []
+
+
+def test_run_refuses_before_starting_anything(tmp_path, capsys, monkeypatch):
+    import hybridflow.cli as cli
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray started for a job this machine cannot hold")
+
+    monkeypatch.setattr(cli, "machine_facts", lambda job: _machine(24))
+    monkeypatch.setattr(cli, "start_local_ray", no_ray)
+    p = _write(tmp_path, {"resourcePools": [{"devicesPerNode": 16}], "trainer": {"checkpointDir": str(tmp_path)}})
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert f"{p}: cannot run on this machine" in err and "spec.resourcePools[0] ('default'): 16 devices" in err, err
+    assert main(["validate", str(p)]) == 0  # fine for a cluster
+
+
+def test_machine_facts_read_this_machine():
+    from hybridflow.capacity import machine_facts
+
+    facts = machine_facts(RLHFJob())
+    assert 1 * GIB < facts.memory_bytes < 1 << 50 and facts.gpus == 0

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from hybridflow.capacity import local_capacity_problems, machine_facts
 from hybridflow.spec import EXIT_BAD_INPUT, EXIT_FAILED, RLHFJob, SpecError, check_runtime_paths, load_job
 
 log = logging.getLogger("hybridflow")
@@ -112,6 +113,10 @@ def local_ray(job: RLHFJob, temp_dir: str | None, verbose: bool = False) -> Iter
 
 def cmd_run(args: argparse.Namespace) -> int:
     job = _load(args.job, _overrides(args))
+    problems = local_capacity_problems(job.spec, machine_facts(job))
+    if problems:
+        raise SpecError(f"{args.job}: cannot run on this machine (`hybridflow validate` accepts it for a cluster)\n"
+                        + "\n".join(f"  {p}" for p in problems))
     from hybridflow.loop import execute
     from hybridflow.setup import prepare
 

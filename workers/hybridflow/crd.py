@@ -9,9 +9,13 @@ from typing import Any
 
 import yaml
 
-from hybridflow.spec import API_GROUP, KIND, PLURAL, VERSION, JobSpec
+from hybridflow.spec import (
+    API_GROUP, DNS1035_LABEL, JOB_NAME_NOT_DNS1035, JOB_NAME_TOO_LONG, KIND, MAX_JOB_NAME, PLURAL, VERSION, JobSpec,
+)
+
+# Every bound the spec declares (maxima, lengths, patterns, item and property counts) reaches the CRD.
 _KEEP = {"type", "description", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern",
-         "minItems", "maxItems", "minLength", "maxLength", "default"}  # fmt: skip
+         "minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties", "default"}  # fmt: skip
 
 
 def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
@@ -79,6 +83,21 @@ def spec_schema() -> dict[str, Any]:
     return schema
 
 
+# The job's name becomes part of its children's names, so it is held to what the strictest child needs (see
+# MAX_JOB_NAME in spec.py); `hybridflow validate` checks the same (spec.job_name_problems). Only CEL at the root can
+# see metadata.name. Declaring name and generateName with Kubernetes' own 253-character limit is what the API
+# server allows under a CRD's metadata, and gives the CEL cost estimator a bound for `matches` (else it assumes the
+# whole request).
+METADATA_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 253}, "generateName": {"type": "string", "maxLength": 253}},
+}
+ROOT_VALIDATIONS: list[dict[str, str]] = [
+    {"rule": f"self.metadata.name.size() <= {MAX_JOB_NAME}", "message": JOB_NAME_TOO_LONG},
+    {"rule": f"self.metadata.name.matches('{DNS1035_LABEL}')", "message": JOB_NAME_NOT_DNS1035},
+]
+
+
 STATUS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "description": "Observed state, written by the operator and the job's driver.",
@@ -130,10 +149,11 @@ def build_crd() -> dict[str, Any]:
                             "type": "object",
                             "description": "An RLHF training job run HybridFlow-style on Ray inside pods.",
                             "required": ["spec"],
+                            "x-kubernetes-validations": ROOT_VALIDATIONS,
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
+                                "metadata": METADATA_SCHEMA,
                                 "spec": spec_schema(),
                                 "status": STATUS_SCHEMA,
                             },

