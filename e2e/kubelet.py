@@ -317,6 +317,9 @@ class KubeletDouble:
         for m in c.get("volumeMounts") or []:
             kind, src = volumes[m["name"]]
             target = Path(m["mountPath"])
+            if target == Path("/tmp") and kind == "emptyDir":
+                continue  # the pod's private /tmp, bound last below, is this emptyDir
+
             with self._lock:
                 self._mount_point(target)
             t = shlex.quote(str(target))

@@ -1,6 +1,10 @@
 """Scenario: faults. A worker pod killed mid-run (gang restart, resume from the checkpoint, no step lost or
-repeated); the operator killed mid-run (the new one adopts the pods); backoffLimit exhausted (Failed, with why)."""
+repeated); the operator killed mid-run (the new one adopts the pods); an evicted pod (restart, backoff not used)
+and backoffLimit exhausted (Failed, with why); chaos: random pods killed at random times."""
 from __future__ import annotations
+
+import random
+import time
 
 from kube.harness import wait_for
 
@@ -8,6 +12,7 @@ from e2e.helpers import job_variant, live_pod_names, phase
 from e2e.worlds import current_head
 
 STEPS = 30
+CHAOS_KILLS = 3
 LONG = {"trainer": {"steps": STEPS, "saveFreq": 3}, "metrics": {"port": 8000, "lingerSeconds": 0}}
 
 
@@ -57,17 +62,45 @@ def test_killed_operator_is_replaced_and_adopts_the_pods(world, tmp_path):
     assert world.step_log(name) == list(range(1, STEPS + 1))
 
 
-def test_exhausted_backoff_limit_fails_the_job_with_the_reason(world, tmp_path):
+def test_an_eviction_does_not_use_the_backoff_limit_and_exhausting_it_fails_the_job(world, tmp_path):
+    """backoffLimit 1: a killed pod uses the one restart; an evicted pod (a drain) restarts the gang without using
+    any; the next killed pod fails the job, with which pod and why."""
     name = "fault-backoff"
     _start(world, tmp_path, name, runPolicy={"backoffLimit": 1})
-    for gen in (0, 1):
+    for gen, fault in ((0, world.kill_pod_processes), (1, world.evict_pod), (2, world.kill_pod_processes)):
         pod = f"{name}-default-0-g{gen}"
         wait_for(lambda: pod in live_pod_names(world.kube, name) and world.pod_running(pod), 300, f"{pod} running")
-        world.kill_pod_processes(pod)
-        if gen == 0:
-            wait_for(lambda: phase(world, name) == "Running" and world.kube.status(name).get("restarts") == 1, 300,
-                     "generation 1 running")
+        fault(pod)
+        if gen < 2:
+            wait_for(lambda: phase(world, name) == "Running" and world.kube.status(name).get("restarts") == gen + 1,
+                     300, f"generation {gen + 1} running; {world.kube.status(name)}")
     wait_for(lambda: phase(world, name) == "Failed", 120, "phase Failed")
     st = world.kube.status(name)
-    assert st["reason"] == "BackoffLimitExceeded"
-    assert f"{name}-default-0-g1" in st["message"] and "137" in st["message"], st["message"]
+    assert st["reason"] == "BackoffLimitExceeded" and st["disruptions"] == 1, st
+    assert f"{name}-default-0-g2" in st["message"] and "137" in st["message"], st["message"]
+    restarts = [e.message for e in world.kube.events() if e.involved_object.name == name and e.reason == "GangRestart"]
+    assert any("not counted against runPolicy.backoffLimit" in m for m in restarts), restarts
+
+
+def test_chaos_random_pods_killed_at_random_times_and_every_step_runs_once(world, tmp_path):
+    """A fixed seed picks which pod of the running gang dies and when (head or worker, any moment of training,
+    a checkpoint save included); the job still ends Succeeded with each step in the step log exactly once."""
+    rng = random.Random(13)
+    name = "fault-chaos"
+    _start(world, tmp_path, name, runPolicy={"backoffLimit": CHAOS_KILLS})
+    kills = []
+    while len(kills) < CHAOS_KILLS:
+        gen = len(kills)
+        wait_for(lambda: phase(world, name) in ("Running", "Succeeded") and world.kube.status(name)["restarts"] == gen,
+                 300, f"generation {gen} running; {world.kube.status(name)}")
+        time.sleep(rng.uniform(0.0, 6.0))
+        pod = rng.choice([p for p in live_pod_names(world.kube, name) if p.endswith(f"-g{gen}")])
+        if phase(world, name) != "Running" or not world.pod_running(pod):
+            break  # finished before this kill: the kills so far are the scenario
+        world.kill_pod_processes(pod)
+        kills.append(pod)
+        wait_for(lambda: world.kube.status(name).get("restarts") == gen + 1, 120, f"the restart after killing {pod}")
+    st = _finish(world, name, current_head(world.kube, name))
+    assert kills, "the job ended before any pod was killed"
+    assert st["phase"] == "Succeeded" and st["restarts"] == len(kills), (kills, _restart_reasons(world, name))
+    assert world.step_log(name) == list(range(1, STEPS + 1)), f"a step was lost or repeated; killed {kills}"

@@ -3,6 +3,9 @@ nodes -> the controller trains on the pool pods -> Succeeded, with steps and tok
 Prometheus scraping the driver and the operator."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import yaml
 from kube.harness import free_port, wait_for
 from prometheus_server import Prometheus
@@ -12,6 +15,7 @@ from e2e.worlds import current_head
 
 NAME = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
 STEPS = yaml.safe_load(EXAMPLE.read_text())["spec"]["trainer"]["steps"]
+PROBE = Path(__file__).with_name("probe_ray.py")
 
 
 def test_kubectl_apply_runs_to_succeeded(world, tmp_path):
@@ -21,6 +25,7 @@ def test_kubectl_apply_runs_to_succeeded(world, tmp_path):
     pods = wait_for(lambda: len(kube.pods(NAME)) == 3 and kube.pods(NAME), 60, "head + 2 worker pods")
     assert sorted(p.metadata.name for p in pods) == [f"{NAME}-default-0-g0", f"{NAME}-default-1-g0", f"{NAME}-head-g0"]
     wait_for(lambda: phase(world, NAME) == "Running", 300, f"phase Running; {world.logs(current_head(kube, NAME))}")
+    outsider = _start_outsider_probe(world, tmp_path)  # while the job trains
     scraped = [current_head(kube, NAME)]
     with Prometheus(tmp_path, world.metrics_targets(NAME), free_port()) as prom:
         def follow(cond):
@@ -57,3 +62,28 @@ def test_kubectl_apply_runs_to_succeeded(world, tmp_path):
     assert world.step_log(NAME) == list(range(1, STEPS + 1))
     out = world.kubectl("get", "rlhfjobs").stdout
     assert NAME in out and "Succeeded" in out
+
+    # A pod that is not part of the job reached the head, and Ray refused it: no job submission, no GCS call
+    # without the job's token (the same call with the token went through, so the network path was open).
+    wait_for(lambda: kube.core.read_namespaced_pod(outsider, "default").status.phase in ("Succeeded", "Failed"), 120,
+             f"the probe; {world.logs(outsider)}")
+    probe = json.loads(world.logs(outsider).strip().splitlines()[-1])
+    assert probe["job_agent"] == 401, probe
+    assert probe["gcs_without_token"] == probe["gcs_with_a_wrong_token"] == "UNAUTHENTICATED", probe
+    assert probe["gcs_with_the_token"] == "OK", probe
+    assert st["restarts"] == 0, "the probe disturbed the job"
+
+
+def _start_outsider_probe(world, tmp_path) -> str:
+    """A pod with no part in the job (no job labels) that probes its head (e2e/probe_ray.py); returns its name."""
+    name = "outsider-probe"
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+           "spec": {"restartPolicy": "Never", "containers": [{
+               "name": "probe", "image": "hybridflow/worker-cpu:0.1.0",
+               "command": ["python3", "-c", PROBE.read_text(), f"{NAME}-head.default.svc", "6379", "52365"],
+               "env": [{"name": "PROBE_TOKEN", "valueFrom": {"secretKeyRef": {"name": f"{NAME}-ray-token",
+                                                                               "key": "token"}}}]}]}}
+    path = tmp_path / "probe.yaml"
+    path.write_text(yaml.safe_dump(pod))
+    world.kubectl("apply", "--validate=false", "-f", str(path))
+    return name

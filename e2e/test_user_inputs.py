@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import yaml
+from hybridflow_operator.policy import FOR_JOBS_LABEL
 from kube.harness import wait_for
 
 from e2e.helpers import PVC, ROOT, phase
@@ -63,7 +64,8 @@ def test_data_on_a_pvc_and_reward_in_a_configmap(world, tmp_path):
     assert f"ConfigMap '{REWARD_CM}' not found" in waiting["message"] and phase(world, name) == "Pending"
     assert world.kube.pods(name) == []
     cm = tmp_path / "reward.yaml"  # what `kubectl create configmap --from-file` makes, applied (the double speaks JSON)
-    cm.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": REWARD_CM},
+    cm.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "ConfigMap",
+                                  "metadata": {"name": REWARD_CM, "labels": {FOR_JOBS_LABEL: "true"}},
                                   "data": {REWARD.name: REWARD.read_text()}}))
     world.kubectl("apply", "--validate=false", "-f", str(cm))
 

@@ -4,6 +4,7 @@ is here, plus `world.kube` (the official Python client) and `world.local` for th
 (processes and pod sandboxes on this machine)."""
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 from kube.apiserver_double import RunningApiServer
+from kubernetes.client.rest import ApiException
 from kube.harness import Kube, Operator, free_port, wait_for
 
 from e2e.dns import ClusterDNS, resolv_conf
@@ -80,6 +82,23 @@ class LocalWorld(_Kubectl):
     def pod_running(self, pod: str, namespace: str = "default") -> bool:
         return self.kubelet.running(pod, namespace)
 
+    def evict_pod(self, pod: str, namespace: str = "default") -> None:
+        """What the Eviction API does (a drain, a preemption), which the API server double lacks: the pod gets a
+        DisruptionTarget condition and a graceful deletion; the kubelet double stops it, and the object goes once
+        its processes are gone (the kubelet's final delete)."""
+        now = datetime.datetime.now(datetime.timezone.utc)
+        self.kube.core.patch_namespaced_pod_status(pod, namespace, {"status": {"conditions": [
+            {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI",
+             "message": "Eviction API: evicting", "lastTransitionTime": now.strftime("%Y-%m-%dT%H:%M:%SZ")}]}})
+        deadline = (now + datetime.timedelta(seconds=30)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.kube.core.patch_namespaced_pod(pod, namespace, {"metadata": {"deletionTimestamp": deadline}})
+        wait_for(lambda: not self.kubelet.running(pod, namespace), 60, f"{pod} stopped")
+        try:
+            self.kube.core.delete_namespaced_pod(pod, namespace)
+        except ApiException as err:
+            if err.status != 404:  # the operator, restarting the gang, may have deleted it first
+                raise
+
     def logs(self, pod: str, namespace: str = "default") -> str:
         return self.kubelet.logs(namespace, pod)
 
@@ -87,7 +106,7 @@ class LocalWorld(_Kubectl):
         return [r["step"] for r in self.step_records(job, namespace)]
 
     def step_records(self, job: str, namespace: str = "default") -> list[dict]:
-        path = self.workdir / "volumes" / namespace / f"{job}-checkpoints" / "steps.jsonl"
+        path = self.workdir / "volumes" / namespace / f"{job}-checkpoints" / namespace / job / "steps.jsonl"
         return _records(path.read_text() if path.exists() else "")
 
     def fill_volume(self, claim: str, files: dict[str, bytes], namespace: str = "default") -> None:
@@ -146,6 +165,12 @@ class RealCluster(_Kubectl):
         out = self.kubectl("-n", namespace, "get", "pod", pod, "-o", "jsonpath={.status.phase}", check=False)
         return out.stdout == "Running"
 
+    def evict_pod(self, pod: str, namespace: str = "default") -> None:
+        from kubernetes import client
+
+        self.kube.core.create_namespaced_pod_eviction(pod, namespace, client.V1Eviction(
+            metadata=client.V1ObjectMeta(name=pod, namespace=namespace)))
+
     def logs(self, pod: str, namespace: str = "default") -> str:
         return self.kubectl("-n", namespace, "logs", pod, "--all-containers", check=False).stdout
 
@@ -182,7 +207,7 @@ class RealCluster(_Kubectl):
         name = f"{job}-steplog-{int(time.time())}"
         image = self.kube.job(job, namespace)["spec"].get("kubernetes", {}).get("image", "hybridflow/worker-cpu:0.1.0")
         overrides = {"spec": {"restartPolicy": "Never", "containers": [{
-            "name": "cat", "image": image, "command": ["sh", "-c", "cat /ckpt/steps.jsonl || true"],
+            "name": "cat", "image": image, "command": ["sh", "-c", f"cat /ckpt/{namespace}/{job}/steps.jsonl || true"],
             "volumeMounts": [{"name": "c", "mountPath": "/ckpt"}]}],
             "volumes": [{"name": "c", "persistentVolumeClaim": {"claimName": f"{job}-checkpoints"}}]}}
         self.kubectl("-n", namespace, "run", name, f"--image={image}", "--restart=Never",

@@ -1,11 +1,15 @@
 """The operator for real: `kopf run` over HTTP against the kube-apiserver double, pods driven by a kubelet double."""
+import base64
 import copy
+import hashlib
+import json
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 from kube.apiserver_double import RunningApiServer
+from hybridflow_operator.policy import FOR_JOBS_LABEL
 from kube.harness import Kube, Operator, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +47,17 @@ def test_create_makes_children_and_runs(cluster):
     assert names == ["j1-default-0-g0", "j1-head-g0"], names
     assert wait_for(lambda: api.objects("v1/services", "default"), 10, "head service")[0]["spec"]["clusterIP"] == "None"
     cms = api.objects("v1/configmaps", "default")
-    assert cms and "job.yaml" in cms[0]["data"]
+    assert cms and "job.json" in cms[0]["data"]
+    # Ray's token: made by the operator for this job, owned by it, the one every pod reads
+    secret = next(s for s in api.objects("v1/secrets", "default") if s["metadata"]["name"] == "j1-ray-token")
+    assert len(base64.b64decode(secret["data"]["token"])) == 64
+    assert secret["metadata"]["ownerReferences"][0]["name"] == "j1"
+    for p in pods:
+        env = {e.name: e for e in p.spec.containers[0].env}
+        assert env["RAY_AUTH_MODE"].value == "token"
+        assert env["RAY_AUTH_TOKEN"].value_from.secret_key_ref.name == "j1-ray-token"
+    netpol = api.objects("networking.k8s.io/v1/networkpolicies", "default")
+    assert [n["metadata"]["name"] for n in netpol] == ["j1-ingress"]
     for p in pods:
         assert p.metadata.owner_references[0].kind == "RLHFJob"
         kube.set_pod_phase(p.metadata.name, "Running")
@@ -312,8 +326,26 @@ def test_spec_changes_other_than_run_policy_are_ignored_with_a_warning(cluster):
                   and kube.status("j9"), 30, "SpecChangeIgnored")
     assert st["totalSteps"] == 40
     cm = next(c for c in api.objects("v1/configmaps") if c["metadata"]["name"] == "j9-spec")
-    assert "steps: 40" in cm["data"]["job.yaml"]
+    assert json.loads(cm["data"]["job.json"])["spec"]["trainer"]["steps"] == 40
     assert "SpecChangeIgnored" in [e.reason for e in kube.events()]
+    digest = "sha256:" + hashlib.sha256(cm["data"]["job.json"].encode()).hexdigest()
+    assert kube.status("j9")["acceptedSpecDigest"] == digest  # what the pods run
+
+
+def test_a_spec_configmap_the_job_does_not_own_is_never_used(cluster):
+    """Someone made `<job>-spec` before the job existed: the operator's create is refused (409, already there), and
+    pods mounting it would run the stranger's spec. The job fails instead, naming the ConfigMap."""
+    from kubernetes import client
+
+    _, kube, _ = cluster
+    planted = copy.deepcopy(TINY)
+    planted["spec"]["kubernetes"] = {"image": "docker.io/attacker/miner:1"}
+    kube.core.create_namespaced_config_map("default", client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="j10-spec"), data={"job.json": json.dumps(planted)}))
+    kube.create_job(job_doc("j10"))
+    st = wait_for(lambda: (s := kube.status("j10")).get("phase") == "Failed" and s, 30, "Failed")
+    assert "ConfigMap default/j10-spec exists but was not made for this job" in st["message"], st
+    assert kube.pods("j10") == []
 
 
 def test_operator_metrics_and_liveness(cluster):
@@ -379,8 +411,109 @@ def test_missing_reward_configmap_and_pvc_hold_the_job_pending_until_created(clu
         metadata=client.V1ObjectMeta(name="my-reward"), data={"other.py": "x = 1\n"}))
     wait_for(lambda: "has no key 'my_reward.py' (its keys: other.py)" in kube.status("inputs").get("message", ""),
              30, "the missing key named")
+    # The claim exists but its owner never marked it for jobs: naming it in a job must not be enough to mount it.
+    assert "PersistentVolumeClaim 'prompts' is not marked for jobs" in kube.status("inputs")["message"]
     assert kube.pods("inputs") == []
+    kube.core.patch_namespaced_persistent_volume_claim("prompts", "default",
+                                                       {"metadata": {"labels": {FOR_JOBS_LABEL: "true"}}})
     kube.core.patch_namespaced_config_map("my-reward", "default", {"data": {"my_reward.py": "def compute_score(*a): return 1\n"}})
+    wait_for(lambda: "ConfigMap 'my-reward' is not marked for jobs" in kube.status("inputs").get("message", ""),
+             30, "the unmarked ConfigMap named")
+    assert kube.pods("inputs") == []
+    kube.core.patch_namespaced_config_map("my-reward", "default", {"metadata": {"labels": {FOR_JOBS_LABEL: "true"}}})
     wait_for(lambda: len(kube.pods("inputs")) == 2, 30, "pods once the inputs exist")
     ready = next(c for c in kube.status("inputs")["conditions"] if c["type"] == "InputsReady")
     assert ready["status"] == "True"
+
+
+def test_refused_pod_creates_are_reported_not_retried_silently(cluster):
+    """An admission controller refusing the pods (403: Pod Security, a quota) shows in status and as one event,
+    and the job starts once they are admitted; a 422 (invalid) fails the job with the API server's words."""
+    api, kube, _ = cluster
+    api.refuse_creates("pods", 403, 'pods "x" is forbidden: violates PodSecurity "restricted:latest"')
+    kube.create_job(job_doc("j403"))
+    cond = wait_for(lambda: next((c for c in kube.status("j403").get("conditions", [])
+                                  if c["type"] == "CreateRefused" and c["status"] == "True"), None), 30,
+                    "a CreateRefused condition")
+    assert "violates PodSecurity" in cond["message"] and "(403)" in cond["message"]
+    assert kube.status("j403")["phase"] == "Pending"
+    time.sleep(2)  # several refused ticks: still one event
+    assert len([e for e in kube.events() if e.reason == "CreateRefused" and e.involved_object.name == "j403"]) == 1
+    api.refuse_creates("pods", None)
+    wait_for(lambda: len(kube.pods("j403")) == 2, 30, "pods once admitted")
+
+    api.refuse_creates("pods", 422, 'Pod "x" is invalid: spec.containers[0].image: Required value')
+    kube.create_job(job_doc("j422"))
+    st = wait_for(lambda: (s := kube.status("j422")).get("phase") == "Failed" and s, 30, "Failed")
+    assert st["reason"] == "CreateRefused" and "spec.containers[0].image: Required value" in st["message"], st
+    api.refuse_creates("pods", None)
+
+
+def test_a_job_breaking_the_clusters_job_policy_fails_before_any_pod(cluster):
+    _, kube, _ = cluster
+    doc = job_doc("jpolicy")
+    doc["spec"]["kubernetes"] = {"image": "docker.io/attacker/miner:latest", "serviceAccountName": "cluster-admin"}
+    kube.create_job(doc)
+    st = wait_for(lambda: (s := kube.status("jpolicy")).get("phase") == "Failed" and s, 30, "Failed")
+    assert "spec.kubernetes.image 'docker.io/attacker/miner:latest' is not under an allowed prefix" in st["message"]
+    assert "spec.kubernetes.serviceAccountName 'cluster-admin' is not allowed" in st["message"]
+    assert kube.pods("jpolicy") == []
+
+
+def _granted() -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) the chart's ClusterRole grants the operator."""
+    from test_helm import render_chart
+
+    role = next(d for d in render_chart("default") if d["kind"] == "ClusterRole")
+    return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]}
+
+
+VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "DELETE": "delete"}
+GROUPS = {"rlhfjobs": "hybridflow.io", "networkpolicies": "networking.k8s.io", "podgroups": "scheduling.volcano.sh",
+          "customresourcedefinitions": "apiextensions.k8s.io"}
+
+
+def test_the_chart_grants_exactly_the_verbs_a_jobs_whole_life_uses(cluster):
+    """A job that uses every kind of input (checkpoint PVC, reward ConfigMap, Ray Secret, gang scheduling), has a
+    gang restart, succeeds and is deleted by its TTL, and one that makes its own token and is deleted: every request the operator (kopf and our handlers) makes is
+    allowed by the chart's ClusterRole, and every verb the role grants was needed."""
+    from kubernetes import client
+
+    api, kube, _ = cluster
+    labels = {FOR_JOBS_LABEL: "true"}
+    kube.core.create_namespaced_persistent_volume_claim("default", {
+        "metadata": {"name": "ck", "labels": labels},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+    kube.core.create_namespaced_config_map("default", client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="rw", labels=labels), data={"my_reward.py": "def compute_score(*a): return 1\n"}))
+    kube.core.create_namespaced_secret("default", client.V1Secret(
+        metadata=client.V1ObjectMeta(name="tok", labels=labels), string_data={"token": "t" * 64}))
+    doc = job_doc("rbac", gangScheduling=True, ttlSecondsAfterFinished=0)
+    doc["spec"]["models"] = {"actor": {"source": "smollm2"}, "reward": {"type": "function",
+                                                                        "function": {"path": "my_reward.py"}}}
+    doc["spec"]["kubernetes"] = {"checkpointPvc": "ck", "rewardConfigMap": "rw", "rayAuthSecret": "tok"}
+    kube.create_job(doc)
+    pods = wait_for(lambda: len(kube.pods("rbac")) == 2 and kube.pods("rbac"), 30, "the gang")
+    kube.set_pod_phase(next(p.metadata.name for p in pods if "head" not in p.metadata.name), "Failed", exit_code=1)
+    gen1 = wait_for(lambda: sorted(p.metadata.name for p in kube.pods("rbac")) == ["rbac-default-0-g1", "rbac-head-g1"]
+                    and kube.pods("rbac"), 30, "generation 1")
+    for p in gen1:
+        kube.set_pod_phase(p.metadata.name, "Running")
+    wait_for(lambda: _phase(kube, "rbac") == "Running", 30, "Running")
+    kube.set_pod_phase("rbac-head-g1", "Succeeded", exit_code=0)
+    wait_for(lambda: kube.job("rbac") is None, 30, "the TTL deletion")
+    wait_for(lambda: not api.objects("networking.k8s.io/v1/networkpolicies"), 30, "cleanup")
+    kube.create_job(job_doc("rbac-own-token"))  # no Secret named: the operator makes the job's token
+    wait_for(lambda: len(kube.pods("rbac-own-token")) == 2, 30, "its gang")
+    kube.delete_job("rbac-own-token")
+    wait_for(lambda: kube.job("rbac-own-token") is None, 30, "deletion")
+    assert [s["metadata"]["name"] for s in api.objects("v1/secrets")] == ["tok"], "the job's own token went with it"
+
+    used = {(GROUPS.get(r.plural, ""), r.plural, VERBS.get(r.action.name, "patch" if r.method == "PATCH" else "update"))
+            for r in list(api.handler.log) if r.agent.startswith(("kopf", "hybridflow-operator")) and r.plural}
+    # a status write is a PATCH of rlhfjobs/status; the double records the plural only
+    granted = _granted() | {(g, r.split("/")[0], v) for g, r, v in _granted() if r.endswith("/status")}
+    assert used - granted == set(), "requests the chart's role would refuse"
+    unused = {(g, r, v) for g, r, v in _granted() if "/" not in r} - used
+    assert unused == set(), "verbs granted but never used: trim them"

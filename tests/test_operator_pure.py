@@ -1,5 +1,7 @@
 """The operator's pure functions: manifests (validated with the official schemas) and the phase machine."""
+import base64
 import datetime as dt
+import json
 from pathlib import Path
 
 import kubernetes_validate
@@ -26,7 +28,10 @@ def _raw(example: str, **spec_changes) -> dict:
 
 def _all_manifests(raw: dict) -> list[dict]:
     job = parse_job(raw)
-    return mf.static_children(raw, job) + mf.gang_pods(raw, job, generation=0)
+    return mf.static_children(raw, job, TOKEN, ["monitoring", "hybridflow-system"]) + mf.gang_pods(raw, job, 0)
+
+
+TOKEN = "ab" * 32
 
 
 @pytest.mark.parametrize("example", ["tiny-grpo.yaml", "gpu-grpo-7b.yaml", "tiny-ppo.yaml"])
@@ -39,7 +44,7 @@ def test_manifests_validate_strictly(example, version):
 
 
 def test_strict_validation_catches_unknown_fields():
-    pod = _all_manifests(_raw("tiny-grpo.yaml"))[2]
+    pod = next(o for o in _all_manifests(_raw("tiny-grpo.yaml")) if o["kind"] == "Pod")
     pod["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(pod, K8S_VERSIONS[-1], strict=True)
@@ -73,22 +78,109 @@ def test_gang_and_pod_details():
         assert ref["uid"] == "1234-abcd" and ref["controller"] is True
         assert o["metadata"]["labels"][mf.LABEL_JOB] == "qwen2-7b-grpo"
     cm = next(o for o in objs if o["kind"] == "ConfigMap")
-    resolved = yaml.safe_load(cm["data"]["job.yaml"])
-    assert resolved["spec"]["trainer"]["checkpointDir"] == mf.CHECKPOINT_MOUNT
+    resolved = json.loads(cm["data"][mf.SPEC_KEY])
+    assert resolved["spec"]["trainer"]["checkpointDir"] == f"{mf.CHECKPOINT_MOUNT}/ml/qwen2-7b-grpo"  # the job's own
     assert resolved["spec"]["metrics"]["address"] == "0.0.0.0"
     assert parse_job(resolved).spec == mf.resolved_job(job).spec
     head = next(p for p in pods if p["metadata"]["labels"][mf.LABEL_ROLE] == "head")
-    assert "hybridflow driver /etc/hybridflow/job.yaml" in head["spec"]["containers"][0]["command"][-1]
+    assert "hybridflow driver /etc/hybridflow/job.json" in head["spec"]["containers"][0]["command"][-1]
     assert not any("nvidia.com/gpu" in str(c.get("resources")) for c in head["spec"]["containers"])
 
 
-def test_ray_auth_from_a_user_secret_only():
-    job_raw = _raw("tiny-grpo.yaml")
-    env = {e["name"]: e for e in _all_manifests(job_raw)[2]["spec"]["containers"][0]["env"]}
-    assert env["RAY_AUTH_MODE"]["value"] == "disabled" and "RAY_AUTH_TOKEN" not in env
-    job_raw["spec"]["kubernetes"] = {"rayAuthSecret": "ray-token"}
-    env = {e["name"]: e for e in _all_manifests(job_raw)[2]["spec"]["containers"][0]["env"]}
-    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "ray-token", "key": "token"}
+def test_ray_auth_is_always_on_with_the_jobs_own_token_or_the_users_secret():
+    raw = _raw("tiny-grpo.yaml")
+    objs = _all_manifests(raw)
+    secret = next(o for o in objs if o["kind"] == "Secret")
+    assert base64.b64decode(secret["data"]["token"]).decode() == TOKEN
+    assert secret["metadata"]["name"] == "tiny-grpo-ray-token" and secret["metadata"]["ownerReferences"][0]["controller"]
+    for pod in (o for o in objs if o["kind"] == "Pod"):
+        for c in pod["spec"]["containers"] + pod["spec"].get("initContainers", []):
+            env = {e["name"]: e for e in c["env"]}
+            assert env["RAY_AUTH_MODE"]["value"] == "token"
+            assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "tiny-grpo-ray-token", "key": "token"}
+    raw["spec"]["kubernetes"] = {"rayAuthSecret": "team-ray-token"}
+    objs = _all_manifests(raw)
+    assert not [o for o in objs if o["kind"] == "Secret"], "a user's Secret is used, not a second one made"
+    env = {e["name"]: e for e in objs[-1]["spec"]["containers"][0]["env"]}
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "team-ray-token", "key": "token"}
+
+
+def test_network_policy_admits_the_jobs_pods_and_the_scrapers_metrics_port_only():
+    raw = _raw("tiny-grpo.yaml")
+    np = next(o for o in _all_manifests(raw) if o["kind"] == "NetworkPolicy")
+    spec = np["spec"]
+    assert spec["podSelector"] == {"matchLabels": {mf.LABEL_JOB: "tiny-grpo"}} and spec["policyTypes"] == ["Ingress"]
+    own, scrapers = spec["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": {mf.LABEL_JOB: "tiny-grpo"}}}]}  # every port, own pods
+    assert scrapers["ports"] == [{"protocol": "TCP", "port": 8000}]
+    sel = scrapers["from"][0]["namespaceSelector"]["matchExpressions"][0]
+    assert sel["key"] == "kubernetes.io/metadata.name" and sel["values"] == ["hybridflow-system", "monitoring"]
+    raw["spec"]["metrics"] = {"port": 0}
+    np = next(o for o in _all_manifests(raw) if o["kind"] == "NetworkPolicy")
+    assert len(np["spec"]["ingress"]) == 1, "no metrics port, no door for scrapers"
+
+
+def _restricted_problems(pod: dict) -> list[str]:
+    """The Pod Security Standard `restricted` (v1.30+ rules), checked field by field as the API server's Pod
+    Security admission does, plus what this project asks beyond it (read-only root, bounded scratch)."""
+    spec, out = pod["spec"], []
+    psc = spec.get("securityContext") or {}
+    for v in spec.get("volumes", []):
+        allowed = {"configMap", "emptyDir", "persistentVolumeClaim", "secret", "projected", "downwardAPI",
+                   "csi", "ephemeral"}
+        if not set(v) - {"name"} <= allowed:
+            out.append(f"volume {v['name']} kind not allowed")
+        if "emptyDir" in v and not v["emptyDir"].get("sizeLimit"):
+            out.append(f"emptyDir {v['name']} has no sizeLimit")
+    if spec.get("hostNetwork") or spec.get("hostPID") or spec.get("hostIPC"):
+        out.append("host namespaces")
+    if spec.get("automountServiceAccountToken") is not False:
+        out.append("service account token mounted")
+    if (psc.get("seccompProfile") or {}).get("type") not in ("RuntimeDefault", "Localhost"):
+        out.append("pod seccompProfile")
+    for c in spec["containers"] + spec.get("initContainers", []):
+        sc = c.get("securityContext") or {}
+        name = c["name"]
+        if sc.get("privileged"):
+            out.append(f"{name}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{name}: allowPrivilegeEscalation")
+        if not (sc.get("runAsNonRoot") or psc.get("runAsNonRoot")):
+            out.append(f"{name}: runAsNonRoot")
+        if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+            out.append(f"{name}: runAsUser 0")
+        if "ALL" not in (sc.get("capabilities") or {}).get("drop", []):
+            out.append(f"{name}: capabilities not dropped")
+        if set((sc.get("capabilities") or {}).get("add", [])) - {"NET_BIND_SERVICE"}:
+            out.append(f"{name}: capabilities added")
+        if sc.get("seccompProfile", {}).get("type", "RuntimeDefault") not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{name}: seccompProfile")
+        if not sc.get("readOnlyRootFilesystem"):
+            out.append(f"{name}: writable root filesystem")
+        if not (c.get("resources") or {}).get("limits", {}).get("ephemeral-storage"):
+            out.append(f"{name}: no ephemeral-storage limit")
+        for p in c.get("ports", []):
+            if p.get("hostPort"):
+                out.append(f"{name}: hostPort")
+    return out
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.yaml")))
+def test_every_pod_of_every_example_meets_the_restricted_pod_security_standard(example):
+    pods = [o for o in _all_manifests(_raw(example)) if o["kind"] == "Pod"]
+    assert pods
+    for pod in pods:
+        assert _restricted_problems(pod) == [], pod["metadata"]["name"]
+        mounts = {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+        assert {"/tmp", "/dev/shm", mf.MODEL_CACHE} <= mounts  # where Ray, vLLM and torch write
+
+
+def test_the_restricted_check_catches_a_pod_that_breaks_it():
+    pod = next(o for o in _all_manifests(_raw("tiny-grpo.yaml")) if o["kind"] == "Pod")
+    pod["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] = False
+    pod["spec"]["volumes"].append({"name": "x", "emptyDir": {}})
+    pod["spec"].pop("automountServiceAccountToken")
+    assert len(_restricted_problems(pod)) == 3
 
 
 def test_generations_never_collide():
@@ -141,6 +233,77 @@ def test_failure_restarts_then_backoff_fails():
     plan = decide(JOB, None, {**plan.status, "phase": "Running"}, pods(gen=1, head="Failed"), NOW)
     assert plan.status["phase"] == "Failed" and plan.status["reason"] == "BackoffLimitExceeded"
     assert plan.delete_pods == ["w-g1"]  # the head stays for its logs
+
+
+def test_a_disrupted_pod_restarts_the_gang_without_using_the_backoff_limit():
+    """JOB allows one restart. An eviction (DisruptionTarget) restarts the gang for free; then a real failure
+    uses the one restart; the next failure fails the job."""
+    evicted = [PodView("h-g0", "head", 0, "Running"),
+               PodView("w-g0", "worker", 0, "Running", True, disruption="EvictionByEvictionAPI")]
+    plan = decide(JOB, None, {"phase": "Running", "restarts": 0}, evicted, NOW)
+    assert plan.status["phase"] == "Restarting" and plan.status["restarts"] == 1
+    assert plan.status["disruptions"] == 1 and "not counted against runPolicy.backoffLimit" in plan.status["message"]
+    assert "EvictionByEvictionAPI" in plan.status["message"]
+    st = {**plan.status, "phase": "Running"}
+    plan = decide(JOB, None, st, pods(gen=1, worker="Failed"), NOW)
+    assert plan.status["phase"] == "Restarting" and plan.status["restarts"] == 2 and "(1/1)" in plan.status["message"]
+    plan = decide(JOB, None, {**plan.status, "phase": "Running"}, pods(gen=2, worker="Failed"), NOW)
+    assert plan.status["phase"] == "Failed" and plan.status["reason"] == "BackoffLimitExceeded"
+    assert "1 restart(s) used of runPolicy.backoffLimit=1" in plan.status["message"]
+
+
+def test_an_evicted_pod_already_gone_still_does_not_use_the_backoff_limit():
+    """The pod watch saw its DisruptionTarget, but the pod was deleted before the tick: only the head is left."""
+    gone = [PodView("h-g0", "head", 0, "Running")]
+    st = {"phase": "Running", "restarts": 0}
+    plan = decide(JOB, None, st, gone, NOW, disrupted={"w-g0": "PreemptionByScheduler"})
+    assert plan.status["disruptions"] == 1 and "PreemptionByScheduler" in plan.status["message"]
+    assert decide(JOB, None, st, gone, NOW).status.get("disruptions") is None  # unseen: counted, as before
+
+
+def test_a_pod_stuck_terminating_holds_a_gang_restart_back_only_for_a_while():
+    st = {"phase": "Restarting", "restarts": 1}
+    grace_end = NOW - dt.timedelta(seconds=30)
+    stuck = [PodView("w-g0", "worker", 0, "Running", True, deletion_deadline=grace_end)]
+    plan = decide(JOB, None, st, stuck, NOW)
+    assert plan.create_gang is None  # within a minute of its grace period: wait
+    plan = decide(JOB, None, st, stuck, NOW + dt.timedelta(seconds=60))
+    assert plan.create_gang == 1 and plan.status["phase"] == "Pending"
+    assert any(e[1] == "PodStuckTerminating" and "w-g0" in e[2] for e in plan.events)
+
+
+@pytest.mark.parametrize("pod_status, reason", [
+    ({"containerStatuses": [{"name": "ray-worker", "state": {"waiting": {
+        "reason": "ImagePullBackOff", "message": 'Back-off pulling image "hybridflow/worker-cpu:0.9"'}}}]},
+     "ImagePullBackOff"),
+    ({"containerStatuses": [{"name": "controller", "state": {"waiting": {
+        "reason": "CreateContainerConfigError", "message": 'secret "tok" not found'}}}]}, "CreateContainerConfigError"),
+    ({"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                      "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}, "Unschedulable"),
+])
+def test_pods_that_cannot_start_show_as_a_condition_and_one_event(pod_status, reason):
+    from hybridflow_operator.handlers import _pod_view
+
+    raw = {"metadata": {"name": "w-g0", "labels": {mf.LABEL_ROLE: "worker", mf.LABEL_GENERATION: "0"},
+                        "creationTimestamp": iso(NOW)}, "status": {"phase": "Pending", **pod_status}}
+    current = [PodView("h-g0", "head", 0, "Running"), _pod_view(raw)]
+    plan = decide(JOB, None, {"phase": "Initializing", "restarts": 0}, current, NOW)
+    cond = next(c for c in plan.status["conditions"] if c["type"] == "PodsStarting")
+    assert cond["status"] == "False" and cond["reason"] == reason and "w-g0" in cond["message"], cond
+    assert [e[1] for e in plan.events] == [reason]
+    again = decide(JOB, None, plan.status, current, NOW)
+    assert again.events == [], "one event per reason, not one per tick"
+    started = decide(JOB, None, again.status, pods(), NOW)
+    assert next(c for c in started.status["conditions"] if c["type"] == "PodsStarting")["status"] == "True"
+
+
+def test_a_pod_pending_too_long_is_reported():
+    young = PodView("w-g0", "worker", 0, "Pending", pending_since=NOW - dt.timedelta(seconds=60))
+    plan = decide(JOB, None, {"phase": "Pending", "restarts": 0}, [PodView("h-g0", "head", 0, "Pending"), young], NOW)
+    assert not [c for c in plan.status.get("conditions", []) if c["type"] == "PodsStarting"]
+    old = PodView("w-g0", "worker", 0, "Pending", pending_since=NOW - dt.timedelta(seconds=900))
+    plan = decide(JOB, None, {"phase": "Pending", "restarts": 0}, [PodView("h-g0", "head", 0, "Pending"), old], NOW)
+    assert next(c for c in plan.status["conditions"] if c["type"] == "PodsStarting")["reason"] == "PendingTooLong"
 
 
 def test_success_cleans_up_workers_and_ttl_deletes_the_job():
@@ -253,7 +416,7 @@ def test_data_pvc_and_reward_configmap_reach_the_head_only_read_only():
                 kubernetes_validate.validate(obj, version, strict=True)
     # the spec the driver reads points inside the mounts, and resolving it again changes nothing
     cm = next(o for o in objs if o["kind"] == "ConfigMap")
-    ran = parse_job(yaml.safe_load(cm["data"]["job.yaml"]))
+    ran = parse_job(json.loads(cm["data"][mf.SPEC_KEY]))
     assert ran.spec.data.train == ["/data/word_problems/train.jsonl", "/data/more/*.jsonl"]
     assert ran.spec.models.reward.function.path == "/var/lib/hybridflow/reward/word_problem_reward.py"
     assert mf.resolved_job(ran) == ran

@@ -13,9 +13,11 @@ import asyncio
 import copy
 import datetime as dt
 import functools
+import hashlib
 import json
 import logging
 import os
+import secrets
 import time
 from typing import Any
 
@@ -28,14 +30,21 @@ from hybridflow.spec import API_GROUP as GROUP
 from hybridflow.spec import PLURAL, VERSION, RLHFJob, SpecError, parse_job, reward_configmap_key
 from hybridflow_operator import manifests as mf
 from hybridflow_operator.metrics import OperatorMetrics
-from hybridflow_operator.phases import TERMINAL, PodView, decide, iso, parse_time, set_condition
+from hybridflow_operator.phases import TERMINAL, PodView, decide, iso, parse_time, refused, set_condition
+from hybridflow_operator.policy import Policy, unmarked, violations
 from hybridflow_operator.progress import fetch, merge_progress, parse_progress
 
 INTERVAL = float(os.environ.get("HYBRIDFLOW_RECONCILE_INTERVAL", "5"))
+POLICY = Policy.from_env()
+# The operator's own namespace: it polls the drivers' metrics, so the jobs' NetworkPolicies admit it.
+OPERATOR_NAMESPACE = os.environ.get("HYBRIDFLOW_OPERATOR_NAMESPACE", "")
 METRICS = OperatorMetrics()
 log = logging.getLogger("hybridflow.operator")
 
 
+USER_AGENT = "hybridflow-operator"
+# Seconds any one Kubernetes API call may take: a hung connection must not wedge a job's timer.
+API_TIMEOUT = float(os.environ.get("HYBRIDFLOW_API_TIMEOUT", "30"))
 # How long a pod this operator created counts as existing (Pending) while the pod watch has not shown it yet.
 CREATED_GRACE_SECONDS = 60.0
 _API: client.ApiClient | None = None
@@ -60,12 +69,16 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330  # a watch the server silently dropped is noticed, and re-opened
+    settings.networking.request_timeout = API_TIMEOUT
+    settings.networking.connect_timeout = 10
     tune_kopf(settings)
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
     _API = client.ApiClient()  # one connection pool for every call (a client per call opened a connection each)
+    _API.user_agent = USER_AGENT  # audit logs (and the tests' API double) tell the operator's requests apart
     port = int(os.environ.get("HYBRIDFLOW_OPERATOR_METRICS_PORT", "8080"))
     if port:
         METRICS.serve(port, os.environ.get("HYBRIDFLOW_OPERATOR_METRICS_ADDRESS", "0.0.0.0"))
@@ -80,7 +93,9 @@ def _custom() -> client.CustomObjectsApi:
 
 
 def _ignore(status: int | tuple[int, ...], fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call fn; an ApiException with one of these statuses (409: exists, 404: gone) counts as success."""
+    """Call fn (with the API timeout); an ApiException with one of these statuses (409: exists, 404: gone) counts
+    as success."""
+    kwargs.setdefault("_request_timeout", API_TIMEOUT)
     try:
         return fn(*args, **kwargs)
     except ApiException as err:
@@ -102,15 +117,48 @@ def _pod_view(pod: dict[str, Any]) -> PodView:
                 message = f"{kind} {cs['name']} exited with code {exit_code} ({term.get('reason', 'Error')})"
                 if term.get("message"):
                     message += f": {last_error(term['message'])}"
+    phase = st.get("phase") or "Pending"
     return PodView(
         name=meta["name"],
         role=labels.get(mf.LABEL_ROLE, "worker"),
         generation=int(labels.get(mf.LABEL_GENERATION, "0")),
-        phase=st.get("phase") or "Pending",
+        phase=phase,
         deleting=bool(meta.get("deletionTimestamp")),
         message=message,
         exit_code=exit_code,
+        waiting=_waiting(st) if phase == "Pending" else "",
+        disruption=next((c.get("reason") or "DisruptionTarget" for c in st.get("conditions") or []
+                         if c.get("type") == "DisruptionTarget" and c.get("status") == "True"), ""),
+        deletion_deadline=_time(meta.get("deletionTimestamp")),
+        pending_since=_time(meta.get("creationTimestamp")) if phase == "Pending" else None,
     )
+
+
+# Container waiting reasons that mean "will not start without someone changing something".
+STUCK_WAITING = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
+                 "CreateContainerError", "RunContainerError", "ErrImageNeverPull")
+
+
+def _waiting(st: dict[str, Any]) -> str:
+    """Why a Pending pod is not starting, in the kubelet's or the scheduler's words; "" if nothing is wrong yet."""
+    for key in ("initContainerStatuses", "containerStatuses"):
+        for cs in st.get(key) or []:
+            w = (cs.get("state") or {}).get("waiting") or {}
+            if w.get("reason") in STUCK_WAITING:
+                return f"{w['reason']}: container {cs.get('name')}: {w.get('message', '')}".rstrip(": ")[:500]
+    for c in st.get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+            return f"Unschedulable: {c.get('message', '')}"[:500]
+    return ""
+
+
+def _time(value: Any) -> dt.datetime | None:
+    if isinstance(value, dt.datetime):
+        return value
+    try:
+        return parse_time(value) if value else None
+    except ValueError:
+        return None
 
 
 def last_error(termination_message: str) -> str:
@@ -122,16 +170,27 @@ def last_error(termination_message: str) -> str:
     return " ".join(ln.strip() for ln in picked).removeprefix("error: ")[:1000]
 
 
+# Pods seen with a DisruptionTarget condition, by job: (namespace, job) -> pod -> (generation, reason). An evicted
+# pod may be gone before the next tick looks, and its gang's restart must still not use up backoffLimit.
+_DISRUPTED: dict[tuple[str, str], dict[str, tuple[int, str]]] = {}
+
+
 @kopf.index("pods", labels={mf.LABEL_JOB: kopf.PRESENT})
 def job_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
     """The jobs' pods by (namespace, job), kept current by one pod watch: what a tick used to LIST."""
+    view = _pod_view(body)
+    if view.disruption:
+        _DISRUPTED.setdefault((namespace, labels[mf.LABEL_JOB]), {})[view.name] = (view.generation, view.disruption)
     st = body.get("status") or {}
-    return {(namespace, labels[mf.LABEL_JOB]): {"view": _pod_view(body), "podIP": st.get("podIP")}}
+    owners = [r.get("uid") for r in body.get("metadata", {}).get("ownerReferences") or [] if r.get("controller")]
+    return {(namespace, labels[mf.LABEL_JOB]): {"view": view, "podIP": st.get("podIP"),
+                                                "owner": owners[0] if owners else None}}
 
 
 def _list_pods(namespace: str, name: str) -> list[dict[str, Any]]:
     # Raw JSON rather than the client's models: the pure functions work on plain dicts.
-    resp = _core().list_namespaced_pod(namespace, label_selector=mf.selector(name), _preload_content=False)
+    resp = _core().list_namespaced_pod(namespace, label_selector=mf.selector(name), _preload_content=False,
+                                       _request_timeout=API_TIMEOUT)
     return json.loads(resp.data).get("items", [])
 
 
@@ -145,7 +204,7 @@ def _observed_pods(index: kopf.Index, namespace: str, name: str, memo: kopf.Memo
         if pod_name in names or now - when > CREATED_GRACE_SECONDS:
             del created[pod_name]
         else:
-            seen.append({"view": view, "podIP": None})
+            seen.append({"view": view, "podIP": None, "owner": None})
     return seen
 
 
@@ -159,14 +218,26 @@ def _known_status(body: kopf.Body, memo: kopf.Memo) -> dict[str, Any]:
     return {k: v for k, v in dict(body.get("status") or {}).items() if k != "kopf"}
 
 
-def _accepted_job(live: RLHFJob, namespace: str, memo: kopf.Memo) -> tuple[RLHFJob, bool]:
+def _accepted_job(live: RLHFJob, namespace: str, uid: str | None, memo: kopf.Memo) -> tuple[RLHFJob, bool]:
     """The spec the job started with (its ConfigMap, read once), with the live runPolicy; and whether other fields
-    changed."""
+    changed. The ConfigMap is trusted only when this job owns it: anyone who may create ConfigMaps could have made
+    one under that name first, and the pods would run its spec."""
     if "accepted" not in memo:
-        cm = _ignore(404, _core().read_namespaced_config_map, mf.names(live.metadata.name)["configmap"], namespace)
+        name = mf.names(live.metadata.name)["configmap"]
+        cm = _ignore(404, _core().read_namespaced_config_map, name, namespace)
         if cm is None:
             return live, False
-        memo["accepted"] = parse_job(yaml.safe_load(cm.data["job.yaml"]), "accepted spec")
+        owners = [r.uid for r in cm.metadata.owner_references or [] if r.controller]
+        if not uid or owners != [uid]:
+            raise SpecError(f"ConfigMap {namespace}/{name} exists but was not made for this job (its owner: "
+                            f"{owners[0] if owners else 'none'}); the job cannot start with a spec it did not write. "
+                            "Delete that ConfigMap, or give the job another name")
+        text = (cm.data or {}).get(mf.SPEC_KEY)
+        if text is None:  # a job started by an operator before the spec was stored as JSON (its own ConfigMap)
+            memo["accepted"] = parse_job(yaml.safe_load(cm.data["job.yaml"]), "accepted spec")
+        else:
+            memo["accepted"] = parse_job(json.loads(text), "accepted spec")
+        memo["spec_digest"] = "sha256:" + hashlib.sha256((text or cm.data["job.yaml"]).encode()).hexdigest()
     accepted = memo["accepted"].model_copy(deep=True)
     accepted.spec.run_policy = live.spec.run_policy
     resolved_live = mf.resolved_job(live)
@@ -175,15 +246,21 @@ def _accepted_job(live: RLHFJob, namespace: str, memo: kopf.Memo) -> tuple[RLHFJ
 
 
 def _missing_inputs(job: RLHFJob, namespace: str) -> str:
-    """What the job's pods would mount but does not exist: its PVCs, the reward ConfigMap and the reward file's key
-    in it. Checked before pods are created, so the job waits with a reason instead of pods stuck creating."""
+    """What the job's pods would mount but does not exist, or exists unmarked for jobs: its PVCs, the reward
+    ConfigMap (and the reward file's key in it) and a Ray token Secret the spec names. Checked before pods are
+    created, so the job waits with a reason instead of pods stuck creating."""
     k8s = job.spec.kubernetes
     problems = []
     for field, claim in (("checkpointPvc", k8s.checkpoint_pvc), ("modelPvc", k8s.model_pvc),
                          ("dataPvc", k8s.data_pvc)):
-        if claim and _ignore(404, _core().read_namespaced_persistent_volume_claim, claim, namespace) is None:
+        if not claim:
+            continue
+        pvc = _ignore(404, _core().read_namespaced_persistent_volume_claim, claim, namespace)
+        if pvc is None:
             problems.append(f"spec.kubernetes.{field}: PersistentVolumeClaim '{claim}' not found in namespace "
                             f"{namespace}; create it")
+        elif why := unmarked("PersistentVolumeClaim", f"spec.kubernetes.{field}", claim, pvc.metadata.labels, POLICY):
+            problems.append(why)
     if k8s.reward_config_map:
         cm = _ignore(404, _core().read_namespaced_config_map, k8s.reward_config_map, namespace)
         fn = job.spec.models.reward.function
@@ -195,22 +272,46 @@ def _missing_inputs(job: RLHFJob, namespace: str) -> str:
         elif key not in (cm.data or {}):
             problems.append(f"spec.models.reward.function.path: ConfigMap '{k8s.reward_config_map}' has no key "
                             f"'{key}' (its keys: {', '.join(sorted(cm.data or {})) or 'none'})")
+        elif why := unmarked("ConfigMap", "spec.kubernetes.rewardConfigMap", k8s.reward_config_map,
+                             cm.metadata.labels, POLICY):
+            problems.append(why)
+    if k8s.ray_auth_secret:
+        labels = _secret_labels(k8s.ray_auth_secret, namespace)
+        if labels is None:
+            problems.append(f"spec.kubernetes.rayAuthSecret: Secret '{k8s.ray_auth_secret}' not found in namespace "
+                            f"{namespace}; create it with a key `token`")
+        elif why := unmarked("Secret", "spec.kubernetes.rayAuthSecret", k8s.ray_auth_secret, labels, POLICY):
+            problems.append(why)
     return "; ".join(problems)
 
 
-def _create(obj: dict[str, Any]) -> None:
+def _secret_labels(name: str, namespace: str) -> dict[str, str] | None:
+    """A Secret's labels, fetched as metadata only (PartialObjectMetadata): its data never reaches the operator."""
+    accept = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
+    resp = _ignore(404, _core().read_namespaced_secret, name, namespace, _preload_content=False,
+                   _headers={"Accept": accept})
+    if resp is None:
+        return None
+    return dict((json.loads(resp.data).get("metadata") or {}).get("labels") or {})
+
+
+def _create(obj: dict[str, Any]) -> Any:
+    """Create by name; None when it already exists (409)."""
     ns, kind = obj["metadata"]["namespace"], obj["kind"]
     if kind == "Pod":
-        _ignore(409, _core().create_namespaced_pod, ns, obj)
-    elif kind == "Service":
-        _ignore(409, _core().create_namespaced_service, ns, obj)
-    elif kind == "ConfigMap":
-        _ignore(409, _core().create_namespaced_config_map, ns, obj)
-    elif kind == "PodGroup":
-        _ignore(409, _custom().create_namespaced_custom_object, "scheduling.volcano.sh", "v1beta1", ns, "podgroups",
-                obj)
-    else:  # pragma: no cover - manifests only builds the kinds above
-        raise ValueError(f"unexpected kind {kind}")
+        return _ignore(409, _core().create_namespaced_pod, ns, obj)
+    if kind == "Service":
+        return _ignore(409, _core().create_namespaced_service, ns, obj)
+    if kind == "ConfigMap":
+        return _ignore(409, _core().create_namespaced_config_map, ns, obj)
+    if kind == "Secret":
+        return _ignore(409, _core().create_namespaced_secret, ns, obj)
+    if kind == "NetworkPolicy":
+        return _ignore(409, client.NetworkingV1Api(_API).create_namespaced_network_policy, ns, obj)
+    if kind == "PodGroup":
+        return _ignore(409, _custom().create_namespaced_custom_object, "scheduling.volcano.sh", "v1beta1", ns,
+                       "podgroups", obj)
+    raise ValueError(f"unexpected kind {kind}")  # pragma: no cover - manifests only builds the kinds above
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=INTERVAL)
@@ -238,14 +339,21 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
         live = parse_job({"apiVersion": raw["apiVersion"], "kind": raw["kind"],
                           "metadata": {"name": name, "namespace": namespace}, "spec": raw["spec"]},
                          f"RLHFJob {namespace}/{name}")
-        job, changed = _accepted_job(live, namespace, memo)
+        job, changed = _accepted_job(live, namespace, body["metadata"].get("uid"), memo)
+        if not status.get("phase") and (broken := violations(job, POLICY)):  # judged once, before anything runs
+            raise SpecError("the spec breaks this cluster's job policy: " + "; ".join(broken))
     except SpecError as err:
-        error, changed = str(err), False
+        error, changed, job = str(err), False, None
     pods = _observed_pods(index, namespace, name, memo)
     views = [p["view"] for p in pods]
-    plan = decide(job, error, status, views, now)
+    gen = int(status.get("restarts", 0))
+    disrupted = {pod: why for pod, (g, why) in _DISRUPTED.get((namespace, name), {}).items() if g == gen}
+    plan = decide(job, error, status, views, now, disrupted=disrupted)
     if job is not None and plan.create_gang is not None:  # about to create pods: are their inputs there?
-        plan = decide(job, error, status, views, now, missing_inputs=_missing_inputs(job, namespace))
+        plan = decide(job, error, status, views, now, missing_inputs=_missing_inputs(job, namespace),
+                      disrupted=disrupted)
+    if memo.get("spec_digest") and plan.status.get("acceptedSpecDigest") != memo["spec_digest"]:
+        plan.status["acceptedSpecDigest"] = memo["spec_digest"]  # what the pods run, for audits and comparisons
 
     if changed and status.get("phase") not in TERMINAL:
         msg = "spec changed while the job exists; only runPolicy can change: the job keeps its original spec"
@@ -255,21 +363,24 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
         set_condition(plan.status, "SpecChangeIgnored", True, "SpecChangeIgnored", msg, now)
 
     if job is not None and plan.status.get("phase") == "Running":
-        _poll_progress(job, pods, plan.status, now)
+        _poll_progress(job, body["metadata"].get("uid"), pods, plan.status, now)
     # The status is written before anything is done about it: a tick that fails half-way is redone from the
     # new status (missing pods are created again, stale ones deleted again), never from the old one.
     if plan.status != status:
         _write_status(namespace, name, status, plan.status, memo)
-    if job is not None and plan.create_static:
-        for obj in mf.static_children(raw, job):
-            _create(obj)
-    if job is not None and plan.create_gang is not None:
-        existing = {p["view"].name for p in pods}
-        created = memo.setdefault("created", {})
-        for pod in mf.gang_pods(raw, job, plan.create_gang):
-            if pod["metadata"]["name"] not in existing:
-                _create(pod)
-                created[pod["metadata"]["name"]] = (time.monotonic(), _pod_view(pod))
+    if job is not None:
+        try:
+            _create_children(raw, job, plan, pods, memo)
+        except ApiException as err:
+            if err.status not in (403, 422):
+                raise
+            what = getattr(err, "hybridflow_object", "a child object")
+            planned = plan
+            plan = refused(planned.status, what, err.status, _api_message(err), now, views)
+            plan.events[:0] = planned.events
+            plan.delete_pods = sorted(set(plan.delete_pods) | set(planned.delete_pods))
+            if plan.status != planned.status:
+                _write_status(namespace, name, planned.status, plan.status, memo)
     for pod_name in plan.delete_pods:
         memo.setdefault("created", {}).pop(pod_name, None)
         _ignore(404, _core().delete_namespaced_pod, pod_name, namespace, grace_period_seconds=30)
@@ -287,23 +398,57 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
         _ignore(404, _custom().delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
 
 
+def _create_children(raw: dict[str, Any], job: RLHFJob, plan: Any, pods: list[dict[str, Any]],
+                     memo: kopf.Memo) -> None:
+    """The static children and the missing pods of the planned generation; a refused create raises, naming the
+    object it was about."""
+    objs: list[dict[str, Any]] = []
+    if plan.create_static:
+        scrapers = [*POLICY.metrics_namespaces, *([OPERATOR_NAMESPACE] if OPERATOR_NAMESPACE else [])]
+        objs += mf.static_children(raw, job, secrets.token_hex(32), scrapers)
+    if plan.create_gang is not None:
+        existing = {p["view"].name for p in pods}
+        objs += [p for p in mf.gang_pods(raw, job, plan.create_gang) if p["metadata"]["name"] not in existing]
+    created = memo.setdefault("created", {})
+    for obj in objs:
+        try:
+            made = _create(obj)
+        except ApiException as err:
+            err.hybridflow_object = f"{obj['kind']} {obj['metadata']['name']}"  # type: ignore[attr-defined]
+            raise
+        if made is None and obj["kind"] == "ConfigMap":  # there already: ours (a retried tick), or planted?
+            _accepted_job(job, obj["metadata"]["namespace"], obj["metadata"]["ownerReferences"][0]["uid"], memo)
+        if obj["kind"] == "Pod":
+            created[obj["metadata"]["name"]] = (time.monotonic(), _pod_view(obj))
+
+
+def _api_message(err: ApiException) -> str:
+    """The API server's own words (its Status object's message), else the HTTP reason."""
+    try:
+        return str(json.loads(err.body).get("message") or err.reason)[:1000]
+    except (TypeError, ValueError, AttributeError):
+        return str(err.reason)
+
+
 def _write_status(namespace: str, name: str, old: dict[str, Any], new: dict[str, Any], memo: kopf.Memo) -> None:
     """Merge-patch the status subresource now (not after the tick, as kopf's `patch` would), so that the write is
     known to have landed before anything relies on it; fields the plan dropped are removed."""
     patch = {"status": {**{k: None for k in old if k not in new}, **new}}
-    _custom().patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, patch)
+    _custom().patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, patch,
+                                                    _request_timeout=API_TIMEOUT)
     memo["written"] = copy.deepcopy(new)
 
 
-def _poll_progress(job: RLHFJob, pods: list[dict[str, Any]], status: dict[str, Any], now: dt.datetime) -> None:
-    """Progress from the current generation's head: an old head that still has an IP must not move step back."""
+def _poll_progress(job: RLHFJob, uid: str | None, pods: list[dict[str, Any]], status: dict[str, Any],
+                   now: dt.datetime) -> None:
+    """Progress from the current generation's head: only a pod this job owns (anyone may label a pod as a job's
+    head), and an old head that still has an IP must not move step back."""
     gen = int(status.get("restarts", 0))
     head = [p for p in pods if p["view"].role == "head" and p["podIP"] and p["view"].generation == gen
-            and not p["view"].deleting]
+            and not p["view"].deleting and uid and p.get("owner") == uid]
     if not head or not job.spec.metrics.port:
         return
-    ip = head[-1]["podIP"]
-    text = fetch(f"http://{ip}:{job.spec.metrics.port}/metrics")
+    text = fetch(head[-1]["podIP"], job.spec.metrics.port)
     if text:
         merge_progress(status, parse_progress(text, job.metadata.name), job.spec.trainer.checkpoint_dir, iso(now))
 
@@ -318,7 +463,11 @@ async def cleanup(name: str, namespace: str, **_: Any) -> None:
                                grace_period_seconds=0) for p in pods]
     calls += [functools.partial(_ignore, 404, core.delete_namespaced_service, names["service"], namespace),
               functools.partial(_ignore, 404, core.delete_namespaced_config_map, names["configmap"], namespace),
+              functools.partial(_ignore, 404, core.delete_namespaced_secret, names["ray_token"], namespace),
+              functools.partial(_ignore, 404, client.NetworkingV1Api(_API).delete_namespaced_network_policy,
+                                names["network_policy"], namespace),
               functools.partial(_ignore, (404, 405), _custom().delete_namespaced_custom_object,  # 405: no Volcano
                                 "scheduling.volcano.sh", "v1beta1", namespace, "podgroups", names["podgroup"])]
     await asyncio.gather(*(asyncio.to_thread(c) for c in calls))
     METRICS.set_phase(namespace, name, None)
+    _DISRUPTED.pop((namespace, name), None)

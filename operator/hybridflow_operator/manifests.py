@@ -5,12 +5,15 @@ collides with the terminating pods of the previous one, and the operator only lo
 """
 from __future__ import annotations
 
+import base64
+import copy
 import json
 import shlex
 from typing import Any
 
 import yaml
 
+from hybridflow.checkpoint import job_checkpoint_dir
 from hybridflow.spec import API_GROUP as GROUP
 from hybridflow.spec import DATA_MOUNT, REWARD_MOUNT, RLHFJob, ResourcePool, dump_job, pool_resource
 
@@ -23,9 +26,17 @@ MANAGED_BY = {"app.kubernetes.io/managed-by": "hybridflow-operator", "app.kubern
 
 RAY_PORT = 6379
 SPEC_MOUNT = "/etc/hybridflow"
+SPEC_KEY = "job.json"  # JSON, not YAML: no aliases or tags in what the operator and the driver read back
 CHECKPOINT_MOUNT = "/var/lib/hybridflow/checkpoints"
 MODEL_CACHE = "/var/cache/hybridflow/models"
 MODELS_MOUNT = "/models"
+RAY_AGENT_PORT = 52365  # Ray's per-node dashboard agent (job submission); refused without the token
+# The restricted Pod Security Standard: a read-only root filesystem, so everything Ray, vLLM and torch write goes
+# to bounded emptyDirs (HOME points into /tmp for the caches that follow it).
+SCRATCH_MOUNT = "/tmp"
+SCRATCH_SIZE = "16Gi"
+MODEL_CACHE_SIZE = "64Gi"
+POD_USER = 1000  # the worker images' `ray` user
 
 
 def job_labels(name: str) -> dict[str, str]:
@@ -64,7 +75,14 @@ def names(job_name: str) -> dict[str, str]:
         "configmap": f"{job_name}-spec",
         "service": f"{job_name}-head",
         "podgroup": f"{job_name}-gang",
+        "ray_token": f"{job_name}-ray-token",
+        "network_policy": f"{job_name}-ingress",
     }
+
+
+def ray_token_secret_name(parsed: RLHFJob) -> str:
+    """The user's Secret when the spec names one, else the one the operator creates for the job."""
+    return parsed.spec.kubernetes.ray_auth_secret or names(parsed.metadata.name)["ray_token"]
 
 
 def head_pod_name(job_name: str, generation: int) -> str:
@@ -76,13 +94,13 @@ def worker_pod_name(job_name: str, pool: str, index: int, generation: int) -> st
 
 
 def resolved_job(job: RLHFJob) -> RLHFJob:
-    """The spec as it runs in pods: metrics on all interfaces, checkpoints on the PVC when one is given, prompt
-    files inside the data volume and the reward file inside the ConfigMap's mount."""
+    """The spec as it runs in pods: metrics on all interfaces, checkpoints in the job's own directory on the PVC when
+    one is given, prompt files inside the data volume and the reward file inside the ConfigMap's mount."""
     run = job.model_copy(deep=True)
     s, k8s = run.spec, run.spec.kubernetes
     s.metrics.address = "0.0.0.0"
-    if k8s.checkpoint_pvc:
-        s.trainer.checkpoint_dir = CHECKPOINT_MOUNT
+    if k8s.checkpoint_pvc:  # one directory per job: a claim shared by several jobs never mixes their checkpoints
+        s.trainer.checkpoint_dir = job_checkpoint_dir(CHECKPOINT_MOUNT, run.metadata.namespace, run.metadata.name)
     if k8s.data_pvc:
         s.data.train = [_inside(DATA_MOUNT, p) for p in s.data.train]
         s.data.eval = [_inside(DATA_MOUNT, p) for p in s.data.eval]
@@ -104,7 +122,7 @@ def configmap(job: dict[str, Any], parsed: RLHFJob) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(job, names(parsed.metadata.name)["configmap"]),
-        "data": {"job.yaml": yaml.safe_dump(doc, sort_keys=False)},
+        "data": {SPEC_KEY: json.dumps(doc, indent=1)},
     }
 
 
@@ -137,31 +155,30 @@ def podgroup(job: dict[str, Any], parsed: RLHFJob) -> dict[str, Any]:
 
 
 def _ray_env(parsed: RLHFJob) -> list[dict[str, Any]]:
-    secret = parsed.spec.kubernetes.ray_auth_secret
-    env: list[dict[str, Any]] = [
+    """Ray's token authentication is always on: GCS, the Ray client and every node's job agent refuse a caller
+    without the job's token (the user's Secret, or the one the operator made for this job)."""
+    return [
         {"name": "RAY_DEDUP_LOGS", "value": "1"},
         {"name": "HYBRIDFLOW_MODEL_CACHE", "value": MODEL_CACHE},
+        {"name": "HOME", "value": SCRATCH_MOUNT},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "RAY_AUTH_MODE", "value": "token"},
+        {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": ray_token_secret_name(parsed),
+                                                                   "key": "token"}}},
     ]
-    if secret:
-        env += [
-            {"name": "RAY_AUTH_MODE", "value": "token"},
-            {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": "token"}}},
-        ]
-    else:
-        env.append({"name": "RAY_AUTH_MODE", "value": "disabled"})
-    return env
 
 
 def _volumes(job: dict[str, Any], parsed: RLHFJob, shm: str, head: bool) -> tuple[list[dict], list[dict]]:
     vols = [
         {"name": "spec", "configMap": {"name": names(parsed.metadata.name)["configmap"]}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}},
-        {"name": "model-cache", "emptyDir": {}},
+        {"name": "scratch", "emptyDir": {"sizeLimit": SCRATCH_SIZE}},
+        {"name": "model-cache", "emptyDir": {"sizeLimit": MODEL_CACHE_SIZE}},
     ]
     mounts = [
         {"name": "spec", "mountPath": SPEC_MOUNT, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "scratch", "mountPath": SCRATCH_MOUNT},
         {"name": "model-cache", "mountPath": MODEL_CACHE},
     ]
     if parsed.spec.kubernetes.model_pvc:
@@ -181,6 +198,15 @@ def _volumes(job: dict[str, Any], parsed: RLHFJob, shm: str, head: bool) -> tupl
     return vols, mounts
 
 
+# Pod Security Standard `restricted` (https://kubernetes.io/docs/concepts/security/pod-security-standards/).
+POD_SECURITY: dict[str, Any] = {"runAsNonRoot": True, "runAsUser": POD_USER, "runAsGroup": POD_USER,
+                                "fsGroup": POD_USER, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY: dict[str, Any] = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                      "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]},
+                                      "seccompProfile": {"type": "RuntimeDefault"}}
+EPHEMERAL_LIMIT = "96Gi"  # the scratch and model-cache emptyDirs, plus logs
+
+
 def _pod(
     job: dict[str, Any],
     parsed: RLHFJob,
@@ -198,12 +224,16 @@ def _pod(
         c.setdefault("imagePullPolicy", k8s.image_pull_policy)
         c["volumeMounts"] = mounts
         c["env"] = _ray_env(parsed) + c.get("env", [])
-        c.setdefault("securityContext", {"allowPrivilegeEscalation": False})
+        c["securityContext"] = copy.deepcopy(CONTAINER_SECURITY)
+        limits = c.setdefault("resources", {}).setdefault("limits", {})
+        limits.setdefault("ephemeral-storage", EPHEMERAL_LIMIT)
     spec: dict[str, Any] = {
         "restartPolicy": "Never",  # a failed container fails the gang; the operator restarts it whole
         "containers": containers,
         "volumes": volumes,
         "enableServiceLinks": False,
+        "automountServiceAccountToken": False,  # job code gets no Kubernetes credentials
+        "securityContext": copy.deepcopy(POD_SECURITY),
         "terminationGracePeriodSeconds": 30,
     }
     if init_containers:
@@ -242,7 +272,7 @@ def head_pod(job: dict[str, Any], parsed: RLHFJob, generation: int) -> dict[str,
         # The driver's exit code is the pod's. No `ray stop` first: it would end the worker pods' raylets (and
         # their pods, with an error) before this pod reports Succeeded, and the operator would see a failed worker
         # of a running gang and restart it. Ray ends with this container.
-        f"exec hybridflow driver {SPEC_MOUNT}/job.yaml --address=127.0.0.1:{RAY_PORT} --metrics-port={port}",
+        f"exec hybridflow driver {SPEC_MOUNT}/{SPEC_KEY} --address=127.0.0.1:{RAY_PORT} --metrics-port={port}",
     ])
     k8s = parsed.spec.kubernetes
     container = {
@@ -292,7 +322,8 @@ def worker_pod(job: dict[str, Any], parsed: RLHFJob, pool: ResourcePool, index: 
         resources_req["requests"]["nvidia.com/gpu"] = str(gpus)
     container = {"name": "ray-worker", "command": ["bash", "-c", start], "resources": resources_req}
     init = {"name": "wait-for-head", "command": ["python3", "-c", wait],
-            "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}}}
+            "resources": {"requests": {"cpu": "10m", "memory": "32Mi"},
+                          "limits": {"memory": "64Mi", "ephemeral-storage": "1Gi"}}}
     labels = {LABEL_ROLE: "worker", LABEL_POOL: pool.name, LABEL_INDEX: str(index), LABEL_GENERATION: str(generation)}
     shm = "2Gi" if pool.device == "cpu" else "16Gi"
     return _pod(job, parsed, worker_pod_name(name, pool.name, index, generation), labels, [container], [init], pool,
@@ -306,9 +337,46 @@ def gang_pods(job: dict[str, Any], parsed: RLHFJob, generation: int) -> list[dic
     return pods
 
 
-def static_children(job: dict[str, Any], parsed: RLHFJob) -> list[dict[str, Any]]:
-    """What exists for the job's whole life, across gang restarts."""
-    out = [configmap(job, parsed), head_service(job, parsed)]
+def ray_token_secret(job: dict[str, Any], parsed: RLHFJob, token: str) -> dict[str, Any]:
+    """The job's own Ray token (when the spec names no Secret): owned by the job, so it goes with it. Created once
+    by name; a later create with another token is refused (409) and the first one stays."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _meta(job, names(parsed.metadata.name)["ray_token"]),
+        "data": {"token": base64.b64encode(token.encode()).decode()},
+    }
+
+
+def network_policy(job: dict[str, Any], parsed: RLHFJob, metrics_namespaces: list[str]) -> dict[str, Any]:
+    """Ingress to the job's pods only from the job's own pods, plus the driver's metrics port from the namespaces
+    that scrape it (Prometheus, and the operator, which polls progress there)."""
+    name = parsed.metadata.name
+    own = {"podSelector": {"matchLabels": {LABEL_JOB: name}}}
+    rules: list[dict[str, Any]] = [{"from": [own]}]
+    if parsed.spec.metrics.port and metrics_namespaces:
+        rules.append({
+            "from": [{"namespaceSelector": {"matchExpressions": [{"key": "kubernetes.io/metadata.name",
+                                                                  "operator": "In",
+                                                                  "values": sorted(set(metrics_namespaces))}]}}],
+            "ports": [{"protocol": "TCP", "port": parsed.spec.metrics.port}],
+        })
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(job, names(name)["network_policy"]),
+        "spec": {"podSelector": {"matchLabels": {LABEL_JOB: name}}, "policyTypes": ["Ingress"], "ingress": rules},
+    }
+
+
+def static_children(job: dict[str, Any], parsed: RLHFJob, ray_token: str,
+                    metrics_namespaces: list[str]) -> list[dict[str, Any]]:
+    """What exists for the job's whole life, across gang restarts. `ray_token` is a fresh random token, used only
+    when the job has no token Secret yet."""
+    out = [configmap(job, parsed), head_service(job, parsed), network_policy(job, parsed, metrics_namespaces)]
+    if not parsed.spec.kubernetes.ray_auth_secret:
+        out.append(ray_token_secret(job, parsed, ray_token))
     if parsed.spec.run_policy.gang_scheduling:
         out.append(podgroup(job, parsed))
     return out

@@ -18,6 +18,10 @@ from hybridflow.spec import EXIT_BAD_INPUT, RLHFJob
 
 ACTIVE = ("Pending", "Initializing", "Running")
 TERMINAL = ("Succeeded", "Failed")
+# A pod still Pending this long with no reason of its own is reported (not failed: a queue may be long).
+PENDING_TOO_LONG_SECONDS = 600
+# A pod still terminating this long past its grace period (a lost node) no longer holds a gang restart back.
+STUCK_TERMINATING_SECONDS = 60
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,10 @@ class PodView:
     deleting: bool = False
     message: str = ""
     exit_code: int | None = None  # of the container that failed
+    waiting: str = ""  # why a pending pod does not start: "ImagePullBackOff: ...", "Unschedulable: ...", ...
+    disruption: str = ""  # the reason of its DisruptionTarget condition: evicted, preempted, drained
+    deletion_deadline: dt.datetime | None = None  # its deletionTimestamp: the end of its grace period
+    pending_since: dt.datetime | None = None  # creation time, while Pending
 
 
 @dataclass
@@ -70,11 +78,12 @@ def expected_pods(job: RLHFJob) -> int:
 
 
 def decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods: list[PodView],
-           now: dt.datetime, missing_inputs: str | None = None) -> Plan:
+           now: dt.datetime, missing_inputs: str | None = None, disrupted: dict[str, str] | None = None) -> Plan:
     """missing_inputs: None when the job's inputs were not checked; "" when they were and all exist; else what the
     operator found absent (a PVC, the reward ConfigMap or its key). Pods are not created while something is missing:
-    the job waits in Pending with the reason, as a pod waits for its volumes."""
-    plan = _decide(job, error, status, pods, now)
+    the job waits in Pending with the reason, as a pod waits for its volumes. disrupted: pods of the current
+    generation seen with a DisruptionTarget condition (name -> reason), also those already gone."""
+    plan = _decide(job, error, status, pods, now, disrupted or {})
     if job is None or plan.status.get("phase") in TERMINAL or plan.create_gang is None or missing_inputs is None:
         return plan
     had = next((c for c in status.get("conditions", []) if c["type"] == "InputsReady"), None)
@@ -93,7 +102,7 @@ def decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods:
 
 
 def _decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods: list[PodView],
-            now: dt.datetime) -> Plan:
+            now: dt.datetime, disrupted: dict[str, str]) -> Plan:
     st = dict(status)
     st.setdefault("restarts", 0)
     plan = Plan(status=st)
@@ -141,7 +150,12 @@ def _decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods
         return _start(plan, job, gen, now, "Created", "creating the head, pool pods and Ray cluster", static=True)
     if phase == "Restarting":
         plan.delete_pods = [p.name for p in stale]
-        if not stale and not [p for p in pods if p.generation != gen]:
+        stuck = [p for p in pods if p.generation != gen and _stuck_terminating(p, now)]
+        if not stale and not [p for p in pods if p.generation != gen and p not in stuck]:
+            if stuck:
+                plan.events.append(("Warning", "PodStuckTerminating",
+                                    f"{', '.join(p.name for p in stuck)} still terminating "
+                                    f"{STUCK_TERMINATING_SECONDS}s past its grace period (a lost node?); not waiting"))
             return _start(plan, job, gen, now, "GangRestarted", f"gang generation {gen} created; the controller "
                           "resumes from the last checkpoint")
         return plan
@@ -166,17 +180,39 @@ def _decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods
     if failed or (missing and phase in ("Initializing", "Running")):
         what = (f"pod {failed[0].name} {failed[0].phase.lower()}" + (f": {failed[0].message}" if failed[0].message else "")
                 if failed else f"{missing} pod(s) disappeared")
-        return _restart(plan, job, gen, what, now, pods)
+        evicted = {**{p.name: p.disruption for p in pods if p.generation == gen and p.disruption}, **disrupted}
+        if evicted:  # evicted by a drain, preempted: not the job's fault
+            pod, why = sorted(evicted.items())[0]
+            what = f"pod {pod} was disrupted ({why})"
+        return _restart(plan, job, gen, what, now, pods, counts=not evicted)
     if missing:
         plan.create_gang = gen
         plan.create_static = True
         return plan
+    _report_pods_not_starting(plan, current, now)
     if all(p.phase == "Running" for p in current):
         if phase != "Running":
             _to(plan, "Running", "AllPodsRunning", f"{len(current)} pods running; training", now)
             set_condition(st, "Running", True, "AllPodsRunning", "the Ray cluster formed and the controller runs", now)
     elif any(p.phase != "Pending" for p in current) and phase == "Pending":
         _to(plan, "Initializing", "PodsStarting", "pods scheduled; waiting for the Ray cluster", now)
+    return plan
+
+
+def refused(status: dict[str, Any], what: str, code: int, api_message: str, now: dt.datetime,
+            pods: list[PodView]) -> Plan:
+    """The API server refused to create a child. 422 (invalid) cannot succeed on retry: the job fails with the
+    API's words. 403 (an admission policy, a quota) may pass later: the job stays as it is, with a condition and
+    an event that say why, and the next tick tries again."""
+    plan = Plan(status=dict(status))
+    message = f"the API server refused to create {what} ({code}): {api_message}"
+    if code == 422:
+        _fail(plan, "CreateRefused", message, now, pods)
+    else:
+        if not any(c.get("type") == "CreateRefused" and c.get("status") == "True" and c.get("message") == message
+                   for c in status.get("conditions", [])):
+            plan.events.append(("Warning", "CreateRefused", message))
+        set_condition(plan.status, "CreateRefused", True, "CreateRefused", message, now)
     return plan
 
 
@@ -197,17 +233,52 @@ def _start(plan: Plan, job: RLHFJob, gen: int, now: dt.datetime, reason: str, me
     return plan
 
 
-def _restart(plan: Plan, job: RLHFJob, gen: int, what: str, now: dt.datetime, pods: list[PodView]) -> Plan:
+def _restart(plan: Plan, job: RLHFJob, gen: int, what: str, now: dt.datetime, pods: list[PodView],
+             counts: bool = True) -> Plan:
+    """A new gang generation. `restarts` counts generations; a disruption (eviction, preemption) restarts the gang
+    without using up runPolicy.backoffLimit, as a Job's podFailurePolicy Ignore does."""
     limit = job.spec.run_policy.backoff_limit
-    if gen + 1 > limit:
-        _fail(plan, "BackoffLimitExceeded", f"{what}; {gen} restart(s) used of runPolicy.backoffLimit={limit}", now,
+    disruptions = int(plan.status.get("disruptions", 0)) + (0 if counts else 1)
+    used = gen - int(plan.status.get("disruptions", 0))
+    if counts and used + 1 > limit:
+        _fail(plan, "BackoffLimitExceeded", f"{what}; {used} restart(s) used of runPolicy.backoffLimit={limit}", now,
               pods)
         return plan
     plan.status["restarts"] = gen + 1
-    _to(plan, "Restarting", "GangRestart", f"{what}; restarting the whole gang ({gen + 1}/{limit})", now, "Warning")
+    if disruptions:
+        plan.status["disruptions"] = disruptions
+    count = f"({used + 1}/{limit})" if counts else "(a disruption: not counted against runPolicy.backoffLimit)"
+    _to(plan, "Restarting", "GangRestart", f"{what}; restarting the whole gang {count}", now, "Warning")
     set_condition(plan.status, "Running", False, "GangRestart", what, now)
     plan.delete_pods = [p.name for p in pods if not p.deleting]
     return plan
+
+
+def _stuck_terminating(p: PodView, now: dt.datetime) -> bool:
+    return bool(p.deleting and p.deletion_deadline
+                and (now - p.deletion_deadline).total_seconds() > STUCK_TERMINATING_SECONDS)
+
+
+def _report_pods_not_starting(plan: Plan, current: list[PodView], now: dt.datetime) -> None:
+    """A condition (and one event per new reason) when pods of the gang cannot start: an image that cannot be
+    pulled, a bad container config, no node that fits, or Pending too long; cleared once none is stuck."""
+    st = plan.status
+    stuck: list[tuple[str, str]] = []  # (reason, what)
+    for p in current:
+        if p.phase != "Pending":
+            continue
+        if p.waiting:
+            stuck.append((p.waiting.split(":")[0], f"pod {p.name}: {p.waiting}"))
+        elif p.pending_since and (now - p.pending_since).total_seconds() > PENDING_TOO_LONG_SECONDS:
+            stuck.append(("PendingTooLong", f"pod {p.name}: Pending for over {PENDING_TOO_LONG_SECONDS}s"))
+    had = next((c for c in st.get("conditions", []) if c["type"] == "PodsStarting"), None)
+    if stuck:
+        reason, message = stuck[0][0], "; ".join(what for _, what in stuck)[:2000]
+        if not had or had["status"] != "False" or had["message"] != message:
+            plan.events.append(("Warning", reason, message))
+        set_condition(st, "PodsStarting", False, reason, message, now)
+    elif had and had["status"] == "False":
+        set_condition(st, "PodsStarting", True, "Started", "every pod of the gang has started", now)
 
 
 def _fail(plan: Plan, reason: str, message: str, now: dt.datetime, pods: list[PodView]) -> None:

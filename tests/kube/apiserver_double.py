@@ -39,6 +39,9 @@ RESOURCES = {
                                     verbs={"get", "list", "create", "patch"}),
     "v1/namespaces": kmock.ResourceInfo(kind="Namespace", singular="namespace", namespaced=False,
                                         verbs={"get", "list", "watch"}),
+    "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(
+        kind="NetworkPolicy", singular="networkpolicy", namespaced=True, shortnames={"netpol"},
+        verbs={"get", "list", "watch", "create", "patch", "delete"}),
     "scheduling.volcano.sh/v1beta1/podgroups": kmock.ResourceInfo(
         kind="PodGroup", singular="podgroup", namespaced=True, verbs={"get", "list", "watch", "create", "delete"}),
     "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
@@ -58,6 +61,7 @@ class Seen:
     plural: str | None
     namespace: str | None
     data: dict | None
+    agent: str = ""  # the client's User-Agent: which program asked
 
 
 @attrs.define(eq=False)
@@ -65,6 +69,16 @@ class KubeApiServerDouble(kmock.KubernetesEmulator):
     _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     peers: set = attrs.field(factory=set, init=False)  # (host, port) of every client connection seen
     log: list = attrs.field(factory=list, init=False)  # a Seen per request, for the tests' assertions
+    # plural -> (status, message): creates an admission controller would refuse (Pod Security admission: 403,
+    # a webhook: 403 or 422), set by a test with `refuse_creates`.
+    refusals: dict = attrs.field(factory=dict, init=False)
+
+    def refuse_creates(self, plural: str, status: int | None, message: str = "") -> None:
+        """Stand in for an admission controller refusing every create of `plural` (None: admit them again)."""
+        if status is None:
+            self.refusals.pop(plural, None)
+        else:
+            self.refusals[plural] = (status, message)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -77,11 +91,17 @@ class KubeApiServerDouble(kmock.KubernetesEmulator):
             self.peers.add(raw.transport.get_extra_info("peername"))
         self.log.append(Seen(str(request.method).upper().rsplit(".", 1)[-1], request.action,
                              request.resource.plural if request.resource is not None else None, request.namespace,
-                             request.data if isinstance(request.data, dict) else None))
+                             request.data if isinstance(request.data, dict) else None,
+                             request.headers.get("User-Agent", "")))
         # kmock matches every request against its whole request log (its payload filters re-scan it), so each
         # request cost grows with the run: 7 ms after 200 requests, 100 ms after 1,000. Only the request being
         # served needs to be there.
         del self._requests[:-KEEP_REQUESTS]
+        refusal = self.refusals.get(request.resource.plural) if request.resource is not None else None
+        if refusal and request.action == enums.action.CREATE:
+            status, message = refusal
+            raise kmock.KubernetesError(status=status, reason="Forbidden" if status == 403 else "Invalid",
+                                        message=message)
         if request.resource is not None and request.action == enums.action.CREATE and isinstance(request.data, dict):
             # The request is frozen, its parsed body is not: stamp the fields in place.
             meta = request.data.setdefault("metadata", {})
@@ -252,6 +272,11 @@ class RunningApiServer:
         assert self.handler is not None
         return [r for r in list(self.handler.log)
                 if r.method == method and r.plural == plural and (namespace is None or r.namespace == namespace)]
+
+    def refuse_creates(self, plural: str, status: int | None, message: str = "") -> None:
+        """See KubeApiServerDouble.refuse_creates."""
+        assert self.handler is not None
+        self.handler.refuse_creates(plural, status, message)
 
     def watches(self, plural: str) -> int:
         """How many watch requests on this resource clients have opened so far."""

@@ -28,37 +28,64 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
-{{/* The operator's permissions, shared by the ClusterRole and the per-namespace Roles. No Secrets: the Ray
-token reaches pods through secretKeyRef, which the kubelet resolves, never the operator. */}}
+{{/* The operator's permissions, shared by the ClusterRole and the per-namespace Roles. The Ray token reaches
+pods through secretKeyRef, which the kubelet resolves: the operator creates a job's token but never reads one. */}}
 {{- define "hybridflow.rules" -}}
-# RLHFJobs: watch them, record progress in annotations and the finalizer (patch), delete after their TTL.
+# Every verb below is one the operator's code uses (tests/test_operator_kopf.py compares them with what a job's
+# whole life asks of the API server); nothing else.
+# RLHFJobs: watch them (kopf lists, then watches), finalizer and progress annotations (patch), TTL deletion.
 - apiGroups: ["hybridflow.io"]
   resources: ["rlhfjobs"]
-  verbs: ["get", "list", "watch", "patch", "update", "delete"]
+  verbs: ["list", "watch", "patch", "delete"]
 # Status subresource: phase, conditions, step, tokens/s.
 - apiGroups: ["hybridflow.io"]
   resources: ["rlhfjobs/status"]
-  verbs: ["get", "patch", "update"]
-# The gang: head and pool pods are created, observed and deleted (restart, suspend, cleanup).
+  verbs: ["patch"]
+# The gang: head and pool pods are created, followed by one watch, and deleted (restart, suspend, cleanup).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch", "create", "delete"]
-# The head's headless Service and the job's resolved-spec ConfigMap.
+  verbs: ["list", "watch", "create", "delete"]
+# The head's headless Service.
 - apiGroups: [""]
-  resources: ["services", "configmaps"]
-  verbs: ["get", "list", "watch", "create", "delete"]
-# Before creating pods: do the job's PersistentVolumeClaims exist? (Read only; the operator never changes them.)
+  resources: ["services"]
+  verbs: ["create", "delete"]
+# The job's accepted-spec ConfigMap (created, read back once), and a job's reward ConfigMap (read: does it exist,
+# is it marked for jobs, does it hold the file).
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "create", "delete"]
+# Each job's Ray token: created (random) and deleted with the job. `get` serves one purpose: a Secret a job names
+# in spec.kubernetes.rayAuthSecret must carry the for-jobs label, and the operator asks for its metadata only
+# (PartialObjectMetadata); it never lists, watches or reads the data of a Secret.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "delete"]
+# Each job's NetworkPolicy: ingress only from the job's own pods and the metrics scrapers.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["create", "delete"]
+# Before creating pods: do the job's PersistentVolumeClaims exist, and are they marked for jobs? (Read only.)
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
   verbs: ["get"]
 # Events on RLHFJobs (GangRestart, Suspended, ValidationFailed, ...).
-- apiGroups: ["", "events.k8s.io"]
+- apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create"]
 {{- if .Values.rbac.volcano }}
 # Volcano gang scheduling (runPolicy.gangScheduling).
 - apiGroups: ["scheduling.volcano.sh"]
   resources: ["podgroups"]
-  verbs: ["get", "create", "delete"]
+  verbs: ["create", "delete"]
 {{- end }}
+{{- end -}}
+
+{{/* A CEL list literal of strings: ['a', 'b'] */}}
+{{- define "hybridflow.celList" -}}
+[{{- range $i, $v := . }}{{ if $i }}, {{ end }}'{{ $v }}'{{- end -}}]
+{{- end -}}
+
+{{/* spec.kubernetes.image's default (workers/hybridflow/spec.py; tests/test_job_policy.py keeps them equal). */}}
+{{- define "hybridflow.defaultJobImage" -}}
+hybridflow/worker-cpu:0.1.0
 {{- end -}}

@@ -1,0 +1,90 @@
+"""The operator's progress poll talks to a pod the job's author controls: whatever it serves (slow drips, huge
+bodies, redirects, garbage, NaN), a reconcile tick stays short and nothing but that pod is contacted."""
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from hybridflow_operator.progress import fetch, parse_progress
+
+GOOD = '# TYPE hybridflow_step gauge\nhybridflow_step{rlhfjob="j"} 7.0\n'
+
+
+class Pod(BaseHTTPRequestHandler):
+    mode = "good"
+    hits: list = []
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        Pod.hits.append((self.server.server_port, self.path))
+        if Pod.mode == "redirect":
+            self.send_response(302)
+            self.send_header("Location", f"http://127.0.0.1:{self.server.other_port}/metrics")
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.end_headers()
+        if Pod.mode == "good":
+            self.wfile.write(GOOD.encode())
+        elif Pod.mode == "drip":  # a byte at a time: each read is quick, the whole never ends
+            for _ in range(100):
+                self.wfile.write(b"#")
+                self.wfile.flush()
+                time.sleep(0.1)
+        elif Pod.mode == "huge":
+            for _ in range(64):
+                self.wfile.write(b"# " + b"x" * 65536 + b"\n")
+
+    def log_message(self, *args):
+        pass
+
+
+class QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):  # the poll hanging up on a drip is the point, not an error
+        pass
+
+
+@pytest.fixture
+def pod():
+    servers = [QuietServer(("127.0.0.1", 0), Pod) for _ in range(2)]
+    servers[0].other_port, servers[1].other_port = servers[1].server_port, servers[0].server_port
+    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    Pod.hits = []
+    try:
+        yield servers[0].server_port, servers[1].server_port
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+
+
+def test_a_well_behaved_pod_is_read(pod):
+    Pod.mode = "good"
+    assert parse_progress(fetch("127.0.0.1", pod[0]), "j") == {"step": 7}
+
+
+@pytest.mark.parametrize("mode", ["drip", "huge"])
+def test_slow_or_huge_answers_end_within_the_deadline(pod, mode):
+    Pod.mode = mode
+    t0 = time.monotonic()
+    assert fetch("127.0.0.1", pod[0], deadline=1.0) is None
+    assert time.monotonic() - t0 < 3.0  # the deadline is for the whole answer, not per read
+
+
+def test_redirects_are_not_followed(pod):
+    Pod.mode = "redirect"
+    assert fetch("127.0.0.1", pod[0]) is None
+    assert [port for port, _ in Pod.hits] == [pod[0]], "the redirect's target was contacted"
+
+
+def test_only_an_ip_address_is_contacted():
+    assert fetch("localhost", 1) is None and fetch("example.com:80@127.0.0.1", 1) is None
+
+
+@pytest.mark.parametrize("text", [
+    "\x00\xff garbage {{{", 'hybridflow_step{rlhfjob="j"} NaN\n', 'hybridflow_step{rlhfjob="j"} +Inf\n',
+    'hybridflow_step{rlhfjob="j"} -5\n', 'hybridflow_step{rlhfjob="j} 3\n', "# TYPE x counter\nx_total{a=\"\\q\"} 1\n"])
+def test_garbage_and_non_finite_values_give_no_progress(text):
+    assert parse_progress(text, "j") == {}
