@@ -18,7 +18,7 @@ CHART = ROOT / "helm" / "hybridflow"
 GPU = yaml.safe_load((ROOT / "examples" / "gpu-grpo-7b.yaml").read_text())
 TINY = yaml.safe_load((ROOT / "examples" / "tiny-grpo-k8s.yaml").read_text())
 
-OPEN = ["--set", "jobPolicy.allowedImages={registry.example.com/ml/,hybridflow/}",
+OPEN = ["--set", "jobPolicy.allowedImages={registry.example.com/ml,hybridflow/}",  # one without its slash
         "--set", "jobPolicy.requireImageDigest=true", "--set", "jobPolicy.allowedServiceAccounts={trainer}",
         "--set", "jobPolicy.allowedPriorityClasses={high-priority}", "--set", "jobPolicy.allowTolerations=true",
         "--set", "jobPolicy.allowAffinity=true", "--set", "jobPolicy.allowedSchedulers={volcano,default-scheduler}"]
@@ -32,16 +32,47 @@ def _rendered(values: list[str]) -> tuple[dict, Policy]:
     return vap, Policy.from_env(env)
 
 
-def admitted(vap: dict, doc: dict) -> bool:
+class AuthorizerDouble:
+    """Stands in for the API server's CEL `authorizer` (what the requesting user may do), which only a real API
+    server has: `readable` holds the (resource, namespace, name) the job's author may `get`."""
+
+    def __init__(self, readable: set[tuple[str, str, str]] = frozenset()) -> None:
+        self.readable = readable
+
+    def functions(self) -> dict:
+        def step(key):
+            return lambda target, value: _cel_map({**_py(target), key: str(value)})
+
+        def check(target, verb):
+            t = _py(target)
+            return celpy.celtypes.BoolType(str(verb) == "get" and (t.get("resource"), t.get("namespace"), t.get("name"))
+                                           in self.readable)
+
+        return {"group": step("group"), "resource": step("resource"), "namespace": step("namespace"),
+                "name": step("name"), "check": check, "allowed": lambda decision: decision}
+
+
+def _cel_map(d: dict) -> "celpy.celtypes.MapType":
+    return celpy.celtypes.MapType({celpy.celtypes.StringType(k): celpy.celtypes.StringType(v) for k, v in d.items()})
+
+
+def _py(m) -> dict:
+    return {str(k): str(v) for k, v in m.items()}
+
+
+def admitted(vap: dict, doc: dict, authorizer: AuthorizerDouble | None = None, namespace: str = "ml") -> bool:
     """The API server's verdict: the policy's variables, then every validation, evaluated as CEL."""
     cel = celpy.Environment()
-    activation = {"object": celpy.json_to_cel(doc)}
+    functions = (authorizer or AuthorizerDouble()).functions()
+    activation = {"object": celpy.json_to_cel(doc), "request": celpy.json_to_cel({"namespace": namespace}),
+                  "authorizer": _cel_map({})}
     variables = {}
     for v in vap["spec"].get("variables", []):
         activation["variables"] = celpy.json_to_cel(variables)
-        variables[v["name"]] = cel.program(cel.compile(v["expression"])).evaluate(activation)
+        variables[v["name"]] = cel.program(cel.compile(v["expression"]), functions=functions).evaluate(activation)
     activation["variables"] = celpy.celtypes.MapType({celpy.celtypes.StringType(k): v for k, v in variables.items()})
-    return all(bool(cel.program(cel.compile(r["expression"])).evaluate(activation)) for r in vap["spec"]["validations"])
+    return all(bool(cel.program(cel.compile(r["expression"]), functions=functions).evaluate(activation))
+               for r in vap["spec"]["validations"])
 
 
 def _job(base: dict, **paths) -> dict:
@@ -83,6 +114,11 @@ CASES = {
     "another scheduler": (_job(PINNED, **{"runPolicy.schedulerName": "my-scheduler"}), False, False),
     "tolerations": (_pools(PINNED, tolerations=[{"key": "dedicated", "operator": "Exists"}]), False, True),
     "affinity": (_pools(PINNED, affinity={"nodeAffinity": {}}), False, True),
+    "nodeSelector": (_pools(PINNED, nodeSelector={"pool": "dedicated"}), False, True),
+    "prefix without its boundary": (_job(TINY, **{"kubernetes.image": "hybridflow-evil/x@sha256:" + "d" * 64}),
+                                    False, False),
+    "registry lookalike": (_job(TINY, **{"kubernetes.image": "registry.example.com.evil.io/ml/w@sha256:" + "e" * 64}),
+                           False, False),
     "gpu example": (GPU, False, False),
 }
 
@@ -127,4 +163,17 @@ def test_objects_a_job_mounts_must_be_marked_for_jobs():
     assert unmarked("ConfigMap", "spec.kubernetes.rewardConfigMap", "r", {FOR_JOBS_LABEL: "true"}, p) is None
     why = unmarked("ConfigMap", "spec.kubernetes.rewardConfigMap", "r", {"team": "a"}, p)
     assert why and f"kubectl label configmap r {FOR_JOBS_LABEL}=true" in why
-    assert unmarked("Secret", "spec.kubernetes.rayAuthSecret", "s", None, Policy(require_for_jobs_label=False)) is None
+    assert unmarked("PersistentVolumeClaim", "spec.kubernetes.dataPvc", "d", None,
+                    Policy(require_for_jobs_label=False)) is None
+
+
+def test_a_ray_secret_is_usable_only_by_an_author_who_may_read_it(charts):
+    """The confused deputy for Secrets: the pods would get the Secret's token in their environment, so a job may
+    name only a Secret its author could read anyway. The operator never reads Secrets; the API server's authorizer
+    decides, at `kubectl apply`."""
+    vap, _ = charts["default"]
+    doc = _job(TINY, **{"kubernetes.rayAuthSecret": "team-token"})
+    assert admitted(vap, doc, AuthorizerDouble({("secrets", "ml", "team-token")}))
+    assert not admitted(vap, doc, AuthorizerDouble())  # may not read it
+    assert not admitted(vap, doc, AuthorizerDouble({("secrets", "other-ns", "team-token")}))
+    assert admitted(vap, TINY, AuthorizerDouble())  # no Secret named: the operator makes the job's own

@@ -441,6 +441,8 @@ def test_refused_pod_creates_are_reported_not_retried_silently(cluster):
     assert len([e for e in kube.events() if e.reason == "CreateRefused" and e.involved_object.name == "j403"]) == 1
     api.refuse_creates("pods", None)
     wait_for(lambda: len(kube.pods("j403")) == 2, 30, "pods once admitted")
+    wait_for(lambda: any(c["type"] == "CreateRefused" and c["status"] == "False"
+                         for c in kube.status("j403").get("conditions", [])), 30, "CreateRefused cleared")
 
     api.refuse_creates("pods", 422, 'Pod "x" is invalid: spec.containers[0].image: Required value')
     kube.create_job(job_doc("j422"))
@@ -458,6 +460,33 @@ def test_a_job_breaking_the_clusters_job_policy_fails_before_any_pod(cluster):
     assert "spec.kubernetes.image 'docker.io/attacker/miner:latest' is not under an allowed prefix" in st["message"]
     assert "spec.kubernetes.serviceAccountName 'cluster-admin' is not allowed" in st["message"]
     assert kube.pods("jpolicy") == []
+
+
+def test_a_run_policy_patched_past_the_job_policy_is_refused_at_the_next_gang_start(cluster):
+    """runPolicy may change on a live job, so the policy is judged whenever pods are about to be made: a priority
+    class patched in, then a suspend and resume, fails the job instead of granting it."""
+    _, kube, _ = cluster
+    kube.create_job(job_doc("jlater"))
+    wait_for(lambda: len(kube.pods("jlater")) == 2, 30, "the gang")
+    kube.patch_job("jlater", {"spec": {"runPolicy": {"priorityClassName": "system-cluster-critical", "suspend": True}}})
+    wait_for(lambda: kube.status("jlater").get("phase") == "Suspended", 30, "Suspended")
+    kube.patch_job("jlater", {"spec": {"runPolicy": {"suspend": False}}})
+    st = wait_for(lambda: (s := kube.status("jlater")).get("phase") == "Failed" and s, 30, "Failed")
+    assert "spec.runPolicy.priorityClassName 'system-cluster-critical' is not allowed" in st["message"], st
+    assert kube.pods("jlater") == []
+
+
+def test_a_ray_token_secret_planted_before_the_job_fails_it(cluster):
+    """The operator never reads Secrets, so a `<job>-ray-token` someone made first would hand them the token."""
+    from kubernetes import client
+
+    _, kube, _ = cluster
+    kube.core.create_namespaced_secret("default", client.V1Secret(
+        metadata=client.V1ObjectMeta(name="jplant-ray-token"), string_data={"token": "known-to-the-planter"}))
+    kube.create_job(job_doc("jplant"))
+    st = wait_for(lambda: (s := kube.status("jplant")).get("phase") == "Failed" and s, 30, "Failed")
+    assert "Secret default/jplant-ray-token existed before this job started" in st["message"], st
+    assert kube.pods("jplant") == []
 
 
 def _granted() -> set[tuple[str, str, str]]:

@@ -10,7 +10,7 @@ import yaml
 
 from hybridflow.spec import parse_job, pool_resource
 from hybridflow_operator import manifests as mf
-from hybridflow_operator.phases import PodView, decide, iso, set_condition
+from hybridflow_operator.phases import STUCK_TERMINATING_SECONDS, PodView, decide, iso, set_condition
 from hybridflow_operator.progress import merge_progress, parse_progress
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +83,8 @@ def test_gang_and_pod_details():
     assert resolved["spec"]["metrics"]["address"] == "0.0.0.0"
     assert parse_job(resolved).spec == mf.resolved_job(job).spec
     head = next(p for p in pods if p["metadata"]["labels"][mf.LABEL_ROLE] == "head")
-    assert "hybridflow driver /etc/hybridflow/job.json" in head["spec"]["containers"][0]["command"][-1]
+    script = head["spec"]["containers"][0]["command"][-1]
+    assert "spec=/etc/hybridflow/job.json;" in script and "exec hybridflow driver \"$spec\"" in script
     assert not any("nvidia.com/gpu" in str(c.get("resources")) for c in head["spec"]["containers"])
 
 
@@ -263,11 +264,11 @@ def test_an_evicted_pod_already_gone_still_does_not_use_the_backoff_limit():
 
 def test_a_pod_stuck_terminating_holds_a_gang_restart_back_only_for_a_while():
     st = {"phase": "Restarting", "restarts": 1}
-    grace_end = NOW - dt.timedelta(seconds=30)
+    grace_end = NOW - dt.timedelta(seconds=30)  # 30 s past the grace period: wait
     stuck = [PodView("w-g0", "worker", 0, "Running", True, deletion_deadline=grace_end)]
     plan = decide(JOB, None, st, stuck, NOW)
     assert plan.create_gang is None  # within a minute of its grace period: wait
-    plan = decide(JOB, None, st, stuck, NOW + dt.timedelta(seconds=60))
+    plan = decide(JOB, None, st, stuck, NOW + dt.timedelta(seconds=STUCK_TERMINATING_SECONDS))
     assert plan.create_gang == 1 and plan.status["phase"] == "Pending"
     assert any(e[1] == "PodStuckTerminating" and "w-g0" in e[2] for e in plan.events)
 

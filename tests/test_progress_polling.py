@@ -35,6 +35,14 @@ class Pod(BaseHTTPRequestHandler):
             for _ in range(64):
                 self.wfile.write(b"# " + b"x" * 65536 + b"\n")
 
+    def send_response(self, code, message=None):
+        if Pod.mode == "slow-headers":  # the status line and headers a byte at a time: still within the deadline
+            for b in b"HTTP/1.0 200 OK\r\nX-Slow: " + b"y" * 100:
+                self.wfile.write(bytes([b]))
+                self.wfile.flush()
+                time.sleep(0.05)
+        super().send_response(code, message)
+
     def log_message(self, *args):
         pass
 
@@ -65,7 +73,7 @@ def test_a_well_behaved_pod_is_read(pod):
     assert parse_progress(fetch("127.0.0.1", pod[0]), "j") == {"step": 7}
 
 
-@pytest.mark.parametrize("mode", ["drip", "huge"])
+@pytest.mark.parametrize("mode", ["drip", "huge", "slow-headers"])
 def test_slow_or_huge_answers_end_within_the_deadline(pod, mode):
     Pod.mode = mode
     t0 = time.monotonic()

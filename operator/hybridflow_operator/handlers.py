@@ -13,7 +13,6 @@ import asyncio
 import copy
 import datetime as dt
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -194,9 +193,11 @@ def _list_pods(namespace: str, name: str) -> list[dict[str, Any]]:
     return json.loads(resp.data).get("items", [])
 
 
-def _observed_pods(index: kopf.Index, namespace: str, name: str, memo: kopf.Memo) -> list[dict[str, Any]]:
-    """The job's pods from the index, plus pods this operator created that the watch has not shown yet."""
-    seen = list(index.get((namespace, name), []))
+def _observed_pods(index: kopf.Index, namespace: str, name: str, uid: str | None,
+                   memo: kopf.Memo) -> list[dict[str, Any]]:
+    """The job's pods from the index, plus pods this operator created that the watch has not shown yet. Only pods
+    the job controls count: anyone who may create pods could label one as this job's head or a failed worker."""
+    seen = [p for p in index.get((namespace, name), []) if uid and p.get("owner") == uid]
     names = {p["view"].name for p in seen}
     created: dict[str, tuple[float, PodView]] = memo.setdefault("created", {})
     now = time.monotonic()
@@ -204,7 +205,7 @@ def _observed_pods(index: kopf.Index, namespace: str, name: str, memo: kopf.Memo
         if pod_name in names or now - when > CREATED_GRACE_SECONDS:
             del created[pod_name]
         else:
-            seen.append({"view": view, "podIP": None, "owner": None})
+            seen.append({"view": view, "podIP": None, "owner": uid})
     return seen
 
 
@@ -218,11 +219,14 @@ def _known_status(body: kopf.Body, memo: kopf.Memo) -> dict[str, Any]:
     return {k: v for k, v in dict(body.get("status") or {}).items() if k != "kopf"}
 
 
-def _accepted_job(live: RLHFJob, namespace: str, uid: str | None, memo: kopf.Memo) -> tuple[RLHFJob, bool]:
+def _accepted_job(live: RLHFJob, raw: dict[str, Any], uid: str | None, status: dict[str, Any],
+                  memo: kopf.Memo) -> tuple[RLHFJob, bool]:
     """The spec the job started with (its ConfigMap, read once), with the live runPolicy; and whether other fields
-    changed. The ConfigMap is trusted only when this job owns it: anyone who may create ConfigMaps could have made
-    one under that name first, and the pods would run its spec."""
+    changed. The ConfigMap is trusted only when this job owns it and holds what the operator wrote: the digest the
+    operator put into status before creating it (the ConfigMap is immutable, but could be deleted and planted
+    again). Anyone who may create ConfigMaps could otherwise choose what the pods run."""
     if "accepted" not in memo:
+        namespace = raw["metadata"].get("namespace", "default")
         name = mf.names(live.metadata.name)["configmap"]
         cm = _ignore(404, _core().read_namespaced_config_map, name, namespace)
         if cm is None:
@@ -233,22 +237,34 @@ def _accepted_job(live: RLHFJob, namespace: str, uid: str | None, memo: kopf.Mem
                             f"{owners[0] if owners else 'none'}); the job cannot start with a spec it did not write. "
                             "Delete that ConfigMap, or give the job another name")
         text = (cm.data or {}).get(mf.SPEC_KEY)
-        if text is None:  # a job started by an operator before the spec was stored as JSON (its own ConfigMap)
-            memo["accepted"] = parse_job(yaml.safe_load(cm.data["job.yaml"]), "accepted spec")
-        else:
-            memo["accepted"] = parse_job(json.loads(text), "accepted spec")
-        memo["spec_digest"] = "sha256:" + hashlib.sha256((text or cm.data["job.yaml"]).encode()).hexdigest()
+        legacy = text is None  # started by an operator that stored the spec as YAML (and no digest): its own
+        digest = mf.spec_digest(cm.data["job.yaml"] if legacy else text)
+        known = status.get("acceptedSpecDigest")
+        if (known or not legacy) and known != digest:
+            raise SpecError(f"ConfigMap {namespace}/{name} does not hold the spec this job started with (digest "
+                            f"{digest}, accepted {known or 'none'}); delete the job and create it again")
+        memo["accepted"] = parse_job(yaml.safe_load(cm.data["job.yaml"]) if legacy else json.loads(text),
+                                     "accepted spec")
+        memo["spec_digest"] = digest
     accepted = memo["accepted"].model_copy(deep=True)
     accepted.spec.run_policy = live.spec.run_policy
-    resolved_live = mf.resolved_job(live)
-    changed = resolved_live.spec.model_dump(exclude={"run_policy"}) != accepted.spec.model_dump(exclude={"run_policy"})
+    changed = _spec_fields(mf.resolved_job(live)) != _spec_fields(accepted)
     return accepted, changed
 
 
+def _spec_fields(job: RLHFJob) -> dict[str, Any]:
+    """What may not change on a live job: all but runPolicy, and the checkpoint directory the operator chooses
+    (jobs started before it was per-job keep theirs)."""
+    spec = job.spec.model_dump(exclude={"run_policy"})
+    spec["trainer"].pop("checkpoint_dir", None)
+    return spec
+
+
 def _missing_inputs(job: RLHFJob, namespace: str) -> str:
-    """What the job's pods would mount but does not exist, or exists unmarked for jobs: its PVCs, the reward
-    ConfigMap (and the reward file's key in it) and a Ray token Secret the spec names. Checked before pods are
-    created, so the job waits with a reason instead of pods stuck creating."""
+    """What the job's pods would mount but does not exist, or exists unmarked for jobs: its PVCs and the reward
+    ConfigMap (and the reward file's key in it). Checked before pods are created, so the job waits with a reason
+    instead of pods stuck creating. (A Ray token Secret the spec names is not looked at: the operator never reads
+    Secrets; the admission policy checks that the job's author may read it.)"""
     k8s = job.spec.kubernetes
     problems = []
     for field, claim in (("checkpointPvc", k8s.checkpoint_pvc), ("modelPvc", k8s.model_pvc),
@@ -275,24 +291,7 @@ def _missing_inputs(job: RLHFJob, namespace: str) -> str:
         elif why := unmarked("ConfigMap", "spec.kubernetes.rewardConfigMap", k8s.reward_config_map,
                              cm.metadata.labels, POLICY):
             problems.append(why)
-    if k8s.ray_auth_secret:
-        labels = _secret_labels(k8s.ray_auth_secret, namespace)
-        if labels is None:
-            problems.append(f"spec.kubernetes.rayAuthSecret: Secret '{k8s.ray_auth_secret}' not found in namespace "
-                            f"{namespace}; create it with a key `token`")
-        elif why := unmarked("Secret", "spec.kubernetes.rayAuthSecret", k8s.ray_auth_secret, labels, POLICY):
-            problems.append(why)
     return "; ".join(problems)
-
-
-def _secret_labels(name: str, namespace: str) -> dict[str, str] | None:
-    """A Secret's labels, fetched as metadata only (PartialObjectMetadata): its data never reaches the operator."""
-    accept = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
-    resp = _ignore(404, _core().read_namespaced_secret, name, namespace, _preload_content=False,
-                   _headers={"Accept": accept})
-    if resp is None:
-        return None
-    return dict((json.loads(resp.data).get("metadata") or {}).get("labels") or {})
 
 
 def _create(obj: dict[str, Any]) -> Any:
@@ -333,18 +332,17 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     raw = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "metadata": dict(body["metadata"]),
            "spec": dict(body.get("spec") or {})}
     status = _known_status(body, memo)
+    uid = body["metadata"].get("uid")
     job: RLHFJob | None = None
     error: str | None = None
     try:
         live = parse_job({"apiVersion": raw["apiVersion"], "kind": raw["kind"],
                           "metadata": {"name": name, "namespace": namespace}, "spec": raw["spec"]},
                          f"RLHFJob {namespace}/{name}")
-        job, changed = _accepted_job(live, namespace, body["metadata"].get("uid"), memo)
-        if not status.get("phase") and (broken := violations(job, POLICY)):  # judged once, before anything runs
-            raise SpecError("the spec breaks this cluster's job policy: " + "; ".join(broken))
+        job, changed = _accepted_job(live, raw, uid, status, memo)
     except SpecError as err:
         error, changed, job = str(err), False, None
-    pods = _observed_pods(index, namespace, name, memo)
+    pods = _observed_pods(index, namespace, name, uid, memo)
     views = [p["view"] for p in pods]
     gen = int(status.get("restarts", 0))
     disrupted = {pod: why for pod, (g, why) in _DISRUPTED.get((namespace, name), {}).items() if g == gen}
@@ -352,8 +350,15 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     if job is not None and plan.create_gang is not None:  # about to create pods: are their inputs there?
         plan = decide(job, error, status, views, now, missing_inputs=_missing_inputs(job, namespace),
                       disrupted=disrupted)
-    if memo.get("spec_digest") and plan.status.get("acceptedSpecDigest") != memo["spec_digest"]:
-        plan.status["acceptedSpecDigest"] = memo["spec_digest"]  # what the pods run, for audits and comparisons
+    if job is not None and plan.create_gang is not None and (broken := violations(job, POLICY)):
+        # Judged on the spec the pods would be built from, at every gang start: runPolicy may change on a live job
+        # (a priority class patched in later is refused at the next restart or resume, not granted).
+        plan = decide(None, "the spec breaks this cluster's job policy: " + "; ".join(broken), status, views, now)
+    if job is not None and plan.create_static and not plan.status.get("acceptedSpecDigest"):
+        # Recorded before the ConfigMap is created, so a ConfigMap planted under its name is told apart by content.
+        plan.status["acceptedSpecDigest"] = mf.spec_digest(mf.configmap(raw, job)["data"][mf.SPEC_KEY])
+    elif memo.get("spec_digest") and not plan.status.get("acceptedSpecDigest"):
+        plan.status["acceptedSpecDigest"] = memo["spec_digest"]  # a job started before digests were recorded
 
     if changed and status.get("phase") not in TERMINAL:
         msg = "spec changed while the job exists; only runPolicy can change: the job keeps its original spec"
@@ -370,9 +375,14 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
         _write_status(namespace, name, status, plan.status, memo)
     if job is not None:
         try:
-            _create_children(raw, job, plan, pods, memo)
+            _create_children(raw, job, plan, pods, memo, first_start=not status.get("phase"))
+        except SpecError as err:  # a child that exists but is not this job's: fail now, before any pod runs it
+            planned = plan
+            plan = decide(None, str(err), planned.status, views, now)
+            plan.events[:0] = planned.events
+            _write_status(namespace, name, planned.status, plan.status, memo)
         except ApiException as err:
-            if err.status not in (403, 422):
+            if err.status not in (403, 404, 422):
                 raise
             what = getattr(err, "hybridflow_object", "a child object")
             planned = plan
@@ -398,10 +408,12 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
         _ignore(404, _custom().delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
 
 
-def _create_children(raw: dict[str, Any], job: RLHFJob, plan: Any, pods: list[dict[str, Any]],
-                     memo: kopf.Memo) -> None:
+def _create_children(raw: dict[str, Any], job: RLHFJob, plan: Any, pods: list[dict[str, Any]], memo: kopf.Memo,
+                     first_start: bool) -> None:
     """The static children and the missing pods of the planned generation; a refused create raises, naming the
-    object it was about."""
+    object it was about. A child that already exists must be this job's: its spec ConfigMap is checked (owner and
+    content), and a Ray token Secret already there when the job first starts was planted (it is never read, so
+    its token would be known to whoever made it)."""
     objs: list[dict[str, Any]] = []
     if plan.create_static:
         scrapers = [*POLICY.metrics_namespaces, *([OPERATOR_NAMESPACE] if OPERATOR_NAMESPACE else [])]
@@ -417,7 +429,11 @@ def _create_children(raw: dict[str, Any], job: RLHFJob, plan: Any, pods: list[di
             err.hybridflow_object = f"{obj['kind']} {obj['metadata']['name']}"  # type: ignore[attr-defined]
             raise
         if made is None and obj["kind"] == "ConfigMap":  # there already: ours (a retried tick), or planted?
-            _accepted_job(job, obj["metadata"]["namespace"], obj["metadata"]["ownerReferences"][0]["uid"], memo)
+            _accepted_job(job, raw, raw["metadata"].get("uid"), plan.status, memo)  # raises unless ours
+        if made is None and obj["kind"] == "Secret" and first_start:
+            raise SpecError(f"Secret {obj['metadata']['namespace']}/{obj['metadata']['name']} existed before this "
+                            "job started, so its Ray token may be known to others; delete it (or name a Secret of "
+                            "yours in spec.kubernetes.rayAuthSecret) and create the job again")
         if obj["kind"] == "Pod":
             created[obj["metadata"]["name"]] = (time.monotonic(), _pod_view(obj))
 

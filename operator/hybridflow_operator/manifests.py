@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import base64
 import copy
+import hashlib
 import json
 import shlex
 from typing import Any
 
-import yaml
 
 from hybridflow.checkpoint import job_checkpoint_dir
 from hybridflow.spec import API_GROUP as GROUP
@@ -36,7 +36,7 @@ RAY_AGENT_PORT = 52365  # Ray's per-node dashboard agent (job submission); refus
 SCRATCH_MOUNT = "/tmp"
 SCRATCH_SIZE = "16Gi"
 MODEL_CACHE_SIZE = "64Gi"
-POD_USER = 1000  # the worker images' `ray` user
+FS_GROUP = 1000  # group of what pods write to volumes (the images' users are 1000 and 1001: their own USER runs)
 
 
 def job_labels(name: str) -> dict[str, str]:
@@ -115,6 +115,11 @@ def _inside(mount: str, path: str) -> str:
     return path if path.startswith(mount + "/") else f"{mount}/{path}"
 
 
+def spec_digest(text: str) -> str:
+    """What status.acceptedSpecDigest records: the spec ConfigMap's content as the pods read it."""
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
 def configmap(job: dict[str, Any], parsed: RLHFJob) -> dict[str, Any]:
     doc = dump_job(resolved_job(parsed))
     doc["metadata"] = {"name": parsed.metadata.name, "namespace": job["metadata"].get("namespace", "default")}
@@ -123,6 +128,7 @@ def configmap(job: dict[str, Any], parsed: RLHFJob) -> dict[str, Any]:
         "kind": "ConfigMap",
         "metadata": _meta(job, names(parsed.metadata.name)["configmap"]),
         "data": {SPEC_KEY: json.dumps(doc, indent=1)},
+        "immutable": True,  # what the pods run cannot be edited under a live job
     }
 
 
@@ -199,12 +205,15 @@ def _volumes(job: dict[str, Any], parsed: RLHFJob, shm: str, head: bool) -> tupl
 
 
 # Pod Security Standard `restricted` (https://kubernetes.io/docs/concepts/security/pod-security-standards/).
-POD_SECURITY: dict[str, Any] = {"runAsNonRoot": True, "runAsUser": POD_USER, "runAsGroup": POD_USER,
-                                "fsGroup": POD_USER, "seccompProfile": {"type": "RuntimeDefault"}}
+# No runAsUser: each image runs as its own numeric USER (worker-cpu 1000, worker-gpu 1001), which runAsNonRoot
+# makes the kubelet verify. OnRootMismatch: a checkpoint claim full of files is not re-chowned at every pod start.
+POD_SECURITY: dict[str, Any] = {"runAsNonRoot": True, "fsGroup": FS_GROUP, "fsGroupChangePolicy": "OnRootMismatch",
+                                "seccompProfile": {"type": "RuntimeDefault"}}
 CONTAINER_SECURITY: dict[str, Any] = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                       "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]},
                                       "seccompProfile": {"type": "RuntimeDefault"}}
 EPHEMERAL_LIMIT = "96Gi"  # the scratch and model-cache emptyDirs, plus logs
+EPHEMERAL_REQUEST = "1Gi"  # what scheduling reserves: a limit alone would become a 96Gi request
 
 
 def _pod(
@@ -225,8 +234,10 @@ def _pod(
         c["volumeMounts"] = mounts
         c["env"] = _ray_env(parsed) + c.get("env", [])
         c["securityContext"] = copy.deepcopy(CONTAINER_SECURITY)
-        limits = c.setdefault("resources", {}).setdefault("limits", {})
-        limits.setdefault("ephemeral-storage", EPHEMERAL_LIMIT)
+        c["workingDir"] = SCRATCH_MOUNT  # the root filesystem is read-only: relative paths (./checkpoints) land here
+        resources = c.setdefault("resources", {})
+        resources.setdefault("limits", {}).setdefault("ephemeral-storage", EPHEMERAL_LIMIT)
+        resources.setdefault("requests", {}).setdefault("ephemeral-storage", EPHEMERAL_REQUEST)
     spec: dict[str, Any] = {
         "restartPolicy": "Never",  # a failed container fails the gang; the operator restarts it whole
         "containers": containers,
@@ -272,7 +283,9 @@ def head_pod(job: dict[str, Any], parsed: RLHFJob, generation: int) -> dict[str,
         # The driver's exit code is the pod's. No `ray stop` first: it would end the worker pods' raylets (and
         # their pods, with an error) before this pod reports Succeeded, and the operator would see a failed worker
         # of a running gang and restart it. Ray ends with this container.
-        f"exec hybridflow driver {SPEC_MOUNT}/{SPEC_KEY} --address=127.0.0.1:{RAY_PORT} --metrics-port={port}",
+        # A job started by an operator that stored its spec as YAML keeps that file across gang restarts.
+        f"spec={SPEC_MOUNT}/{SPEC_KEY}; [ -f \"$spec\" ] || spec={SPEC_MOUNT}/job.yaml",
+        f"exec hybridflow driver \"$spec\" --address=127.0.0.1:{RAY_PORT} --metrics-port={port}",
     ])
     k8s = parsed.spec.kubernetes
     container = {

@@ -20,8 +20,9 @@ ACTIVE = ("Pending", "Initializing", "Running")
 TERMINAL = ("Succeeded", "Failed")
 # A pod still Pending this long with no reason of its own is reported (not failed: a queue may be long).
 PENDING_TOO_LONG_SECONDS = 600
-# A pod still terminating this long past its grace period (a lost node) no longer holds a gang restart back.
-STUCK_TERMINATING_SECONDS = 60
+# A pod still terminating this long past its grace period (a lost node) no longer holds a gang restart back. Long:
+# on a partitioned (not dead) node the old driver may still write checkpoints (see the README's fault notes).
+STUCK_TERMINATING_SECONDS = 300
 
 
 @dataclass(frozen=True)
@@ -201,12 +202,13 @@ def _decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods
 
 def refused(status: dict[str, Any], what: str, code: int, api_message: str, now: dt.datetime,
             pods: list[PodView]) -> Plan:
-    """The API server refused to create a child. 422 (invalid) cannot succeed on retry: the job fails with the
-    API's words. 403 (an admission policy, a quota) may pass later: the job stays as it is, with a condition and
-    an event that say why, and the next tick tries again."""
+    """The API server refused to create a child. 422 (invalid) cannot succeed on retry, nor 404 (a kind the cluster
+    lacks: Volcano's PodGroup without Volcano): the job fails with the API's words. 403 (an admission policy, a
+    quota) may pass later: the job stays as it is, with a condition and an event that say why, and the next tick
+    tries again."""
     plan = Plan(status=dict(status))
     message = f"the API server refused to create {what} ({code}): {api_message}"
-    if code == 422:
+    if code in (404, 422):
         _fail(plan, "CreateRefused", message, now, pods)
     else:
         if not any(c.get("type") == "CreateRefused" and c.get("status") == "True" and c.get("message") == message
@@ -271,6 +273,9 @@ def _report_pods_not_starting(plan: Plan, current: list[PodView], now: dt.dateti
             stuck.append((p.waiting.split(":")[0], f"pod {p.name}: {p.waiting}"))
         elif p.pending_since and (now - p.pending_since).total_seconds() > PENDING_TOO_LONG_SECONDS:
             stuck.append(("PendingTooLong", f"pod {p.name}: Pending for over {PENDING_TOO_LONG_SECONDS}s"))
+    refused_before = next((c for c in st.get("conditions", []) if c["type"] == "CreateRefused"), None)
+    if refused_before and refused_before["status"] == "True":  # every pod exists now: the API admitted them
+        set_condition(st, "CreateRefused", False, "Created", "the API server admitted the job's pods", now)
     had = next((c for c in st.get("conditions", []) if c["type"] == "PodsStarting"), None)
     if stuck:
         reason, message = stuck[0][0], "; ".join(what for _, what in stuck)[:2000]

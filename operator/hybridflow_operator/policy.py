@@ -6,10 +6,11 @@ RLHFJob: a confused deputy. These rules are checked at every reconcile (a job th
 rule and the value to change) and are shipped as a ValidatingAdmissionPolicy too (helm/.../admissionpolicy.yaml),
 so that the API server refuses such a job at `kubectl apply`; tests hold the two to the same verdicts.
 
-Objects a job mounts or reads (PersistentVolumeClaims, the reward ConfigMap, a Ray token Secret) must carry
-`FOR_JOBS_LABEL: "true"`: marking one is a deliberate act of someone who may label it, so naming it in a job gives
-the author nothing its owner did not grant. Only the operator can check those (an admission policy cannot look
-other objects up).
+Volumes a job mounts (PersistentVolumeClaims, the reward ConfigMap) must carry `FOR_JOBS_LABEL: "true"`: marking
+one is a deliberate act of someone who may label it, so naming it in a job gives the author nothing its owner did
+not grant; the operator checks it (an admission policy cannot look other objects up). A Ray token Secret the job
+names is checked by the admission policy instead, with the API server's authorizer: its author must be allowed to
+read that Secret (the operator itself may create Secrets but never read one).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ class Policy:
     allowed_priority_classes: tuple[str, ...] = ()
     allowed_schedulers: tuple[str, ...] = ("volcano",)
     allow_tolerations: bool = False
-    allow_affinity: bool = False
+    allow_affinity: bool = False  # affinity and nodeSelector: both pick nodes
     require_for_jobs_label: bool = True
     metrics_namespaces: tuple[str, ...] = field(default=())  # who may scrape the driver (plus the operator's own)
 
@@ -68,7 +69,7 @@ def violations(job: RLHFJob, policy: Policy) -> list[str]:
     k8s, run = job.spec.kubernetes, job.spec.run_policy
     out = []
     image = k8s.image
-    if not any(image.startswith(p) for p in policy.allowed_images):
+    if not any(image.startswith(p) for p in image_prefixes(policy.allowed_images)):
         out.append(f"spec.kubernetes.image '{image}' is not under an allowed prefix "
                    f"({', '.join(policy.allowed_images) or 'none'}; chart value jobPolicy.allowedImages)")
     if policy.require_image_digest and "@sha256:" not in image:
@@ -92,10 +93,17 @@ def violations(job: RLHFJob, policy: Policy) -> list[str]:
         if pool.tolerations and not policy.allow_tolerations:
             out.append(f"spec.resourcePools[{i}].tolerations: tolerations are not allowed "
                        "(chart value jobPolicy.allowTolerations)")
-        if pool.affinity and not policy.allow_affinity:
-            out.append(f"spec.resourcePools[{i}].affinity: affinity is not allowed (chart value "
-                       "jobPolicy.allowAffinity)")
+        if (pool.affinity or pool.node_selector) and not policy.allow_affinity:
+            which = "affinity" if pool.affinity else "nodeSelector"
+            out.append(f"spec.resourcePools[{i}].{which}: node placement (affinity, nodeSelector) is not allowed "
+                       "(chart value jobPolicy.allowAffinity)")
     return out
+
+
+def image_prefixes(prefixes: tuple[str, ...]) -> list[str]:
+    """Prefixes end at a path boundary: `registry.example.com/ml` allows `registry.example.com/ml/...`, never
+    `registry.example.com/ml-evil/...` (the chart's admission policy normalises them the same way)."""
+    return [p if p.endswith(("/", ":", "@")) else p + "/" for p in prefixes]
 
 
 def unmarked(kind: str, field_path: str, name: str, labels: dict[str, str] | None, policy: Policy) -> str | None:

@@ -496,9 +496,9 @@ class Kubernetes(_Spec):
         None, description="PersistentVolumeClaim mounted read-only at /models (point models.*.path into it)."
     )
     ray_auth_secret: ObjectName | None = Field(
-        None, description="Secret with key `token` shared by Ray head, workers and driver (RAY_AUTH_TOKEN), labelled "
-        "hybridflow.io/for-jobs=true; unset: the operator makes a random token for the job. Ray's token "
-        "authentication is always on."
+        None, description="Secret with key `token` shared by Ray head, workers and driver (RAY_AUTH_TOKEN), one the "
+        "job's author may read; unset: the operator makes a random token for the job. Ray's token authentication is "
+        "always on."
     )
     head_cpu: Quantity = Field("1", description="CPU request of the head pod (Ray head + controller; a Kubernetes "
                                "quantity, e.g. 500m).")

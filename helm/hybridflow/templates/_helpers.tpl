@@ -54,12 +54,11 @@ pods through secretKeyRef, which the kubelet resolves: the operator creates a jo
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get", "create", "delete"]
-# Each job's Ray token: created (random) and deleted with the job. `get` serves one purpose: a Secret a job names
-# in spec.kubernetes.rayAuthSecret must carry the for-jobs label, and the operator asks for its metadata only
-# (PartialObjectMetadata); it never lists, watches or reads the data of a Secret.
+# Each job's Ray token: created (random) and deleted with the job. Never get, list or watch: the operator does not
+# read Secrets (a user's rayAuthSecret is checked by the admission policy, against its author's own rights).
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "create", "delete"]
+  verbs: ["create", "delete"]
 # Each job's NetworkPolicy: ingress only from the job's own pods and the metrics scrapers.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
@@ -78,6 +77,11 @@ pods through secretKeyRef, which the kubelet resolves: the operator creates a jo
   resources: ["podgroups"]
   verbs: ["create", "delete"]
 {{- end }}
+{{- end -}}
+
+{{/* Image prefixes ending at a path boundary, as a CEL list (policy.py image_prefixes does the same). */}}
+{{- define "hybridflow.celImagePrefixes" -}}
+[{{- range $i, $v := . }}{{ if $i }}, {{ end }}'{{ $v }}{{ if not (or (hasSuffix "/" $v) (hasSuffix ":" $v) (hasSuffix "@" $v)) }}/{{ end }}'{{- end -}}]
 {{- end -}}
 
 {{/* A CEL list literal of strings: ['a', 'b'] */}}
