@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import yaml
+from hybridflow_operator import manifests as mf
 from kube.harness import free_port, wait_for
 from prometheus_server import Prometheus
 
@@ -80,7 +81,8 @@ def _start_outsider_probe(world, tmp_path) -> str:
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
            "spec": {"restartPolicy": "Never", "containers": [{
                "name": "probe", "image": "hybridflow/worker-cpu:0.1.0",
-               "command": ["python3", "-c", PROBE.read_text(), f"{NAME}-head.default.svc", "6379", "52365"],
+               "command": ["python3", "-c", PROBE.read_text(), f"{NAME}-head.default.svc", str(mf.RAY_PORT),
+                           str(mf.RAY_AGENT_PORT)],
                "env": [{"name": "PROBE_TOKEN", "valueFrom": {"secretKeyRef": {"name": f"{NAME}-ray-token",
                                                                                "key": "token"}}}]}]}}
     path = tmp_path / "probe.yaml"

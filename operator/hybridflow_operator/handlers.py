@@ -368,7 +368,7 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
         set_condition(plan.status, "SpecChangeIgnored", True, "SpecChangeIgnored", msg, now)
 
     if job is not None and plan.status.get("phase") == "Running":
-        _poll_progress(job, body["metadata"].get("uid"), pods, plan.status, now)
+        _poll_progress(job, uid, pods, plan.status, now)
     # The status is written before anything is done about it: a tick that fails half-way is redone from the
     # new status (missing pods are created again, stale ones deleted again), never from the old one.
     if plan.status != status:

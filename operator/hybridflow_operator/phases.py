@@ -21,7 +21,7 @@ TERMINAL = ("Succeeded", "Failed")
 # A pod still Pending this long with no reason of its own is reported (not failed: a queue may be long).
 PENDING_TOO_LONG_SECONDS = 600
 # A pod still terminating this long past its grace period (a lost node) no longer holds a gang restart back. Long:
-# on a partitioned (not dead) node the old driver may still write checkpoints (see the README's fault notes).
+# on a partitioned (not dead) node the old driver may still be writing checkpoints; only a lost node ends so.
 STUCK_TERMINATING_SECONDS = 300
 
 
