@@ -26,7 +26,7 @@ OPEN = ["--set", "jobPolicy.allowedImages={registry.example.com/ml,hybridflow/}"
 
 def _rendered(values: list[str]) -> tuple[dict, Policy]:
     docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "--namespace", "hf", *values)) if d]
-    vap = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy")
+    vap = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"].endswith("-job-policy"))
     dep = next(d for d in docs if d["kind"] == "Deployment")
     env = {e["name"]: e.get("value", "") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     return vap, Policy.from_env(env)
@@ -60,11 +60,14 @@ def _py(m) -> dict:
     return {str(k): str(v) for k, v in m.items()}
 
 
-def admitted(vap: dict, doc: dict, authorizer: AuthorizerDouble | None = None, namespace: str = "ml") -> bool:
+def admitted(vap: dict, doc: dict, authorizer: AuthorizerDouble | None = None, namespace: str = "ml",
+             old: dict | None = None, user: str = "alice") -> bool:
     """The API server's verdict: the policy's variables, then every validation, evaluated as CEL."""
     cel = celpy.Environment()
     functions = (authorizer or AuthorizerDouble()).functions()
-    activation = {"object": celpy.json_to_cel(doc), "request": celpy.json_to_cel({"namespace": namespace}),
+    activation = {"object": celpy.json_to_cel(doc), "oldObject": celpy.json_to_cel(old),
+                  "request": celpy.json_to_cel({"namespace": namespace, "userInfo": {"username": user},
+                                                "operation": "CREATE" if old is None else "UPDATE"}),
                   "authorizer": _cel_map({})}
     variables = {}
     for v in vap["spec"].get("variables", []):
@@ -177,3 +180,26 @@ def test_a_ray_secret_is_usable_only_by_an_author_who_may_read_it(charts):
     assert not admitted(vap, doc, AuthorizerDouble())  # may not read it
     assert not admitted(vap, doc, AuthorizerDouble({("secrets", "other-ns", "team-token")}))
     assert admitted(vap, TINY, AuthorizerDouble())  # no Secret named: the operator makes the job's own
+
+
+OPERATOR = "system:serviceaccount:hf:rel-hybridflow"  # the chart's operator ServiceAccount for release `rel` in hf
+
+
+def test_only_the_operator_may_make_objects_that_pass_for_a_jobs_own():
+    """A pod labelled as a job's is counted in its gang and let through its NetworkPolicy; a ConfigMap or Secret
+    owned by an RLHFJob is taken for the job's own. Only the operator may create such objects, or turn an object
+    into one; objects that already were one may be updated by anyone allowed to (kubelet, scheduler, GC)."""
+    docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "--namespace", "hf")) if d]
+    guard = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"
+                 and d["metadata"]["name"].endswith("-job-children"))
+    sa = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]["name"]
+    assert OPERATOR.endswith(f":{sa}")
+    labelled = {"metadata": {"name": "x", "labels": {"hybridflow.io/job": "victim", "hybridflow.io/role": "head"}}}
+    owned = {"metadata": {"name": "victim-spec", "ownerReferences": [
+        {"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLHFJob", "name": "victim", "uid": "u", "controller": True}]}}
+    plain = {"metadata": {"name": "mine", "labels": {"app": "mine"}}}
+    assert admitted(guard, labelled, user=OPERATOR) and admitted(guard, owned, user=OPERATOR)
+    assert not admitted(guard, labelled) and not admitted(guard, owned)  # someone else creating them
+    assert admitted(guard, plain)
+    assert not admitted(guard, labelled, old=plain)  # turning one's own pod into the job's
+    assert admitted(guard, labelled, old=labelled, user="system:node:n1")  # the kubelet updating a job pod
