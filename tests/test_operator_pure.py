@@ -160,6 +160,10 @@ def _restricted_problems(pod: dict) -> list[str]:
             out.append(f"{name}: writable root filesystem")
         if not (c.get("resources") or {}).get("limits", {}).get("ephemeral-storage"):
             out.append(f"{name}: no ephemeral-storage limit")
+        if not (c.get("resources") or {}).get("requests", {}).get("ephemeral-storage"):
+            out.append(f"{name}: no ephemeral-storage request (the limit would become the request)")
+        if c.get("workingDir") != "/tmp":
+            out.append(f"{name}: works in a read-only directory")
         for p in c.get("ports", []):
             if p.get("hostPort"):
                 out.append(f"{name}: hostPort")
