@@ -4,6 +4,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 
 import pytest
 
@@ -219,7 +220,7 @@ def test_full_disk_while_sealing_keeps_the_previous_checkpoint(tmp_path, monkeyp
 
 
 def test_full_disk_in_a_worker_is_recognised_through_rays_wrapping(tmp_path):
-    exceptions = pytest.importorskip("ray.exceptions")
+    from ray import exceptions
     remote = exceptions.RayTaskError("save_checkpoint", "traceback", OSError(errno.ENOSPC, "No space left on "
                                      "device")).as_instanceof_cause()
     with pytest.raises(ck.CheckpointError, match="no space left on device"):
@@ -229,6 +230,22 @@ def test_full_disk_in_a_worker_is_recognised_through_rays_wrapping(tmp_path):
         with ck.writing(tmp_path, 1, _ident()):
             raise ValueError("not a disk problem")
     assert not list(tmp_path.glob(".step_*"))
+
+
+def test_a_full_disk_that_torch_reports_as_an_iostream_error_is_named(tmp_path, monkeypatch):
+    """torch.save on a full volume raises RuntimeError('... iostream error'), not ENOSPC (seen on a real full disk):
+    with the volume nearly out of space at that moment, the failure is still reported as a full disk."""
+    prev = _make_for(tmp_path, 2, _ident())
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: usage._replace(free=4096))
+    with pytest.raises(ck.CheckpointError, match="no space left on device while saving checkpoint step 3") as err:
+        with ck.writing(tmp_path, 3, _ident()):
+            raise RuntimeError("basic_ios::clear: iostream error")
+    assert "step_00000002 is kept" in str(err.value) and ck.verify(prev) is None
+    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: usage._replace(free=100 << 30))
+    with pytest.raises(RuntimeError, match="iostream error"):  # with space to spare it is not a disk problem
+        with ck.writing(tmp_path, 3, _ident()):
+            raise RuntimeError("basic_ios::clear: iostream error")
 
 
 # --- no pickle from shared storage --------------------------------------------------------------------------------

@@ -98,12 +98,26 @@ def writing(root: Path, step: int, ident: dict[str, Any] | None = None) -> Itera
         staging = staging_dir(root, step)
         yield staging
     except BaseException as err:
+        cause = _os_error(err)
+        if cause is None and _nearly_full(root):  # torch.save reports a full disk as "iostream error", not ENOSPC
+            cause = OSError(errno.ENOSPC, f"No space left on device ({str(err).splitlines()[0][:200]})")
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
-        cause = _os_error(err)
         if cause is None:
             raise
         raise CheckpointError(_save_failure(root, step, cause)) from err
+
+
+LOW_SPACE_BYTES = 256 << 20
+
+
+def _nearly_full(root: Path) -> bool:
+    """Whether the volume had (almost) no space left when a save failed: measured before the partial checkpoint is
+    removed, which frees it again."""
+    try:
+        return shutil.disk_usage(root).free < LOW_SPACE_BYTES
+    except OSError:
+        return False
 
 
 def _os_error(err: BaseException) -> OSError | None:
