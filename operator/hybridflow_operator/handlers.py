@@ -368,7 +368,7 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
         set_condition(plan.status, "SpecChangeIgnored", True, "SpecChangeIgnored", msg, now)
 
     if job is not None and plan.status.get("phase") == "Running":
-        _poll_progress(job, uid, pods, plan.status, now)
+        _poll_progress(job, pods, plan.status, now)
     # The status is written before anything is done about it: a tick that fails half-way is redone from the
     # new status (missing pods are created again, stale ones deleted again), never from the old one.
     if plan.status != status:
@@ -455,13 +455,12 @@ def _write_status(namespace: str, name: str, old: dict[str, Any], new: dict[str,
     memo["written"] = copy.deepcopy(new)
 
 
-def _poll_progress(job: RLHFJob, uid: str | None, pods: list[dict[str, Any]], status: dict[str, Any],
-                   now: dt.datetime) -> None:
-    """Progress from the current generation's head: only a pod this job owns (anyone may label a pod as a job's
-    head), and an old head that still has an IP must not move step back."""
+def _poll_progress(job: RLHFJob, pods: list[dict[str, Any]], status: dict[str, Any], now: dt.datetime) -> None:
+    """Progress from the current generation's head (`pods` holds only pods the job owns: `_observed_pods`); an old
+    head that still has an IP must not move step back."""
     gen = int(status.get("restarts", 0))
     head = [p for p in pods if p["view"].role == "head" and p["podIP"] and p["view"].generation == gen
-            and not p["view"].deleting and uid and p.get("owner") == uid]
+            and not p["view"].deleting]
     if not head or not job.spec.metrics.port:
         return
     text = fetch(head[-1]["podIP"], job.spec.metrics.port)
