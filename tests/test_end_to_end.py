@@ -59,8 +59,9 @@ def test_tiny_example_learns(tmp_path, model_cache, ray_tmp):
     records = _steps(ckpt)
     assert [r["step"] for r in records] == list(range(1, 41))
     last = records[-1]
-    for stage in ("generate", "old_log_prob", "reference", "reward", "advantages", "actor_update", "reshard"):
+    for stage in ("generate", "reference", "reward", "advantages", "actor_update", "reshard"):
         assert last["stages"][stage] > 0, stage
+    assert "old_log_prob" not in last["stages"]  # on-policy (one epoch, one mini-batch): the update's forward gave them
     assert last["throughput_tokens_per_s"] > 0 and last["actor_peak_memory_bytes"] > 0
     assert last["reward_mean"] > records[0]["reward_mean"]
     assert out.stderr.count("\n") < 40, "logs should be quiet by default:\n" + out.stderr[-3000:]

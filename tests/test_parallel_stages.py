@@ -18,6 +18,7 @@ def _job(tmp_path: Path, separate_pools: bool):
     doc = dump_job(load_job(ROOT / "examples" / "tiny-grpo.yaml"))
     s = doc["spec"]
     s["rollout"]["engine"] = "hf"
+    s["training"]["onPolicyOldLogProbs"] = False  # the old_log_prob stage runs, beside the reference
     s["trainer"].update(checkpointDir=str(tmp_path / "ckpt"), promptsPerStep=64)
     # A deeper model than the example's, so each stage takes long enough to measure.
     s["models"]["actor"]["tiny"].update(numLayers=6, hiddenSize=128, intermediateSize=512)

@@ -341,6 +341,7 @@ def test_sixteen_local_devices_do_not_fit_24_gib():
 
     job = load_job(ROOT / "examples" / "tiny-grpo.yaml")
     job.spec.resource_pools[0].devices_per_node = 16
+    job.spec.rollout.kv_cache_gib = 1.0  # a fixed cache; sized from the job (0, the default) it is a few MiB here
     [problem] = local_capacity_problems(job.spec, _machine(24))
     assert problem.startswith("spec.resourcePools: the job needs at least 29.5 GiB of memory here and this machine "
                               "has 24.0 GiB: spec.resourcePools[0] ('default'): 16 devices x 1.8 GiB (process 0.8 GiB, "
@@ -354,6 +355,9 @@ def test_the_model_counts_toward_each_rank():
     from hybridflow.capacity import SMOLLM2_PARAMS, local_capacity_problems, rank_floor, tiny_params
 
     job = load_job(ROOT / "examples" / "gsm8k-style.yaml")
+    parts = rank_floor(job.spec, job.spec.resource_pools[0], _machine())
+    assert parts["the actor's generation weights"] == SMOLLM2_PARAMS * 2  # auto: generation may run in bf16
+    job.spec.training.compute_dtype, job.spec.rollout.kv_cache_gib = "float32", 1.0
     parts = rank_floor(job.spec, job.spec.resource_pools[0], _machine())
     assert parts["the actor's generation weights"] == SMOLLM2_PARAMS * 4
     [problem] = local_capacity_problems(job.spec, _machine(5))
@@ -384,10 +388,10 @@ def test_run_refuses_before_starting_anything(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(cli, "machine_facts", lambda job: _machine(24))
     monkeypatch.setattr(cli, "start_local_ray", no_ray)
-    p = _write(tmp_path, {"resourcePools": [{"devicesPerNode": 16}], "trainer": {"checkpointDir": str(tmp_path)}})
+    p = _write(tmp_path, {"resourcePools": [{"devicesPerNode": 32}], "trainer": {"checkpointDir": str(tmp_path)}})
     assert main(["run", str(p)]) == 2
     err = capsys.readouterr().err
-    assert f"{p}: cannot run on this machine" in err and "spec.resourcePools[0] ('default'): 16 devices" in err, err
+    assert f"{p}: cannot run on this machine" in err and "spec.resourcePools[0] ('default'): 32 devices" in err, err
     assert main(["validate", str(p)]) == 0  # fine for a cluster
 
 

@@ -75,3 +75,23 @@ def test_stage_seconds_start_when_the_pool_is_free_and_are_never_negative():
     # refuse a negative increment, which once failed a resumed job.
     reordered = stage_seconds(launched, {"old_log_prob": 15.0, "ref": 12.0, "values": 11.0}, 10.0)
     assert reordered == {"old_log_prob": 5.0, "ref": 0.0, "values": 1.0}
+
+
+def test_an_on_policy_step_skips_the_old_log_prob_pass_and_summarises_from_the_update():
+    doc = {"algorithm": {"name": "grpo", "klCoef": 0.1, "klController": "adaptive", "targetKl": 0.01,
+                         "klHorizon": 100}, "rollout": {"responsesPerPrompt": 2}, "trainer": {"promptsPerStep": 4}}
+
+    def step_for(training: dict) -> Step:
+        spec = JobSpec.model_validate({**doc, "training": training})
+        return Step(spec, {}, {}, {}, AlgorithmState.for_spec(spec), lambda: Batch())
+
+    step = step_for({})
+    assert step.skipped == {"old_log_prob"}
+    assert step.compute(_scored([1.0, 0.0, 0.5, 0.25]), "old_log_prob").tensors.keys() == {"scores", "response_mask"}
+    step.stats.update(entropy_mean=0.7, kl_mean=0.05)  # what the on-policy update reports (roles/actor.py)
+    step.trained = _scored([1.0, 0.0, 0.5, 0.25]).with_columns(attention_mask=torch.ones(4, 5))
+    stats = step.summary()
+    assert stats["entropy_mean"] == 0.7 and stats["kl_mean"] == 0.05
+    assert step.state.kl.value > 0.1  # the controller moved on the update's KL
+    for off_policy in ({"ppoEpochs": 2}, {"miniBatchSize": 2}, {"onPolicyOldLogProbs": False}):
+        assert step_for(off_policy).skipped == set(), off_policy

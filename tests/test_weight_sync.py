@@ -34,7 +34,7 @@ def _greedy_matches_hf(job, w, task, model_dir, step):
     saved = loop.save(job, w, Path(job.spec.trainer.checkpoint_dir), step, PromptStream(task.train, 8, 0),
                       AlgorithmState.for_spec(job.spec))
     state = torch.load(saved / "actor.pt", weights_only=False)["model"]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, job.spec.training.compute_dtype))
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and all("lm_head" in k for k in missing)
     hf.eval()
@@ -48,12 +48,16 @@ def _greedy_matches_hf(job, w, task, model_dir, step):
         assert resp == ref
 
 
-@pytest.mark.parametrize("example,engine", [("tiny-grpo.yaml", "vllm"), ("tiny-grpo.yaml", "hf"),
-                                            ("smollm2-arithmetic.yaml", "vllm")])
-def test_generation_engine_follows_the_trained_weights(tmp_path, model_cache, local_ray, example, engine):
-    """The tiny Qwen2 model, and SmolLM2 (Llama, tied embeddings, grouped-query attention) in vLLM."""
+@pytest.mark.parametrize("example,engine,dtype", [("tiny-grpo.yaml", "vllm", "float32"),
+                                                  ("tiny-grpo.yaml", "vllm", "bfloat16"),
+                                                  ("tiny-grpo.yaml", "hf", "float32"),
+                                                  ("smollm2-arithmetic.yaml", "vllm", "float32")])
+def test_generation_engine_follows_the_trained_weights(tmp_path, model_cache, local_ray, example, engine, dtype):
+    """The tiny Qwen2 model, and SmolLM2 (Llama, tied embeddings, grouped-query attention) in vLLM; in bf16, vLLM
+    holds the fp32 masters rounded to bf16 (the checksums compare in the generation dtype, HF runs in it too)."""
     job = load_job(Path(__file__).resolve().parents[1] / "examples" / example)
     job.spec.rollout.engine = engine
+    job.spec.training.compute_dtype = dtype
     w, task, model_dir = _start_workers(job, tmp_path, model_cache, local_ray)
     try:
         actor = w.roles["actor"]

@@ -24,7 +24,16 @@ GIB = 1 << 30
 RANK_FLOOR_BYTES = 3 * GIB // 4
 DRIVER_FLOOR_BYTES = 3 * GIB // 2
 SMOLLM2_PARAMS = 134_515_008
+SMOLLM2_KV_SHAPE = (30, 3, 64)  # layers, key/value heads, head size
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+KV_BLOCK_TOKENS = 128  # vLLM's CPU attention allocates whole blocks of this many tokens per sequence
+
+
+def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, sequences: int, max_len: int) -> int:
+    """KV cache that holds `sequences` sequences of up to `max_len` tokens at once (keys and values of every layer,
+    whole blocks): what one generation call of the job needs, instead of a fixed size."""
+    blocks = -(-max_len // KV_BLOCK_TOKENS)
+    return max(1, sequences) * blocks * KV_BLOCK_TOKENS * 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -57,11 +66,32 @@ def rank_floor(spec: JobSpec, pool: ResourcePool, machine: Machine) -> dict[str,
     """The least host memory one local rank of `pool` holds, by part (the parts name the fields that set them)."""
     parts = {"process": RANK_FLOOR_BYTES}
     if pool.device == "cpu" and pool.name == spec.pool("rollout").name:
-        if spec.rollout.engine == "vllm":  # engines/rollout.py: VLLM_CPU_KVCACHE_SPACE, whole GiB, at least 1
-            parts["vLLM KV cache (spec.rollout.kvCacheGib)"] = max(1, round(spec.rollout.kv_cache_gib)) * GIB
+        if spec.rollout.engine == "vllm":
+            parts["vLLM KV cache (spec.rollout.kvCacheGib)"] = _kv_floor(spec, pool)
         weights = model_bytes(spec.models.actor, machine) // spec.rollout.tensor_parallel
+        if spec.training.compute_dtype != "float32" and spec.models.actor.dtype == "float32":
+            weights //= 2  # generation runs in the compute dtype, which auto may make bf16
         parts["the actor's generation weights"] = weights
     return parts
+
+
+def _kv_floor(spec: JobSpec, pool: ResourcePool) -> int:
+    """The KV cache one generation rank holds: kvCacheGib, or sized from the job as the actor sizes it (the shape
+    is known for tiny and smollm2 models; a model directory's counts as 0 here, a floor)."""
+    r, src = spec.rollout, spec.models.actor
+    if r.kv_cache_gib:
+        return int(r.kv_cache_gib * GIB)
+    if src.source == "tiny":
+        t = src.tiny
+        shape = (t.num_layers, t.num_kv_heads, t.hidden_size // t.num_heads)
+    elif src.source == "smollm2":
+        shape = SMOLLM2_KV_SHAPE
+    else:
+        return 0
+    sequences = max(spec.trainer.prompts_per_step * (r.responses_per_prompt + 1), spec.data.eval_prompts)
+    per_rank = -(-sequences // (pool.world_size // r.tensor_parallel))
+    narrowest = "bfloat16" if spec.training.compute_dtype != "float32" else src.dtype  # auto may compute in bf16
+    return kv_cache_bytes(*shape, DTYPE_BYTES[narrowest], per_rank, r.max_prompt_length + r.max_response_length)
 
 
 def _gib(n: int) -> str:

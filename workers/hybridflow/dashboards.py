@@ -65,6 +65,10 @@ JOB_OVERVIEW = Dashboard(
             f"/ (max by (rlhfjob) (hybridflow_devices{JOB}) * $peak_flops_per_device)",),
               unit="percentunit", legend="{{rlhfjob}}", width=8,
               description="6 x parameters x tokens/s / (devices x peak FLOP/s): a dense-training approximation."),
+        Panel("Actor update MFU (measured)", (f"avg by (rlhfjob) (hybridflow_actor_update_mfu{JOB})",),
+              unit="percentunit", legend="{{rlhfjob}}", width=8,
+              description="The update's 6 x parameters x tokens / seconds over each rank's own matmul peak in the "
+                          "compute dtype, measured at start: no data sheet needed, CPUs included."),
         Panel("Peak memory", (f"max by (role) (hybridflow_peak_memory_bytes{JOB})",), unit="bytes",
               legend="{{role}}", width=8),
         Panel("Reshard (train -> generate) per rank",

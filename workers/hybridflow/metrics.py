@@ -28,6 +28,10 @@ STEP_GAUGES = {
     "cost_mean": ("cost_mean", "safe_rlhf: mean cost of the step's responses."),
     "lagrange_multiplier": ("lagrange_multiplier", "safe_rlhf: the Lagrangian multiplier weighing the cost."),
     "kept_groups": ("kept_groups", "dapo: groups with differing rewards found this step (dynamic sampling)."),
+    "actor_update_flops_per_second": ("update_flops_per_s", "Actor update FLOP/s per rank (6 x parameters x tokens "
+                                      "/ update seconds), mean over ranks."),
+    "actor_update_mfu": ("mfu", "Actor update FLOP/s over the rank's own measured matmul peak in the compute "
+                         "dtype (model FLOPs utilisation), mean over ranks."),
 }
 
 

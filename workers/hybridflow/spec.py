@@ -404,7 +404,10 @@ class Rollout(_Spec):
         16, gt=0, le=MAX_COUNT, description="Prompts are left-padded or rejected beyond this."
     )
     max_response_length: int = Field(8, gt=0, le=MAX_COUNT, description="New tokens per response.")
-    kv_cache_gib: float = Field(1.0, gt=0, le=4096, description="vLLM KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    kv_cache_gib: float = Field(
+        0.0, ge=0, le=4096, description="vLLM KV cache size on CPU in GiB (0: sized from the job: every sequence of "
+        "one generation call, prompt + response, at once)."
+    )
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory fraction (GPU only).")
 
 
@@ -422,6 +425,20 @@ class Training(_Spec):
     grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
     tensor_parallel: int = Field(1, gt=0, le=1024, description="Training TP size (megatron).")
     pipeline_parallel: int = Field(1, gt=0, le=1024, description="Training PP size (megatron).")
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Dtype of forward and backward passes and of generation; weights and optimizer state stay "
+        "in the model's dtype (fp32 masters). auto: bfloat16 where the device computes it natively (GPUs with bf16, "
+        "CPUs with AVX512-BF16 or AMX), else float32."
+    )
+    dynamic_batch_size: bool = Field(
+        True, description="Micro-batches of length-sorted rows, each cut to its own longest prompt and response and "
+        "filled up to microBatchSize x (maxPromptLength + maxResponseLength) tokens, instead of microBatchSize rows "
+        "padded to the maximum lengths."
+    )
+    on_policy_old_log_probs: bool = Field(
+        True, description="When the update is on-policy (one epoch over one mini-batch, no KL in the reward), the old "
+        "log-probs are the update's own forward pass, detached, instead of a separate forward over the batch."
+    )
 
 
 class ResourcePool(_Spec):

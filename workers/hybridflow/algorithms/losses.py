@@ -32,7 +32,9 @@ class TokenLosses:
 
 PolicyLoss = Callable[["Tensor", "Tensor", "Tensor", "Tensor", ClipConfig], TokenLosses]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
-Aggregation = Callable[["Tensor", "Tensor"], "Tensor"]
+# (token losses, response mask, the job's maximum response length) -> the loss. Micro-batches may be cut to their own
+# longest response (training.dynamicBatchSize), so a constant that depends on the width must come from the job.
+Aggregation = Callable[..., "Tensor"]
 LOSS_AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
 
 
@@ -63,31 +65,33 @@ def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, clip: ClipCo
     return _clipped_objective(log_ratio.clamp(max=10.0).exp(), adv, clip)
 
 
-@LOSS_AGGREGATIONS.register("token-mean")
-def token_mean(loss: Tensor, mask: Tensor) -> Tensor:
-    """Every token weighs the same (DAPO): long responses count for more. Exactly so within a micro-batch; across
-    micro-batches and ranks the engine weighs each micro-batch by its rows (as verl did before its global token
-    normalisation)."""
+# `per`: what the mean runs over, so the engine weighs each micro-batch by its share of it (tokens or rows) and the
+# accumulated gradient is the mini-batch's own aggregate, however the rows were grouped into micro-batches.
+@LOSS_AGGREGATIONS.register("token-mean", per="tokens")
+def token_mean(loss: Tensor, mask: Tensor, max_len: int | None = None) -> Tensor:
+    """Every token weighs the same (DAPO): long responses count for more. Exactly so over a rank's mini-batch
+    (micro-batches weigh by their tokens); across ranks each rank's mean counts equally (as verl did before its
+    global token normalisation)."""
     return masked_mean(loss, mask)
 
 
-@LOSS_AGGREGATIONS.register("seq-mean-token-sum")
-def seq_mean_token_sum(loss: Tensor, mask: Tensor) -> Tensor:
+@LOSS_AGGREGATIONS.register("seq-mean-token-sum", per="rows")
+def seq_mean_token_sum(loss: Tensor, mask: Tensor, max_len: int | None = None) -> Tensor:
     """Each response's summed token losses, averaged over responses."""
     return (loss * mask).sum(1).mean()
 
 
-@LOSS_AGGREGATIONS.register("seq-mean-token-mean")
-def seq_mean_token_mean(loss: Tensor, mask: Tensor) -> Tensor:
+@LOSS_AGGREGATIONS.register("seq-mean-token-mean", per="rows")
+def seq_mean_token_mean(loss: Tensor, mask: Tensor, max_len: int | None = None) -> Tensor:
     """Each response's mean token loss, averaged over responses (GRPO's original form, GSPO)."""
     return masked_mean(loss, mask, dim=1).mean()
 
 
-@LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")
-def seq_mean_token_sum_norm(loss: Tensor, mask: Tensor) -> Tensor:
-    """Summed token losses over a constant (the maximum response length), averaged over responses (Dr. GRPO): no
-    length bias either way."""
-    return (loss * mask).sum(1).mean() / loss.shape[1]
+@LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm", per="rows")
+def seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, max_len: int | None = None) -> Tensor:
+    """Summed token losses over a constant (the job's maximum response length), averaged over responses
+    (Dr. GRPO): no length bias either way."""
+    return (loss * mask).sum(1).mean() / (max_len or loss.shape[1])
 
 
 def truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> Tensor:

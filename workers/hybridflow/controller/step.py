@@ -23,6 +23,7 @@ from hybridflow.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from hybridflow.algorithms.safe_rlhf import Lagrangian
 from hybridflow.controller.batch import Batch
 from hybridflow.controller.worker_group import PendingResult, resolve
+from hybridflow.roles.config import old_log_probs_from_update
 from hybridflow.spec import JobSpec
 
 # stage -> (role, worker method). "reward" and "cost" run on the controller instead when they are rules or functions.
@@ -101,6 +102,9 @@ class Step:
         self.clock = StageClock()
         self.stats: dict[str, float] = {}
         self.trained: Batch | None = None
+        # On-policy updates take old log-probs from their own forward pass: the separate stage is skipped.
+        self.skipped = {"old_log_prob"} if old_log_probs_from_update(
+            spec.training, spec.algorithm, spec.trainer.prompts_per_step) else set()
 
     @property
     def responses_per_prompt(self) -> int:
@@ -143,6 +147,8 @@ class Step:
         t0 = time.perf_counter()
         for stage in stages:
             role, method = REMOTE_STAGES[stage]
+            if stage in self.skipped:
+                continue
             if role in self.roles:
                 launched[stage] = getattr(self.roles[role], method)(batch)
             elif stage not in OPTIONAL_STAGES and stage not in self.scorers:
@@ -211,7 +217,7 @@ class Step:
             return ADVANTAGE_ESTIMATORS[a.advantage_estimator or ""](inputs)
 
     def _kl(self, batch: Batch) -> torch.Tensor | None:
-        if "ref_log_probs" not in batch:
+        if "ref_log_probs" not in batch or "old_log_probs" not in batch:  # on-policy: the update reports kl_mean
             return None
         return KL_ESTIMATORS[self.algo.kl_estimator](batch["old_log_probs"], batch["ref_log_probs"])
 
@@ -262,17 +268,20 @@ class Step:
             raise RuntimeError(f"the {self.algo.name} program never called update_actor")
         mask = batch["response_mask"]
         resp_len = mask.sum(1).float()
-        out = dict(self.stats)
+        out = dict(self.stats)  # an on-policy update already put entropy, KL and the rollout gap here
         out.update(reward_mean=float(batch["scores"].mean()), response_length_mean=float(resp_len.mean()),
-                   entropy_mean=float(masked_mean(batch["entropy"], mask)), tokens=float(batch["attention_mask"].sum()),
-                   response_tokens=float(resp_len.sum()), kl_coef=float(self.state.kl.value))
+                   tokens=float(batch["attention_mask"].sum()), response_tokens=float(resp_len.sum()),
+                   kl_coef=float(self.state.kl.value))
+        if "entropy" in batch:
+            out["entropy_mean"] = float(masked_mean(batch["entropy"], mask))
         kl = self._kl(batch)
         if kl is not None:
             out["kl_mean"] = float(masked_mean(kl, mask))
+        if "kl_mean" in out:
             self.state.kl.update(out["kl_mean"], len(batch))
         if "costs" in batch:
             out.update(cost_mean=float(batch["costs"].mean()), lagrange_multiplier=self.lagrangian.value)
-        if "rollout_log_probs" in batch:
+        if "rollout_log_probs" in batch and "old_log_probs" in batch:
             gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
             out["rollout_log_prob_gap"] = float(masked_mean(gap, mask))
         return out
@@ -292,6 +301,7 @@ def mean_stats(per_rank: list[dict[str, float]], prefix: str) -> dict[str, float
     out = {f"{prefix}{k}": float(np.mean([r[k] for r in per_rank])) for k in keys}
     if "peak_memory_bytes" in keys:
         out[f"{prefix or 'actor_'}peak_memory_bytes"] = float(max(r["peak_memory_bytes"] for r in per_rank))
+        out[f"{prefix or 'actor_'}peak_memory_bytes_total"] = float(sum(r["peak_memory_bytes"] for r in per_rank))
     return out
 
 

@@ -55,3 +55,84 @@ def unpack_prompts(batch: Batch) -> list[list[int]]:
 
 def unpack_responses(batch: Batch) -> list[list[int]]:
     return [row[m.bool()].tolist() for row, m in zip(batch["responses"], batch["response_mask"])]
+
+
+# --- micro-batches without padding waste ---------------------------------------------------------------------------
+
+WHOLE_SEQUENCE_COLUMNS = ("input_ids", "attention_mask")  # (B, P + R): left-padded prompt, right-padded response
+
+
+def _response_token_columns(batch: Batch) -> list[str]:
+    """Columns with one value per response token (responses, masks, log-probs, advantages, values...)."""
+    R = batch["responses"].shape[1]
+    return [k for k, v in batch.tensors.items()
+            if v.dim() == 2 and v.shape[1] == R and k not in ("prompts", *WHOLE_SEQUENCE_COLUMNS)]
+
+
+def trim_padding(batch: Batch) -> Batch:
+    """The batch cut to its longest prompt and longest response: prompt columns that are padding in every row and
+    response columns past every row's end go. Nothing a row attends to changes, so its outputs do not either."""
+    P = batch["prompts"].shape[1]
+    mask = batch["attention_mask"]
+    prompt_len = int(mask[:, :P].sum(1).max()) if len(batch) else 0
+    resp_len = max(1, int(batch["response_mask"].sum(1).max())) if len(batch) else 1
+    cut, keep_r = P - prompt_len, resp_len
+    tensors = dict(batch.tensors)
+    tensors["prompts"] = batch["prompts"][:, cut:]
+    for k in WHOLE_SEQUENCE_COLUMNS:
+        tensors[k] = batch[k][:, cut: P + keep_r]
+    for k in _response_token_columns(batch):
+        tensors[k] = batch[k][:, :keep_r]
+    return Batch(tensors, batch.non_tensors, dict(batch.meta))
+
+
+def token_budget_groups(prompt_lens: list[int], response_lens: list[int], max_rows: int,
+                        budget: int) -> list[list[int]]:
+    """Rows grouped into micro-batches, longest first: a group grows while its rows x (longest prompt + longest
+    response) stays within `budget` padded tokens, and up to `max_rows` rows. The budget, not a row count, bounds
+    memory, so short rows travel in larger micro-batches and long ones in smaller."""
+    order = sorted(range(len(prompt_lens)), key=lambda i: -(prompt_lens[i] + response_lens[i]))
+    groups: list[list[int]] = []
+    group: list[int] = []
+    p_max = r_max = 0
+    for i in order:
+        p, r = max(p_max, prompt_lens[i]), max(r_max, response_lens[i])
+        if group and ((len(group) + 1) * (p + r) > budget or len(group) >= max_rows):
+            groups.append(group)
+            group, p, r = [], prompt_lens[i], response_lens[i]
+        group.append(i)
+        p_max, r_max = p, r
+    if group:
+        groups.append(group)
+    return groups
+
+
+def micro_batches(batch: Batch, rows: int, dynamic: bool) -> list[tuple[list[int], Batch]]:
+    """(row indices, micro-batch) pairs covering the batch. Fixed: `rows` rows each, full width. Dynamic: the same
+    token budget (rows x full width), filled with length-sorted rows, each micro-batch cut to its own lengths."""
+    n = len(batch)
+    if not dynamic or "responses" not in batch:
+        return [(list(range(i, min(i + rows, n))), batch.index(slice(i, i + rows))) for i in range(0, n, rows)]
+    P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
+    prompt_lens = batch["attention_mask"][:, :P].sum(1).tolist()
+    response_lens = batch["response_mask"].sum(1).clamp_min(1).tolist()
+    groups = token_budget_groups(prompt_lens, response_lens, max_rows=n, budget=rows * (P + R))
+    return [(g, trim_padding(batch.index(torch.tensor(g)))) for g in groups]
+
+
+def merge_rows(parts: list, rows: list[list[int]], response_width: int | None) -> object:
+    """The outputs of micro-batches (a tensor or a tuple of tensors each) as one output in the batch's row order;
+    per-token outputs of cut micro-batches are padded back to `response_width` with zeros."""
+    if not parts:
+        return parts
+    single = isinstance(parts[0], torch.Tensor)
+    columns = list(zip(*[(p,) if single else p for p in parts]))
+    order = torch.tensor([i for g in rows for i in g])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order))
+    merged = []
+    for col in columns:
+        if response_width is not None and col[0].dim() == 2:
+            col = [torch.nn.functional.pad(t, (0, response_width - t.shape[1])) for t in col]
+        merged.append(torch.cat(col)[inverse])
+    return merged[0] if single else tuple(merged)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hybridflow.controller.batch import Batch
+from hybridflow.data.packing import merge_rows, micro_batches
 from hybridflow.spec import Training
 
 LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, dict[str, float]]]
@@ -21,35 +22,48 @@ class TrainEngine:
     module: nn.Module
     optimizer: torch.optim.Optimizer | None
     device: torch.device
+    dynamic_batch_size: bool = False  # token-budget micro-batches cut to their own lengths (data/packing.py)
 
     def clip_grad_norm(self) -> torch.Tensor:
         """Reduce gradients as the layout needs, clip them to `grad_clip`, return the global norm before clipping."""
         raise NotImplementedError
 
     @torch.no_grad()
-    def forward_micro(self, batch: Batch, micro_batch_size: int, fn: Callable[[nn.Module, Batch], Any]) -> list:
+    def forward_micro(self, batch: Batch, micro_batch_size: int, fn: Callable[[nn.Module, Batch], Any]) -> Any:
+        """`fn` over micro-batches; its outputs (a tensor or a tuple of tensors, per row or per response token) come
+        back as one, in the batch's row order and at its full response width."""
         self.module.eval()
-        return [fn(self.module, mb.to(self.device)) for mb in batch.split(micro_batch_size)]
+        rows, outs = [], []
+        for idx, mb in micro_batches(batch, micro_batch_size, self.dynamic_batch_size):
+            rows.append(idx)
+            outs.append(fn(self.module, mb.to(self.device)))
+        return merge_rows(outs, rows, batch["responses"].shape[1] if "responses" in batch else None)
 
-    def train_mini_batch(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over `batch`, accumulating micro-batches weighted by their share of the rows."""
+    def train_mini_batch(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn,
+                         per: str = "rows") -> dict[str, float]:
+        """One optimizer step over `batch`, accumulating micro-batches weighted by their share of what the loss
+        averages over (`per`: "rows", or "tokens" for a token mean), so the step is the same however the rows were
+        grouped (length-sorted micro-batches hold few long rows or many short ones)."""
         assert self.optimizer is not None, "this engine was built frozen"
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = {}
-        n = len(batch)
-        for mb in batch.split(micro_batch_size):
+        size = (lambda b: float(b["response_mask"].sum())) if per == "tokens" else len  # noqa: E731
+        total = size(batch)
+        for _, mb in micro_batches(batch, micro_batch_size, self.dynamic_batch_size):
+            share = size(mb) / total if total else 0.0
             loss, mstats = loss_fn(self.module, mb.to(self.device))
-            (loss * (len(mb) / n)).backward()
+            (loss * share).backward()
             for k, v in mstats.items():
-                stats[k] = stats.get(k, 0.0) + float(v) * len(mb) / n
+                stats[k] = stats.get(k, 0.0) + float(v) * share
         norm = self.clip_grad_norm()
         stats["grad_norm"] = float(norm)
         if torch.isfinite(norm):
             self.optimizer.step()
         return stats
 
-    def ppo_update(self, batch: Batch, t: Training, prompts_per_step: int, loss_fn: LossFn) -> dict[str, float]:
+    def ppo_update(self, batch: Batch, t: Training, prompts_per_step: int, loss_fn: LossFn,
+                   per: str = "rows") -> dict[str, float]:
         """`ppoEpochs` passes over this rank's shard, one optimizer step per mini-batch; stats averaged over steps.
 
         A mini-batch is `miniBatchSize` prompts of the global batch, i.e. the same fraction of this rank's rows.
@@ -61,7 +75,7 @@ class TrainEngine:
         steps = 0
         for _ in range(t.ppo_epochs):
             for mini in batch.split(rows):
-                for k, v in self.train_mini_batch(mini, t.micro_batch_size, loss_fn).items():
+                for k, v in self.train_mini_batch(mini, t.micro_batch_size, loss_fn, per).items():
                     totals[k] = totals.get(k, 0.0) + v
                 steps += 1
         out = {k: v / steps for k, v in totals.items()}

@@ -23,31 +23,41 @@ def sequence_inputs(batch: Batch) -> dict[str, torch.Tensor]:
 
 
 def response_logits(model: nn.Module, batch: Batch, temperature: float) -> torch.Tensor:
-    """Logits that predict each response token: (B, R, V)."""
-    out = model(**sequence_inputs(batch), use_cache=False)
+    """Logits that predict each response token: (B, R, V), in the compute dtype. Only those positions go through
+    the LM head (a vocabulary-sized matmul, and the largest activation, that prompt positions do not need)."""
     R = batch["responses"].shape[1]
-    logits = out.logits[:, -R - 1 : -1, :].float()
-    return logits / temperature
+    out = model(**sequence_inputs(batch), use_cache=False, logits_to_keep=R + 1)
+    logits = out.logits[:, -R - 1 : -1, :]
+    return logits.float() / temperature if temperature != 1.0 else logits  # no (B, R, V) copy at temperature 1
 
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    """log softmax in fp32 whatever the logits' dtype (bf16 cannot hold a log-prob to the precision PPO's ratios
+    need); the fp32 result is the one (B, R, V) tensor kept for backward."""
+    return torch.log_softmax(logits, dim=-1, dtype=torch.float32).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 class FSDPEngine(TrainEngine):
-    """A module sharded with FSDP2 plus its AdamW optimizer."""
+    """A module sharded with FSDP2 plus its AdamW optimizer. With a `compute_dtype` narrower than the weights',
+    FSDP gathers each layer's shards in that dtype and computes in it, while the shards, their gradients (reduced in
+    fp32) and the optimizer state keep the weights' dtype."""
 
-    def __init__(self, module: nn.Module, lr: float, grad_clip: float, device: str, trainable: bool = True) -> None:
+    def __init__(self, module: nn.Module, lr: float, grad_clip: float, device: str, trainable: bool = True,
+                 compute_dtype: torch.dtype | None = None, dynamic_batch_size: bool = False) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.device = torch.device("cuda" if device == "gpu" else "cpu")
+        self.dynamic_batch_size = dynamic_batch_size
         module.to(self.device)
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        param_dtype = next(module.parameters()).dtype
+        self.compute_dtype = compute_dtype or param_dtype
+        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         inner = getattr(module, "model", None) or getattr(module, getattr(module, "base_model_prefix", ""), None)
         for layer in getattr(inner, "layers", []):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(module, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(module, mesh=mesh, mp_policy=mp)
         self.module = module
         self.grad_clip = grad_clip
         self.optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.0) if trainable else None
@@ -66,9 +76,15 @@ class FSDPEngine(TrainEngine):
     def entropy(self, logits: torch.Tensor) -> torch.Tensor:
         return entropy_from_logits(logits)
 
+    def resharded(self) -> nn.Module:
+        """The module with every parameter back to its (master-dtype) shard: FSDP2 keeps the root's parameters
+        gathered, in the compute dtype, after a forward pass without backward."""
+        self.module.reshard()
+        return self.module
+
     def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter gathered whole (an all-gather per tensor), HF names; what a generation engine loads."""
-        for name, p in self.module.named_parameters():
+        for name, p in self.resharded().named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             yield name, full.detach()
 
@@ -79,8 +95,8 @@ class FSDPEngine(TrainEngine):
         if self.optimizer is None:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-            return {"model": get_model_state_dict(self.module, options=opts)}
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=opts)
+            return {"model": get_model_state_dict(self.resharded(), options=opts)}
+        model_sd, optim_sd = get_state_dict(self.resharded(), self.optimizer, options=opts)
         return {"model": model_sd, "optimizer": optim_sd}
 
     def load_state_dict(self, state: dict) -> None:

@@ -5,6 +5,7 @@ torch.distributed world), so the colocated actor can hand it new weights without
 """
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Iterable, Protocol, Sequence
 
 import torch
+
+from hybridflow.capacity import kv_cache_bytes
 
 
 @dataclass(frozen=True)
@@ -48,19 +51,31 @@ class RolloutEngine(Protocol):
         """Sums of the weights it generates with, to check that a transition landed."""
 
 
+def model_kv_cache_bytes(model_dir: Path, dtype: torch.dtype, sequences: int, max_len: int) -> int:
+    """`kv_cache_bytes` for the HF model in `model_dir` (its config.json)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return kv_cache_bytes(cfg["num_hidden_layers"], cfg.get("num_key_value_heads") or heads, head_dim,
+                          torch.tensor([], dtype=dtype).element_size(), sequences, max_len)
+
+
 class VLLMRollout:
-    def __init__(self, model_dir: Path, max_model_len: int, dtype: str, seed: int, kv_cache_gib: float,
+    def __init__(self, model_dir: Path, max_model_len: int, dtype: str, seed: int, kv_cache_bytes: int,
                  gpu_memory_utilization: float, on_gpu: bool) -> None:
+        """`kv_cache_bytes` sizes the KV cache on CPU; on GPU `gpu_memory_utilization` does (and sleep mode frees
+        weights and cache during training)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         import torch.distributed as dist
         from vllm import LLM
 
         self.instance_id = uuid.uuid4().hex
-        kwargs = {}
+        kwargs: dict = {"enable_sleep_mode": True} if on_gpu else {"kv_cache_memory_bytes": kv_cache_bytes}
         if dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
+        self.on_gpu = on_gpu
+        self.asleep = False
         self.llm = LLM(
             model=str(model_dir),
             skip_tokenizer_init=True,
@@ -104,13 +119,22 @@ class VLLMRollout:
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.asleep:  # weights come back first (into fresh memory), the KV cache once they are in place
+            self.llm.wake_up(tags=["weights"])
         runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
         runner.reload_weights(weights_iterator=iter(weights))
         _repack_tied_lm_head(self.model)
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
         self.llm.reset_prefix_cache()
 
     def release(self) -> None:
-        """vLLM's sleep mode frees weights and KV cache only on GPUs; on CPU the engine keeps its memory."""
+        """On GPU, sleep mode level 2: weights and KV cache are freed during training (the transition brings new
+        weights anyway). On CPU vLLM has no sleep mode and the engine keeps its memory, sized from the job."""
+        if self.on_gpu and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
 
     def weight_checksums(self) -> dict[str, float]:
         return {"embedding": float(self.model.model.embed_tokens.weight.detach().double().sum())}

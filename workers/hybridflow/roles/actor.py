@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from hybridflow.algorithms.core import masked_mean
+from hybridflow.capacity import GIB
 from hybridflow.algorithms.kl import KL_ESTIMATORS
 from hybridflow.algorithms.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, ClipConfig, truncated_is_weights
 from hybridflow.controller.batch import Batch
@@ -24,10 +25,12 @@ from hybridflow.controller.protocol import Dispatch, DPRank, register
 from hybridflow.controller.worker_group import WorkerContext
 from hybridflow.data.packing import pack_rollout, pad_log_probs
 from hybridflow.engines import megatron_model as mm
-from hybridflow.engines.rollout import HFRollout, RolloutEngine, SamplingConfig, VLLMRollout
+from hybridflow.engines.precision import compute_dtype, dtype_name
+from hybridflow.engines.rollout import HFRollout, RolloutEngine, SamplingConfig, VLLMRollout, model_kv_cache_bytes
+from hybridflow.flops import matmul_peak_flops, training_flops
 from hybridflow.hybrid_engine.reshard import ReshardStats
 from hybridflow.models.builders import local_model_dir
-from hybridflow.roles.common import CheckpointMixin, load_causal_lm, peak_memory_bytes
+from hybridflow.roles.common import CheckpointMixin, load_causal_lm, peak_memory_bytes, release_free_memory
 from hybridflow.roles.config import ActorConfig
 
 
@@ -50,24 +53,36 @@ class ActorRolloutWorker(CheckpointMixin):
 
             self.engine: Any = MegatronEngine(Path(model_dir), dtype, t.tensor_parallel, t.actor_lr, t.grad_clip,
                                               ctx.device, config.seed)
+            self.engine.dynamic_batch_size = t.dynamic_batch_size
             layout = Layout(p=1, t=t.tensor_parallel, d=ctx.world_size // t.tensor_parallel, p_g=1,
                             t_g=r.tensor_parallel)
             self.hybrid = HybridEngine(layout, ctx.rank)
-            replica = self.hybrid.generation_replica
+            replica, replicas = self.hybrid.generation_replica, layout.d * layout.t // layout.t_g
+            gen_dtype = dtype  # megatron computes in its weights' dtype
         else:
             from hybridflow.engines.fsdp import FSDPEngine
 
-            self.engine = FSDPEngine(load_causal_lm(Path(model_dir), dtype), t.actor_lr, t.grad_clip, ctx.device)
-            replica = ctx.rank
+            self.engine = FSDPEngine(load_causal_lm(Path(model_dir), dtype), t.actor_lr, t.grad_clip, ctx.device,
+                                     compute_dtype=compute_dtype(t.compute_dtype, ctx.device),
+                                     dynamic_batch_size=t.dynamic_batch_size)
+            replica, replicas = ctx.rank, ctx.world_size
+            gen_dtype = dtype_name(self.engine.compute_dtype)
+        release_free_memory()  # the whole model it loaded before sharding
+        self.generation_dtype = getattr(torch, gen_dtype)
+        self.parameters = self._count_parameters()
+        self.peak_flops = matmul_peak_flops(self.generation_dtype, ctx.device)  # MFU's denominator, per rank
         self.stop_token_ids = tuple(stop_token_ids)
         seed = config.seed + 1000 * replica  # distinct sampling streams per generation replica
         if r.engine == "vllm":
+            max_len = r.max_prompt_length + r.max_response_length
+            kv_bytes = int(r.kv_cache_gib * GIB) or model_kv_cache_bytes(
+                Path(model_dir), self.generation_dtype, -(-config.generation_batch // replicas), max_len)
             self.rollout = VLLMRollout(
                 Path(model_dir),
-                max_model_len=r.max_prompt_length + r.max_response_length,
-                dtype=dtype,
+                max_model_len=max_len,
+                dtype=gen_dtype,
                 seed=seed,
-                kv_cache_gib=r.kv_cache_gib,
+                kv_cache_bytes=kv_bytes,
                 gpu_memory_utilization=r.gpu_memory_utilization,
                 on_gpu=ctx.device == "gpu",
             )
@@ -115,47 +130,62 @@ class ActorRolloutWorker(CheckpointMixin):
             logp, logits = self.engine.log_probs(model, mb, temp)
             return logp, self.engine.entropy(logits)
 
-        outs = self.engine.forward_micro(batch, self.config.training.micro_batch_size, fn)
-        return Batch({"old_log_probs": torch.cat([o[0] for o in outs]).cpu(),
-                      "entropy": torch.cat([o[1] for o in outs]).cpu()})
+        logp, entropy = self.engine.forward_micro(batch, self.config.training.micro_batch_size, fn)
+        return Batch({"old_log_probs": logp.cpu(), "entropy": entropy.cpu()})
 
     @register(Dispatch.DP_COMPUTE)
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """Epochs over mini-batches of this rank's shard with the algorithm's policy loss and aggregation; returns
-        averaged loss statistics. The KL coefficient comes with the batch (an adaptive controller moves it)."""
+        averaged loss statistics. The KL coefficient comes with the batch (an adaptive controller moves it).
+
+        A batch without old log-probs is an on-policy update (`old_log_probs_from_update`): each token's old
+        log-prob is its first forward pass's, detached, and the statistics that would have been taken from the
+        separate pass (entropy, KL, the rollout gap) come from this one."""
         c, t = self.config, self.config.training
+        on_policy = "old_log_probs" not in batch
+        if on_policy and not c.old_log_probs_from_update:
+            raise ValueError("update_actor got no old_log_probs, and this update is not on-policy (more than one "
+                             "epoch or mini-batch): the old_log_prob stage must run first")
         algo, temp = c.algorithm, c.rollout.temperature
         policy_loss, aggregate = POLICY_LOSSES[algo.policy_loss or ""], LOSS_AGGREGATIONS[algo.loss_agg or ""]
+        per, max_len = LOSS_AGGREGATIONS.info(algo.loss_agg or "")["per"], c.rollout.max_response_length
         kl_estimate = KL_ESTIMATORS[algo.kl_estimator]
         clip = ClipConfig(algo.clip_ratio_low or t.clip_ratio, algo.clip_ratio_high or t.clip_ratio, algo.dual_clip)
         kl_coef = float(batch.meta.get("kl_coef", algo.kl_coef))
         kl_loss = algo.kl_in == "loss" and kl_coef > 0
         self.rollout.release()  # generate -> train: generation memory goes, training shards never left
+        release_free_memory()
 
         def loss_fn(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
             mask = mb["response_mask"]
             logp, logits = self.engine.log_probs(model, mb, temp)
-            pl = policy_loss(logp, mb["old_log_probs"], mb["advantages"], mask, clip)
+            old = logp.detach() if on_policy else mb["old_log_probs"]
+            pl = policy_loss(logp, old, mb["advantages"], mask, clip)
             token_loss = pl.loss
             if algo.tis_cap is not None:
-                token_loss = token_loss * truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"],
-                                                               algo.tis_cap)
-            loss = aggregate(token_loss, mask)
+                token_loss = token_loss * truncated_is_weights(old, mb["rollout_log_probs"], algo.tis_cap)
+            loss = aggregate(token_loss, mask, max_len)
             stats = {"pg_loss": loss.item(), "clip_frac": masked_mean(pl.clipped.float(), mask).item(),
-                     "approx_kl": masked_mean(mb["old_log_probs"] - logp, mask).item()}
+                     "approx_kl": masked_mean(old - logp, mask).item()}
+            if on_policy:
+                stats.update(_old_log_prob_stats(self.engine, old, logits, mb, algo.kl_estimator))
             if pl.dual_clipped is not None:
                 stats["dual_clip_frac"] = masked_mean(pl.dual_clipped.float(), mask).item()
             if algo.entropy_coef > 0:
                 ent = masked_mean(self.engine.entropy(logits), mask)
                 loss = loss - algo.entropy_coef * ent
             if kl_loss:
-                kl = aggregate(kl_estimate(logp, mb["ref_log_probs"]), mask)
+                kl = aggregate(kl_estimate(logp, mb["ref_log_probs"]), mask, max_len)
                 loss = loss + kl_coef * kl
                 stats["kl_loss"] = kl.item()
             return loss, stats
 
-        out = self.engine.ppo_update(batch, t, c.prompts_per_step, loss_fn)
+        out = self.engine.ppo_update(batch, t, c.prompts_per_step, loss_fn, per)
+        release_free_memory()  # activations: generation comes next
         out["peak_memory_bytes"] = float(peak_memory_bytes())
+        tokens = float(batch["attention_mask"].sum()) * t.ppo_epochs
+        out["update_flops_per_s"] = training_flops(self.parameters, tokens) / max(out["update_seconds"], 1e-9)
+        out["mfu"] = out["update_flops_per_s"] / self.peak_flops
         return out
 
     @register(Dispatch.ONE_TO_ALL)
@@ -186,7 +216,10 @@ class ActorRolloutWorker(CheckpointMixin):
 
     @register(Dispatch.RANK_ZERO)
     def num_parameters(self) -> int:
-        if self.hybrid is not None:
+        return self.parameters
+
+    def _count_parameters(self) -> int:
+        if self.hybrid is not None:  # collective: every rank counts at start
             return int(sum(t.numel() for _, t in self.engine.full_params()))
         return int(sum(p.numel() for p in self.engine.module.parameters()))  # DTensor.numel() is the global size
 
@@ -204,7 +237,8 @@ class ActorRolloutWorker(CheckpointMixin):
 
     @register(Dispatch.ONE_TO_ALL)
     def train_checksum(self) -> dict[str, float]:
-        """The same sums over the training engine's weights (collective under TP)."""
+        """The same sums over the training engine's weights as the generation engine holds them, i.e. in its dtype
+        (collective under TP)."""
         if self.hybrid is not None:
             sums = {n: float(self.engine.gather_tp(n, t).double().sum()) for n, t in self.engine.named_shards()}
             if self.config.rollout.engine == "megatron":
@@ -212,5 +246,21 @@ class ActorRolloutWorker(CheckpointMixin):
             return {"embedding": sums["embedding.word_embeddings.weight"]}
         for name, tensor in self.engine.full_params():
             if "embed_tokens" in name:
-                return {"embedding": float(tensor.double().sum())}
+                return {"embedding": float(tensor.to(self.generation_dtype).double().sum())}
         raise KeyError("no embedding parameter found")
+
+
+@torch.no_grad()
+def _old_log_prob_stats(engine: Any, old: torch.Tensor, logits: torch.Tensor, mb: Batch,
+                        kl_estimator: str) -> dict[str, float]:
+    """What the summary reads from old log-probs (step.py), for an update that made them itself."""
+    mask = mb["response_mask"]
+    # Row by row: the update's activations are all alive here, and a whole-batch entropy would add four fp32
+    # (B, R, vocabulary) temporaries on top of them at the step's memory peak.
+    entropy = torch.cat([engine.entropy(row) for row in logits.detach().split(1)])
+    out = {"entropy_mean": masked_mean(entropy, mask).item()}
+    if "ref_log_probs" in mb:
+        out["kl_mean"] = masked_mean(KL_ESTIMATORS[kl_estimator](old, mb["ref_log_probs"]), mask).item()
+    if "rollout_log_probs" in mb:
+        out["rollout_log_prob_gap"] = masked_mean((old - mb["rollout_log_probs"]).abs(), mask).item()
+    return out

@@ -19,7 +19,21 @@ class ActorConfig(_Section):
     rollout: Rollout
     training: Training
     prompts_per_step: int  # mini-batches are a fraction of the step's prompts
+    generation_batch: int  # the most sequences one generation call holds job-wide (sizes the KV cache)
     seed: int
+
+    @property
+    def old_log_probs_from_update(self) -> bool:
+        return old_log_probs_from_update(self.training, self.algorithm, self.prompts_per_step)
+
+
+def old_log_probs_from_update(training: Training, algorithm: Algorithm, prompts_per_step: int) -> bool:
+    """Whether the actor's update is on-policy, so that its own first forward pass gives the old log-probs: one
+    epoch over one mini-batch (the weights never move before a token's loss is taken) and nothing needs them
+    before the update (KL in the reward is computed from them when advantages are)."""
+    one_step = training.ppo_epochs == 1 and training.mini_batch_size in (0, prompts_per_step)
+    kl_before_update = algorithm.kl_in == "reward" and algorithm.kl_coef > 0
+    return training.on_policy_old_log_probs and one_step and not kl_before_update
 
 
 class CriticConfig(_Section):
@@ -36,12 +50,16 @@ class ScoringConfig(_Section):
     model: ModelSource
     temperature: float  # the reference's log-probs are of the same tempered distribution the actor samples from
     micro_batch_size: int
+    compute_dtype: str
+    dynamic_batch_size: bool
     seed: int
 
 
 def actor_config(spec: JobSpec) -> ActorConfig:
-    return ActorConfig(model=spec.models.actor, algorithm=spec.algorithm, rollout=spec.rollout,
-                       training=spec.training, prompts_per_step=spec.trainer.prompts_per_step, seed=spec.trainer.seed)
+    r = spec.rollout
+    per_call = max(spec.trainer.prompts_per_step * (r.responses_per_prompt + 1), spec.data.eval_prompts)
+    return ActorConfig(model=spec.models.actor, algorithm=spec.algorithm, rollout=r, training=spec.training,
+                       prompts_per_step=spec.trainer.prompts_per_step, generation_batch=per_call, seed=spec.trainer.seed)
 
 
 def critic_config(spec: JobSpec) -> CriticConfig:
@@ -50,8 +68,10 @@ def critic_config(spec: JobSpec) -> CriticConfig:
 
 
 def reference_config(spec: JobSpec) -> ScoringConfig:
+    t = spec.training
     return ScoringConfig(model=spec.models.actor, temperature=spec.rollout.temperature,
-                         micro_batch_size=spec.training.micro_batch_size, seed=spec.trainer.seed)
+                         micro_batch_size=t.micro_batch_size, compute_dtype=t.compute_dtype,
+                         dynamic_batch_size=t.dynamic_batch_size, seed=spec.trainer.seed)
 
 
 def judge_config(spec: JobSpec, judges: str) -> ScoringConfig:
@@ -59,5 +79,6 @@ def judge_config(spec: JobSpec, judges: str) -> ScoringConfig:
     judged = spec.models.reward if judges == "reward" else spec.models.cost
     if judged is None or judged.model is None:
         raise ValueError(f"spec.models.{judges}.model is not set: there is no {judges} model to run")
-    return ScoringConfig(model=judged.model, temperature=1.0, micro_batch_size=spec.training.micro_batch_size,
-                         seed=spec.trainer.seed)
+    t = spec.training
+    return ScoringConfig(model=judged.model, temperature=1.0, micro_batch_size=t.micro_batch_size,
+                         compute_dtype=t.compute_dtype, dynamic_batch_size=t.dynamic_batch_size, seed=spec.trainer.seed)

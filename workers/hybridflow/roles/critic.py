@@ -10,6 +10,7 @@ from hybridflow.controller.batch import Batch
 from hybridflow.controller.protocol import Dispatch, register
 from hybridflow.controller.worker_group import WorkerContext
 from hybridflow.engines.fsdp import FSDPEngine, sequence_inputs
+from hybridflow.engines.precision import compute_dtype
 from hybridflow.models.builders import local_model_dir
 from hybridflow.roles.common import CheckpointMixin
 from hybridflow.roles.config import CriticConfig
@@ -35,12 +36,14 @@ class CriticWorker(CheckpointMixin):
         model = AutoModelForTokenClassification.from_pretrained(
             local_model_dir(model_dir, config.model, config.seed), num_labels=1, dtype=getattr(torch, config.dtype))
         t = config.training
-        self.engine = FSDPEngine(model, t.critic_lr, t.grad_clip, ctx.device)
+        self.engine = FSDPEngine(model, t.critic_lr, t.grad_clip, ctx.device,
+                                 compute_dtype=compute_dtype(t.compute_dtype, ctx.device),
+                                 dynamic_batch_size=t.dynamic_batch_size)
 
     @register(Dispatch.DP_COMPUTE, blocking=False)
     def compute_values(self, batch: Batch) -> Batch:
-        outs = self.engine.forward_micro(batch, self.config.training.micro_batch_size, response_values)
-        return Batch({f"{self.prefix}values": torch.cat(outs).cpu() * batch["response_mask"]})
+        values = self.engine.forward_micro(batch, self.config.training.micro_batch_size, response_values)
+        return Batch({f"{self.prefix}values": values.cpu() * batch["response_mask"]})
 
     @register(Dispatch.DP_COMPUTE)
     def update_critic(self, batch: Batch) -> dict[str, float]:
@@ -52,4 +55,4 @@ class CriticWorker(CheckpointMixin):
             loss, clip_frac = value_loss(v, mb[f"{p}values"], mb[f"{p}returns"], mb["response_mask"], t.value_clip)
             return loss, {"vf_loss": loss.item(), "vf_clip_frac": clip_frac.item()}
 
-        return self.engine.ppo_update(batch, t, self.config.prompts_per_step, loss_fn)
+        return self.engine.ppo_update(batch, t, self.config.prompts_per_step, loss_fn, per="tokens")  # a token mean

@@ -8,6 +8,7 @@ from hybridflow.controller.batch import Batch
 from hybridflow.controller.protocol import Dispatch, register
 from hybridflow.controller.worker_group import WorkerContext
 from hybridflow.engines.fsdp import FSDPEngine, sequence_inputs
+from hybridflow.engines.precision import compute_dtype
 from hybridflow.models.builders import local_model_dir
 from hybridflow.roles.config import ScoringConfig
 
@@ -26,9 +27,11 @@ class RewardModelWorker:
         self.config = config
         model = AutoModelForTokenClassification.from_pretrained(
             local_model_dir(model_dir, config.model, config.seed), num_labels=1)
-        self.engine = FSDPEngine(model, lr=0.0, grad_clip=1.0, device=ctx.device, trainable=False)
+        self.engine = FSDPEngine(model, lr=0.0, grad_clip=1.0, device=ctx.device, trainable=False,
+                                 compute_dtype=compute_dtype(config.compute_dtype, ctx.device),
+                                 dynamic_batch_size=config.dynamic_batch_size)
 
     @register(Dispatch.DP_COMPUTE, blocking=False)
     def compute_rm_scores(self, batch: Batch) -> Batch:
-        outs = self.engine.forward_micro(batch, self.config.micro_batch_size, last_token_scores)
-        return Batch({"rm_scores": torch.cat(outs).cpu()})
+        scores = self.engine.forward_micro(batch, self.config.micro_batch_size, last_token_scores)
+        return Batch({"rm_scores": scores.cpu()})

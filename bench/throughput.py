@@ -1,0 +1,171 @@
+"""Tokens/s and memory of a real RLHF job, today's behaviour against the defaults, in one run.
+
+The job (issue 14): SmolLM2-135M-Instruct, GRPO on the arithmetic task, 16 prompts x 4 responses, ~44-token
+prompts, responses up to 32 tokens, no KL (no reference), one epoch over one mini-batch, two CPU ranks.
+"baseline" switches every throughput optimisation off through spec fields (fp32 compute, fixed-width micro-batches,
+a separate old-log-prob pass, a fixed 1 GiB KV cache); "defaults" leaves them on. With --each, every optimisation is
+also measured alone on top of the baseline.
+
+Prints per run: tokens/s (prompt + response tokens of the batch / iteration seconds, the paper's definition), seconds
+per stage, peak memory per rank (max) and summed over ranks, and the achieved FLOP/s of the actor update and of the
+old-log-prob pass as a fraction of this machine's matmul peak, which the bench measures itself (one thread per rank,
+as the job's ranks run, in the dtype each run computes in). Then the ratio defaults / baseline.
+
+With --gpu (bench/gpu_check.sh): one GPU rank, a 0.5B-class Qwen2-style model built from its config (random
+weights, the synthetic increment task), 64 prompts x 4 responses.
+
+Usage: python bench/throughput.py [--steps 4] [--each] [--gpu] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "workers"))
+
+from hybridflow.capacity import SMOLLM2_PARAMS, tiny_params  # noqa: E402
+from hybridflow.flops import forward_flops, matmul_peak_flops, training_flops  # noqa: E402
+from hybridflow.spec import TinyModel  # noqa: E402
+
+RANKS = 2
+JOB = {
+    "apiVersion": "hybridflow.io/v1alpha1",
+    "kind": "RLHFJob",
+    "metadata": {"name": "throughput"},
+    "spec": {
+        "algorithm": {"name": "grpo", "klCoef": 0.0},
+        "models": {"actor": {"source": "smollm2"}, "reference": False},
+        "data": {"task": "arithmetic", "trainPrompts": 512, "evalPrompts": 16},
+        "rollout": {"engine": "vllm", "responsesPerPrompt": 4, "maxPromptLength": 48, "maxResponseLength": 32},
+        "training": {"microBatchSize": 8, "actorLr": 2e-6},
+        "trainer": {"promptsPerStep": 16, "eval": False, "saveFreq": 0},
+        "resourcePools": [{"name": "default", "devicesPerNode": RANKS}],
+        "metrics": {"port": 0},
+    },
+}
+# Each optimisation as the spec fields that switch it off (today's behaviour).
+OPTIMISATIONS = {
+    "on-policy old log-probs": {"training": {"onPolicyOldLogProbs": False}},
+    "dynamic batch size": {"training": {"dynamicBatchSize": False}},
+    "bf16 compute": {"training": {"computeDtype": "float32"}},
+    "job-sized KV cache": {"rollout": {"kvCacheGib": 1}},
+}
+STAGES = ("generate", "old_log_prob", "actor_update", "reshard")
+# Qwen2-0.5B's shape (494M parameters with its 151k vocabulary; 360M with this 32k one), built from config on the GPU.
+GPU_MODEL = {"vocabSize": 32000, "hiddenSize": 896, "intermediateSize": 4864, "numLayers": 24, "numHeads": 14,
+             "numKvHeads": 2}
+GPU_PATCH = {
+    "models": {"actor": {"source": "tiny", "tiny": GPU_MODEL}, "reference": False},
+    "data": {"task": "increment", "trainPrompts": 2048, "evalPrompts": 64},
+    "rollout": {"maxPromptLength": 64, "maxResponseLength": 128},
+    "training": {"microBatchSize": 32},
+    "trainer": {"promptsPerStep": 64},
+    "resourcePools": [{"name": "default", "devicesPerNode": 1, "device": "gpu", "memoryPerNode": "64Gi"}],
+}
+
+
+def merged(base: dict, *patches: dict) -> dict:
+    out = json.loads(json.dumps(base))
+    for patch in patches:
+        for section, fields in patch.items():
+            if isinstance(fields, dict):
+                out["spec"].setdefault(section, {}).update(fields)
+            else:
+                out["spec"][section] = fields
+    return out
+
+
+def variants(each: bool, gpu: bool) -> dict[str, dict]:
+    job = merged(JOB, GPU_PATCH) if gpu else JOB
+    off = list(OPTIMISATIONS.values())
+    runs = {"baseline": merged(job, *off), "defaults": job}
+    if each:
+        for name in OPTIMISATIONS:
+            runs[f"only {name}"] = merged(job, *[p for n, p in OPTIMISATIONS.items() if n != name])
+    return runs
+
+
+def run_job(doc: dict, steps: int, work: Path, name: str) -> list[dict]:
+    ckpt = work / name.replace(" ", "_")
+    doc = merged(doc, {"trainer": {"steps": steps, "checkpointDir": str(ckpt)}})
+    path = work / f"{ckpt.name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    cmd = [sys.executable, "-m", "hybridflow.cli", "run", str(path), "-q", "--ray-temp-dir",
+           tempfile.mkdtemp(prefix="tp", dir=work)]
+    print(f"[{name}] running {steps} steps ...", flush=True)
+    subprocess.run(cmd, check=True, cwd=work)
+    return [json.loads(line) for line in (ckpt / "steps.jsonl").read_text().splitlines()]
+
+
+def summarise(records: list[dict], dtype: str, peaks: dict[str, float], parameters: int,
+              ranks: int) -> dict[str, float]:
+    rec = records[1:] or records  # the first step pays one-off costs (first vLLM call, allocator warm-up)
+    med = lambda f: statistics.median(f(r) for r in rec)  # noqa: E731
+    out = {"tokens/s": med(lambda r: r["throughput_tokens_per_s"]),
+           "iteration s": med(lambda r: r["iteration_seconds"])}
+    for stage in STAGES:
+        out[f"{stage} s"] = med(lambda r: r["stages"].get(stage, 0.0))
+    out["peak GB/rank (max)"] = max(r["actor_peak_memory_bytes"] for r in records) / 1e9
+    out["peak GB (sum of ranks)"] = max(r["actor_peak_memory_bytes_total"] for r in records) / 1e9
+    peak = ranks * peaks[dtype]
+    out["update MFU"] = med(lambda r: training_flops(parameters, r["tokens"]) / r["stages"]["actor_update"]) / peak
+    logp = med(lambda r: r["stages"].get("old_log_prob", 0.0))
+    out["log-prob MFU"] = med(lambda r: forward_flops(parameters, r["tokens"])) / logp / peak if logp else 0.0
+    out["update MFU (job's metric)"] = med(lambda r: r["mfu"])
+    out["reward (last step)"] = records[-1]["reward_mean"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=4, help="steps per run; the first is left out of the medians")
+    ap.add_argument("--each", action="store_true", help="also each optimisation alone on top of the baseline")
+    ap.add_argument("--gpu", action="store_true", help="one GPU rank and a 0.5B-class model built from config")
+    ap.add_argument("--json", help="write the table here as JSON too")
+    args = ap.parse_args()
+    device, ranks = ("gpu", 1) if args.gpu else ("cpu", RANKS)
+    torch.set_num_threads(1)  # one thread per rank, as the job's ranks compute
+    peaks = {d: matmul_peak_flops(getattr(torch, d), device, seconds=1.0) for d in ("float32", "bfloat16")}
+    print(f"matmul peak ({'one GPU' if args.gpu else 'one thread'}): "
+          + ", ".join(f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in peaks.items()))
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="throughput") as tmp:
+        for name, doc in variants(args.each, args.gpu).items():
+            dtype = doc["spec"]["training"].get("computeDtype", "bfloat16" if _bf16_native(device) else "float32")
+            params = tiny_params(TinyModel(**_snake(GPU_MODEL))) if args.gpu else SMOLLM2_PARAMS
+            results[name] = summarise(run_job(doc, args.steps, Path(tmp), name), dtype, peaks, params, ranks)
+    names = list(results)
+    base, new = results["baseline"], results["defaults"]
+    width = max(len(k) for k in base) + 2
+    what = ("0.5B-class model, 64 prompts x 4, responses <= 128 tokens, 1 GPU" if args.gpu else
+            f"SmolLM2-135M GRPO, 16 prompts x 4, responses <= 32 tokens, {RANKS} CPU ranks")
+    print(f"\n{what}; medians of steps 2..{args.steps}")
+    print(f"{'':<{width}}" + "".join(f"{n:>26}" for n in names) + f"{'defaults/baseline':>20}")
+    for key in base:
+        ratio = new[key] / base[key] if base[key] else float("nan")
+        print(f"{key:<{width}}" + "".join(f"{results[n][key]:>26.3f}" for n in names) + f"{ratio:>19.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"matmul_peak": peaks, "runs": results}, indent=1))
+
+
+def _bf16_native(device: str) -> bool:
+    from hybridflow.engines.precision import native_bf16
+
+    return native_bf16(device)
+
+
+def _snake(camel: dict) -> dict:
+    return {"".join(f"_{c.lower()}" if c.isupper() else c for c in k): v for k, v in camel.items()}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""The throughput optimisations (issue 14) change how the work is done, never its result: padding-free micro-batches
+give the same outputs as fixed-width ones, an on-policy update without the separate old-log-prob pass makes the same
+step as one with it, bf16 compute keeps fp32 master weights and optimizer state. Real FSDP2 on a one-rank gloo group,
+real tiny HF models; the speed itself is measured by bench/throughput.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybridflow.capacity import kv_cache_bytes
+from hybridflow.controller.batch import Batch
+from hybridflow.controller.worker_group import WorkerContext
+from hybridflow.data.packing import merge_rows, micro_batches, pack_rollout, token_budget_groups, trim_padding
+from hybridflow.engines.fsdp import FSDPEngine, response_logits, token_log_probs
+from hybridflow.engines.precision import compute_dtype
+from hybridflow.flops import forward_flops, matmul_peak_flops, training_flops
+from hybridflow.models.builders import build_tiny
+from hybridflow.roles.common import load_causal_lm
+from hybridflow.roles.config import actor_config, old_log_probs_from_update
+from hybridflow.spec import Algorithm, TinyModel, Training, parse_job
+
+P, R = 8, 6
+PROMPTS = [[3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15], [16, 17, 18, 19], [20, 21, 22], [23], [24, 25]]
+RESPONSES = [[1, 2, 3, 4, 5, 6], [7], [8, 9], [10, 11, 12], [13], [14, 15, 16, 17], [18, 19], [20, 21, 22, 23, 24]]
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-process gloo group (FSDP2 needs one), destroyed even when the test fails."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    return build_tiny(TinyModel(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2), tmp_path / "m", 0)
+
+
+def _batch() -> Batch:
+    b = Batch(pack_rollout(PROMPTS, RESPONSES, P, R))
+    n = len(b)
+    return b.with_columns(advantages=torch.linspace(-1, 1, n)[:, None].expand(n, R).contiguous() * b["response_mask"])
+
+
+def _log_probs(engine: FSDPEngine, batch: Batch, micro: int) -> torch.Tensor:
+    def fn(model, mb):
+        return token_log_probs(response_logits(model, mb, 1.0), mb["responses"])
+
+    return engine.forward_micro(batch, micro, fn) * batch["response_mask"]
+
+
+def test_trim_padding_keeps_every_real_token_and_drops_only_padding():
+    b = _batch().index(torch.tensor([2, 4, 6]))  # prompts of 1, 4, 1 tokens; responses of 2, 1, 2
+    t = trim_padding(b)
+    assert t["prompts"].shape[1] == 4 and t["responses"].shape[1] == 2
+    assert t["input_ids"].shape[1] == 6 and t["advantages"].shape == (3, 2)
+    assert t["attention_mask"].sum() == b["attention_mask"].sum()  # no real token lost
+    assert t["input_ids"][t["attention_mask"].bool()].tolist() == b["input_ids"][b["attention_mask"].bool()].tolist()
+
+
+def test_token_budget_groups_cover_every_row_once_within_the_budget():
+    p_lens = [len(p) for p in PROMPTS]
+    r_lens = [len(r) for r in RESPONSES]
+    budget = 3 * (P + R)
+    groups = token_budget_groups(p_lens, r_lens, max_rows=8, budget=budget)
+    assert sorted(i for g in groups for i in g) == list(range(8))
+    for g in groups:
+        assert len(g) * (max(p_lens[i] for i in g) + max(r_lens[i] for i in g)) <= budget
+    assert max(len(g) for g in groups) > 3  # short rows travel in larger micro-batches than fixed 3-row ones
+
+
+def test_micro_batches_pad_less_and_merge_rows_restores_order():
+    b = _batch()
+    fixed = micro_batches(b, 3, dynamic=False)
+    dyn = micro_batches(b, 3, dynamic=True)
+    padded = lambda parts: sum(mb["input_ids"].numel() for _, mb in parts)  # noqa: E731
+    assert padded(dyn) < 0.75 * padded(fixed)  # 78 of 112 token slots
+    rows = [idx for idx, _ in dyn]
+    out = merge_rows([mb["responses"] for _, mb in dyn], rows, R)
+    assert torch.equal(out, b["responses"])
+
+
+def test_dynamic_micro_batches_give_the_same_log_probs_as_fixed_ones(one_rank, tiny_dir):
+    engine = FSDPEngine(load_causal_lm(tiny_dir, "float32"), 1e-3, 1.0, "cpu", compute_dtype=torch.float32)
+    fixed = _log_probs(engine, _batch(), 3)
+    engine.dynamic_batch_size = True
+    torch.testing.assert_close(_log_probs(engine, _batch(), 3), fixed, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_compute_keeps_fp32_master_weights_and_optimizer_state(one_rank, tiny_dir):
+    fp32 = FSDPEngine(load_causal_lm(tiny_dir, "float32"), 1e-3, 1.0, "cpu", compute_dtype=torch.float32)
+    bf16 = FSDPEngine(load_causal_lm(tiny_dir, "float32"), 1e-3, 1.0, "cpu", compute_dtype=torch.bfloat16)
+    seen = []
+    bf16.module.model.layers[0].mlp.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    ref, low = _log_probs(fp32, _batch(), 8), _log_probs(bf16, _batch(), 8)
+    assert seen == [torch.bfloat16]
+    assert 0 < (ref - low).abs().max() < 0.1  # computed in bf16: close to fp32, not equal
+
+    def loss_fn(model, mb):
+        lp = token_log_probs(response_logits(model, mb, 1.0), mb["responses"])
+        return -(lp * mb["advantages"]).sum() / mb["response_mask"].sum(), {}
+
+    before = {n: p.clone() for n, p in bf16.full_params()}
+    assert all(p.dtype == torch.float32 for p in before.values())  # FSDP kept the root gathered in bf16 after a forward
+    bf16.train_mini_batch(_batch(), 8, loss_fn)
+    assert all(p.dtype == torch.float32 for p in bf16.module.parameters())
+    assert all(p.dtype == torch.float32 for _, p in bf16.full_params())  # what generation and checkpoints get
+    state = [s for s in bf16.optimizer.state.values()]
+    assert state and all(s["exp_avg"].dtype == torch.float32 for s in state)
+    moved = [n for n, p in bf16.full_params() if not torch.equal(p, before[n])]
+    assert moved, "the fp32 masters took no step"
+
+
+def test_on_policy_is_one_epoch_one_mini_batch_and_no_kl_in_the_reward():
+    t, a = Training(), Algorithm()
+    assert old_log_probs_from_update(t, a, 16)
+    assert not old_log_probs_from_update(t.model_copy(update={"ppo_epochs": 2}), a, 16)
+    assert not old_log_probs_from_update(t.model_copy(update={"mini_batch_size": 8}), a, 16)
+    assert old_log_probs_from_update(t.model_copy(update={"mini_batch_size": 16}), a, 16)
+    assert not old_log_probs_from_update(t, a.model_copy(update={"kl_in": "reward", "kl_coef": 0.1}), 16)
+    assert old_log_probs_from_update(t, a.model_copy(update={"kl_in": "loss", "kl_coef": 0.1}), 16)
+    assert not old_log_probs_from_update(t.model_copy(update={"on_policy_old_log_probs": False}), a, 16)
+
+
+def _actor(model_dir, **training):
+    from hybridflow.roles.actor import ActorRolloutWorker
+
+    job = parse_job({"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "t"},
+                         "spec": {"rollout": {"engine": "hf", "maxPromptLength": P, "maxResponseLength": R},
+                                  "training": {"microBatchSize": 3, "computeDtype": "float32", **training},
+                                  "trainer": {"promptsPerStep": 8}}})
+    return ActorRolloutWorker(WorkerContext(0, 1, 0, "cpu"), actor_config(job.spec), str(model_dir), [])
+
+
+def test_an_on_policy_update_takes_the_same_step_as_one_after_a_separate_pass(one_rank, tiny_dir):
+    batch = _batch()
+    batch.non_tensors["uid"] = np.arange(len(batch))
+    two_pass = _actor(tiny_dir, onPolicyOldLogProbs=False)
+    with_old = batch.union(two_pass.compute_log_prob(batch))
+    stats_a = two_pass.update_actor(with_old)
+    one_pass = _actor(tiny_dir)
+    stats_b = one_pass.update_actor(batch)
+    assert stats_b["pg_loss"] == pytest.approx(stats_a["pg_loss"], abs=1e-6)
+    assert stats_b["entropy_mean"] == pytest.approx(float((with_old["entropy"] * batch["response_mask"]).sum()
+                                                          / batch["response_mask"].sum()), rel=0.05)
+    for (name, a), (_, b) in zip(two_pass.engine.full_params(), one_pass.engine.full_params()):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5, msg=name)
+    with pytest.raises(ValueError, match="old_log_prob stage must run first"):
+        _actor(tiny_dir, ppoEpochs=2).update_actor(batch)
+    assert stats_b["mfu"] > 0 and stats_b["update_flops_per_s"] > 0
+
+
+def test_compute_dtype_settings_and_flops():
+    assert compute_dtype("float32", "cpu") is torch.float32
+    assert compute_dtype("bfloat16", "cpu") is torch.bfloat16
+    assert compute_dtype("auto", "cpu") in (torch.float32, torch.bfloat16)
+    assert training_flops(10, 7) == 3 * forward_flops(10, 7) == 420
+    assert matmul_peak_flops(torch.float32, size=128, seconds=0.01) > 1e8
+
+
+def test_the_kv_cache_is_sized_from_the_job():
+    """SmolLM2 (30 layers, 3 KV heads of 64) in bf16, 32 sequences of 80 tokens: one block of 128 each."""
+    assert kv_cache_bytes(30, 3, 64, 2, sequences=32, max_len=80) == 32 * 128 * 2 * 30 * 3 * 64 * 2 == 94_371_840
+    assert kv_cache_bytes(30, 3, 64, 2, sequences=32, max_len=129) == 2 * 94_371_840
+    assert kv_cache_bytes(30, 3, 64, 2, sequences=32, max_len=80) < (1 << 30) / 5  # was a fixed 1 GiB
