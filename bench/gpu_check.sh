@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 14 (item 3), in one run of under 8 minutes on one NVIDIA GPU. Prints PASS/FAIL per check
+# with seconds and a summary table; exits 1 if any check fails. Logs and results go to ${OUT:-/tmp/gpu_check}
+# (8 files at most, flat: what a device runner brings back):
+#   summary.txt      the table              results.jsonl   one JSON line per check: verdict, facts, notes
+#   env.txt          versions, nvidia-smi   worker-logs.txt tails of the Ray workers' logs (NCCL, vLLM sleep lines)
+#   fsdp.log  megatron.log  throughput.log  each timed run's output    throughput.json  throughput.py's table
+#
+# Checks (bench/gpu_check.py holds one function per check; models are built from config, nothing is downloaded):
+#   env          preflight: torch sees the GPU (else nothing else runs); versions, nvidia-smi
+#   vllm_sync    FSDP2 actor + vLLM on 1 GPU: after every step vLLM's weights are the trainer's, engine not rebuilt
+#   nccl         the same job's process group and FSDP mesh are NCCL (world size 1 on one GPU)
+#   sleep_wake   the same job: vLLM sleeps (level 2) through each update (device memory drops), wakes at the sync,
+#                then generates with the trainer's weights, non-degenerate tokens
+#   megatron     megatron actor (TP 1) + vLLM on 1 GPU: weights synced after every step
+#   throughput   python bench/throughput.py --gpu --steps 4 (baseline vs defaults, tokens/s)
+# vllm_sync, nccl and sleep_wake share one job (one timeout, "fsdp"): three vLLM start-ups would not fit the budget.
+#
+# Usage:
+#   bench/gpu_check.sh                 on the GPU machine
+#   bench/gpu_check.sh --dry-run       validates the jobs (parse_job) and prints the plan; starts nothing
+#   flock /tmp/hf-bench.lock bench/gpu_check.sh --cpu-smoke
+#                                      fsdp and megatron on one CPU rank, 2 steps: this script's code paths on gloo
+#                                      (no sleep mode on CPU: sleep_wake is SKIP, throughput is not run)
+# Environment: OUT, PYTHON (default .venv/bin/python), GPU_CHECK_BUDGET_S (whole run, default 460),
+#   T_ENV, T_FSDP, T_MEGATRON, T_THROUGHPUT (each run's timeout, s), HYBRIDFLOW_MODEL_CACHE.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+MODE=gpu
+case "${1:-}" in
+  "") ;;
+  --dry-run) MODE=dry ;;
+  --cpu-smoke) MODE=cpu ;;
+  *) echo "usage: $0 [--dry-run | --cpu-smoke]" >&2; exit 2 ;;
+esac
+
+OUT=${OUT:-/tmp/gpu_check}
+PY=${PYTHON:-}
+if [[ -z $PY ]]; then
+  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+export OUT PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export HYBRIDFLOW_MODEL_CACHE=${HYBRIDFLOW_MODEL_CACHE:-/tmp/gpu_check_models}
+mkdir -p "$OUT"
+rm -f "$OUT"/{summary.txt,results.jsonl,env.txt,worker-logs.txt,fsdp.log,megatron.log,throughput.log,throughput.json}
+
+if [[ $MODE == cpu ]]; then
+  CPU=(--cpu); STEPS=(--steps 2); BUDGET=${GPU_CHECK_BUDGET_S:-1500}
+  T_ENV=${T_ENV:-60}; T_FSDP=${T_FSDP:-600}; T_MEGATRON=${T_MEGATRON:-600}; T_THROUGHPUT=0
+else
+  CPU=(); STEPS=(); BUDGET=${GPU_CHECK_BUDGET_S:-460}
+  # estimates for an H200 (not measured yet): env ~10 s, fsdp ~60 s, megatron ~60-90 s (vLLM in fp32: Triton
+  # attention, compiled on first use), throughput ~140 s (two jobs of a 0.5B-class model)
+  T_ENV=${T_ENV:-25}; T_FSDP=${T_FSDP:-110}; T_MEGATRON=${T_MEGATRON:-115}; T_THROUGHPUT=${T_THROUGHPUT:-205}
+fi
+
+echo "gpu_check: mode $MODE, python $PY, out $OUT, budget ${BUDGET}s (env ${T_ENV}s, fsdp ${T_FSDP}s," \
+     "megatron ${T_MEGATRON}s, throughput ${T_THROUGHPUT}s)"
+if [[ $MODE == dry ]]; then
+  "$PY" bench/gpu_check.py plan || exit 1
+  cat <<EOF
+would run, each under timeout, in this order (a run gets at most what is left of the ${BUDGET}s budget):
+  $PY bench/gpu_check.py env                       ${T_ENV}s
+  $PY bench/gpu_check.py fsdp   (vllm_sync, nccl, sleep_wake)  ${T_FSDP}s
+  $PY bench/gpu_check.py megatron                  ${T_MEGATRON}s
+  $PY bench/gpu_check.py throughput  (bench/throughput.py --gpu --steps 4)  ${T_THROUGHPUT}s
+  $PY bench/gpu_check.py summary
+EOF
+  exit 0
+fi
+
+START=$(date +%s)
+GROUPS_ARGS=()
+LAST_RC=0
+
+# run NAME LIMIT CHECKS ARGS...: `gpu_check.py NAME ARGS` under `timeout`, output to the terminal and OUT/NAME.log
+# (env writes OUT/env.txt itself); then the Ray processes the run left behind (their command lines name the run's
+# Ray temp dir, $GPU_CHECK_RAY_DIR) are ended, and the run is remembered for the summary. throughput.py makes its
+# own Ray temp dirs: a timed-out throughput run may leave Ray processes until the machine is given back.
+run() {
+  local name=$1 limit=$2 checks=$3; shift 3
+  local left=$((START + BUDGET - $(date +%s)))
+  local t=$((limit < left ? limit : left))
+  if ((t < 15)); then
+    echo "== $name: skipped, ${left}s of the budget left"
+    GROUPS_ARGS+=(--group "$name:-1:0:$limit:$checks")
+    LAST_RC=1
+    return
+  fi
+  local raydir
+  raydir=$(mktemp -d /tmp/gcXXXXXX)
+  echo "== $name ($checks): limit ${t}s"
+  local t0 rc log=/dev/null
+  [[ $name != env ]] && log=$OUT/$name.log
+  t0=$(date +%s)
+  GPU_CHECK_RAY_DIR=$raydir timeout -k 8 "$t" "$PY" bench/gpu_check.py "$name" "$@" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  local secs=$(($(date +%s) - t0))
+  "$PY" bench/gpu_check.py cleanup --mention "$raydir" --grace 2 || true
+  rm -rf "$raydir"
+  if ((rc == 124 || rc == 137)); then
+    echo "== $name: TIMED OUT after ${secs}s (limit ${t}s)"
+  else
+    echo "== $name: exit $rc after ${secs}s"
+  fi
+  GROUPS_ARGS+=(--group "$name:$rc:$secs:$t:$checks")
+  LAST_RC=$rc
+}
+
+run env "$T_ENV" env "${CPU[@]}"
+if [[ $MODE == gpu && $LAST_RC != 0 ]]; then
+  echo "== preflight failed (torch sees no GPU): the other checks are not run"
+  EXPECT=env,vllm_sync,nccl,sleep_wake,megatron,throughput
+else
+  run fsdp "$T_FSDP" vllm_sync,nccl,sleep_wake "${CPU[@]}" "${STEPS[@]}"
+  run megatron "$T_MEGATRON" megatron "${CPU[@]}" "${STEPS[@]}"
+  if [[ $MODE == gpu ]]; then
+    run throughput "$T_THROUGHPUT" throughput --steps 4
+    EXPECT=env,vllm_sync,nccl,sleep_wake,megatron,throughput
+  else
+    EXPECT=env,vllm_sync,nccl,sleep_wake,megatron
+  fi
+fi
+
+TOTAL=$(($(date +%s) - START))
+echo
+"$PY" bench/gpu_check.py summary --expect "$EXPECT" --total "$TOTAL" "${GROUPS_ARGS[@]}"
