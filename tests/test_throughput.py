@@ -168,3 +168,24 @@ def test_the_kv_cache_is_sized_from_the_job():
     assert kv_cache_bytes(30, 3, 64, 2, sequences=32, max_len=80) == 32 * 128 * 2 * 30 * 3 * 64 * 2 == 94_371_840
     assert kv_cache_bytes(30, 3, 64, 2, sequences=32, max_len=129) == 2 * 94_371_840
     assert kv_cache_bytes(30, 3, 64, 2, sequences=32, max_len=80) < (1 << 30) / 5  # was a fixed 1 GiB
+
+
+def test_micro_batches_weigh_by_what_the_loss_averages_over(one_rank, tiny_dir):
+    """A token mean over the mini-batch, accumulated over length-sorted micro-batches of different token counts,
+    is the same step as one micro-batch holding every row; weighed by rows it is not."""
+    def token_mean_loss(model, mb):
+        lp = token_log_probs(response_logits(model, mb, 1.0), mb["responses"])
+        return -(lp * mb["advantages"] * mb["response_mask"]).sum() / mb["response_mask"].sum(), {}
+
+    def step(micro: int, per: str) -> dict[str, torch.Tensor]:
+        engine = FSDPEngine(load_causal_lm(tiny_dir, "float32"), 1e-2, 1e9, "cpu", compute_dtype=torch.float32,
+                            dynamic_batch_size=True)
+        engine.optimizer = torch.optim.SGD(engine.module.parameters(), lr=1.0)  # the step is the gradient
+        engine.train_mini_batch(_batch(), micro, token_mean_loss, per)
+        return dict(engine.full_params())
+
+    whole = step(8, "tokens")
+    by_tokens, by_rows = step(3, "tokens"), step(3, "rows")
+    for name, p in whole.items():
+        torch.testing.assert_close(by_tokens[name], p, atol=1e-5, rtol=1e-4, msg=name)
+    assert any(not torch.allclose(by_rows[n], p, atol=1e-5, rtol=1e-4) for n, p in whole.items())
