@@ -47,6 +47,7 @@ BAD = [
     ({"training": {"tensorParallel": 2}}, "only the megatron engine supports them"),
     ({"training": {"engine": "megatron", "pipelineParallel": 2}}, "pipelineParallel: the megatron actor trains"),
     ({"rollout": {"engine": "megatron"}}, "spec.rollout.engine: megatron generation is fed by the megatron actor"),
+    ({"training": {"engine": "megatron", "computeDtype": "bfloat16"}}, "computeDtype = bfloat16: the megatron engine"),
     ({"rollout": {"tensorParallel": 2}, "training": {"engine": "megatron", "tensorParallel": 2}},
      "only spec.rollout.engine megatron generates tensor-parallel"),
     ({"rollout": {"engine": "megatron", "tensorParallel": 2}, "training": {"engine": "megatron"}},

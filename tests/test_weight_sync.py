@@ -28,13 +28,14 @@ def _start_workers(job, tmp_path, model_cache, local_ray):
 
 
 def _greedy_matches_hf(job, w, task, model_dir, step):
-    """Save a checkpoint, load its actor weights into plain HF, and compare greedy responses on held-out prompts."""
+    """Save a checkpoint, load its actor weights into plain HF, and compare greedy responses on held-out prompts.
+    HF runs in the dtype the actor generates in (the megatron engine: its weights' dtype, whatever computeDtype)."""
     from transformers import AutoModelForCausalLM
 
     saved = loop.save(job, w, Path(job.spec.trainer.checkpoint_dir), step, PromptStream(task.train, 8, 0),
                       AlgorithmState.for_spec(job.spec))
     state = torch.load(saved / "actor.pt", weights_only=False)["model"]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, job.spec.training.compute_dtype))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, w.roles["actor"].generation_dtype_name()))
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and all("lm_head" in k for k in missing)
     hf.eval()

@@ -428,7 +428,8 @@ class Training(_Spec):
     compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Dtype of forward and backward passes and of generation; weights and optimizer state stay "
         "in the model's dtype (fp32 masters). auto: bfloat16 where the device computes it natively (GPUs with bf16, "
-        "CPUs with AVX512-BF16 or AMX), else float32."
+        "CPUs with AVX512-BF16 or AMX), else float32. The megatron engine computes in the model's dtype (auto "
+        "means that there; set spec.models.actor.dtype to train it in bfloat16)."
     )
     dynamic_batch_size: bool = Field(
         True, description="Micro-batches of length-sorted rows, each cut to its own longest prompt and response and "
@@ -749,6 +750,9 @@ def _hybrid_engine_problems(spec: JobSpec) -> list[str]:
     if r.engine == "megatron" and t.engine != "megatron":
         out.append("spec.rollout.engine: megatron generation is fed by the megatron actor; set spec.training.engine: "
                    "megatron or pick vllm/hf")
+    if t.engine == "megatron" and t.compute_dtype == "bfloat16" and m.dtype != "bfloat16":
+        out.append(f"spec.training.computeDtype = bfloat16: the megatron engine computes in the model's dtype "
+                   f"({m.dtype}); set spec.models.actor.dtype: bfloat16, or computeDtype auto")
     if r.tensor_parallel > 1 and r.engine != "megatron":
         out.append(f"spec.rollout.tensorParallel = {r.tensor_parallel}: only spec.rollout.engine megatron generates "
                    "tensor-parallel (vLLM's external_launcher groups consecutive ranks, the hybrid engine strided ones)")

@@ -218,6 +218,11 @@ class ActorRolloutWorker(CheckpointMixin):
     def num_parameters(self) -> int:
         return self.parameters
 
+    @register(Dispatch.RANK_ZERO)
+    def generation_dtype_name(self) -> str:
+        """The dtype generation computes in, as computeDtype auto resolved on these ranks."""
+        return dtype_name(self.generation_dtype)
+
     def _count_parameters(self) -> int:
         if self.hybrid is not None:  # collective: every rank counts at start
             return int(sum(t.numel() for _, t in self.engine.full_params()))
