@@ -3,9 +3,11 @@ import itertools
 from fractions import Fraction
 
 import pytest
+import torch
 
 from hybridflow.hybrid_engine import layout as lay
-from hybridflow.hybrid_engine.harness import run_transition
+from hybridflow.hybrid_engine import reshard as rs
+from hybridflow.hybrid_engine.harness import run_megatron_gather, run_transition
 from hybridflow.hybrid_engine.reshard import decoder_specs, model_bytes
 
 
@@ -87,3 +89,114 @@ def test_transition_builds_exact_generation_weights_with_the_predicted_traffic(L
     if scheme == "hybridflow":
         gen = results[0]["generation_bytes"]
         assert gen == pytest.approx(float(lay.peak_memory_fraction(L, scheme)) * M, rel=0.01)
+
+
+# --- HybridFlow's gather: byte-target buckets, one contiguous all-gather buffer each, direct tensors in place ------
+
+def test_byte_buckets_coalesce_up_to_the_target_and_never_mix_kinds():
+    sizes = [1, 1, 5, 1, 1, 1, 3, 2]
+    buckets = list(rs.byte_buckets(iter(sizes), lambda n: n, 3))
+    assert buckets == [[1, 1], [5], [1, 1, 1], [3], [2]]  # in order, whole items, an oversize item alone
+    assert [n for b in buckets for n in b] == sizes
+    items = [(1, "a"), (1, "a"), (1, "b"), (1, "b")]
+    assert list(rs.byte_buckets(items, lambda x: x[0], 100, kind=lambda x: x[1])) == [items[:2], items[2:]]
+
+
+class _Recorder:
+    """all_gather_single that keeps what this rank sends (and gathers zeros): a member's inputs, bucket by bucket."""
+
+    def __init__(self):
+        self.sent = []
+
+    def __call__(self, out, flat, group=None):
+        self.sent.append(flat.clone())
+        out.zero_()
+
+
+class _Loopback:
+    """all_gather_single for one member of a micro-DP group in one process: the i-th call gathers every member's
+    i-th recorded input, and checks this member sends what it sent when recorded."""
+
+    def __init__(self, sent: list[list], me: int):
+        self.sent, self.me, self.calls = sent, me, 0
+
+    def __call__(self, out, flat, group=None):
+        i, self.calls = self.calls, self.calls + 1
+        assert torch.equal(flat, self.sent[self.me][i])
+        out.copy_(torch.cat([inputs[i] for inputs in self.sent]))
+
+
+IN_PROCESS = [L for L in LAYOUTS if L.d == 1 and L.d_g > 1]
+
+
+@pytest.mark.parametrize("bucket_bytes", [200, 5000, 1 << 30], ids=["blocks", "mixed", "everything"])
+@pytest.mark.parametrize("L", IN_PROCESS, ids=str)
+def test_bucketed_gather_builds_the_exact_generation_shard_with_a_bounded_buffer(monkeypatch, L, bucket_bytes):
+    """Every rank of every micro-DP group, whatever the bucket size (tensors cut into blocks of a few rows or
+    columns, blocks and whole tensors coalesced across layers, the whole local model at once): the generation shard
+    equals the full model's slice, no all-gather input exceeds the bucket, and the transient buffers stay within
+    one bucket gathered d_g ways, its input and one joined block."""
+    layers, hidden = 4, 16
+    specs = decoder_specs(layers, hidden)
+    for group in lay.micro_dp_groups(L):
+        sent = []
+        for rank in group:
+            monkeypatch.setattr(rs, "_ALL_GATHER_INTO", _Recorder())
+            rs.reshard_hybridflow(L, rank, rs.train_shards(L, rank, specs), specs, group, None, bucket_bytes)
+            sent.append(rs._ALL_GATHER_INTO.sent)
+        for me, rank in enumerate(group):
+            monkeypatch.setattr(rs, "_ALL_GATHER_INTO", _Loopback(sent, me))
+            shards = rs.train_shards(L, rank, specs)
+            gen, stats = rs.reshard_hybridflow(L, rank, shards, specs, group, None, bucket_bytes)
+            expected = rs.expected_generation_shard(L, rank, specs)
+            assert gen.keys() == expected.keys()
+            assert all(torch.equal(gen[k], expected[k]) for k in expected), (L, rank)
+            assert stats.bytes_received == (L.d_g - 1) * sum(t.nbytes for t in shards.values())
+            piece = max(bucket_bytes, _largest_slice(shards, specs))  # the most one joined all-gather can take
+            whole = {t.nbytes for t in shards.values()}
+            assert all(x.nbytes <= piece or x.nbytes in whole for x in sent[me])  # else a direct shard, whole
+            assert stats.peak_transient_bytes <= (2 * L.d_g + 1) * piece
+            # buffers kept as generation tensors hold nothing else: generation memory is exactly the shard's bytes
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in gen.values()}
+            assert sum(storages.values()) == stats.generation_bytes
+
+
+def _largest_slice(shards, specs):
+    """The largest block a shard can be cut into: one slice along the axis its TP split leaves whole (a 1-D
+    tensor travels whole)."""
+    def one(spec):
+        t = shards[spec.name]
+        return t.nbytes if t.dim() < 2 else t.nbytes // t.shape[1 if spec.split_dim == 0 else 0]
+    return max(one(s) for s in specs if s.name in shards)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bucket_bytes", [1000, 50_000, rs.BUCKET_BYTES], ids=["blocks", "mixed", "default"])
+@pytest.mark.parametrize("L", [lay.Layout(1, 4, 1, 1, 2), lay.Layout(2, 2, 1, 1, 1)], ids=str)
+def test_bucketed_all_gather_on_gloo_is_exact_and_bounded(L, bucket_bytes):
+    """The real collective (gloo's all_gather_single into one buffer) at several bucket sizes: the same generation
+    shards and bytes, and a transient peak of at most one bucket gathered d_g ways, its input and one joined block:
+    with buckets smaller than the model, far below the generation memory M/(t_g p_g) of the paper's formula."""
+    layers, hidden = 4, 64
+    specs = decoder_specs(layers, hidden)
+    M = model_bytes(specs)
+    results = run_transition(L, "hybridflow", layers, hidden, verify=True, bucket_bytes=bucket_bytes)
+    assert all(r["ok"] for r in results), results
+    piece = max(bucket_bytes, _largest_slice(rs.train_shards(L, 0, specs), specs))
+    generation = float(lay.peak_memory_fraction(L, "hybridflow")) * M
+    for r in results:
+        assert r["bytes_received"] == pytest.approx(float(lay.comm_fraction(L, "hybridflow")) * M, rel=0.01)
+        assert r["generation_bytes"] == pytest.approx(generation, rel=0.01)
+        assert r["peak_transient_bytes"] <= (2 * L.d_g + 1) * piece
+        if bucket_bytes <= 50_000:
+            assert r["peak_transient_bytes"] < generation / 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bucket_bytes", [1, 3000, rs.BUCKET_BYTES], ids=["slices", "mixed", "default"])
+@pytest.mark.parametrize("L", [lay.Layout(1, 4, 1, 1, 2), lay.Layout(1, 2, 2, 1, 1)], ids=str)
+def test_megatron_micro_dp_gather_is_exact(L, bucket_bytes):
+    """The actor's path (gather_micro_dp) over every megatron sharding rule, bf16 beside fp32, on real gloo: every
+    generation shard equals sharding the whole weights t_g ways, names in order, dtypes kept."""
+    results = run_megatron_gather(L, bucket_bytes)
+    assert all(r["ok"] for r in results), results
