@@ -16,6 +16,18 @@ def model_cache(tmp_path_factory) -> Path:
     return Path(os.environ.get("HYBRIDFLOW_TEST_MODEL_CACHE") or tmp_path_factory.mktemp("models"))
 
 
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-process gloo group (FSDP2 needs one), destroyed even when the test fails."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def word_problems(tmp_path_factory) -> Path:
     """examples/data/make_word_problems.py's two data sets (200 train, 20 test rows), as a user makes them."""
