@@ -1,4 +1,4 @@
-"""`hybridflow run|driver|validate|crd|rules|algorithms`: the same job YAML on a laptop (local Ray) or inside a pod.
+"""`hybridflow run|driver|validate|export|crd|rules|algorithms`: the same job YAML on a laptop (local Ray) or inside a pod.
 
 Exit codes: 0 success, 1 the job failed while running, 2 bad input (manifest, paths), 130 interrupted.
 """
@@ -152,6 +152,30 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """A checkpoint (a step_* directory, or a checkpointDir: its newest intact one) as an HF model directory."""
+    from hybridflow import checkpoint as ckpt
+    from hybridflow.export import export
+
+    source = Path(args.checkpoint)
+    if not source.is_dir():
+        print(f"error: {source}: no such checkpoint directory", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if not (source / ckpt.MANIFEST).exists() and ckpt.list_checkpoints(source):
+        found = ckpt.latest_good(source)
+        if found is None:
+            print(f"error: {source} holds no intact checkpoint", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        source = found[0]
+    try:
+        out = export(source, Path(args.to), args.role, args.dtype, Path(args.model_dir) if args.model_dir else None)
+    except (ckpt.CheckpointError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"exported {args.role} of {source} to {out}")
+    return 0
+
+
 def cmd_crd(args: argparse.Namespace) -> int:
     from hybridflow.crd import render_crd
 
@@ -223,6 +247,14 @@ def parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check a manifest and the paths it names")
     val.add_argument("job")
     val.set_defaults(fn=cmd_validate)
+    exp = sub.add_parser("export", help="write a checkpoint's actor (or critic) as an HF model directory")
+    exp.add_argument("checkpoint", help="a step_* checkpoint directory, or a checkpointDir (its newest intact one)")
+    exp.add_argument("--to", required=True, help="new directory for the HF model (safetensors, config, tokenizer)")
+    exp.add_argument("--role", default="actor", help="actor (default), critic or cost_critic")
+    exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                     help="cast the weights (default: the dtype they trained in)")
+    exp.add_argument("--model-dir", help="HF directory the job trained from (only for checkpoints without config)")
+    exp.set_defaults(fn=cmd_export)
     crd = sub.add_parser("crd", help="write the RLHFJob CRD generated from the spec")
     crd.add_argument("-o", "--output", default="crds/rlhfjob.yaml", help="file, or - for stdout")
     crd.set_defaults(fn=cmd_crd)

@@ -107,7 +107,7 @@ class FSDPEngine(TrainEngine):
 
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
         set_state_dict(
-            self.module,
+            self.resharded(),  # after a no-grad forward the root's parameters are not the optimizer's DTensors
             self.optimizer or [],
             model_state_dict=state["model"],
             optim_state_dict=state.get("optimizer", {}) if self.optimizer else {},

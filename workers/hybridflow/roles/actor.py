@@ -44,6 +44,7 @@ class ActorRolloutWorker(CheckpointMixin):
         t, r = config.training, config.rollout
         dtype = config.model.dtype
         model_dir = str(local_model_dir(model_dir, config.model, config.seed))
+        self.model_dir = Path(model_dir)
         self.hybrid: Any = None
         self.rollout: RolloutEngine
         if t.engine == "megatron":

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from hybridflow.checkpoint import load_tensors
 from hybridflow.controller.protocol import Dispatch, register
+from hybridflow.export import copy_model_metadata
 
 
 def load_causal_lm(model_dir: Path, dtype: str) -> torch.nn.Module:
@@ -42,10 +43,12 @@ def release_free_memory() -> None:
 
 
 class CheckpointMixin:
-    """Full (unsharded) state of `self.engine`, written by rank 0 into a directory the controller then seals."""
+    """Full (unsharded) state of `self.engine`, written by rank 0 into a directory the controller then seals, with
+    the model directory's config and tokenizer files beside it (what `hybridflow export` needs)."""
 
     checkpoint_name = "model"
     engine: Any
+    model_dir: Path
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, directory: str) -> str | None:
@@ -57,6 +60,7 @@ class CheckpointMixin:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+            copy_model_metadata(self.model_dir, Path(directory), self.checkpoint_name)
             return str(path)
         return None
 

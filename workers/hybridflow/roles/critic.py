@@ -33,8 +33,9 @@ class CriticWorker(CheckpointMixin):
         self.checkpoint_name = f"{prefix}critic"
         self.config = config
         torch.manual_seed(config.seed + 7)
-        model = AutoModelForTokenClassification.from_pretrained(
-            local_model_dir(model_dir, config.model, config.seed), num_labels=1, dtype=getattr(torch, config.dtype))
+        self.model_dir = local_model_dir(model_dir, config.model, config.seed)
+        model = AutoModelForTokenClassification.from_pretrained(self.model_dir, num_labels=1,
+                                                                dtype=getattr(torch, config.dtype))
         t = config.training
         self.engine = FSDPEngine(model, t.critic_lr, t.grad_clip, ctx.device,
                                  compute_dtype=compute_dtype(t.compute_dtype, ctx.device),

@@ -1,0 +1,120 @@
+"""A checkpoint's trained model as an HF model directory (safetensors + config + tokenizer), for users to load with
+`transformers` or serve with vLLM.
+
+Each checkpoint carries what the export needs besides the weights: the role's model directory minus its weights
+(config, generation config, tokenizer, chat template) is copied next to the weight file at save time, as
+`<role>.hf.<file>`, and sealed by the manifest with everything else. A checkpoint written before that needs
+`model_dir` (the HF directory the job trained from)."""
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from hybridflow import checkpoint as ckpt
+
+log = logging.getLogger("hybridflow.export")
+
+HF_FILES_INFIX = ".hf."
+# Small files of an HF model directory that describe the model and its tokenizer; weights are never copied.
+_META_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_META_MAX_BYTES = 64 << 20
+
+
+def model_metadata_files(model_dir: Path) -> list[Path]:
+    """The files of an HF model directory that are not weights: config, generation config, tokenizer, template."""
+    return sorted(p for p in model_dir.iterdir() if p.is_file() and p.suffix in _META_SUFFIXES
+                  and p.name not in _WEIGHT_INDEXES and p.stat().st_size <= _META_MAX_BYTES)
+
+
+def copy_model_metadata(model_dir: Path, directory: Path, role: str) -> list[Path]:
+    """Copy `model_dir`'s metadata files into a checkpoint being written, as `<role>.hf.<name>`."""
+    out = []
+    for p in model_metadata_files(model_dir):
+        dest = directory / f"{role}{HF_FILES_INFIX}{p.name}"
+        shutil.copyfile(p, dest)
+        out.append(dest)
+    return out
+
+
+def _model_class(role: str):
+    """Actors are causal LMs; critics are the same backbone with a one-label token-classification (value) head."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    if role == "actor":
+        return AutoModelForCausalLM, {}
+    if role.endswith("critic"):
+        return AutoModelForTokenClassification, {"num_labels": 1}
+    raise ckpt.CheckpointError(f"cannot export role {role!r}: only the actor and critics are trained models")
+
+
+def saved_roles(checkpoint: Path) -> list[str]:
+    return sorted(p.stem for p in checkpoint.glob("*.pt"))
+
+
+def export(checkpoint: Path, out: Path, role: str = "actor", dtype: str | None = None,
+           model_dir: Path | None = None) -> Path:
+    """Write `role`'s weights from a sealed `checkpoint` into `out` as an HF model directory; returns `out`.
+
+    `dtype` (float32, bfloat16, float16) casts the weights; by default they keep the dtype they trained in (the
+    fp32 masters under mixed precision). The checkpoint is verified against its manifest first: a torn or
+    tampered one is refused, not exported."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    problem = ckpt.verify(checkpoint)
+    if problem is not None:
+        raise ckpt.CheckpointError(f"{checkpoint} is not a complete checkpoint ({problem}); export an intact one "
+                                   f"(the step_* directories under the job's checkpointDir)")
+    weights = checkpoint / f"{role}.pt"
+    if not weights.is_file():
+        raise ckpt.CheckpointError(f"{checkpoint} holds no {role} (it holds: {', '.join(saved_roles(checkpoint))}); "
+                                   f"pass --role with one of those")
+    metadata = sorted(checkpoint.glob(f"{role}{HF_FILES_INFIX}*"))
+    if not metadata and model_dir is None:
+        raise ckpt.CheckpointError(f"{checkpoint} has no model config for {role} (it was written before checkpoints "
+                                   f"carried one); pass --model-dir with the HF directory the job trained from")
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; export into a new directory")
+    t0 = time.perf_counter()
+    log.info("export: reading %s (%.1f MB)", weights, weights.stat().st_size / 1e6)
+    state = ckpt.load_tensors(weights)["model"]
+    with tempfile.TemporaryDirectory(prefix="export-") as tmp:
+        meta_dir = Path(tmp)
+        if metadata:
+            for p in metadata:
+                shutil.copyfile(p, meta_dir / p.name.split(HF_FILES_INFIX, 1)[1])
+        else:
+            for p in model_metadata_files(Path(model_dir)):
+                shutil.copyfile(p, meta_dir / p.name)
+        model = _build(meta_dir, role, state, dtype)
+        out.mkdir(parents=True, exist_ok=True)
+        for p in meta_dir.iterdir():  # tokenizer and template; config files are rewritten by save_pretrained
+            shutil.copyfile(p, out / p.name)
+    model.save_pretrained(out, safe_serialization=True)
+    written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    log.info("export: wrote %s (%.1f MB of safetensors, %s) in %.1fs", out, written / 1e6,
+             str(next(iter(model.parameters())).dtype).removeprefix("torch."), time.perf_counter() - t0)
+    return out
+
+
+def _build(meta_dir: Path, role: str, state: dict, dtype: str | None):
+    """The role's HF model from its config with the checkpoint's weights, every parameter accounted for."""
+    import torch
+    from transformers import AutoConfig
+
+    cls, extra = _model_class(role)
+    config = AutoConfig.from_pretrained(meta_dir, **extra)
+    first = next(iter(state.values()))
+    want = getattr(torch, dtype) if dtype else first.dtype
+    model = cls.from_config(config, dtype=want)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [k for k in missing if k not in tied and not (getattr(config, "tie_word_embeddings", False)
+                                                             and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ckpt.CheckpointError(f"the {role} weights do not fit its config: missing {missing[:5]}, unexpected "
+                                   f"{unexpected[:5]}; was the checkpoint written by another model?")
+    model.tie_weights()
+    return model.eval()
