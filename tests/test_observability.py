@@ -58,7 +58,7 @@ def test_every_panel_and_alert_has_data_from_live_exporters(tmp_path, model_cach
 
             job = tmp_path / "job.yaml"
             run_doc = yaml.safe_load((ROOT / "examples" / "tiny-grpo.yaml").read_text())
-            run_doc["spec"]["trainer"].update(steps=120, saveFreq=0, checkpointDir=str(tmp_path / "run"))
+            run_doc["spec"]["trainer"].update(steps=120, saveFreq=10, checkpointDir=str(tmp_path / "run"))  # sizes too
             run_doc["spec"]["algorithm"]["tisCap"] = 10.0  # the trainer/rollout log-prob gap panel needs TIS on
             job.write_text(yaml.safe_dump(run_doc))
             env = {**os.environ, "HYBRIDFLOW_MODEL_CACHE": str(model_cache)}

@@ -211,6 +211,11 @@ def _prune(root: Path, newest: Path, ident: dict[str, Any] | None, keep: int) ->
             shutil.rmtree(c, ignore_errors=True)
 
 
+def size_bytes(ckpt: Path) -> int:
+    """Bytes of the files in a checkpoint directory."""
+    return sum(p.stat().st_size for p in ckpt.iterdir() if p.is_file())
+
+
 def list_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []

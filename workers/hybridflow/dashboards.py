@@ -71,6 +71,9 @@ JOB_OVERVIEW = Dashboard(
                           "compute dtype, measured at start: no data sheet needed, CPUs included."),
         Panel("Peak memory", (f"max by (role) (hybridflow_peak_memory_bytes{JOB})",), unit="bytes",
               legend="{{role}}", width=8),
+        Panel("Checkpoint size", (f"max by (rlhfjob) (hybridflow_checkpoint_size_bytes{JOB})",), unit="bytes",
+              legend="{{rlhfjob}}", width=8, description="Bytes of the last checkpoint; save seconds are the "
+              "checkpoint stage in Seconds per stage."),
         Panel("Reshard (train -> generate) per rank",
               ('max by (__name__) ({__name__=~"hybridflow_(reshard_received|reshard_peak|generation_weight)_bytes", '
                'namespace=~"$namespace", rlhfjob=~"$rlhfjob"})',), unit="bytes", legend="{{__name__}}", width=8,

@@ -72,13 +72,22 @@ def save(job: RLHFJob, w: Workers, root: Path, step: int, stream: PromptStream, 
          data_fingerprint: str | None = None) -> Path:
     """Checkpoint `step`; a failed save (full disk) removes what it wrote and keeps the previous checkpoints."""
     ident = checkpoint_identity(job, w)
+    t0 = time.perf_counter()
     with ckpt.writing(root, step, ident) as staging:
         for role in CHECKPOINTED_ROLES:
             if role in w.roles:
+                r0, before = time.perf_counter(), ckpt.size_bytes(staging)
                 w.roles[role].save_checkpoint(str(staging))
+                log.info("checkpoint step %d: %s written, %.1f MB in %.1fs", step, role,
+                         (ckpt.size_bytes(staging) - before) / 1e6, time.perf_counter() - r0)
         state = {"data_position": stream.position, "data_fingerprint": data_fingerprint,
                  "algorithm": algorithm.state()}
-        return ckpt.seal(root, staging, step, state, job.spec.trainer.keep_checkpoints, ident)
+        final = ckpt.seal(root, staging, step, state, job.spec.trainer.keep_checkpoints, ident)
+    secs = time.perf_counter() - t0
+    size = ckpt.size_bytes(final)
+    log.info("checkpoint step %d sealed: %s, %.1f MB in %.1fs (%.0f MB/s)", step, final, size / 1e6, secs,
+             size / 1e6 / max(secs, 1e-9))
+    return final
 
 
 def restore(w: Workers, root: Path, algorithm: AlgorithmState, data_fingerprint: str | None = None,
@@ -94,13 +103,16 @@ def restore(w: Workers, root: Path, algorithm: AlgorithmState, data_fingerprint:
     if data_fingerprint != state.get("data_fingerprint", data_fingerprint):
         log.warning("the training prompts differ from the ones %s was trained on (files or their settings changed): "
                     "continuing at position %d of the new prompt order", path, state["data_position"])
+    t0 = time.perf_counter()
     for role in CHECKPOINTED_ROLES:
         if role in w.roles:
             w.roles[role].load_checkpoint(str(path))
+    loaded = time.perf_counter() - t0
     algorithm.load(state.get("algorithm", {}))
     w.roles["actor"].sync_rollout_weights()
     dropped = ckpt.rewind_step_log(root, state["step"])
-    log.info("resumed from %s (step %d); %d logged step(s) after it will be redone", path, state["step"], dropped)
+    log.info("resumed from %s (step %d, %.1f MB loaded in %.1fs); %d logged step(s) after it will be redone", path,
+             state["step"], ckpt.size_bytes(path) / 1e6, loaded, dropped)
     return int(state["step"]), int(state["data_position"])
 
 
@@ -167,6 +179,7 @@ def fit(
             c0 = time.perf_counter()
             saved = save(job, w, root, step, stream, algorithm, task.data_fingerprint)
             stages["checkpoint"] = time.perf_counter() - c0
+            stats["checkpoint_bytes"] = ckpt.size_bytes(saved)
             metrics.checkpoint_step.labels(metrics.job).set(step)
         it = time.perf_counter() - t0
         done = step - start_step
