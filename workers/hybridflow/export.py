@@ -8,6 +8,7 @@ Each checkpoint carries what the export needs besides the weights: the role's mo
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -31,11 +32,14 @@ def model_metadata_files(model_dir: Path) -> list[Path]:
 
 
 def copy_model_metadata(model_dir: Path, directory: Path, role: str) -> list[Path]:
-    """Copy `model_dir`'s metadata files into a checkpoint being written, as `<role>.hf.<name>`."""
+    """Copy `model_dir`'s metadata files into a checkpoint being written, as `<role>.hf.<name>`; fsynced like the
+    weights, so a sealed checkpoint never holds an empty one after a power loss."""
     out = []
     for p in model_metadata_files(model_dir):
         dest = directory / f"{role}{HF_FILES_INFIX}{p.name}"
         shutil.copyfile(p, dest)
+        with open(dest, "rb+") as f:
+            os.fsync(f.fileno())
         out.append(dest)
     return out
 
