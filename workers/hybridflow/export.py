@@ -84,22 +84,22 @@ def export(checkpoint: Path, out: Path, role: str = "actor", dtype: str | None =
     t0 = time.perf_counter()
     log.info("export: reading %s (%.1f MB)", weights, weights.stat().st_size / 1e6)
     state = ckpt.load_tensors(weights)["model"]
+    sources = ({p.name.split(HF_FILES_INFIX, 1)[1]: p for p in metadata} if metadata
+               else {p.name: p for p in model_metadata_files(Path(model_dir))})
     with tempfile.TemporaryDirectory(prefix="export-") as tmp:
         meta_dir = Path(tmp)
-        if metadata:
-            for p in metadata:
-                shutil.copyfile(p, meta_dir / p.name.split(HF_FILES_INFIX, 1)[1])
-        else:
-            for p in model_metadata_files(Path(model_dir)):
-                shutil.copyfile(p, meta_dir / p.name)
+        for name, p in sources.items():
+            shutil.copyfile(p, meta_dir / name)
         model = _build(meta_dir, role, state, dtype)
         out.mkdir(parents=True, exist_ok=True)
         for p in meta_dir.iterdir():  # tokenizer and template; config files are rewritten by save_pretrained
             shutil.copyfile(p, out / p.name)
     model.save_pretrained(out, safe_serialization=True)
+    from hybridflow.engines.precision import dtype_name
+
     written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     log.info("export: wrote %s (%.1f MB of safetensors, %s) in %.1fs", out, written / 1e6,
-             str(next(iter(model.parameters())).dtype).removeprefix("torch."), time.perf_counter() - t0)
+             dtype_name(next(iter(model.parameters())).dtype), time.perf_counter() - t0)
     return out
 
 

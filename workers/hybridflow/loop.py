@@ -72,7 +72,6 @@ def save(job: RLHFJob, w: Workers, root: Path, step: int, stream: PromptStream, 
          data_fingerprint: str | None = None) -> Path:
     """Checkpoint `step`; a failed save (full disk) removes what it wrote and keeps the previous checkpoints."""
     ident = checkpoint_identity(job, w)
-    t0 = time.perf_counter()
     with ckpt.writing(root, step, ident) as staging:
         for role in CHECKPOINTED_ROLES:
             if role in w.roles:
@@ -82,12 +81,7 @@ def save(job: RLHFJob, w: Workers, root: Path, step: int, stream: PromptStream, 
                          (ckpt.size_bytes(staging) - before) / 1e6, time.perf_counter() - r0)
         state = {"data_position": stream.position, "data_fingerprint": data_fingerprint,
                  "algorithm": algorithm.state()}
-        final = ckpt.seal(root, staging, step, state, job.spec.trainer.keep_checkpoints, ident)
-    secs = time.perf_counter() - t0
-    size = ckpt.size_bytes(final)
-    log.info("checkpoint step %d sealed: %s, %.1f MB in %.1fs (%.0f MB/s)", step, final, size / 1e6, secs,
-             size / 1e6 / max(secs, 1e-9))
-    return final
+        return ckpt.seal(root, staging, step, state, job.spec.trainer.keep_checkpoints, ident)
 
 
 def restore(w: Workers, root: Path, algorithm: AlgorithmState, data_fingerprint: str | None = None,
@@ -178,8 +172,10 @@ def fit(
         if (s.trainer.save_freq and step % s.trainer.save_freq == 0) or step == s.trainer.steps:
             c0 = time.perf_counter()
             saved = save(job, w, root, step, stream, algorithm, task.data_fingerprint)
-            stages["checkpoint"] = time.perf_counter() - c0
-            stats["checkpoint_bytes"] = ckpt.size_bytes(saved)
+            secs = stages["checkpoint"] = time.perf_counter() - c0
+            size = stats["checkpoint_bytes"] = ckpt.size_bytes(saved)
+            log.info("checkpoint step %d sealed: %s, %.1f MB in %.1fs (%.0f MB/s)", step, saved, size / 1e6, secs,
+                     size / 1e6 / max(secs, 1e-9))
             metrics.checkpoint_step.labels(metrics.job).set(step)
         it = time.perf_counter() - t0
         done = step - start_step
