@@ -124,3 +124,30 @@ def running(cmd: list[str], **kwargs):
                 proc.wait(wait)
             except subprocess.TimeoutExpired:
                 pass
+
+
+@pytest.fixture(scope="session")
+def s3_server_process(tmp_path_factory):
+    """One SeaweedFS S3 server (tests/s3_server.py) for the whole session, started on first use: startup takes
+    about 3-4 s. Stopped at the end of the session however the tests ended (SIGTERM, 2 s, then SIGKILL of its
+    process group); it also dies with the pytest process."""
+    from s3_server import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_server(s3_server_process, request):
+    """A fresh, empty bucket of the session's S3 server for this test: `.endpoint_url`, `.access_key`,
+    `.secret_key`, `.bucket`, `.url` (s3://bucket) and `.env()` (the AWS_* variables); `.use(monkeypatch)` makes
+    those the test's whole AWS environment."""
+    import re
+    import secrets
+
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    return s3_server_process.create_bucket(f"t{secrets.token_hex(4)}-{slug or 'test'}")

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from conftest import ROOT, kill_processes_mentioning, run_cli
 
-from hybridflow.checkpoint import read_step_log
+from hybridflow.checkpoint import list_checkpoints, read_step_log, verify
 
 pytestmark = pytest.mark.slow
 
@@ -126,6 +126,52 @@ def test_kill_9_then_resume_loses_and_repeats_no_step(tmp_path, model_cache, ray
     assert summary["start_step"] == 3 and summary["steps_done"] == 9
     assert [r["step"] for r in _steps(ckpt)] == list(range(1, 13)), "each step exactly once"
     assert "held-out reward before" not in out.stdout  # a resumed job does not pretend to start over
+
+
+def _staged_step(staging):
+    return int(staging.name[len(".step_"):-len(".tmp")])
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync-save", "async-save"])
+def test_kill_9_during_a_save_loses_nothing_sealed_and_repeats_no_step(tmp_path, model_cache, ray_tmp, async_save):
+    """The run is killed while a checkpoint is being written (its staging directory exists): the unsealed one is
+    discarded, the job resumes from the newest sealed one, and the step log lists every step exactly once. A wider
+    model than the example's makes each write last long enough to be caught in the middle."""
+    ckpt = tmp_path / "run"
+    job = _variant(tmp_path, TINY, trainer__steps=10, trainer__saveFreq=2, trainer__promptsPerStep=16,
+                   trainer__asyncSave=async_save, trainer__checkpointDir=str(ckpt), trainer__eval=False,
+                   models__actor__tiny__hiddenSize=256, models__actor__tiny__numLayers=4)
+    env = {**os.environ, "HYBRIDFLOW_MODEL_CACHE": str(model_cache)}
+    cmd = [sys.executable, "-m", "hybridflow.cli", "run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    writing = None
+    deadline = time.time() + 400
+    try:
+        while time.time() < deadline and writing is None:
+            assert proc.poll() is None, "the run ended before it could be killed"
+            # a save after the first sealed one, caught while its shards are being written
+            staged = [p for p in ckpt.glob(".step_*.tmp") if _staged_step(p) > 2 and any(p.rglob("*.distcp"))]
+            writing = staged[0] if staged else None
+            time.sleep(0.002)
+    finally:
+        leftovers = _kill_session(proc, ray_tmp)
+    assert writing is not None, "no save was caught in progress"
+    assert leftovers == 0, f"{leftovers} process(es) outlived the killed run"
+    killed_at = _staged_step(writing)
+    sealed = [c for c in list_checkpoints(ckpt) if verify(c) is None]
+    assert sealed and all(int(c.name[5:]) < killed_at for c in sealed), (writing, sealed)
+    newest = int(sealed[-1].name[5:])
+    assert max(r["step"] for r in _steps(ckpt)) >= newest
+
+    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp], cwd=tmp_path,
+                  env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((ckpt / "summary.json").read_text())
+    assert summary["start_step"] == newest, "the newest sealed checkpoint is the one resumed"
+    assert [r["step"] for r in _steps(ckpt)] == list(range(1, 11)), "each step exactly once"
+    assert not list(ckpt.glob(".step_*.tmp")), "the torn save is cleaned up"
+    assert verify(ckpt / "step_00000010") is None
 
 
 def test_smollm2_arithmetic_smoke(tmp_path, model_cache, ray_tmp):

@@ -12,6 +12,7 @@ import torch
 from conftest import run_cli
 
 from hybridflow import checkpoint as ckpt
+from hybridflow import sharded_checkpoint
 from hybridflow.controller.batch import Batch
 from hybridflow.data.packing import pack_rollout
 from hybridflow.engines.fsdp import FSDPEngine, response_logits
@@ -41,7 +42,7 @@ def test_the_step_log_records_the_size_of_each_checkpoint(trained):
     _, step = trained
     last = ckpt.read_step_log(step.parent)[-1]
     assert last["checkpoint"] == str(step)
-    assert last["checkpoint_bytes"] == ckpt.size_bytes(step) > (step / "actor.pt").stat().st_size
+    assert last["checkpoint_bytes"] == ckpt.size_bytes(step) > ckpt.size_bytes(step / "actor") > 0
 
 
 def _logits(model: torch.nn.Module) -> torch.Tensor:
@@ -62,7 +63,9 @@ def test_an_exported_actor_loads_in_transformers_with_the_training_engines_logit
     model_dir = materialize(job.spec.models.actor, model_cache, job.spec.trainer.seed)
     engine = FSDPEngine(load_causal_lm(model_dir, "float32"), 1e-3, 1.0, "cpu")
     untrained = _logits(engine.module)
-    engine.load_state_dict(ckpt.load_tensors(step / "actor.pt"))
+    state = engine.checkpoint_state()  # the resume path: the 2-rank shards re-shard onto this one rank
+    sharded_checkpoint.load(state, step / "actor")
+    engine.load_checkpoint_state(state)
     trained_logits = _logits(engine.module)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert exported.dtype == torch.float32  # the fp32 masters, not the bf16 compute copy
@@ -151,10 +154,10 @@ def test_export_refuses_what_it_cannot_export_and_says_what_to_do(trained, tmp_p
     import shutil
 
     shutil.copytree(step, torn)
-    with open(torn / "actor.pt", "ab") as f:
+    with open(torn / "actor" / "__1_0.distcp", "ab") as f:  # rank 1's shard
         f.write(b"x")
     out = run_cli(["export", str(torn), "--to", str(tmp_path / "b")], cwd=tmp_path)
-    assert out.returncode == 2 and "is not a complete checkpoint (file actor.pt does not match" in out.stderr
+    assert out.returncode == 2 and "is not a complete checkpoint (file actor/__1_0.distcp does not" in out.stderr
     assert not (tmp_path / "b").exists()
 
 

@@ -10,6 +10,7 @@ from hybridflow.controller.step import AlgorithmState
 from hybridflow.controller.worker_group import resolve
 from hybridflow.data.tasks import PromptStream
 from hybridflow.data.packing import unpack_responses
+from hybridflow.export import role_weights
 from hybridflow.models.builders import materialize
 from hybridflow.spec import load_job
 
@@ -34,7 +35,7 @@ def _greedy_matches_hf(job, w, task, model_dir, step):
 
     saved = loop.save(job, w, Path(job.spec.trainer.checkpoint_dir), step, PromptStream(task.train, 8, 0),
                       AlgorithmState.for_spec(job.spec))
-    state = torch.load(saved / "actor.pt", weights_only=False)["model"]
+    state = role_weights(saved, "actor")
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, w.roles["actor"].generation_dtype_name()))
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and all("lm_head" in k for k in missing)

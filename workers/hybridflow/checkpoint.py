@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator
+from typing import Any, Iterator, Union
 
 log = logging.getLogger("hybridflow.checkpoint")
 
@@ -35,6 +35,44 @@ class CheckpointError(RuntimeError):
     """A checkpoint that must not be used, or one that could not be written; the message says what to do."""
 
 
+# --- where checkpoints live: a local (or mounted) directory, or object storage ---
+# Object storage (s3://bucket/prefix, or any fsspec protocol) is reached through a UPath, which has Path's interface.
+# It has no rename and no append, and a PUT replaces an object whole: a checkpoint there is written in place (its
+# manifest, written last, is what seals it) and the step log is rewritten whole.
+StoragePath = Union[Path, Any]
+
+
+def storage_path(location: str | os.PathLike) -> StoragePath:
+    """A local Path, or for a URL a UPath whose credentials and endpoint come from the environment, as every AWS
+    tool reads them (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION)."""
+    if is_url(str(location)):
+        from upath import UPath
+
+        # no listings cache: other processes (every rank) write into the same prefixes
+        return UPath(str(location), use_listings_cache=False)
+    return Path(location)
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(location: str) -> bool:
+    """`<scheme>://...` (s3://bucket/prefix): object storage, no volume; anything else is a local path."""
+    return bool(_URL.match(location))
+
+
+def is_remote(p: StoragePath) -> bool:
+    return getattr(p, "protocol", "") not in ("", "file", "local")
+
+
+def _rmtree(p: StoragePath) -> None:
+    if is_remote(p):
+        if p.exists():
+            p.fs.rm(p.path, recursive=True)
+    else:
+        shutil.rmtree(p, ignore_errors=True)
+
+
 def job_checkpoint_dir(root: str, namespace: str | None, job: str) -> str:
     """`<root>/<namespace>/<job>` (`<root>/<job>` without a namespace): the directory of one job's checkpoints and
     step log under a volume that many jobs may share. Pruning and resuming only ever look inside it, so jobs
@@ -45,6 +83,18 @@ def job_checkpoint_dir(root: str, namespace: str | None, job: str) -> str:
         if p in ("", ".", "..") or "/" in p or "\0" in p:
             raise ValueError(f"{p!r} cannot name a checkpoint directory (job {namespace}/{job})")
     return str(PurePosixPath(root, *parts))
+
+
+def job_checkpoint_url(url: str, namespace: str | None, job: str) -> str:
+    """`<url>/<namespace>/<job>`: `job_checkpoint_dir` for object storage, whose `scheme://` a path join would
+    collapse to `scheme:/`. The names are checked the same way; idempotent (a URL already ending in the job's own
+    directory is kept), as the operator resolves the accepted spec again when it compares it with the live one."""
+    scheme = _URL.match(url)
+    if not scheme:
+        raise ValueError(f"{url!r} is not a URL (scheme://...)")
+    own = job_checkpoint_dir("/", namespace, job)  # "/<namespace>/<job>", the names checked
+    base = url[scheme.end():].rstrip("/")
+    return url[:scheme.end()] + (base if base.endswith(own) else base + own)
 
 
 def model_architecture(source: Any) -> dict[str, Any]:
@@ -78,31 +128,34 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
-def staging_dir(root: Path, step: int) -> Path:
-    d = root / f".step_{step:08d}.tmp"
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
+def staging_dir(root: StoragePath, step: int) -> StoragePath:
+    """Where checkpoint `step` is written: a hidden directory renamed into place when sealed; on object storage
+    (no rename) the checkpoint's own directory, which counts only once its manifest is written."""
+    d = step_dir(root, step) if is_remote(root) else root / f".step_{step:08d}.tmp"
+    _rmtree(d)
+    d.mkdir(parents=True, exist_ok=True)
     return d
 
 
 @contextlib.contextmanager
-def writing(root: Path, step: int, ident: dict[str, Any] | None = None) -> Iterator[Path]:
-    """The staging directory of checkpoint `step`, for the roles to write into and `seal` to finish. Refuses up
-    front (before hours of writes) a directory holding another job's checkpoints. On any failure the staging
-    directory is removed, so a full disk keeps only complete checkpoints; an OSError becomes a CheckpointError
-    that names the directory, the reason and the checkpoint kept."""
-    if ident is not None:
+def writing(root: Path, step: int, ident: dict[str, Any] | None = None,
+            staging: Path | None = None) -> Iterator[Path]:
+    """The staging directory of checkpoint `step`, for the roles to write into and `seal` to finish (`staging`: go
+    on with the one an asynchronous save started). Refuses up front (before hours of writes) a directory holding
+    another job's checkpoints. On any failure the staging directory is removed, so a full disk keeps only complete
+    checkpoints; an OSError becomes a CheckpointError that names the directory, the reason and the checkpoint
+    kept."""
+    if ident is not None and staging is None:
         _refuse_other_jobs(root, ident)
-    staging = None
     try:
-        staging = staging_dir(root, step)
+        staging = staging or staging_dir(root, step)
         yield staging
     except BaseException as err:
         cause = _os_error(err)
         if cause is None and _nearly_full(root):  # torch.save reports a full disk as "iostream error", not ENOSPC
             cause = OSError(errno.ENOSPC, f"No space left on device ({str(err).splitlines()[0][:200]})")
         if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+            _rmtree(staging)
         if cause is None:
             raise
         raise CheckpointError(_save_failure(root, step, cause)) from err
@@ -114,6 +167,8 @@ LOW_SPACE_BYTES = 256 << 20
 def _nearly_full(root: Path) -> bool:
     """Whether the volume had (almost) no space left when a save failed: measured before the partial checkpoint is
     removed, which frees it again."""
+    if is_remote(root):
+        return False
     try:
         return shutil.disk_usage(root).free < LOW_SPACE_BYTES
     except OSError:
@@ -144,15 +199,17 @@ def _save_failure(root: Path, step: int, err: OSError) -> str:
             f"lower spec.trainer.keepCheckpoints) and resume")
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: StoragePath) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_dir(path: StoragePath) -> None:
+    if is_remote(path):
+        return  # an object is durable once its PUT returns
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -162,20 +219,60 @@ def _fsync_dir(path: Path) -> None:
 
 def _write_json(path: Path, obj: Any) -> None:
     """Write and fsync, so that a sealed checkpoint's small files are on disk before its rename is."""
+    if is_remote(path):
+        path.write_text(json.dumps(obj, indent=1))
+        return
     with open(path, "w") as f:
         f.write(json.dumps(obj, indent=1))
         f.flush()
         os.fsync(f.fileno())
 
 
+def remove_unsealed(root: Path) -> int:
+    """Delete the staging directories of saves that never sealed (the job was killed while writing); returns how
+    many. Only at start-up: a directory is never shared by two running jobs."""
+    if is_remote(root):  # written in place: an unsealed one has no manifest, is skipped and then pruned
+        return 0
+    stale = [p for p in root.glob(".step_*.tmp") if p.is_dir()] if root.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return len(stale)
+
+
+def _files(directory: StoragePath) -> list[StoragePath]:
+    if is_remote(directory):
+        keys = directory.fs.find(directory.path)
+        return sorted(directory / k[len(directory.path.rstrip("/")) + 1:] for k in keys)
+    return sorted(p for p in directory.rglob("*") if p.is_file())
+
+
+def _relative(p: StoragePath, directory: StoragePath) -> str:
+    return str(p)[len(str(directory).rstrip("/")) + 1:]
+
+
 def seal(root: Path, staging: Path, step: int, trainer_state: dict[str, Any], keep: int,
-         ident: dict[str, Any] | None = None) -> Path:
-    """Write trainer state and manifest (with `ident`) into `staging`, rename it to step_N, prune (`_prune`)."""
+         ident: dict[str, Any] | None = None, digests: dict[str, str] | None = None) -> Path:
+    """Write trainer state and manifest (with `ident`) into `staging`, rename it to step_N, prune (`_prune`).
+
+    `digests` are the SHA-256s the ranks computed of the shards they wrote (in parallel, as they wrote them); the
+    rest (trainer state, model config files) is hashed here. The manifest lists every file, subdirectories
+    included, by its path relative to the checkpoint."""
     _write_json(staging / TRAINER_STATE, {"step": step, **trainer_state})
-    files = {p.name: _sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
+    known = digests or {}
+    files = {}
+    for p in _files(staging):
+        name = _relative(p, staging)
+        files[name] = known.get(name) or _sha256(p)
+    missing = sorted(set(known) - set(files))
+    if missing:
+        raise CheckpointError(f"checkpoint step {step} in {staging} lacks files its writers reported ({missing[:3]})")
     manifest: dict[str, Any] = {"step": step, "files": files}
     if ident is not None:
         manifest["identity"] = ident
+    if is_remote(staging):  # written in place; the manifest, written last, seals it
+        _write_json(staging / MANIFEST, manifest)
+        _prune(root, staging, ident, keep)
+        return staging
     tmp = staging / (MANIFEST + ".tmp")
     _write_json(tmp, manifest)
     os.replace(tmp, staging / MANIFEST)
@@ -208,15 +305,21 @@ def _prune(root: Path, newest: Path, ident: dict[str, Any] | None, keep: int) ->
                 and (ident is None or not _model_mismatch(found, ident))):
             kept += 1
         else:
-            shutil.rmtree(c, ignore_errors=True)
+            _rmtree(c)
 
 
 def size_bytes(ckpt: Path) -> int:
-    """Bytes of the files in a checkpoint directory."""
-    return sum(p.stat().st_size for p in ckpt.iterdir() if p.is_file())
+    """Bytes of the files in a checkpoint directory, its roles' shard directories included."""
+    if is_remote(ckpt):
+        return int(ckpt.fs.du(ckpt.path, total=True))
+    return sum(p.stat().st_size for p in _files(ckpt))
 
 
-def list_checkpoints(root: Path) -> list[Path]:
+def list_checkpoints(root: StoragePath) -> list[StoragePath]:
+    if is_remote(root):  # step directories that hold objects (some stores list emptied prefixes as directories)
+        prefix = root.path.rstrip("/") + "/"
+        names = {k[len(prefix):].split("/", 1)[0] for k in root.fs.find(root.path) if k.startswith(prefix)}
+        return [root / n for n in sorted(names) if _STEP_DIR.match(n)]
     if not root.is_dir():
         return []
     return sorted((p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)), key=lambda p: p.name)
@@ -235,6 +338,8 @@ def verify(ckpt: Path) -> str | None:
     except (ValueError, OSError) as err:
         return f"unreadable manifest: {err}"
     for name, digest in manifest.get("files", {}).items():
+        if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
+            return f"manifest names a file outside the checkpoint: {name!r}"
         p = ckpt / name
         if not p.is_file():
             return f"missing file {name}"
@@ -294,12 +399,13 @@ def _refuse_other_jobs(root: Path, ident: dict[str, Any]) -> None:
                 f"a checkpoint directory. Point spec.trainer.checkpointDir at a directory of this job's own")
 
 
-def check_compatible(ckpt: Path, ident: dict[str, Any]) -> None:
-    """Refuse to resume `ident`'s job from `ckpt` when it belongs to another job or to an incompatible model;
-    a checkpoint written before identities were recorded is accepted with a warning (its model is unknown)."""
+def check_compatible(ckpt: Path, ident: dict[str, Any], other_job_ok: bool = False) -> None:
+    """Refuse to resume `ident`'s job from `ckpt` when it belongs to another job (unless `other_job_ok`: the job
+    named it as trainer.resumeFrom) or to an incompatible model; a checkpoint written before identities were
+    recorded is accepted with a warning (its model is unknown)."""
     found = read_identity(ckpt)
     other = _other_job(found, ckpt, ident)
-    if other:
+    if other and not other_job_ok:
         raise CheckpointError(
             f"{ckpt} belongs to job '{other}', not to '{_label(ident)}': will not resume another job's training. "
             f"Point spec.trainer.checkpointDir at a directory of this job's own (the other job's checkpoints stay)")
@@ -323,7 +429,8 @@ def load_tensors(path: Path) -> Any:
     import torch
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with path.open("rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise CheckpointError(
             f"refusing to load {path}: it holds Python objects other than tensors and plain values, which could run "
@@ -347,7 +454,23 @@ def latest_good(root: Path) -> tuple[Path, dict[str, Any]] | None:
     return None if ckpt is None else (ckpt, json.loads((ckpt / TRAINER_STATE).read_text()))
 
 
-def append_step_log(root: Path, record: dict[str, Any]) -> None:
+def checkpoint_at(source: Path) -> tuple[Path, dict[str, Any]] | None:
+    """`source` itself when it is an intact checkpoint (a step_* directory), else the newest intact checkpoint of
+    `source` as a checkpointDir; with its trainer state."""
+    if (source / MANIFEST).is_file():
+        problem = verify(source)
+        if problem is not None:
+            raise CheckpointError(f"{source} is not an intact checkpoint ({problem}); name an intact one, or its "
+                                  f"checkpointDir to take the newest intact one")
+        return source, json.loads((source / TRAINER_STATE).read_text())
+    return latest_good(source)
+
+
+def append_step_log(root: StoragePath, record: dict[str, Any]) -> None:
+    if is_remote(root):  # no append on object storage: the log (a few KB per hundred steps) is put whole
+        p = root / STEP_LOG
+        p.write_text((p.read_text() if p.exists() else "") + json.dumps(record) + "\n")
+        return
     with open(root / STEP_LOG, "a") as f:
         f.write(json.dumps(record) + "\n")
         f.flush()
@@ -371,6 +494,9 @@ def rewind_step_log(root: Path, step: int) -> int:
     """Keep log records up to `step` (the checkpoint resumed from); returns how many were dropped."""
     records = read_step_log(root)
     kept = [r for r in records if r.get("step", 0) <= step]
+    if is_remote(root):
+        (root / STEP_LOG).write_text("".join(json.dumps(r) + "\n" for r in kept))
+        return len(records) - len(kept)
     tmp = root / (STEP_LOG + ".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, root / STEP_LOG)

@@ -157,17 +157,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     from hybridflow import checkpoint as ckpt
     from hybridflow.export import export
 
-    source = Path(args.checkpoint)
-    if not source.is_dir():
+    source = ckpt.storage_path(args.checkpoint)
+    if not source.is_dir() and not ckpt.list_checkpoints(source):
         print(f"error: {source}: no such checkpoint directory", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if not (source / ckpt.MANIFEST).exists() and ckpt.list_checkpoints(source):
-        found = ckpt.latest_good(source)
-        if found is None:
-            print(f"error: {source} holds no intact checkpoint", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        source = found[0]
     try:
+        if not (source / ckpt.MANIFEST).exists() and ckpt.list_checkpoints(source):
+            found = ckpt.checkpoint_at(source)
+            if found is None:
+                print(f"error: {source} holds no intact checkpoint", file=sys.stderr)
+                return EXIT_BAD_INPUT
+            source = found[0]
         out = export(source, Path(args.to), args.role, args.dtype, Path(args.model_dir) if args.model_dir else None)
     except (ckpt.CheckpointError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from hybridflow import checkpoint as ckpt
+from hybridflow import sharded_checkpoint
 
 log = logging.getLogger("hybridflow.export")
 
@@ -37,9 +38,12 @@ def copy_model_metadata(model_dir: Path, directory: Path, role: str) -> list[Pat
     out = []
     for p in model_metadata_files(model_dir):
         dest = directory / f"{role}{HF_FILES_INFIX}{p.name}"
-        shutil.copyfile(p, dest)
-        with open(dest, "rb+") as f:
-            os.fsync(f.fileno())
+        if ckpt.is_remote(dest):
+            dest.write_bytes(p.read_bytes())
+        else:
+            shutil.copyfile(p, dest)
+            with open(dest, "rb+") as f:
+                os.fsync(f.fileno())
         out.append(dest)
     return out
 
@@ -56,7 +60,17 @@ def _model_class(role: str):
 
 
 def saved_roles(checkpoint: Path) -> list[str]:
-    return sorted(p.stem for p in checkpoint.glob("*.pt"))
+    sharded = {p.name for p in checkpoint.iterdir() if p.is_dir() and sharded_checkpoint.is_dcp_dir(p)}
+    return sorted(sharded | {p.stem for p in checkpoint.glob("*.pt")})
+
+
+def role_weights(checkpoint: Path, role: str) -> dict:
+    """`role`'s model weights in `checkpoint`, each tensor whole, under HF names: from its sharded directory, or
+    from the single file older checkpoints have."""
+    full = checkpoint / f"{role}.pt"
+    if full.is_file():
+        return ckpt.load_tensors(full)["model"]
+    return sharded_checkpoint.read_full(checkpoint / role, keys={"model"})["model"]
 
 
 def export(checkpoint: Path, out: Path, role: str = "actor", dtype: str | None = None,
@@ -66,13 +80,12 @@ def export(checkpoint: Path, out: Path, role: str = "actor", dtype: str | None =
     `dtype` (float32, bfloat16, float16) casts the weights; by default they keep the dtype they trained in (the
     fp32 masters under mixed precision). The checkpoint is verified against its manifest first: a torn or
     tampered one is refused, not exported."""
-    checkpoint, out = Path(checkpoint), Path(out)
+    checkpoint, out = ckpt.storage_path(checkpoint), Path(out)
     problem = ckpt.verify(checkpoint)
     if problem is not None:
         raise ckpt.CheckpointError(f"{checkpoint} is not a complete checkpoint ({problem}); export an intact one "
                                    f"(the step_* directories under the job's checkpointDir)")
-    weights = checkpoint / f"{role}.pt"
-    if not weights.is_file():
+    if role not in saved_roles(checkpoint):
         raise ckpt.CheckpointError(f"{checkpoint} holds no {role} (it holds: {', '.join(saved_roles(checkpoint))}); "
                                    f"pass --role with one of those")
     metadata = sorted(checkpoint.glob(f"{role}{HF_FILES_INFIX}*"))
@@ -82,14 +95,15 @@ def export(checkpoint: Path, out: Path, role: str = "actor", dtype: str | None =
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; export into a new directory")
     t0 = time.perf_counter()
-    log.info("export: reading %s (%.1f MB)", weights, weights.stat().st_size / 1e6)
-    state = ckpt.load_tensors(weights)["model"]
+    state = role_weights(checkpoint, role)
+    log.info("export: read %s's %.1f MB of weights from %s in %.1fs", role,
+             sum(t.numel() * t.element_size() for t in state.values()) / 1e6, checkpoint, time.perf_counter() - t0)
     sources = ({p.name.split(HF_FILES_INFIX, 1)[1]: p for p in metadata} if metadata
                else {p.name: p for p in model_metadata_files(Path(model_dir))})
     with tempfile.TemporaryDirectory(prefix="export-") as tmp:
         meta_dir = Path(tmp)
         for name, p in sources.items():
-            shutil.copyfile(p, meta_dir / name)
+            (meta_dir / name).write_bytes(p.read_bytes())  # the checkpoint may be on object storage
         model = _build(meta_dir, role, state, dtype)
         out.mkdir(parents=True, exist_ok=True)
         for p in meta_dir.iterdir():  # tokenizer and template; config files are rewritten by save_pretrained

@@ -68,45 +68,101 @@ def checkpoint_identity(job: RLHFJob, w: Workers) -> dict[str, Any]:
     return ckpt.identity(job.metadata.name, job.metadata.namespace, models)
 
 
+@dataclass
+class SaveInFlight:
+    """An asynchronous save the ranks are still writing: sealed by `complete_save` once every write is done."""
+    step: int
+    staging: Path
+    trainer_state: dict[str, Any]
+    ident: dict[str, Any]
+    started: float
+
+
+def _roles(w: Workers) -> list[str]:
+    return [role for role in CHECKPOINTED_ROLES if role in w.roles]
+
+
+def _merged(per_rank: Sequence[dict[str, str] | None]) -> dict[str, str]:
+    return {name: digest for d in per_rank if d for name, digest in d.items()}
+
+
 def save(job: RLHFJob, w: Workers, root: Path, step: int, stream: PromptStream, algorithm: AlgorithmState,
-         data_fingerprint: str | None = None) -> Path:
-    """Checkpoint `step`; a failed save (full disk) removes what it wrote and keeps the previous checkpoints."""
+         data_fingerprint: str | None = None, asynchronous: bool = False) -> Path | SaveInFlight:
+    """Checkpoint `step`: every rank writes its shards of every trained role. Synchronous: returns the sealed
+    checkpoint. Asynchronous: returns once the ranks hold a host copy of their state, as a SaveInFlight for
+    `complete_save`. A failed save (full disk) removes what it wrote and keeps the previous checkpoints."""
     ident = checkpoint_identity(job, w)
+    state = {"data_position": stream.position, "data_fingerprint": data_fingerprint, "algorithm": algorithm.state()}
+    t0 = time.perf_counter()
     with ckpt.writing(root, step, ident) as staging:
-        for role in CHECKPOINTED_ROLES:
-            if role in w.roles:
-                r0, before = time.perf_counter(), ckpt.size_bytes(staging)
-                w.roles[role].save_checkpoint(str(staging))
+        digests: dict[str, str] = {}
+        for role in _roles(w):
+            r0 = time.perf_counter()
+            digests |= _merged(w.roles[role].save_checkpoint(str(staging), asynchronous))
+            if not asynchronous:
                 log.info("checkpoint step %d: %s written, %.1f MB in %.1fs", step, role,
-                         (ckpt.size_bytes(staging) - before) / 1e6, time.perf_counter() - r0)
-        state = {"data_position": stream.position, "data_fingerprint": data_fingerprint,
-                 "algorithm": algorithm.state()}
-        return ckpt.seal(root, staging, step, state, job.spec.trainer.keep_checkpoints, ident)
+                         ckpt.size_bytes(staging / role) / 1e6, time.perf_counter() - r0)
+        if asynchronous:
+            return SaveInFlight(step, staging, state, ident, t0)
+        return ckpt.seal(root, staging, step, state, job.spec.trainer.keep_checkpoints, ident, digests)
+
+
+def save_written(w: Workers) -> bool:
+    """Whether every rank has finished writing (never blocks)."""
+    return all(all(w.roles[role].checkpoint_written()) for role in _roles(w))
+
+
+def complete_save(job: RLHFJob, w: Workers, root: Path, pending: SaveInFlight) -> Path:
+    """Wait for an asynchronous save's writes and seal it; a failed write removes the checkpoint, like a failed
+    synchronous save."""
+    with ckpt.writing(root, pending.step, staging=pending.staging):
+        digests: dict[str, str] = {}
+        for role in _roles(w):
+            digests |= _merged(w.roles[role].finish_checkpoint())
+        return ckpt.seal(root, pending.staging, pending.step, pending.trainer_state,
+                         job.spec.trainer.keep_checkpoints, pending.ident, digests)
+
+
+def resume_point(job: RLHFJob, root: Path) -> tuple[Path, dict[str, Any], bool] | None:
+    """The checkpoint to resume from: this job's newest intact one, else `trainer.resumeFrom` (a step_* directory
+    or another job's checkpointDir); the flag says whether it is another job's."""
+    found = ckpt.latest_good(root)
+    if found is not None:
+        return (*found, False)
+    source = job.spec.trainer.resume_from
+    if not source:
+        return None
+    found = ckpt.checkpoint_at(ckpt.storage_path(source))
+    if found is None:
+        raise ckpt.CheckpointError(f"spec.trainer.resumeFrom: {source} holds no intact checkpoint; name a step_* "
+                                   f"directory or a checkpointDir with one")
+    return (*found, True)
 
 
 def restore(w: Workers, root: Path, algorithm: AlgorithmState, data_fingerprint: str | None = None,
             job: RLHFJob | None = None) -> tuple[int, int]:
     """(step, data position) of the checkpoint loaded, or (0, 0) for a fresh start. With `job`, a checkpoint of
-    another job or of an incompatible model is refused (CheckpointError) before any weights are read."""
-    found = ckpt.latest_good(root)
+    another job or of an incompatible model is refused (CheckpointError) before any weights are read; a
+    `trainer.resumeFrom` checkpoint may be another job's, but its model must fit."""
+    found = ckpt.latest_good(root) if job is None else resume_point(job, root)
     if found is None:
         return 0, 0
-    path, state = found
+    path, state, *other = found
     if job is not None:
-        ckpt.check_compatible(path, checkpoint_identity(job, w))
+        ckpt.check_compatible(path, checkpoint_identity(job, w), other_job_ok=bool(other and other[0]))
     if data_fingerprint != state.get("data_fingerprint", data_fingerprint):
         log.warning("the training prompts differ from the ones %s was trained on (files or their settings changed): "
                     "continuing at position %d of the new prompt order", path, state["data_position"])
     t0 = time.perf_counter()
-    for role in CHECKPOINTED_ROLES:
-        if role in w.roles:
-            w.roles[role].load_checkpoint(str(path))
+    for role in _roles(w):
+        w.roles[role].load_checkpoint(str(path))
     loaded = time.perf_counter() - t0
     algorithm.load(state.get("algorithm", {}))
     w.roles["actor"].sync_rollout_weights()
     dropped = ckpt.rewind_step_log(root, state["step"])
-    log.info("resumed from %s (step %d, %.1f MB loaded in %.1fs); %d logged step(s) after it will be redone", path,
-             state["step"], ckpt.size_bytes(path) / 1e6, loaded, dropped)
+    size = ckpt.size_bytes(path)
+    log.info("resumed from %s (step %d, %.1f MB loaded in %.1fs, %.0f MB/s); %d logged step(s) after it will be "
+             "redone", path, state["step"], size / 1e6, loaded, size / 1e6 / max(loaded, 1e-9), dropped)
     return int(state["step"]), int(state["data_position"])
 
 
@@ -140,9 +196,11 @@ def fit(
     progress: Callable[[str], None] = print,
 ) -> RunSummary:
     s = job.spec
-    root = Path(s.trainer.checkpoint_dir)
+    root = ckpt.storage_path(s.trainer.checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
     algorithm = AlgorithmState.for_spec(s)
+    if ckpt.remove_unsealed(root):
+        log.info("removed the unsealed checkpoint(s) of a save that was interrupted")
     start_step, position = (restore(w, root, algorithm, task.data_fingerprint, job) if s.trainer.resume == "auto"
                             else (0, 0))
     stream = PromptStream(task.train, s.trainer.prompts_per_step, s.data.seed, position)
@@ -165,18 +223,40 @@ def fit(
                  + (f", cost {eval_before.cost:.3f}" if eval_before.cost is not None else ""))
     t_start = time.perf_counter()
     records = []
+    in_flight: SaveInFlight | None = None
+
+    def sealed(step: int, saved: Path, started: float, stats: dict[str, Any]) -> Path:
+        size, secs = ckpt.size_bytes(saved), time.perf_counter() - started
+        log.info("checkpoint step %d sealed: %s, %.1f MB in %.1fs (%.0f MB/s)", step, saved, size / 1e6, secs,
+                 size / 1e6 / max(secs, 1e-9))
+        stats["checkpoint_bytes"], stats["checkpoint_step"], stats["checkpoint_write_seconds"] = size, step, secs
+        metrics.checkpoint_step.labels(metrics.job).set(step)
+        return saved
+
+    def seal_in_flight(stats: dict[str, Any]) -> Path:
+        nonlocal in_flight
+        pending, in_flight = in_flight, None
+        assert pending is not None
+        return sealed(pending.step, complete_save(job, w, root, pending), pending.started, stats)
+
     for step in range(start_step + 1, s.trainer.steps + 1):
         t0 = time.perf_counter()
         stats, stages = run_iteration(job, w, task, next_prompts(), algorithm, next_prompts)
         saved = None
+        if in_flight is not None and save_written(w):  # sealed as soon as written: a crash then loses less
+            saved = seal_in_flight(stats)
         if (s.trainer.save_freq and step % s.trainer.save_freq == 0) or step == s.trainer.steps:
-            c0 = time.perf_counter()
-            saved = save(job, w, root, step, stream, algorithm, task.data_fingerprint)
-            secs = stages["checkpoint"] = time.perf_counter() - c0
-            size = stats["checkpoint_bytes"] = ckpt.size_bytes(saved)
-            log.info("checkpoint step %d sealed: %s, %.1f MB in %.1fs (%.0f MB/s)", step, saved, size / 1e6, secs,
-                     size / 1e6 / max(secs, 1e-9))
-            metrics.checkpoint_step.labels(metrics.job).set(step)
+            c0 = time.perf_counter()  # the time training waits for checkpointing this step
+            if in_flight is not None:  # one save in flight at a time
+                saved = seal_in_flight(stats)
+            started = save(job, w, root, step, stream, algorithm, task.data_fingerprint, s.trainer.async_save)
+            if isinstance(started, SaveInFlight):
+                in_flight = started
+                if step == s.trainer.steps:  # the last one: nothing left to overlap it with
+                    saved = seal_in_flight(stats)
+            else:
+                saved = sealed(step, started, c0, stats)
+            stages["checkpoint"] = time.perf_counter() - c0
         it = time.perf_counter() - t0
         done = step - start_step
         eta = (time.perf_counter() - t_start) / done * (s.trainer.steps - step)
@@ -221,8 +301,8 @@ def progress_line(rec: dict[str, Any], total: int) -> str:
     ]
     if "cost_mean" in rec:
         parts.insert(2, f"cost {rec['cost_mean']:.3f} (lambda {rec['lagrange_multiplier']:.2f})")
-    if rec.get("checkpoint"):
-        parts.append("saved")
+    if rec.get("checkpoint"):  # sealed this step; an asynchronous save seals a step it began earlier
+        parts.append(f"saved step {rec.get('checkpoint_step', rec['step'])}")
     return " | ".join(parts)
 
 
@@ -249,7 +329,7 @@ def execute(job: RLHFJob, prepared: Prepared, progress: bool = True) -> int:
         if before.cost is not None and after.cost is not None:
             say(f"held-out cost: before {before.cost:.3f} -> after {after.cost:.3f} "
                 f"(limit {s.algorithm.cost_limit:g})")
-    summary_path = Path(s.trainer.checkpoint_dir) / "summary.json"
+    summary_path = ckpt.storage_path(s.trainer.checkpoint_dir) / "summary.json"
     summary_path.write_text(json.dumps({
         "steps_done": summary.steps_done, "start_step": summary.start_step,
         "eval_before": before.reward if before else None, "eval_after": after.reward if after else None,

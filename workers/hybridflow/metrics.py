@@ -30,8 +30,10 @@ STEP_GAUGES = {
     "kept_groups": ("kept_groups", "dapo: groups with differing rewards found this step (dynamic sampling)."),
     "actor_update_flops_per_second": ("update_flops_per_s", "Actor update FLOP/s per rank (6 x parameters x tokens "
                                       "/ update seconds), mean over ranks."),
-    "checkpoint_size_bytes": ("checkpoint_bytes", "Bytes of the last checkpoint written (every role's files); its "
-                              "seconds are the `checkpoint` stage."),
+    "checkpoint_size_bytes": ("checkpoint_bytes", "Bytes of the last checkpoint sealed (every role's files); the "
+                              "seconds training waited for it are the `checkpoint` stage."),
+    "checkpoint_write_seconds": ("checkpoint_write_seconds", "Seconds from the start of the last sealed checkpoint's "
+                                 "save to its seal (with trainer.asyncSave, mostly overlapped with training)."),
     "actor_update_mfu": ("mfu", "Actor update FLOP/s over the rank's own measured matmul peak in the compute "
                          "dtype (model FLOPs utilisation), mean over ranks."),
 }

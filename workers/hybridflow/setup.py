@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms import ALGORITHMS
+from hybridflow.checkpoint import is_url
 from hybridflow.controller.batch import Batch
 from hybridflow.controller.step import Scorer
 from hybridflow.controller.worker_group import ResourcePool, RoleSpec, WorkerGroup
@@ -42,6 +43,16 @@ class Task:
             self.text_reward.close()
 
 
+def data_cache_default(checkpoint_dir: str) -> Path:
+    """<checkpointDir>/data-cache, or a local directory when checkpoints go to object storage (the cache is read
+    as files)."""
+    if is_url(checkpoint_dir):
+        import tempfile
+
+        return Path(tempfile.gettempdir()) / "hybridflow-data-cache"
+    return Path(checkpoint_dir) / "data-cache"
+
+
 def build_task(job: RLHFJob, model_dir: Path) -> Task:
     """The prompts (generated, or the user's files tokenized once) and how responses are scored."""
     s = job.spec
@@ -61,7 +72,7 @@ def build_task(job: RLHFJob, model_dir: Path) -> Task:
         decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
         stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
         if s.data.source == "files":
-            cache = Path(s.data.cache_dir or Path(s.trainer.checkpoint_dir) / "data-cache")
+            cache = Path(s.data.cache_dir or data_cache_default(s.trainer.checkpoint_dir))
             files = load_prompt_files(s.data, tok, s.rollout.max_prompt_length, cache, s.trainer.prompts_per_step)
             train, held_out, fingerprint = files.train, files.eval, files.fingerprint
         else:

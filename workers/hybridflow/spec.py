@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -383,7 +383,8 @@ class Data(_Spec):
                     "either, prompts are plain text."
     )
     cache_dir: FilePath | None = Field(None, description="Where tokenized prompts are cached (default: "
-                                  "<trainer.checkpointDir>/data-cache).")
+                                  "<trainer.checkpointDir>/data-cache; a local temporary directory when "
+                                  "checkpointDir is on object storage).")
 
 
 class Rollout(_Spec):
@@ -469,9 +470,29 @@ class Trainer(_Spec):
     save_freq: int = Field(0, ge=0, le=MAX_STEPS, description="Checkpoint every N steps (0: only at the end).")
     checkpoint_dir: FilePath = Field("./checkpoints", description="Checkpoints and the step log.")
     resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the latest good checkpoint.")
+    resume_from: FilePath | None = Field(
+        None, description="A checkpoint (a step_* directory, or another job's checkpointDir: its newest intact one) "
+        "to start from while this job's checkpointDir has none: weights, optimizer state, step and data position. "
+        "How a job moves to another number of pods or another tensorParallel: a new job names the old one's "
+        "checkpoint here (the checkpoint re-shards on load). On Kubernetes with kubernetes.checkpointPvc, a path "
+        "inside this namespace's directory on that claim: the old job's name (its newest intact checkpoint) or "
+        "<name>/step_<N>; or an object-storage URL."
+    )
+    async_save: bool = Field(
+        False, description="Write checkpoints in the background while training goes on: each rank copies its "
+        "shards to host memory and the next steps run while they are written. A checkpoint counts (for resume and "
+        "status) only once every rank's write is sealed."
+    )
     keep_checkpoints: int = Field(2, gt=0, le=1024, description="Checkpoints kept; older ones are deleted.")
     eval: bool = Field(True, description="Evaluate held-out reward before and after training.")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for sampling and initialisation.")
+
+    @field_validator("resume_from")
+    @classmethod
+    def _no_parent_steps(cls, v: str | None) -> str | None:
+        if v is not None and "://" not in v and ".." in PurePosixPath(v).parts:
+            raise ValueError(f"'{v}' climbs out of its directory ('..'); name the checkpoint's own path")
+        return v
 
 
 class Metrics(_Spec):
@@ -509,6 +530,11 @@ class Kubernetes(_Spec):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy.")
     checkpoint_pvc: ObjectName | None = Field(
         None, description="PersistentVolumeClaim mounted at trainer.checkpointDir (needed to resume after a restart)."
+    )
+    checkpoint_secret: ObjectName | None = Field(
+        None, description="Secret whose keys become environment variables of the head and pool pods, e.g. "
+        "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL for an s3:// trainer.checkpointDir; the "
+        "operator passes it by reference (envFrom secretRef) and never reads it."
     )
     model_pvc: ObjectName | None = Field(
         None, description="PersistentVolumeClaim mounted read-only at /models (point models.*.path into it)."
@@ -935,6 +961,8 @@ def check_runtime_paths(job: RLHFJob) -> list[str]:
                     resolve_paths(field, entries)
             except DataError as err:
                 out.append(str(err))
+    if "://" in job.spec.trainer.checkpoint_dir:  # object storage: reached (and refused) only when the job runs
+        return out
     ckpt = Path(job.spec.trainer.checkpoint_dir)
     probe = ckpt
     while not probe.exists() and probe != probe.parent:

@@ -18,11 +18,33 @@ from hybridflow.spec import Training
 LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, dict[str, float]]]
 
 
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's settings (lr, betas, weight decay...): what a resumed job keeps from its own spec when
+    it loads a checkpoint's optimizer state (saved under settings that a new job may have changed)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def restore_optimizer_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> None:
+    for group, own in zip(optimizer.param_groups, settings, strict=True):
+        group.update(own)
+
+
 class TrainEngine:
     module: nn.Module
     optimizer: torch.optim.Optimizer | None
     device: torch.device
     dynamic_batch_size: bool = False  # token-budget micro-batches cut to their own lengths (data/packing.py)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """This rank's part of the model and optimizer state for torch.distributed.checkpoint, as (D)Tensors under
+        names that do not depend on the layout (HF parameter names, whole-tensor shapes): each rank writes its own
+        shards, and a load re-shards them to another world size or tensor-parallel size. The same call on a freshly
+        built engine gives the template that a load fills in place."""
+        raise NotImplementedError
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Take `state` (a `checkpoint_state()` that a load filled in) as the engine's model and optimizer state."""
+        raise NotImplementedError
 
     def clip_grad_norm(self) -> torch.Tensor:
         """Reduce gradients as the layout needs, clip them to `grad_clip`, return the global norm before clipping."""

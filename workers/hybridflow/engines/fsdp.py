@@ -12,7 +12,7 @@ from torch import nn
 
 from hybridflow.algorithms.core import entropy_from_logits
 from hybridflow.controller.batch import Batch
-from hybridflow.engines.base import TrainEngine
+from hybridflow.engines.base import TrainEngine, optimizer_settings, restore_optimizer_settings
 
 
 def sequence_inputs(batch: Batch) -> dict[str, torch.Tensor]:
@@ -90,6 +90,26 @@ class FSDPEngine(TrainEngine):
         for name, p in self.resharded().named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             yield name, full.detach()
+
+    def checkpoint_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.resharded())}
+        # sharded DTensors under HF names; a fresh optimizer gets zero state first, so the template has every slot
+        model_sd, optim_sd = get_state_dict(self.resharded(), self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if self.optimizer is None or "optimizer" not in state:
+            set_model_state_dict(self.resharded(), state["model"])
+            return
+        settings = optimizer_settings(self.optimizer)
+        set_state_dict(self.resharded(), self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        restore_optimizer_settings(self.optimizer, settings)  # the moments from the checkpoint, lr from the spec
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -208,3 +208,113 @@ class MegatronEngine(TrainEngine):
         else:
             log.warning("checkpoint optimizer state is for tensorParallel=%s, not %s: weights restored, optimizer "
                         "starts fresh", state.get("tensor_parallel"), self.tp_size)
+
+    # --- sharded (DCP) checkpoints ---
+
+    def _mesh(self) -> Any:
+        """(dp, tp) device mesh over megatron's own groups, in its rank order (rank = tp_rank + t * dp_rank)."""
+        if getattr(self, "_device_mesh", None) is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            ranks = torch.arange(dist.get_world_size()).view(self.dp_size, self.tp_size)
+            self._device_mesh = DeviceMesh.from_group(
+                [self.ps.get_data_parallel_group(), self.ps.get_tensor_model_parallel_group()], self.device.type,
+                mesh=ranks, mesh_dim_names=("dp", "tp"))
+        return self._device_mesh
+
+    def _hf_blocks(self, items: Iterable[tuple[str, torch.Tensor]],
+                   params_only: bool = False) -> Iterator[tuple[str, Any]]:
+        """This rank's shards (megatron names) as DTensors of the whole HF tensors: Shard(dim) over the TP group,
+        replicated over data parallel. `params_only` drops the tied lm_head (not a parameter of its own), as
+        the optimizer state of an HF module names it."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        local = mm.local_shape(self.shape, self.tp_size)
+        for name, t in items:
+            dim = mm.shard_dim(name)
+            placements = [Replicate(), Replicate() if dim is None else Shard(dim)]
+            for hf, block in mm.megatron_to_hf_items([(name, t)], local):
+                if params_only and self.shape.tied and hf == "lm_head.weight":
+                    continue
+                yield hf, DTensor.from_local(block, self._mesh(), placements, run_check=False)
+
+    def _optim_template(self, p: torch.Tensor, group: dict) -> dict[str, torch.Tensor]:
+        """AdamW's state for `p` as its first step makes it (what a resuming engine's template is built from)."""
+        fused_or_graph = group.get("fused") or group.get("capturable")
+        step = (torch.zeros((), dtype=torch.float32, device=p.device) if fused_or_graph
+                else torch.tensor(0.0, dtype=torch.float32))
+        out = {"step": step, "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+               "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        if group.get("amsgrad"):
+            out["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return out
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The model and AdamW state as get_state_dict gives them for an HF module under FSDP: {"model": {hf_name:
+        DTensor}, "optimizer": {"state": {hf_name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}},
+        each DTensor this rank's block of the whole HF tensor. Moments split like their parameters; a megatron
+        parameter that fuses several HF ones (QKV, fc1) gives each of them a copy of its step. A fresh optimizer
+        contributes zero state (not installed: building the template changes nothing).
+
+        The model's blocks alias the parameters where the conversion allows (q/k/v only where a rank holds a single
+        query group), so a load writes into them; `load_checkpoint_state` then completes it."""
+        model = dict(self._hf_blocks(self.named_shards()))
+        if self.optimizer is None:
+            return {"model": model}
+        names = {p: n for n, p in self.module.named_parameters()}
+        state: dict[str, dict[str, Any]] = {}
+        groups = []
+        for group in self.optimizer.param_groups:
+            params: list[str] = []
+            for p in group["params"]:
+                own = self.optimizer.state.get(p) or self._optim_template(p, group)
+                entries: dict[str, dict[str, Any]] = {}
+                for key, v in own.items():
+                    if torch.is_tensor(v) and v.shape == p.shape:
+                        for hf, block in self._hf_blocks([(names[p], v.detach())], params_only=True):
+                            entries.setdefault(hf, {})[key] = block
+                for hf in entries:  # scalars (the step) per HF name
+                    entries[hf].update({k: v.clone() if torch.is_tensor(v) else v for k, v in own.items()
+                                        if not (torch.is_tensor(v) and v.shape == p.shape)})
+                state.update(entries)
+                params.extend(entries)
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+        return {"model": model, "optimizer": {"state": state, "param_groups": groups}}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Each tensor's blocks (DTensors that a load filled in this rank's layout) fused back into this rank's
+        shards; the optimizer state is installed whether or not the optimizer has any yet."""
+        local = mm.local_shape(self.shape, self.tp_size)
+
+        def shards(blocks: dict[str, Any]) -> dict[str, torch.Tensor]:
+            return mm.hf_to_megatron({k: v.to_local() if hasattr(v, "to_local") else v for k, v in blocks.items()},
+                                     local)
+
+        model = shards(state["model"])
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                p.copy_(model[name])
+        if self.optimizer is None:
+            return
+        optim = state.get("optimizer")
+        if optim is None:
+            log.warning("checkpoint has no optimizer state: weights restored, optimizer starts fresh")
+            return
+        saved = optim["state"]
+        keys = {k for entry in saved.values() for k in entry}
+        moments = {k: shards({hf: entry[k] for hf, entry in saved.items()}) for k in keys
+                   if all(hasattr(entry[k], "to_local") for entry in saved.values())}
+        names = {p: n for n, p in self.module.named_parameters()}
+        first_hf = {}  # megatron name -> the first HF name it converts to (whose scalars it takes)
+        for n, p in self.module.named_parameters():
+            meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
+            first_hf[n] = next(hf for hf, _ in mm.megatron_to_hf_items([(n, meta)], local)
+                               if not (self.shape.tied and hf == "lm_head.weight"))
+        if len(optim["param_groups"]) != len(self.optimizer.param_groups):
+            raise ValueError(f"checkpoint has {len(optim['param_groups'])} optimizer parameter groups, the engine "
+                             f"{len(self.optimizer.param_groups)}")
+        for group in self.optimizer.param_groups:  # the moments from the checkpoint; lr and betas stay the spec's
+            for p in group["params"]:
+                n = names[p]
+                entry = saved[first_hf[n]]
+                self.optimizer.state[p] = {k: moments[k][n] if k in moments else v for k, v in entry.items()}

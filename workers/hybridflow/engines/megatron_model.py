@@ -9,7 +9,7 @@ vocabulary (embedding, output layer) is split along dim 0. The fused QKV weight 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -200,6 +200,21 @@ def shard(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]]).clone()
     return full.clone()
+
+
+def shard_dim(name: str) -> int | None:
+    """The dim along which the HF tensors that megatron tensor `name` converts to are split over TP ranks (None:
+    replicated). Every TP shard is a contiguous block of them along that dim (see `local_shape`)."""
+    return {"column": 0, "gated": 0, "row": 1}.get(split_rule(name))
+
+
+def local_shape(shape: DecoderShape, tp: int) -> DecoderShape:
+    """The shape of one TP rank's slice of the model: `megatron_to_hf` of a rank's shards under it gives the rank's
+    blocks of the HF tensors, and `hf_to_megatron` of such blocks gives the shards back. That holds because a rank's
+    QKV shard holds whole query groups (contiguous q/k/v heads), its fc1 shard [gate_r; up_r], its row-parallel
+    shards column blocks and its vocabulary shard a row block, each block r of t equal ones (torch.chunk)."""
+    return replace(shape, heads=shape.heads // tp, kv_heads=shape.kv_heads // tp, head_dim=shape.kv_channels,
+                   ffn=shape.ffn // tp, vocab=shape.vocab // tp)
 
 
 def unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:

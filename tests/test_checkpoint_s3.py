@@ -1,0 +1,100 @@
+"""Checkpoints, step log and summary on object storage (`trainer.checkpointDir: s3://bucket/prefix`), against a
+real S3-compatible server (SeaweedFS, tests/s3_server.py) reached through the AWS_* environment variables only."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import ROOT, run_cli
+
+from hybridflow import checkpoint as ck
+from hybridflow import sharded_checkpoint as sc
+
+
+def _ident():
+    return ck.identity("job", "ns", {"actor": {"source": "tiny", "hidden_size": 8}})
+
+
+def _write(root, step: int, payload: bytes) -> object:
+    with ck.writing(root, step, _ident()) as staging:
+        (staging / "actor").mkdir(parents=True, exist_ok=True)
+        (staging / "actor" / "__0_0.distcp").write_bytes(payload)
+        return ck.seal(root, staging, step, {"data_position": step * 8}, keep=2, ident=_ident())
+
+
+def test_checkpoints_seal_verify_prune_and_fall_back_on_object_storage(s3_server, monkeypatch):
+    s3_server.use(monkeypatch)
+    root = ck.storage_path(ck.job_checkpoint_url(f"{s3_server.url}/ckpt", "ns", "job"))
+    assert str(root) == f"{s3_server.url}/ckpt/ns/job" and ck.is_remote(root)
+    for step in (2, 4, 6):
+        sealed = _write(root, step, bytes([step]) * 1000)
+        assert sealed.name == f"step_{step:08d}" and ck.verify(sealed) is None
+    assert [c.name for c in ck.list_checkpoints(root)] == ["step_00000004", "step_00000006"]  # keep=2
+    assert ck.size_bytes(root / "step_00000006") > 1000
+    manifest = json.loads((root / "step_00000006" / ck.MANIFEST).read_text())
+    assert "actor/__0_0.distcp" in manifest["files"]
+
+    # An unsealed save (killed before its manifest) and a corrupted newest one are both skipped.
+    (root / "step_00000008" / "actor").mkdir(parents=True, exist_ok=True)
+    (root / "step_00000008" / "actor" / "__0_0.distcp").write_bytes(b"half")
+    (root / "step_00000006" / "actor" / "__0_0.distcp").write_bytes(b"bit rot")
+    path, state = ck.latest_good(root)
+    assert path.name == "step_00000004" and state["data_position"] == 32
+
+    for step in range(1, 7):
+        ck.append_step_log(root, {"step": step})
+    assert ck.rewind_step_log(root, 4) == 2
+    assert [r["step"] for r in ck.read_step_log(root)] == [1, 2, 3, 4]
+    _write(root, 6, b"redone")  # the redone step replaces the torn ones after the one resumed from
+    assert [c.name for c in ck.list_checkpoints(root)] == ["step_00000004", "step_00000006"]
+
+
+def test_each_rank_writes_its_shards_to_object_storage_and_loads_them_as_data(s3_server, monkeypatch, one_rank):
+    s3_server.use(monkeypatch)
+    checkpoint = ck.storage_path(f"{s3_server.url}/run/step_00000001")
+    state = {"model": {"w": torch.arange(12.0).reshape(3, 4)}, "optimizer": {"param_groups": [{"lr": 0.5}]}}
+    digests = sc.save_async(state, checkpoint / "actor", checkpoint).result(timeout=120)
+    assert set(digests) == {"actor/.metadata", "actor/__0_0.distcp"}
+    assert digests["actor/__0_0.distcp"] == sc.sha256(checkpoint / "actor" / "__0_0.distcp")
+    into = {"model": {"w": torch.zeros(3, 4)}, "optimizer": {"param_groups": [{"lr": 0.0}]}}
+    sc.load(into, checkpoint / "actor")
+    assert torch.equal(into["model"]["w"], state["model"]["w"]) and into["optimizer"]["param_groups"][0]["lr"] == 0.5
+    assert torch.equal(sc.read_full(checkpoint / "actor", keys={"model"})["model"]["w"], state["model"]["w"])
+
+
+@pytest.mark.slow
+def test_a_job_checkpoints_logs_and_resumes_on_object_storage(s3_server, tmp_path, model_cache, ray_tmp):
+    """`hybridflow run` with an s3:// checkpointDir, asynchronous saves: stopped after 4 steps (as a restart would),
+    resumed to 6; the step log, summary and checkpoints are all in the bucket, and the export reads from it."""
+    import yaml
+
+    url = f"{s3_server.url}/jobs/tiny"
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-grpo.yaml").read_text())
+    doc["spec"]["trainer"].update(steps=4, saveFreq=2, asyncSave=True, checkpointDir=url, eval=False)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    env = {**s3_server.env(), "HYBRIDFLOW_MODEL_CACHE": str(model_cache)}
+    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp], cwd=tmp_path, env_extra=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not any(tmp_path.rglob("steps.jsonl")), "nothing is written locally"
+
+    doc["spec"]["trainer"]["steps"] = 6
+    job.write_text(yaml.safe_dump(doc))
+    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp], cwd=tmp_path, env_extra=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    for k, v in s3_server.env().items():
+        os.environ.setdefault(k, v)  # this process reads the bucket too (the keys are the test server's own)
+    root = ck.storage_path(url)
+    assert [r["step"] for r in ck.read_step_log(root)] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((root / "summary.json").read_text())["start_step"] == 4
+    assert [c.name for c in ck.list_checkpoints(root)] == ["step_00000004", "step_00000006"]
+    assert all(ck.verify(c) is None for c in ck.list_checkpoints(root))
+    assert sorted(p.name for p in (root / "step_00000006" / "actor").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]  # both ranks wrote their own shards
+
+    out = run_cli(["export", url, "--to", str(tmp_path / "hf")], cwd=tmp_path, env_extra=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "hf" / "model.safetensors").is_file()

@@ -1,0 +1,76 @@
+"""The DCP layer under every role's checkpoint: an asynchronous save writes the state as it was when the save began,
+and reading a checkpoint never runs code that its files name."""
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from hybridflow import sharded_checkpoint as sc
+from hybridflow.checkpoint import CheckpointError
+
+
+def _state(value: float) -> dict:
+    return {"model": {"w": torch.full((64, 64), value)},
+            "optimizer": {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.full((64, 64), -value)}},
+                          "param_groups": [{"lr": 0.25, "betas": (0.9, 0.95), "params": ["w"]}]}}
+
+
+def test_an_async_save_writes_the_state_as_it_was_when_it_began(tmp_path, one_rank):
+    state = _state(1.0)
+    pending = sc.save_async(state, tmp_path / "actor", tmp_path)
+    state["model"]["w"].fill_(7.0)  # training goes on while the copy is written
+    state["optimizer"]["state"]["w"]["exp_avg"].fill_(7.0)
+    digests = pending.result(timeout=60)
+    assert set(digests) == {"actor/.metadata", "actor/__0_0.distcp"}
+    assert digests["actor/__0_0.distcp"] == sc.sha256(tmp_path / "actor" / "__0_0.distcp")
+    back = sc.read_full(tmp_path / "actor")
+    assert torch.equal(back["model"]["w"], torch.full((64, 64), 1.0))
+    assert torch.equal(back["optimizer"]["state"]["w"]["exp_avg"], torch.full((64, 64), -1.0))
+    assert back["optimizer"]["param_groups"] == [{"lr": 0.25, "betas": (0.9, 0.95), "params": ["w"]}]
+    assert set(sc.read_full(tmp_path / "actor", keys={"model"})) == {"model"}  # export reads the weights only
+
+
+def test_a_sync_save_loads_back_in_place(tmp_path, one_rank):
+    digests = sc.save(_state(2.0), tmp_path / "critic", tmp_path)
+    assert set(digests) == {"critic/.metadata", "critic/__0_0.distcp"}
+    into = _state(0.0)
+    sc.load(into, tmp_path / "critic")
+    assert torch.equal(into["model"]["w"], torch.full((64, 64), 2.0))
+    assert into["optimizer"]["param_groups"][0]["lr"] == 0.25
+
+
+class _Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_metadata_index_that_names_code_is_refused_and_never_runs(tmp_path, one_rank):
+    sc.save(_state(1.0), tmp_path / "actor", tmp_path)
+    marker = tmp_path / "pwned"
+    (tmp_path / "actor" / ".metadata").write_bytes(pickle.dumps(_Exploit(marker)))
+    with pytest.raises(CheckpointError, match=r"^refusing to load .*actor: its .metadata names (posix|os).system"):
+        sc.load(_state(0.0), tmp_path / "actor")
+    with pytest.raises(CheckpointError, match="refusing to load"):
+        sc.read_full(tmp_path / "actor")
+    assert not marker.exists(), "reading a checkpoint ran code from it"
+
+
+def test_a_value_that_names_code_is_refused_and_never_runs(tmp_path, one_rank):
+    marker = tmp_path / "pwned"
+    dcp.save({"model": {"w": torch.ones(2)}, "evil": _Exploit(marker)}, checkpoint_id=str(tmp_path / "actor"))
+    assert not marker.exists()
+    with pytest.raises(CheckpointError, match=r"refusing to load .*actor: it holds a value .*(posix|os).system"):
+        sc.read_full(tmp_path / "actor")
+    with pytest.raises(CheckpointError, match="refusing to load"):
+        sc.load({"model": {"w": torch.zeros(2)}, "evil": None}, tmp_path / "actor")
+    assert not marker.exists(), "reading a checkpoint ran code from it"
+    dcp.load(state := {"model": {"w": torch.zeros(2)}, "evil": None}, checkpoint_id=str(tmp_path / "actor"))
+    assert marker.exists(), "the file is a real exploit: DCP's own loader runs it"
+    assert state["evil"] == 0

@@ -1,0 +1,254 @@
+"""A role's engine state as a torch.distributed.checkpoint (DCP) directory: every rank writes its own shards in
+parallel (`__<rank>_0.distcp`, rank 0 also the `.metadata` index), and a load re-shards them to whatever layout the
+loading engines have (another world size, another tensor-parallel size), because engines name their state by the
+whole tensor (HF parameter names) rather than by shard.
+
+Checkpoints live on storage other jobs and people can write, so reading one never unpickles arbitrary objects: DCP's
+reader unpickles its `.metadata` index and its planner loads non-tensor values with `torch.load(weights_only=False)`;
+both are replaced here by loaders that accept only DCP's own metadata classes and plain data.
+
+Each rank also hashes the files it wrote (in parallel, like the writes), so the controller can seal the checkpoint's
+manifest without reading every byte again."""
+from __future__ import annotations
+
+import collections
+import contextlib
+import concurrent.futures
+import hashlib
+import io
+import logging
+import os
+import pathlib
+import pickle
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # object storage
+from torch.distributed.checkpoint._nested_dict import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import ReadItem
+
+from hybridflow.checkpoint import CheckpointError, StoragePath, is_remote
+
+log = logging.getLogger("hybridflow.checkpoint")
+
+METADATA = ".metadata"
+
+
+class CheckpointFormatError(CheckpointError):
+    """A DCP directory that holds something other than DCP metadata and plain data."""
+
+
+# --- reading without unpickling arbitrary objects ---
+
+_DCP_CLASSES = {(c.__module__, c.__qualname__): c for c in (
+    dcp_metadata.Metadata, dcp_metadata.TensorStorageMetadata, dcp_metadata.BytesStorageMetadata,
+    dcp_metadata.ChunkStorageMetadata, dcp_metadata.TensorProperties, dcp_metadata.MetadataIndex,
+    dcp_metadata.StorageMeta, dcp_metadata._MEM_FORMAT_ENCODING, _StorageInfo)}
+_TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
+# plain constructors the index pickles (paths of the checkpoint id, torch's layout-by-name lookup)
+_PLAIN = {("pathlib", "PosixPath"): pathlib.PosixPath, ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+          ("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+          ("collections", "OrderedDict"): collections.OrderedDict}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata` index: its own dataclasses, torch dtypes, layouts and Size, paths, containers."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _DCP_CLASSES.get((module, name)) or _PLAIN.get((module, name))
+        if found is None and module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUES):
+            found = getattr(torch, name)
+        if found is None:
+            raise CheckpointFormatError(f"{module}.{name}")
+        return found
+
+
+class _SafeMetadata:
+    path: Any
+    load_id: Any
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
+        with self.fs.create_stream(path, "rb") as f:  # type: ignore[attr-defined]
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except CheckpointFormatError as err:
+                raise CheckpointFormatError(
+                    f"refusing to load {self.path}: its {METADATA} names {err}, which could run code when loaded. "
+                    f"Checkpoints are only loaded as data; delete this checkpoint or point spec.trainer.checkpointDir "
+                    f"elsewhere") from err
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise CheckpointFormatError(f"{path} is not a DCP metadata index")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeReader(_SafeMetadata, FileSystemReader):
+    """DCP's reader of a local directory, with the data-only metadata index."""
+
+
+class SafeFsspecReader(_SafeMetadata, FsspecReader):
+    """DCP's reader of object storage (fsspec), with the data-only metadata index."""
+
+
+def _load_value(value: io.BytesIO) -> Any:
+    return torch.load(value, weights_only=True)  # non-tensor values (step counts, param groups): data only
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = _load_value(value)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class _SafeEmptyPlanner(_EmptyStateDictLoadPlanner):
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        SafeLoadPlanner.load_bytes(self, read_item, value)  # type: ignore[arg-type]
+
+
+# --- writing ---
+
+def _writer(directory: StoragePath) -> FileSystemWriter:
+    # one file per rank (the layout resharding reads back); fsync'd, as the seal that follows expects
+    if is_remote(directory):
+        return FsspecWriter(str(directory), single_file_per_rank=True, sync_files=False, thread_count=1)
+    return FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1)
+
+
+def _reader(directory: StoragePath) -> FileSystemReader:
+    return SafeFsspecReader(str(directory)) if is_remote(directory) else SafeReader(str(directory))
+
+
+def own_files(directory: StoragePath, rank: int) -> list[StoragePath]:
+    """The files rank `rank` wrote into a DCP directory (rank 0 also writes the metadata index)."""
+    mine = sorted(p for p in directory.iterdir() if p.name.startswith(f"__{rank}_") and p.name.endswith(".distcp"))
+    return mine + ([directory / METADATA] if rank == 0 else [])
+
+
+def sha256(path: StoragePath) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def digests(directory: Path, rank: int, relative_to: Path) -> dict[str, str]:
+    """SHA-256 of this rank's files, named relative to the checkpoint (what its manifest lists)."""
+    return {str(p)[len(str(relative_to).rstrip("/")) + 1:]: sha256(p) for p in own_files(directory, rank)}
+
+
+def save(state: dict[str, Any], directory: Path, checkpoint: Path) -> dict[str, str]:
+    """Collective: every rank writes its shards of `state` into `directory` (inside the checkpoint directory
+    `checkpoint`); returns this rank's `digests` once its files are on disk."""
+    directory.mkdir(parents=True, exist_ok=True)
+    dcp.save(state, storage_writer=_writer(directory))
+    return digests(directory, dist.get_rank() if dist.is_initialized() else 0, checkpoint)
+
+
+# One writer thread per process: asynchronous saves of several roles in one process run one after another, in the
+# order they were started, which is the same on every rank (their collectives must pair up).
+_background = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridflow-checkpoint")
+
+
+def _yield_to_training() -> None:
+    """Lower this (the writer) thread's CPU priority: serialising, hashing and writing then use the cores training
+    leaves idle instead of slowing its steps (Linux gives each thread its own nice value)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+
+
+def save_async(state: dict[str, Any], directory: Path, checkpoint: Path) -> concurrent.futures.Future:
+    """Collective: copies this rank's `state` to host memory now, so that the engine may train on while the copy is
+    written, and writes and hashes it in the background. The future gives this rank's `digests`."""
+    writer = _writer(directory)
+    staged = writer.stage(state)  # a host copy: later optimizer steps do not reach what is being written
+    group = checkpoint_group()
+    rank = dist.get_rank()
+
+    def write() -> dict[str, str]:
+        _yield_to_training()
+        directory.mkdir(parents=True, exist_ok=True)
+        dcp.save(staged, storage_writer=writer, process_group=group)
+        return digests(directory, rank, checkpoint)
+
+    return _background.submit(write)
+
+
+# --- reading ---
+
+def load(state: dict[str, Any], directory: Path, process_group: dist.ProcessGroup | None = None) -> None:
+    """Collective: fill `state` (the loading engine's own `checkpoint_state()`, in its layout) in place."""
+    _reader(directory).read_metadata()  # a hostile index fails here, with its own message, not deep in DCP
+    with _refusals(directory):
+        dcp.load(state, storage_reader=_reader(directory), planner=SafeLoadPlanner(),
+                 process_group=process_group)
+
+
+@contextlib.contextmanager
+def _refusals(directory: Path) -> Iterator[None]:
+    """A value the data-only loader refused, raised as what it is rather than as DCP's per-rank report."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as err:
+        for failure in err.failures.values():
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, pickle.UnpicklingError):
+                lines = str(cause).splitlines() or [""]
+                what = next((line.strip() for line in lines if "GLOBAL" in line), lines[0])
+                raise CheckpointFormatError(
+                    f"refusing to load {directory}: it holds a value other than tensors and plain data, which could "
+                    f"run code when loaded ({what}). "
+                    f"Checkpoints are only loaded as data; delete this checkpoint or point spec.trainer.checkpointDir "
+                    f"elsewhere") from err
+        raise
+
+
+def read_full(directory: Path, keys: set[str] | None = None) -> dict[str, Any]:
+    """The state of a DCP directory in this process, every tensor whole (no process group needed): what
+    `hybridflow export` and tests read. `keys`: only these top-level entries (e.g. {"model"}, not the optimizer)."""
+    import warnings
+
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    _reader(directory).read_metadata()
+    state: dict[str, Any] = {}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        with _refusals(directory):
+            _load_state_dict(state, storage_reader=_reader(directory), planner=_SafeEmptyPlanner(keys=keys),
+                             no_dist=True)
+    return state
+
+
+def is_dcp_dir(directory: StoragePath) -> bool:
+    return (directory / METADATA).is_file()
+
+
+_checkpoint_groups: dict[int, dist.ProcessGroup] = {}
+
+
+def checkpoint_group() -> dist.ProcessGroup:
+    """A gloo group over the whole world for asynchronous writes only (collective the first time it is asked for):
+    their planning collectives run in the background thread while training uses the default group."""
+    key = id(dist.group.WORLD)
+    if key not in _checkpoint_groups:
+        _checkpoint_groups[key] = dist.new_group(backend="gloo")
+    return _checkpoint_groups[key]
