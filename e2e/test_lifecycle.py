@@ -1,7 +1,9 @@
 """Scenario: lifecycle. Suspend and resume mid-run (pods and their processes go, the job keeps its checkpoints and
-continues where it stopped); delete mid-run (every process and object goes)."""
+continues where it stopped); delete mid-run (every process and object goes); a resize to fewer pods (a new job
+that resumes from the old one's checkpoint)."""
 from __future__ import annotations
 
+import yaml
 from kube.harness import wait_for
 
 from e2e.helpers import job_variant, live_pod_names, phase
@@ -45,3 +47,36 @@ def test_delete_mid_run_removes_every_process_and_object(world, tmp_path):
                          ("service", world.kube.core.list_namespaced_service)):
         left = [o.metadata.name for o in lister("default").items if o.metadata.name.startswith(f"{name}-")]
         assert not left, f"{kind}s left: {left}"
+
+
+def test_a_job_resized_from_two_pods_to_one_resumes_where_the_old_one_stopped(world, tmp_path):
+    """How a resize is asked for: a job's spec is immutable but for runPolicy, so the old job is suspended and a new
+    one with the new pool names the old one's checkpoints (`trainer.resumeFrom: <old job>`, on the same claim). The
+    checkpoint that two pods wrote re-shards onto one; the new job continues from its step."""
+    old, new = "resize-two", "resize-one"
+    _start(world, tmp_path, old)
+    assert len(live_pod_names(world.kube, old)) == 3  # the head and a pool of two
+    world.kubectl("patch", "rlhfjob", old, "--type=merge", "-p", '{"spec":{"runPolicy":{"suspend":true}}}')
+    wait_for(lambda: phase(world, old) == "Suspended", 60, "phase Suspended")
+    wait_for(lambda: not live_pod_names(world.kube, old), 120, "pods deleted")
+    sealed = world.kube.status(old)["lastCheckpointStep"]
+    ran_to = world.step_log(old)[-1]
+    assert ran_to < STEPS, "the job finished before the suspend landed"
+
+    pvc, doc = yaml.safe_load_all(job_variant(tmp_path, new, trainer={"steps": STEPS, "saveFreq": 3,
+                                                                      "resumeFrom": old},
+                                              metrics={"port": 8000, "lingerSeconds": 0}).read_text())
+    doc["spec"]["resourcePools"] = [{"name": "default", "nodes": 1, "devicesPerNode": 1}]
+    doc["spec"]["kubernetes"]["checkpointPvc"] = f"{old}-checkpoints"  # where the old job's checkpoints are
+    manifest = tmp_path / f"{new}-only.yaml"
+    manifest.write_text(yaml.safe_dump(doc, sort_keys=False))
+    world.kubectl("apply", "--validate=false", "-f", str(manifest))
+    wait_for(lambda: phase(world, new) == "Running", 300, f"{new} Running")
+    assert len(live_pod_names(world.kube, new)) == 2  # the head and a pool of one
+    wait_for(lambda: phase(world, new) in ("Succeeded", "Failed"), 600, "the resized job's end")
+    st = world.kube.status(new)
+    assert st["phase"] == "Succeeded", st
+    steps = world.step_log(new, claim=f"{old}-checkpoints")
+    resumed_at = steps[0] - 1
+    assert sealed <= resumed_at <= ran_to and resumed_at % 3 == 0, (sealed, resumed_at, ran_to)
+    assert steps == list(range(resumed_at + 1, STEPS + 1)), "each step after the checkpoint exactly once"

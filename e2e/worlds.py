@@ -102,11 +102,12 @@ class LocalWorld(_Kubectl):
     def logs(self, pod: str, namespace: str = "default") -> str:
         return self.kubelet.logs(namespace, pod)
 
-    def step_log(self, job: str, namespace: str = "default") -> list[int]:
-        return [r["step"] for r in self.step_records(job, namespace)]
+    def step_log(self, job: str, namespace: str = "default", claim: str | None = None) -> list[int]:
+        return [r["step"] for r in self.step_records(job, namespace, claim)]
 
-    def step_records(self, job: str, namespace: str = "default") -> list[dict]:
-        path = self.workdir / "volumes" / namespace / f"{job}-checkpoints" / namespace / job / "steps.jsonl"
+    def step_records(self, job: str, namespace: str = "default", claim: str | None = None) -> list[dict]:
+        claim = claim or f"{job}-checkpoints"
+        path = self.workdir / "volumes" / namespace / claim / namespace / job / "steps.jsonl"
         return _records(path.read_text() if path.exists() else "")
 
     def fill_volume(self, claim: str, files: dict[str, bytes], namespace: str = "default") -> None:
@@ -174,8 +175,8 @@ class RealCluster(_Kubectl):
     def logs(self, pod: str, namespace: str = "default") -> str:
         return self.kubectl("-n", namespace, "logs", pod, "--all-containers", check=False).stdout
 
-    def step_log(self, job: str, namespace: str = "default") -> list[int]:
-        return [r["step"] for r in self.step_records(job, namespace)]
+    def step_log(self, job: str, namespace: str = "default", claim: str | None = None) -> list[int]:
+        return [r["step"] for r in self.step_records(job, namespace, claim)]
 
     def fill_volume(self, claim: str, files: dict[str, bytes], namespace: str = "default") -> None:
         """Files into a PersistentVolumeClaim through a throwaway pod that mounts it (`kubectl cp` into it)."""
@@ -202,14 +203,15 @@ class RealCluster(_Kubectl):
         finally:
             self.kubectl("-n", namespace, "delete", "pod", name, "--wait=false", check=False)
 
-    def step_records(self, job: str, namespace: str = "default") -> list[dict]:
+    def step_records(self, job: str, namespace: str = "default", claim: str | None = None) -> list[dict]:
         """Read steps.jsonl from the job's checkpoint claim with a throwaway pod of the worker image."""
+        claim = claim or f"{job}-checkpoints"
         name = f"{job}-steplog-{int(time.time())}"
         image = self.kube.job(job, namespace)["spec"].get("kubernetes", {}).get("image", "hybridflow/worker-cpu:0.1.0")
         overrides = {"spec": {"restartPolicy": "Never", "containers": [{
             "name": "cat", "image": image, "command": ["sh", "-c", f"cat /ckpt/{namespace}/{job}/steps.jsonl || true"],
             "volumeMounts": [{"name": "c", "mountPath": "/ckpt"}]}],
-            "volumes": [{"name": "c", "persistentVolumeClaim": {"claimName": f"{job}-checkpoints"}}]}}
+            "volumes": [{"name": "c", "persistentVolumeClaim": {"claimName": claim}}]}}
         self.kubectl("-n", namespace, "run", name, f"--image={image}", "--restart=Never",
                      f"--overrides={json.dumps(overrides)}")
         wait_for(lambda: self.kubectl("-n", namespace, "get", "pod", name, "-o", "jsonpath={.status.phase}",

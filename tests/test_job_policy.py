@@ -203,3 +203,15 @@ def test_only_the_operator_may_make_objects_that_pass_for_a_jobs_own():
     assert admitted(guard, plain)
     assert not admitted(guard, labelled, old=plain)  # turning one's own pod into the job's
     assert admitted(guard, labelled, old=labelled, user="system:node:n1")  # the kubelet updating a job pod
+
+
+def test_a_checkpoint_secret_is_usable_only_by_an_author_who_may_read_it(charts):
+    """kubernetes.checkpointSecret becomes the pods' environment (envFrom), like the Ray token: a job may name only
+    a Secret its author could read anyway (the operator never reads it)."""
+    vap, _ = charts["default"]
+    doc = _job(TINY, **{"kubernetes.checkpointSecret": "team-s3"})
+    assert admitted(vap, doc, AuthorizerDouble({("secrets", "ml", "team-s3")}))
+    assert not admitted(vap, doc, AuthorizerDouble())  # may not read it
+    assert not admitted(vap, doc, AuthorizerDouble({("secrets", "other-ns", "team-s3")}))
+    assert not admitted(vap, _job(doc, **{"kubernetes.rayAuthSecret": "team-token"}),
+                        AuthorizerDouble({("secrets", "ml", "team-token")}))  # each Secret is checked

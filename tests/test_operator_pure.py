@@ -8,7 +8,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from hybridflow.spec import parse_job, pool_resource
+from hybridflow.spec import SpecError, parse_job, pool_resource
 from hybridflow_operator import manifests as mf
 from hybridflow_operator.phases import STUCK_TERMINATING_SECONDS, PodView, decide, iso, set_condition
 from hybridflow_operator.progress import merge_progress, parse_progress
@@ -496,3 +496,102 @@ def test_the_drivers_error_is_read_from_its_log_tail():
                "exitCode": 2, "reason": "Error", "message": tail}}}]}}
     view = _pod_view(pod)
     assert view.exit_code == 2 and view.message.endswith("spec.data.train: 'x.jsonl' does not exist")
+
+
+def _pods(objs: list[dict]) -> list[dict]:
+    return [o for o in objs if o["kind"] == "Pod"]
+
+
+def test_checkpoint_secret_reaches_the_head_and_every_pool_pod_by_reference():
+    raw = _raw("tiny-grpo.yaml", kubernetes={"checkpointSecret": "team-s3"},
+               resourcePools=[{"name": "default", "devicesPerNode": 2, "nodes": 2}])
+    objs = _all_manifests(raw)
+    head, *workers = _pods(objs)
+    assert head["metadata"]["labels"][mf.LABEL_ROLE] == "head" and len(workers) == 2
+    for pod in (head, *workers):
+        for c in pod["spec"]["containers"]:
+            assert c["envFrom"] == [{"secretRef": {"name": "team-s3"}}], pod["metadata"]["name"]
+            env = {e["name"]: e for e in c["env"]}  # the operator's own variables stay (`env` wins over envFrom)
+            assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "tiny-grpo-ray-token"
+        for c in pod["spec"].get("initContainers", []):
+            assert "envFrom" not in c  # waiting for the head needs no credentials
+        assert not [v for v in pod["spec"]["volumes"] if "secret" in v]  # by reference, never mounted or copied
+        assert _restricted_problems(pod) == []
+    assert [o["metadata"]["name"] for o in objs if o["kind"] == "Secret"] == ["tiny-grpo-ray-token"]
+    assert "team-s3" not in json.dumps([o for o in objs if o["kind"] not in ("Pod", "ConfigMap")])  # the spec, pods
+    for version in (K8S_VERSIONS[0], K8S_VERSIONS[-1]):
+        for pod in (head, *workers):
+            kubernetes_validate.validate(pod, version, strict=True)
+
+
+def test_no_env_from_without_a_checkpoint_secret():
+    for example in ("tiny-grpo.yaml", "gpu-grpo-7b.yaml"):
+        for pod in _pods(_all_manifests(_raw(example))):
+            for c in pod["spec"]["containers"] + pod["spec"].get("initContainers", []):
+                assert "envFrom" not in c, (example, pod["metadata"]["name"], c["name"])
+
+
+@pytest.mark.parametrize("checkpoint_dir, expected", [
+    ("s3://bucket/runs", "s3://bucket/runs/ml/tiny-grpo"),
+    ("s3://bucket/runs/", "s3://bucket/runs/ml/tiny-grpo"),
+    ("s3://bucket", "s3://bucket/ml/tiny-grpo"),
+    ("gs://bucket/a/b", "gs://bucket/a/b/ml/tiny-grpo"),
+    ("s3://bucket/runs/ml/tiny-grpo", "s3://bucket/runs/ml/tiny-grpo"),  # already the job's own: kept
+])
+def test_object_storage_checkpoint_dir_stays_a_url_with_the_jobs_own_prefix_and_needs_no_pvc(checkpoint_dir,
+                                                                                              expected):
+    from hybridflow_operator.handlers import _missing_inputs
+
+    trainer = {**_raw("tiny-grpo.yaml")["spec"]["trainer"], "checkpointDir": checkpoint_dir}
+    raw = _raw("tiny-grpo.yaml", trainer=trainer, kubernetes={"checkpointSecret": "team-s3"})
+    job = parse_job(raw)
+    objs = _all_manifests(raw)
+    ran = parse_job(json.loads(next(o for o in objs if o["kind"] == "ConfigMap")["data"][mf.SPEC_KEY]))
+    assert ran.spec.trainer.checkpoint_dir == expected  # not the PVC mount, and `s3://` not collapsed to `s3:/`
+    assert mf.resolved_job(ran) == ran  # resolving again changes nothing
+    for pod in _pods(objs):
+        assert "checkpoints" not in {v["name"] for v in pod["spec"]["volumes"]}
+        assert mf.CHECKPOINT_MOUNT not in {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    assert _missing_inputs(job, "ml") == ""  # nothing to look up: no PVC is needed (and the Secret is never read)
+    status: dict = {}
+    merge_progress(status, {"step": 2, "lastCheckpointStep": 2}, ran.spec.trainer.checkpoint_dir, iso(NOW))
+    assert status["lastCheckpoint"] == f"{expected}/step_00000002"
+    # a checkpointPvc as well: the URL still names where checkpoints go
+    raw["spec"]["kubernetes"]["checkpointPvc"] = "ck"
+    assert mf.resolved_job(parse_job(raw)).spec.trainer.checkpoint_dir == expected
+
+
+def test_checkpoint_url_refuses_names_that_would_leave_the_prefix():
+    assert mf.job_checkpoint_url("s3://b/p", None, "j") == "s3://b/p/j"
+    for ns, name in (("..", "j"), ("ml", "a/b"), ("ml", "")):
+        with pytest.raises(ValueError):
+            mf.job_checkpoint_url("s3://b/p", ns, name)
+    assert not mf.is_url("./runs/x") and not mf.is_url("/var/x") and not mf.is_url("s3:/b/x")
+    assert mf.is_url("s3://b") and mf.is_url("gs://b/x")
+
+
+CK = mf.CHECKPOINT_MOUNT
+
+
+@pytest.mark.parametrize("resume_from, expected", [
+    ("tiny-grpo-2pods", f"{CK}/ml/tiny-grpo-2pods"),  # the old job's newest intact checkpoint
+    ("tiny-grpo-2pods/step_00000006", f"{CK}/ml/tiny-grpo-2pods/step_00000006"),
+    (f"{CK}/ml/tiny-grpo-2pods", f"{CK}/ml/tiny-grpo-2pods"),  # already resolved: kept
+    (f"{CK}/other-team/their-job", f"{CK}/ml{CK}/other-team/their-job"),  # never another namespace's
+    ("s3://bucket/runs/ml/tiny-grpo-2pods", "s3://bucket/runs/ml/tiny-grpo-2pods"),
+])
+def test_resume_from_names_a_checkpoint_of_this_namespace_on_the_claim(resume_from, expected):
+    """How a job is resized: a new job (another pool size or tensorParallel) resumes from the old one's checkpoint,
+    which is inside this namespace's directory on the shared claim, whatever the path says."""
+    trainer = {**_raw("tiny-grpo.yaml")["spec"]["trainer"], "resumeFrom": resume_from}
+    raw = _raw("tiny-grpo.yaml", trainer=trainer, kubernetes={"checkpointPvc": "ck"})
+    objs = _all_manifests(raw)
+    ran = parse_job(json.loads(next(o for o in objs if o["kind"] == "ConfigMap")["data"][mf.SPEC_KEY]))
+    assert ran.spec.trainer.resume_from == expected
+    assert mf.resolved_job(ran) == ran
+
+
+def test_resume_from_may_not_climb_out_of_its_directory():
+    trainer = {**_raw("tiny-grpo.yaml")["spec"]["trainer"], "resumeFrom": "../other-team/their-job"}
+    with pytest.raises(SpecError, match=r"resumeFrom.*climbs out of its directory"):
+        parse_job(_raw("tiny-grpo.yaml", trainer=trainer, kubernetes={"checkpointPvc": "ck"}))

@@ -263,8 +263,10 @@ def _spec_fields(job: RLHFJob) -> dict[str, Any]:
 def _missing_inputs(job: RLHFJob, namespace: str) -> str:
     """What the job's pods would mount but does not exist, or exists unmarked for jobs: its PVCs and the reward
     ConfigMap (and the reward file's key in it). Checked before pods are created, so the job waits with a reason
-    instead of pods stuck creating. (A Ray token Secret the spec names is not looked at: the operator never reads
-    Secrets; the admission policy checks that the job's author may read it.)"""
+    instead of pods stuck creating. (The Secrets the spec names, rayAuthSecret and checkpointSecret, are not looked
+    at: the operator never reads Secrets; the admission policy checks that the job's author may read them, and a
+    missing one keeps the pods in CreateContainerConfigError, which the job's PodsStarting condition reports. An
+    object-storage trainer.checkpointDir (s3://...) needs no checkpointPvc.)"""
     k8s = job.spec.kubernetes
     problems = []
     for field, claim in (("checkpointPvc", k8s.checkpoint_pvc), ("modelPvc", k8s.model_pvc),

@@ -10,10 +10,11 @@ import copy
 import hashlib
 import json
 import shlex
+from pathlib import PurePosixPath
 from typing import Any
 
 
-from hybridflow.checkpoint import job_checkpoint_dir
+from hybridflow.checkpoint import is_url, job_checkpoint_dir, job_checkpoint_url
 from hybridflow.spec import API_GROUP as GROUP
 from hybridflow.spec import DATA_MOUNT, REWARD_MOUNT, RLHFJob, ResourcePool, dump_job, pool_resource
 
@@ -94,13 +95,24 @@ def worker_pod_name(job_name: str, pool: str, index: int, generation: int) -> st
 
 
 def resolved_job(job: RLHFJob) -> RLHFJob:
-    """The spec as it runs in pods: metrics on all interfaces, checkpoints in the job's own directory on the PVC when
-    one is given, prompt files inside the data volume and the reward file inside the ConfigMap's mount."""
+    """The spec as it runs in pods: metrics on all interfaces, checkpoints in the job's own directory (under the
+    object-storage URL trainer.checkpointDir names, else on the PVC when one is given), prompt files inside the data
+    volume and the reward file inside the ConfigMap's mount."""
     run = job.model_copy(deep=True)
     s, k8s = run.spec, run.spec.kubernetes
     s.metrics.address = "0.0.0.0"
-    if k8s.checkpoint_pvc:  # one directory per job: a claim shared by several jobs never mixes their checkpoints
+    # one directory per job: a bucket prefix or a claim shared by several jobs never mixes their checkpoints
+    if is_url(s.trainer.checkpoint_dir):
+        s.trainer.checkpoint_dir = job_checkpoint_url(s.trainer.checkpoint_dir, run.metadata.namespace,
+                                                      run.metadata.name)
+    elif k8s.checkpoint_pvc:
         s.trainer.checkpoint_dir = job_checkpoint_dir(CHECKPOINT_MOUNT, run.metadata.namespace, run.metadata.name)
+    if s.trainer.resume_from and not is_url(s.trainer.resume_from) and k8s.checkpoint_pvc:
+        # inside this namespace's directory on the claim (the spec refuses '..'): another job's checkpoints, never
+        # another namespace's
+        own = str(PurePosixPath(CHECKPOINT_MOUNT, run.metadata.namespace or "default"))
+        path = s.trainer.resume_from
+        s.trainer.resume_from = path if path.startswith(own + "/") else _inside(own, path.lstrip("/"))
     if k8s.data_pvc:
         s.data.train = [_inside(DATA_MOUNT, p) for p in s.data.train]
         s.data.eval = [_inside(DATA_MOUNT, p) for p in s.data.eval]
@@ -238,6 +250,10 @@ def _pod(
         resources = c.setdefault("resources", {})
         resources.setdefault("limits", {}).setdefault("ephemeral-storage", EPHEMERAL_LIMIT)
         resources.setdefault("requests", {}).setdefault("ephemeral-storage", EPHEMERAL_REQUEST)
+    if k8s.checkpoint_secret:  # object-storage credentials for the head's and the pools' main containers
+        for c in containers:
+            # by reference: the kubelet reads the Secret, never the operator; `env` above wins over its keys
+            c["envFrom"] = [{"secretRef": {"name": k8s.checkpoint_secret}}]
     spec: dict[str, Any] = {
         "restartPolicy": "Never",  # a failed container fails the gang; the operator restarts it whole
         "containers": containers,
