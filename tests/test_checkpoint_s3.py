@@ -98,3 +98,18 @@ def test_a_job_checkpoints_logs_and_resumes_on_object_storage(s3_server, tmp_pat
     out = run_cli(["export", url, "--to", str(tmp_path / "hf")], cwd=tmp_path, env_extra=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_refused_credentials_are_a_clear_error_naming_the_field(s3_server, tmp_path):
+    """Checked in a fresh process, as a job starts: fsspec caches filesystems with the credentials they were made with."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom hybridflow import checkpoint as ck\ntry:\n    ck.open_root(sys.argv[1])\n"
+            "except ck.CheckpointError as e:\n    print(e)\n")
+    for change in ({"AWS_SECRET_ACCESS_KEY": "not-the-secret"}, {"AWS_ACCESS_KEY_ID": ""}):
+        env = {**os.environ, **s3_server.env(), **change}
+        out = subprocess.run([sys.executable, "-c", code, f"{s3_server.url}/x"], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.stdout.startswith(f"spec.trainer.checkpointDir: cannot use {s3_server.url}/x ("), out
+        assert "AWS_SECRET_ACCESS_KEY" in out.stdout and "kubernetes.checkpointSecret" in out.stdout

@@ -56,6 +56,24 @@ def storage_path(location: str | os.PathLike) -> StoragePath:
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
+def open_root(location: str) -> StoragePath:
+    """The job's checkpoint directory, created if missing. On object storage this is the first request: a missing
+    bucket, refused or absent credentials or an unreachable endpoint become a CheckpointError that names the
+    field and what to check, not a botocore traceback."""
+    root = storage_path(location)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        list_checkpoints(root)
+    except Exception as err:
+        if not is_remote(root):
+            raise
+        raise CheckpointError(
+            f"spec.trainer.checkpointDir: cannot use {location} ({type(err).__name__}: {str(err)[:300]}). Check that "
+            f"the bucket exists and that AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL (on "
+            f"Kubernetes: the keys of the Secret that kubernetes.checkpointSecret names) give access to it") from err
+    return root
+
+
 def is_url(location: str) -> bool:
     """`<scheme>://...` (s3://bucket/prefix): object storage, no volume; anything else is a local path."""
     return bool(_URL.match(location))

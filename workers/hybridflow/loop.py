@@ -196,8 +196,7 @@ def fit(
     progress: Callable[[str], None] = print,
 ) -> RunSummary:
     s = job.spec
-    root = ckpt.storage_path(s.trainer.checkpoint_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    root = ckpt.open_root(s.trainer.checkpoint_dir)
     algorithm = AlgorithmState.for_spec(s)
     if ckpt.remove_unsealed(root):
         log.info("removed the unsealed checkpoint(s) of a save that was interrupted")
