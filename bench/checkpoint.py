@@ -50,7 +50,7 @@ def _step(engine, batch) -> float:
 
 def _rank(rank: int, world: int, store: str, model_dir: str, out_dir: str, steps: int, result: str) -> None:
     from hybridflow import sharded_checkpoint as sc
-    from hybridflow.checkpoint import _sha256
+    from hybridflow.checkpoint import sha256
     from hybridflow.engines.fsdp import FSDPEngine
     from hybridflow.roles.common import load_causal_lm
 
@@ -78,7 +78,7 @@ def _rank(rank: int, world: int, store: str, model_dir: str, out_dir: str, steps
             torch.save(state, path)
             with open(path, "rb+") as f:
                 os.fsync(f.fileno())
-            _sha256(path)
+            sha256(path)
 
     timed("full_save", full_save)
 

@@ -299,3 +299,26 @@ def test_redoing_a_step_replaces_it_without_leftovers(tmp_path):
     ck.seal(tmp_path, st, 2, {"data_position": 2}, keep=3, ident=_ident())
     assert (tmp_path / "step_00000002" / "actor.pt").read_bytes() == b"new"
     assert ck.verify(tmp_path / "step_00000002") is None and not list(tmp_path.glob(".step_*"))
+
+
+def test_a_step_sealed_but_not_yet_logged_gets_its_record_back_on_resume(tmp_path):
+    """kill -9 between a checkpoint's seal and its step's log line: the job resumes after that step, so without the
+    record the checkpoint carries, the log would lack it forever."""
+    from types import SimpleNamespace
+
+    from hybridflow import loop
+
+    for step in (1, 2):
+        ck.append_step_log(tmp_path, {"step": step, "reward_mean": 0.1 * step})
+    st = ck.staging_dir(tmp_path, 3)
+    (st / "actor.pt").write_bytes(b"w")
+    record = {"step": 3, "reward_mean": 0.3, "stages": {"generate": 1.0}}
+    sealed = ck.seal(tmp_path, st, 3, {"data_position": 3, "step_record": record}, keep=3)
+    actor = SimpleNamespace(load_checkpoint=lambda d: None, sync_rollout_weights=lambda: None)
+    w = SimpleNamespace(roles={"actor": actor})
+    assert loop.restore(w, tmp_path, SimpleNamespace(load=lambda s: None)) == (3, 3)
+    logged = ck.read_step_log(tmp_path)
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    assert logged[-1] == {**record, "checkpoint": str(sealed)}
+    assert loop.restore(w, tmp_path, SimpleNamespace(load=lambda s: None)) == (3, 3)  # a second resume adds nothing
+    assert [r["step"] for r in ck.read_step_log(tmp_path)] == [1, 2, 3]

@@ -78,7 +78,7 @@ def test_ppo_with_hf_generation(tmp_path, model_cache, ray_tmp):
     for r in records:
         assert r["stages"]["values"] > 0 and r["stages"]["critic_update"] > 0
         assert "critic_vf_loss" in r and "kl_mean" in r
-    assert (ckpt / "step_00000006" / "critic.pt").is_file()
+    assert (ckpt / "step_00000006" / "critic" / ".metadata").is_file()  # the critic's own shards
 
 
 def _kill_session(proc, ray_tmp):
@@ -114,7 +114,7 @@ def test_kill_9_then_resume_loses_and_repeats_no_step(tmp_path, model_cache, ray
     assert max(logged) >= 7
     assert (ckpt / "step_00000006").is_dir()
     # The newest checkpoint gets corrupted too: resume must fall back to step 3 and say so.
-    with open(ckpt / "step_00000006" / "actor.pt", "r+b") as f:
+    with open(ckpt / "step_00000006" / "actor" / "__1_0.distcp", "r+b") as f:  # rank 1's actor shard
         f.seek(100)
         f.write(b"\x00" * 64)
 

@@ -510,11 +510,16 @@ def test_checkpoint_secret_reaches_the_head_and_every_pool_pod_by_reference():
     assert head["metadata"]["labels"][mf.LABEL_ROLE] == "head" and len(workers) == 2
     for pod in (head, *workers):
         for c in pod["spec"]["containers"]:
-            assert c["envFrom"] == [{"secretRef": {"name": "team-s3"}}], pod["metadata"]["name"]
-            env = {e["name"]: e for e in c["env"]}  # the operator's own variables stay (`env` wins over envFrom)
+            assert "envFrom" not in c  # only the credential variables: the Secret's other keys reach nothing
+            env = {e["name"]: e for e in c["env"]}
+            assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"] == {"secretKeyRef": {
+                "name": "team-s3", "key": "AWS_SECRET_ACCESS_KEY", "optional": True}}, pod["metadata"]["name"]
+            assert {"AWS_ACCESS_KEY_ID", "AWS_ENDPOINT_URL", "AWS_REGION"} <= set(env)
+            assert "PYTHONPATH" not in env and "LD_PRELOAD" not in env
+            assert len(c["env"]) == len(env), "no variable is set twice"
             assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "tiny-grpo-ray-token"
         for c in pod["spec"].get("initContainers", []):
-            assert "envFrom" not in c  # waiting for the head needs no credentials
+            assert not [e for e in c["env"] if e["name"].startswith("AWS_")]  # waiting for the head needs none
         assert not [v for v in pod["spec"]["volumes"] if "secret" in v]  # by reference, never mounted or copied
         assert _restricted_problems(pod) == []
     assert [o["metadata"]["name"] for o in objs if o["kind"] == "Secret"] == ["tiny-grpo-ray-token"]
@@ -524,11 +529,12 @@ def test_checkpoint_secret_reaches_the_head_and_every_pool_pod_by_reference():
             kubernetes_validate.validate(pod, version, strict=True)
 
 
-def test_no_env_from_without_a_checkpoint_secret():
+def test_no_credentials_without_a_checkpoint_secret():
     for example in ("tiny-grpo.yaml", "gpu-grpo-7b.yaml"):
         for pod in _pods(_all_manifests(_raw(example))):
             for c in pod["spec"]["containers"] + pod["spec"].get("initContainers", []):
                 assert "envFrom" not in c, (example, pod["metadata"]["name"], c["name"])
+                assert not [e for e in c["env"] if e["name"].startswith("AWS_")], (example, c["name"])
 
 
 @pytest.mark.parametrize("checkpoint_dir, expected", [
@@ -595,3 +601,9 @@ def test_resume_from_may_not_climb_out_of_its_directory():
     trainer = {**_raw("tiny-grpo.yaml")["spec"]["trainer"], "resumeFrom": "../other-team/their-job"}
     with pytest.raises(SpecError, match=r"resumeFrom.*climbs out of its directory"):
         parse_job(_raw("tiny-grpo.yaml", trainer=trainer, kubernetes={"checkpointPvc": "ck"}))
+    # nor around it: a path in URL clothes (file://, local://) would not be confined; http(s) would fetch anything
+    for field in ("resumeFrom", "checkpointDir"):
+        for url in (f"file://{CK}/other-team/their-job", f"local://{CK}/other-team/x", "http://10.0.0.1/x"):
+            trainer = {**_raw("tiny-grpo.yaml")["spec"]["trainer"], field: url}
+            with pytest.raises(SpecError, match=rf"{field}.*is not object storage; use a plain path"):
+                parse_job(_raw("tiny-grpo.yaml", trainer=trainer, kubernetes={"checkpointPvc": "ck"}))

@@ -74,3 +74,29 @@ def test_a_value_that_names_code_is_refused_and_never_runs(tmp_path, one_rank):
     dcp.load(state := {"model": {"w": torch.zeros(2)}, "evil": None}, checkpoint_id=str(tmp_path / "actor"))
     assert marker.exists(), "the file is a real exploit: DCP's own loader runs it"
     assert state["evil"] == 0
+
+
+def test_a_metadata_index_cannot_change_classes_for_the_whole_process(tmp_path, one_rank):
+    """BUILD on a class (here: pathlib.PosixPath.is_file = OrderedDict) would alter every later path check of the
+    worker, e.g. the ones that decide which checkpoints are intact and which are pruned."""
+    import pathlib
+
+    sc.save(_state(1.0), tmp_path / "actor", tmp_path)
+    is_file = pathlib.PosixPath.is_file
+    (tmp_path / "actor" / ".metadata").write_bytes(
+        b"\x80\x02cpathlib\nPosixPath\nN}X\x07\x00\x00\x00is_fileccollections\nOrderedDict\ns\x86b.")
+    with pytest.raises(CheckpointError, match=r"refusing to load .*attributes set on type"):
+        sc.load(_state(0.0), tmp_path / "actor")
+    assert pathlib.PosixPath.is_file is is_file
+
+
+def test_a_metadata_index_may_only_point_at_its_own_shard_files(tmp_path, one_rank):
+    sc.save(_state(1.0), tmp_path / "other" / "actor", tmp_path / "other")
+    sc.save(_state(1.0), tmp_path / "mine" / "actor", tmp_path / "mine")
+    index = tmp_path / "mine" / "actor" / ".metadata"
+    metadata = pickle.loads(index.read_bytes())  # the test's own file: trusted here
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../other/actor/__0_0.distcp"  # another job's shards on the same volume
+    index.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=r"points at '../../other/actor/__0_0.distcp', not at a shard file"):
+        sc.read_full(tmp_path / "mine" / "actor")

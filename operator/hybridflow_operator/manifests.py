@@ -14,7 +14,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 
-from hybridflow.checkpoint import is_url, job_checkpoint_dir, job_checkpoint_url
+from hybridflow.checkpoint import STORAGE_CREDENTIAL_KEYS, is_url, job_checkpoint_dir, job_checkpoint_url
 from hybridflow.spec import API_GROUP as GROUP
 from hybridflow.spec import DATA_MOUNT, REWARD_MOUNT, RLHFJob, ResourcePool, dump_job, pool_resource
 
@@ -252,8 +252,11 @@ def _pod(
         resources.setdefault("requests", {}).setdefault("ephemeral-storage", EPHEMERAL_REQUEST)
     if k8s.checkpoint_secret:  # object-storage credentials for the head's and the pools' main containers
         for c in containers:
-            # by reference: the kubelet reads the Secret, never the operator; `env` above wins over its keys
-            c["envFrom"] = [{"secretRef": {"name": k8s.checkpoint_secret}}]
+            # by reference (the kubelet reads the Secret, never the operator), and only the credential variables:
+            # a whole-Secret envFrom would let its author set anything (PYTHONPATH, LD_PRELOAD) in the job's pods
+            c["env"] += [{"name": key, "valueFrom": {"secretKeyRef": {"name": k8s.checkpoint_secret, "key": key,
+                                                                      "optional": True}}}
+                         for key in STORAGE_CREDENTIAL_KEYS]
     spec: dict[str, Any] = {
         "restartPolicy": "Never",  # a failed container fails the gang; the operator restarts it whole
         "containers": containers,

@@ -53,7 +53,17 @@ def storage_path(location: str | os.PathLike) -> StoragePath:
     return Path(location)
 
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+# The object stores a checkpointDir or resumeFrom may name. Not file:// or local:// (a path in URL clothes, which
+# would escape the per-namespace confinement of paths on a shared claim) and not http(s) (requests to anywhere).
+OBJECT_STORES = ("s3", "gs", "gcs", "az", "abfs", "abfss")
+# The environment variables object-storage clients read credentials and endpoints from: on Kubernetes, the keys of
+# kubernetes.checkpointSecret the pods get (only these: a Secret's other keys could set PYTHONPATH or LD_PRELOAD).
+STORAGE_CREDENTIAL_KEYS = (
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_REGION",
+    "AWS_DEFAULT_REGION", "AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME",
+    "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN",
+)
 
 
 def open_root(location: str) -> StoragePath:
@@ -77,6 +87,17 @@ def open_root(location: str) -> StoragePath:
 def is_url(location: str) -> bool:
     """`<scheme>://...` (s3://bucket/prefix): object storage, no volume; anything else is a local path."""
     return bool(_URL.match(location))
+
+
+def location_problem(location: str) -> str | None:
+    """Why `location` cannot be a checkpointDir or resumeFrom, or None: a URL must name one of OBJECT_STORES."""
+    m = _URL.match(location)
+    if m and m.group(1).lower() not in OBJECT_STORES:
+        return (f"'{location}': {m.group(1)}:// is not object storage; use a plain path, or one of "
+                f"{', '.join(s + '://' for s in OBJECT_STORES)}")
+    if not m and "://" in location:
+        return f"'{location}' is neither a path nor a URL (scheme://...)"
+    return None
 
 
 def is_remote(p: StoragePath) -> bool:
@@ -217,7 +238,7 @@ def _save_failure(root: Path, step: int, err: OSError) -> str:
             f"lower spec.trainer.keepCheckpoints) and resume")
 
 
-def _sha256(path: StoragePath) -> str:
+def sha256(path: StoragePath) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -264,7 +285,8 @@ def _files(directory: StoragePath) -> list[StoragePath]:
     return sorted(p for p in directory.rglob("*") if p.is_file())
 
 
-def _relative(p: StoragePath, directory: StoragePath) -> str:
+def relative(p: StoragePath, directory: StoragePath) -> str:
+    """`p`'s path inside `directory`, '/'-separated (the name a manifest lists it under)."""
     return str(p)[len(str(directory).rstrip("/")) + 1:]
 
 
@@ -279,8 +301,8 @@ def seal(root: Path, staging: Path, step: int, trainer_state: dict[str, Any], ke
     known = digests or {}
     files = {}
     for p in _files(staging):
-        name = _relative(p, staging)
-        files[name] = known.get(name) or _sha256(p)
+        name = relative(p, staging)
+        files[name] = known.get(name) or sha256(p)
     missing = sorted(set(known) - set(files))
     if missing:
         raise CheckpointError(f"checkpoint step {step} in {staging} lacks files its writers reported ({missing[:3]})")
@@ -362,7 +384,7 @@ def verify(ckpt: Path) -> str | None:
         if not p.is_file():
             return f"missing file {name}"
         try:
-            if _sha256(p) != digest:
+            if sha256(p) != digest:
                 return f"file {name} does not match its checksum"
         except OSError as err:
             return f"unreadable file {name}: {err}"

@@ -87,24 +87,51 @@ def _merged(per_rank: Sequence[dict[str, str] | None]) -> dict[str, str]:
 
 
 def save(job: RLHFJob, w: Workers, root: Path, step: int, stream: PromptStream, algorithm: AlgorithmState,
-         data_fingerprint: str | None = None, asynchronous: bool = False) -> Path | SaveInFlight:
+         data_fingerprint: str | None = None, asynchronous: bool = False,
+         record: dict[str, Any] | None = None) -> Path | SaveInFlight:
     """Checkpoint `step`: every rank writes its shards of every trained role. Synchronous: returns the sealed
     checkpoint. Asynchronous: returns once the ranks hold a host copy of their state, as a SaveInFlight for
-    `complete_save`. A failed save (full disk) removes what it wrote and keeps the previous checkpoints."""
+    `complete_save`. A failed save (full disk) removes what it wrote and keeps the previous checkpoints.
+
+    `record` (the step's log record so far) travels in the checkpoint: a job killed after the seal but before its
+    step log got the record gets it back on resume, so the log still lists every step once."""
     ident = checkpoint_identity(job, w)
-    state = {"data_position": stream.position, "data_fingerprint": data_fingerprint, "algorithm": algorithm.state()}
+    state = {"data_position": stream.position, "data_fingerprint": data_fingerprint, "algorithm": algorithm.state(),
+             "step_record": record}
     t0 = time.perf_counter()
     with ckpt.writing(root, step, ident) as staging:
         digests: dict[str, str] = {}
-        for role in _roles(w):
-            r0 = time.perf_counter()
-            digests |= _merged(w.roles[role].save_checkpoint(str(staging), asynchronous))
-            if not asynchronous:
-                log.info("checkpoint step %d: %s written, %.1f MB in %.1fs", step, role,
-                         ckpt.size_bytes(staging / role) / 1e6, time.perf_counter() - r0)
+        started: list[str] = []
+        try:
+            for role in _roles(w):
+                r0 = time.perf_counter()
+                started.append(role)
+                digests |= _merged(w.roles[role].save_checkpoint(str(staging), asynchronous))
+                if not asynchronous:
+                    log.info("checkpoint step %d: %s written, %.1f MB in %.1fs", step, role,
+                             ckpt.size_bytes(staging / role) / 1e6, time.perf_counter() - r0)
+        except BaseException:
+            if asynchronous:  # the roles already writing finish before their directory is removed
+                _collect(w, started[:-1])
+            raise
         if asynchronous:
             return SaveInFlight(step, staging, state, ident, t0)
         return ckpt.seal(root, staging, step, state, job.spec.trainer.keep_checkpoints, ident, digests)
+
+
+def _collect(w: Workers, roles: Sequence[str]) -> dict[str, str]:
+    """Wait for every role's asynchronous write, all of them even when one fails (so none still writes into a
+    directory being removed); their digests, or the first failure."""
+    digests: dict[str, str] = {}
+    failures: list[BaseException] = []
+    for role in roles:
+        try:
+            digests |= _merged(w.roles[role].finish_checkpoint())
+        except Exception as err:  # noqa: BLE001 - re-raised below, after the other roles are collected
+            failures.append(err)
+    if failures:
+        raise failures[0]
+    return digests
 
 
 def save_written(w: Workers) -> bool:
@@ -116,9 +143,7 @@ def complete_save(job: RLHFJob, w: Workers, root: Path, pending: SaveInFlight) -
     """Wait for an asynchronous save's writes and seal it; a failed write removes the checkpoint, like a failed
     synchronous save."""
     with ckpt.writing(root, pending.step, staging=pending.staging):
-        digests: dict[str, str] = {}
-        for role in _roles(w):
-            digests |= _merged(w.roles[role].finish_checkpoint())
+        digests = _collect(w, _roles(w))
         return ckpt.seal(root, pending.staging, pending.step, pending.trainer_state,
                          job.spec.trainer.keep_checkpoints, pending.ident, digests)
 
@@ -160,6 +185,11 @@ def restore(w: Workers, root: Path, algorithm: AlgorithmState, data_fingerprint:
     algorithm.load(state.get("algorithm", {}))
     w.roles["actor"].sync_rollout_weights()
     dropped = ckpt.rewind_step_log(root, state["step"])
+    if not (other and other[0]) and state.get("step_record"):
+        logged = ckpt.read_step_log(root)
+        if not logged or logged[-1].get("step") != state["step"]:  # killed between the seal and the log line
+            ckpt.append_step_log(root, {**state["step_record"], "checkpoint": str(path)})
+            log.info("step %d's log record, lost to the interruption, restored from its checkpoint", state["step"])
     size = ckpt.size_bytes(path)
     log.info("resumed from %s (step %d, %.1f MB loaded in %.1fs, %.0f MB/s); %d logged step(s) after it will be "
              "redone", path, state["step"], size / 1e6, loaded, size / 1e6 / max(loaded, 1e-9), dropped)
@@ -212,7 +242,8 @@ def fit(
     metrics.devices.labels(metrics.job).set(w.devices)
     metrics.parameters.labels(metrics.job).set(w.roles["actor"].num_parameters())
     metrics.step.labels(metrics.job).set(start_step)
-    metrics.checkpoint_step.labels(metrics.job).set(start_step)  # 0: none yet
+    # 0: none yet (also after a resumeFrom: that checkpoint is another job's, not in this job's checkpointDir)
+    metrics.checkpoint_step.labels(metrics.job).set(start_step if ckpt.list_checkpoints(root) else 0)
 
     eval_before = None
     if s.trainer.eval and start_step == 0:
@@ -248,7 +279,9 @@ def fit(
             c0 = time.perf_counter()  # the time training waits for checkpointing this step
             if in_flight is not None:  # one save in flight at a time
                 saved = seal_in_flight(stats)
-            started = save(job, w, root, step, stream, algorithm, task.data_fingerprint, s.trainer.async_save)
+            so_far = {"step": step, **stats, "stages": dict(stages), "time": time.time()}
+            started = save(job, w, root, step, stream, algorithm, task.data_fingerprint, s.trainer.async_save,
+                           so_far)
             if isinstance(started, SaveInFlight):
                 in_flight = started
                 if step == s.trainer.steps:  # the last one: nothing left to overlap it with

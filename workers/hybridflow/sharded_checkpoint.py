@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import concurrent.futures
-import hashlib
 import io
 import logging
 import os
 import pathlib
 import pickle
+import re
 import threading
 from pathlib import Path
 from typing import Any, Iterator
@@ -35,7 +36,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _Em
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
 
-from hybridflow.checkpoint import CheckpointError, StoragePath, is_remote
+from hybridflow.checkpoint import CheckpointError, StoragePath, is_remote, relative, sha256
 
 log = logging.getLogger("hybridflow.checkpoint")
 
@@ -59,8 +60,16 @@ _PLAIN = {("pathlib", "PosixPath"): pathlib.PosixPath, ("pathlib", "PurePosixPat
           ("collections", "OrderedDict"): collections.OrderedDict}
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's `.metadata` index: its own dataclasses, torch dtypes, layouts and Size, paths, containers."""
+_BUILDABLE = tuple(c for c in _DCP_CLASSES.values() if not issubclass(c, enum.Enum))
+_SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+
+
+class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its opcodes can be checked one by one
+    """Unpickles DCP's `.metadata` index: its own dataclasses, torch dtypes, layouts and Size, paths, containers.
+    Building (setting attributes) is allowed only on fresh instances of DCP's dataclasses, never on a class, a
+    function or a shared object (which would change them for the whole process)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
         found = _DCP_CLASSES.get((module, name)) or _PLAIN.get((module, name))
@@ -69,6 +78,24 @@ class _MetadataUnpickler(pickle.Unpickler):
         if found is None:
             raise CheckpointFormatError(f"{module}.{name}")
         return found
+
+    def load_build(self) -> None:
+        target = self.stack[-2]
+        if isinstance(target, type) or not isinstance(target, _BUILDABLE):
+            raise CheckpointFormatError(f"attributes set on {type(target).__name__} {str(target)[:80]!r}")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def _check_storage(metadata: dcp_metadata.Metadata, where: str) -> None:
+    """Every shard the index points at is one of this directory's own `__<rank>_<n>.distcp` files: a crafted index
+    must not pull another file (another job's shards on the same volume) into this job's weights."""
+    for info in (metadata.storage_data or {}).values():
+        path = getattr(info, "relative_path", None)
+        if not isinstance(path, str) or not _SHARD_FILE.match(path):
+            raise CheckpointFormatError(f"refusing to load {where}: its {METADATA} points at {path!r}, not at a shard "
+                                        f"file of its own directory")
 
 
 class _SafeMetadata:
@@ -87,6 +114,7 @@ class _SafeMetadata:
                     f"elsewhere") from err
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise CheckpointFormatError(f"{path} is not a DCP metadata index")
+        _check_storage(metadata, str(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -138,17 +166,9 @@ def own_files(directory: StoragePath, rank: int) -> list[StoragePath]:
     return mine + ([directory / METADATA] if rank == 0 else [])
 
 
-def sha256(path: StoragePath) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def digests(directory: Path, rank: int, relative_to: Path) -> dict[str, str]:
     """SHA-256 of this rank's files, named relative to the checkpoint (what its manifest lists)."""
-    return {str(p)[len(str(relative_to).rstrip("/")) + 1:]: sha256(p) for p in own_files(directory, rank)}
+    return {relative(p, relative_to): sha256(p) for p in own_files(directory, rank)}
 
 
 def save(state: dict[str, Any], directory: Path, checkpoint: Path) -> dict[str, str]:

@@ -487,10 +487,15 @@ class Trainer(_Spec):
     eval: bool = Field(True, description="Evaluate held-out reward before and after training.")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for sampling and initialisation.")
 
-    @field_validator("resume_from")
+    @field_validator("checkpoint_dir", "resume_from")
     @classmethod
-    def _no_parent_steps(cls, v: str | None) -> str | None:
-        if v is not None and "://" not in v and ".." in PurePosixPath(v).parts:
+    def _storage_location(cls, v: str | None, info: ValidationInfo) -> str | None:
+        from hybridflow.checkpoint import is_url, location_problem
+
+        problem = None if v is None else location_problem(v)
+        if problem:
+            raise ValueError(problem)
+        if info.field_name == "resume_from" and v is not None and not is_url(v) and ".." in PurePosixPath(v).parts:
             raise ValueError(f"'{v}' climbs out of its directory ('..'); name the checkpoint's own path")
         return v
 
@@ -532,9 +537,10 @@ class Kubernetes(_Spec):
         None, description="PersistentVolumeClaim mounted at trainer.checkpointDir (needed to resume after a restart)."
     )
     checkpoint_secret: ObjectName | None = Field(
-        None, description="Secret whose keys become environment variables of the head and pool pods, e.g. "
-        "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL for an s3:// trainer.checkpointDir; the "
-        "operator passes it by reference (envFrom secretRef) and never reads it."
+        None, description="Secret with the object-storage credentials of an s3:// (or az://) trainer.checkpointDir: "
+        "its keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_ENDPOINT_URL, AWS_REGION (and the "
+        "AZURE_STORAGE_* ones) become those variables in the head and pool pods; its other keys are ignored. The "
+        "operator passes it by reference (secretKeyRef) and never reads it."
     )
     model_pvc: ObjectName | None = Field(
         None, description="PersistentVolumeClaim mounted read-only at /models (point models.*.path into it)."
@@ -937,6 +943,8 @@ def load_job(path: str | os.PathLike[str]) -> RLHFJob:
 
 def check_runtime_paths(job: RLHFJob) -> list[str]:
     """Problems only visible where the job runs (files, permissions); the operator cannot check these."""
+    from hybridflow.checkpoint import is_url
+
     out: list[str] = []
     models = {"spec.models.actor": job.spec.models.actor, "spec.models.critic": job.spec.models.critic}
     if job.spec.models.reward.model is not None:
@@ -961,7 +969,7 @@ def check_runtime_paths(job: RLHFJob) -> list[str]:
                     resolve_paths(field, entries)
             except DataError as err:
                 out.append(str(err))
-    if "://" in job.spec.trainer.checkpoint_dir:  # object storage: reached (and refused) only when the job runs
+    if is_url(job.spec.trainer.checkpoint_dir):  # object storage: reached (and refused) only when the job runs
         return out
     ckpt = Path(job.spec.trainer.checkpoint_dir)
     probe = ckpt
