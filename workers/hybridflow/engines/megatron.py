@@ -221,7 +221,7 @@ class MegatronEngine(TrainEngine):
                 [self.ps.get_data_parallel_group(), self.ps.get_tensor_model_parallel_group()], self.device.type,
                 mesh=ranks, mesh_dim_names=("dp", "tp"))
             coordinate = self._device_mesh.get_coordinate()
-            if coordinate != [self.dp_rank, self.tp_rank]:  # the mesh assumes megatron's tp-first rank order
+            if tuple(coordinate or ()) != (self.dp_rank, self.tp_rank):  # the mesh assumes megatron's tp-first rank order
                 raise RuntimeError(f"rank {dist.get_rank()} is at {coordinate} of the checkpoint mesh, but megatron "
                                    f"placed it at (dp, tp) = {(self.dp_rank, self.tp_rank)}")
         return self._device_mesh
