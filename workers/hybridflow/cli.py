@@ -163,7 +163,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     try:
         if not (source / ckpt.MANIFEST).exists() and ckpt.list_checkpoints(source):
-            found = ckpt.checkpoint_at(source)
+            found = ckpt.latest_good(source)
             if found is None:
                 print(f"error: {source} holds no intact checkpoint", file=sys.stderr)
                 return EXIT_BAD_INPUT

@@ -148,13 +148,13 @@ def complete_save(job: RLHFJob, w: Workers, root: Path, pending: SaveInFlight) -
                          job.spec.trainer.keep_checkpoints, pending.ident, digests)
 
 
-def resume_point(job: RLHFJob, root: Path) -> tuple[Path, dict[str, Any], bool] | None:
+def resume_point(job: RLHFJob | None, root: Path) -> tuple[Path, dict[str, Any], bool] | None:
     """The checkpoint to resume from: this job's newest intact one, else `trainer.resumeFrom` (a step_* directory
     or another job's checkpointDir); the flag says whether it is another job's."""
     found = ckpt.latest_good(root)
     if found is not None:
         return (*found, False)
-    source = job.spec.trainer.resume_from
+    source = job.spec.trainer.resume_from if job is not None else None
     if not source:
         return None
     found = ckpt.checkpoint_at(ckpt.storage_path(source))
@@ -169,12 +169,12 @@ def restore(w: Workers, root: Path, algorithm: AlgorithmState, data_fingerprint:
     """(step, data position) of the checkpoint loaded, or (0, 0) for a fresh start. With `job`, a checkpoint of
     another job or of an incompatible model is refused (CheckpointError) before any weights are read; a
     `trainer.resumeFrom` checkpoint may be another job's, but its model must fit."""
-    found = ckpt.latest_good(root) if job is None else resume_point(job, root)
+    found = resume_point(job, root)
     if found is None:
         return 0, 0
-    path, state, *other = found
+    path, state, other_job = found
     if job is not None:
-        ckpt.check_compatible(path, checkpoint_identity(job, w), other_job_ok=bool(other and other[0]))
+        ckpt.check_compatible(path, checkpoint_identity(job, w), other_job_ok=other_job)
     if data_fingerprint != state.get("data_fingerprint", data_fingerprint):
         log.warning("the training prompts differ from the ones %s was trained on (files or their settings changed): "
                     "continuing at position %d of the new prompt order", path, state["data_position"])
@@ -185,7 +185,7 @@ def restore(w: Workers, root: Path, algorithm: AlgorithmState, data_fingerprint:
     algorithm.load(state.get("algorithm", {}))
     w.roles["actor"].sync_rollout_weights()
     dropped = ckpt.rewind_step_log(root, state["step"])
-    if not (other and other[0]) and state.get("step_record"):
+    if not other_job and state.get("step_record"):
         logged = ckpt.read_step_log(root)
         if not logged or logged[-1].get("step") != state["step"]:  # killed between the seal and the log line
             ckpt.append_step_log(root, {**state["step_record"], "checkpoint": str(path)})

@@ -129,22 +129,29 @@ class SafeFsspecReader(_SafeMetadata, FsspecReader):
     """DCP's reader of object storage (fsspec), with the data-only metadata index."""
 
 
-def _load_value(value: io.BytesIO) -> Any:
-    return torch.load(value, weights_only=True)  # non-tensor values (step counts, param groups): data only
+class _DataOnlyValues:
+    """A load planner's non-tensor values (step counts, param groups) with `torch.load(weights_only=True)`: data,
+    never objects that run code (DCP's own planners unpickle them in full)."""
 
+    flatten_state_dict: bool
+    original_state_dict: Any
+    mappings: Any
+    state_dict: Any
 
-class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = _load_value(value)
+        obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-class _SafeEmptyPlanner(_EmptyStateDictLoadPlanner):
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        SafeLoadPlanner.load_bytes(self, read_item, value)  # type: ignore[arg-type]
+class SafeLoadPlanner(_DataOnlyValues, DefaultLoadPlanner):
+    """DCP's planner for loading into a template (the engine's own state)."""
+
+
+class _SafeEmptyPlanner(_DataOnlyValues, _EmptyStateDictLoadPlanner):
+    """DCP's planner for reading a whole checkpoint into an empty state (export)."""
 
 
 # --- writing ---
