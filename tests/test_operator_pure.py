@@ -567,6 +567,28 @@ def test_object_storage_checkpoint_dir_stays_a_url_with_the_jobs_own_prefix_and_
     assert mf.resolved_job(parse_job(raw)).spec.trainer.checkpoint_dir == expected
 
 
+@pytest.mark.parametrize("live_dir, counts_as_a_change", [
+    ("s3://bucket/runs", False),  # as accepted
+    ("s3://other-bucket/runs", True),  # the job would go on writing to the old bucket: say so
+    ("./runs/elsewhere", True),  # from object storage to the claim
+])
+def test_editing_an_object_storage_checkpoint_dir_on_a_live_job_is_a_spec_change(live_dir, counts_as_a_change):
+    """The operator compares the live spec with the accepted one (all but runPolicy) to report SpecChangeIgnored.
+    A checkpoint directory on the claim is the operator's own choice and never compared; an s3:// URL is the
+    author's."""
+    from hybridflow_operator.handlers import _spec_fields
+
+    def job(checkpoint_dir: str, **k8s):
+        trainer = {**_raw("tiny-grpo.yaml")["spec"]["trainer"], "checkpointDir": checkpoint_dir}
+        return parse_job(_raw("tiny-grpo.yaml", trainer=trainer, kubernetes={"checkpointPvc": "ck", **k8s}))
+
+    accepted = mf.resolved_job(job("s3://bucket/runs"))
+    live = mf.resolved_job(job(live_dir))
+    assert (_spec_fields(live) != _spec_fields(accepted)) is counts_as_a_change
+    # on the claim, whatever the spec says is replaced by the job's own directory: not a change
+    assert _spec_fields(mf.resolved_job(job("./a"))) == _spec_fields(mf.resolved_job(job("./b")))
+
+
 def test_checkpoint_url_refuses_names_that_would_leave_the_prefix():
     assert mf.job_checkpoint_url("s3://b/p", None, "j") == "s3://b/p/j"
     for ns, name in (("..", "j"), ("ml", "a/b"), ("ml", "")):

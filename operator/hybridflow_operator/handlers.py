@@ -25,6 +25,7 @@ import yaml
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from hybridflow.checkpoint import is_url
 from hybridflow.spec import API_GROUP as GROUP
 from hybridflow.spec import PLURAL, VERSION, RLHFJob, SpecError, parse_job, reward_configmap_key
 from hybridflow_operator import manifests as mf
@@ -253,10 +254,12 @@ def _accepted_job(live: RLHFJob, raw: dict[str, Any], uid: str | None, status: d
 
 
 def _spec_fields(job: RLHFJob) -> dict[str, Any]:
-    """What may not change on a live job: all but runPolicy, and the checkpoint directory the operator chooses
-    (jobs started before it was per-job keep theirs)."""
+    """What may not change on a live job: all but runPolicy. A checkpoint directory on the claim is the operator's
+    choice (jobs started before it was per-job keep theirs), so it is left out; an object-storage URL is the
+    author's and counts (editing it must not pass unnoticed while the job goes on writing to the old bucket)."""
     spec = job.spec.model_dump(exclude={"run_policy"})
-    spec["trainer"].pop("checkpoint_dir", None)
+    if not is_url(job.spec.trainer.checkpoint_dir):
+        spec["trainer"].pop("checkpoint_dir", None)
     return spec
 
 
