@@ -175,6 +175,49 @@ def test_pruning_never_counts_corrupt_checkpoints(tmp_path):
     assert names == ["step_00000001", "step_00000004"], "the corrupt ones must not push out the last good one"
 
 
+def test_pruning_does_not_hash_the_kept_checkpoints_again_at_every_save(tmp_path, monkeypatch):
+    """Each save prunes, and pruning counts only intact checkpoints; a checkpoint this process sealed or verified is
+    not read again while its files are unchanged (with big checkpoints, or on object storage, re-hashing the kept
+    ones at every save would read or download them all). Another process hashes each once."""
+    hashed = []
+    real_sha256 = ck.sha256
+    monkeypatch.setattr(ck, "sha256", lambda p: hashed.append(p.parent.name) or real_sha256(p))
+    ident = _ident()
+    for step in range(1, 6):
+        _make_for(tmp_path, step, ident, keep=3)
+    # only each save's own new files, while it was being sealed (its staging directory)
+    assert set(hashed) == {f".step_{s:08d}.tmp" for s in range(1, 6)}, hashed
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_00000003", "step_00000004", "step_00000005"]
+
+    hashed.clear()
+    monkeypatch.setattr(ck, "_known_intact", {})  # a restarted job: nothing known yet
+    _make_for(tmp_path, 6, ident, keep=3)
+    assert sorted(set(hashed) - {".step_00000006.tmp"}) == ["step_00000004", "step_00000005"]
+    hashed.clear()
+    (tmp_path / "step_00000005" / "actor.pt").write_bytes(b"rewritten")  # a file changed since: hashed, and refused
+    _make_for(tmp_path, 7, ident, keep=3)
+    assert "step_00000005" in hashed and "step_00000006" not in hashed
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_00000004", "step_00000006", "step_00000007"]
+
+
+def test_seal_makes_the_role_directories_durable_before_the_rename(tmp_path, monkeypatch):
+    """The ranks fsync the shards they write, but a shard's name is durable only once `<role>/` is fsync'd; that
+    happens at the seal, before the rename makes the checkpoint count."""
+    synced = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    renamed_at = []
+    monkeypatch.setattr(os, "replace", lambda a, b: renamed_at.append((str(b), len(synced))) or real_replace(a, b))
+    st = ck.staging_dir(tmp_path, 1)
+    (st / "actor").mkdir()
+    (st / "actor" / "__0_0.distcp").write_bytes(b"shard")  # what a rank wrote (and fsync'd), with its digest
+    shard_digest = ck.sha256(st / "actor" / "__0_0.distcp")
+    final = ck.seal(tmp_path, st, 1, {}, keep=1, digests={"actor/__0_0.distcp": shard_digest})
+    sealed_at = next(n for target, n in renamed_at if target == str(final))
+    assert {str(st / "actor"), str(st)} <= set(synced[:sealed_at]), synced
+    assert ck.verify(final) is None
+
+
 def test_a_fresh_run_replaces_later_and_other_model_checkpoints(tmp_path):
     """resume: never in a directory of this job: a checkpoint of its old model, and a later one of its old run,
     neither count nor stay (else a later `resume: auto` would pick up the abandoned run)."""

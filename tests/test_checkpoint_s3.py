@@ -28,9 +28,14 @@ def test_checkpoints_seal_verify_prune_and_fall_back_on_object_storage(s3_server
     s3_server.use(monkeypatch)
     root = ck.storage_path(ck.job_checkpoint_url(f"{s3_server.url}/ckpt", "ns", "job"))
     assert str(root) == f"{s3_server.url}/ckpt/ns/job" and ck.is_remote(root)
+    downloaded = []  # hashing an object reads it whole: pruning must not download the kept checkpoints again
+    real_sha256 = ck.sha256
+    monkeypatch.setattr(ck, "sha256", lambda p: downloaded.append(str(p)) or real_sha256(p))
     for step in (2, 4, 6):
         sealed = _write(root, step, bytes([step]) * 1000)
+        assert not [p for p in downloaded if f"step_{step:08d}" not in p], downloaded  # only what it seals
         assert sealed.name == f"step_{step:08d}" and ck.verify(sealed) is None
+        downloaded.clear()
     assert [c.name for c in ck.list_checkpoints(root)] == ["step_00000004", "step_00000006"]  # keep=2
     assert ck.size_bytes(root / "step_00000006") > 1000
     manifest = json.loads((root / "step_00000006" / ck.MANIFEST).read_text())

@@ -100,3 +100,68 @@ def test_a_metadata_index_may_only_point_at_its_own_shard_files(tmp_path, one_ra
     index.write_bytes(pickle.dumps(metadata))
     with pytest.raises(CheckpointError, match=r"points at '../../other/actor/__0_0.distcp', not at a shard file"):
         sc.read_full(tmp_path / "mine" / "actor")
+
+
+def _save_with_one_rank_unable_to_write(rank: int, store: str, root: str, asynchronous: bool, out: str) -> None:
+    import json
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        checkpoint = Path(root)
+        # rank 1's part of the checkpoint cannot be written (here: its directory's parent is a file)
+        target = checkpoint / "blocked" / "actor" if rank == 1 else checkpoint / "actor"
+        t0 = time.monotonic()
+        try:
+            if asynchronous:
+                sc.save_async(_state(1.0), target, checkpoint).result(timeout=300)
+            else:
+                sc.save(_state(1.0), target, checkpoint)
+            outcome = "saved"
+        except Exception as err:  # noqa: BLE001 - what this rank saw is the test's result
+            outcome = f"{type(err).__name__}: {err}"
+        Path(out).with_suffix(f".{rank}").write_text(json.dumps([outcome, time.monotonic() - t0]))
+        # like a role's worker, a rank stays up after its error (exiting would close its connections and wake the
+        # others): until every rank has an outcome
+        while not all(Path(out).with_suffix(f".{r}").exists() for r in range(2)):
+            time.sleep(0.2)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_rank_that_cannot_start_writing_fails_every_rank_at_once(tmp_path, asynchronous):
+    """Without an agreement first, the other ranks would wait in DCP's first gather for the missing one until the
+    process group's timeout (30 minutes) while the job looks alive; here every rank fails within seconds, and the
+    others' error names the rank and keeps its errno (a full disk anywhere reads as a full disk)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "blocked").write_text("a file where rank 1 wants a directory")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_save_with_one_rank_unable_to_write,
+                         args=(r, str(tmp_path / "store"), str(tmp_path / "ckpt"), asynchronous,
+                               str(tmp_path / "out")))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=120)
+        assert not any(p.is_alive() for p in procs), "a rank is still waiting for the one that could not write"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    outcomes = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(2)]
+    assert outcomes[1][0].startswith(("FileExistsError", "NotADirectoryError")), outcomes
+    assert outcomes[0][0].startswith(f"{outcomes[1][0].split(':')[0]}: [Errno ") \
+        and "rank 1 could not start writing" in outcomes[0][0], outcomes  # the same OSError subclass and errno
+    assert outcomes[0][1] < 60, outcomes

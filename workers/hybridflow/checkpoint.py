@@ -311,8 +311,10 @@ def seal(root: Path, staging: Path, step: int, trainer_state: dict[str, Any], ke
         manifest["identity"] = ident
     if is_remote(staging):  # written in place; the manifest, written last, seals it
         _write_json(staging / MANIFEST, manifest)
+        _remember_intact(staging)
         _prune(root, staging, ident, keep)
         return staging
+    _fsync_subdirectories(staging)
     tmp = staging / (MANIFEST + ".tmp")
     _write_json(tmp, manifest)
     os.replace(tmp, staging / MANIFEST)
@@ -325,8 +327,50 @@ def seal(root: Path, staging: Path, step: int, trainer_state: dict[str, Any], ke
     os.replace(staging, final)
     _fsync_dir(root)
     shutil.rmtree(old, ignore_errors=True)
+    _remember_intact(final)
     _prune(root, final, ident, keep)
     return final
+
+
+def _fsync_subdirectories(directory: Path) -> None:
+    """fsync the entries of every subdirectory (`<role>/`): the files in them are fsync'd by their writers, but
+    their names are only durable once their directory is, and the rename that seals the checkpoint must not come
+    first (a crash could leave a sealed checkpoint with a shard missing)."""
+    for p in sorted(directory.rglob("*")):
+        if p.is_dir():
+            _fsync_dir(p)
+
+
+# Checkpoints this process sealed or verified, with the size and modification time of each of their files then.
+# Pruning runs at every save and must count only intact checkpoints; re-hashing the kept ones each time would read
+# every byte of them again (on object storage: download them). A file written since no longer matches, and is hashed.
+_known_intact: dict[str, tuple[tuple[str, int, str], ...]] = {}
+
+
+def _fingerprint(ckpt: StoragePath) -> tuple[tuple[str, int, str], ...]:
+    if is_remote(ckpt):
+        prefix = ckpt.path.rstrip("/") + "/"
+        infos = ckpt.fs.find(ckpt.path, detail=True)
+        return tuple(sorted((k[len(prefix):], int(i.get("size") or 0),
+                             str(i.get("ETag") or i.get("LastModified") or i.get("mtime")))
+                            for k, i in infos.items() if k.startswith(prefix)))
+    stats = [(relative(p, ckpt), p.stat()) for p in _files(ckpt)]
+    return tuple(sorted((name, st.st_size, str(st.st_mtime_ns)) for name, st in stats))
+
+
+def _remember_intact(ckpt: StoragePath, fingerprint: tuple[tuple[str, int, str], ...] | None = None) -> None:
+    _known_intact[str(ckpt)] = fingerprint if fingerprint is not None else _fingerprint(ckpt)
+
+
+def _intact(ckpt: StoragePath) -> bool:
+    """Whether `ckpt` is intact, trusting this process's own earlier verification while none of its files changed."""
+    before = _fingerprint(ckpt)
+    if _known_intact.get(str(ckpt)) == before:
+        return True
+    if verify(ckpt) is not None:
+        return False
+    _remember_intact(ckpt, before)  # taken before hashing: a file changed meanwhile is hashed again next time
+    return True
 
 
 def _prune(root: Path, newest: Path, ident: dict[str, Any] | None, keep: int) -> None:
@@ -341,8 +385,8 @@ def _prune(root: Path, newest: Path, ident: dict[str, Any] | None, keep: int) ->
         found = read_identity(c)
         if ident is not None and _other_job(found, c, ident):
             continue
-        if (kept < keep and c.name < newest.name and verify(c) is None
-                and (ident is None or not _model_mismatch(found, ident))):
+        if (kept < keep and c.name < newest.name and (ident is None or not _model_mismatch(found, ident))
+                and _intact(c)):
             kept += 1
         else:
             _rmtree(c)
@@ -480,8 +524,10 @@ def load_tensors(path: Path) -> Any:
 
 def _newest_intact(root: Path, warn: bool = False) -> Path | None:
     for ckpt in reversed(list_checkpoints(root)):
-        problem = verify(ckpt)
+        before = _fingerprint(ckpt)
+        problem = verify(ckpt)  # in full, whatever this process knew: what a job resumes from is read again
         if problem is None:
+            _remember_intact(ckpt, before)
             return ckpt
         if warn:
             log.warning("skipping corrupt checkpoint %s: %s; falling back to the previous one", ckpt, problem)

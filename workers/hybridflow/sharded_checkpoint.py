@@ -23,7 +23,7 @@ import pickle
 import re
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -178,10 +178,40 @@ def digests(directory: Path, rank: int, relative_to: Path) -> dict[str, str]:
     return {relative(p, relative_to): sha256(p) for p in own_files(directory, rank)}
 
 
-def save(state: dict[str, Any], directory: Path, checkpoint: Path) -> dict[str, str]:
+def _all_ready(problem: BaseException | None, directory: StoragePath, group: dist.ProcessGroup) -> None:
+    """Collective: every rank enters DCP's collectives, or none does. A rank that cannot start writing (its
+    directory could not be made, its host copy failed) tells the others, which then fail at once with its error
+    (an OSError keeps its errno: a full disk on any rank reads as one), instead of waiting in DCP's first gather for
+    it until the group's timeout (30 minutes)."""
+    mine = None if problem is None else (getattr(problem, "errno", None), f"{type(problem).__name__}: {problem}")
+    reports: list[tuple[int | None, str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, mine, group=group)
+    if problem is not None:
+        raise problem
+    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    if failed:
+        rank, (code, text) = failed[0]
+        message = f"rank {rank} could not start writing {directory}: {text}"
+        raise OSError(code, message) if code else CheckpointError(message)
+
+
+def _ready(directory: StoragePath, prepare: Callable[[], None] | None) -> BaseException | None:
+    """What keeps this rank from writing into `directory` (None: nothing); `prepare` is this rank's own part of the
+    checkpoint besides its shards (rank 0: the model's config and tokenizer files)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if prepare is not None:
+            prepare()
+    except OSError as err:
+        return err
+    return None
+
+
+def save(state: dict[str, Any], directory: Path, checkpoint: Path,
+         prepare: Callable[[], None] | None = None) -> dict[str, str]:
     """Collective: every rank writes its shards of `state` into `directory` (inside the checkpoint directory
-    `checkpoint`); returns this rank's `digests` once its files are on disk."""
-    directory.mkdir(parents=True, exist_ok=True)
+    `checkpoint`), after its `prepare`; returns this rank's `digests` once its files are on disk."""
+    _all_ready(_ready(directory, prepare), directory, checkpoint_group())
     dcp.save(state, storage_writer=_writer(directory))
     return digests(directory, dist.get_rank() if dist.is_initialized() else 0, checkpoint)
 
@@ -200,17 +230,22 @@ def _yield_to_training() -> None:
         pass
 
 
-def save_async(state: dict[str, Any], directory: Path, checkpoint: Path) -> concurrent.futures.Future:
+def save_async(state: dict[str, Any], directory: Path, checkpoint: Path,
+               prepare: Callable[[], None] | None = None) -> concurrent.futures.Future:
     """Collective: copies this rank's `state` to host memory now, so that the engine may train on while the copy is
-    written, and writes and hashes it in the background. The future gives this rank's `digests`."""
+    written, and writes and hashes it (after `prepare`) in the background. The future gives this rank's
+    `digests`, or raises what failed on any rank."""
     writer = _writer(directory)
-    staged = writer.stage(state)  # a host copy: later optimizer steps do not reach what is being written
     group = checkpoint_group()
     rank = dist.get_rank()
+    try:
+        staged, problem = writer.stage(state), None  # a host copy: later optimizer steps do not reach what is written
+    except (OSError, RuntimeError, MemoryError) as err:  # still joins the others' agreement, which then fails
+        staged, problem = None, err
 
     def write() -> dict[str, str]:
         _yield_to_training()
-        directory.mkdir(parents=True, exist_ok=True)
+        _all_ready(problem or _ready(directory, prepare), directory, group)
         dcp.save(staged, storage_writer=writer, process_group=group)
         return digests(directory, rank, checkpoint)
 
@@ -273,8 +308,9 @@ _checkpoint_groups: dict[int, dist.ProcessGroup] = {}
 
 
 def checkpoint_group() -> dist.ProcessGroup:
-    """A gloo group over the whole world for asynchronous writes only (collective the first time it is asked for):
-    their planning collectives run in the background thread while training uses the default group."""
+    """A gloo group over the whole world for checkpoint writes (collective the first time it is asked for): an
+    asynchronous write's collectives run in the background thread while training uses the default group, and gloo
+    takes the CPU tensors of the agreement before a write whatever backend trains (NCCL on GPUs)."""
     key = id(dist.group.WORLD)
     if key not in _checkpoint_groups:
         _checkpoint_groups[key] = dist.new_group(backend="gloo")

@@ -61,15 +61,17 @@ class CheckpointMixin:
         the state is copied to host memory, and `finish_checkpoint` gives the digests when the write is done."""
         self.finish_checkpoint()  # one save in flight per role; the controller normally collected it already
         checkpoint = storage_path(directory)
-        if dist.get_rank() == 0:
-            checkpoint.mkdir(parents=True, exist_ok=True)
-            copy_model_metadata(self.model_dir, checkpoint, self.checkpoint_name)
         state = self.engine.checkpoint_state()  # collective where the engine gathers (e.g. a fresh optimizer's)
         target = checkpoint / self.checkpoint_name
+
+        def model_files() -> None:  # what `hybridflow export` needs beside the weights
+            if dist.get_rank() == 0:
+                copy_model_metadata(self.model_dir, checkpoint, self.checkpoint_name)
+
         if asynchronous:
-            self._pending_save = sharded_checkpoint.save_async(state, target, checkpoint)
+            self._pending_save = sharded_checkpoint.save_async(state, target, checkpoint, model_files)
             return None
-        return sharded_checkpoint.save(state, target, checkpoint)
+        return sharded_checkpoint.save(state, target, checkpoint, model_files)
 
     @register(Dispatch.ONE_TO_ALL)
     def checkpoint_written(self) -> bool:
