@@ -24,8 +24,12 @@ def test_kubectl_apply_runs_to_succeeded(world, tmp_path):
     world.kubectl("apply", "--validate=false", "-f", str(PVC))
     world.kubectl("apply", "--validate=false", "-f", str(EXAMPLE))
     pods = wait_for(lambda: len(kube.pods(NAME)) == 3 and kube.pods(NAME), 60, "head + 2 worker pods")
+
+    def head_log() -> str:  # on a timeout: what the driver, Ray and the pool pods said until then
+        return "\n".join(f"{p.metadata.name} log:\n{world.logs(p.metadata.name)[-3000:]}" for p in kube.pods(NAME))
+
     assert sorted(p.metadata.name for p in pods) == [f"{NAME}-default-0-g0", f"{NAME}-default-1-g0", f"{NAME}-head-g0"]
-    wait_for(lambda: phase(world, NAME) == "Running", 300, f"phase Running; {world.logs(current_head(kube, NAME))}")
+    wait_for(lambda: phase(world, NAME) == "Running", 300, lambda: f"phase Running; {head_log()}")
     outsider = _start_outsider_probe(world, tmp_path)  # while the job trains
     scraped = [current_head(kube, NAME)]
     with Prometheus(tmp_path, world.metrics_targets(NAME), free_port()) as prom:
@@ -42,12 +46,12 @@ def test_kubectl_apply_runs_to_succeeded(world, tmp_path):
         assert up == {"driver": True, "operator": True}
         # the driver's worker group spans the two pool pods' devices (one each): Ray saw both nodes join
         assert wait_for(lambda: follow(lambda: prom_value(prom.query(f'hybridflow_devices{{rlhfjob="{NAME}"}}'))),
-                        120, "devices gauge") == 2
+                        120, lambda: f"devices gauge; {head_log()}") == 2
         # the operator polls the driver's progress into status while the job runs
         assert wait_for(lambda: 0 < kube.status(NAME).get("step", 0) < STEPS and kube.status(NAME)["step"], 300,
                         "a step in status before the end")
         wait_for(lambda: follow(lambda: phase(world, NAME) in ("Succeeded", "Failed")), 600,
-                 f"the end; {world.logs(current_head(kube, NAME))}")
+                 lambda: f"the end; {head_log()}")
         window = f'{{rlhfjob="{NAME}"}}[10m]'
         assert prom_value(prom.query(f"max_over_time(hybridflow_step{window})")) == STEPS  # lingerSeconds: final scrape
         assert prom_value(prom.query(f"max_over_time(hybridflow_throughput_tokens_per_second{window})")) > 0

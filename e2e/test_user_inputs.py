@@ -70,7 +70,7 @@ def test_data_on_a_pvc_and_reward_in_a_configmap(world, tmp_path):
     world.kubectl("apply", "--validate=false", "-f", str(cm))
 
     head = f"{name}-head-g0"
-    wait_for(lambda: phase(world, name) in ("Succeeded", "Failed"), 900, f"the end; {world.logs(head)}")
+    wait_for(lambda: phase(world, name) in ("Succeeded", "Failed"), 900, lambda: f"the end; {world.logs(head)}")
     st = world.kube.status(name)
     assert st["phase"] == "Succeeded", (st, world.logs(head)[-3000:])
     assert st["restarts"] == 0 and _condition(world, name, "InputsReady")["status"] == "True"

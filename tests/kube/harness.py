@@ -22,7 +22,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(cond: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
+def wait_for(cond: Callable[[], Any], timeout: float = 60, what: str | Callable[[], str] = "condition") -> Any:
+    """cond()'s first truthy value; `what` may be a function, called only on a timeout (e.g. to show the logs as
+    they are then, not as they were when the wait began)."""
     deadline = time.time() + timeout
     last = None
     while time.time() < deadline:
@@ -30,7 +32,8 @@ def wait_for(cond: Callable[[], Any], timeout: float = 60, what: str = "conditio
         if last:
             return last
         time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what() if callable(what) else what}; "
+                         f"last value: {last!r}")
 
 
 class Operator:

@@ -341,7 +341,7 @@ def _fsync_subdirectories(directory: Path) -> None:
             _fsync_dir(p)
 
 
-# Checkpoints this process sealed or verified, with the size and modification time of each of their files then.
+# Checkpoints this process sealed or verified, with the size and change times (or ETag) of each of their files then.
 # Pruning runs at every save and must count only intact checkpoints; re-hashing the kept ones each time would read
 # every byte of them again (on object storage: download them). A file written since no longer matches, and is hashed.
 _known_intact: dict[str, tuple[tuple[str, int, str], ...]] = {}
@@ -355,22 +355,23 @@ def _fingerprint(ckpt: StoragePath) -> tuple[tuple[str, int, str], ...]:
                              str(i.get("ETag") or i.get("LastModified") or i.get("mtime")))
                             for k, i in infos.items() if k.startswith(prefix)))
     stats = [(relative(p, ckpt), p.stat()) for p in _files(ckpt)]
-    return tuple(sorted((name, st.st_size, str(st.st_mtime_ns)) for name, st in stats))
+    # the inode change time too: a file rewritten in place and given back its old mtime still differs
+    return tuple(sorted((name, st.st_size, f"{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}") for name, st in stats))
 
 
 def _remember_intact(ckpt: StoragePath, fingerprint: tuple[tuple[str, int, str], ...] | None = None) -> None:
     _known_intact[str(ckpt)] = fingerprint if fingerprint is not None else _fingerprint(ckpt)
 
 
-def _intact(ckpt: StoragePath) -> bool:
-    """Whether `ckpt` is intact, trusting this process's own earlier verification while none of its files changed."""
+def verify_once(ckpt: StoragePath) -> str | None:
+    """`verify`, trusting this process's own earlier verification (or seal) while none of the files changed."""
     before = _fingerprint(ckpt)
     if _known_intact.get(str(ckpt)) == before:
-        return True
-    if verify(ckpt) is not None:
-        return False
-    _remember_intact(ckpt, before)  # taken before hashing: a file changed meanwhile is hashed again next time
-    return True
+        return None
+    problem = verify(ckpt)
+    if problem is None:
+        _remember_intact(ckpt, before)  # taken before hashing: a file changed meanwhile is hashed again next time
+    return problem
 
 
 def _prune(root: Path, newest: Path, ident: dict[str, Any] | None, keep: int) -> None:
@@ -386,7 +387,7 @@ def _prune(root: Path, newest: Path, ident: dict[str, Any] | None, keep: int) ->
         if ident is not None and _other_job(found, c, ident):
             continue
         if (kept < keep and c.name < newest.name and (ident is None or not _model_mismatch(found, ident))
-                and _intact(c)):
+                and verify_once(c) is None):
             kept += 1
         else:
             _rmtree(c)

@@ -81,7 +81,7 @@ def export(checkpoint: Path, out: Path, role: str = "actor", dtype: str | None =
     fp32 masters under mixed precision). The checkpoint is verified against its manifest first: a torn or
     tampered one is refused, not exported."""
     checkpoint, out = ckpt.storage_path(checkpoint), Path(out)
-    problem = ckpt.verify(checkpoint)
+    problem = ckpt.verify_once(checkpoint)  # a checkpointDir's newest was verified just now, when it was chosen
     if problem is not None:
         raise ckpt.CheckpointError(f"{checkpoint} is not a complete checkpoint ({problem}); export an intact one "
                                    f"(the step_* directories under the job's checkpointDir)")

@@ -345,8 +345,11 @@ def execute(job: RLHFJob, prepared: Prepared, progress: bool = True) -> int:
     if s.metrics.port:
         port = metrics.serve(s.metrics.port, s.metrics.address)
         say(f"metrics: http://{s.metrics.address}:{port}/metrics")
+    t0 = time.perf_counter()
     workers = build_workers(job, prepared.model_dir, prepared.task, prepared.critic_dir, prepared.rm_dir,
                             prepared.cost_dir)
+    say(f"workers ready in {time.perf_counter() - t0:.1f}s: {workers.devices} devices, "
+        + "; ".join(f"pool {g.pool.name}: {', '.join(g.roles)}" for g in workers.groups))
     try:
         summary = fit(job, workers, prepared.task, metrics, progress=say)
     finally:
