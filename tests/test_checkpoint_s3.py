@@ -48,10 +48,24 @@ def test_checkpoints_seal_verify_prune_and_fall_back_on_object_storage(s3_server
     path, state = ck.latest_good(root)
     assert path.name == "step_00000004" and state["data_position"] == 32
 
-    for step in range(1, 7):
+    # the step log: in parts (here of 3 records), so that a step's write stays small however long the job runs
+    monkeypatch.setattr(ck, "STEP_LOG_PART_RECORDS", 3)
+    for step in range(1, 8):
         ck.append_step_log(root, {"step": step})
-    assert ck.rewind_step_log(root, 4) == 2
+    assert [p.name for p in ck._log_parts(root)] == ["part-00000.jsonl", "part-00001.jsonl", "part-00002.jsonl"]
+    assert [r["step"] for r in ck.read_step_log(root)] == list(range(1, 8))
+    assert ck.rewind_step_log(root, 4) == 3
     assert [r["step"] for r in ck.read_step_log(root)] == [1, 2, 3, 4]
+    assert [p.name for p in ck._log_parts(root)] == ["part-00000.jsonl", "part-00001.jsonl"]
+    for step in (5, 6):
+        ck.append_step_log(root, {"step": step})
+    assert [r["step"] for r in ck.read_step_log(root)] == [1, 2, 3, 4, 5, 6]
+    assert ck.rewind_step_log(root, 6) == 0 and ck.rewind_step_log(root, 3) == 3  # back to a part's end
+    assert [p.name for p in ck._log_parts(root)] == ["part-00000.jsonl"]
+    for step in range(4, 7):
+        ck.append_step_log(root, {"step": step})
+    assert [r["step"] for r in ck.read_step_log(root)] == [1, 2, 3, 4, 5, 6]
+    assert ck.rewind_step_log(root, 4) == 2
     _write(root, 6, b"redone")  # the redone step replaces the torn ones after the one resumed from
     assert [c.name for c in ck.list_checkpoints(root)] == ["step_00000004", "step_00000006"]
 

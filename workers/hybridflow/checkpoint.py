@@ -553,10 +553,33 @@ def checkpoint_at(source: Path) -> tuple[Path, dict[str, Any]] | None:
     return latest_good(source)
 
 
+# Object storage has no append: there the log is a series of parts of STEP_LOG_PART records, each put whole, so a
+# step's write stays small however long the job runs (one object put whole would grow with every step).
+STEP_LOG_PARTS = "steps"
+STEP_LOG_PART_RECORDS = 100
+
+
+def _log_parts(root: StoragePath) -> list[StoragePath]:
+    parts = root / STEP_LOG_PARTS
+    return sorted(parts.glob("part-*.jsonl"), key=lambda p: p.name) if parts.exists() else []
+
+
+def _part(root: StoragePath, index: int) -> StoragePath:
+    return root / STEP_LOG_PARTS / f"part-{index:05d}.jsonl"
+
+
+def _lines(records: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
 def append_step_log(root: StoragePath, record: dict[str, Any]) -> None:
-    if is_remote(root):  # no append on object storage: the log (a few KB per hundred steps) is put whole
-        p = root / STEP_LOG
-        p.write_text((p.read_text() if p.exists() else "") + json.dumps(record) + "\n")
+    if is_remote(root):
+        parts = _log_parts(root)
+        last = _parse_log(parts[-1].read_text()) if parts else []
+        if parts and len(last) < STEP_LOG_PART_RECORDS:
+            parts[-1].write_text(_lines(last + [record]))
+        else:
+            _part(root, len(parts)).write_text(_lines([record]))
         return
     with open(root / STEP_LOG, "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -564,12 +587,9 @@ def append_step_log(root: StoragePath, record: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def read_step_log(root: Path) -> list[dict[str, Any]]:
-    p = root / STEP_LOG
-    if not p.is_file():
-        return []
+def _parse_log(text: str) -> list[dict[str, Any]]:
     out = []
-    for line in p.read_text().splitlines():
+    for line in text.splitlines():
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
@@ -577,14 +597,30 @@ def read_step_log(root: Path) -> list[dict[str, Any]]:
     return out
 
 
-def rewind_step_log(root: Path, step: int) -> int:
+def read_step_log(root: StoragePath) -> list[dict[str, Any]]:
+    """The job's step records, oldest first (`steps.jsonl`; on object storage, its parts in order)."""
+    if is_remote(root):
+        return [r for p in _log_parts(root) for r in _parse_log(p.read_text())]
+    p = root / STEP_LOG
+    return _parse_log(p.read_text()) if p.is_file() else []
+
+
+def rewind_step_log(root: StoragePath, step: int) -> int:
     """Keep log records up to `step` (the checkpoint resumed from); returns how many were dropped."""
     records = read_step_log(root)
     kept = [r for r in records if r.get("step", 0) <= step]
-    if is_remote(root):
-        (root / STEP_LOG).write_text("".join(json.dumps(r) + "\n" for r in kept))
+    if is_remote(root):  # each part was put whole: nothing torn to clean up
+        if len(kept) == len(records):
+            return 0
+        parts = _log_parts(root)
+        first, rest = divmod(len(kept), STEP_LOG_PART_RECORDS)  # the first part that changes
+        if rest:
+            _part(root, first).write_text(_lines(kept[first * STEP_LOG_PART_RECORDS:]))
+            first += 1
+        for p in parts[first:]:
+            p.unlink()
         return len(records) - len(kept)
     tmp = root / (STEP_LOG + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.write_text(_lines(kept))
     os.replace(tmp, root / STEP_LOG)
     return len(records) - len(kept)
