@@ -151,6 +151,40 @@ def test_loop_restore_refuses_before_loading_weights(tmp_path):
     assert loaded == [str(tmp_path / "step_00000001")]
 
 
+def test_resume_from_is_used_only_without_own_checkpoints_and_a_wrong_one_is_bad_input(tmp_path):
+    """trainer.resumeFrom names another job's checkpointDir or one step_* of it. A job uses it only while it has no
+    checkpoint of its own (a restart continues from its own). One that names nothing is bad input (exit 2, which
+    the operator does not retry), found before Ray starts when it is a path that does not exist."""
+    from hybridflow import loop
+    from hybridflow.spec import RLHFJob, SpecError, check_runtime_paths
+
+    old, own = tmp_path / "old-job", tmp_path / "new-job"
+    _make_for(old, 3, _ident("old-job"))
+    _make_for(old, 6, _ident("old-job"))
+
+    def job(resume_from):
+        return RLHFJob(metadata={"name": "new-job", "namespace": "team"},
+                       spec={"trainer": {"checkpointDir": str(own), "resumeFrom": resume_from}})
+
+    path, state, other = loop.resume_point(job(str(old)), own)
+    assert (path.name, state["step"], other) == ("step_00000006", 6, True)  # the old job's newest
+    path, _, other = loop.resume_point(job(str(old / "step_00000003")), own)
+    assert (path.name, other) == ("step_00000003", True)
+    for missing in (tmp_path / "no-such-job", old / "step_00000009"):
+        with pytest.raises(SpecError, match=r"^spec.trainer.resumeFrom: .* holds no intact checkpoint"):
+            loop.resume_point(job(str(missing)), own)
+        assert [p for p in check_runtime_paths(job(str(missing))) if "spec.trainer.resumeFrom" in p
+                and "does not exist" in p]
+    (old / "step_00000006" / "actor.pt").write_bytes(b"torn")
+    with pytest.raises(SpecError, match=r"^spec.trainer.resumeFrom: .*step_00000006 is not an intact checkpoint"):
+        loop.resume_point(job(str(old / "step_00000006")), own)
+
+    _make_for(own, 9, _ident("new-job"))  # once the job has its own, resumeFrom no longer matters
+    path, _, other = loop.resume_point(job(str(tmp_path / "no-such-job")), own)
+    assert (path.name, other) == ("step_00000009", False)
+    assert not check_runtime_paths(job(str(tmp_path / "no-such-job")))
+
+
 def test_save_refuses_a_directory_of_another_job_and_leaves_it_alone(tmp_path):
     theirs = _make_for(tmp_path, 5, _ident("job-a"))
     with pytest.raises(ck.CheckpointError, match="holds checkpoints of job 'team/job-a'"):

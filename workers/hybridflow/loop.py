@@ -29,7 +29,7 @@ from hybridflow.setup import (
     prompt_batch,
     reward_scores,
 )
-from hybridflow.spec import RLHFJob
+from hybridflow.spec import RLHFJob, SpecError
 
 log = logging.getLogger("hybridflow.loop")
 
@@ -157,10 +157,13 @@ def resume_point(job: RLHFJob | None, root: Path) -> tuple[Path, dict[str, Any],
     source = job.spec.trainer.resume_from if job is not None else None
     if not source:
         return None
-    found = ckpt.checkpoint_at(ckpt.storage_path(source))
+    try:  # bad input that no restart mends: exit 2, which the operator does not retry
+        found = ckpt.checkpoint_at(ckpt.storage_path(source))
+    except ckpt.CheckpointError as err:
+        raise SpecError(f"spec.trainer.resumeFrom: {err}") from err
     if found is None:
-        raise ckpt.CheckpointError(f"spec.trainer.resumeFrom: {source} holds no intact checkpoint; name a step_* "
-                                   f"directory or a checkpointDir with one")
+        raise SpecError(f"spec.trainer.resumeFrom: {source} holds no intact checkpoint; name a step_* directory or a "
+                        f"checkpointDir with one")
     return (*found, True)
 
 

@@ -941,6 +941,15 @@ def load_job(path: str | os.PathLike[str]) -> RLHFJob:
     return parse_job(jobs[0], str(p))
 
 
+def _has_checkpoints(job: RLHFJob) -> bool:
+    """Whether the job has checkpoints of its own (then resumeFrom is not used: a restart continues from them,
+    even once the old job's directory is gone). Object storage is not looked at before the job runs."""
+    from hybridflow.checkpoint import is_url, list_checkpoints
+
+    where = job.spec.trainer.checkpoint_dir
+    return is_url(where) or bool(list_checkpoints(Path(where)))
+
+
 def check_runtime_paths(job: RLHFJob) -> list[str]:
     """Problems only visible where the job runs (files, permissions); the operator cannot check these."""
     from hybridflow.checkpoint import is_url
@@ -969,6 +978,10 @@ def check_runtime_paths(job: RLHFJob) -> list[str]:
                     resolve_paths(field, entries)
             except DataError as err:
                 out.append(str(err))
+    resume_from = job.spec.trainer.resume_from
+    if resume_from and not is_url(resume_from) and not Path(resume_from).exists() and not _has_checkpoints(job):
+        out.append(f"spec.trainer.resumeFrom: '{resume_from}' does not exist; name the old job's checkpointDir (on "
+                   f"Kubernetes: the old job's name) or one of its step_* directories")
     if is_url(job.spec.trainer.checkpoint_dir):  # object storage: reached (and refused) only when the job runs
         return out
     ckpt = Path(job.spec.trainer.checkpoint_dir)
