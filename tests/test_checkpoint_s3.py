@@ -66,6 +66,14 @@ def test_checkpoints_seal_verify_prune_and_fall_back_on_object_storage(s3_server
         ck.append_step_log(root, {"step": step})
     assert [r["step"] for r in ck.read_step_log(root)] == [1, 2, 3, 4, 5, 6]
     assert ck.rewind_step_log(root, 4) == 2
+
+    # a log an earlier version wrote whole is read, and split into parts (its records kept) once written to
+    old_root = root / "older-version"
+    (old_root / ck.STEP_LOG).write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)))
+    assert [r["step"] for r in ck.read_step_log(old_root)] == [1, 2, 3, 4, 5]
+    ck.append_step_log(old_root, {"step": 6})
+    assert [r["step"] for r in ck.read_step_log(old_root)] == [1, 2, 3, 4, 5, 6]
+    assert not (old_root / ck.STEP_LOG).exists() and len(ck._log_parts(old_root)) == 2
     _write(root, 6, b"redone")  # the redone step replaces the torn ones after the one resumed from
     assert [c.name for c in ck.list_checkpoints(root)] == ["step_00000004", "step_00000006"]
 

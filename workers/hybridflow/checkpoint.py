@@ -572,8 +572,22 @@ def _lines(records: list[dict[str, Any]]) -> str:
     return "".join(json.dumps(r) + "\n" for r in records)
 
 
+def _split_legacy_log(root: StoragePath) -> None:
+    """A whole `steps.jsonl` on object storage (written by an earlier version) becomes parts before the log is
+    written to again; its records are kept."""
+    legacy = root / STEP_LOG
+    if not legacy.exists():
+        return
+    if not _log_parts(root):
+        records = _parse_log(legacy.read_text())
+        for i in range(0, len(records), STEP_LOG_PART_RECORDS):
+            _part(root, i // STEP_LOG_PART_RECORDS).write_text(_lines(records[i:i + STEP_LOG_PART_RECORDS]))
+    legacy.unlink()
+
+
 def append_step_log(root: StoragePath, record: dict[str, Any]) -> None:
     if is_remote(root):
+        _split_legacy_log(root)
         parts = _log_parts(root)
         last = _parse_log(parts[-1].read_text()) if parts else []
         if parts and len(last) < STEP_LOG_PART_RECORDS:
@@ -599,9 +613,12 @@ def _parse_log(text: str) -> list[dict[str, Any]]:
 
 def read_step_log(root: StoragePath) -> list[dict[str, Any]]:
     """The job's step records, oldest first (`steps.jsonl`; on object storage, its parts in order)."""
-    if is_remote(root):
-        return [r for p in _log_parts(root) for r in _parse_log(p.read_text())]
     p = root / STEP_LOG
+    if is_remote(root):
+        parts = _log_parts(root)
+        if not parts and p.exists():  # written whole by an earlier version (once split, the parts hold it)
+            return _parse_log(p.read_text())
+        return [r for part in parts for r in _parse_log(part.read_text())]
     return _parse_log(p.read_text()) if p.is_file() else []
 
 
@@ -612,6 +629,7 @@ def rewind_step_log(root: StoragePath, step: int) -> int:
     if is_remote(root):  # each part was put whole: nothing torn to clean up
         if len(kept) == len(records):
             return 0
+        _split_legacy_log(root)
         parts = _log_parts(root)
         first, rest = divmod(len(kept), STEP_LOG_PART_RECORDS)  # the first part that changes
         if rest:
