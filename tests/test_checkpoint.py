@@ -170,14 +170,17 @@ def test_resume_from_is_used_only_without_own_checkpoints_and_a_wrong_one_is_bad
     assert (path.name, state["step"], other) == ("step_00000006", 6, True)  # the old job's newest
     path, _, other = loop.resume_point(job(str(old / "step_00000003")), own)
     assert (path.name, other) == ("step_00000003", True)
-    for missing in (tmp_path / "no-such-job", old / "step_00000009"):
-        with pytest.raises(SpecError, match=r"^spec.trainer.resumeFrom: .* holds no intact checkpoint"):
+    for missing in (tmp_path / "no-such-job", old / "step_00000009", old / "actor.pt"):
+        with pytest.raises(SpecError, match=r"^spec.trainer.resumeFrom: .* holds no checkpoint; name the old job"):
             loop.resume_point(job(str(missing)), own)
+    for missing in (tmp_path / "no-such-job", old / "step_00000009"):
         assert [p for p in check_runtime_paths(job(str(missing))) if "spec.trainer.resumeFrom" in p
                 and "does not exist" in p]
+    # one that is there but cannot be read intact: a failure (retried: it may be the storage, for now), not input
     (old / "step_00000006" / "actor.pt").write_bytes(b"torn")
-    with pytest.raises(SpecError, match=r"^spec.trainer.resumeFrom: .*step_00000006 is not an intact checkpoint"):
+    with pytest.raises(ck.CheckpointError, match=r"step_00000006 is not an intact checkpoint"):
         loop.resume_point(job(str(old / "step_00000006")), own)
+    assert loop.resume_point(job(str(old)), own)[0].name == "step_00000003"  # the newest intact one
 
     _make_for(own, 9, _ident("new-job"))  # once the job has its own, resumeFrom no longer matters
     path, _, other = loop.resume_point(job(str(tmp_path / "no-such-job")), own)
@@ -232,6 +235,12 @@ def test_pruning_does_not_hash_the_kept_checkpoints_again_at_every_save(tmp_path
     _make_for(tmp_path, 7, ident, keep=3)
     assert "step_00000005" in hashed and "step_00000006" not in hashed
     assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_00000004", "step_00000006", "step_00000007"]
+    shard = tmp_path / "step_00000006" / "actor.pt"
+    shard.write_bytes(bytes([99]) * shard.stat().st_size)  # the same size, other bytes: hashed again, and refused
+    hashed.clear()
+    _make_for(tmp_path, 8, ident, keep=3)
+    assert "step_00000006" in hashed and "step_00000007" not in hashed
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_00000004", "step_00000007", "step_00000008"]
 
 
 def test_seal_makes_the_role_directories_durable_before_the_rename(tmp_path, monkeypatch):

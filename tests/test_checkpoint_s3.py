@@ -74,6 +74,20 @@ def test_checkpoints_seal_verify_prune_and_fall_back_on_object_storage(s3_server
     ck.append_step_log(old_root, {"step": 6})
     assert [r["step"] for r in ck.read_step_log(old_root)] == [1, 2, 3, 4, 5, 6]
     assert not (old_root / ck.STEP_LOG).exists() and len(ck._log_parts(old_root)) == 2
+    # a split interrupted after its first part: the whole log is still what counts, and the split is done again
+    torn = root / "split-interrupted"
+    (torn / ck.STEP_LOG).write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)))
+    ck._part(torn, 0).write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 4)))
+    assert [r["step"] for r in ck.read_step_log(torn)] == [1, 2, 3, 4, 5]
+    ck.append_step_log(torn, {"step": 6})
+    assert [r["step"] for r in ck.read_step_log(torn)] == [1, 2, 3, 4, 5, 6]
+
+    # steps that go backwards (a `resume: never` run went on with the log): a rewind keeps the order, as locally
+    backwards = root / "backwards"
+    for s in (1, 2, 3, 4, 5, 1, 2, 3, 4):
+        ck.append_step_log(backwards, {"step": s})
+    assert ck.rewind_step_log(backwards, 2) == 5
+    assert [r["step"] for r in ck.read_step_log(backwards)] == [1, 2, 1, 2]
     _write(root, 6, b"redone")  # the redone step replaces the torn ones after the one resumed from
     assert [c.name for c in ck.list_checkpoints(root)] == ["step_00000004", "step_00000006"]
 

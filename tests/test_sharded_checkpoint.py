@@ -102,7 +102,12 @@ def test_a_metadata_index_may_only_point_at_its_own_shard_files(tmp_path, one_ra
         sc.read_full(tmp_path / "mine" / "actor")
 
 
-def _save_with_one_rank_unable_to_write(rank: int, store: str, root: str, asynchronous: bool, out: str) -> None:
+def _fail_to_copy_model_files() -> None:
+    raise ValueError("the model files could not be copied")  # not an OSError: e.g. a storage client's own error
+
+
+def _save_with_one_rank_unable_to_write(rank: int, store: str, root: str, asynchronous: bool, failure: str,
+                                        out: str) -> None:
     import json
     import time
     from pathlib import Path
@@ -113,14 +118,16 @@ def _save_with_one_rank_unable_to_write(rank: int, store: str, root: str, asynch
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         checkpoint = Path(root)
-        # rank 1's part of the checkpoint cannot be written (here: its directory's parent is a file)
-        target = checkpoint / "blocked" / "actor" if rank == 1 else checkpoint / "actor"
+        # rank 1's part of the checkpoint cannot be written: its directory's parent is a file, or what it writes
+        # besides its shards (rank 0's model files, here done by rank 1) fails
+        target = checkpoint / "blocked" / "actor" if rank == 1 and failure == "mkdir" else checkpoint / "actor"
+        prepare = _fail_to_copy_model_files if rank == 1 and failure == "prepare" else None
         t0 = time.monotonic()
         try:
             if asynchronous:
-                sc.save_async(_state(1.0), target, checkpoint).result(timeout=300)
+                sc.save_async(_state(1.0), target, checkpoint, prepare).result(timeout=300)
             else:
-                sc.save(_state(1.0), target, checkpoint)
+                sc.save(_state(1.0), target, checkpoint, prepare)
             outcome = "saved"
         except Exception as err:  # noqa: BLE001 - what this rank saw is the test's result
             outcome = f"{type(err).__name__}: {err}"
@@ -133,8 +140,9 @@ def _save_with_one_rank_unable_to_write(rank: int, store: str, root: str, asynch
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_a_rank_that_cannot_start_writing_fails_every_rank_at_once(tmp_path, asynchronous):
+@pytest.mark.parametrize("asynchronous, failure", [(False, "mkdir"), (True, "mkdir"), (True, "prepare")],
+                         ids=["sync", "async", "async-not-an-oserror"])
+def test_a_rank_that_cannot_start_writing_fails_every_rank_at_once(tmp_path, asynchronous, failure):
     """Without an agreement first, the other ranks would wait in DCP's first gather for the missing one until the
     process group's timeout (30 minutes) while the job looks alive; here every rank fails within seconds, and the
     others' error names the rank and keeps its errno (a full disk anywhere reads as a full disk)."""
@@ -146,7 +154,7 @@ def test_a_rank_that_cannot_start_writing_fails_every_rank_at_once(tmp_path, asy
     (tmp_path / "ckpt" / "blocked").write_text("a file where rank 1 wants a directory")
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_save_with_one_rank_unable_to_write,
-                         args=(r, str(tmp_path / "store"), str(tmp_path / "ckpt"), asynchronous,
+                         args=(r, str(tmp_path / "store"), str(tmp_path / "ckpt"), asynchronous, failure,
                                str(tmp_path / "out")))
              for r in range(2)]
     for p in procs:
@@ -161,7 +169,12 @@ def test_a_rank_that_cannot_start_writing_fails_every_rank_at_once(tmp_path, asy
                 p.kill()
                 p.join()
     outcomes = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(2)]
-    assert outcomes[1][0].startswith(("FileExistsError", "NotADirectoryError")), outcomes
-    assert outcomes[0][0].startswith(f"{outcomes[1][0].split(':')[0]}: [Errno ") \
-        and "rank 1 could not start writing" in outcomes[0][0], outcomes  # the same OSError subclass and errno
+    if failure == "mkdir":
+        assert outcomes[1][0].startswith(("FileExistsError", "NotADirectoryError")), outcomes
+        assert outcomes[0][0].startswith(f"{outcomes[1][0].split(':')[0]}: [Errno ") \
+            and "rank 1 could not start writing" in outcomes[0][0], outcomes  # the same OSError subclass and errno
+    else:
+        assert outcomes[1][0] == "ValueError: the model files could not be copied", outcomes
+        assert outcomes[0][0].startswith("CheckpointError: rank 1 could not start writing") \
+            and "ValueError: the model files could not be copied" in outcomes[0][0], outcomes
     assert outcomes[0][1] < 60, outcomes

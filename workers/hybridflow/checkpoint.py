@@ -311,8 +311,7 @@ def seal(root: Path, staging: Path, step: int, trainer_state: dict[str, Any], ke
         manifest["identity"] = ident
     if is_remote(staging):  # written in place; the manifest, written last, seals it
         _write_json(staging / MANIFEST, manifest)
-        _remember_intact(staging)
-        _prune(root, staging, ident, keep)
+        _after_seal(root, staging, ident, keep)
         return staging
     _fsync_subdirectories(staging)
     tmp = staging / (MANIFEST + ".tmp")
@@ -327,9 +326,20 @@ def seal(root: Path, staging: Path, step: int, trainer_state: dict[str, Any], ke
     os.replace(staging, final)
     _fsync_dir(root)
     shutil.rmtree(old, ignore_errors=True)
-    _remember_intact(final)
-    _prune(root, final, ident, keep)
+    _after_seal(root, final, ident, keep)
     return final
+
+
+def _after_seal(root: StoragePath, sealed: StoragePath, ident: dict[str, Any] | None, keep: int) -> None:
+    """Remember the sealed checkpoint as intact and prune older ones; best effort: the checkpoint is sealed, and a
+    failure here must not fail the save (on object storage the caller would remove what it wrote, the sealed
+    checkpoint itself)."""
+    try:
+        _remember_intact(sealed)
+        _prune(root, sealed, ident, keep)
+    except OSError as err:
+        log.warning("checkpoint %s is sealed, but pruning older ones failed (%s); they are pruned at the next save",
+                    sealed, err)
 
 
 def _fsync_subdirectories(directory: Path) -> None:
@@ -345,31 +355,50 @@ def _fsync_subdirectories(directory: Path) -> None:
 # Pruning runs at every save and must count only intact checkpoints; re-hashing the kept ones each time would read
 # every byte of them again (on object storage: download them). A file written since no longer matches, and is hashed.
 _known_intact: dict[str, tuple[tuple[str, int, str], ...]] = {}
+# what object stores report as a stored object's version (names differ: s3fs, gcsfs, adlfs)
+_OBJECT_VERSION_KEYS = ("etag", "generation", "version_id", "last_modified", "lastmodified", "mtime")
 
 
-def _fingerprint(ckpt: StoragePath) -> tuple[tuple[str, int, str], ...]:
+def _object_version(info: dict[str, Any]) -> str | None:
+    lowered = {k.lower(): v for k, v in info.items()}
+    return next((str(lowered[k]) for k in _OBJECT_VERSION_KEYS if lowered.get(k) is not None), None)
+
+
+def _fingerprint(ckpt: StoragePath) -> tuple[tuple[str, int, str], ...] | None:
+    """The checkpoint's files with their sizes and versions; None when the store does not say which version of a
+    file it holds (then nothing is trusted without hashing)."""
     if is_remote(ckpt):
         prefix = ckpt.path.rstrip("/") + "/"
-        infos = ckpt.fs.find(ckpt.path, detail=True)
-        return tuple(sorted((k[len(prefix):], int(i.get("size") or 0),
-                             str(i.get("ETag") or i.get("LastModified") or i.get("mtime")))
-                            for k, i in infos.items() if k.startswith(prefix)))
+        files = [(k[len(prefix):], int(i.get("size") or 0), _object_version(i))
+                 for k, i in ckpt.fs.find(ckpt.path, detail=True).items() if k.startswith(prefix)]
+        if any(version is None for *_, version in files):
+            return None
+        return tuple(sorted((name, size, str(version)) for name, size, version in files))
     stats = [(relative(p, ckpt), p.stat()) for p in _files(ckpt)]
     # the inode change time too: a file rewritten in place and given back its old mtime still differs
     return tuple(sorted((name, st.st_size, f"{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}") for name, st in stats))
 
 
 def _remember_intact(ckpt: StoragePath, fingerprint: tuple[tuple[str, int, str], ...] | None = None) -> None:
-    _known_intact[str(ckpt)] = fingerprint if fingerprint is not None else _fingerprint(ckpt)
+    fingerprint = fingerprint if fingerprint is not None else _fingerprint(ckpt)
+    if fingerprint is not None:
+        _known_intact[str(ckpt)] = fingerprint
+
+
+def _fingerprint_or_none(ckpt: StoragePath) -> tuple[tuple[str, int, str], ...] | None:
+    try:
+        return _fingerprint(ckpt)
+    except OSError:  # verify says what is wrong
+        return None
 
 
 def verify_once(ckpt: StoragePath) -> str | None:
     """`verify`, trusting this process's own earlier verification (or seal) while none of the files changed."""
-    before = _fingerprint(ckpt)
-    if _known_intact.get(str(ckpt)) == before:
+    before = _fingerprint_or_none(ckpt)
+    if before is not None and _known_intact.get(str(ckpt)) == before:
         return None
     problem = verify(ckpt)
-    if problem is None:
+    if problem is None and before is not None:
         _remember_intact(ckpt, before)  # taken before hashing: a file changed meanwhile is hashed again next time
     return problem
 
@@ -525,10 +554,11 @@ def load_tensors(path: Path) -> Any:
 
 def _newest_intact(root: Path, warn: bool = False) -> Path | None:
     for ckpt in reversed(list_checkpoints(root)):
-        before = _fingerprint(ckpt)
+        before = _fingerprint_or_none(ckpt)
         problem = verify(ckpt)  # in full, whatever this process knew: what a job resumes from is read again
         if problem is None:
-            _remember_intact(ckpt, before)
+            if before is not None:
+                _remember_intact(ckpt, before)
             return ckpt
         if warn:
             log.warning("skipping corrupt checkpoint %s: %s; falling back to the previous one", ckpt, problem)
@@ -574,15 +604,26 @@ def _lines(records: list[dict[str, Any]]) -> str:
 
 def _split_legacy_log(root: StoragePath) -> None:
     """A whole `steps.jsonl` on object storage (written by an earlier version) becomes parts before the log is
-    written to again; its records are kept."""
+    written to again; its records are kept. Until it is deleted, last, it is what the log holds: an interrupted
+    split is simply done again."""
     legacy = root / STEP_LOG
-    if not legacy.exists():
-        return
-    if not _log_parts(root):
-        records = _parse_log(legacy.read_text())
-        for i in range(0, len(records), STEP_LOG_PART_RECORDS):
-            _part(root, i // STEP_LOG_PART_RECORDS).write_text(_lines(records[i:i + STEP_LOG_PART_RECORDS]))
-    legacy.unlink()
+    if legacy.exists():
+        _write_log_parts(root, _parse_log(legacy.read_text()), 0)
+        legacy.unlink()
+
+
+def _read_log_parts(root: StoragePath) -> list[list[dict[str, Any]]]:
+    return [_parse_log(p.read_text()) for p in _log_parts(root)]
+
+
+def _write_log_parts(root: StoragePath, records: list[dict[str, Any]], first_part: int) -> None:
+    """Parts `first_part`.. hold `records` (the log's records from that part on); later parts are deleted."""
+    n = STEP_LOG_PART_RECORDS
+    chunks = [records[i:i + n] for i in range(0, len(records), n)]
+    for i, chunk in enumerate(chunks):
+        _part(root, first_part + i).write_text(_lines(chunk))
+    for p in _log_parts(root)[first_part + len(chunks):]:
+        p.unlink()
 
 
 def append_step_log(root: StoragePath, record: dict[str, Any]) -> None:
@@ -615,10 +656,9 @@ def read_step_log(root: StoragePath) -> list[dict[str, Any]]:
     """The job's step records, oldest first (`steps.jsonl`; on object storage, its parts in order)."""
     p = root / STEP_LOG
     if is_remote(root):
-        parts = _log_parts(root)
-        if not parts and p.exists():  # written whole by an earlier version (once split, the parts hold it)
+        if p.exists():  # written whole by an earlier version, and not yet split into parts
             return _parse_log(p.read_text())
-        return [r for part in parts for r in _parse_log(part.read_text())]
+        return [r for part in _read_log_parts(root) for r in part]
     return _parse_log(p.read_text()) if p.is_file() else []
 
 
@@ -630,13 +670,14 @@ def rewind_step_log(root: StoragePath, step: int) -> int:
         if len(kept) == len(records):
             return 0
         _split_legacy_log(root)
-        parts = _log_parts(root)
-        first, rest = divmod(len(kept), STEP_LOG_PART_RECORDS)  # the first part that changes
-        if rest:
-            _part(root, first).write_text(_lines(kept[first * STEP_LOG_PART_RECORDS:]))
-            first += 1
-        for p in parts[first:]:
-            p.unlink()
+        # rewritten from the part holding the first record dropped (not necessarily at the end: steps go backwards
+        # in a log that a run with `resume: never` continued); the parts before it are kept as they are
+        start = 0
+        for index, part in enumerate(_read_log_parts(root)):
+            if any(r.get("step", 0) > step for r in part):
+                _write_log_parts(root, [r for r in records[start:] if r.get("step", 0) <= step], index)
+                break
+            start += len(part)
         return len(records) - len(kept)
     tmp = root / (STEP_LOG + ".tmp")
     tmp.write_text(_lines(kept))

@@ -157,13 +157,15 @@ def resume_point(job: RLHFJob | None, root: Path) -> tuple[Path, dict[str, Any],
     source = job.spec.trainer.resume_from if job is not None else None
     if not source:
         return None
-    try:  # bad input that no restart mends: exit 2, which the operator does not retry
-        found = ckpt.checkpoint_at(ckpt.storage_path(source))
-    except ckpt.CheckpointError as err:
-        raise SpecError(f"spec.trainer.resumeFrom: {err}") from err
+    where = ckpt.storage_path(source)
+    if not (where / ckpt.MANIFEST).is_file() and not ckpt.list_checkpoints(where):
+        # names no checkpoint at all: bad input that no restart mends (exit 2, which the operator does not retry)
+        raise SpecError(f"spec.trainer.resumeFrom: {source} holds no checkpoint; name the old job's checkpointDir "
+                        f"or one of its step_* directories")
+    found = ckpt.checkpoint_at(where)  # a checkpoint that cannot be read (now) is a failure, retried
     if found is None:
-        raise SpecError(f"spec.trainer.resumeFrom: {source} holds no intact checkpoint; name a step_* directory or a "
-                        f"checkpointDir with one")
+        raise ckpt.CheckpointError(f"spec.trainer.resumeFrom: {source} holds no intact checkpoint; name a step_* "
+                                   f"directory or a checkpointDir with one")
     return (*found, True)
 
 

@@ -202,7 +202,7 @@ def _ready(directory: StoragePath, prepare: Callable[[], None] | None) -> BaseEx
         directory.mkdir(parents=True, exist_ok=True)
         if prepare is not None:
             prepare()
-    except OSError as err:
+    except Exception as err:  # noqa: BLE001 - whatever it is, the other ranks hear of it (then it is raised)
         return err
     return None
 
@@ -211,6 +211,7 @@ def save(state: dict[str, Any], directory: Path, checkpoint: Path,
          prepare: Callable[[], None] | None = None) -> dict[str, str]:
     """Collective: every rank writes its shards of `state` into `directory` (inside the checkpoint directory
     `checkpoint`), after its `prepare`; returns this rank's `digests` once its files are on disk."""
+    _background.submit(lambda: None).result()  # no asynchronous write still uses the checkpoint group
     _all_ready(_ready(directory, prepare), directory, checkpoint_group())
     dcp.save(state, storage_writer=_writer(directory))
     return digests(directory, dist.get_rank() if dist.is_initialized() else 0, checkpoint)
@@ -235,12 +236,13 @@ def save_async(state: dict[str, Any], directory: Path, checkpoint: Path,
     """Collective: copies this rank's `state` to host memory now, so that the engine may train on while the copy is
     written, and writes and hashes it (after `prepare`) in the background. The future gives this rank's
     `digests`, or raises what failed on any rank."""
-    writer = _writer(directory)
     group = checkpoint_group()
     rank = dist.get_rank()
+    writer: FileSystemWriter | None = None
     try:
+        writer = _writer(directory)
         staged, problem = writer.stage(state), None  # a host copy: later optimizer steps do not reach what is written
-    except (OSError, RuntimeError, MemoryError) as err:  # still joins the others' agreement, which then fails
+    except Exception as err:  # noqa: BLE001 - this rank still joins the others' agreement, which then fails
         staged, problem = None, err
 
     def write() -> dict[str, str]:
