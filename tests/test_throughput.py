@@ -212,10 +212,11 @@ print(json.dumps({"freed": before - released, "error": error, "same": again == f
 
 
 def test_vllm_on_cpu_frees_its_weights_for_training_and_gets_them_back_with_the_next_sync(model_cache):
-    """vLLM on CPU holds its weights only as packed GEMMs: release() drops them (SmolLM2 in bf16 is 0.27 GB of
-    weights), generation before the next load_weights is a clear error rather than stale output, and
-    load_weights packs them again, so greedy output is what it was. In a child process: vLLM sets up its own
-    torch.distributed state."""
+    """vLLM on CPU holds its weights as packed GEMMs (AVX-512) or as plain parameters its `linear` calls use (AVX2):
+    release() drops either (SmolLM2 in bf16 is 0.27 GB of weights), generation before the next load_weights is a
+    clear error rather than stale output, and load_weights brings them back, so greedy output is what it was. (On
+    an AVX2 machine release() used to free nothing.) In a child process: vLLM sets up its own torch.distributed
+    state."""
     import json
     import subprocess
     import sys

@@ -76,6 +76,7 @@ class VLLMRollout:
             kwargs["distributed_executor_backend"] = "external_launcher"
         self.on_gpu = on_gpu
         self.asleep = False
+        self._emptied: list[tuple[torch.nn.Parameter, torch.Size]] = []  # parameters release() gave back (CPU)
         self.llm = LLM(
             model=str(model_dir),
             skip_tokenizer_init=True,
@@ -125,6 +126,9 @@ class VLLMRollout:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.asleep and self.on_gpu:  # weights come back first (into fresh memory), the KV cache once in place
             self.llm.wake_up(tags=["weights"])
+        for weight, shape in self._emptied:  # the reload writes into the parameters it finds: their storage again
+            weight.data = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+        self._emptied = []
         runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
         runner.reload_weights(weights_iterator=iter(weights))  # on CPU this also packs every GEMM afresh
         _repack_tied_lm_head(self.model)
@@ -135,18 +139,24 @@ class VLLMRollout:
 
     def release(self) -> None:
         """Free the generation weights during training (the transition brings new ones anyway). On GPU: sleep mode
-        level 2, weights and KV cache. On CPU vLLM has no sleep mode, but it keeps its weights only as packed
-        GEMMs (oneDNN / sgl handles; the parameters are emptied), which reload_weights builds anew: dropping them
-        frees the weights (SmolLM2 in bf16: 0.32 GB of resident memory per rank); the KV cache, sized from the
-        job, stays."""
+        level 2, weights and KV cache. On CPU vLLM has no sleep mode. Where the CPU has the kernels for it
+        (AVX-512), vLLM keeps its weights only as packed GEMMs (oneDNN / sgl handles; the parameters are emptied);
+        elsewhere (AVX2) its GEMMs are plain `linear` calls on the parameters. Either way reload_weights rebuilds
+        both from its own record of the layers, so dropping the GEMMs and emptying the parameters frees the
+        weights (SmolLM2 in bf16: 0.27 GB of resident memory per rank); the KV cache, sized from the job, stays."""
         if self.asleep:
             return
         if self.on_gpu:
             self.llm.sleep(level=2)
         else:
             for module in self.model.modules():
-                if "cpu_linear" in vars(module):
-                    module.cpu_linear = _released_gemm
+                if "cpu_linear" not in vars(module):
+                    continue
+                module.cpu_linear = _released_gemm
+                weight = module._parameters.get("weight")
+                if weight is not None and weight.numel():  # a plain GEMM's weight: not needed until the reload
+                    self._emptied.append((weight, weight.shape))
+                    weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
         self.asleep = True
 
     def weight_checksums(self) -> dict[str, float]:
