@@ -78,10 +78,22 @@ class PodNetwork:
                 return
 
     def remove(self, netns: str) -> None:
+        """The pod's processes, its interface and its namespace; only then is its address free for another pod. A
+        namespace outlives `ip netns del` while a process in it is still exiting (slowly, on a loaded machine), and
+        with it its eth0: a new pod given the same address would share it with the old one, and the peers of the
+        new pod could reach the old one (seen: gloo's 'Connection reset by peer' right after a gang restart)."""
         self.kill(netns, grace=0.5)
+        deadline = time.time() + 30
+        while self.pids(netns) and time.time() < deadline:
+            self.kill(netns, grace=0)
+            time.sleep(0.1)
+        with self._lock:
+            _, veth = self._pods.get(netns, ("", ""))
+        if veth:
+            _ip("link", "del", veth, check=False)  # both ends of the pair: the old eth0 is gone whatever lingers
+        _ip("netns", "del", netns, check=False)
         with self._lock:
             self._pods.pop(netns, None)
-        _ip("netns", "del", netns, check=False)  # its veth end goes with it
 
     def namespaces(self) -> list[str]:
         out = _ip("netns", "list", check=False)
