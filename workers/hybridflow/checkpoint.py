@@ -392,10 +392,11 @@ def _fingerprint_or_none(ckpt: StoragePath) -> tuple[tuple[str, int, str], ...] 
         return None
 
 
-def verify_once(ckpt: StoragePath) -> str | None:
-    """`verify`, trusting this process's own earlier verification (or seal) while none of the files changed."""
+def verify_once(ckpt: StoragePath, trust_known: bool = True) -> str | None:
+    """`verify`, trusting this process's own earlier verification (or seal) while none of the files changed
+    (`trust_known`; either way an intact checkpoint is remembered as such)."""
     before = _fingerprint_or_none(ckpt)
-    if before is not None and _known_intact.get(str(ckpt)) == before:
+    if trust_known and before is not None and _known_intact.get(str(ckpt)) == before:
         return None
     problem = verify(ckpt)
     if problem is None and before is not None:
@@ -554,11 +555,8 @@ def load_tensors(path: Path) -> Any:
 
 def _newest_intact(root: Path, warn: bool = False) -> Path | None:
     for ckpt in reversed(list_checkpoints(root)):
-        before = _fingerprint_or_none(ckpt)
-        problem = verify(ckpt)  # in full, whatever this process knew: what a job resumes from is read again
+        problem = verify_once(ckpt, trust_known=False)  # in full: what a job resumes from is read again
         if problem is None:
-            if before is not None:
-                _remember_intact(ckpt, before)
             return ckpt
         if warn:
             log.warning("skipping corrupt checkpoint %s: %s; falling back to the previous one", ckpt, problem)
@@ -664,21 +662,20 @@ def read_step_log(root: StoragePath) -> list[dict[str, Any]]:
 
 def rewind_step_log(root: StoragePath, step: int) -> int:
     """Keep log records up to `step` (the checkpoint resumed from); returns how many were dropped."""
-    records = read_step_log(root)
-    kept = [r for r in records if r.get("step", 0) <= step]
     if is_remote(root):  # each part was put whole: nothing torn to clean up
-        if len(kept) == len(records):
-            return 0
         _split_legacy_log(root)
+        parts = _read_log_parts(root)
         # rewritten from the part holding the first record dropped (not necessarily at the end: steps go backwards
         # in a log that a run with `resume: never` continued); the parts before it are kept as they are
-        start = 0
-        for index, part in enumerate(_read_log_parts(root)):
-            if any(r.get("step", 0) > step for r in part):
-                _write_log_parts(root, [r for r in records[start:] if r.get("step", 0) <= step], index)
-                break
-            start += len(part)
-        return len(records) - len(kept)
+        first = next((i for i, part in enumerate(parts) if any(r.get("step", 0) > step for r in part)), None)
+        if first is None:
+            return 0
+        later = [r for part in parts[first:] for r in part]
+        kept_later = [r for r in later if r.get("step", 0) <= step]
+        _write_log_parts(root, kept_later, first)
+        return len(later) - len(kept_later)
+    records = read_step_log(root)
+    kept = [r for r in records if r.get("step", 0) <= step]
     tmp = root / (STEP_LOG + ".tmp")
     tmp.write_text(_lines(kept))
     os.replace(tmp, root / STEP_LOG)
