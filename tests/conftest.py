@@ -1,5 +1,6 @@
 import contextlib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -151,3 +152,28 @@ def s3_server(s3_server_process, request):
 
     slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
     return s3_server_process.create_bucket(f"t{secrets.token_hex(4)}-{slug or 'test'}")
+
+
+def readme_own_data_job() -> tuple[str, str]:
+    """The job YAML and the reward file that README.md's "Your own data" section prints (its one yaml and one
+    python block), as text: what a user copies."""
+    section = (ROOT / "README.md").read_text().split("### Your own data\n", 1)[1].split("\n### ", 1)[0]
+    jobs, rewards = re.findall(r"```yaml\n(.*?)```", section, re.S), re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(jobs) == 1 and len(rewards) == 1, "the section should print one job and one reward file"
+    return jobs[0], rewards[0]
+
+
+def save_readme_own_data_job(root: Path) -> tuple[Path, Path]:
+    """README's own-data job saved as the README says (my-job.yaml, and the reward file it names) in `root`, which
+    the caller lays out like the repository after `python examples/data/make_word_problems.py`; returns the job
+    file and its checkpointDir."""
+    import yaml
+
+    job_text, reward_text = readme_own_data_job()
+    doc = yaml.safe_load(job_text)
+    # what a newcomer writes, and what this job checks stays accepted: one path for train and eval, no reward type
+    assert isinstance(doc["spec"]["data"]["train"], str) and isinstance(doc["spec"]["data"]["eval"], str), doc
+    assert "type" not in doc["spec"]["models"]["reward"], doc
+    (root / "my-job.yaml").write_text(job_text)
+    (root / doc["spec"]["models"]["reward"]["function"]["path"]).write_text(reward_text)
+    return root / "my-job.yaml", root / doc["spec"]["trainer"]["checkpointDir"]

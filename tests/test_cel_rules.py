@@ -242,6 +242,8 @@ BAD = [
     ("spec.data.chatTemplate", "t" * 65537, "spec.data.chatTemplate"),
     ("spec.data.train", ["t.jsonl"] * 1025, "spec.data.train"),
     ("spec.data.train", ["t" * 4097], "spec.data.train[0]"),
+    ("spec.data.train", "t" * 4097, "spec.data.train[0]"),  # one path, as a list of one
+    ("spec.data.eval", "", "spec.data.eval[0]"),
     ("spec.models.actor.tiny.numLayers", 1025, "spec.models.actor.tiny.numLayers"),
     ("spec.models.actor.path", "p" * 4097, "spec.models.actor.path"),
     ("spec.models.reward.function", {"path": "r.py", "name": "not-a-name"}, "spec.models.reward.function.name"),
@@ -288,3 +290,27 @@ def test_examples_pass_the_cel_rules(path):
     doc = yaml.safe_load(path.read_text())
     assert cel_problems(_schema(), doc) == []
     assert cel_problems(_schema(), doc, copy.deepcopy(doc)) == []
+
+
+def _files_job(train, eval_=None) -> dict:
+    doc = _with("spec.models.actor", {"source": "smollm2"})
+    doc["spec"]["models"]["reward"] = {"function": {"path": "r.py"}}
+    doc["spec"]["data"] = {"source": "files", "train": train, **({"eval": eval_} if eval_ is not None else {})}
+    return doc
+
+
+@pytest.mark.parametrize("train,eval_", [("a.parquet", None), (["a.parquet"], ["b.parquet"]),
+                                         ("a.parquet", "b.parquet")], ids=["one-path", "lists", "both-one-path"])
+def test_one_path_or_a_list_both_accept(train, eval_):
+    doc = _files_job(train, eval_)
+    assert crd_problems(doc) == []
+    assert spec_problem(doc) is None
+
+
+def test_spec_data_stays_immutable_with_one_path():
+    """`self == oldSelf` on spec.data sees train in either form (the API server compares an untyped value as
+    it is stored)."""
+    old = _files_job("a.parquet")
+    assert cel_problems(_schema(), copy.deepcopy(old), old) == []
+    for train in ("b.parquet", ["a.parquet", "b.parquet"]):
+        assert [p.split(":")[0] for p in cel_problems(_schema(), _files_job(train), old)] == ["spec.data"], train

@@ -77,7 +77,9 @@ def test_every_count_size_and_string_is_bounded():
         if ((kind == "integer" and "maximum" not in node)
                 or (kind == "string" and not {"maxLength", "enum"} & node.keys())
                 or (kind == "array" and "maxItems" not in node)
-                or (kind == "object" and "additionalProperties" in node and "maxProperties" not in node)):
+                or (kind == "object" and "additionalProperties" in node and "maxProperties" not in node)
+                or (kind is None and "items" in node and "maxItems" not in node)  # a union holding a list
+                or (kind is None and not {"maxLength", "maxItems"} & node.keys())):
             unbounded.append(path)
     assert not unbounded, f"give these a bound in spec.py: {unbounded}"
 
@@ -89,3 +91,37 @@ def test_job_name_rules_sit_at_the_root_where_cel_sees_metadata_name():
     # what a CRD may say about metadata: name and generateName only (253: bounds the cost of `matches`)
     assert root["properties"]["metadata"] == {"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 253}, "generateName": {"type": "string", "maxLength": 253}}}
+
+
+def _files_job(data: dict) -> dict:
+    return {"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "files"},
+            "spec": {"models": {"actor": {"source": "smollm2"}, "reward": {"function": {"path": "r.py"}}},
+                     "data": {"source": "files", **data}}}
+
+
+@pytest.mark.parametrize("data", [{"train": "a.parquet"}, {"train": ["a.parquet", "b/*.parquet"]},
+                                  {"train": "a.parquet", "eval": "b.parquet"}, {"train": ["a"], "eval": ["b"]}],
+                         ids=["one-path", "a-list", "both-one-path", "both-lists"])
+def test_the_crd_takes_one_path_or_a_list_for_train_and_eval(data):
+    """As `hybridflow validate` does: a structural schema cannot type a union, so these nodes are untyped
+    (x-kubernetes-preserve-unknown-fields) and keep the bounds of both forms."""
+    jsonschema.Draft4Validator(_schema()).validate(_files_job(data))
+
+
+@pytest.mark.parametrize("data", [{"train": ""}, {"train": "t" * 4097}, {"train": ["t" * 4097]}, {"eval": [""]},
+                                  {"train": ["t"] * 1025}, {"eval": [3]}],
+                         ids=["empty", "too-long", "too-long-item", "empty-item", "too-many", "not-a-string-item"])
+def test_the_crd_keeps_the_bounds_of_both_forms(data):
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft4Validator(_schema()).validate(_files_job({"train": "a.parquet", **data}))
+
+
+def test_train_and_eval_are_the_only_untyped_spec_fields():
+    """An untyped node is a union the API server cannot type-check (a number there is left to the operator's
+    validation); only train and eval are one."""
+    untyped = [p for p, n in _walk(_schema()["properties"]["spec"], "spec") if "type" not in n]
+    assert untyped == ["spec.data.train", "spec.data.eval"]
+    node = _schema()["properties"]["spec"]["properties"]["data"]["properties"]["train"]
+    assert node["x-kubernetes-preserve-unknown-fields"] is True
+    assert (node["minLength"], node["maxLength"], node["maxItems"]) == (1, 4096, 1024)
+    assert node["items"] == {"type": "string", "minLength": 1, "maxLength": 4096}

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 import yaml
-from conftest import ROOT, kill_processes_mentioning, run_cli
+from conftest import ROOT, kill_processes_mentioning, run_cli, save_readme_own_data_job
 
 from hybridflow.checkpoint import list_checkpoints, read_step_log, verify
 
@@ -207,25 +207,29 @@ def test_smollm2_with_a_users_reward_function(tmp_path, model_cache, ray_tmp):
     assert rec["reward_mean"] >= 0.1 * rec["reward_answered_mean"] - 1e-6
 
 
-@pytest.mark.parametrize("example,data", [
-    ("word-problems.yaml", {"train": ["word_problems/train.jsonl"]}),
-    ("gsm8k-style.yaml", {"train": ["gsm8k_style/train.parquet"], "eval": ["gsm8k_style/test.parquet"]}),
-])
-def test_smollm2_on_prompt_files(tmp_path, model_cache, ray_tmp, word_problems, example, data):
-    """The two file examples for two steps, from the data directory (relative paths, as a user runs them): JSONL in
-    the user's own columns with a user's reward file, and verl's Parquet layout with the `math` scorer."""
-    ckpt = tmp_path / "run"
-    changes = {"data__evalPrompts": 8, "trainer__steps": 2, "trainer__promptsPerStep": 4,
-               "trainer__checkpointDir": str(ckpt), "rollout__maxResponseLength": 24}
-    if example == "word-problems.yaml":
-        changes["models__reward__function"] = {"path": str(ROOT / "examples" / "rewards" / "word_problem_reward.py")}
-    job = _variant(tmp_path, ROOT / "examples" / example, **changes, data__train=data["train"],
-                   **({"data__eval": data["eval"]} if "eval" in data else {}))
-    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp], cwd=word_problems,
+@pytest.mark.parametrize("example", ["word-problems.yaml", "README.md"])
+def test_smollm2_on_prompt_files(tmp_path, model_cache, ray_tmp, word_problems, example):
+    """Two file jobs for two steps, with relative paths as a user runs them: examples/word-problems.yaml (JSONL in
+    the user's own columns, a user's reward file whose extra key reaches the step log), and README.md's own-data job
+    exactly as printed (verl's Parquet layout with its nested ground truth, one path for train and eval, the reward
+    type following from `function`). The `math` scorer is covered by tests/test_reward_scorers.py."""
+    if example == "README.md":
+        cwd = tmp_path / "repo"
+        (cwd / "examples").mkdir(parents=True)
+        (cwd / "examples" / "data").symlink_to(word_problems)
+        job, ckpt = save_readme_own_data_job(cwd)
+    else:
+        cwd, ckpt = word_problems, tmp_path / "run"
+        reward = ROOT / "examples" / "rewards" / "word_problem_reward.py"
+        job = _variant(tmp_path, ROOT / "examples" / example, data__train=["word_problems/train.jsonl"],
+                       data__evalPrompts=8, trainer__steps=2, trainer__promptsPerStep=4,
+                       trainer__checkpointDir=str(ckpt), rollout__maxResponseLength=24,
+                       models__reward__function={"path": str(reward)})
+    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp], cwd=cwd,
                   env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
     assert out.returncode == 0, out.stderr[-3000:]
-    # an eval file: all 200 rows train; none: 8 of them are held out
-    assert f"prompts: {200 if 'eval' in data else 192} for training, 8 held out" in out.stdout, out.stdout
+    # an eval file (README): all 200 rows train; none: 8 of them are held out
+    assert f"prompts: {200 if example == 'README.md' else 192} for training, 8 held out" in out.stdout, out.stdout
     records = _steps(ckpt)
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["reward_errors"] == 0 for r in records)

@@ -42,3 +42,18 @@ def test_weighted_combination():
 
 def test_registry_names():
     assert set(SCORERS) == {"math", "exact", "regex", "format"}
+
+
+def test_a_scorer_reward_from_the_spec_scores_decoded_responses():
+    """What the driver runs for `reward: {scorers: [{name: math}]}` (type scorer, from the field given): each
+    response against its ground truth, a scorer that raises scoring errorScore and counted. This is the `math`
+    scorer's path through a job (the end-to-end file jobs use reward functions)."""
+    from hybridflow.rewards.text import TextReward
+    from hybridflow.spec import RewardSpec
+
+    spec = RewardSpec.model_validate({"scorers": [{"name": "math"}], "errorScore": -1})
+    assert spec.type == "scorer"
+    responses = ["3 + 4 = 7\n#### 7", "#### 8", "I do not know.", "#### 7"]
+    out = TextReward(spec).score(["gsm8k_style"] * 4, responses, ["7", "7", "7", "no answer here"], [{}] * 4)
+    assert out.scores == [1.0, 0.0, 0.0, -1.0]
+    assert [e.index for e in out.errors] == [3]

@@ -1,14 +1,14 @@
 """The manifest: defaults, examples, and bad input that must fail with one clear message naming the field."""
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import save_readme_own_data_job
 
 from hybridflow.cli import main
-from hybridflow.spec import JobSpec, RLHFJob, SpecError, load_job, parse_job
+from hybridflow.spec import JobSpec, RLHFJob, SpecError, dump_job, load_job, parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -135,7 +135,26 @@ BAD = [
      "spec.models.reward.type: rule scores the token ids of a generated task; for prompts from files use scorer"),
     ({"data": {"train": ["t.jsonl"]}}, "spec.data.train/eval: files are only read with spec.data.source: files"),
     ({"data": {"source": "parquet"}}, "spec.data.source: Input should be 'generated' or 'files'"),
-    ({"data": {"source": "files", "train": "t.jsonl"}}, "spec.data.train: Input should be a valid list"),
+    ({"data": {"source": "files", "train": 5}}, "spec.data.train: give a path or a list of paths, e.g. "
+     "data/train.parquet or [a.parquet, b.parquet], got 5"),
+    ({"data": {"source": "files", "eval": {"path": "t.jsonl"}}}, "spec.data.eval: give a path or a list of paths"),
+    ({"data": {"source": "files", "train": ""}}, "spec.data.train[0]: String should have at least 1 character"),
+    ({"data": {"source": "files", "train": "t" * 4097}}, "spec.data.train[0]: String should have at most 4096"),
+    ({"models": {"reward": {"type": "rule", "function": {"path": "r.py"}}}},
+     "spec.models.reward.type is 'rule' but spec.models.reward.function is given; remove spec.models.reward.type "
+     "(function alone means type function) or remove spec.models.reward.function"),
+    ({"models": {"reward": {"type": "function", "scorers": [{"name": "math"}]}}},
+     "spec.models.reward.type is 'function' but spec.models.reward.scorers is given; remove spec.models.reward.type "
+     "(scorers alone means type scorer) or give spec.models.reward.function in place of scorers"),
+    ({"models": {"reward": {"type": "scorer", "scorers": [{"name": "math"}], "model": {}}}},
+     "spec.models.reward.type is 'scorer' but spec.models.reward.model is given"),
+    ({"models": {"reward": {"function": {"path": "r.py"}, "scorers": [{"name": "math"}]}}},
+     "spec.models.reward.scorers, spec.models.reward.function are given together; keep the one you mean (it sets "
+     "spec.models.reward.type) or set spec.models.reward.type"),
+    ({"algorithm": {"name": "safe_rlhf"}, "models": {"cost": {"type": "rule", "model": {}}}},
+     "spec.models.cost.type is 'rule' but spec.models.cost.model is given"),
+    ({"algorithm": {"name": "safe_rlhf"}, "models": {"cost": {"function": {"path": "c.py"}}}},
+     "spec.models.cost.type: a cost is a rule or a model, got function"),  # inferred for a cost too
 ]
 
 
@@ -170,21 +189,129 @@ def test_missing_model_path_is_reported(tmp_path, capsys):
     assert rc == 2 and "spec.models.actor.path: '/no/such/model' is not an HF model directory" in err
 
 
-def test_unwritable_checkpoint_dir_is_reported(tmp_path, capsys):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o500)
-    try:
-        if os.access(ro, os.W_OK):  # root ignores mode bits: use a path under a regular file instead
-            target = tmp_path / "file" / "ckpt"
-            (tmp_path / "file").write_text("x")
-        else:
-            target = ro / "ckpt"
-        rc = main(["validate", str(_write(tmp_path, {"trainer": {"checkpointDir": str(target)}}))])
-    finally:
-        ro.chmod(0o700)
-    err = capsys.readouterr().err
-    assert rc == 2 and "spec.trainer.checkpointDir" in err and "not writable" in err
+def _files_job(tmp_path, data=None, reward=None) -> dict:
+    """A job on prompt files that exist (empty: validate only resolves them) and a reward function file."""
+    for name in ("train.parquet", "test.parquet"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "r.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                                   "    return 1.0\n")
+    reward = reward or {"function": {"path": str(tmp_path / "r.py")}}
+    return {"models": {"actor": {"source": "smollm2"}, "reward": reward},
+            "data": {"source": "files", "train": str(tmp_path / "train.parquet"), **(data or {})},
+            "trainer": {"checkpointDir": str(tmp_path / "ck")}}
+
+
+@pytest.mark.parametrize("as_list", [False, True], ids=["one-path", "a-list"])
+def test_train_and_eval_take_one_path_or_a_list(tmp_path, capsys, as_list):
+    """verl's data.train_files takes either; a single path is a one-element list, and resolves as such."""
+    train, test = str(tmp_path / "train.parquet"), str(tmp_path / "test.parquet")
+    spec = _files_job(tmp_path, {"train": [train] if as_list else train, "eval": [test] if as_list else test})
+    assert main(["validate", str(_write(tmp_path, spec))]) == 0, capsys.readouterr().err
+    job = load_job(_write(tmp_path, spec))
+    assert job.spec.data.train == [str(tmp_path / "train.parquet")]
+    assert job.spec.data.eval == [str(tmp_path / "test.parquet")]
+    assert dump_job(job)["spec"]["data"]["train"] == [str(tmp_path / "train.parquet")]  # the resolved spec: a list
+    (tmp_path / "train.parquet").unlink()  # and the preflight checks the single path's file
+    assert main(["validate", str(_write(tmp_path, spec))]) == 2
+    assert f"spec.data.train: '{tmp_path / 'train.parquet'}' does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("reward,expected", [
+    ({"function": {"path": "r.py"}}, "function"),
+    ({"scorers": [{"name": "math"}]}, "scorer"),
+    ({"model": {"source": "smollm2"}}, "model"),
+    ({"rule": "increment"}, "rule"),
+    ({}, "rule"),
+    ({"type": "function", "function": {"path": "r.py"}}, "function"),
+    # a generated task's rule beside a reward model scores the held-out evaluation: no second source
+    ({"model": {"source": "smollm2"}, "rule": "increment"}, "model"),
+    ({"type": "model", "model": {"source": "smollm2"}, "rule": "increment"}, "model"),
+], ids=["function", "scorers", "model", "rule", "nothing", "explicit", "model-and-eval-rule", "explicit-model-rule"])
+def test_reward_type_follows_from_the_one_field_given(reward, expected):
+    spec = {"models": {"actor": {"source": "smollm2"}, "reward": reward}}
+    job = parse_job({"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "x"},
+                     "spec": spec})
+    assert job.spec.models.reward.type == expected
+    resolved = dump_job(job)
+    assert resolved["spec"]["models"]["reward"]["type"] == expected  # the operator's ConfigMap says it
+    assert parse_job(resolved).spec == job.spec
+
+
+def test_a_cost_type_follows_from_its_field_too():
+    job = parse_job({"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "x"}, "spec": {
+        "algorithm": {"name": "safe_rlhf"}, "models": {"cost": {"model": {"source": "tiny"}}}}})
+    assert job.spec.models.cost.type == "model"
+
+
+def test_validate_checks_the_reward_file_of_an_inferred_function(tmp_path, capsys):
+    """`reward: {function: {path: ...}}` is type function, so the preflight checks its file."""
+    spec = _files_job(tmp_path)
+    assert main(["validate", str(_write(tmp_path, spec))]) == 0, capsys.readouterr().err
+    (tmp_path / "r.py").write_text("def other(a, b, c, d):\n    return 1\n")
+    assert main(["validate", str(_write(tmp_path, spec))]) == 2
+    assert "spec.models.reward.function: " in capsys.readouterr().err
+
+
+def test_the_readme_own_data_job_is_valid_as_printed(tmp_path, capsys, monkeypatch):
+    """`hybridflow validate my-job.yaml` in the repository root, as README.md says (the data's files need only exist
+    here; tests/test_end_to_end.py runs the job)."""
+    data = tmp_path / "examples" / "data" / "gsm8k_style"
+    data.mkdir(parents=True)
+    for name in ("train.parquet", "test.parquet"):
+        (data / name).write_bytes(b"")
+    job, ckpt = save_readme_own_data_job(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", job.name]) == 0, capsys.readouterr().err
+    spec = load_job(job).spec
+    assert spec.models.reward.type == "function" and spec.data.train == ["examples/data/gsm8k_style/train.parquet"]
+    assert not ckpt.exists()
+
+
+def _file_in_the_way(tmp_path: Path) -> Path:
+    (tmp_path / "file").write_text("x")
+    return tmp_path / "file" / "ckpt"
+
+
+# Root ignores permission bits, so chmod cannot make a directory read-only for these tests; the kernel's own
+# filesystems refuse root: /proc (no directory can be made in it) and /sys (read-only to everyone).
+@pytest.mark.parametrize("target,reason", [
+    (lambda tmp: Path("/proc/hybridflow-ckpt"), "cannot make a directory in '/proc'"),
+    (lambda tmp: Path("/proc"), "cannot make a directory in '/proc'"),
+    (lambda tmp: Path("/sys/hybridflow-ckpt"), "cannot make a directory in '/sys'"),
+    (_file_in_the_way, "is a file, not a directory"),
+], ids=["proc-missing", "proc-itself", "sys-read-only", "file-in-the-way"])
+def test_unwritable_checkpoint_dir_is_bad_input_before_anything_starts(tmp_path, capsys, monkeypatch, target,
+                                                                       reason):
+    import hybridflow.cli as cli
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray started for a job whose checkpointDir cannot be written")
+
+    monkeypatch.setattr(cli, "start_local_ray", no_ray)
+    where = target(tmp_path)
+    p = _write(tmp_path, {"trainer": {"checkpointDir": str(where)}})
+    for cmd in ("validate", "run"):
+        assert main([cmd, str(p)]) == 2
+        err = capsys.readouterr().err
+        assert f"spec.trainer.checkpointDir: '{where}' is not writable (" in err and reason in err, err
+        assert "choose a directory you can write" in err and "job failed" not in err
+
+
+def test_an_unwritable_data_cache_dir_is_bad_input(tmp_path, capsys):
+    spec = _files_job(tmp_path, {"cacheDir": "/proc/hybridflow-cache"})
+    assert main(["validate", str(_write(tmp_path, spec))]) == 2
+    assert "spec.data.cacheDir: '/proc/hybridflow-cache' is not writable" in capsys.readouterr().err
+
+
+def test_the_writability_check_leaves_nothing_behind(tmp_path, capsys):
+    """`hybridflow validate` makes no directory: not the checkpointDir, not its missing parents, no probe."""
+    before = set(tmp_path.iterdir())
+    p = _write(tmp_path, {"trainer": {"checkpointDir": str(tmp_path / "a" / "b" / "ckpt")}})
+    assert main(["validate", str(p)]) == 0, capsys.readouterr().err
+    assert set(tmp_path.iterdir()) == before | {p}
+    (tmp_path / "ckpt").mkdir()
+    assert main(["validate", str(_write(tmp_path, {"trainer": {"checkpointDir": str(tmp_path / "ckpt")}}))]) == 0
+    assert list((tmp_path / "ckpt").iterdir()) == []
 
 
 def test_wrong_kind_and_bad_yaml(tmp_path, capsys):

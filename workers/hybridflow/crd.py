@@ -26,7 +26,7 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     if "anyOf" in node:
         options = [o for o in node["anyOf"] if o.get("type") != "null"]
         nullable = len(options) != len(node["anyOf"])
-        base = _structural(options[0], defs) if len(options) == 1 else {"x-kubernetes-preserve-unknown-fields": True}
+        base = _structural(options[0], defs) if len(options) == 1 else _union([_structural(o, defs) for o in options])
         for key in ("description", "enum"):  # an optional registry name keeps its enum
             if key in node:
                 base[key] = node[key]
@@ -61,6 +61,25 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     elif t is None and "enum" in out:
         out["type"] = "string"
     return out
+
+
+def _union(options: list[dict[str, Any]]) -> dict[str, Any]:
+    """A value of one of several types, e.g. `train: a.parquet` or `train: [a.parquet, b.parquet]`. A structural
+    schema cannot type it (a typed anyOf is allowed only for int-or-string), so the node is untyped
+    (x-kubernetes-preserve-unknown-fields) and keeps each option's own bounds: JSON Schema and the API server apply
+    maxLength only to strings, maxItems and items only to lists. A value of none of the types (a number, a map) is
+    then left to the spec's own validation (`hybridflow validate`, the operator). Options that share a type or are
+    objects cannot be merged so; they keep no bounds."""
+    untyped: dict[str, Any] = {"x-kubernetes-preserve-unknown-fields": True}
+    kinds = [o.get("type") for o in options]
+    if len(set(kinds)) != len(kinds) or not {"object", None}.isdisjoint(kinds):
+        return untyped
+    merged = dict(untyped)
+    for option in options:
+        for key, value in option.items():
+            if key != "type" and merged.setdefault(key, value) != value:
+                return untyped  # two options bound the same keyword differently
+    return merged
 
 
 # Only runPolicy (suspend, deadlines, backoff) may change once a job exists: the running gang, its checkpoints and

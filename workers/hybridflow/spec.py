@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator,
+    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+    model_validator,
 )
 from pydantic.alias_generators import to_camel
 
@@ -121,6 +124,22 @@ LabelValue = Annotated[str, Field(max_length=63, json_schema_extra={"pattern": L
                        _matching(LABEL_VALUE, "a label value: at most 63 letters, digits, '-', '_' and '.', a letter "
                                  "or digit at both ends")]
 FilePath = Annotated[str, Field(min_length=1, max_length=MAX_PATH)]
+FileList = Annotated[list[FilePath], Field(max_length=1024)]
+
+
+def _one_or_more(value: Any) -> Any:
+    """verl's data.train_files takes one path or a list of them, and a job copied from verl says `train: x.parquet`:
+    a single path is a one-element list."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"give a path or a list of paths, e.g. data/train.parquet or [a.parquet, b.parquet], "
+                         f"got {value!r}")
+    return value
+
+
+# The JSON Schema (and so the CRD) says both forms; the CRD states it as crd.py's untyped union.
+PathOrPaths = Annotated[FileList, BeforeValidator(_one_or_more, json_schema_input_type=FilePath | FileList)]
 PythonName = _matched_string(r"^[A-Za-z_][A-Za-z0-9_]*$", 253, "a Python function name, e.g. compute_score")
 
 
@@ -201,13 +220,30 @@ class ScorerPart(_Spec):
         return opts
 
 
+# Each field of a reward that names its source, and the type it means.
+REWARD_SOURCES = {"rule": "rule", "model": "model", "scorers": "scorer", "function": "function"}
+
+
+def _given(value: Any) -> bool:
+    """A reward source counts as given when set to something (an empty scorers list is not)."""
+    return value is not None and value != []
+
+
+def _sources_given(get: Any) -> list[str]:
+    """The reward's source fields that are set. A rule beside a reward model is no second source: with a generated
+    task the model scores training and the rule the held-out evaluation (setup.build_task)."""
+    given = [f for f in REWARD_SOURCES if _given(get(f))]
+    return [f for f in given if f != "rule"] if "model" in given else given
+
+
 class RewardSpec(_Spec):
     """The reward: a rule over token ids, built-in scorers or a user's function over decoded text, or a reward
     model scoring the whole sequence."""
 
     type: Literal["rule", "model", "scorer", "function"] = Field(
         "rule", description="rule: a registered token-id rule; model: a reward model; scorer: built-in text scorers "
-        "(scorers); function: a user's Python function (function).")
+        "(scorers); function: a user's Python function (function). Unset: the type of the one field given among "
+        "rule, model, scorers and function (none given: rule).")
     rule: str | None = Field(
         None, max_length=253, description="Rule name (see `hybridflow rules`); defaults to the task's own rule."
     )
@@ -226,8 +262,27 @@ class RewardSpec(_Spec):
                                       "batch fail the job, naming the first sample and its exception.")
     workers: int = Field(2, ge=1, le=64, description="Worker processes for a user's (non-batched) function.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _type_from_its_field(cls, data: Any) -> Any:
+        """`reward: {function: {path: r.py}}` means type function: without `type`, the one field given (rule,
+        model, scorers or function) is the type. Several given stay unresolved for `reward_source_problems`."""
+        if isinstance(data, dict) and "type" not in data:
+            given = _sources_given(data.get)
+            if len(given) == 1:
+                return {**data, "type": REWARD_SOURCES[given[0]]}
+        return data
+
+    def sources_given(self) -> list[str]:
+        """The fields among rule, model, scorers and function that are set."""
+        return _sources_given(lambda f: getattr(self, f))
+
     @model_validator(mode="after")
     def _model_given(self) -> "RewardSpec":
+        """The type's own field is set. A RewardSpec is checked whole only inside a JobSpec, whose
+        cross_field_problems also refuse another type's field given (reward_source_problems)."""
+        if any(REWARD_SOURCES[f] != self.type for f in self.sources_given()):
+            return self  # another type's field given: reward_source_problems names both fields
         if self.type == "model" and self.model is None:
             raise ValueError("type is 'model' but no model is given: set reward.model")
         if self.type == "function" and self.function is None:
@@ -354,14 +409,14 @@ class Data(_Spec):
     )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for generated data, the held-out split and the "
                       "shuffling.")
-    train: list[FilePath] = Field(
-        default_factory=list, max_length=1024,
-        description="For source=files: files, globs or directories of "
-                    "JSONL, JSON or Parquet, or one datasets.save_to_disk directory. With "
-                    "kubernetes.dataPvc: relative paths inside that volume."
+    train: PathOrPaths = Field(
+        default_factory=list,
+        description="For source=files: one path or a list of files, globs or directories of JSONL, JSON or Parquet, "
+                    "or one datasets.save_to_disk directory. With kubernetes.dataPvc: relative paths inside that "
+                    "volume."
     )
-    eval: list[FilePath] = Field(default_factory=list, max_length=1024, description="Optional held-out set, like "
-                                 "train.")
+    eval: PathOrPaths = Field(default_factory=list, description="Optional held-out set, like train (one path or a "
+                              "list).")
     prompt_key: str = Field(
         "prompt", min_length=1, max_length=1024,
         description="Column of the prompt: a string, or a list of chat "
@@ -628,8 +683,32 @@ class RLHFJob(_Spec):
     status: dict[str, Any] | None = Field(None, description="Written by the operator.")
 
 
+def reward_source_problems(field: str, r: RewardSpec) -> list[str]:
+    """A reward whose `type` and source fields disagree: `type: rule` with a function (it would be ignored), or
+    several sources and no type to pick one."""
+    given = r.sources_given()
+    if "type" not in r.model_fields_set and len(given) > 1:
+        return [f"{field}: {', '.join(f'{field}.{f}' for f in given)} are given together; keep the one you mean (it "
+                f"sets {field}.type) or set {field}.type"]
+    own = next(f for f, t in REWARD_SOURCES.items() if t == r.type)  # the field this type reads
+    out = []
+    for f in (f for f in given if REWARD_SOURCES[f] != r.type):
+        other_fix = f"remove {field}.{f}" if own in given or own == "rule" else f"give {field}.{own} in place of {f}"
+        out.append(f"{field}.type is '{r.type}' but {field}.{f} is given; remove {field}.type ({f} alone means type "
+                   f"{REWARD_SOURCES[f]}) or {other_fix}")
+    return out
+
+
 def cross_field_problems(spec: JobSpec) -> list[str]:
     """Combinations each field allows alone but not together; one message per problem, naming the fields."""
+    out = reward_source_problems("spec.models.reward", spec.models.reward)
+    if spec.models.cost is not None:
+        out += reward_source_problems("spec.models.cost", spec.models.cost)
+    return out + _layout_and_pieces_problems(spec)
+
+
+def _layout_and_pieces_problems(spec: JobSpec) -> list[str]:
+    """Pools, placement and parallelism first (the rest assumes them), then algorithm, data and reward."""
     out: list[str] = []
     names = [p.name for p in spec.resource_pools]
     if len(set(names)) != len(names):
@@ -751,7 +830,7 @@ def _data_problems(spec: JobSpec) -> list[str]:
             out.append("spec.data.train: source is 'files' but no file is given, e.g. train: [data/train.parquet]")
         if spec.models.actor.source == "tiny":
             out.append("spec.models.actor.source: prompts from files need a model with a tokenizer (smollm2 or path)")
-        if r.type == "rule":
+        if r.type == "rule" and r.sources_given() in ([], ["rule"]):  # else reward_source_problems says it
             out.append("spec.models.reward.type: rule scores the token ids of a generated task; for prompts from "
                        "files use scorer (e.g. scorers: [{name: math}]), function or model")
     if k.data_pvc:
@@ -982,17 +1061,38 @@ def check_runtime_paths(job: RLHFJob) -> list[str]:
     if resume_from and not is_url(resume_from) and not Path(resume_from).exists() and not _has_checkpoints(job):
         out.append(f"spec.trainer.resumeFrom: '{resume_from}' does not exist; name the old job's checkpointDir (on "
                    f"Kubernetes: the old job's name) or one of its step_* directories")
-    if is_url(job.spec.trainer.checkpoint_dir):  # object storage: reached (and refused) only when the job runs
-        return out
-    ckpt = Path(job.spec.trainer.checkpoint_dir)
-    probe = ckpt
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        out.append(
-            f"spec.trainer.checkpointDir: '{ckpt}' is not writable (checked '{probe}'); choose a writable directory"
-        )
+    writable = {"spec.trainer.checkpointDir": job.spec.trainer.checkpoint_dir}
+    if job.spec.data.source == "files" and job.spec.data.cache_dir:
+        writable["spec.data.cacheDir"] = job.spec.data.cache_dir
+    for field, where in writable.items():
+        if not is_url(where):  # object storage: reached (and refused) only when the job runs
+            problem = unwritable_dir_problem(Path(where))
+            if problem:
+                out.append(f"{field}: '{where}' is not writable ({problem}); choose a directory you can write")
     return out
+
+
+def unwritable_dir_problem(path: Path) -> str | None:
+    """Why the job could not make `path` and write files in it, found by doing so in its nearest existing directory:
+    permission bits say nothing for root, and a pseudo filesystem (/proc, /sys) or a read-only mount refuses what
+    os.access allows. The probe is a fresh temporary directory, removed again, so a check (`hybridflow validate`)
+    leaves nothing behind: neither `path` nor its missing parents are created."""
+    base = path
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        return f"'{base}' is a file, not a directory"
+    try:
+        probe = tempfile.mkdtemp(prefix=".hybridflow-write-check-", dir=base)
+    except OSError as err:
+        return f"cannot make a directory in '{base}': {err.strerror or err}"
+    try:
+        (Path(probe) / "probe").write_bytes(b"x")
+    except OSError as err:
+        return f"cannot write a file in a new directory under '{base}': {err.strerror or err}"
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+    return None
 
 
 def dump_job(job: RLHFJob) -> dict[str, Any]:
