@@ -1,9 +1,18 @@
-"""The operator for real: `kopf run` over HTTP against the kube-apiserver double, pods driven by a kubelet double."""
+"""The operator for real: `kopf run` over HTTP against the kube-apiserver double, pods driven by a kubelet double.
+
+One API server and one operator serve the whole module (starting them cost more than most tests): each test has a
+namespace of its own, so it sees only its own jobs, children and events, and at its end its jobs are deleted and
+the operator is checked (alive, live, releasing jobs), or replaced, so that a test that fails leaves nothing to the
+next one. The tests that restart the operator or count every request it made have a cluster of their own."""
 import base64
+import contextlib
 import copy
 import hashlib
+import itertools
 import json
+import re
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -11,32 +20,126 @@ import yaml
 from kube.apiserver_double import RunningApiServer
 from hybridflow_operator.policy import FOR_JOBS_LABEL
 from kube.harness import Kube, Operator, wait_for
+from kubernetes.client.rest import ApiException
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = yaml.safe_load((ROOT / "examples" / "tiny-grpo.yaml").read_text())
+SEVERAL = 3  # reconcile ticks that "nothing more happens" waits for
+_NAMESPACES = itertools.count()
 
 
 def job_doc(name: str, **run_policy) -> dict:
+    """The tiny example under another name; no namespace: it goes where the test's client creates it."""
     doc = copy.deepcopy(TINY)
-    doc["metadata"] = {"name": name, "namespace": "default"}
+    doc["metadata"] = {"name": name}
     doc["spec"]["runPolicy"] = {"backoffLimit": 2, **run_policy}
     return doc
 
 
-@pytest.fixture
-def cluster(tmp_path):
+@contextlib.contextmanager
+def _started_cluster(tmp_path):
+    """The API server double and the operator: (api, kubeconfig, operator), both stopped at the end. The operator
+    watches every namespace (the harness names none to watch), as the tests' own namespaces need. Most of a test is
+    waiting for the next reconcile tick to act on what the test did, so ticks come every 0.25 s (the harness's
+    default is 0.5 s, a cluster's 5 s); "nothing more happens" waits count ticks (`_wait_ticks`), not seconds."""
     kubeconfig = str(tmp_path / "kubeconfig")
     with RunningApiServer(kubeconfig) as api:
-        op = Operator(kubeconfig, tmp_path / "operator.log").start()
+        op = Operator(kubeconfig, tmp_path / "operator.log", interval=0.25).start()
         try:
             wait_for(lambda: api.watching("rlhfjobs"), 60, "kopf's watch on rlhfjobs")
-            yield api, Kube(kubeconfig), op
+            yield api, kubeconfig, op
         finally:
             op.stop()
 
 
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory):
+    with _started_cluster(tmp_path_factory.mktemp("cluster")) as started:
+        yield started
+
+
+@pytest.fixture
+def cluster(request, shared_cluster):
+    """(api, kube, op) on the module's cluster; `kube` works in a namespace of this test's own (named after it).
+    Afterwards the test's jobs are deleted and the operator checked; what was wrong fails this test's teardown,
+    unless the test itself failed already (one failure, one report), and is repaired for the next test."""
+    api, kubeconfig, op = shared_cluster
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.removeprefix("test_").lower()).strip("-")
+    kube = Kube(kubeconfig, namespace=f"{slug[:50].rstrip('-')}-{next(_NAMESPACES)}")
+    failed = request.session.testsfailed
+    try:
+        yield api, kube, op
+    finally:
+        problem = _leave_clean(api, kube, op)
+        if problem and request.session.testsfailed == failed:  # a failed test already says what went wrong
+            pytest.fail(f"after the test: {problem}", pytrace=False)
+
+
+@pytest.fixture
+def own_cluster(tmp_path):
+    """(api, kube, op) on a cluster of this test's own, in namespace default."""
+    with _started_cluster(tmp_path) as (api, kubeconfig, op):
+        yield api, Kube(kubeconfig), op
+
+
+def _live(op) -> bool:
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{op.liveness_port}/healthz", timeout=5).status == 200
+    except OSError:
+        return False
+
+
+def _leave_clean(api, kube, op) -> str:
+    """Delete the test's jobs (the operator removes their children and finalizers) and admit creates again; if the
+    operator is not well (exited, not live, not releasing jobs), start a new one. Returns what was wrong, if any."""
+    api.handler.refusals.clear()
+    for name in kube.jobs():
+        try:
+            kube.delete_job(name)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+    problems = []
+    if op.proc is None or op.proc.poll() is not None:
+        problems.append(f"the operator exited ({op.proc and op.proc.returncode})")
+    else:
+        try:
+            wait_for(lambda: not kube.jobs(), 30, f"the operator to release the jobs of {kube.namespace}")
+        except AssertionError as err:
+            problems.append(str(err))
+        if not _live(op):
+            problems.append("the operator's liveness probe failed")
+    if problems:
+        problems.append("operator log, last lines:\n" + "\n".join(line[:300] for line in op.log().splitlines()[-30:]))
+        op.stop(kill=True)
+        for name in kube.jobs():  # nobody will remove the finalizers now
+            kube.patch_job(name, {"metadata": {"finalizers": []}})
+        wait_for(lambda: not kube.jobs(), 30, f"the jobs of {kube.namespace} gone")
+        watches = api.watches("rlhfjobs")
+        op.start()
+        wait_for(lambda: api.watches("rlhfjobs") > watches, 60, "the new operator's watch")
+    return "\n".join(problems)
+
+
+def _wait_ticks(op, kube, *names, n=SEVERAL, since=None) -> None:
+    """Until the operator has finished n reconcile ticks of each job (kopf logs each) after the log offset `since`
+    (default: now): what "nothing more happens" waits for, however slow the machine."""
+    offset = len(op.log()) if since is None else since
+    done = [f"[{kube.namespace}/{m}] Timer 'reconcile' succeeded." for m in names]
+    wait_for(lambda: (log := op.log()[offset:]) and all(log.count(d) >= n for d in done), 30,
+             f"{n} more reconcile ticks of {', '.join(names)}")
+
+
 def _phase(kube, name):
     return kube.status(name).get("phase")
+
+
+def _message(kube, name):
+    return kube.status(name).get("message", "")
+
+
+def _reasons(kube, name):
+    return [e.reason for e in kube.events() if e.involved_object.name == name]
 
 
 def test_create_makes_children_and_runs(cluster):
@@ -45,18 +148,19 @@ def test_create_makes_children_and_runs(cluster):
     pods = wait_for(lambda: len(kube.pods("j1")) == 2 and kube.pods("j1"), 30, "head + 1 worker pod")
     names = sorted(p.metadata.name for p in pods)
     assert names == ["j1-default-0-g0", "j1-head-g0"], names
-    assert wait_for(lambda: api.objects("v1/services", "default"), 10, "head service")[0]["spec"]["clusterIP"] == "None"
-    cms = api.objects("v1/configmaps", "default")
+    ns = kube.namespace
+    assert wait_for(lambda: api.objects("v1/services", ns), 10, "head service")[0]["spec"]["clusterIP"] == "None"
+    cms = api.objects("v1/configmaps", ns)
     assert cms and "job.json" in cms[0]["data"]
     # Ray's token: made by the operator for this job, owned by it, the one every pod reads
-    secret = next(s for s in api.objects("v1/secrets", "default") if s["metadata"]["name"] == "j1-ray-token")
+    secret = next(s for s in api.objects("v1/secrets", ns) if s["metadata"]["name"] == "j1-ray-token")
     assert len(base64.b64decode(secret["data"]["token"])) == 64
     assert secret["metadata"]["ownerReferences"][0]["name"] == "j1"
     for p in pods:
         env = {e.name: e for e in p.spec.containers[0].env}
         assert env["RAY_AUTH_MODE"].value == "token"
         assert env["RAY_AUTH_TOKEN"].value_from.secret_key_ref.name == "j1-ray-token"
-    netpol = api.objects("networking.k8s.io/v1/networkpolicies", "default")
+    netpol = api.objects("networking.k8s.io/v1/networkpolicies", ns)
     assert [n["metadata"]["name"] for n in netpol] == ["j1-ingress"]
     for p in pods:
         assert p.metadata.owner_references[0].kind == "RLHFJob"
@@ -96,8 +200,9 @@ def test_failed_worker_restarts_the_gang_then_backoff_fails_the_job(cluster):
     wait_for(lambda: _pod_names(kube, "j2") == ["j2-default-0-g1", "j2-head-g1"], 30, "generation-1 gang")
     st = kube.status("j2")
     assert st["phase"] in ("Pending", "Initializing")
-    reasons = [e.reason for e in kube.events()]
-    assert "GangRestart" in reasons and "GangRestarted" in reasons
+    # kopf posts events after the status write that the waits above saw, from a background task
+    wait_for(lambda: {"GangRestart", "GangRestarted"} <= set(_reasons(kube, "j2")), 30,
+             lambda: f"GangRestart and GangRestarted events; events: {_reasons(kube, 'j2')}")
     _run_all(kube, "j2")
     wait_for(lambda: _phase(kube, "j2") == "Running", 30, "Running again")
     kube.set_pod_phase("j2-head-g1", "Failed", exit_code=1)
@@ -134,25 +239,28 @@ def test_delete_removes_every_child(cluster):
     api, kube, _ = cluster
     kube.create_job(job_doc("j4", gangScheduling=True))
     wait_for(lambda: len(kube.pods("j4")) == 2, 30, "pods")
-    assert wait_for(lambda: api.objects("scheduling.volcano.sh/v1beta1/podgroups"), 10, "podgroup")
+    ns = kube.namespace
+    assert wait_for(lambda: api.objects("scheduling.volcano.sh/v1beta1/podgroups", ns), 10, "podgroup")
     kube.delete_job("j4")
     wait_for(lambda: kube.job("j4") is None, 30, "job gone")
     assert kube.pods("j4") == []
-    assert not [s for s in api.objects("v1/services") if s["metadata"]["name"].startswith("j4-")]
-    assert not [c for c in api.objects("v1/configmaps") if c["metadata"]["name"].startswith("j4-")]
-    assert not api.objects("scheduling.volcano.sh/v1beta1/podgroups")
+    assert not [s for s in api.objects("v1/services", ns) if s["metadata"]["name"].startswith("j4-")]
+    assert not [c for c in api.objects("v1/configmaps", ns) if c["metadata"]["name"].startswith("j4-")]
+    assert not api.objects("scheduling.volcano.sh/v1beta1/podgroups", ns)
 
 
-def test_operator_restart_mid_job_creates_no_duplicates(cluster):
-    api, kube, op = cluster
+def test_operator_restart_mid_job_creates_no_duplicates(own_cluster):
+    """Its own cluster: it kills the operator."""
+    api, kube, op = own_cluster
     _start_running(kube, "j5")
     before = _pod_names(kube, "j5")
     watches = api.watches("rlhfjobs")
     op.stop(kill=True)
+    since = len(op.log())
     op.start()
     wait_for(lambda: api.watches("rlhfjobs") > watches, 60, "the new operator's watch")
 
-    time.sleep(3)  # several reconcile intervals
+    _wait_ticks(op, kube, "j5", since=since)  # several reconciles by the new operator
     assert _pod_names(kube, "j5") == before
     assert _phase(kube, "j5") == "Running" and kube.status("j5")["restarts"] == 0
     assert len([c for c in api.objects("v1/configmaps") if c["metadata"]["name"] == "j5-spec"]) == 1
@@ -233,9 +341,7 @@ def test_progress_comes_from_the_drivers_metrics(cluster):
 
 def test_deadline_and_ttl(cluster):
     _, kube, _ = cluster
-    kube.create_job(job_doc("j7", activeDeadlineSeconds=2))
-    wait_for(lambda: _phase(kube, "j7") == "Failed", 30, "deadline Failed")
-    assert kube.status("j7")["reason"] == "DeadlineExceeded"
+    kube.create_job(job_doc("j7", activeDeadlineSeconds=2))  # its deadline runs out while j8 runs
     _start_running(kube, "j8", ttlSecondsAfterFinished=1)  # a kubelet reports Running before Succeeded
     kube.set_pod_phase("j8-head-g0", "Succeeded", exit_code=0)
     wait_for(lambda: _phase(kube, "j8") == "Succeeded", 30, "Succeeded")
@@ -244,6 +350,8 @@ def test_deadline_and_ttl(cluster):
     wait_for(lambda: kube.job("j8") is None, 30, "finished job deleted after its TTL")
     assert time.monotonic() - t0 < 1 + 10, "the TTL deletion was held up"
     assert kube.pods("j8") == []
+    wait_for(lambda: _phase(kube, "j7") == "Failed", 30, "deadline Failed")
+    assert kube.status("j7")["reason"] == "DeadlineExceeded"
 
 
 class SlowMetrics:
@@ -303,16 +411,20 @@ def test_deleting_a_job_mid_reconcile_releases_it_within_10s(cluster):
 def test_many_jobs_at_once_each_start_exactly_once(cluster):
     """The first reconcile of a job and the next one must not both start it: one Created event and one create
     request per child, with no status write in between to tell the second tick."""
-    api, kube, _ = cluster
+    api, kube, op = cluster
     names = [f"many{i}" for i in range(8)]
     for n in names:
         kube.create_job(job_doc(n))
     for n in names:
         wait_for(lambda: len(kube.pods(n)) == 2 and _phase(kube, n) == "Pending", 60, f"{n} started")
-    time.sleep(2)  # several more reconcile intervals
-    created = [e.involved_object.name for e in kube.events() if e.reason == "Created"]
-    assert sorted(created) == sorted(names), created
-    pod_posts = api.requests("POST", "pods", "default")
+    _wait_ticks(op, kube, *names)  # several more reconciles of each
+
+    def created():
+        return [e.involved_object.name for e in kube.events() if e.reason == "Created"]
+
+    wait_for(lambda: set(created()) == set(names), 30, lambda: f"a Created event of each job; {created()}")
+    assert sorted(created()) == sorted(names), created()
+    pod_posts = api.requests("POST", "pods", kube.namespace)
     assert len([r for r in pod_posts if (r.data or {}).get("metadata", {}).get("name", "").startswith("many")]) \
         == 2 * len(names)
 
@@ -325,9 +437,10 @@ def test_spec_changes_other_than_run_policy_are_ignored_with_a_warning(cluster):
     st = wait_for(lambda: any(c["type"] == "SpecChangeIgnored" for c in kube.status("j9").get("conditions", []))
                   and kube.status("j9"), 30, "SpecChangeIgnored")
     assert st["totalSteps"] == 40
-    cm = next(c for c in api.objects("v1/configmaps") if c["metadata"]["name"] == "j9-spec")
+    cm = next(c for c in api.objects("v1/configmaps", kube.namespace) if c["metadata"]["name"] == "j9-spec")
     assert json.loads(cm["data"]["job.json"])["spec"]["trainer"]["steps"] == 40
-    assert "SpecChangeIgnored" in [e.reason for e in kube.events()]
+    wait_for(lambda: "SpecChangeIgnored" in _reasons(kube, "j9"), 30,  # posted after the status write
+             lambda: f"a SpecChangeIgnored event; events: {_reasons(kube, 'j9')}")
     digest = "sha256:" + hashlib.sha256(cm["data"]["job.json"].encode()).hexdigest()
     assert kube.status("j9")["acceptedSpecDigest"] == digest  # what the pods run
 
@@ -340,17 +453,16 @@ def test_a_spec_configmap_the_job_does_not_own_is_never_used(cluster):
     _, kube, _ = cluster
     planted = copy.deepcopy(TINY)
     planted["spec"]["kubernetes"] = {"image": "docker.io/attacker/miner:1"}
-    kube.core.create_namespaced_config_map("default", client.V1ConfigMap(
+    kube.core.create_namespaced_config_map(kube.namespace, client.V1ConfigMap(
         metadata=client.V1ObjectMeta(name="j10-spec"), data={"job.json": json.dumps(planted)}))
     kube.create_job(job_doc("j10"))
     st = wait_for(lambda: (s := kube.status("j10")).get("phase") == "Failed" and s, 30, "Failed")
-    assert "ConfigMap default/j10-spec exists but was not made for this job" in st["message"], st
+    assert f"ConfigMap {kube.namespace}/j10-spec exists but was not made for this job" in st["message"], st
     assert kube.pods("j10") == []
 
 
 def test_operator_metrics_and_liveness(cluster):
-    import urllib.request
-
+    """On the shared operator: the jobs gauge is by namespace, and this namespace holds this test's job only."""
     _, kube, op = cluster
     kube.create_job(job_doc("j10"))
     wait_for(lambda: _phase(kube, "j10") == "Pending", 30, "Pending")
@@ -358,25 +470,26 @@ def test_operator_metrics_and_liveness(cluster):
     def scrape():
         return urllib.request.urlopen(f"http://127.0.0.1:{op.metrics_port}/metrics", timeout=5).read().decode()
 
-    body = wait_for(lambda: 'hybridflow_operator_jobs{namespace="default",phase="Pending"} 1.0' in scrape()
-                    and scrape(), 30, "jobs by phase")
+    pending = f'hybridflow_operator_jobs{{namespace="{kube.namespace}",phase="Pending"}} 1.0'
+    body = wait_for(lambda: pending in (b := scrape()) and b, 30, "jobs by phase")
     assert "hybridflow_operator_reconcile_duration_seconds_count" in body
     live = urllib.request.urlopen(f"http://127.0.0.1:{op.liveness_port}/healthz", timeout=5)
     assert live.status == 200
 
 
-def test_kubectl_apply_and_printer_columns(cluster, tmp_path):
+def test_kubectl_apply_and_printer_columns(cluster):
     import os
     import subprocess
 
-    _, kube, _ = cluster
-    env = {**os.environ, "KUBECONFIG": str(tmp_path / "kubeconfig")}
+    api, kube, _ = cluster
+    env = {**os.environ, "KUBECONFIG": api.kubeconfig_path}
     for example in ("tiny-grpo.yaml", "gpu-grpo-7b.yaml"):
-        out = subprocess.run(["kubectl", "apply", "--validate=false", "-f", str(ROOT / "examples" / example)],
-                             env=env, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(["kubectl", "apply", "-n", kube.namespace, "--validate=false", "-f",
+                              str(ROOT / "examples" / example)], env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
     wait_for(lambda: _phase(kube, "tiny-grpo") == "Pending", 30, "tiny-grpo Pending")
-    out = subprocess.run(["kubectl", "get", "rlhfjobs"], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(["kubectl", "get", "-n", kube.namespace, "rlhfjobs"], env=env, capture_output=True,
+                         text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     header = out.stdout.splitlines()[0].split()
     assert header == ["NAME", "PHASE", "STEP", "TOKENS/S", "RESTARTS", "AGE"], out.stdout
@@ -400,27 +513,30 @@ def test_missing_reward_configmap_and_pvc_hold_the_job_pending_until_created(clu
     st = wait_for(lambda: (s := kube.status("inputs")).get("reason") == "InputsMissing" and s, 30, "InputsMissing")
     assert st["phase"] == "Pending" and "PersistentVolumeClaim 'prompts' not found" in st["message"]
     assert "ConfigMap 'my-reward' not found" in st["message"]
-    time.sleep(2)  # several ticks
+    wait_for(lambda: "InputsMissing" in _reasons(kube, "inputs"), 30, "the InputsMissing event")
+    _wait_ticks(op, kube, "inputs")  # several more ticks: still no pods, and no second event
     assert kube.pods("inputs") == []
     warned = [e for e in kube.events() if e.reason == "InputsMissing"]
     assert len(warned) == 1, [e.message for e in warned]
-    kube.core.create_namespaced_persistent_volume_claim("default", {
+    ns = kube.namespace
+    kube.core.create_namespaced_persistent_volume_claim(ns, {
         "metadata": {"name": "prompts"}, "spec": {"accessModes": ["ReadOnlyMany"],
                                                   "resources": {"requests": {"storage": "1Gi"}}}})
-    kube.core.create_namespaced_config_map("default", client.V1ConfigMap(
+    kube.core.create_namespaced_config_map(ns, client.V1ConfigMap(
         metadata=client.V1ObjectMeta(name="my-reward"), data={"other.py": "x = 1\n"}))
-    wait_for(lambda: "has no key 'my_reward.py' (its keys: other.py)" in kube.status("inputs").get("message", ""),
-             30, "the missing key named")
     # The claim exists but its owner never marked it for jobs: naming it in a job must not be enough to mount it.
-    assert "PersistentVolumeClaim 'prompts' is not marked for jobs" in kube.status("inputs")["message"]
+    # (One wait for both: a tick may read the claim just before it was created and the ConfigMap just after.)
+    wait_for(lambda: "has no key 'my_reward.py' (its keys: other.py)" in (m := _message(kube, "inputs"))
+             and "PersistentVolumeClaim 'prompts' is not marked for jobs" in m, 30,
+             lambda: f"the missing key and the unmarked claim named; {_message(kube, 'inputs')}")
     assert kube.pods("inputs") == []
-    kube.core.patch_namespaced_persistent_volume_claim("prompts", "default",
+    kube.core.patch_namespaced_persistent_volume_claim("prompts", ns,
                                                        {"metadata": {"labels": {FOR_JOBS_LABEL: "true"}}})
-    kube.core.patch_namespaced_config_map("my-reward", "default", {"data": {"my_reward.py": "def compute_score(*a): return 1\n"}})
+    kube.core.patch_namespaced_config_map("my-reward", ns, {"data": {"my_reward.py": "def compute_score(*a): return 1\n"}})
     wait_for(lambda: "ConfigMap 'my-reward' is not marked for jobs" in kube.status("inputs").get("message", ""),
              30, "the unmarked ConfigMap named")
     assert kube.pods("inputs") == []
-    kube.core.patch_namespaced_config_map("my-reward", "default", {"metadata": {"labels": {FOR_JOBS_LABEL: "true"}}})
+    kube.core.patch_namespaced_config_map("my-reward", ns, {"metadata": {"labels": {FOR_JOBS_LABEL: "true"}}})
     wait_for(lambda: len(kube.pods("inputs")) == 2, 30, "pods once the inputs exist")
     ready = next(c for c in kube.status("inputs")["conditions"] if c["type"] == "InputsReady")
     assert ready["status"] == "True"
@@ -429,7 +545,7 @@ def test_missing_reward_configmap_and_pvc_hold_the_job_pending_until_created(clu
 def test_refused_pod_creates_are_reported_not_retried_silently(cluster):
     """An admission controller refusing the pods (403: Pod Security, a quota) shows in status and as one event,
     and the job starts once they are admitted; a 422 (invalid) fails the job with the API server's words."""
-    api, kube, _ = cluster
+    api, kube, op = cluster
     api.refuse_creates("pods", 403, 'pods "x" is forbidden: violates PodSecurity "restricted:latest"')
     kube.create_job(job_doc("j403"))
     cond = wait_for(lambda: next((c for c in kube.status("j403").get("conditions", [])
@@ -437,7 +553,8 @@ def test_refused_pod_creates_are_reported_not_retried_silently(cluster):
                     "a CreateRefused condition")
     assert "violates PodSecurity" in cond["message"] and "(403)" in cond["message"]
     assert kube.status("j403")["phase"] == "Pending"
-    time.sleep(2)  # several refused ticks: still one event
+    wait_for(lambda: "CreateRefused" in _reasons(kube, "j403"), 30, "the CreateRefused event")
+    _wait_ticks(op, kube, "j403")  # several refused ticks: still one event
     assert len([e for e in kube.events() if e.reason == "CreateRefused" and e.involved_object.name == "j403"]) == 1
     api.refuse_creates("pods", None)
     wait_for(lambda: len(kube.pods("j403")) == 2, 30, "pods once admitted")
@@ -481,11 +598,11 @@ def test_a_ray_token_secret_planted_before_the_job_fails_it(cluster):
     from kubernetes import client
 
     _, kube, _ = cluster
-    kube.core.create_namespaced_secret("default", client.V1Secret(
+    kube.core.create_namespaced_secret(kube.namespace, client.V1Secret(
         metadata=client.V1ObjectMeta(name="jplant-ray-token"), string_data={"token": "known-to-the-planter"}))
     kube.create_job(job_doc("jplant"))
     st = wait_for(lambda: (s := kube.status("jplant")).get("phase") == "Failed" and s, 30, "Failed")
-    assert "Secret default/jplant-ray-token existed before this job started" in st["message"], st
+    assert f"Secret {kube.namespace}/jplant-ray-token existed before this job started" in st["message"], st
     assert kube.pods("jplant") == []
 
 
@@ -503,13 +620,14 @@ GROUPS = {"rlhfjobs": "hybridflow.io", "networkpolicies": "networking.k8s.io", "
           "customresourcedefinitions": "apiextensions.k8s.io"}
 
 
-def test_the_chart_grants_exactly_the_verbs_a_jobs_whole_life_uses(cluster):
+def test_the_chart_grants_exactly_the_verbs_a_jobs_whole_life_uses(own_cluster):
     """A job that uses every kind of input (checkpoint PVC, reward ConfigMap, Ray Secret, gang scheduling), has a
     gang restart, succeeds and is deleted by its TTL, and one that makes its own token and is deleted: every request the operator (kopf and our handlers) makes is
-    allowed by the chart's ClusterRole, and every verb the role grants was needed."""
+    allowed by the chart's ClusterRole, and every verb the role grants was needed. Its own cluster: it judges every
+    request the operator made since it started, which on the shared one would include other tests' jobs'."""
     from kubernetes import client
 
-    api, kube, _ = cluster
+    api, kube, _ = own_cluster
     labels = {FOR_JOBS_LABEL: "true"}
     kube.core.create_namespaced_persistent_volume_claim("default", {
         "metadata": {"name": "ck", "labels": labels},

@@ -69,37 +69,46 @@ class Operator:
 
 
 class Kube:
-    """The tests' own API client (the official Python client, as any tool would use)."""
+    """The tests' own API client (the official Python client, as any tool would use); `namespace` is where its
+    calls go when they name none."""
 
-    def __init__(self, kubeconfig: str) -> None:
+    def __init__(self, kubeconfig: str, namespace: str = "default") -> None:
+        self.namespace = namespace
         self.api = config.new_client_from_config(config_file=kubeconfig)
         self.core = client.CoreV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
 
-    def create_job(self, doc: dict, namespace: str = "default") -> dict:
-        return self.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    def jobs(self, namespace: str | None = None) -> list[str]:
+        """Names of the RLHFJobs in the namespace."""
+        listed = self.custom.list_namespaced_custom_object(GROUP, VERSION, namespace or self.namespace, PLURAL)
+        return [j["metadata"]["name"] for j in listed.get("items", [])]
 
-    def job(self, name: str, namespace: str = "default") -> dict | None:
+    def create_job(self, doc: dict, namespace: str | None = None) -> dict:
+        return self.custom.create_namespaced_custom_object(GROUP, VERSION, namespace or self.namespace, PLURAL, doc)
+
+    def job(self, name: str, namespace: str | None = None) -> dict | None:
         try:
-            return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace or self.namespace, PLURAL, name)
         except client.ApiException as err:
             if err.status == 404:
                 return None
             raise
 
-    def status(self, name: str, namespace: str = "default") -> dict:
+    def status(self, name: str, namespace: str | None = None) -> dict:
         return (self.job(name, namespace) or {}).get("status") or {}
 
-    def patch_job(self, name: str, patch: dict, namespace: str = "default") -> None:
-        self.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, patch)
+    def patch_job(self, name: str, patch: dict, namespace: str | None = None) -> None:
+        self.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace or self.namespace, PLURAL, name,
+                                                   patch)
 
-    def delete_job(self, name: str, namespace: str = "default") -> None:
-        self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    def delete_job(self, name: str, namespace: str | None = None) -> None:
+        self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace or self.namespace, PLURAL, name)
 
-    def pods(self, job: str, namespace: str = "default") -> list:
-        return self.core.list_namespaced_pod(namespace, label_selector=f"hybridflow.io/job={job}").items
+    def pods(self, job: str, namespace: str | None = None) -> list:
+        return self.core.list_namespaced_pod(namespace or self.namespace,
+                                             label_selector=f"hybridflow.io/job={job}").items
 
-    def set_pod_phase(self, name: str, phase: str, namespace: str = "default", exit_code: int | None = None,
+    def set_pod_phase(self, name: str, phase: str, namespace: str | None = None, exit_code: int | None = None,
                       pod_ip: str | None = None) -> None:
         """The kubelet double: what a kubelet reports, written through the status subresource."""
         status: dict[str, Any] = {"phase": phase}
@@ -109,7 +118,7 @@ class Kube:
             status["containerStatuses"] = [{"name": "main", "ready": False, "restartCount": 0, "image": "x",
                                             "imageID": "", "state": {"terminated": {"exitCode": exit_code,
                                                                                      "reason": "Error"}}}]
-        self.core.patch_namespaced_pod_status(name, namespace, {"status": status})
+        self.core.patch_namespaced_pod_status(name, namespace or self.namespace, {"status": status})
 
-    def events(self, namespace: str = "default") -> list:
-        return self.core.list_namespaced_event(namespace).items
+    def events(self, namespace: str | None = None) -> list:
+        return self.core.list_namespaced_event(namespace or self.namespace).items
