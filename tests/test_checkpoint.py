@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 
 import pytest
 
@@ -212,34 +213,86 @@ def test_pruning_never_counts_corrupt_checkpoints(tmp_path):
     assert names == ["step_00000001", "step_00000004"], "the corrupt ones must not push out the last good one"
 
 
-def test_pruning_does_not_hash_the_kept_checkpoints_again_at_every_save(tmp_path, monkeypatch):
+class _ReadsOf:
+    """The checkpoint shard files (actor.pt) this process opens for reading while the block runs, by the name of
+    the directory holding them, as Python's `open` audit event reports them: what a save reads, however it
+    reads it."""
+
+    active: "_ReadsOf | None" = None
+
+    def __init__(self, root):
+        self.root, self.dirs = str(root), []
+
+    def __enter__(self):
+        _ReadsOf.active = self
+        return self.dirs
+
+    def __exit__(self, *_):
+        _ReadsOf.active = None
+
+
+def _audit(event, args):
+    reads = _ReadsOf.active
+    if reads is None or event != "open" or not isinstance(args[0], (str, os.PathLike)):
+        return
+    path, mode = os.fspath(args[0]), str(args[1] or "r")
+    if path.startswith(reads.root) and path.endswith("actor.pt") and not set(mode) & set("wax+"):
+        reads.dirs.append(os.path.basename(os.path.dirname(path)))
+
+
+sys.addaudithook(_audit)  # audit hooks stay for the process; it records only inside a `_ReadsOf` block
+
+_SAVE_IN_A_NEW_PROCESS = """
+import json, os, sys
+from hybridflow import checkpoint as ck
+from hybridflow.spec import ModelSource
+root, step = sys.argv[1], int(sys.argv[2])
+read = []
+def audit(event, args):
+    if event == "open" and isinstance(args[0], (str, os.PathLike)) and os.fspath(args[0]).endswith("actor.pt") \
+            and not set(str(args[1] or "r")) & set("wax+"):
+        read.append(os.path.basename(os.path.dirname(os.fspath(args[0]))))
+sys.addaudithook(audit)
+ident = ck.identity("job-a", "team", {"actor": ck.model_architecture(ModelSource(tiny={"hidden_size": 64}))})
+st = ck.staging_dir(ck.storage_path(root), step)
+(st / "actor.pt").write_bytes(bytes([step]) * 1000)
+ck.seal(ck.storage_path(root), st, step, {"data_position": step}, keep=3, ident=ident)
+print(json.dumps(read))
+"""
+
+
+def test_pruning_does_not_hash_the_kept_checkpoints_again_at_every_save(tmp_path):
     """Each save prunes, and pruning counts only intact checkpoints; a checkpoint this process sealed or verified is
     not read again while its files are unchanged (with big checkpoints, or on object storage, re-hashing the kept
-    ones at every save would read or download them all). Another process hashes each once."""
-    hashed = []
-    real_sha256 = ck.sha256
-    monkeypatch.setattr(ck, "sha256", lambda p: hashed.append(p.parent.name) or real_sha256(p))
+    ones at every save would read or download them all). Another process (a restarted job) reads each once. Files
+    read are seen through Python's `open` audit event, whatever function reads them."""
+    import subprocess
+
     ident = _ident()
-    for step in range(1, 6):
-        _make_for(tmp_path, step, ident, keep=3)
+    with _ReadsOf(tmp_path) as read:
+        for step in range(1, 6):
+            _make_for(tmp_path, step, ident, keep=3)
     # only each save's own new files, while it was being sealed (its staging directory)
-    assert set(hashed) == {f".step_{s:08d}.tmp" for s in range(1, 6)}, hashed
+    assert set(read) == {f".step_{s:08d}.tmp" for s in range(1, 6)}, read
     assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_00000003", "step_00000004", "step_00000005"]
 
-    hashed.clear()
-    monkeypatch.setattr(ck, "_known_intact", {})  # a restarted job: nothing known yet
-    _make_for(tmp_path, 6, ident, keep=3)
-    assert sorted(set(hashed) - {".step_00000006.tmp"}) == ["step_00000004", "step_00000005"]
-    hashed.clear()
-    (tmp_path / "step_00000005" / "actor.pt").write_bytes(b"rewritten")  # a file changed since: hashed, and refused
-    _make_for(tmp_path, 7, ident, keep=3)
-    assert "step_00000005" in hashed and "step_00000006" not in hashed
+    restarted = subprocess.run([sys.executable, "-c", _SAVE_IN_A_NEW_PROCESS, str(tmp_path), "6"],
+                               capture_output=True, text=True, timeout=120)
+    assert restarted.returncode == 0, restarted.stderr[-2000:]
+    read = json.loads(restarted.stdout.strip().splitlines()[-1])
+    assert sorted(set(read) - {".step_00000006.tmp"}) == ["step_00000004", "step_00000005"], read
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_00000004", "step_00000005", "step_00000006"]
+
+    (tmp_path / "step_00000005" / "actor.pt").write_bytes(b"rewritten")  # a file changed since: read, and refused
+    with _ReadsOf(tmp_path) as read:
+        _make_for(tmp_path, 7, ident, keep=3)
+    assert "step_00000005" in read and "step_00000004" not in read, read
     assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_00000004", "step_00000006", "step_00000007"]
-    shard = tmp_path / "step_00000006" / "actor.pt"
-    shard.write_bytes(bytes([99]) * shard.stat().st_size)  # the same size, other bytes: hashed again, and refused
-    hashed.clear()
-    _make_for(tmp_path, 8, ident, keep=3)
-    assert "step_00000006" in hashed and "step_00000007" not in hashed
+    shard = tmp_path / "step_00000006" / "actor.pt"  # sealed by the other process: this one read it once, above
+    shard.write_bytes(bytes([99]) * shard.stat().st_size)  # the same size, other bytes: read again, and refused
+    with _ReadsOf(tmp_path) as read:
+        _make_for(tmp_path, 8, ident, keep=3)
+    assert "step_00000006" in read and "step_00000007" not in read, read
     assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_00000004", "step_00000007", "step_00000008"]
 
 

@@ -1,6 +1,8 @@
 """Every generation engine implements the whole RolloutEngine Protocol with the same signatures, so the actor calls
 them without probing (no hasattr)."""
+import ast
 import inspect
+import textwrap
 
 import pytest
 
@@ -29,4 +31,26 @@ def test_engine_implements_the_whole_rollout_protocol(engine):
         want = list(inspect.signature(declared).parameters)
         got = list(inspect.signature(implemented).parameters)
         assert got == want, f"{engine.__name__}.{name}{got} differs from the Protocol's {want}"
-    assert "instance_id" in inspect.getsource(engine.__init__), f"{engine.__name__} never sets instance_id"
+    assert "instance_id" in _assigned_in_init(engine), f"{engine.__name__}.__init__ never sets self.instance_id"
+
+
+def _assigned_in_init(engine: type) -> set[str]:
+    """The attributes `__init__` assigns on self (`self.x = ...`, `self.x: T = ...`), read from its syntax tree:
+    a name in a comment or a string does not count."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(engine.__init__)))
+    targets = [t for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]
+    return {t.attr for t in targets
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+
+def test_only_a_real_assignment_counts_as_setting_an_attribute():
+    class Commented:
+        def __init__(self):
+            self.other = "instance_id"  # instance_id
+
+    class Sets:
+        def __init__(self):
+            self.instance_id: str = "x"
+
+    assert "instance_id" not in _assigned_in_init(Commented) and "instance_id" in _assigned_in_init(Sets)

@@ -18,8 +18,27 @@ def _ignored(rel: str) -> bool:
     return any(fnmatch.fnmatch(rel, p.rstrip("/")) or rel.startswith(p.rstrip("/") + "/") for p in patterns)
 
 
-def test_three_images():
-    assert {p.parent.name for p in DOCKERFILES} == {"operator", "worker-cpu", "worker-gpu"}
+def _built_tags() -> dict[str, str]:
+    """image name -> its Dockerfile's directory, from the README's `docker build -f images/X/Dockerfile -t T .`"""
+    built = re.findall(r"docker build -f images/([\w-]+)/Dockerfile\s+-t ([\w./-]+):", (ROOT / "README.md").read_text())
+    return {tag: d for d, tag in built}
+
+
+def test_every_image_a_manifest_names_is_built_from_a_dockerfile_here():
+    """The README builds every Dockerfile, and every image the chart and the examples name is one of those builds:
+    a renamed or removed image directory, or a manifest naming an image nobody builds, fails here."""
+    import yaml
+
+    tags = _built_tags()
+    assert sorted(tags.values()) == sorted(p.parent.name for p in DOCKERFILES), tags
+    values = yaml.safe_load((ROOT / "helm" / "hybridflow" / "values.yaml").read_text())
+    named = {values["image"]["repository"]}
+    for example in (ROOT / "examples").glob("*.yaml"):
+        for doc in yaml.safe_load_all(example.read_text()):
+            image = ((doc or {}).get("spec") or {}).get("kubernetes", {}).get("image")
+            if image:
+                named.add(image.split(":")[0])
+    assert named and named <= set(tags), f"images named but never built: {sorted(named - set(tags))}"
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.parent.name)
