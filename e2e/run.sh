@@ -10,4 +10,4 @@ if [ -n "${KUBECONFIG:-}" ]; then
   exec "$PYTHON" -m pytest e2e -ra -p no:cacheprovider "$@"
 fi
 exec unshare --user --map-root-user --net --mount --pid --fork --kill-child --mount-proc \
-  env HF_E2E_NAMESPACE=1 "$PYTHON" -m pytest e2e -ra --durations=0 -p no:cacheprovider "$@"
+  env HF_E2E_NAMESPACE=1 "$PYTHON" -m pytest e2e -ra --durations=0 --durations-min=1 -p no:cacheprovider "$@"

@@ -1,6 +1,7 @@
-"""Scenario: lifecycle. Suspend and resume mid-run (pods and their processes go, the job keeps its checkpoints and
-continues where it stopped); delete mid-run (every process and object goes); a resize to fewer pods (a new job
-that resumes from the old one's checkpoint)."""
+"""Scenario: lifecycle. One job through a whole life: suspended mid-run (pods and their processes go, the job keeps
+its status and checkpoints), resumed (continues where it stopped), deleted mid-run (every process and object of it
+goes, its checkpoint claim stays), and resized: a new job with a pool of one pod instead of two resumes from the
+deleted job's checkpoint on the same claim."""
 from __future__ import annotations
 
 import yaml
@@ -8,61 +9,61 @@ from kube.harness import wait_for
 
 from e2e.helpers import job_variant, live_pod_names, phase
 
-STEPS = 80  # long enough (about 30 s here) that a suspend lands mid-run
+STEPS = 80  # long enough (about 30 s here) that the suspend and the delete land mid-run
 
 
-def _start(world, tmp_path, name):
+def _suspend(world, name: str, suspend: bool) -> None:
+    world.kubectl("patch", "rlhfjob", name, "--type=merge", "-p",
+                  '{"spec":{"runPolicy":{"suspend":%s}}}' % ("true" if suspend else "false"))
+
+
+def _checkpoint(world, name: str, after: int = 0) -> int:
+    return wait_for(lambda: (c := world.kube.status(name).get("lastCheckpointStep", 0)) > after and c, 300,
+                    f"{name}: a checkpoint after step {after}")
+
+
+def test_suspend_resume_delete_and_resize_mid_run(world, tmp_path):
+    old, new = "life-two", "life-one"
     changes = {"trainer": {"steps": STEPS, "saveFreq": 3}, "metrics": {"port": 8000, "lingerSeconds": 0}}
-    world.kubectl("apply", "--validate=false", "-f", str(job_variant(tmp_path, name, **changes)))
-    wait_for(lambda: phase(world, name) == "Running", 300, f"{name} Running")
-    wait_for(lambda: world.kube.status(name).get("lastCheckpointStep", 0) >= 3, 300, "a checkpoint")
-
-
-def test_suspend_and_resume_mid_run(world, tmp_path):
-    name = "life-suspend"
-    _start(world, tmp_path, name)
-    world.kubectl("patch", "rlhfjob", name, "--type=merge", "-p", '{"spec":{"runPolicy":{"suspend":true}}}')
-    wait_for(lambda: phase(world, name) == "Suspended", 60, "phase Suspended")
-    wait_for(lambda: not live_pod_names(world.kube, name), 120, "pods deleted")
-    wait_for(lambda: not world.leftovers(name), 60, "the pods' processes ended")
-    stopped_at = world.step_log(name)[-1]
-    assert stopped_at < STEPS, "the job finished before the suspend landed"
-    world.kubectl("patch", "rlhfjob", name, "--type=merge", "-p", '{"spec":{"runPolicy":{"suspend":false}}}')
-    wait_for(lambda: phase(world, name) in ("Succeeded", "Failed"), 600, "the end after resume")
-    st = world.kube.status(name)
-    assert st["phase"] == "Succeeded", st
-    assert world.step_log(name) == list(range(1, STEPS + 1))
-
-
-def test_delete_mid_run_removes_every_process_and_object(world, tmp_path):
-    name = "life-delete"
-    _start(world, tmp_path, name)
-    if world.local:
-        assert world.leftovers(name), "the job's pods run no processes?"
-    world.kubectl("delete", "rlhfjob", name, "--wait=false")
-    wait_for(lambda: world.kube.job(name) is None, 120, "the RLHFJob gone")
-    wait_for(lambda: not world.kube.pods(name), 120, "pods gone")
-    wait_for(lambda: not world.leftovers(name), 60, "every process and pod sandbox of the job gone")
-    for kind, lister in (("configmap", world.kube.core.list_namespaced_config_map),
-                         ("service", world.kube.core.list_namespaced_service)):
-        left = [o.metadata.name for o in lister("default").items if o.metadata.name.startswith(f"{name}-")]
-        assert not left, f"{kind}s left: {left}"
-
-
-def test_a_job_resized_from_two_pods_to_one_resumes_where_the_old_one_stopped(world, tmp_path):
-    """How a resize is asked for: a job's spec is immutable but for runPolicy, so the old job is suspended and a new
-    one with the new pool names the old one's checkpoints (`trainer.resumeFrom: <old job>`, on the same claim). The
-    checkpoint that two pods wrote re-shards onto one; the new job continues from its step."""
-    old, new = "resize-two", "resize-one"
-    _start(world, tmp_path, old)
+    world.kubectl("apply", "--validate=false", "-f", str(job_variant(tmp_path, old, **changes)))
+    wait_for(lambda: phase(world, old) == "Running", 300, f"{old} Running")
     assert len(live_pod_names(world.kube, old)) == 3  # the head and a pool of two
-    world.kubectl("patch", "rlhfjob", old, "--type=merge", "-p", '{"spec":{"runPolicy":{"suspend":true}}}')
+    _checkpoint(world, old)
+
+    # suspend mid-run: the pods and their processes go; the status and the checkpoints stay
+    _suspend(world, old, True)
     wait_for(lambda: phase(world, old) == "Suspended", 60, "phase Suspended")
     wait_for(lambda: not live_pod_names(world.kube, old), 120, "pods deleted")
+    wait_for(lambda: not world.leftovers(old), 60, "the pods' processes ended")
+    stopped_at = world.step_log(old)[-1]
+    assert stopped_at < STEPS, "the job finished before the suspend landed"
     sealed = world.kube.status(old)["lastCheckpointStep"]
-    ran_to = world.step_log(old)[-1]
-    assert ran_to < STEPS, "the job finished before the suspend landed"
 
+    # resume: the job continues from its checkpoint, each step exactly once
+    _suspend(world, old, False)
+    wait_for(lambda: phase(world, old) == "Running", 300, f"{old} Running again")
+    sealed = _checkpoint(world, old, after=max(sealed, stopped_at))
+    logged = world.step_log(old)
+    assert logged == list(range(1, logged[-1] + 1)), "a step was lost or repeated across the suspend"
+
+    # delete mid-run: the job, its pods, ConfigMap, Service, pod sandboxes and every process go
+    if world.local:
+        assert world.leftovers(old), "the job's pods run no processes?"
+    sealed = world.kube.status(old)["lastCheckpointStep"]
+    world.kubectl("delete", "rlhfjob", old, "--wait=false")
+    wait_for(lambda: world.kube.job(old) is None, 120, "the RLHFJob gone")
+    wait_for(lambda: not world.kube.pods(old), 120, "pods gone")
+    wait_for(lambda: not world.leftovers(old), 60, "every process and pod sandbox of the job gone")
+    for kind, lister in (("configmap", world.kube.core.list_namespaced_config_map),
+                         ("service", world.kube.core.list_namespaced_service),
+                         ("secret", world.kube.core.list_namespaced_secret)):
+        left = [o.metadata.name for o in lister("default").items if o.metadata.name.startswith(f"{old}-")]
+        assert not left, f"{kind}s left: {left}"
+    ran_to = world.step_log(old)[-1]
+    assert ran_to < STEPS, "the job finished before the delete landed"
+
+    # resize: a job's spec is immutable but for runPolicy, so a new job with the new pool names the old one's
+    # checkpoints (`trainer.resumeFrom: <old job>`, on the same claim); what two pods wrote re-shards onto one
     pvc, doc = yaml.safe_load_all(job_variant(tmp_path, new, trainer={"steps": STEPS, "saveFreq": 3,
                                                                       "resumeFrom": old},
                                               metrics={"port": 8000, "lingerSeconds": 0}).read_text())

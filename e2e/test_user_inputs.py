@@ -16,7 +16,7 @@ from e2e.helpers import PVC, ROOT, phase
 EXAMPLE = ROOT / "examples" / "word-problems.yaml"
 REWARD = ROOT / "examples" / "rewards" / "word_problem_reward.py"
 DATA_CLAIM, REWARD_CM = "word-problems", "word-problem-reward"
-STEPS = 2
+STEPS = 1  # one step shows the data read from the volume and scored by the ConfigMap's file
 
 
 def _claim(name: str) -> dict:
@@ -58,6 +58,7 @@ def test_data_on_a_pvc_and_reward_in_a_configmap(world, tmp_path):
     world.kubectl("apply", "--validate=false", "-f", str(claim))
     world.fill_volume(DATA_CLAIM, {"word_problems/train.jsonl": (tmp_path / "word_problems" / "train.jsonl").read_bytes()})
 
+    world.bake_models()  # SmolLM2 as the worker image holds it
     world.kubectl("apply", "--validate=false", "-f", str(_job(tmp_path, name, ["word_problems/train.jsonl"])))
     waiting = wait_for(lambda: (c := _condition(world, name, "InputsReady")) and c["status"] == "False" and c, 60,
                        "InputsReady=False while the ConfigMap is missing")
@@ -84,6 +85,7 @@ def test_data_on_a_pvc_and_reward_in_a_configmap(world, tmp_path):
 
 def test_a_data_file_missing_from_the_volume_fails_once_with_the_drivers_message(world, tmp_path):
     name = "user-inputs-bad"
+    world.bake_models()  # the driver prepares SmolLM2 before it reads the data
     world.kubectl("apply", "--validate=false", "-f", str(_job(tmp_path, name, ["word_problems/missing.jsonl"])))
     wait_for(lambda: phase(world, name) in ("Succeeded", "Failed"), 300,
              f"the end; {world.logs(f'{name}-head-g0')}")
@@ -91,4 +93,6 @@ def test_a_data_file_missing_from_the_volume_fails_once_with_the_drivers_message
     assert st["phase"] == "Failed" and st["reason"] == "InvalidInput", st
     assert "spec.data.train: '/data/word_problems/missing.jsonl' does not exist" in st["message"], st
     assert st["restarts"] == 0, "a bad input was retried"
-    assert any(e.reason == "InvalidInput" for e in world.kube.events() if e.involved_object.name == name)
+    # kopf posts events from a background task after the status is written: wait for it, do not read it at once
+    wait_for(lambda: any(e.reason == "InvalidInput" for e in world.kube.events() if e.involved_object.name == name),
+             30, "the InvalidInput event")

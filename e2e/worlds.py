@@ -9,12 +9,15 @@ import json
 import logging
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 from kube.apiserver_double import RunningApiServer
 from kubernetes.client.rest import ApiException
 from kube.harness import Kube, Operator, free_port, wait_for
+
+from hybridflow.models.builders import IMAGE_MODELS, SMOLLM2_DIR
 
 from e2e.dns import ClusterDNS, resolv_conf
 from e2e.kubelet import KubeletDouble
@@ -52,6 +55,11 @@ class LocalWorld(_Kubectl):
             subprocess.run(["mount", "--bind", str(src), dst], check=True)
         os.makedirs("/run/netns", exist_ok=True)  # pod sandboxes' handles stay in this mount namespace, not the host's
         subprocess.run(["mount", "-t", "tmpfs", "tmpfs", "/run/netns"], check=True)
+        # "The image" is this machine's environment; what the worker image bakes in at build time (converted models)
+        # lives in a directory of this run, mounted where the image has it (see bake_models).
+        self._made_dirs = _make_mount_point(IMAGE_MODELS)
+        (workdir / "image-models").mkdir()
+        subprocess.run(["mount", "--bind", str(workdir / "image-models"), str(IMAGE_MODELS)], check=True)
         self.net = PodNetwork()
         self.api = RunningApiServer(self.kubeconfig).__enter__()
         self.kube = Kube(self.kubeconfig)
@@ -65,7 +73,27 @@ class LocalWorld(_Kubectl):
         self.kubelet.stop()
         self.operator.stop()
         self.api.__exit__(None, None, None)
-        subprocess.run(["umount", "/etc/hosts", "/etc/resolv.conf"], check=False)
+        subprocess.run(["umount", "/etc/hosts", "/etc/resolv.conf", str(IMAGE_MODELS)], check=False)
+        for d in reversed(self._made_dirs):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
+    def bake_models(self) -> None:
+        """What the CPU worker image's build does (images/worker-cpu/Dockerfile): SmolLM2 converted into
+        IMAGE_MODELS, so pods read it instead of each converting it at start. Copied from the test suite's model
+        cache when it has it (HYBRIDFLOW_TEST_MODEL_CACHE, which `make test` shares), else converted once."""
+        import shutil
+
+        if (IMAGE_MODELS / SMOLLM2_DIR / "config.json").is_file():
+            return
+        cached = Path(os.environ.get("HYBRIDFLOW_TEST_MODEL_CACHE") or "/nonexistent") / SMOLLM2_DIR
+        if (cached / "config.json").is_file():
+            shutil.copytree(cached, IMAGE_MODELS / SMOLLM2_DIR)
+        else:
+            subprocess.run([sys.executable, "-c", "from hybridflow.models.builders import IMAGE_MODELS, build_smollm2; "
+                            "build_smollm2(IMAGE_MODELS)"], check=True, capture_output=True, timeout=600)
 
     # --- what scenarios do and read ---
 
@@ -152,6 +180,9 @@ class RealCluster(_Kubectl):
         for p in self._forwards:
             p.terminate()
 
+    def bake_models(self) -> None:
+        """The worker image converted its models when it was built (images/worker-cpu/Dockerfile)."""
+
     def restart_operator(self) -> None:
         sel = "app.kubernetes.io/name=hybridflow,app.kubernetes.io/component=operator"
         self.kubectl("-n", self.operator_namespace, "delete", "pod", "-l", sel, "--grace-period=0", "--force")
@@ -232,6 +263,18 @@ class RealCluster(_Kubectl):
 
     def leftovers(self, job: str, namespace: str = "default") -> list[str]:
         return []  # processes and sandboxes live on the nodes; the pods being gone is what the API can show
+
+
+def _make_mount_point(target: Path) -> list[Path]:
+    """Create a mount point and the parents it lacks; returns what was created (to remove after the run)."""
+    missing = []
+    p = target
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir()
+    return list(reversed(missing))
 
 
 def _records(text: str) -> list[dict]:

@@ -1,9 +1,13 @@
 """Model materialisation on a worker that is not rank 0 (a pod on Kubernetes builds its own copy)."""
+from pathlib import Path
+
 import pytest
 import torch
 
 from hybridflow.models.builders import build_tiny, local_model_dir
 from hybridflow.spec import ModelSource, TinyModel
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -35,3 +39,18 @@ def test_local_model_dir_rebuilds_what_the_driver_built_elsewhere(tmp_path, monk
     assert local_model_dir(driver, src, seed=0) == driver  # visible: used as is
     with pytest.raises(FileNotFoundError):
         local_model_dir(tmp_path / "nowhere", ModelSource(source="path", path=str(tmp_path / "nowhere")), 0)
+
+
+def test_smollm2_comes_from_the_image_when_the_image_converted_it(tmp_path, monkeypatch):
+    """The CPU worker image converts SmolLM2 once at build time (images/worker-cpu/Dockerfile): a pod reads that
+    copy and converts nothing into its own cache (without it, every other SmolLM2 test converts into its cache)."""
+    from hybridflow.models import builders
+
+    image = tmp_path / "image-models"
+    monkeypatch.setattr(builders, "IMAGE_MODELS", image)
+    (image / builders.SMOLLM2_DIR).mkdir(parents=True)
+    (image / builders.SMOLLM2_DIR / "config.json").write_text("{}")
+    assert builders.build_smollm2(tmp_path / "cache") == image / builders.SMOLLM2_DIR
+    assert not (tmp_path / "cache").exists(), "converted again although the image has it"
+    dockerfile = (ROOT / "images" / "worker-cpu" / "Dockerfile").read_text()
+    assert "build_smollm2(IMAGE_MODELS)" in dockerfile, "the CPU image no longer converts SmolLM2 when it is built"
