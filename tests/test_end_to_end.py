@@ -1,6 +1,7 @@
 """`hybridflow run` as a user runs it: real Ray, vLLM, FSDP2 on two CPU ranks, real processes and signals."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -39,6 +40,16 @@ def _variant(tmp_path, src, **spec_changes):
     return out
 
 
+# All a default run may print on stderr: hybridflow's own warnings and errors, one line each (cli.KeyValueFormatter),
+# which say what went wrong. Anything else is noise: info or debug lines, Python warnings, chatter from Ray, vLLM,
+# torch or transformers, worker output forwarded to the driver.
+_OWN_WARNING = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d (warning|error) hybridflow(\.\w+)*: ")
+
+
+def _noise(stderr):
+    return [line for line in stderr.splitlines() if line.strip() and not _OWN_WARNING.match(line)]
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -47,11 +58,9 @@ def _free_port():
 
 def test_tiny_example_learns(tmp_path, model_cache, ray_tmp):
     ckpt = tmp_path / "run"
-    t0 = time.time()
     out = run_cli(["run", str(TINY), "--checkpoint-dir", str(ckpt), "--metrics-port", "0", "--ray-temp-dir", ray_tmp],
                   cwd=tmp_path, env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
     assert out.returncode == 0, out.stderr[-3000:]
-    assert time.time() - t0 < 600
     assert "step 40/40" in out.stdout and "ETA" in out.stdout and "tok/s" in out.stdout
     summary = json.loads((ckpt / "summary.json").read_text())
     assert summary["eval_after"] >= LEARNED_MIN, summary
@@ -64,21 +73,30 @@ def test_tiny_example_learns(tmp_path, model_cache, ray_tmp):
     assert "old_log_prob" not in last["stages"]  # on-policy (one epoch, one mini-batch): the update's forward gave them
     assert last["throughput_tokens_per_s"] > 0 and last["actor_peak_memory_bytes"] > 0
     assert last["reward_mean"] > records[0]["reward_mean"]
-    assert out.stderr.count("\n") < 40, "logs should be quiet by default:\n" + out.stderr[-3000:]
+    noise = _noise(out.stderr)
+    assert not noise, f"logs should be quiet by default; {len(noise)} line(s) of noise:\n" + "\n".join(noise[:40])
 
 
-def test_ppo_with_hf_generation(tmp_path, model_cache, ray_tmp):
+def test_ppo_with_hf_generation_and_a_reward_model(tmp_path, model_cache, ray_tmp):
+    """examples/tiny-ppo.yaml with plain torch/HF generation (`--engine hf`) and its responses scored by a (random)
+    tiny reward model: the critic computes values and trains, writes its own shards, and the rewards are the model's
+    real-valued scores."""
     ckpt = tmp_path / "run"
-    out = run_cli(["run", str(ROOT / "examples" / "tiny-ppo.yaml"), "--engine", "hf", "--steps", "6",
-                   "--checkpoint-dir", str(ckpt), "--metrics-port", "0", "--ray-temp-dir", ray_tmp],
+    job = _variant(tmp_path, ROOT / "examples" / "tiny-ppo.yaml", models__reward={"type": "model", "model": {
+        "source": "tiny", "tiny": {"vocabSize": 16, "hiddenSize": 64, "numHeads": 2, "numKvHeads": 1}}})
+    out = run_cli(["run", str(job), "--engine", "hf", "--steps", "2", "--checkpoint-dir", str(ckpt),
+                   "--metrics-port", "0", "--ray-temp-dir", ray_tmp],
                   cwd=tmp_path, env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
     assert out.returncode == 0, out.stderr[-3000:]
     records = _steps(ckpt)
-    assert len(records) == 6
+    assert len(records) == 2
     for r in records:
         assert r["stages"]["values"] > 0 and r["stages"]["critic_update"] > 0
         assert "critic_vf_loss" in r and "kl_mean" in r
-    assert (ckpt / "step_00000006" / "critic" / ".metadata").is_file()  # the critic's own shards
+    assert (ckpt / "step_00000002" / "critic" / ".metadata").is_file()  # the critic's own shards
+    # A (random) reward model gives real-valued scores; the counting rule can only give each of a step's responses
+    # (32 prompts x 4, 6 tokens each: no stop token) a multiple of 1/6, so their mean a multiple of 1/(6*128).
+    assert any(abs(r["reward_mean"] * 6 * 128 - round(r["reward_mean"] * 6 * 128)) > 1e-3 for r in records), records
 
 
 def _kill_session(proc, ray_tmp):
@@ -88,123 +106,112 @@ def _kill_session(proc, ray_tmp):
     return kill_processes_mentioning(ray_tmp, grace=20)
 
 
-def test_kill_9_then_resume_loses_and_repeats_no_step(tmp_path, model_cache, ray_tmp):
-    job = _variant(tmp_path, TINY, trainer__steps=12, trainer__saveFreq=3, trainer__promptsPerStep=16,
-                   trainer__checkpointDir=str(tmp_path / "run"))
-    ckpt = tmp_path / "run"
-    port = _free_port()
-    env = {**os.environ, "HYBRIDFLOW_MODEL_CACHE": str(model_cache)}
-    cmd = [sys.executable, "-m", "hybridflow.cli", "run", str(job), "--metrics-port", str(port),
-           "--ray-temp-dir", ray_tmp]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 400
-    try:
-        while time.time() < deadline and not any(r["step"] >= 7 for r in _steps(ckpt)):
-            assert proc.poll() is None, "the run ended before it could be killed"
-            time.sleep(0.2)
-        # While it runs, its Prometheus endpoint reports progress.
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        assert 'hybridflow_step{rlhfjob="tiny-grpo"}' in body
-        assert "hybridflow_throughput_tokens_per_second" in body
-    finally:
-        leftovers = _kill_session(proc, ray_tmp)
-    assert leftovers == 0, f"{leftovers} process(es) outlived the killed run"
-    logged = [r["step"] for r in _steps(ckpt)]
-    assert max(logged) >= 7
-    assert (ckpt / "step_00000006").is_dir()
-    # The newest checkpoint gets corrupted too: resume must fall back to step 3 and say so.
-    with open(ckpt / "step_00000006" / "actor" / "__1_0.distcp", "r+b") as f:  # rank 1's actor shard
-        f.seek(100)
-        f.write(b"\x00" * 64)
-
-    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp], cwd=tmp_path,
-                  env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "skipping corrupt checkpoint" in out.stderr and "step_00000006" in out.stderr
-    summary = json.loads((ckpt / "summary.json").read_text())
-    assert summary["start_step"] == 3 and summary["steps_done"] == 9
-    assert [r["step"] for r in _steps(ckpt)] == list(range(1, 13)), "each step exactly once"
-    assert "held-out reward before" not in out.stdout  # a resumed job does not pretend to start over
-
-
 def _staged_step(staging):
     return int(staging.name[len(".step_"):-len(".tmp")])
 
 
+def _metric(body, name, job):
+    """The value of `name{rlhfjob="<job>"}` in a Prometheus text exposition, or None."""
+    for line in body.splitlines():
+        if line.startswith(f'{name}{{rlhfjob="{job}"}} '):
+            return float(line.split()[-1])
+    return None
+
+
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync-save", "async-save"])
 def test_kill_9_during_a_save_loses_nothing_sealed_and_repeats_no_step(tmp_path, model_cache, ray_tmp, async_save):
-    """The run is killed while a checkpoint is being written (its staging directory exists): the unsealed one is
-    discarded, the job resumes from the newest sealed one, and the step log lists every step exactly once. A wider
-    model than the example's makes each write last long enough to be caught in the middle."""
+    """The run is killed while a checkpoint is being written (its staging directory holds shards) once two are
+    sealed; while it ran, its Prometheus endpoint reported progress. The newest sealed checkpoint is then corrupted
+    too (a rank's actor shard overwritten): the resume says it skips that one, discards the torn save, goes on from
+    the one before, and the step log lists every step exactly once. A wider model than the example's makes each
+    write last long enough to be caught in the middle; a save every step gives several chances to catch one."""
     ckpt = tmp_path / "run"
-    job = _variant(tmp_path, TINY, trainer__steps=10, trainer__saveFreq=2, trainer__promptsPerStep=16,
-                   trainer__asyncSave=async_save, trainer__checkpointDir=str(ckpt), trainer__eval=False,
+    steps = 6
+    job = _variant(tmp_path, TINY, trainer__steps=steps, trainer__saveFreq=1, trainer__promptsPerStep=16,
+                   trainer__asyncSave=async_save, trainer__checkpointDir=str(ckpt), data__evalPrompts=8,
                    models__actor__tiny__hiddenSize=256, models__actor__tiny__numLayers=4)
-    env = {**os.environ, "HYBRIDFLOW_MODEL_CACHE": str(model_cache)}
-    cmd = [sys.executable, "-m", "hybridflow.cli", "run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    writing = None
+    port = _free_port()
+    # unbuffered: what it printed before the kill is in the file
+    env = {**os.environ, "HYBRIDFLOW_MODEL_CACHE": str(model_cache), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "hybridflow.cli", "run", str(job), "--metrics-port", str(port),
+           "--ray-temp-dir", ray_tmp]
+    with open(tmp_path / "killed-run.out", "w") as stdout:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True, stdout=stdout,
+                                stderr=subprocess.DEVNULL)
+    writing, body = None, None
     deadline = time.time() + 400
     try:
         while time.time() < deadline and writing is None:
             assert proc.poll() is None, "the run ended before it could be killed"
-            # a save after the first sealed one, caught while its shards are being written
-            staged = [p for p in ckpt.glob(".step_*.tmp") if _staged_step(p) > 2 and any(p.rglob("*.distcp"))]
-            writing = staged[0] if staged else None
+            if body is None and len(_steps(ckpt)) >= 2:  # the step gauge is set just after a step is logged
+                # While it runs, its Prometheus endpoint reports progress.
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            # a save caught while its shards are being written, once two checkpoints are sealed
+            if len(list_checkpoints(ckpt)) >= 2:
+                staged = [p for p in ckpt.glob(".step_*.tmp") if any(p.rglob("*.distcp"))]
+                writing = staged[0] if staged else None
             time.sleep(0.002)
     finally:
         leftovers = _kill_session(proc, ray_tmp)
     assert writing is not None, "no save was caught in progress"
     assert leftovers == 0, f"{leftovers} process(es) outlived the killed run"
+    assert body is not None, "the run was killed before its metrics were read"
+    assert (_metric(body, "hybridflow_step", "tiny-grpo") or 0) >= 1, body
+    assert (_metric(body, "hybridflow_throughput_tokens_per_second", "tiny-grpo") or 0) > 0, body
+    assert "held-out reward before" in (tmp_path / "killed-run.out").read_text()
     killed_at = _staged_step(writing)
     sealed = [c for c in list_checkpoints(ckpt) if verify(c) is None]
-    assert sealed and all(int(c.name[5:]) < killed_at for c in sealed), (writing, sealed)
-    newest = int(sealed[-1].name[5:])
-    assert max(r["step"] for r in _steps(ckpt)) >= newest
+    assert len(sealed) >= 2 and all(int(c.name[5:]) < killed_at for c in sealed), (writing, sealed)
+    corrupt, resumed = sealed[-1], int(sealed[-2].name[5:])
+    logged = [r["step"] for r in _steps(ckpt)]
+    assert max(logged) >= int(corrupt.name[5:]) > resumed, logged  # logged steps past the one resumed: dropped
+    # The newest sealed checkpoint gets corrupted too: resume must fall back to the one before and say so.
+    with open(corrupt / "actor" / "__1_0.distcp", "r+b") as f:  # rank 1's actor shard
+        f.seek(100)
+        f.write(b"\x00" * 64)
 
-    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp], cwd=tmp_path,
+    # -v: its start-up says what it discarded (a later save of the torn step would replace the directory anyway)
+    out = run_cli(["-v", "run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp], cwd=tmp_path,
                   env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
     assert out.returncode == 0, out.stderr[-3000:]
+    assert any("skipping corrupt checkpoint" in line and corrupt.name in line for line in out.stderr.splitlines()), \
+        out.stderr[-3000:]
+    assert "removed the unsealed checkpoint(s) of a save that was interrupted" in out.stderr, out.stderr[-3000:]
     summary = json.loads((ckpt / "summary.json").read_text())
-    assert summary["start_step"] == newest, "the newest sealed checkpoint is the one resumed"
-    assert [r["step"] for r in _steps(ckpt)] == list(range(1, 11)), "each step exactly once"
+    assert summary["start_step"] == resumed, "the newest intact checkpoint is the one resumed"
+    assert summary["steps_done"] == steps - resumed
+    assert [r["step"] for r in _steps(ckpt)] == list(range(1, steps + 1)), "each step exactly once"
     assert not list(ckpt.glob(".step_*.tmp")), "the torn save is cleaned up"
-    assert verify(ckpt / "step_00000010") is None
+    assert verify(ckpt / f"step_{steps:08d}") is None
+    assert "held-out reward before" not in out.stdout  # a resumed job does not pretend to start over
 
 
-def test_smollm2_arithmetic_smoke(tmp_path, model_cache, ray_tmp):
+def test_smollm2_with_a_users_reward_function(tmp_path, model_cache, ray_tmp):
+    """examples/smollm2-arithmetic-reward.yaml for one step, with the held-out evaluation: SmolLM2 generates in vLLM
+    and trains, the user's file scores every response (and the held-out ones) in its sandboxed workers, and the extra
+    key it returns reaches the step log. The example's twin with the built-in rule (examples/smollm2-arithmetic.yaml)
+    runs an iteration in tests/test_weight_sync.py."""
     ckpt = tmp_path / "run"
-    job = _variant(tmp_path, ROOT / "examples" / "smollm2-arithmetic.yaml", trainer__steps=1,
-                   trainer__promptsPerStep=4, data__evalPrompts=8, trainer__checkpointDir=str(ckpt))
+    reward = ROOT / "examples" / "rewards" / "arithmetic_reward.py"
+    job = _variant(tmp_path, ROOT / "examples" / "smollm2-arithmetic-reward.yaml", trainer__steps=1,
+                   trainer__promptsPerStep=4, data__evalPrompts=8, trainer__eval=True,
+                   trainer__checkpointDir=str(ckpt), models__reward__function={"path": str(reward)})
     out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp], cwd=tmp_path,
                   env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
     assert out.returncode == 0, out.stderr[-3000:]
     (rec,) = _steps(ckpt)
     assert 0 < rec["response_length_mean"] <= 12
     assert 0.0 <= rec["reward_mean"] <= 1.0 and rec["grad_norm"] > 0
-    summary = json.loads((ckpt / "summary.json").read_text())
-    assert summary["eval_before"] is not None and summary["eval_before"] > 0, "SmolLM2 answers some sums greedily"
-
-
-def test_smollm2_with_a_users_reward_function(tmp_path, model_cache, ray_tmp):
-    """examples/smollm2-arithmetic-reward.yaml for one step: the user's file scores every response in its sandboxed
-    workers, and the extra key it returns reaches the step log."""
-    ckpt = tmp_path / "run"
-    reward = ROOT / "examples" / "rewards" / "arithmetic_reward.py"
-    job = _variant(tmp_path, ROOT / "examples" / "smollm2-arithmetic-reward.yaml", trainer__steps=1,
-                   trainer__promptsPerStep=4, data__evalPrompts=8, trainer__checkpointDir=str(ckpt),
-                   models__reward__function={"path": str(reward)})
-    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp], cwd=tmp_path,
-                  env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
-    assert out.returncode == 0, out.stderr[-3000:]
-    (rec,) = _steps(ckpt)
     assert rec["reward_errors"] == 0
     assert 0 <= rec["reward_answered_mean"] <= 1
     # the file's rule: 1 right, 0.1 wrong but a number, 0 no number; so the mean reward is bounded by `answered`
     assert rec["reward_mean"] <= rec["reward_answered_mean"] + 1e-6
     assert rec["reward_mean"] >= 0.1 * rec["reward_answered_mean"] - 1e-6
+    summary = json.loads((ckpt / "summary.json").read_text())
+    # by that rule the 8 held-out answers average 0.125 or more when one is the right sum, 0.1 at most when none is
+    assert summary["eval_before"] is not None and summary["eval_before"] > 0.11, \
+        ("SmolLM2 answers some sums greedily", summary)
+    assert summary["eval_after"] is not None, summary
 
 
 @pytest.mark.parametrize("example", ["word-problems.yaml", "README.md"])
@@ -273,20 +280,6 @@ def test_failure_exits_non_zero_and_keeps_checkpoints(tmp_path, model_cache, ray
     assert "error: job failed" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_reward_model_scores_responses(tmp_path, model_cache, ray_tmp):
-    ckpt = tmp_path / "run"
-    job = _variant(tmp_path, TINY, models__reward={"type": "model", "model": {"source": "tiny",
-                   "tiny": {"vocabSize": 16, "hiddenSize": 64, "numHeads": 2, "numKvHeads": 1}}},
-                   trainer__steps=2, trainer__checkpointDir=str(ckpt), trainer__eval=False)
-    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp, "--engine", "hf"],
-                  cwd=tmp_path, env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
-    assert out.returncode == 0, out.stderr[-3000:]
-    records = _steps(ckpt)
-    assert len(records) == 2
-    # A (random) reward model gives real-valued scores; the counting rule can only give multiples of 1/6.
-    assert any(abs(r["reward_mean"] * 6 * 256 - round(r["reward_mean"] * 6 * 256)) > 1e-3 for r in records)
-
-
 def test_driver_joins_an_existing_ray_cluster(tmp_path, model_cache, ray_tmp):
     """What the head pod runs: a Ray head started apart from the driver, then `hybridflow driver --address`."""
     import secrets
@@ -305,10 +298,11 @@ def test_driver_joins_an_existing_ray_cluster(tmp_path, model_cache, ray_tmp):
     assert head.returncode == 0, head.stderr[-2000:]
     try:
         ckpt = tmp_path / "run"
-        job = _variant(tmp_path, TINY, trainer__steps=3, trainer__checkpointDir=str(ckpt), trainer__eval=False)
+        # one step: the driver's workers started on that cluster and ran the whole dataflow once
+        job = _variant(tmp_path, TINY, trainer__steps=1, trainer__checkpointDir=str(ckpt), trainer__eval=False)
         out = run_cli(["driver", str(job), "--address", f"127.0.0.1:{port}", "--metrics-port", "0"], cwd=tmp_path,
                       env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache), **env}, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
-        assert [r["step"] for r in _steps(ckpt)] == [1, 2, 3]
+        assert [r["step"] for r in _steps(ckpt)] == [1]
     finally:
         kill_processes_mentioning(ray_tmp, grace=0)
