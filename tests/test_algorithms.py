@@ -1,5 +1,6 @@
 """Each numeric piece against a float64 reference written plainly (loops, no shared helpers)."""
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -135,14 +136,19 @@ def test_value_loss_matches_reference():
     assert frac.item() == pytest.approx(c / n)
 
 
+def ref_kl(kind, logp, ref):
+    """One token's KL estimate from its log-probs under the policy and the reference."""
+    lr = logp - ref
+    return {"k1": lr, "k2": 0.5 * lr * lr, "k3": math.exp(-lr) - 1 + lr}[kind]
+
+
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
 def test_kl_estimators(kind):
     logp, ref = _rand(2, 4, seed=9), _rand(2, 4, seed=10)
     out = KL_ESTIMATORS[kind](logp, ref)
     for i in range(2):
         for t in range(4):
-            lr = float(logp[i, t]) - float(ref[i, t])
-            expect = {"k1": lr, "k2": 0.5 * lr * lr, "k3": math.exp(-lr) - 1 + lr}[kind]
+            expect = ref_kl(kind, float(logp[i, t]), float(ref[i, t]))
             assert out[i, t].item() == pytest.approx(expect, rel=1e-5, abs=1e-6)
     if kind == "k3":
         assert (out >= 0).all()
@@ -208,6 +214,30 @@ def _rows(t):
     return [[float(v) for v in row] for row in t]
 
 
+@dataclass(frozen=True)
+class Rows:
+    """The batch layout a reference runs over: each response's real-token count (its tokens come first) and group,
+    the padded width (the job's maximum response length, which seq-mean-token-sum-norm divides by), gamma and
+    lambda. SIX is this file's own six responses; tests/test_algorithm_examples.py gives a real run's."""
+    lengths: tuple
+    groups: tuple
+    width: int
+    gamma: float = 0.9
+    lam: float = 0.8
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def real(self, i):
+        return self.lengths[i]
+
+    def members(self, i):
+        return [j for j in range(len(self)) if self.groups[j] == self.groups[i]]
+
+
+SIX = Rows(tuple(int(n) for n in MASK6.sum(1)), tuple(int(g) for g in GROUP), 4)
+
+
 def _plain_whiten(vals):
     """(x - mean) / sqrt(unbiased var + 1e-8) over a flat list."""
     mean = sum(vals) / len(vals)
@@ -219,78 +249,81 @@ def _real(i):
     return int(MASK6[i].sum())
 
 
-def _ref_whitened_tokens(per_token):
-    """`_plain_whiten` over the real tokens of all six responses, put back in place (0 on padding)."""
-    flat = _plain_whiten([per_token[i][t] for i in range(6) for t in range(_real(i))])
-    out, k = [[0.0] * 4 for _ in range(6)], 0
-    for i in range(6):
-        for t in range(_real(i)):
+def _ref_whitened_tokens(per_token, rows=SIX):
+    """`_plain_whiten` over the real tokens of all responses, put back in place (0 on padding)."""
+    n = len(rows)
+    flat = _plain_whiten([per_token[i][t] for i in range(n) for t in range(rows.real(i))])
+    out, k = [[0.0] * rows.width for _ in range(n)], 0
+    for i in range(n):
+        for t in range(rows.real(i)):
             out[i][t], k = flat[k], k + 1
     return out
 
 
-def _ref_scores(r):
-    return [sum(r[i][:_real(i)]) for i in range(6)]
+def _ref_scores(r, rows=SIX):
+    return [sum(r[i][:rows.real(i)]) for i in range(len(rows))]
 
 
-def _ref_returns(r, gamma):
-    out = [[0.0] * 4 for _ in range(6)]
-    for i in range(6):
+def _ref_returns(r, gamma, rows=SIX):
+    out = [[0.0] * rows.width for _ in range(len(rows))]
+    for i in range(len(rows)):
         running = 0.0
-        for t in reversed(range(_real(i))):
+        for t in reversed(range(rows.real(i))):
             running = r[i][t] + gamma * running
             out[i][t] = running
     return out
 
 
 def _ref_members(i):
-    return [j for j in range(6) if GROUP[j] == GROUP[i]]
+    return SIX.members(i)
 
 
-def ref_grpo(r, values, baseline):
-    s = _ref_scores(r)
+def ref_grpo(r, values, baseline, rows=SIX, norm_by_std=True):
+    """(score - group mean) / (group std + 1e-6); without norm_by_std (Dr. GRPO) the centred score only."""
+    s = _ref_scores(r, rows)
     out = []
-    for i in range(6):
-        g = [s[j] for j in _ref_members(i)]
+    for i in range(len(rows)):
+        g = [s[j] for j in rows.members(i)]
         mean = sum(g) / len(g)
         std = math.sqrt(sum((v - mean) ** 2 for v in g) / (len(g) - 1))
-        out.append([(s[i] - mean) / (std + 1e-6)] * 4)
+        out.append([(s[i] - mean) / (std + 1e-6) if norm_by_std else s[i] - mean] * rows.width)
     return out
 
 
-def ref_rloo(r, values, baseline):
-    s = _ref_scores(r)
+def ref_rloo(r, values, baseline, rows=SIX):
+    s = _ref_scores(r, rows)
     out = []
-    for i in range(6):
-        others = [s[j] for j in _ref_members(i) if j != i]
-        out.append([s[i] - sum(others) / len(others)] * 4)
+    for i in range(len(rows)):
+        others = [s[j] for j in rows.members(i) if j != i]
+        out.append([s[i] - sum(others) / len(others)] * rows.width)
     return out
 
 
-def ref_reinforce_plus_plus(r, values, baseline):
-    return _ref_whitened_tokens(_ref_returns(r, 0.9))
+def ref_reinforce_plus_plus(r, values, baseline, rows=SIX):
+    return _ref_whitened_tokens(_ref_returns(r, rows.gamma, rows), rows)
 
 
-def ref_reinforce_plus_plus_baseline(r, values, baseline):
-    s = _ref_scores(r)
-    centred = [s[i] - sum(s[j] for j in _ref_members(i)) / 3 for i in range(6)]
-    return _ref_whitened_tokens([[centred[i]] * 4 for i in range(6)])
+def ref_reinforce_plus_plus_baseline(r, values, baseline, rows=SIX):
+    s = _ref_scores(r, rows)
+    centred = [s[i] - sum(s[j] for j in rows.members(i)) / len(rows.members(i)) for i in range(len(rows))]
+    return _ref_whitened_tokens([[centred[i]] * rows.width for i in range(len(rows))], rows)
 
 
-def ref_remax(r, values, baseline):
-    ret = _ref_returns(r, 1.0)
-    return [[ret[i][t] - baseline[i] if t < _real(i) else 0.0 for t in range(4)] for i in range(6)]
+def ref_remax(r, values, baseline, rows=SIX):
+    ret = _ref_returns(r, 1.0, rows)
+    return [[ret[i][t] - baseline[i] if t < rows.real(i) else 0.0 for t in range(rows.width)] for i in range(len(rows))]
 
 
-def ref_gae(r, values, baseline):
-    raw = [[0.0] * 4 for _ in range(6)]
-    for i in range(6):
+def ref_gae(r, values, baseline, rows=SIX, whiten=True):
+    """GAE, whitened over the batch (Safe-RLHF's reward and cost advantages: unwhitened, `whiten` False)."""
+    raw = [[0.0] * rows.width for _ in range(len(rows))]
+    for i in range(len(rows)):
         last = 0.0
-        for t in reversed(range(_real(i))):
-            nv = values[i][t + 1] if t + 1 < _real(i) else 0.0
-            last = r[i][t] + 0.9 * nv - values[i][t] + 0.9 * 0.8 * last
+        for t in reversed(range(rows.real(i))):
+            nv = values[i][t + 1] if t + 1 < rows.real(i) else 0.0
+            last = r[i][t] + rows.gamma * nv - values[i][t] + rows.gamma * rows.lam * last
             raw[i][t] = last
-    return _ref_whitened_tokens(raw)
+    return _ref_whitened_tokens(raw, rows) if whiten else raw
 
 
 ESTIMATOR_REFERENCES = {"grpo": ref_grpo, "rloo": ref_rloo, "reinforce_plus_plus": ref_reinforce_plus_plus,
@@ -319,12 +352,45 @@ def test_grpo_without_std_is_dr_grpos_estimator():
     for i in range(6):
         mean = sum(s[j] for j in _ref_members(i)) / 3
         assert float(adv[i, 0]) == pytest.approx(s[i] - mean, abs=1e-12)
-
-
-def _ref_ratio_terms(logp, old, adv, low, high, dual, seq_ratio=None):
-    out = [[0.0] * 4 for _ in range(6)]
+    expect = ref_grpo(_rows(rewards), None, None, norm_by_std=False)
     for i in range(6):
         for t in range(_real(i)):
+            assert float(adv[i, t]) == pytest.approx(expect[i][t], abs=1e-12)
+
+
+def test_gae_without_whitening_matches_reference():
+    rewards, values = _rewards6(), _rand(6, 4, seed=21).to(D) * MASK6
+    adv, ret = ADVANTAGE_ESTIMATORS["gae"](AdvantageInputs(rewards, MASK6, GROUP, values, None, 0.9, 0.8,
+                                                           whiten=False))
+    expect = ref_gae(_rows(rewards), _rows(values), None, whiten=False)
+    for i in range(6):
+        for t in range(4):
+            want = expect[i][t] if MASK6[i, t] else 0.0
+            assert float(adv[i, t]) == pytest.approx(want, abs=1e-9)
+            assert float(ret[i, t]) == pytest.approx(want + float(values[i, t]) * float(MASK6[i, t]), abs=1e-9)
+
+
+def test_the_references_take_another_layout():
+    """The layout the examples' short runs give them (tests/test_algorithm_examples.py): another batch size,
+    group size and width, every response full length."""
+    rows = Rows((3,) * 4, (7, 7, 9, 9), 3, gamma=1.0)
+    r = [[0.0, 0.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.5], [0.0, 0.0, 1.5]]
+    assert [a[0] for a in ref_rloo(r, None, None, rows)] == [1.0, -1.0, -1.0, 1.0]
+    assert [a[2] for a in ref_grpo(r, None, None, rows, norm_by_std=False)] == [0.5, -0.5, -0.5, 0.5]
+    mask = torch.ones(4, 3)
+    x = AdvantageInputs(torch.tensor(r, dtype=D), mask, torch.tensor(rows.groups), gamma=1.0)
+    for name in ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        adv, _ = ADVANTAGE_ESTIMATORS[name](x)
+        expect = ESTIMATOR_REFERENCES[name](r, None, None, rows)
+        assert _rows(adv) == [pytest.approx(row, abs=1e-9) for row in expect], name
+    assert ref_token_mean(r, rows) == pytest.approx(3.0 / 12)
+    assert ref_seq_mean_token_sum_norm(r, rows) == pytest.approx(3.0 / 3 / 4)
+
+
+def _ref_ratio_terms(logp, old, adv, low, high, dual, seq_ratio=None, rows=SIX):
+    out = [[0.0] * rows.width for _ in range(len(rows))]
+    for i in range(len(rows)):
+        for t in range(rows.real(i)):
             r = seq_ratio[i] if seq_ratio else math.exp(logp[i][t] - old[i][t])
             a = adv[i][t]
             loss = max(-a * r, -a * min(max(r, 1 - low), 1 + high))
@@ -334,13 +400,14 @@ def _ref_ratio_terms(logp, old, adv, low, high, dual, seq_ratio=None):
     return out
 
 
-def ref_ppo(logp, old, adv, low, high, dual):
-    return _ref_ratio_terms(logp, old, adv, low, high, dual)
+def ref_ppo(logp, old, adv, low, high, dual, rows=SIX):
+    return _ref_ratio_terms(logp, old, adv, low, high, dual, rows=rows)
 
 
-def ref_gspo(logp, old, adv, low, high, dual):
-    seq = [math.exp(sum(logp[i][t] - old[i][t] for t in range(_real(i))) / _real(i)) for i in range(6)]
-    return _ref_ratio_terms(logp, old, adv, low, high, dual, seq)
+def ref_gspo(logp, old, adv, low, high, dual, rows=SIX):
+    seq = [math.exp(sum(logp[i][t] - old[i][t] for t in range(rows.real(i))) / rows.real(i))
+           for i in range(len(rows))]
+    return _ref_ratio_terms(logp, old, adv, low, high, dual, seq, rows)
 
 
 LOSS_REFERENCES = {"ppo": ref_ppo, "gspo": ref_gspo}
@@ -381,21 +448,21 @@ def test_gspo_gradient_flows_through_every_token_with_the_sequence_ratio():
     assert [float(g) for g in logp.grad[0]] == pytest.approx([-0.7 * seq] * 3, abs=1e-12)
 
 
-def ref_token_mean(loss):
-    vals = [loss[i][t] for i in range(6) for t in range(_real(i))]
+def ref_token_mean(loss, rows=SIX):
+    vals = [loss[i][t] for i in range(len(rows)) for t in range(rows.real(i))]
     return sum(vals) / len(vals)
 
 
-def ref_seq_mean_token_sum(loss):
-    return sum(sum(loss[i][:_real(i)]) for i in range(6)) / 6
+def ref_seq_mean_token_sum(loss, rows=SIX):
+    return sum(sum(loss[i][:rows.real(i)]) for i in range(len(rows))) / len(rows)
 
 
-def ref_seq_mean_token_mean(loss):
-    return sum(sum(loss[i][:_real(i)]) / _real(i) for i in range(6)) / 6
+def ref_seq_mean_token_mean(loss, rows=SIX):
+    return sum(sum(loss[i][:rows.real(i)]) / rows.real(i) for i in range(len(rows))) / len(rows)
 
 
-def ref_seq_mean_token_sum_norm(loss):
-    return sum(sum(loss[i][:_real(i)]) / 4 for i in range(6)) / 6
+def ref_seq_mean_token_sum_norm(loss, rows=SIX):
+    return sum(sum(loss[i][:rows.real(i)]) / rows.width for i in range(len(rows))) / len(rows)
 
 
 AGG_REFERENCES = {"token-mean": ref_token_mean, "seq-mean-token-sum": ref_seq_mean_token_sum,

@@ -680,3 +680,50 @@ def rewind_step_log(root: StoragePath, step: int) -> int:
     tmp.write_text(_lines(kept))
     os.replace(tmp, root / STEP_LOG)
     return len(records) - len(kept)
+
+
+# --- the rollout log (trainer.rolloutLog): each step's trained samples, one JSON line per sample ---
+# One file per step, put whole: a step redone after a resume replaces its file, and object storage needs no append.
+ROLLOUTS = "rollouts"
+_ROLLOUT_FILE = re.compile(r"^step_(\d{8})\.jsonl$")
+
+
+def rollout_path(root: StoragePath, step: int) -> StoragePath:
+    return root / ROLLOUTS / f"step_{step:08d}.jsonl"
+
+
+def write_rollouts(root: StoragePath, step: int, records: list[dict[str, Any]]) -> StoragePath:
+    """`step`'s samples as `rollouts/step_<N>.jsonl` (N with 8 digits, as checkpoints' `step_N`); locally written
+    to a temporary file and renamed, so a crash never leaves a torn one."""
+    p = rollout_path(root, step)
+    if is_remote(root):
+        p.write_text(_lines(records))
+        return p
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(_lines(records))
+    os.replace(tmp, p)
+    return p
+
+
+def read_rollouts(root: StoragePath, step: int) -> list[dict[str, Any]]:
+    """`step`'s samples, in the order the actor trained on them ([] when the step wrote none)."""
+    p = rollout_path(root, step)
+    return _parse_log(p.read_text()) if p.exists() else []
+
+
+def rollout_steps(root: StoragePath) -> list[int]:
+    """The steps that have a rollout file, in order."""
+    d = root / ROLLOUTS
+    if not d.exists():
+        return []
+    return sorted(int(m.group(1)) for p in d.glob("step_*.jsonl") if (m := _ROLLOUT_FILE.match(p.name)))
+
+
+def rewind_rollouts(root: StoragePath, step: int) -> int:
+    """Delete the rollout files of steps after `step` (the checkpoint resumed from), as the step log is rewound:
+    those steps are redone and write theirs again. Returns how many were deleted."""
+    dropped = [s for s in rollout_steps(root) if s > step]
+    for s in dropped:
+        rollout_path(root, s).unlink()
+    return len(dropped)

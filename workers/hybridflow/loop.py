@@ -15,7 +15,7 @@ import numpy as np
 
 from hybridflow import checkpoint as ckpt
 from hybridflow.controller.batch import Batch
-from hybridflow.controller.step import AlgorithmState, Step, run_program
+from hybridflow.controller.step import AlgorithmState, Step, rollout_records, run_program
 from hybridflow.controller.worker_group import resolve
 from hybridflow.data.tasks import PromptStream, Sample
 from hybridflow.metrics import JobMetrics
@@ -190,6 +190,7 @@ def restore(w: Workers, root: Path, algorithm: AlgorithmState, data_fingerprint:
     algorithm.load(state.get("algorithm", {}))
     w.roles["actor"].sync_rollout_weights()
     dropped = ckpt.rewind_step_log(root, state["step"])
+    ckpt.rewind_rollouts(root, state["step"])  # trainer.rolloutLog: the redone steps write theirs again
     if not other_job and state.get("step_record"):
         logged = ckpt.read_step_log(root)
         if not logged or logged[-1].get("step") != state["step"]:  # killed between the seal and the log line
@@ -202,14 +203,19 @@ def restore(w: Workers, root: Path, algorithm: AlgorithmState, data_fingerprint:
 
 
 def run_iteration(job: RLHFJob, w: Workers, task: Task, prompts: Batch, algorithm: AlgorithmState | None = None,
-                  next_prompts: Callable[[], Batch] | None = None) -> tuple[dict[str, float], dict[str, float]]:
-    """One step of the job's algorithm: (statistics, seconds per stage)."""
+                  next_prompts: Callable[[], Batch] | None = None,
+                  trained: Callable[[Batch], None] | None = None) -> tuple[dict[str, float], dict[str, float]]:
+    """One step of the job's algorithm: (statistics, seconds per stage). `trained`, when given, gets the batch the
+    actor trained on (with its advantages), after the step."""
     def no_more() -> Batch:
         raise RuntimeError("this iteration was given no prompt source for dynamic sampling")
 
     state = algorithm or AlgorithmState.for_spec(job.spec)
     step = Step(job.spec, w.roles, w.pools, controller_scorers(task), state, next_prompts or no_more)
-    return run_program(job.spec, step, prompts)
+    out = run_program(job.spec, step, prompts)
+    if trained is not None and step.trained is not None:
+        trained(step.trained)
+    return out
 
 
 @dataclass
@@ -276,7 +282,11 @@ def fit(
 
     for step in range(start_step + 1, s.trainer.steps + 1):
         t0 = time.perf_counter()
-        stats, stages = run_iteration(job, w, task, next_prompts(), algorithm, next_prompts)
+        trained: list[Batch] = []
+        stats, stages = run_iteration(job, w, task, next_prompts(), algorithm, next_prompts,
+                                      trained.append if s.trainer.rollout_log else None)
+        if trained:  # before the step's checkpoint: a step that is sealed has its samples written
+            ckpt.write_rollouts(root, step, rollout_records(trained[0], task.decode))
         saved = None
         if in_flight is not None and save_written(w):  # sealed as soon as written: a crash then loses less
             saved = seal_in_flight(stats)

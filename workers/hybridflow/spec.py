@@ -540,6 +540,12 @@ class Trainer(_Spec):
     )
     keep_checkpoints: int = Field(2, gt=0, le=1024, description="Checkpoints kept; older ones are deleted.")
     eval: bool = Field(True, description="Evaluate held-out reward before and after training.")
+    rollout_log: bool = Field(
+        False, description="Write each step's trained samples as JSON lines to <checkpointDir>/rollouts/"
+        "step_<N>.jsonl (N with 8 digits): per sample its group uid, prompt and response token ids (and their text "
+        "when the task has a tokenizer), reward (and cost), and per response token its advantage (and log-probs, "
+        "values and returns where the algorithm has them). A resumed job deletes the files of the steps it redoes."
+    )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for sampling and initialisation.")
 
     @field_validator("checkpoint_dir", "resume_from")

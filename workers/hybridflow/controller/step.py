@@ -296,6 +296,43 @@ def run_program(spec: JobSpec, step: Step, prompts: Batch) -> tuple[dict[str, fl
     return step.summary(), step.clock.seconds
 
 
+# Per-token columns the rollout log carries where the trained batch has them, besides the advantages.
+ROLLOUT_TOKEN_COLUMNS = ("old_log_probs", "ref_log_probs", "rollout_log_probs", "values", "returns", "cost_values",
+                         "cost_returns")
+
+
+def rollout_records(batch: Batch, decode: Callable[[list[int]], str] | None = None) -> list[dict[str, Any]]:
+    """The batch the actor trained on (`Step.trained`), one JSON-able record per sample in the batch's order
+    (trainer.rolloutLog): its group uid, prompt and response token ids, reward (and cost), and its per-token columns
+    over its response tokens; with `decode` (a task with a tokenizer) also the prompt and response text. Reads the
+    batch only."""
+    from hybridflow.data.packing import unpack_prompts, unpack_responses
+
+    prompts, responses = unpack_prompts(batch), unpack_responses(batch)
+    real = batch["response_mask"].bool()  # the response's own tokens, as unpack_responses takes them
+    columns = [c for c in ("advantages", *ROLLOUT_TOKEN_COLUMNS) if c in batch.tensors]
+    scores = batch["scores"].tolist() if "scores" in batch else None
+    costs = batch["costs"].tolist() if "costs" in batch else None
+    out = []
+    for i, (prompt, response) in enumerate(zip(prompts, responses)):
+        rec: dict[str, Any] = {"uid": _plain(batch["uid"][i]) if "uid" in batch else None, "prompt_ids": prompt,
+                               "response_ids": response}
+        if decode is not None:
+            rec.update(prompt=decode(prompt), response=decode(response))
+        if scores is not None:
+            rec["score"] = scores[i]
+        if costs is not None:
+            rec["cost"] = costs[i]
+        rec.update({c: batch[c][i][real[i]].float().tolist() for c in columns})
+        out.append(rec)
+    return out
+
+
+def _plain(x: Any) -> Any:
+    """A numpy scalar as the Python value JSON takes."""
+    return x.item() if isinstance(x, np.generic) else x
+
+
 def mean_stats(per_rank: list[dict[str, float]], prefix: str) -> dict[str, float]:
     keys = per_rank[0].keys()
     out = {f"{prefix}{k}": float(np.mean([r[k] for r in per_rank])) for k in keys}
