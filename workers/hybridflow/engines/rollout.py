@@ -67,9 +67,12 @@ class VLLMRollout:
         weights and cache during training)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        import gc
+
         import torch.distributed as dist
         from vllm import LLM
 
+        gc.freeze()  # vLLM's modules (~300k objects) live as long as the process: its start-up collections skip them
         self.instance_id = uuid.uuid4().hex
         kwargs: dict = {"enable_sleep_mode": True} if on_gpu else {"kv_cache_memory_bytes": kv_cache_bytes}
         if dist.is_initialized():
