@@ -102,6 +102,48 @@ def test_a_metadata_index_may_only_point_at_its_own_shard_files(tmp_path, one_ra
         sc.read_full(tmp_path / "mine" / "actor")
 
 
+def _rewritten_index(tmp_path, change) -> None:
+    """Save a checkpoint, then change its `.metadata` index with `change(metadata)` (the test's own file)."""
+    sc.save(_state(1.0), tmp_path / "actor", tmp_path)
+    index = tmp_path / "actor" / ".metadata"
+    metadata = pickle.loads(index.read_bytes())
+    change(metadata)
+    index.write_bytes(pickle.dumps(metadata))
+
+
+def _model_w(metadata):
+    return next(m for fqn, m in metadata.state_dict_metadata.items() if fqn.endswith("w") and hasattr(m, "chunks"))
+
+
+@pytest.mark.parametrize("change,refusal", [
+    (lambda m: setattr(_model_w(m), "size", torch.Size([1 << 30, 1 << 30])), "more than its shard files hold"),
+    (lambda m: setattr(_model_w(m), "size", torch.Size([-1, 64])), "the shape"),
+    (lambda m: setattr(_model_w(m).chunks[0], "sizes", torch.Size([65, 64])), "outside its shape"),
+    (lambda m: [setattr(i, "length", 1 << 40) for i in m.storage_data.values()], "which has"),
+], ids=["huge-tensor", "negative-dim", "chunk-outside", "slice-past-its-file"])
+def test_an_index_claiming_more_than_its_files_hold_is_refused_before_anything_is_allocated(
+        tmp_path, one_rank, change, refusal):
+    """A crafted index could make the reader allocate a tensor of 2^60 bytes (export reads into an empty state,
+    sized from the index) or read past its files: what it claims must fit the shard files on disk."""
+    _rewritten_index(tmp_path, change)
+    with pytest.raises(CheckpointError, match=f"refusing to load .*actor: its .metadata .*{refusal}"):
+        sc.read_full(tmp_path / "actor")
+    with pytest.raises(CheckpointError, match=refusal):
+        sc.load(_state(0.0), tmp_path / "actor")
+
+
+def test_an_oversized_or_unreadable_index_is_refused(tmp_path, one_rank, monkeypatch):
+    sc.save(_state(1.0), tmp_path / "actor", tmp_path)
+    index = tmp_path / "actor" / ".metadata"
+    monkeypatch.setattr(sc, "MAX_METADATA_BYTES", index.stat().st_size - 1)  # rather than writing 256 MB
+    with pytest.raises(CheckpointError, match=r"its .metadata is over"):
+        sc.read_full(tmp_path / "actor")
+    monkeypatch.undo()
+    index.write_bytes(index.read_bytes()[:40])  # truncated
+    with pytest.raises(CheckpointError, match=r"its .metadata is not a readable index"):
+        sc.read_full(tmp_path / "actor")
+
+
 def _fail_to_copy_model_files() -> None:
     raise ValueError("the model files could not be copied")  # not an OSError: e.g. a storage client's own error
 

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _Em
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
 
-from hybridflow.checkpoint import CheckpointError, StoragePath, is_remote, relative, sha256
+from hybridflow.checkpoint import CheckpointError, StoragePath, is_remote, relative, sha256, storage_path
 
 log = logging.getLogger("hybridflow.checkpoint")
 
@@ -98,6 +98,56 @@ def _check_storage(metadata: dcp_metadata.Metadata, where: str) -> None:
                                         f"file of its own directory")
 
 
+# Bounds on what an index may make a reader allocate. The index of a 70B model with its optimizer state on 512
+# ranks is a few MB with some 10^5-10^6 entries; tensors and shard slices must fit in the shard files on disk.
+MAX_METADATA_BYTES = 256 << 20
+MAX_INDEX_ENTRIES = 1 << 22
+MAX_TENSOR_DIMS = 16
+
+
+def _check_sizes(metadata: dcp_metadata.Metadata, shard_bytes: dict[str, int], where: str) -> None:
+    """What the index claims must fit the data this directory holds, before anything is allocated from it: a
+    crafted index could otherwise have the reader (export's empty-state planner above all) allocate a tensor of
+    2^60 elements, or loop over billions of chunks."""
+    def refuse(why: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"refusing to load {where}: its {METADATA} {why}; delete this checkpoint")
+
+    entries, storage = metadata.state_dict_metadata or {}, metadata.storage_data or {}
+    if len(entries) > MAX_INDEX_ENTRIES or len(storage) > MAX_INDEX_ENTRIES:
+        raise refuse(f"has {len(entries)} entries and {len(storage)} shard slices (at most {MAX_INDEX_ENTRIES})")
+    total = sum(shard_bytes.values())
+    for info in storage.values():
+        size = shard_bytes.get(info.relative_path)
+        if size is None or not (0 <= info.offset and 0 <= info.length and info.offset + info.length <= size):
+            raise refuse(f"points at bytes {info.offset}..{info.offset + info.length} of {info.relative_path}, "
+                         f"which has {size if size is not None else 'no'} bytes")
+    for fqn, meta in entries.items():
+        if not isinstance(meta, dcp_metadata.TensorStorageMetadata):
+            continue
+        dims = list(meta.size)
+        if len(dims) > MAX_TENSOR_DIMS or any(not isinstance(d, int) or d < 0 for d in dims):
+            raise refuse(f"gives {fqn!r} the shape {dims}")
+        numel = 1
+        for d in dims:
+            numel *= d
+        nbytes = numel * torch.tensor([], dtype=meta.properties.dtype).element_size()
+        if nbytes > total:
+            raise refuse(f"gives {fqn!r} {nbytes} bytes, more than its shard files hold ({total})")
+        if len(meta.chunks) > MAX_INDEX_ENTRIES:
+            raise refuse(f"cuts {fqn!r} into {len(meta.chunks)} chunks")
+        for chunk in meta.chunks:
+            if len(chunk.offsets) != len(dims) or len(chunk.sizes) != len(dims) or any(
+                    o < 0 or n < 0 or o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, dims)):
+                raise refuse(f"has a chunk of {fqn!r} at {list(chunk.offsets)} + {list(chunk.sizes)} outside its "
+                             f"shape {dims}")
+
+
+def _shard_file_sizes(directory: Any) -> dict[str, int]:
+    """The size of each `__<rank>_<n>.distcp` file of a DCP directory."""
+    where = storage_path(str(directory))
+    return {p.name: p.stat().st_size for p in where.iterdir() if _SHARD_FILE.match(p.name)}
+
+
 class _SafeMetadata:
     path: Any
     load_id: Any
@@ -105,16 +155,24 @@ class _SafeMetadata:
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
         with self.fs.create_stream(path, "rb") as f:  # type: ignore[attr-defined]
-            try:
-                metadata = _MetadataUnpickler(f).load()
-            except CheckpointFormatError as err:
-                raise CheckpointFormatError(
-                    f"refusing to load {self.path}: its {METADATA} names {err}, which could run code when loaded. "
-                    f"Checkpoints are only loaded as data; delete this checkpoint or point spec.trainer.checkpointDir "
-                    f"elsewhere") from err
+            data = f.read(MAX_METADATA_BYTES + 1)  # the unpickler then reads from memory: no length it meets can
+        if len(data) > MAX_METADATA_BYTES:  # make it allocate more than the file holds
+            raise CheckpointFormatError(f"refusing to load {self.path}: its {METADATA} is over "
+                                        f"{MAX_METADATA_BYTES >> 20} MB; delete this checkpoint")
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except CheckpointFormatError as err:
+            raise CheckpointFormatError(
+                f"refusing to load {self.path}: its {METADATA} names {err}, which could run code when loaded. "
+                f"Checkpoints are only loaded as data; delete this checkpoint or point spec.trainer.checkpointDir "
+                f"elsewhere") from err
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, MemoryError) as err:
+            raise CheckpointFormatError(f"refusing to load {self.path}: its {METADATA} is not a readable index "
+                                        f"({type(err).__name__}: {str(err)[:200]})") from err
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise CheckpointFormatError(f"{path} is not a DCP metadata index")
         _check_storage(metadata, str(self.path))
+        _check_sizes(metadata, _shard_file_sizes(self.path), str(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
