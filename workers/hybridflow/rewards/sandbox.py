@@ -1,42 +1,55 @@
-"""A user's reward function, run as untrusted code: in separate processes, with a deadline per call.
+"""A user's reward function, run as untrusted code: in separate processes inside the OS sandbox
+(hybridflow.sandbox), with a deadline per call.
 
 The function has verl's signature, `compute_score(data_source, solution_str, ground_truth, extra_info)`, and returns a
 number or a dict with a numeric `score` (its other numeric keys become per-sample metrics). With `batched` it takes
 lists and returns a list. Parameters named as verl names them are passed by keyword (as verl does), otherwise by
-position. It runs in worker processes that never see the driver's memory, start from an environment with no
-credentials in it (only SAFE_ENV), each in a fresh temporary directory; a call that raises, returns
-something that is not a score, or runs past its deadline scores `error_score` and is reported with its sample. A
-worker that timed out is killed and replaced, so a function that hangs once costs one deadline, not the job.
+position. A call that raises, returns something that is not a score, runs past its deadline, or is stopped by one
+of the sandbox's limits scores `error_score` and is reported with its sample. A worker that timed out or died is
+killed and replaced (with everything it started: its PID namespace goes with it), so a function that hangs once
+costs one deadline, not the job.
 
-This is process isolation, not a security boundary against a hostile author: the code runs as the job's own user,
-with the job's files and network (it could read the driver's environment through /proc), and with no memory limit
-of its own (a leaking reward shares the pod's). It keeps a job author's own reward bugs (exceptions, hangs, crashes)
-from hanging or crashing the training loop.
+Each worker is a sandbox of its own (see hybridflow.sandbox for what each layer stops): no network, its own PID
+namespace and /proc, a read-only view of the machine with a private /tmp (the reward file's directory is visible,
+read-only), another uid, rlimits, and an environment with none of the driver's credentials (only SAFE_ENV). The
+driver sends it the file's source and only ever reads plain floats and strings back: it never unpickles the user's
+objects. Where the machine lacks a layer (no bwrap, user namespaces refused) the job warns once, when the function
+starts, and runs with the layers that remain, unless the sandbox is required (`require_sandbox`, or
+HYBRIDFLOW_SANDBOX=require), which refuses to start.
 """
 from __future__ import annotations
 
 import ast
-import importlib.util
 import inspect
+import linecache
 import math
 import numbers
 import os
-import shutil
+import resource
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
+import types
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
 from typing import Any, Sequence
 
+from hybridflow import sandbox
+from hybridflow.sandbox import Limits, SandboxUnavailable
+
+__all__ = ["Limits", "RewardError", "RewardFileError", "RewardFunction", "RewardResult", "SandboxUnavailable",
+           "check_reward_file"]
+
 WORKER_DIED = "the reward worker process died"
-# The environment a reward worker starts from: nothing else of the driver's (tokens, keys, Ray's addresses) is passed.
-SAFE_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "HOME")
+# The driver's variables a reward worker starts with: nothing else of the driver's (tokens, keys, Ray's addresses) is
+# passed; HOME and TMPDIR are the worker's own private directory.
+SAFE_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH")
+# What a sandbox must be able to run for a worker to start: the interpreter and this module's imports.
+_CHECK = (sys.executable, "-c", "import hybridflow.rewards.sandbox; print('ok')")
 SIGNATURE = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
@@ -169,27 +182,36 @@ def _call_style(fn: Any) -> str:
 
 
 def _worker_main(path: str, name: str) -> None:
-    """The reward worker (`python -m hybridflow.rewards.sandbox PATH NAME`): load the file once, then answer
-    calls until the driver closes the pipe. The protocol runs on the original stdin/stdout; the user's prints go
-    to stderr. Only plain floats and error strings go back: the driver never unpickles the user's objects."""
+    """The reward worker (`python -m hybridflow.rewards.sandbox PATH NAME`): load the source the driver sends
+    (as PATH), then answer calls until the driver closes the pipe. The protocol runs on the original stdin/stdout;
+    the user's prints go to stderr. Only plain floats and error strings go back: the driver never unpickles the
+    user's objects. Each reply carries the worker's CPU seconds so far, against its RLIMIT_CPU."""
     proto_in, proto_out = os.dup(0), os.dup(1)
     os.dup2(2, 1)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     conn_in, conn = Connection(proto_in, writable=False), Connection(proto_out, readable=False)
+
+    def reply(kind: str, value: Any) -> None:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        conn.send((kind, value, r.ru_utime + r.ru_stime))
+
     try:
-        spec = importlib.util.spec_from_file_location("hybridflow_user_reward", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # so that what the file defines can be pickled (e.g. its own pools)
-        spec.loader.exec_module(module)
+        _, source = conn_in.recv()
+        code = compile(source, path, "exec")
+        # The file itself may be out of the sandbox's reach: tracebacks read its lines from here.
+        linecache.cache[path] = (len(source), None, source.splitlines(True), path)
+        module = types.ModuleType("hybridflow_user_reward")
+        module.__file__ = path
+        sys.modules[module.__name__] = module  # so that what the file defines can be pickled (e.g. its own pools)
+        exec(code, module.__dict__)  # noqa: S102 - the user's reward file, in its sandbox
         fn = getattr(module, name, None)
         if fn is None or not callable(fn):
             raise TypeError(f"'{name}' is not a function in the file")
         style = _call_style(fn)
-        conn.send(("ready", None))
+        reply("ready", None)
     except BaseException as err:  # noqa: BLE001 - whatever the file does at import is reported, not raised here
-        conn.send(("load-error", _describe(err)))
+        reply("load-error", _describe(err))
         return
     while True:
         try:
@@ -199,18 +221,18 @@ def _worker_main(path: str, name: str) -> None:
         try:
             result = fn(**dict(zip(SIGNATURE, args))) if style == "keyword" else fn(*args)
         except BaseException as err:  # noqa: BLE001 - a user's exception is a result, reported with its sample
-            conn.send(("error", _describe(err)))
+            reply("error", _describe(err))
             continue
         try:
             if isinstance(args[1], list):  # batched: one result per sample, each a score or its error
                 if not isinstance(result, (list, tuple)) or len(result) != len(args[1]):
                     raise ValueError(f"a batched function must return a list of {len(args[1])} scores, got "
                                      f"{type(result).__name__}")
-                conn.send(("ok", [_checked(r) for r in result]))
+                reply("ok", [_checked(r) for r in result])
             else:
-                conn.send(("ok", _score_of(result)))
+                reply("ok", _score_of(result))
         except ValueError as err:
-            conn.send(("error", str(err)))
+            reply("error", str(err))
 
 
 def _checked(value: Any) -> tuple[float, dict[str, float]] | str:
@@ -227,19 +249,23 @@ def _describe(err: BaseException) -> str:
 
 
 class _Proc:
-    """One worker process, started with only SAFE_ENV of the driver's environment, in a directory of its own."""
+    """One worker process in a sandbox of its own, started with only SAFE_ENV of the driver's environment."""
 
-    def __init__(self, path: str, name: str, workdir: str) -> None:
-        env = {k: v for k, v in os.environ.items() if k in SAFE_ENV}
-        self.workdir = tempfile.mkdtemp(prefix="worker-", dir=workdir)
-        self.proc = subprocess.Popen([sys.executable, "-m", "hybridflow.rewards.sandbox", path, name],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=self.workdir,
-                                     start_new_session=True)
+    def __init__(self, path: str, name: str, source: str, limits: Limits, layers: sandbox.Layers) -> None:
+        argv = [sys.executable, "-m", "hybridflow.rewards.sandbox", path, name]
+        self.box = sandbox.spawn(argv, limits, layers, env=sandbox.clean_env(SAFE_ENV), binds=_code_binds(path),
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.proc = self.box.popen
+        self.cpu_seconds = 0.0  # the worker's own CPU time, from its last reply
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.send_conn = Connection(os.dup(self.proc.stdin.fileno()), readable=False)
         self.conn = Connection(os.dup(self.proc.stdout.fileno()), writable=False)
         self.proc.stdin.close()
         self.proc.stdout.close()
+        try:
+            self.send(("load", source))
+        except OSError:  # it died at once: its load reports it
+            pass
 
     def send(self, obj: Any) -> None:
         self.send_conn.send(obj)
@@ -247,36 +273,60 @@ class _Proc:
     def recv(self) -> tuple[str, Any]:
         """A reply, or ('error', why) when the worker died or sent something unreadable."""
         try:
-            kind, value = self.conn.recv()
+            kind, value, cpu = self.conn.recv()
+            self.cpu_seconds = float(cpu)
             return kind, value
         except (EOFError, OSError):
-            return "error", WORKER_DIED
+            return "error", self._death()
         except Exception as err:  # noqa: BLE001 - a garbled reply is that sample's error, not the job's
             return "error", f"unreadable reply from the reward worker: {err}"
 
+    def _death(self) -> str:
+        """WORKER_DIED and how: its exit status or signal (bwrap exits 128 + the signal of what it ran)."""
+        try:
+            rc = self.proc.wait(2)
+        except subprocess.TimeoutExpired:
+            return WORKER_DIED
+        sig = -rc if rc < 0 else rc - 128 if self.box.layers.bwrap and rc > 128 else 0
+        if not sig:
+            return f"{WORKER_DIED} (exit status {rc})"
+        name = signal.Signals(sig).name if sig in signal.valid_signals() else str(sig)
+        why = {signal.SIGKILL: ": its CPU-time limit, or killed", signal.SIGXCPU: ": its CPU-time limit",
+               signal.SIGXFSZ: ": its file-size limit"}.get(sig, "")
+        return f"{WORKER_DIED} ({name}{why})"
+
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # and anything the user's code started
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:  # stuck in the kernel: leave it, it is SIGKILLed
-            pass
+        self.box.kill()  # and everything the user's code started: the sandbox's PID namespace goes with it
         self.send_conn.close()
         self.conn.close()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _code_binds(path: str) -> list[str]:
+    """What of the machine a worker sees beside the read-only root: the reward file's directory (its data files, by
+    `__file__`), or the file alone where that directory holds the driver's home or the sandbox's own mounts."""
+    d = os.path.dirname(path)
+    special = [*sandbox.default_hidden(), *sandbox.PRIVATE_TMP, "/dev", "/proc"]
+    return [path] if any(sandbox.is_under(h, d) for h in special) else [d]
 
 
 class RewardFunction:
     """A pool of reward worker processes running one user function; `score` fans a batch out over them."""
 
     def __init__(self, path: str | Path, name: str = "compute_score", batched: bool = False, workers: int = 2,
-                 timeout_seconds: float = 10.0, error_score: float = 0.0, load_timeout_seconds: float = 60.0) -> None:
+                 timeout_seconds: float = 10.0, error_score: float = 0.0, load_timeout_seconds: float = 60.0,
+                 limits: Limits | None = None, require_sandbox: bool | None = None,
+                 layers: sandbox.Layers | None = None) -> None:
+        """limits: each worker's rlimits (default: hybridflow.sandbox.Limits, with at least twice the deadline in
+        CPU seconds); require_sandbox: refuse to start (SandboxUnavailable) where the machine lacks a layer of the
+        sandbox (None: HYBRIDFLOW_SANDBOX=require says so), instead of warning once and going on without it;
+        layers: the kind of sandbox (default: the best this machine offers, hybridflow.sandbox.probe)."""
         self.path, self.name, self.batched = str(Path(path).resolve()), name, batched
         check_reward_file(self.path, name, batched)
+        self.source = Path(self.path).read_text()  # what every worker runs, even if the file changes meanwhile
         self.timeout, self.error_score = timeout_seconds, error_score
-        self._workdir = tempfile.mkdtemp(prefix="reward-")
+        self.limits = limits or Limits(cpu_seconds=max(Limits.cpu_seconds, int(math.ceil(2 * timeout_seconds))))
+        self.layers = layers or sandbox.probe(_CHECK)
+        sandbox.check_required(self.layers, f"the reward function {self.path}:{name}", require_sandbox)
         self._load_timeout = load_timeout_seconds
         self._procs: list[_Proc] = []
         try:
@@ -287,7 +337,7 @@ class RewardFunction:
             raise
 
     def _start(self) -> _Proc:
-        p = _Proc(self.path, self.name, self._workdir)
+        p = _Proc(self.path, self.name, self.source, self.limits, self.layers)
         if not p.conn.poll(self._load_timeout):
             p.kill()
             raise RewardFileError(f"{self.path}: loading took longer than {self._load_timeout:.0f} s")
@@ -301,7 +351,6 @@ class RewardFunction:
         for p in self._procs:
             p.kill()
         self._procs = []
-        shutil.rmtree(self._workdir, ignore_errors=True)
 
     def __enter__(self) -> "RewardFunction":
         return self
@@ -365,14 +414,20 @@ class RewardFunction:
 
     def _send(self, slot: int, call: tuple[Any, ...]) -> None:
         try:
+            if self._procs[slot].proc.poll() is not None:  # its sandbox is gone, the worker with it (or going)
+                raise BrokenPipeError
             self._procs[slot].send(call)
         except OSError:  # the worker died while idle: a new one takes the call
             self._replace(slot)
             self._procs[slot].send(call)
 
     def _recv(self, slot: int) -> tuple[str, Any]:
-        kind, value = self._procs[slot].recv()
-        if kind == "error" and value == WORKER_DIED:
+        p = self._procs[slot]
+        kind, value = p.recv()
+        if kind == "error" and str(value).startswith(WORKER_DIED):
+            self._replace(slot)
+        elif p.cpu_seconds > self.limits.cpu_seconds / 2:
+            # RLIMIT_CPU counts a worker's whole life: a fresh one takes over before the next call could hit it
             self._replace(slot)
         return kind, value
 
