@@ -13,7 +13,7 @@ import pytest
 import re2
 import yaml
 
-from hybridflow.crd import build_crd
+from hybridflow.crd import build_crd, immutable_field_rule
 from hybridflow.spec import MAX_JOB_NAME, RLHFJob, SpecError, dump_job, parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,10 +155,15 @@ def _mutated(value):
 
 def _rule_cases(path: str, rule: str) -> tuple[list[tuple], list[tuple]]:
     """(accepted, refused) activations (self, oldSelf) for a rule; a rule without cases fails the test below."""
-    if rule == "self == oldSelf" and path.startswith("$.spec."):
+    if path == "$.spec" and "oldSelf" in rule:  # one field's immutability, judged on spec
         spec = dump_job(RLHFJob())["spec"]
-        old = spec[path.removeprefix("$.spec.")]
-        return [(old, old), (copy.deepcopy(old), old)], [(_mutated(old), old)]
+        field = rule.removeprefix("has(self.").split(")")[0]
+        without = {k: v for k, v in spec.items() if k != field}
+        changed = {**spec, field: _mutated(spec[field])}
+        return ([(spec, spec), (copy.deepcopy(spec), spec), (without, without), (changed, changed)],
+                [(changed, spec), (spec, without), (without, spec)])  # changed, added, removed
+    if path == "$.spec.placement":
+        return [({}, _ABSENT), ({"actor": "default", "c" * 63: "p"}, _ABSENT)], [({"c" * 64: "p"}, _ABSENT)]
     if path == "$" and "metadata.name" in rule:
         docs = {n: _with("metadata.name", n) for n in NAMES_OK + NAMES_BAD}
         ok = [(docs[n], _ABSENT) for n in NAMES_OK]
@@ -196,8 +201,26 @@ def test_only_run_policy_may_change_on_update():
     assert cel_problems(_schema(), moved, old) == []
     moved["spec"]["trainer"]["steps"] += 1
     assert cel_problems(_schema(), moved, old) == [
-        "spec.trainer: spec.trainer cannot change once the job exists; only spec.runPolicy can (delete and re-create "
-        "the job to change it)"]
+        "spec: spec.trainer cannot be added, changed or removed once the job exists; only spec.runPolicy can (delete "
+        "and re-create the job to change it)"]
+
+
+def test_adding_a_field_the_job_did_not_have_is_a_change_too():
+    """A job created without spec.kubernetes (suspended, say), then patched to name Secrets and a reward ConfigMap.
+    A rule on spec.kubernetes itself would be a transition rule, which the API server evaluates only where the old
+    value exists, so it never saw the field added; the rules sit on spec, which every job has."""
+    old = copy.deepcopy(EXAMPLE)
+    old["spec"]["runPolicy"] = {"suspend": True}
+    assert "kubernetes" not in old["spec"]
+    added = copy.deepcopy(old)
+    added["spec"]["kubernetes"] = {"rayAuthSecret": "default-token-abcde", "checkpointSecret": "team-s3"}
+    added["spec"]["runPolicy"]["suspend"] = False
+    message = "spec: " + immutable_field_rule("kubernetes")["message"]
+    assert cel_problems(_schema(), added, old) == [message]
+    assert cel_problems(_schema(), old, added) == [message]  # nor removed
+    unsuspended = copy.deepcopy(old)
+    unsuspended["spec"]["runPolicy"]["suspend"] = False
+    assert cel_problems(_schema(), unsuspended, old) == []
 
 
 # (path in the tiny example, value, field the message must name); every one refused by both
@@ -249,6 +272,7 @@ BAD = [
     ("spec.models.reward.function", {"path": "r.py", "name": "not-a-name"}, "spec.models.reward.function.name"),
     ("spec.metrics.address", "", "spec.metrics.address"),
     ("spec.placement", {f"r{i}": "default" for i in range(8)}, "spec.placement"),
+    ("spec.placement", {"r" * 64: "default"}, "spec.placement"),  # a key is a role name: bounded
     ("metadata.name", "n" * (MAX_JOB_NAME + 1), "metadata.name"),
 ]
 
@@ -313,4 +337,5 @@ def test_spec_data_stays_immutable_with_one_path():
     old = _files_job("a.parquet")
     assert cel_problems(_schema(), copy.deepcopy(old), old) == []
     for train in ("b.parquet", ["a.parquet", "b.parquet"]):
-        assert [p.split(":")[0] for p in cel_problems(_schema(), _files_job(train), old)] == ["spec.data"], train
+        assert cel_problems(_schema(), _files_job(train), old) == [
+            "spec: " + immutable_field_rule("data")["message"]], train

@@ -63,19 +63,34 @@ def _py(m) -> dict:
 def admitted(vap: dict, doc: dict, authorizer: AuthorizerDouble | None = None, namespace: str = "ml",
              old: dict | None = None, user: str = "alice") -> bool:
     """The API server's verdict: the policy's variables, then every validation, evaluated as CEL."""
+    return not refusals(vap, doc, authorizer, namespace, old, user)
+
+
+def refusals(vap: dict, doc: dict, authorizer: AuthorizerDouble | None = None, namespace: str = "ml",
+             old: dict | None = None, user: str = "alice") -> list[str]:
+    """The message (or messageExpression) of every validation that refuses the request: CREATE, or an UPDATE of
+    `old` when given. A request of an operation the policy does not match is not judged at all."""
+    operation = "CREATE" if old is None else "UPDATE"
+    if not any(operation in rule["operations"] for rule in vap["spec"]["matchConstraints"]["resourceRules"]):
+        return []
     cel = celpy.Environment()
     functions = (authorizer or AuthorizerDouble()).functions()
     activation = {"object": celpy.json_to_cel(doc), "oldObject": celpy.json_to_cel(old),
                   "request": celpy.json_to_cel({"namespace": namespace, "userInfo": {"username": user},
-                                                "operation": "CREATE" if old is None else "UPDATE"}),
+                                                "operation": operation}),
                   "authorizer": _cel_map({})}
-    variables = {}
+    variables = celpy.celtypes.MapType()  # in order: a variable may use those before it
     for v in vap["spec"].get("variables", []):
-        activation["variables"] = celpy.json_to_cel(variables)
-        variables[v["name"]] = cel.program(cel.compile(v["expression"]), functions=functions).evaluate(activation)
-    activation["variables"] = celpy.celtypes.MapType({celpy.celtypes.StringType(k): v for k, v in variables.items()})
-    return all(bool(cel.program(cel.compile(r["expression"]), functions=functions).evaluate(activation))
-               for r in vap["spec"]["validations"])
+        activation["variables"] = variables
+        variables[celpy.celtypes.StringType(v["name"])] = cel.program(cel.compile(v["expression"]),
+                                                                      functions=functions).evaluate(activation)
+    activation["variables"] = variables
+
+    def run(expression: str):
+        return cel.program(cel.compile(expression), functions=functions).evaluate(activation)
+
+    return [r.get("message") or str(run(r["messageExpression"])) for r in vap["spec"]["validations"]
+            if not bool(run(r["expression"]))]
 
 
 def _job(base: dict, **paths) -> dict:
@@ -215,3 +230,56 @@ def test_a_checkpoint_secret_is_usable_only_by_an_author_who_may_read_it(charts)
     assert not admitted(vap, doc, AuthorizerDouble({("secrets", "other-ns", "team-s3")}))
     assert not admitted(vap, _job(doc, **{"kubernetes.rayAuthSecret": "team-token"}),
                         AuthorizerDouble({("secrets", "ml", "team-token")}))  # each Secret is checked
+
+
+FIXED = ("spec.kubernetes (the Secrets, PVCs, reward ConfigMap and ServiceAccount a job's pods use) is fixed when the "
+         "job is created: an update may not add, change or remove any of it; delete and re-create the job")
+
+
+def _bare_suspended() -> dict:
+    """A job with no spec.kubernetes, created suspended: what the Secret attack starts from."""
+    doc = _job(TINY, **{"runPolicy.suspend": True})
+    del doc["spec"]["kubernetes"]
+    return doc
+
+
+def test_an_update_may_not_add_a_secret_its_author_may_not_read(charts):
+    """The check that guards CREATE guards UPDATE too: a job admitted with no spec.kubernetes, later patched to name
+    a legacy ServiceAccount-token Secret (and an S3 one) its author may not read, is refused for each Secret, and
+    for adding spec.kubernetes at all; even Secrets she may read cannot be added by an update."""
+    vap, _ = charts["default"]
+    created = _bare_suspended()
+    assert admitted(vap, created)
+    patched = _job(created, **{"kubernetes.rayAuthSecret": "default-token-x7k2p", "kubernetes.checkpointSecret": "s3",
+                               "kubernetes.rewardConfigMap": "my-reward", "runPolicy.suspend": False})
+    assert refusals(vap, patched, AuthorizerDouble(), old=created) == [
+        "spec.kubernetes.rayAuthSecret: you may not read Secret default-token-x7k2p, so a job of yours may not use it "
+        "either",
+        "spec.kubernetes.checkpointSecret: you may not read Secret s3, so a job of yours may not use it either", FIXED]
+    readable = AuthorizerDouble({("secrets", "ml", "default-token-x7k2p"), ("secrets", "ml", "s3")})
+    assert refusals(vap, patched, readable, old=created) == [FIXED]
+    for later in ({"kubernetes": {"dataPvc": "someone-elses"}}, {"kubernetes": {"rewardConfigMap": "theirs"}}):
+        assert refusals(vap, _job(created, **{f"kubernetes.{k}": v for k, v in later["kubernetes"].items()}),
+                        old=created) == [FIXED], later
+    assert refusals(vap, created, old=patched) == [FIXED]  # nor removed
+
+
+def test_the_operators_own_updates_and_a_suspend_are_never_refused(charts):
+    """The operator (whose ServiceAccount may not read Secrets) adds its finalizer and annotations to jobs, some
+    admitted before the policy changed: an update that leaves the judged fields as they were is admitted, whoever
+    makes it. A priority class patched in later is judged like one given at creation."""
+    vap, _ = charts["default"]
+    admitted_before = _job(PINNED, **{"kubernetes.rayAuthSecret": "team-token",
+                                      "runPolicy.priorityClassName": "system-node-critical",
+                                      "kubernetes.serviceAccountName": "since-disallowed"})
+    admitted_before = _pools(admitted_before, tolerations=[{"operator": "Exists"}])
+    assert not admitted(vap, admitted_before)  # as a new job, today
+    finalized = copy.deepcopy(admitted_before)
+    finalized["metadata"].update(finalizers=["hybridflow.io/cleanup"],
+                                 annotations={"hybridflow.io/last-handled-configuration": "{}"})
+    assert refusals(vap, finalized, old=admitted_before, user=OPERATOR) == []
+    suspended = _job(admitted_before, **{"runPolicy.suspend": True})
+    assert refusals(vap, suspended, old=admitted_before) == []
+    higher = _job(PINNED, **{"runPolicy.priorityClassName": "system-node-critical"})
+    assert refusals(vap, higher, old=PINNED) == [
+        "spec.runPolicy.priorityClassName is not allowed (chart value jobPolicy.allowedPriorityClasses)"]

@@ -524,19 +524,23 @@ def test_missing_reward_configmap_and_pvc_hold_the_job_pending_until_created(clu
                                                   "resources": {"requests": {"storage": "1Gi"}}}})
     kube.core.create_namespaced_config_map(ns, client.V1ConfigMap(
         metadata=client.V1ObjectMeta(name="my-reward"), data={"other.py": "x = 1\n"}))
-    # The claim exists but its owner never marked it for jobs: naming it in a job must not be enough to mount it.
-    # (One wait for both: a tick may read the claim just before it was created and the ConfigMap just after.)
-    wait_for(lambda: "has no key 'my_reward.py' (its keys: other.py)" in (m := _message(kube, "inputs"))
+    # They exist but their owners never marked them for jobs: naming them in a job must not be enough to mount them,
+    # nor to learn what the ConfigMap holds (its keys are not listed before it is marked). (One wait for both: a
+    # tick may read the claim just before it was created and the ConfigMap just after.)
+    wait_for(lambda: "ConfigMap 'my-reward' is not marked for jobs" in (m := _message(kube, "inputs"))
              and "PersistentVolumeClaim 'prompts' is not marked for jobs" in m, 30,
-             lambda: f"the missing key and the unmarked claim named; {_message(kube, 'inputs')}")
+             lambda: f"the unmarked ConfigMap and claim named; {_message(kube, 'inputs')}")
+    assert "other.py" not in _message(kube, "inputs")
     assert kube.pods("inputs") == []
     kube.core.patch_namespaced_persistent_volume_claim("prompts", ns,
                                                        {"metadata": {"labels": {FOR_JOBS_LABEL: "true"}}})
-    kube.core.patch_namespaced_config_map("my-reward", ns, {"data": {"my_reward.py": "def compute_score(*a): return 1\n"}})
-    wait_for(lambda: "ConfigMap 'my-reward' is not marked for jobs" in kube.status("inputs").get("message", ""),
-             30, "the unmarked ConfigMap named")
-    assert kube.pods("inputs") == []
     kube.core.patch_namespaced_config_map("my-reward", ns, {"metadata": {"labels": {FOR_JOBS_LABEL: "true"}}})
+    wait_for(lambda: _message(kube, "inputs") == "spec.models.reward.function.path: ConfigMap 'my-reward' has no key "
+             "'my_reward.py' (its keys: other.py)", 30,
+             lambda: f"the missing key named, once marked; {_message(kube, 'inputs')}")
+    assert kube.pods("inputs") == []
+    kube.core.patch_namespaced_config_map("my-reward", ns,
+                                          {"data": {"my_reward.py": "def compute_score(*a): return 1\n"}})
     wait_for(lambda: len(kube.pods("inputs")) == 2, 30, "pods once the inputs exist")
     ready = next(c for c in kube.status("inputs")["conditions"] if c["type"] == "InputsReady")
     assert ready["status"] == "True"
@@ -604,6 +608,9 @@ def test_a_ray_token_secret_planted_before_the_job_fails_it(cluster):
     st = wait_for(lambda: (s := kube.status("jplant")).get("phase") == "Failed" and s, 30, "Failed")
     assert f"Secret {kube.namespace}/jplant-ray-token existed before this job started" in st["message"], st
     assert kube.pods("jplant") == []
+    kube.delete_job("jplant")  # the operator deletes only the token Secret it made (by the uid its create returned)
+    wait_for(lambda: kube.job("jplant") is None, 30, "the job gone")
+    assert [s.metadata.name for s in kube.core.list_namespaced_secret(kube.namespace).items] == ["jplant-ray-token"]
 
 
 def _granted() -> set[tuple[str, str, str]]:
@@ -664,3 +671,150 @@ def test_the_chart_grants_exactly_the_verbs_a_jobs_whole_life_uses(own_cluster):
     assert used - granted == set(), "requests the chart's role would refuse"
     unused = {(g, r, v) for g, r, v in _granted() if "/" not in r} - used
     assert unused == set(), "verbs granted but never used: trim them"
+
+
+def _used(pod) -> set[tuple[str, str]]:
+    """(kind, name) of the Secrets, ConfigMaps and PVCs a pod (as the API holds it) uses: volumes and env."""
+    spec = pod["spec"]
+    out = set()
+    for v in spec.get("volumes") or []:
+        if "configMap" in v:
+            out.add(("ConfigMap", v["configMap"]["name"]))
+        if "secret" in v:
+            out.add(("Secret", v["secret"]["secretName"]))
+        if "persistentVolumeClaim" in v:
+            out.add(("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"]))
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        for e in c.get("env") or []:
+            if "secretKeyRef" in (e.get("valueFrom") or {}):
+                out.add(("Secret", e["valueFrom"]["secretKeyRef"]["name"]))
+        for src in c.get("envFrom") or []:
+            out |= {("Secret", src["secretRef"]["name"])} if "secretRef" in src else set()
+    return out
+
+
+REWARD = {"actor": {"source": "smollm2"}, "reward": {"type": "function", "function": {"path": "my_reward.py"}}}
+
+
+def test_objects_added_to_a_suspended_job_never_reach_its_pods(cluster):
+    """Issue 24 N1: a job created suspended with no spec.kubernetes, then patched (no API server CEL here, as with a
+    CRD rule that cannot see a field added) to name a ServiceAccount-token Secret, object-storage credentials and a
+    reward ConfigMap its author may not read, then resumed. The operator accepted the spec when it first saw the job,
+    suspended or not: the edit is SpecChangeIgnored, and the pods get none of those objects."""
+    from kubernetes import client
+
+    api, kube, _ = cluster
+    ns = kube.namespace
+    kube.create_job(job_doc("jsneak", suspend=True))
+    wait_for(lambda: _phase(kube, "jsneak") == "Suspended", 30, "Suspended")
+    cm = next(c for c in api.objects("v1/configmaps", ns) if c["metadata"]["name"] == "jsneak-spec")
+    assert kube.status("jsneak")["acceptedSpecDigest"] == \
+        "sha256:" + hashlib.sha256(cm["data"]["job.json"].encode()).hexdigest()  # accepted while suspended
+    kube.core.create_namespaced_secret(ns, client.V1Secret(
+        metadata=client.V1ObjectMeta(name="builder-token", annotations={"kubernetes.io/service-account.name": "b"}),
+        type="kubernetes.io/service-account-token", string_data={"token": "eyJhbGciOi.builder"}))
+    kube.core.create_namespaced_secret(ns, client.V1Secret(metadata=client.V1ObjectMeta(name="s3-admin"),
+                                                           string_data={"AWS_SECRET_ACCESS_KEY": "k"}))
+    kube.core.create_namespaced_config_map(ns, client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="exfil", labels={FOR_JOBS_LABEL: "true"}),
+        data={"my_reward.py": "import os\ndef compute_score(*a): return len(os.environ)\n"}))
+    kube.patch_job("jsneak", {"spec": {"models": REWARD, "kubernetes": {
+        "rayAuthSecret": "builder-token", "checkpointSecret": "s3-admin", "rewardConfigMap": "exfil"}}})
+    wait_for(lambda: any(c["type"] == "SpecChangeIgnored" and c["status"] == "True"
+                         for c in kube.status("jsneak").get("conditions", [])), 30, "SpecChangeIgnored")
+    kube.patch_job("jsneak", {"spec": {"runPolicy": {"suspend": False}}})
+    wait_for(lambda: len(kube.pods("jsneak")) == 2, 30, "the gang")
+    for pod in (p for p in api.objects("v1/pods", ns) if p["metadata"]["name"].startswith("jsneak-")):
+        assert _used(pod) == {("Secret", "jsneak-ray-token"), ("ConfigMap", "jsneak-spec")}, pod["metadata"]["name"]
+    spec = json.loads(next(c for c in api.objects("v1/configmaps", ns)
+                           if c["metadata"]["name"] == "jsneak-spec")["data"]["job.json"])["spec"]
+    assert "rayAuthSecret" not in json.dumps(spec) and spec["models"]["actor"]["source"] == "tiny"
+
+
+PLANTED = {
+    "Service": ("v1/services", "jsvc", "jsvc-head",
+                lambda kube, name: kube.core.create_namespaced_service(kube.namespace, {
+                    "metadata": {"name": name}, "spec": {"selector": {"app": "mine"}, "ports": [{"port": 6379}]}})),
+    # a job named default-deny would take the namespace's own policy for its `<job>-ingress`
+    "NetworkPolicy": ("networking.k8s.io/v1/networkpolicies", "default-deny", "default-deny-ingress",
+                      lambda kube, name: client_networking(kube).create_namespaced_network_policy(kube.namespace, {
+                          "metadata": {"name": name}, "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}})),
+}
+
+
+def client_networking(kube):
+    from kubernetes import client
+
+    return client.NetworkingV1Api(kube.api)
+
+
+@pytest.mark.parametrize("kind", list(PLANTED))
+def test_a_child_name_held_by_someone_elses_object_fails_the_job_which_leaves_it_alone(cluster, kind):
+    """Issue 24 N2: an object under a child's name that the job does not control (a `<job>-head` Service planted to
+    be the Ray head's address, the namespace's `default-deny-ingress` under a job called `default-deny`) is neither
+    adopted (the job fails, naming it) nor deleted with the job."""
+    api, kube, _ = cluster
+    resource, job, name, plant = PLANTED[kind]
+    plant(kube, name)
+    before = next(o for o in api.objects(resource, kube.namespace) if o["metadata"]["name"] == name)
+    kube.create_job(job_doc(job))
+    st = wait_for(lambda: (s := kube.status(job)).get("phase") == "Failed" and s, 30, "Failed")
+    assert f"{kind} {kube.namespace}/{name} exists but was not made for this job" in st["message"], st
+    assert kube.pods(job) == []
+    kube.delete_job(job)
+    wait_for(lambda: kube.job(job) is None, 30, "the job gone")
+    after = [o for o in api.objects(resource, kube.namespace) if o["metadata"]["name"] == name]
+    assert [o["metadata"]["uid"] for o in after] == [before["metadata"]["uid"]], "the job's deletion took it"
+    assert not api.objects("v1/configmaps", kube.namespace), "the job's own children went with it"
+
+
+def test_the_reward_file_is_copied_at_acceptance_and_later_edits_change_nothing(cluster):
+    """Issue 24 N5: the head mounts the job's own immutable copy of the reward file, made when the operator first
+    found it; an edit of the user's ConfigMap afterwards reaches neither the running pod nor the next gang."""
+    from kubernetes import client
+
+    api, kube, _ = cluster
+    ns, original = kube.namespace, "def compute_score(*a):\n    return 1.0\n"
+    kube.core.create_namespaced_config_map(ns, client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="rw", labels={FOR_JOBS_LABEL: "true"}), data={"my_reward.py": original}))
+    doc = job_doc("jrw")
+    doc["spec"]["models"] = REWARD
+    doc["spec"]["kubernetes"] = {"rewardConfigMap": "rw"}
+    kube.create_job(doc)
+    wait_for(lambda: len(kube.pods("jrw")) == 2, 30, "the gang")
+    digest = "sha256:" + hashlib.sha256(original.encode()).hexdigest()
+
+    def mounted(gen):
+        head = next(p for p in api.objects("v1/pods", ns) if p["metadata"]["name"] == f"jrw-head-g{gen}")
+        copy_ = next(c for c in api.objects("v1/configmaps", ns) if c["metadata"]["name"] == "jrw-reward")
+        assert _used(head) >= {("ConfigMap", "jrw-reward")} and ("ConfigMap", "rw") not in _used(head)
+        assert copy_["data"] == {"my_reward.py": original} and copy_["immutable"] is True
+        assert copy_["metadata"]["ownerReferences"][0]["uid"] == kube.job("jrw")["metadata"]["uid"]
+        assert kube.status("jrw")["rewardDigest"] == digest
+
+    mounted(0)
+    kube.core.patch_namespaced_config_map("rw", ns, {"data": {"my_reward.py": "import os  # the edit\n"}})
+    kube.set_pod_phase("jrw-default-0-g0", "Failed", exit_code=1)
+    wait_for(lambda: _pod_names(kube, "jrw") == ["jrw-default-0-g1", "jrw-head-g1"], 30, "generation 1")
+    mounted(1)
+    kube.delete_job("jrw")
+    wait_for(lambda: kube.job("jrw") is None, 30, "the job gone")
+    assert [c["metadata"]["name"] for c in api.objects("v1/configmaps", ns)] == ["rw"]
+
+
+def test_the_api_double_deletes_with_a_uid_precondition_as_the_api_server_does(cluster):
+    """What cleanup relies on: a delete whose precondition names another uid is refused, 409 Conflict."""
+    from kubernetes import client
+
+    _, kube, _ = cluster
+    made = kube.core.create_namespaced_config_map(kube.namespace, client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="x"), data={"a": "b"}))
+    with pytest.raises(ApiException) as refused:
+        kube.core.delete_namespaced_config_map("x", kube.namespace, body=client.V1DeleteOptions(
+            preconditions=client.V1Preconditions(uid="another-uid")))
+    assert refused.value.status == 409 and json.loads(refused.value.body)["reason"] == "Conflict"
+    assert "Precondition failed: UID in precondition: another-uid" in json.loads(refused.value.body)["message"]
+    assert kube.core.read_namespaced_config_map("x", kube.namespace).metadata.uid == made.metadata.uid
+    kube.core.delete_namespaced_config_map("x", kube.namespace, body=client.V1DeleteOptions(
+        preconditions=client.V1Preconditions(uid=made.metadata.uid)))
+    assert [c.metadata.name for c in kube.core.list_namespaced_config_map(kube.namespace).items] == []

@@ -84,7 +84,8 @@ def test_gang_and_pod_details():
     assert parse_job(resolved).spec == mf.resolved_job(job).spec
     head = next(p for p in pods if p["metadata"]["labels"][mf.LABEL_ROLE] == "head")
     script = head["spec"]["containers"][0]["command"][-1]
-    assert "spec=/etc/hybridflow/job.json;" in script and "exec hybridflow driver \"$spec\"" in script
+    assert "exec hybridflow driver /etc/hybridflow/job.json " in script  # JSON only: no YAML spec to fall back to
+    assert "job.yaml" not in script
     assert not any("nvidia.com/gpu" in str(c.get("resources")) for c in head["spec"]["containers"])
 
 
@@ -409,7 +410,7 @@ def test_data_pvc_and_reward_configmap_reach_the_head_only_read_only():
     head, *workers = [o for o in objs if o["kind"] == "Pod"]
     vols = {v["name"]: v for v in head["spec"]["volumes"]}
     assert vols["data"]["persistentVolumeClaim"] == {"claimName": "prompts", "readOnly": True}
-    assert vols["reward"]["configMap"] == {"name": "my-reward"}
+    assert vols["reward"]["configMap"] == {"name": "word-problems-reward"}  # the job's copy, not my-reward itself
     mounts = {m["name"]: m for m in head["spec"]["containers"][0]["volumeMounts"]}
     assert mounts["data"] == {"name": "data", "mountPath": "/data", "readOnly": True}
     assert mounts["reward"]["mountPath"] == "/var/lib/hybridflow/reward" and mounts["reward"]["readOnly"]
@@ -558,7 +559,7 @@ def test_object_storage_checkpoint_dir_stays_a_url_with_the_jobs_own_prefix_and_
     for pod in _pods(objs):
         assert "checkpoints" not in {v["name"] for v in pod["spec"]["volumes"]}
         assert mf.CHECKPOINT_MOUNT not in {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
-    assert _missing_inputs(job, "ml") == ""  # nothing to look up: no PVC is needed (and the Secret is never read)
+    assert _missing_inputs(job, "ml", {}) == ("", None)  # nothing to look up: no PVC is needed (and the Secret is never read)
     status: dict = {}
     merge_progress(status, {"step": 2, "lastCheckpointStep": 2}, ran.spec.trainer.checkpoint_dir, iso(NOW))
     assert status["lastCheckpoint"] == f"{expected}/step_00000002"
@@ -629,3 +630,121 @@ def test_resume_from_may_not_climb_out_of_its_directory():
             trainer = {**_raw("tiny-grpo.yaml")["spec"]["trainer"], field: url}
             with pytest.raises(SpecError, match=rf"{field}.*is not object storage; use a plain path"):
                 parse_job(_raw("tiny-grpo.yaml", trainer=trainer, kubernetes={"checkpointPvc": "ck"}))
+
+
+def test_a_job_created_suspended_is_accepted_at_once():
+    """Issue 24 N1: its spec ConfigMap (and digest) is made at the first tick, suspended or not, so a spec edited
+    while it waits is a change to ignore, never what its first pods are made of."""
+    job = parse_job(_raw("tiny-grpo.yaml", runPolicy={"suspend": True}))
+    plan = decide(job, None, {}, [], NOW)
+    assert plan.status["phase"] == "Suspending" and plan.create_static and plan.create_gang is None
+    later = decide(job, None, {"phase": "Running", "restarts": 0}, pods(), NOW)
+    assert later.status["phase"] == "Suspending" and not later.create_static  # a suspend later: nothing to make
+
+
+def test_pods_use_only_what_the_accepted_spec_names():
+    """At every gang start the pods are checked against the accepted spec: a Secret, ConfigMap, PVC or
+    ServiceAccount it does not name, or the user's reward ConfigMap mounted in place of the job's copy, is
+    refused."""
+    accepted = parse_job(_files_job(rewardConfigMap="my-reward", dataPvc="prompts"))
+    raw = _files_job(rewardConfigMap="my-reward", dataPvc="prompts")
+    assert mf.foreign_references(mf.gang_pods(raw, accepted, 0), accepted) == []
+    assert ("ConfigMap", "word-problems-reward") in mf.pod_references(mf.gang_pods(raw, accepted, 0))
+    edited = _files_job(rewardConfigMap="my-reward", dataPvc="other-data", rayAuthSecret="builder-token",
+                        checkpointSecret="s3-admin", serviceAccountName="deployer")
+    assert mf.foreign_references(mf.gang_pods(edited, parse_job(edited), 0), accepted) == [
+        "PersistentVolumeClaim other-data", "Secret builder-token", "Secret s3-admin", "ServiceAccount deployer"]
+    pods_ = mf.gang_pods(raw, accepted, 0)
+    pods_[0]["spec"]["volumes"].append({"name": "x", "configMap": {"name": "my-reward"}})
+    pods_[0]["spec"]["volumes"].append({"name": "p", "projected": {"sources": []}})
+    pods_[1]["spec"]["containers"][0]["envFrom"] = [{"secretRef": {"name": "db"}}]
+    assert mf.foreign_references(pods_, accepted) == ["ConfigMap my-reward", "Secret db", "projected volume p"]
+
+
+def test_the_reward_copy_is_immutable_owned_and_bounded():
+    raw = _files_job(rewardConfigMap="my-reward")
+    job = parse_job(raw)
+    cm = mf.reward_configmap(raw, job, "def compute_score(*a): return 1\n")
+    assert cm["immutable"] is True and cm["metadata"]["name"] == "word-problems-reward"
+    assert cm["data"] == {"word_problem_reward.py": "def compute_score(*a): return 1\n"}
+    assert cm["metadata"]["ownerReferences"][0]["uid"] == "1234-abcd"
+    kubernetes_validate.validate(cm, K8S_VERSIONS[-1], strict=True)
+    assert mf.reward_copy_problem("r.py", "x" * (mf.MAX_CONFIGMAP_BYTES - 4)) == ""
+    assert "a ConfigMap holds at most 1048576 (1 MiB)" in mf.reward_copy_problem("r.py", "x" * mf.MAX_CONFIGMAP_BYTES)
+
+
+def test_status_messages_are_capped():
+    """Issue 24 N9: whatever a message quotes (a user's 200 KB key, a pod's log), each status message and each
+    condition's stays at about 1 KiB; and a long reason that repeats is still one event, not one per tick."""
+    from hybridflow_operator.phases import MAX_MESSAGE
+
+    plan = decide(None, "spec.placement." + "k" * 200_000 + ": unknown role", {}, [], NOW)
+    messages = [plan.status["message"], *(c["message"] for c in plan.status["conditions"])]
+    assert len(messages) == 3 and all(len(m) == MAX_MESSAGE and m.endswith("\u2026") for m in messages)
+    job = parse_job(_files_job(rewardConfigMap="my-reward"))
+    why = "spec.kubernetes.dataPvc: " + "x" * 5000
+    first = decide(job, None, {}, [], NOW, missing_inputs=why)
+    assert len(first.status["message"]) == MAX_MESSAGE and len(first.events) == 1
+    assert decide(job, None, first.status, [], NOW, missing_inputs=why).events == []
+
+
+class _Cluster:
+    """What `handlers._read` would find, by (kind, name)."""
+
+    def __init__(self, **objects):
+        self.objects = {tuple(k.split(":")): v for k, v in objects.items()}
+
+    def read(self, kind, namespace, name):
+        return self.objects.get((kind, name))
+
+
+def _owned(uid: str, **data) -> dict:
+    return {"metadata": {"ownerReferences": [{"uid": uid, "controller": True}]}, "data": data}
+
+
+def test_the_accepted_spec_is_json_only_and_never_replaced_by_an_edited_live_one(monkeypatch):
+    """Issue 24 N7: a spec ConfigMap without job.json (an older operator's job.yaml, or a YAML alias bomb) is not
+    the job's spec, even owned by the job: YAML is never parsed. N1: once a digest is recorded, a spec ConfigMap
+    that is gone is not replaced by the live spec unless that is exactly the one accepted."""
+    from hybridflow_operator import handlers
+
+    raw = _raw("tiny-grpo.yaml")
+    live = parse_job(raw)
+    text = mf.configmap(raw, live)["data"][mf.SPEC_KEY]
+    yaml_only = _Cluster(**{"ConfigMap:tiny-grpo-spec": _owned("1234-abcd", **{"job.yaml": yaml.safe_dump(raw)})})
+    monkeypatch.setattr(handlers, "_read", yaml_only.read)
+    with pytest.raises(SpecError, match=r"does not hold the spec this job started with \(digest none \(no key job"):
+        handlers._accepted_job(live, raw, "1234-abcd", {}, {})
+    monkeypatch.setattr(handlers, "_read", _Cluster().read)  # gone
+    accepted = {"acceptedSpecDigest": mf.content_digest(text)}
+    assert handlers._accepted_job(live, raw, "1234-abcd", accepted, {}) == (live, False)  # a create to retry
+    edited = parse_job(_raw("tiny-grpo.yaml", kubernetes={"rayAuthSecret": "builder-token"}))
+    with pytest.raises(SpecError, match="which held the spec this job was accepted with, is gone"):
+        handlers._accepted_job(edited, raw, "1234-abcd", accepted, {})
+
+
+def test_a_reward_copy_is_used_only_when_it_is_the_jobs_and_remade_only_from_the_accepted_file(monkeypatch):
+    from hybridflow_operator import handlers
+
+    raw = _files_job(rewardConfigMap="my-reward")
+    job = parse_job(raw)
+    key, good = "word_problem_reward.py", "def compute_score(*a): return 1\n"
+    status = {"rewardDigest": mf.content_digest(good)}
+    marked = {"metadata": {"labels": {"hybridflow.io/for-jobs": "true"}}}
+
+    def world(**objects):
+        monkeypatch.setattr(handlers, "_read", _Cluster(**objects).read)
+
+    world(**{"ConfigMap:word-problems-reward": _owned("1234-abcd", **{key: good})})
+    assert handlers._reward_to_copy(raw, job, status, None) is None  # there, and the job's: nothing to make
+    world(**{"ConfigMap:word-problems-reward": _owned("someone-else", **{key: good})})
+    with pytest.raises(SpecError, match="word-problems-reward exists but was not made for this job"):
+        handlers._reward_to_copy(raw, job, status, None)
+    world(**{"ConfigMap:word-problems-reward": _owned("1234-abcd", **{key: "import os\n"})})
+    with pytest.raises(SpecError, match="word-problems-reward does not hold what this job was accepted with"):
+        handlers._reward_to_copy(raw, job, status, None)
+    world(**{"ConfigMap:my-reward": {**marked, "data": {key: good}}})  # the copy gone: made again from the same file
+    assert handlers._reward_to_copy(raw, job, status, None) == good
+    world(**{"ConfigMap:my-reward": {**marked, "data": {key: "import os\n"}}})  # ... never from an edited one
+    with pytest.raises(SpecError, match="no longer holds the file accepted"):
+        handlers._reward_to_copy(raw, job, status, None)

@@ -528,3 +528,15 @@ def test_machine_facts_read_this_machine():
 
     facts = machine_facts(RLHFJob())
     assert 1 * GIB < facts.memory_bytes < 1 << 50 and facts.gpus == 0
+
+
+def test_a_placement_key_is_bounded_and_never_quoted_whole():
+    """Issue 24 N9: a placement key is a role name; a 200 KB one is refused with its length and its start, so the
+    message (which reaches the job's status) stays short."""
+    with pytest.raises(SpecError) as err:
+        parse_job({"spec": {"placement": {"k" * 200_000: "default"}}})
+    assert len(str(err.value)) < 400
+    assert "spec.placement: role names (actor, rollout" in str(err.value)
+    assert "are at most 63 characters; got one of 200000 starting 'kkkkkkkkkkkkkkkkkkkk'" in str(err.value)
+    with pytest.raises(SpecError, match=r"spec.placement.kkk+: unknown role"):  # within the bound: the usual message
+        parse_job({"spec": {"placement": {"k" * 63: "default"}}})

@@ -4,8 +4,11 @@ One path reconciles a job: a timer, which kopf never runs twice at once for the 
 beside it used to overlap the first tick and start jobs twice). Children are followed from kopf's in-memory index
 of the jobs' pods, fed by one watch, instead of a LIST per job per tick; the accepted spec is read once. Between a
 status write and the watch event that brings it back, the timer sees its own last write (`_known_status`), so a
-fast tick never acts on a stale phase. Everything stays idempotent: objects are created by name (409 means already
-there), deleted by name (404 means already gone), so an operator that restarts mid-job creates nothing twice.
+fast tick never acts on a stale phase. Everything stays idempotent: objects are created by name, and one already
+there (409) counts only when it is this job's (its controller ownerReference), else the job fails naming it;
+children are deleted only when the job controls them, with their uid as the delete's precondition. So an operator
+that restarts mid-job creates nothing twice, and an object that merely has a child's name is never adopted nor
+deleted.
 """
 from __future__ import annotations
 
@@ -18,16 +21,15 @@ import logging
 import os
 import secrets
 import time
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import kopf
-import yaml
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from hybridflow.checkpoint import is_url
 from hybridflow.spec import API_GROUP as GROUP
-from hybridflow.spec import PLURAL, VERSION, RLHFJob, SpecError, parse_job, reward_configmap_key
+from hybridflow.spec import PLURAL, VERSION, RLHFJob, SpecError, parse_job
 from hybridflow_operator import manifests as mf
 from hybridflow_operator.metrics import OperatorMetrics
 from hybridflow_operator.phases import TERMINAL, PodView, decide, iso, parse_time, refused, set_condition
@@ -222,31 +224,29 @@ def _known_status(body: kopf.Body, memo: kopf.Memo) -> dict[str, Any]:
 
 def _accepted_job(live: RLHFJob, raw: dict[str, Any], uid: str | None, status: dict[str, Any],
                   memo: kopf.Memo) -> tuple[RLHFJob, bool]:
-    """The spec the job started with (its ConfigMap, read once), with the live runPolicy; and whether other fields
-    changed. The ConfigMap is trusted only when this job owns it and holds what the operator wrote: the digest the
-    operator put into status before creating it (the ConfigMap is immutable, but could be deleted and planted
-    again). Anyone who may create ConfigMaps could otherwise choose what the pods run."""
+    """The spec the job was accepted with (its ConfigMap, read once), with the live runPolicy; and whether other
+    fields changed. The ConfigMap is trusted only when this job owns it and holds what the operator wrote: the digest
+    the operator put into status before creating it (the ConfigMap is immutable, but could be deleted and planted
+    again). Anyone who may create ConfigMaps could otherwise choose what the pods run. Before the ConfigMap exists
+    the live spec is the one being accepted, unless a digest was recorded already: then the live spec must still be
+    exactly that one (a create refused or cut short is retried), never an edited one."""
     if "accepted" not in memo:
         namespace = raw["metadata"].get("namespace", "default")
         name = mf.names(live.metadata.name)["configmap"]
-        cm = _ignore(404, _core().read_namespaced_config_map, name, namespace)
-        if cm is None:
-            return live, False
-        owners = [r.uid for r in cm.metadata.owner_references or [] if r.controller]
-        if not uid or owners != [uid]:
-            raise SpecError(f"ConfigMap {namespace}/{name} exists but was not made for this job (its owner: "
-                            f"{owners[0] if owners else 'none'}); the job cannot start with a spec it did not write. "
-                            "Delete that ConfigMap, or give the job another name")
-        text = (cm.data or {}).get(mf.SPEC_KEY)
-        legacy = text is None  # started by an operator that stored the spec as YAML (and no digest): its own
-        digest = mf.spec_digest(cm.data["job.yaml"] if legacy else text)
+        cm = _read("ConfigMap", namespace, name)
         known = status.get("acceptedSpecDigest")
-        if (known or not legacy) and known != digest:
+        if cm is None:
+            if known and known != mf.content_digest(mf.configmap(raw, live)["data"][mf.SPEC_KEY]):
+                raise SpecError(f"ConfigMap {namespace}/{name}, which held the spec this job was accepted with, is "
+                                "gone, and the job's spec is no longer that one; delete the job and create it again")
+            return live, False
+        _check_owner("ConfigMap", namespace, name, cm, uid)
+        text = (cm.get("data") or {}).get(mf.SPEC_KEY)  # JSON only: the operator never parses YAML it did not write
+        digest = mf.content_digest(text) if text is not None else f"none (no key {mf.SPEC_KEY})"
+        if known != digest:
             raise SpecError(f"ConfigMap {namespace}/{name} does not hold the spec this job started with (digest "
                             f"{digest}, accepted {known or 'none'}); delete the job and create it again")
-        memo["accepted"] = parse_job(yaml.safe_load(cm.data["job.yaml"]) if legacy else json.loads(text),
-                                     "accepted spec")
-        memo["spec_digest"] = digest
+        memo["accepted"] = parse_job(json.loads(text), "accepted spec")
     accepted = memo["accepted"].model_copy(deep=True)
     accepted.spec.run_policy = live.spec.run_policy
     changed = _spec_fields(mf.resolved_job(live)) != _spec_fields(accepted)
@@ -263,9 +263,10 @@ def _spec_fields(job: RLHFJob) -> dict[str, Any]:
     return spec
 
 
-def _missing_inputs(job: RLHFJob, namespace: str) -> str:
-    """What the job's pods would mount but does not exist, or exists unmarked for jobs: its PVCs and the reward
-    ConfigMap (and the reward file's key in it). Checked before pods are created, so the job waits with a reason
+def _missing_inputs(job: RLHFJob, namespace: str, status: dict[str, Any]) -> tuple[str, str | None]:
+    """What the job's pods would mount but does not exist, or exists unmarked for jobs: its PVCs, and until the
+    reward file was copied (status.rewardDigest) the reward ConfigMap and the file's key in it; and the reward file's
+    text, when it is found and yet to be copied. Checked before pods are created, so the job waits with a reason
     instead of pods stuck creating. (The Secrets the spec names, rayAuthSecret and checkpointSecret, are not looked
     at: the operator never reads Secrets; the admission policy checks that the job's author may read them, and a
     missing one keeps the pods in CreateContainerConfigError, which the job's PodsStarting condition reports. An
@@ -282,40 +283,91 @@ def _missing_inputs(job: RLHFJob, namespace: str) -> str:
                             f"{namespace}; create it")
         elif why := unmarked("PersistentVolumeClaim", f"spec.kubernetes.{field}", claim, pvc.metadata.labels, POLICY):
             problems.append(why)
-    if k8s.reward_config_map:
-        cm = _ignore(404, _core().read_namespaced_config_map, k8s.reward_config_map, namespace)
-        fn = job.spec.models.reward.function
-        key = reward_configmap_key(fn.path) if fn is not None else ""
-        if cm is None:
-            problems.append(f"spec.kubernetes.rewardConfigMap: ConfigMap '{k8s.reward_config_map}' not found in "
-                            f"namespace {namespace}; create it, e.g. kubectl create configmap "
-                            f"{k8s.reward_config_map} --from-file={key or 'my_reward.py'}")
-        elif key not in (cm.data or {}):
-            problems.append(f"spec.models.reward.function.path: ConfigMap '{k8s.reward_config_map}' has no key "
-                            f"'{key}' (its keys: {', '.join(sorted(cm.data or {})) or 'none'})")
-        elif why := unmarked("ConfigMap", "spec.kubernetes.rewardConfigMap", k8s.reward_config_map,
-                             cm.metadata.labels, POLICY):
-            problems.append(why)
-    return "; ".join(problems)
+    text = None
+    if k8s.reward_config_map and not status.get("rewardDigest"):
+        why, text = _reward_file(job, namespace)
+        problems += [why] if why else []
+    return "; ".join(problems), text
+
+
+def _reward_file(job: RLHFJob, namespace: str) -> tuple[str, str | None]:
+    """(what is wrong, the reward file's text) from kubernetes.rewardConfigMap. Its mark for jobs is checked before
+    anything about its content: the keys of a ConfigMap its owner did not mark are not this job's to list."""
+    name, key = job.spec.kubernetes.reward_config_map, mf.reward_key(job)
+    cm = _read("ConfigMap", namespace, name)
+    if cm is None:
+        return (f"spec.kubernetes.rewardConfigMap: ConfigMap '{name}' not found in namespace {namespace}; create it, "
+                f"e.g. kubectl create configmap {name} --from-file={key or 'my_reward.py'}"), None
+    meta, data = cm.get("metadata") or {}, cm.get("data") or {}
+    if why := unmarked("ConfigMap", "spec.kubernetes.rewardConfigMap", name, meta.get("labels"), POLICY):
+        return why, None
+    if key not in data:
+        return (f"spec.models.reward.function.path: ConfigMap '{name}' has no key '{key}' (its keys: "
+                f"{', '.join(sorted(data)) or 'none'})"), None
+    if why := mf.reward_copy_problem(key, data[key]):
+        return why, None
+    return "", data[key]
+
+
+class _Kind(NamedTuple):
+    """How to create (namespace, body), read (namespace, name) and delete (namespace, name) one kind of child."""
+    create: Callable[..., Any]
+    read: Callable[..., Any]
+    delete: Callable[..., Any]
+
+
+def _kind(kind: str) -> _Kind:
+    """The API calls of a kind of child (manifests builds only these kinds)."""
+    if kind == "PodGroup":
+        custom, where = _custom(), ("scheduling.volcano.sh", "v1beta1")
+        return _Kind(lambda ns, body, **kw: custom.create_namespaced_custom_object(*where, ns, "podgroups", body, **kw),
+                     lambda ns, name, **kw: custom.get_namespaced_custom_object(*where, ns, "podgroups", name, **kw),
+                     lambda ns, name, **kw: custom.delete_namespaced_custom_object(*where, ns, "podgroups", name, **kw))
+    api, suffix = {"Pod": (_core(), "pod"), "Service": (_core(), "service"), "ConfigMap": (_core(), "config_map"),
+                   "Secret": (_core(), "secret"),
+                   "NetworkPolicy": (client.NetworkingV1Api(_API), "network_policy")}[kind]
+    return _Kind(lambda ns, body, **kw: getattr(api, f"create_namespaced_{suffix}")(ns, body, **kw),
+                 lambda ns, name, **kw: getattr(api, f"read_namespaced_{suffix}")(name, ns, **kw),
+                 lambda ns, name, **kw: getattr(api, f"delete_namespaced_{suffix}")(name, ns, **kw))
 
 
 def _create(obj: dict[str, Any]) -> Any:
     """Create by name; None when it already exists (409)."""
-    ns, kind = obj["metadata"]["namespace"], obj["kind"]
-    if kind == "Pod":
-        return _ignore(409, _core().create_namespaced_pod, ns, obj)
-    if kind == "Service":
-        return _ignore(409, _core().create_namespaced_service, ns, obj)
-    if kind == "ConfigMap":
-        return _ignore(409, _core().create_namespaced_config_map, ns, obj)
-    if kind == "Secret":
-        return _ignore(409, _core().create_namespaced_secret, ns, obj)
-    if kind == "NetworkPolicy":
-        return _ignore(409, client.NetworkingV1Api(_API).create_namespaced_network_policy, ns, obj)
-    if kind == "PodGroup":
-        return _ignore(409, _custom().create_namespaced_custom_object, "scheduling.volcano.sh", "v1beta1", ns,
-                       "podgroups", obj)
-    raise ValueError(f"unexpected kind {kind}")  # pragma: no cover - manifests only builds the kinds above
+    return _ignore(409, _kind(obj["kind"]).create, obj["metadata"]["namespace"], obj)
+
+
+def _read(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    """The object as plain JSON, or None when it is not there (404; 405: a kind this cluster lacks). Never a
+    Secret: the operator does not read them (and holds no verb to)."""
+    resp = _ignore((404, 405), _kind(kind).read, namespace, name, _preload_content=False)
+    return None if resp is None else json.loads(resp.data)
+
+
+def _controllers(obj: dict[str, Any]) -> list[str]:
+    return [r.get("uid") for r in obj.get("metadata", {}).get("ownerReferences") or [] if r.get("controller")]
+
+
+def _check_owner(kind: str, namespace: str, name: str, obj: dict[str, Any], uid: str | None) -> None:
+    """A child's name is no proof: an object found under it must be controlled by this job, else the job fails
+    naming it (whoever made it could otherwise choose what the job's pods run, or who may reach them)."""
+    owners = _controllers(obj)
+    if not uid or owners != [uid]:
+        raise SpecError(f"{kind} {namespace}/{name} exists but was not made for this job (its owner: "
+                        f"{owners[0] if owners else 'none'}); the job cannot start with a child it did not make. "
+                        f"Delete that {kind}, or give the job another name")
+
+
+def _delete(kind: str, namespace: str, name: str, uid: str, **options: Any) -> None:
+    """Delete this very object (its uid the precondition: 409 when the name now holds another, which stays)."""
+    body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid), **options)
+    _ignore((404, 409), _kind(kind).delete, namespace, name, body=body)
+
+
+def _delete_owned(kind: str, namespace: str, name: str, job_uid: str | None) -> None:
+    """Delete the object of that name only if this job controls it."""
+    found = _read(kind, namespace, name)
+    if found is not None and job_uid and _controllers(found) == [job_uid]:
+        _delete(kind, namespace, name, found["metadata"]["uid"])
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=INTERVAL)
@@ -352,18 +404,19 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     gen = int(status.get("restarts", 0))
     disrupted = {pod: why for pod, (g, why) in _DISRUPTED.get((namespace, name), {}).items() if g == gen}
     plan = decide(job, error, status, views, now, disrupted=disrupted)
+    reward: str | None = None  # the reward file, read to be copied
     if job is not None and plan.create_gang is not None:  # about to create pods: are their inputs there?
-        plan = decide(job, error, status, views, now, missing_inputs=_missing_inputs(job, namespace),
-                      disrupted=disrupted)
+        missing, reward = _missing_inputs(job, namespace, status)
+        plan = decide(job, error, status, views, now, missing_inputs=missing, disrupted=disrupted)
     if job is not None and plan.create_gang is not None and (broken := violations(job, POLICY)):
         # Judged on the spec the pods would be built from, at every gang start: runPolicy may change on a live job
         # (a priority class patched in later is refused at the next restart or resume, not granted).
         plan = decide(None, "the spec breaks this cluster's job policy: " + "; ".join(broken), status, views, now)
     if job is not None and plan.create_static and not plan.status.get("acceptedSpecDigest"):
         # Recorded before the ConfigMap is created, so a ConfigMap planted under its name is told apart by content.
-        plan.status["acceptedSpecDigest"] = mf.spec_digest(mf.configmap(raw, job)["data"][mf.SPEC_KEY])
-    elif memo.get("spec_digest") and not plan.status.get("acceptedSpecDigest"):
-        plan.status["acceptedSpecDigest"] = memo["spec_digest"]  # a job started before digests were recorded
+        plan.status["acceptedSpecDigest"] = mf.content_digest(mf.configmap(raw, job)["data"][mf.SPEC_KEY])
+    if reward is not None and plan.create_gang is not None:
+        plan.status["rewardDigest"] = mf.content_digest(reward)  # likewise, before its copy is created
 
     if changed and status.get("phase") not in TERMINAL:
         msg = "spec changed while the job exists; only runPolicy can change: the job keeps its original spec"
@@ -380,7 +433,7 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
         _write_status(namespace, name, status, plan.status, memo)
     if job is not None:
         try:
-            _create_children(raw, job, plan, pods, memo, first_start=not status.get("phase"))
+            _create_children(raw, job, plan, pods, memo, first_start=not status.get("phase"), reward=reward)
         except SpecError as err:  # a child that exists but is not this job's: fail now, before any pod runs it
             planned = plan
             plan = decide(None, str(err), planned.status, views, now)
@@ -414,18 +467,23 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
 
 
 def _create_children(raw: dict[str, Any], job: RLHFJob, plan: Any, pods: list[dict[str, Any]], memo: kopf.Memo,
-                     first_start: bool) -> None:
-    """The static children and the missing pods of the planned generation; a refused create raises, naming the
-    object it was about. A child that already exists must be this job's: its spec ConfigMap is checked (owner and
-    content), and a Ray token Secret already there when the job first starts was planted (it is never read, so
-    its token would be known to whoever made it)."""
+                     first_start: bool, reward: str | None) -> None:
+    """The static children, the job's copy of its reward file and the missing pods of the planned generation; a
+    refused create raises, naming the object it was about. The pods may use only what the accepted spec names
+    (`foreign_references`). A child that already exists must be this job's (`_check_existing`)."""
     objs: list[dict[str, Any]] = []
     if plan.create_static:
         scrapers = [*POLICY.metrics_namespaces, *([OPERATOR_NAMESPACE] if OPERATOR_NAMESPACE else [])]
         objs += mf.static_children(raw, job, secrets.token_hex(32), scrapers)
     if plan.create_gang is not None:
+        if job.spec.kubernetes.reward_config_map and (text := _reward_to_copy(raw, job, plan.status, reward)):
+            objs.append(mf.reward_configmap(raw, job, text))
+        gang = mf.gang_pods(raw, job, plan.create_gang)
+        if foreign := mf.foreign_references(gang, memo.get("accepted") or job):
+            raise SpecError(f"the job's pods would use {', '.join(foreign)}, which the spec it was accepted with "
+                            "does not name; they are not created")
         existing = {p["view"].name for p in pods}
-        objs += [p for p in mf.gang_pods(raw, job, plan.create_gang) if p["metadata"]["name"] not in existing]
+        objs += [p for p in gang if p["metadata"]["name"] not in existing]
     created = memo.setdefault("created", {})
     for obj in objs:
         try:
@@ -433,14 +491,76 @@ def _create_children(raw: dict[str, Any], job: RLHFJob, plan: Any, pods: list[di
         except ApiException as err:
             err.hybridflow_object = f"{obj['kind']} {obj['metadata']['name']}"  # type: ignore[attr-defined]
             raise
-        if made is None and obj["kind"] == "ConfigMap":  # there already: ours (a retried tick), or planted?
-            _accepted_job(job, raw, raw["metadata"].get("uid"), plan.status, memo)  # raises unless ours
-        if made is None and obj["kind"] == "Secret" and first_start:
-            raise SpecError(f"Secret {obj['metadata']['namespace']}/{obj['metadata']['name']} existed before this "
-                            "job started, so its Ray token may be known to others; delete it (or name a Secret of "
-                            "yours in spec.kubernetes.rayAuthSecret) and create the job again")
+        if made is None:
+            _check_existing(obj, job.metadata.name, raw["metadata"].get("uid"), plan.status, first_start)
+        elif obj["kind"] == "Secret":
+            # The operator never reads Secrets: the uid its create returned is how `cleanup` knows this one.
+            plan.status["rayTokenSecretUid"] = made.metadata.uid
+            _write_status(obj["metadata"]["namespace"], job.metadata.name, memo.get("written") or {}, plan.status,
+                          memo)
         if obj["kind"] == "Pod":
             created[obj["metadata"]["name"]] = (time.monotonic(), _pod_view(obj))
+
+
+# The status field holding the digest each of the job's ConfigMaps must match (by their key in manifests.names).
+DIGEST_OF = {"configmap": "acceptedSpecDigest", "reward": "rewardDigest"}
+
+
+def _check_existing(obj: dict[str, Any], job_name: str, uid: str | None, status: dict[str, Any],
+                    first_start: bool) -> None:
+    """A child the create found already there (409): ours from an earlier tick, or someone else's under its name?
+    Raises unless it is this job's: read and owned by the job, and the ConfigMaps holding what status recorded. A
+    Ray token Secret is never read: one there when the job first starts was planted (its token would be known to
+    whoever made it); later it is the one this job made. A pod is not checked here: only pods the job controls are
+    ever counted (`_observed_pods`), so a stranger's under a gang pod's name is never taken for the job's."""
+    kind, ns, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
+    if kind == "Pod":
+        return
+    if kind == "Secret":
+        if first_start:
+            raise SpecError(f"Secret {ns}/{name} existed before this job started, so its Ray token may be known to "
+                            "others; delete it (or name a Secret of yours in spec.kubernetes.rayAuthSecret) and create "
+                            "the job again")
+        return
+    found = _read(kind, ns, name)
+    if found is None:  # deleted since the create: no pod may start without it, so the tick is redone
+        raise kopf.TemporaryError(f"{kind} {ns}/{name} was deleted while being created; creating it again",
+                                  delay=INTERVAL)
+    _check_owner(kind, ns, name, found, uid)
+    role = next((k for k, v in mf.names(job_name).items() if v == name), "")
+    if kind == "ConfigMap" and role in DIGEST_OF:
+        (key,) = obj["data"]
+        _check_holds(ns, name, found, key, status.get(DIGEST_OF[role]))
+
+
+def _check_holds(namespace: str, name: str, cm: dict[str, Any], key: str, accepted: str | None) -> None:
+    """One of the job's own ConfigMaps must hold, under `key`, the content whose digest status recorded before
+    creating it: it is immutable, but could have been deleted and made again by someone else."""
+    text = (cm.get("data") or {}).get(key)
+    digest = mf.content_digest(text) if text is not None else f"none (no key {key})"
+    if digest != accepted:
+        raise SpecError(f"ConfigMap {namespace}/{name} does not hold what this job was accepted with (digest "
+                        f"{digest}, accepted {accepted or 'none'}); delete the job and create it again")
+
+
+def _reward_to_copy(raw: dict[str, Any], job: RLHFJob, status: dict[str, Any], found: str | None) -> str | None:
+    """The reward file to copy into the job's own ConfigMap at this gang start, or None when its copy is there (and
+    is this job's, holding the file accepted). `found`: the file just read from the user's ConfigMap (no copy was
+    made yet; status.rewardDigest now records it). A copy that is gone (its first create failed, or someone deleted
+    it) is made again only from the very file accepted, never from an edited one."""
+    if found is not None:
+        return found
+    ns, own = raw["metadata"]["namespace"], mf.names(job.metadata.name)["reward"]
+    if (copy_ := _read("ConfigMap", ns, own)) is not None:
+        _check_owner("ConfigMap", ns, own, copy_, raw["metadata"].get("uid"))
+        _check_holds(ns, own, copy_, mf.reward_key(job), status.get("rewardDigest"))
+        return None
+    _, text = _reward_file(job, ns)
+    if text is None or mf.content_digest(text) != status.get("rewardDigest"):
+        raise SpecError(f"ConfigMap {ns}/{own}, the job's copy of its reward file, is gone, and ConfigMap "
+                        f"{ns}/{job.spec.kubernetes.reward_config_map} no longer holds the file accepted "
+                        f"({status.get('rewardDigest')}); delete the job and create it again")
+    return text
 
 
 def _api_message(err: ApiException) -> str:
@@ -473,21 +593,26 @@ def _poll_progress(job: RLHFJob, pods: list[dict[str, Any]], status: dict[str, A
         merge_progress(status, parse_progress(text, job.metadata.name), job.spec.trainer.checkpoint_dir, iso(now))
 
 
+# The children `cleanup` looks for by name: (kind, key in manifests.names).
+NAMED_CHILDREN = (("Service", "service"), ("ConfigMap", "configmap"), ("ConfigMap", "reward"),
+                  ("NetworkPolicy", "network_policy"), ("PodGroup", "podgroup"))
+
+
 @kopf.on.delete(GROUP, VERSION, PLURAL)
-async def cleanup(name: str, namespace: str, **_: Any) -> None:
-    """Remove every child by label, for clusters (and test doubles) without garbage collection. The deletions go
-    out together: the finalizer, and so the job, goes as soon as the slowest of them is answered."""
-    core, names = _core(), mf.names(name)
+async def cleanup(name: str, namespace: str, body: kopf.Body, **_: Any) -> None:
+    """Remove the job's children, for clusters (and test doubles) without garbage collection: only those the job
+    controls (its controller ownerReference), each deleted with its uid as the precondition, so an object that
+    merely has a child's name (a namespace's `default-deny-ingress` under a job called `default-deny`) stays. The
+    Ray token Secret, which the operator never reads, is deleted by the uid its create returned; one the operator
+    did not make is never touched. The deletions go out together: the finalizer, and so the job, goes as soon as
+    the slowest of them is answered."""
+    uid, names = body["metadata"].get("uid"), mf.names(name)
     pods = await asyncio.to_thread(_list_pods, namespace, name)
-    calls = [functools.partial(_ignore, 404, core.delete_namespaced_pod, p["metadata"]["name"], namespace,
-                               grace_period_seconds=0) for p in pods]
-    calls += [functools.partial(_ignore, 404, core.delete_namespaced_service, names["service"], namespace),
-              functools.partial(_ignore, 404, core.delete_namespaced_config_map, names["configmap"], namespace),
-              functools.partial(_ignore, 404, core.delete_namespaced_secret, names["ray_token"], namespace),
-              functools.partial(_ignore, 404, client.NetworkingV1Api(_API).delete_namespaced_network_policy,
-                                names["network_policy"], namespace),
-              functools.partial(_ignore, (404, 405), _custom().delete_namespaced_custom_object,  # 405: no Volcano
-                                "scheduling.volcano.sh", "v1beta1", namespace, "podgroups", names["podgroup"])]
+    calls = [functools.partial(_delete, "Pod", namespace, p["metadata"]["name"], p["metadata"]["uid"],
+                               grace_period_seconds=0) for p in pods if uid and _controllers(p) == [uid]]
+    calls += [functools.partial(_delete_owned, kind, namespace, names[key], uid) for kind, key in NAMED_CHILDREN]
+    if token := (body.get("status") or {}).get("rayTokenSecretUid"):
+        calls.append(functools.partial(_delete, "Secret", namespace, names["ray_token"], token))
     await asyncio.gather(*(asyncio.to_thread(c) for c in calls))
     METRICS.set_phase(namespace, name, None)
     _DISRUPTED.pop((namespace, name), None)

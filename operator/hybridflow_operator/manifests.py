@@ -16,7 +16,9 @@ from typing import Any
 
 from hybridflow.checkpoint import STORAGE_CREDENTIAL_KEYS, is_url, job_checkpoint_dir, job_checkpoint_url
 from hybridflow.spec import API_GROUP as GROUP
-from hybridflow.spec import DATA_MOUNT, REWARD_MOUNT, RLHFJob, ResourcePool, dump_job, pool_resource
+from hybridflow.spec import (
+    DATA_MOUNT, REWARD_MOUNT, RLHFJob, ResourcePool, dump_job, pool_resource, reward_configmap_key,
+)
 
 LABEL_JOB = f"{GROUP}/job"
 LABEL_ROLE = f"{GROUP}/role"
@@ -78,6 +80,7 @@ def names(job_name: str) -> dict[str, str]:
         "podgroup": f"{job_name}-gang",
         "ray_token": f"{job_name}-ray-token",
         "network_policy": f"{job_name}-ingress",
+        "reward": f"{job_name}-reward",
     }
 
 
@@ -127,8 +130,9 @@ def _inside(mount: str, path: str) -> str:
     return path if path.startswith(mount + "/") else f"{mount}/{path}"
 
 
-def spec_digest(text: str) -> str:
-    """What status.acceptedSpecDigest records: the spec ConfigMap's content as the pods read it."""
+def content_digest(text: str) -> str:
+    """What status.acceptedSpecDigest and status.rewardDigest record: the spec ConfigMap's content, the reward
+    file's, as the pods read them."""
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -142,6 +146,39 @@ def configmap(job: dict[str, Any], parsed: RLHFJob) -> dict[str, Any]:
         "data": {SPEC_KEY: json.dumps(doc, indent=1)},
         "immutable": True,  # what the pods run cannot be edited under a live job
     }
+
+
+# What a ConfigMap may hold (data and binaryData together), as the API server counts it.
+MAX_CONFIGMAP_BYTES = 1 << 20
+
+
+def reward_key(parsed: RLHFJob) -> str:
+    """The reward file's key in kubernetes.rewardConfigMap and in the job's copy ("" without a reward function,
+    which the spec refuses alongside a rewardConfigMap)."""
+    fn = parsed.spec.models.reward.function
+    return reward_configmap_key(fn.path) if fn is not None else ""
+
+
+def reward_configmap(job: dict[str, Any], parsed: RLHFJob, text: str) -> dict[str, Any]:
+    """The job's own copy of the reward file, made when the operator first finds it in kubernetes.rewardConfigMap:
+    immutable and owned by the job, and what the head pod mounts. The user's ConfigMap stays theirs to edit; an
+    edit (anyone's who may update it) must not become code that the running job, or its next gang, executes."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(job, names(parsed.metadata.name)["reward"]),
+        "data": {reward_key(parsed): text},
+        "immutable": True,
+    }
+
+
+def reward_copy_problem(key: str, text: str) -> str:
+    """Why the reward file cannot be copied into a ConfigMap ("" if it can)."""
+    size = len(key.encode()) + len(text.encode())
+    if size <= MAX_CONFIGMAP_BYTES:
+        return ""
+    return (f"spec.kubernetes.rewardConfigMap: the reward file '{key}' is {size} bytes with its key; a ConfigMap holds "
+            f"at most {MAX_CONFIGMAP_BYTES} (1 MiB); make the file smaller")
 
 
 def head_service(job: dict[str, Any], parsed: RLHFJob) -> dict[str, Any]:
@@ -210,8 +247,8 @@ def _volumes(job: dict[str, Any], parsed: RLHFJob, shm: str, head: bool) -> tupl
     if head and k8s.data_pvc:
         vols.append({"name": "data", "persistentVolumeClaim": {"claimName": k8s.data_pvc, "readOnly": True}})
         mounts.append({"name": "data", "mountPath": DATA_MOUNT, "readOnly": True})
-    if head and k8s.reward_config_map:
-        vols.append({"name": "reward", "configMap": {"name": k8s.reward_config_map}})
+    if head and k8s.reward_config_map:  # the job's own copy of the file, never the user's ConfigMap itself
+        vols.append({"name": "reward", "configMap": {"name": names(parsed.metadata.name)["reward"]}})
         mounts.append({"name": "reward", "mountPath": REWARD_MOUNT, "readOnly": True})
     return vols, mounts
 
@@ -302,9 +339,7 @@ def head_pod(job: dict[str, Any], parsed: RLHFJob, generation: int) -> dict[str,
         # The driver's exit code is the pod's. No `ray stop` first: it would end the worker pods' raylets (and
         # their pods, with an error) before this pod reports Succeeded, and the operator would see a failed worker
         # of a running gang and restart it. Ray ends with this container.
-        # A job started by an operator that stored its spec as YAML keeps that file across gang restarts.
-        f"spec={SPEC_MOUNT}/{SPEC_KEY}; [ -f \"$spec\" ] || spec={SPEC_MOUNT}/job.yaml",
-        f"exec hybridflow driver \"$spec\" --address=127.0.0.1:{RAY_PORT} --metrics-port={port}",
+        f"exec hybridflow driver {SPEC_MOUNT}/{SPEC_KEY} --address=127.0.0.1:{RAY_PORT} --metrics-port={port}",
     ])
     k8s = parsed.spec.kubernetes
     container = {
@@ -400,6 +435,56 @@ def network_policy(job: dict[str, Any], parsed: RLHFJob, metrics_namespaces: lis
         "metadata": _meta(job, names(name)["network_policy"]),
         "spec": {"podSelector": {"matchLabels": {LABEL_JOB: name}}, "policyTypes": ["Ingress"], "ingress": rules},
     }
+
+
+def pod_references(pods: list[dict[str, Any]]) -> set[tuple[str, str]]:
+    """(kind, name) of every object the pods would use: ConfigMaps, Secrets and PersistentVolumeClaims (volumes, env,
+    envFrom) and their ServiceAccount. A volume of any other kind but emptyDir counts as a reference of that kind."""
+    out: set[tuple[str, str]] = set()
+    for pod in pods:
+        spec = pod["spec"]
+        if spec.get("serviceAccountName"):
+            out.add(("ServiceAccount", spec["serviceAccountName"]))
+        for v in spec.get("volumes") or []:
+            source = next(k for k in v if k != "name")
+            if source == "configMap":
+                out.add(("ConfigMap", v["configMap"]["name"]))
+            elif source == "secret":
+                out.add(("Secret", v["secret"]["secretName"]))
+            elif source == "persistentVolumeClaim":
+                out.add(("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"]))
+            elif source != "emptyDir":
+                out.add((f"{source} volume", v["name"]))
+        for c in [*spec.get("initContainers", []), *spec["containers"]]:
+            for ref in [(e.get("valueFrom") or {}) for e in c.get("env") or []] + (c.get("envFrom") or []):
+                for key, kind in (("secretKeyRef", "Secret"), ("secretRef", "Secret"),
+                                  ("configMapKeyRef", "ConfigMap"), ("configMapRef", "ConfigMap")):
+                    if key in ref:
+                        out.add((kind, ref[key]["name"]))
+    return out
+
+
+def accepted_references(parsed: RLHFJob) -> set[tuple[str, str]]:
+    """What pods of this spec may use: the job's own spec and reward ConfigMaps (never the user's reward ConfigMap:
+    its copy), its Ray token Secret (its own, or kubernetes.rayAuthSecret), kubernetes.checkpointSecret, its PVCs and
+    its ServiceAccount."""
+    k8s, own = parsed.spec.kubernetes, names(parsed.metadata.name)
+    refs = {("ConfigMap", own["configmap"]), ("Secret", ray_token_secret_name(parsed))}
+    if k8s.reward_config_map:
+        refs.add(("ConfigMap", own["reward"]))
+    if k8s.checkpoint_secret:
+        refs.add(("Secret", k8s.checkpoint_secret))
+    refs |= {("PersistentVolumeClaim", c) for c in (k8s.checkpoint_pvc, k8s.model_pvc, k8s.data_pvc) if c}
+    if k8s.service_account_name:
+        refs.add(("ServiceAccount", k8s.service_account_name))
+    return refs
+
+
+def foreign_references(pods: list[dict[str, Any]], accepted: RLHFJob) -> list[str]:
+    """The objects the pods would use that the accepted spec does not name ("Secret x"), checked at every gang
+    start: whatever was edited into the live spec, or however a pod came to be built, the pods get only what the
+    job was accepted with."""
+    return [f"{kind} {name}" for kind, name in sorted(pod_references(pods) - accepted_references(accepted))]
 
 
 def static_children(job: dict[str, Any], parsed: RLHFJob, ray_token: str,

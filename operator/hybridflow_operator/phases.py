@@ -23,6 +23,10 @@ PENDING_TOO_LONG_SECONDS = 600
 # A pod still terminating this long past its grace period (a lost node) no longer holds a gang restart back. Long:
 # on a partitioned (not dead) node the old driver may still be writing checkpoints; only a lost node ends so.
 STUCK_TERMINATING_SECONDS = 300
+# A status message (the phase's, each condition's) is cut to this many characters: they quote what users wrote (a
+# spec error names the field, a pod's termination message its log), and a job's status must stay far under etcd's
+# object limit; three copies of one 200 KB key used to fail every status write.
+MAX_MESSAGE = 1024
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,14 @@ def parse_time(s: str | None) -> dt.datetime | None:
     return dt.datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc) if s else None
 
 
+def capped(message: str) -> str:
+    """The message as status holds it: at most MAX_MESSAGE characters, an ellipsis marking a cut."""
+    return message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE - 1] + "\u2026"
+
+
 def set_condition(status: dict[str, Any], ctype: str, value: bool, reason: str, message: str, now: dt.datetime) -> None:
     """metav1.Condition semantics: lastTransitionTime moves only when the status flips."""
+    message = capped(message)
     conds = [dict(c) for c in status.get("conditions", [])]
     new = "True" if value else "False"
     for c in conds:
@@ -85,6 +95,7 @@ def decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods:
     the job waits in Pending with the reason, as a pod waits for its volumes. disrupted: pods of the current
     generation seen with a DisruptionTarget condition (name -> reason), also those already gone."""
     plan = _decide(job, error, status, pods, now, disrupted or {})
+    missing_inputs = capped(missing_inputs) if missing_inputs else missing_inputs  # compared with the condition's
     if job is None or plan.status.get("phase") in TERMINAL or plan.create_gang is None or missing_inputs is None:
         return plan
     had = next((c for c in status.get("conditions", []) if c["type"] == "InputsReady"), None)
@@ -127,6 +138,9 @@ def _decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods
         _to(plan, "Suspending", "SuspendRequested", "runPolicy.suspend is true: deleting pods, keeping status", now)
         set_condition(st, "Suspended", False, "Suspending", "deleting the job's pods", now)
         plan.delete_pods = [p.name for p in pods if not p.deleting]
+        # A job created suspended is accepted now all the same (its spec ConfigMap and digest): a spec edited while
+        # it waits (a Secret or ConfigMap added) is then a change to ignore, never what its first pods are made of.
+        plan.create_static = phase == ""
         return plan
     if phase == "Suspending":
         plan.delete_pods = [p.name for p in pods if not p.deleting]
@@ -207,7 +221,7 @@ def refused(status: dict[str, Any], what: str, code: int, api_message: str, now:
     quota) may pass later: the job stays as it is, with a condition and an event that say why, and the next tick
     tries again."""
     plan = Plan(status=dict(status))
-    message = f"the API server refused to create {what} ({code}): {api_message}"
+    message = capped(f"the API server refused to create {what} ({code}): {api_message}")
     if code in (404, 422):
         _fail(plan, "CreateRefused", message, now, pods)
     else:
@@ -219,6 +233,7 @@ def refused(status: dict[str, Any], what: str, code: int, api_message: str, now:
 
 
 def _to(plan: Plan, phase: str, reason: str, message: str, now: dt.datetime, event_type: str = "Normal") -> None:
+    message = capped(message)
     plan.status["phase"] = phase
     plan.status["reason"] = reason
     plan.status["message"] = message
@@ -278,7 +293,7 @@ def _report_pods_not_starting(plan: Plan, current: list[PodView], now: dt.dateti
         set_condition(st, "CreateRefused", False, "Created", "the API server admitted the job's pods", now)
     had = next((c for c in st.get("conditions", []) if c["type"] == "PodsStarting"), None)
     if stuck:
-        reason, message = stuck[0][0], "; ".join(what for _, what in stuck)[:2000]
+        reason, message = stuck[0][0], capped("; ".join(what for _, what in stuck))
         if not had or had["status"] != "False" or had["message"] != message:
             plan.events.append(("Warning", reason, message))
         set_condition(st, "PodsStarting", False, reason, message, now)

@@ -2,9 +2,10 @@
 
 The operator creates pods with its own rights, so whatever an RLHFJob names (image, ServiceAccount, volumes,
 Secrets, scheduler, priority, tolerations, affinity) would otherwise be granted to anyone who may create an
-RLHFJob: a confused deputy. These rules are checked at every reconcile (a job that breaks them is Failed with the
+RLHFJob: a confused deputy. These rules are checked at every gang start (a job that breaks them is Failed with the
 rule and the value to change) and are shipped as a ValidatingAdmissionPolicy too (helm/.../admissionpolicy.yaml),
-so that the API server refuses such a job at `kubectl apply`; tests hold the two to the same verdicts.
+so that the API server refuses such a job at `kubectl apply`, and an update that sets or changes what they judge;
+tests hold the two to the same verdicts.
 
 Volumes a job mounts (PersistentVolumeClaims, the reward ConfigMap) must carry `FOR_JOBS_LABEL: "true"`: marking
 one is a deliberate act of someone who may label it, so naming it in a job gives the author nothing its owner did

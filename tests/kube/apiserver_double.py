@@ -1,7 +1,8 @@
 """A test double of the kube-apiserver: kmock's stateful Kubernetes emulator served over real HTTP, plus what a
 real API server does and kmock 0.8 does not (see STACK.md): resourceVersion/uid/creationTimestamp/generation,
-`generateName`, 422 on a failed JSON-patch `test`, label selectors on lists, `kind` on lists, Table rendering of our printer columns, the discovery of our CRD, and the core group's discovery spelled as
-kubectl expects ("v1", not "/v1").
+`generateName`, 422 on a failed JSON-patch `test`, a delete's preconditions (uid, resourceVersion: 409 Conflict when
+the object is another), label selectors on lists, `kind` on lists, Table rendering of our printer columns, the
+discovery of our CRD, and the core group's discovery spelled as kubectl expects ("v1", not "/v1").
 
 It stands in for the API server only; kopf, kubectl and our operator talk to it as they would to a cluster."""
 from __future__ import annotations
@@ -115,7 +116,31 @@ class KubeApiServerDouble(kmock.KubernetesEmulator):
                 meta["namespace"] = request.namespace
         elif request.resource is not None and request.action == enums.action.UPDATE and request.name:
             self._stamp_update(request)
+        elif request.resource is not None and request.action == enums.action.DELETE and request.name:
+            self._check_preconditions(request)
         return await super()._handle(request)
+
+    def _check_preconditions(self, request: rendering.Request) -> None:
+        """DeleteOptions.preconditions, as the API server checks them (apiserver's storage Preconditions.Check): an
+        object of that name whose uid or resourceVersion is not the one given is not deleted, 409 Conflict."""
+        given = (request.data or {}).get("preconditions") if isinstance(request.data, dict) else None
+        key = (request.resource, request.namespace, request.name)
+        if not given or key not in self._objects or self._objects[key].deleted:
+            return  # nothing to compare with: the delete answers 404 as usual
+        meta = self._objects[key].raw.get("metadata", {})
+        for field, what in (("uid", "UID"), ("resourceVersion", "ResourceVersion")):
+            if given.get(field) is not None and given[field] != meta.get(field):
+                group, plural = request.resource.group, request.resource.plural
+                resource = plural + (f".{group}" if group else "")
+                where = f"/registry/{group + '/' if group else ''}{plural}/{request.namespace}/{request.name}"
+                raise kmock.KubernetesError(
+                    status=409, reason="Conflict",
+                    message=f'Operation cannot be fulfilled on {resource} "{request.name}": StorageError: invalid '
+                            f"object, Code: 4, Key: {where}, ResourceVersion: 0, "
+                            f"AdditionalErrorMsg: Precondition failed: {what} in precondition: {given[field]}, "
+                            f"{what} in object meta: {meta.get(field)}",
+                    details={"name": request.name, "group": request.resource.group or "",
+                             "kind": request.resource.plural})
 
     def _stamp_update(self, request: rendering.Request) -> None:
         key = (request.resource, request.namespace, request.name)

@@ -51,6 +51,10 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         extra = node.get("additionalProperties")
         if isinstance(extra, dict):
             out["additionalProperties"] = _structural(extra, defs)
+        key_bound = (node.get("propertyNames") or {}).get("maxLength")
+        if key_bound is not None:  # a structural schema has no propertyNames: its keys' bound becomes CEL
+            out["x-kubernetes-validations"] = [{"rule": f"self.all(k, k.size() <= {key_bound})",
+                                                "message": f"keys are at most {key_bound} characters"}]
         elif not props:
             out["x-kubernetes-preserve-unknown-fields"] = True
         req = node.get("required")
@@ -88,16 +92,22 @@ def _union(options: list[dict[str, Any]]) -> dict[str, Any]:
 MUTABLE_SPEC_FIELDS = {"runPolicy"}
 
 
+def immutable_field_rule(field: str) -> dict[str, str]:
+    """A transition rule on `spec` for one of its fields. On `spec` itself, not on the field: the API server
+    evaluates a transition rule only where the old value exists, so `self == oldSelf` on the field never saw a
+    field added to a job that had none (a Secret patched into a job created without spec.kubernetes)."""
+    return {
+        "rule": f"has(self.{field}) == has(oldSelf.{field}) && (!has(self.{field}) || self.{field} == oldSelf.{field})",
+        "message": f"spec.{field} cannot be added, changed or removed once the job exists; only spec.runPolicy can "
+                   "(delete and re-create the job to change it)",
+    }
+
+
 def spec_schema() -> dict[str, Any]:
     raw = JobSpec.model_json_schema(by_alias=True)
     schema = _structural(raw, raw.get("$defs", {}))
-    for field, node in schema["properties"].items():
-        if field not in MUTABLE_SPEC_FIELDS:
-            node["x-kubernetes-validations"] = [{
-                "rule": "self == oldSelf",
-                "message": f"spec.{field} cannot change once the job exists; only spec.runPolicy can "
-                           "(delete and re-create the job to change it)",
-            }]
+    schema["x-kubernetes-validations"] = [immutable_field_rule(f) for f in schema["properties"]
+                                          if f not in MUTABLE_SPEC_FIELDS]
     schema["description"] = "What to train and how: algorithm, models, data, rollout, training, pools, trainer."
     return schema
 

@@ -123,6 +123,22 @@ PoolName = _matched_string(POOL_NAME, 63, "lowercase letters and digits only, e.
 LabelValue = Annotated[str, Field(max_length=63, json_schema_extra={"pattern": LABEL_VALUE}),
                        _matching(LABEL_VALUE, "a label value: at most 63 letters, digits, '-', '_' and '.', a letter "
                                  "or digit at both ends")]
+# A placement key is a role name (the longest has 11 characters). Bounded, and checked before anything quotes it: a
+# 200 KB key repeated into every message about it (and the job's status) is refused with its length only.
+MAX_ROLE_KEY = 63
+
+
+def _short_keys(limit: int, what: str) -> BeforeValidator:
+    """Refuse a mapping with a key longer than `limit`, naming its length and its start, not the whole key."""
+    def check(value: Any) -> Any:
+        for key in value if isinstance(value, dict) else ():
+            if isinstance(key, str) and len(key) > limit:
+                raise ValueError(f"{what} are at most {limit} characters; got one of {len(key)} starting {key[:20]!r}")
+        return value
+
+    return BeforeValidator(check)
+
+
 FilePath = Annotated[str, Field(min_length=1, max_length=MAX_PATH)]
 FileList = Annotated[list[FilePath], Field(max_length=1024)]
 
@@ -635,7 +651,8 @@ class JobSpec(_Spec):
     resource_pools: list[ResourcePool] = Field(
         default_factory=lambda: [ResourcePool()], min_length=1, max_length=MAX_POOLS, description="Device pools."
     )
-    placement: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+    placement: Annotated[dict[Annotated[str, Field(max_length=MAX_ROLE_KEY)], Annotated[str, Field(max_length=63)]],
+                         _short_keys(MAX_ROLE_KEY, f"role names ({', '.join(ROLES)})")] = Field(
         default_factory=dict, max_length=len(ROLES),
         description="Role -> pool name (roles: actor, rollout, reference, critic, reward)."
     )

@@ -45,24 +45,26 @@ pods through secretKeyRef, which the kubelet resolves: the operator creates a jo
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch", "create", "delete"]
-# The head's headless Service.
+# The head's headless Service. Read: one found under its name must be the job's (its owner) before the job uses it,
+# and before the job's deletion deletes it.
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["create", "delete"]
-# The job's accepted-spec ConfigMap (created, read back once), and a job's reward ConfigMap (read: does it exist,
-# is it marked for jobs, does it hold the file).
+  verbs: ["get", "create", "delete"]
+# The job's accepted-spec ConfigMap and its copy of the reward file (created, read back to check owner and
+# content), and a job's reward ConfigMap (read: does it exist, is it marked for jobs, the file to copy).
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get", "create", "delete"]
-# Each job's Ray token: created (random) and deleted with the job. Never get, list or watch: the operator does not
-# read Secrets (a user's rayAuthSecret is checked by the admission policy, against its author's own rights).
+# Each job's Ray token: created (random) and deleted with the job, by the uid its create returned. Never get, list
+# or watch: the operator does not read Secrets (a user's rayAuthSecret is checked by the admission policy, against
+# its author's own rights).
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["create", "delete"]
-# Each job's NetworkPolicy: ingress only from the job's own pods and the metrics scrapers.
+# Each job's NetworkPolicy: ingress only from the job's own pods and the metrics scrapers. Read as the Service is.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["create", "delete"]
+  verbs: ["get", "create", "delete"]
 # Before creating pods: do the job's PersistentVolumeClaims exist, and are they marked for jobs? (Read only.)
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
@@ -72,10 +74,10 @@ pods through secretKeyRef, which the kubelet resolves: the operator creates a jo
   resources: ["events"]
   verbs: ["create"]
 {{- if .Values.rbac.volcano }}
-# Volcano gang scheduling (runPolicy.gangScheduling).
+# Volcano gang scheduling (runPolicy.gangScheduling). Read as the Service is.
 - apiGroups: ["scheduling.volcano.sh"]
   resources: ["podgroups"]
-  verbs: ["create", "delete"]
+  verbs: ["get", "create", "delete"]
 {{- end }}
 {{- end -}}
 
