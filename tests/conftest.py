@@ -48,17 +48,233 @@ def run_cli(args, cwd, env_extra=None, timeout=900):
                           text=True, timeout=timeout)
 
 
+# --- one in-process Ray for consecutive tests ---------------------------------------------------------------------
+# `ray.init` costs ~5 s and `ray.shutdown` ~1.5 s. Tests that drive worker groups from this process share one Ray
+# while they run one after another (`local_ray`, or `shared_ray` for a module's fixtures), and it is stopped as soon
+# as the next test does not need it, so it never idles beside unrelated tests. A pool's "devices" are only counters
+# (`hybridflow_pool_<name>`, hybridflow.spec.pool_resource) that placement groups reserve, so one Ray with room for
+# the largest job of each pool name serves them all; a job needing more fails clearly (raise the numbers here).
+SHARED_RAY_POOLS = {"default": 8, "ref": 2, "p1": 2, "p2": 4}  # pool name -> devices
+# CPUs reserved at once (devices x cpusPerDevice): the megatron TP=4 job needs 4. Like start_local_ray, never fewer
+# than the machine has; Ray starts that many idle workers when the driver connects.
+SHARED_RAY_CPUS = max(4, os.cpu_count() or 1)
+
+
+class SharedRay:
+    """The shared in-process Ray: started on first use, with the options of hybridflow.cli.start_local_ray (loopback
+    only, a small object store, quiet workers) but room for every test's job. Between tests it is checked to hold
+    nothing from the test before: placement groups and actors a test left behind are removed, with a warning."""
+
+    def __init__(self) -> None:
+        self.temp_dir: str | None = None
+        self.address: str | None = None
+
+    @property
+    def running(self) -> bool:
+        import ray
+
+        return self.address is not None and ray.is_initialized() \
+            and ray.get_runtime_context().gcs_address == self.address
+
+    def ensure_running(self) -> None:
+        import logging
+        import tempfile
+        import warnings
+
+        import ray
+
+        from hybridflow.spec import pool_resource
+
+        if self.running:
+            return
+        self.stop()  # ours, if something shut it down under us
+        if ray.is_initialized():
+            warnings.warn("a Ray session from an earlier test was still running; shutting it down")
+            ray.shutdown()
+        os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+        self.temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths are limited
+        try:
+            ray.init(num_cpus=SHARED_RAY_CPUS, resources={pool_resource(n): d for n, d in SHARED_RAY_POOLS.items()},
+                     include_dashboard=False, object_store_memory=256 << 20, log_to_driver=False,
+                     logging_level=logging.ERROR, _temp_dir=self.temp_dir,
+                     runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "1"}})
+            self.address = ray.get_runtime_context().gcs_address
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        import shutil
+
+        import ray
+
+        if self.running:
+            ray.shutdown()
+        self.address = None
+        if self.temp_dir is not None:
+            kill_processes_mentioning(self.temp_dir)  # daemons that outlived the shutdown
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = None
+
+    def check_fits(self, job) -> None:
+        """Fail the test, naming what is missing, when `job`'s pools need more than the shared Ray has."""
+        if any(p.nodes > 1 for p in job.spec.resource_pools):
+            pytest.fail("spec.resourcePools[].nodes > 1 needs a Ray cluster, not the tests' local Ray")
+        self.check_room(job.spec.resource_pools)
+
+    def check_room(self, pools) -> None:
+        """The same for resource pools (spec or worker-group ones) that are reserved at the same time."""
+        import ray
+
+        from hybridflow.spec import pool_resource
+
+        need = {"CPU": sum(p.world_size * p.cpus_per_device for p in pools),
+                "GPU": sum(p.world_size for p in pools if p.device == "gpu")}
+        for p in pools:
+            need[pool_resource(p.name)] = need.get(pool_resource(p.name), 0) + p.world_size
+        have = ray.cluster_resources()
+        short = {k: (v, have.get(k, 0)) for k, v in need.items() if v > have.get(k, 0)}
+        if short:
+            pytest.fail("the tests' shared Ray is too small for this job (needed, has): "
+                        + ", ".join(f"{k} {v} > {h}" for k, (v, h) in short.items())
+                        + "; raise SHARED_RAY_POOLS / SHARED_RAY_CPUS in tests/conftest.py")
+
+    def snapshot(self) -> tuple[set, set, dict]:
+        """(placement groups, actors) there now, by id, and the CPUs, GPUs and pool devices free now."""
+        import ray
+
+        if not self.running:
+            return set(), set(), {}
+        free = {k: v for k, v in ray.available_resources().items()
+                if k in ("CPU", "GPU") or (k.startswith("hybridflow_pool_") and "_group_" not in k)}
+        return ({pg for pg, info in ray.util.placement_group_table().items() if info["state"] != "REMOVED"},
+                {a for a, info in ray._private.state.actors().items() if info["State"] != "DEAD"}, free)
+
+    def empty(self) -> tuple[set, set, dict]:
+        """What snapshot() gives when nothing is there: every resource free."""
+        import ray
+
+        _, _, free = self.snapshot()
+        return set(), set(), {k: ray.cluster_resources().get(k, 0) for k in free}
+
+    def _left(self, before: tuple[set, set, dict]) -> tuple[set, set, set]:
+        """What is there now that was not at `before`: placement groups, actors, and resources still held."""
+        pgs, actors, free = self.snapshot()
+        return pgs - before[0], actors - before[1], {k for k, v in before[2].items() if free.get(k, 0) < v}
+
+    def _wait_gone(self, before: tuple[set, set, dict], seconds: float) -> tuple[set, set, set]:
+        import time
+
+        deadline = time.monotonic() + seconds
+        while any(left := self._left(before)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left
+
+    def remove_leftovers(self, before: tuple[set, set, dict], who: str, wait_s: float = 10.0) -> None:
+        """Remove the placement groups and actors made since `before` that are still there, with a warning, and
+        wait until the resources free at `before` are free again; if they are not, stop this Ray (the next test
+        gets a new one). What was just killed or removed (ray.kill and remove_placement_group return before it is)
+        is given `wait_s` to go by itself first."""
+        import warnings
+
+        if not self.running:
+            return
+        try:
+            self._remove_leftovers(before, who, wait_s)
+        except Exception as err:  # noqa: BLE001 - a Ray that cannot even be asked is no Ray for the next test
+            warnings.warn(f"{who}: the shared Ray could not be checked ({type(err).__name__}: {err}); stopping it")
+            self.stop()
+
+    def _remove_leftovers(self, before: tuple[set, set, dict], who: str, wait_s: float) -> None:
+        import warnings
+
+        import ray
+        from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+        pgs, actors, held = self._wait_gone(before, wait_s)
+        if not (pgs or actors or held):
+            return
+        warnings.warn(f"{who} left {len(pgs)} placement group(s) and {len(actors)} actor(s) in the shared Ray"
+                      + (f" ({', '.join(sorted(held))} still reserved)" if held else "") + "; removing them")
+        for pg in pgs:  # also ends the actors placed in it
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg))))
+        for actor in actors:
+            try:
+                ray._private.worker.global_worker.core_worker.kill_actor(ray.ActorID(bytes.fromhex(actor)), True)
+            except Exception:  # noqa: BLE001 - dead by now; whatever is not is checked just below
+                pass
+        if any(self._wait_gone(before, wait_s)):
+            warnings.warn(f"{who}: what it left in the shared Ray would not go away; stopping that Ray")
+            self.stop()
+
+
+_SHARED_RAY = SharedRay()
+
+
+def _uses_shared_ray(item) -> bool:
+    return item is not None and "shared_ray" in getattr(item, "fixturenames", ())
+
+
+@pytest.fixture(scope="session")
+def shared_ray():
+    """The shared in-process Ray (see SharedRay), running. Module-scoped fixtures may hold workers in it for their
+    module; nothing session-scoped may (whatever is left when a module ends is removed)."""
+    _SHARED_RAY.ensure_running()
+    try:
+        yield _SHARED_RAY
+    finally:
+        _SHARED_RAY.stop()
+
+
+@pytest.fixture(autouse=True)
+def _shared_ray_left_clean(request):
+    """After each test that uses the shared Ray: what the test (not its module's fixtures) left there is removed."""
+    if not _uses_shared_ray(request.node):
+        yield
+        return
+    before = _SHARED_RAY.snapshot()
+    yield
+    _SHARED_RAY.remove_leftovers(before, request.node.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Once a test and the fixtures that end with it are torn down: the shared Ray is stopped when the next test
+    does not use it, and emptied when the next test is in another module."""
+    yield
+    if not _SHARED_RAY.running:
+        return
+    if not _uses_shared_ray(nextitem):
+        _SHARED_RAY.stop()
+    elif getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        _SHARED_RAY.remove_leftovers(_SHARED_RAY.empty(), f"the fixtures of {item.nodeid.split('::')[0]}")
+
+
 @pytest.fixture
-def local_ray(ray_tmp):
-    """Starts a job's private local Ray when the test asks (`local_ray(job)`); shut down after the test however it
-    ends. A Ray that something before this test left running is shut down first (with a warning), so a failure in
-    one test never turns into `ray.init` errors in the next ones."""
+def local_ray(shared_ray):
+    """`local_ray(job)` makes sure the shared Ray runs and has room for `job`'s resource pools (as
+    hybridflow.cli.start_local_ray would give it); whatever the test leaves there is removed after it, however it
+    ends, so a failure in one test never spills into the next ones. A test that needs a Ray of its own (one that
+    stops or kills Ray, or whose job needs other resources) takes `private_ray` instead."""
+    def start(job) -> None:
+        shared_ray.ensure_running()
+        shared_ray.check_fits(job)
+
+    return start
+
+
+@pytest.fixture
+def private_ray(ray_tmp):
+    """`private_ray(job)`: the job's own local Ray (hybridflow.cli.start_local_ray), shut down after the test however
+    it ends; the shared Ray is stopped first. A Ray that something before this test left running is shut down first
+    (with a warning)."""
     import warnings
 
     import ray
 
     from hybridflow.cli import start_local_ray
 
+    _SHARED_RAY.stop()
     if ray.is_initialized():
         warnings.warn("a Ray session from an earlier test was still running; shutting it down")
         ray.shutdown()

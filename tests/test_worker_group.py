@@ -9,7 +9,6 @@ import torch.distributed as dist
 from hybridflow.controller.batch import Batch
 from hybridflow.controller.protocol import Dispatch, DPRank, register
 from hybridflow.controller.worker_group import PendingResult, ResourcePool, RoleSpec, WorkerGroup
-from hybridflow.spec import pool_resource
 
 pytestmark = pytest.mark.slow
 
@@ -65,24 +64,21 @@ class TensorParallelPair(Echo):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
+def pools(shared_ray):
+    """Two pools in the tests' shared local Ray (conftest), which has room for both at once."""
     import sys
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-    if ray.is_initialized():  # left by an earlier failure: one defect must not fail every test here too
-        ray.shutdown()
-    try:
-        ray.init(num_cpus=8, resources={pool_resource("p1"): 2, pool_resource("p2"): 4}, include_dashboard=False,
-                 object_store_memory=100 << 20, _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
-        yield
-    finally:
-        ray.shutdown()
+    p1 = ResourcePool("p1", nodes=1, devices_per_node=2, cpus_per_device=0.5)
+    p2 = ResourcePool("p2", nodes=2, devices_per_node=2, cpus_per_device=0.5)  # two "nodes" (placement groups)
+    shared_ray.ensure_running()
+    shared_ray.check_room([p1, p2])
+    return p1, p2
 
 
 @pytest.fixture(scope="module")
-def groups(ray_cluster):
-    p1 = ResourcePool("p1", nodes=1, devices_per_node=2, cpus_per_device=0.5)
-    p2 = ResourcePool("p2", nodes=2, devices_per_node=2, cpus_per_device=0.5)  # two "nodes" (placement groups)
+def groups(pools):
+    p1, p2 = pools
     g1 = WorkerGroup(p1, {"a": RoleSpec(Echo, {"tag": "a"}), "b": RoleSpec(Echo, {"tag": "b"})})
     g2 = WorkerGroup(p2, {"tp": RoleSpec(TensorParallelPair, {"tag": "tp"})})
     yield g1, g2
