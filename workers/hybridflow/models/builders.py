@@ -163,8 +163,9 @@ def local_model_dir(model_dir: str | Path, src: ModelSource, seed: int) -> Path:
     return here
 
 
-def materialize(src: ModelSource, cache_dir: Path, seed: int) -> Path:
+def materialize(src: ModelSource, cache_dir: Path | str, seed: int) -> Path:
     """The HF directory for a model source, building it on first use."""
+    cache_dir = Path(cache_dir)
     if src.source == "path":
         return Path(src.path or "")
     if src.source == "smollm2":
