@@ -20,6 +20,7 @@ from hybridflow.dashboards import DASHBOARDS
 pytestmark = pytest.mark.slow
 ALERTS = ROOT / "helm" / "hybridflow" / "files" / "alerts.yaml"
 VARIABLES = {"$namespace": ".*", "$rlhfjob": ".*", "$peak_flops_per_device": "1e12"}
+STEPS = 60
 
 
 def _promtool() -> str:
@@ -58,7 +59,9 @@ def test_every_panel_and_alert_has_data_from_live_exporters(tmp_path, model_cach
 
             job = tmp_path / "job.yaml"
             run_doc = yaml.safe_load((ROOT / "examples" / "tiny-grpo.yaml").read_text())
-            run_doc["spec"]["trainer"].update(steps=120, saveFreq=10, checkpointDir=str(tmp_path / "run"))  # sizes too
+            # long enough to be still running while the panels are queried (from step 20 on), not much longer:
+            # the steps after the queries only wait for the run to end
+            run_doc["spec"]["trainer"].update(steps=STEPS, saveFreq=10, checkpointDir=str(tmp_path / "run"))
             run_doc["spec"]["algorithm"]["tisCap"] = 10.0  # the trainer/rollout log-prob gap panel needs TIS on
             job.write_text(yaml.safe_dump(run_doc))
             env = {**os.environ, "HYBRIDFLOW_MODEL_CACHE": str(model_cache)}
@@ -70,7 +73,7 @@ def test_every_panel_and_alert_has_data_from_live_exporters(tmp_path, model_cach
         finally:
             op.stop()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["steps_done"] == 120
+    assert summary["steps_done"] == STEPS
 
 
 def _check_panels_and_alerts(run, tmp_path, driver_port, prom_port, op):
@@ -80,7 +83,11 @@ def _check_panels_and_alerts(run, tmp_path, driver_port, prom_port, op):
         wait_for(lambda: steps.exists() and len(steps.read_text().splitlines()) >= 20, 400,
                  "20 training steps")
         wait_for(lambda: all(prom.targets_up().get(t) for t in targets), 60, "both targets up")
-        time.sleep(3)
+
+        def scrapes(job: str) -> float:  # rate() and increase() panels need a few samples of each target
+            r = prom.query(f'count_over_time(up{{job="{job}"}}[1m])')["data"]["result"]
+            return float(r[0]["value"][1]) if r else 0.0
+        wait_for(lambda: all(scrapes(t) >= 4 for t in targets), 60, "four scrapes of each target")
         at = time.time()
         empty, failed = [], []
         for dash in DASHBOARDS:
