@@ -384,6 +384,24 @@ def test_the_command_line_names_every_layer():
     assert bare[0] == sys.executable and "parent=42" in bare and not any("RLIMIT_NPROC" in a for a in bare)
 
 
+def test_a_driver_whose_home_is_tmp_still_gets_the_whole_sandbox(monkeypatch):
+    """Job pods run with HOME=/tmp (their scratch emptyDir, manifests._ray_env). Hiding "the driver's home" put a
+    read-only tmpfs over the sandbox's own private /tmp: it could not make its working directory, every kind of
+    sandbox with bwrap failed, and the e2e pods' reward functions ran with no network, process or filesystem layer
+    (an egress probe in e2e/test_user_inputs.py reached the head's Ray GCS)."""
+    needs("network", "filesystem")
+    monkeypatch.setenv("HOME", "/tmp")
+    assert "/tmp" in sandbox.default_hidden()
+    layers = sandbox.probe.__wrapped__()  # not the probe cached for this process's own HOME
+    assert layers.complete and layers.bwrap, layers.describe()
+    # and the warning of a partial sandbox names why each kind with bwrap failed, not only the first (bwrap as root
+    # fails as expected in a user namespace, which hid the read-only /tmp of the one that should have run)
+    failed = {"bwrap as root, a fresh uid": "PermissionError: EPERM", "bwrap in a user namespace": "OSError: EROFS",
+              "no bwrap, a fresh uid": "EINVAL"}
+    why = dict(sandbox._missing(sandbox.Layers(None), "/usr/bin/bwrap", failed))["network"]
+    assert "bwrap as root, a fresh uid: PermissionError: EPERM" in why and "user namespace: OSError: EROFS" in why
+
+
 def test_no_network(tmp_path):
     """A connect to a port the test listens on (127.0.0.1), to an outside address, and the interfaces it sees."""
     needs("network")

@@ -208,7 +208,10 @@ def command(argv: Sequence[str], limits: Limits, layers: Layers, *, env: dict[st
     mounts: list[tuple[str, str]] = [(p, "tmp") for p in PRIVATE_TMP]
     exposed = sorted({os.path.normpath(p) for p in (*binds, *needed)})
     for h in sorted({os.path.normpath(p) for p in hidden}):
-        if not any(is_under(h, e) for e in exposed):  # a hidden directory the program's own code lives in stays
+        # A hidden directory the program's own code lives in stays; one inside a private tmp (a job pod's HOME is
+        # its /tmp) is hidden by that fresh tmpfs already, and a read-only one over it would leave the program no
+        # writable /tmp (not even its working directory: every kind of sandbox with bwrap failed to start).
+        if not any(is_under(h, e) for e in exposed) and not any(is_under(h, t) for t in PRIVATE_TMP):
             mounts.append((h, "hide"))
     for e in exposed:
         for root in PRIVATE_TMP:
@@ -425,7 +428,7 @@ def _missing(layers: Layers, bwrap: str | None, failures: dict[str, str]) -> tup
     out: list[tuple[str, str]] = []
     if layers.bwrap is None:
         why = "bwrap is not installed (apt-get install bubblewrap)" if bwrap is None else (
-            tried_bwrap[0] if tried_bwrap else "bwrap failed")
+            "; ".join(tried_bwrap) if tried_bwrap else "bwrap failed")  # each kind: the best one may fail as expected
         out += [("network", why), ("processes", why), ("filesystem", why)]
     if not (layers.other_uid or layers.userns):
         if os.geteuid() == 0:
