@@ -3,6 +3,9 @@ processes — init containers first, each pod in its own network namespace (e2e/
 /tmp, /dev/shm and volumes) and hostname — then writes phase, pod IP and container exit codes back through the
 status subresource, as a kubelet does. A pod that disappears from the API has its processes killed.
 
+Volume mounts honour `subPath` (the directory inside the volume, made when missing as the kubelet makes it) and
+`readOnly`.
+
 It also plays the two cluster add-ons a pod relies on: a volume provisioner (a PersistentVolumeClaim is a directory
 under the harness's work dir that outlives pods) and the data behind cluster DNS (`names`: pods, and headless
 Services' `<service>.<namespace>.svc[.cluster.local]` names -> pod addresses), served by e2e/dns.py and also
@@ -235,6 +238,9 @@ class KubeletDouble:
         (poddir / "tmp").mkdir(parents=True, exist_ok=True)
         try:
             volumes = self._volumes(pod, poddir)
+            for c in [*(spec.get("initContainers") or []), *spec["containers"]]:
+                for m in c.get("volumeMounts") or []:
+                    _sub_path(volumes[m["name"]], m)  # made now, before any container starts, as the kubelet does
         except Exception as err:
             self._status(rp, {**base, "phase": "Failed", "reason": "VolumeError", "message": str(err)})
             return
@@ -316,6 +322,7 @@ class KubeletDouble:
         script = ["set -e", f"hostname {shlex.quote(rp.name)}"]
         for m in c.get("volumeMounts") or []:
             kind, src = volumes[m["name"]]
+            src = _sub_path((kind, src), m)
             target = Path(m["mountPath"])
             if target == Path("/tmp") and kind == "emptyDir":
                 continue  # the pod's private /tmp, bound last below, is this emptyDir
@@ -346,6 +353,32 @@ class KubeletDouble:
         logf.close()
         rp.procs.append(proc)
         return proc
+
+
+def _sub_path(volume: tuple[str, Path], mount: dict) -> Path:
+    """The host directory a volumeMount binds: its volume's, or with `subPath` that directory inside it, created
+    when missing as the kubelet creates it (with the mode of the volume's root). As the kubelet, refuses a subPath
+    that is absolute, climbs ('..') or leads out of the volume through a symlink."""
+    kind, root = volume
+    sub = mount.get("subPath")
+    if not sub:
+        return root
+    if kind not in ("pvc", "emptyDir"):
+        raise ValueError(f"volumeMount {mount['name']}: subPath of a {kind} volume is not emulated")
+    if Path(sub).is_absolute() or ".." in Path(sub).parts:
+        raise ValueError(f"volumeMount {mount['name']}: subPath {sub!r} must be a relative path without '..'")
+    path = root / sub
+    missing, there = [], path
+    while not there.exists():
+        missing.append(there)
+        there = there.parent
+    if root.resolve() not in [there.resolve(), *there.resolve().parents]:
+        raise ValueError(f"volumeMount {mount['name']}: subPath {sub!r} leads out of its volume")
+    mode = root.stat().st_mode & 0o7777
+    for d in reversed(missing):
+        d.mkdir(exist_ok=True)  # the job's other pods start at the same time
+        d.chmod(mode)  # not the umask's: the root's, as the kubelet does
+    return path
 
 
 def _terminated(c: dict, rc: int, message: str = "") -> dict:

@@ -4,10 +4,13 @@ goes, its checkpoint claim stays), and resized: a new job with a pool of one pod
 deleted job's checkpoint on the same claim."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import yaml
 from kube.harness import wait_for
 
 from e2e.helpers import job_variant, live_pod_names, phase
+from e2e.worlds import LocalWorld
 
 STEPS = 80  # long enough (about 30 s here) that the suspend and the delete land mid-run
 
@@ -20,6 +23,17 @@ def _suspend(world, name: str, suspend: bool) -> None:
 def _checkpoint(world, name: str, after: int = 0) -> int:
     return wait_for(lambda: (c := world.kube.status(name).get("lastCheckpointStep", 0)) > after and c, 300,
                     f"{name}: a checkpoint after step {after}")
+
+
+def _mounts(world, pod: str) -> dict[str, tuple[str, set[str]]]:
+    """Mount point -> (the directory of its filesystem it shows, its options) as the pod's running container sees
+    them (the kubelet double's process for it; local world only)."""
+    rp = next(p for p in list(world.kubelet.pods.values()) if p.name == pod and not p.deleted)
+    out = {}
+    for line in Path(f"/proc/{rp.procs[-1].pid}/mountinfo").read_text().splitlines():
+        f = line.split()
+        out[f[4]] = (f[3], set(f[5].split(",")))
+    return out
 
 
 def test_suspend_resume_delete_and_resize_mid_run(world, tmp_path):
@@ -74,6 +88,14 @@ def test_suspend_resume_delete_and_resize_mid_run(world, tmp_path):
     world.kubectl("apply", "--validate=false", "-f", str(manifest))
     wait_for(lambda: phase(world, new) == "Running", 300, f"{new} Running")
     assert len(live_pod_names(world.kube, new)) == 2  # the head and a pool of one
+    if isinstance(world, LocalWorld):  # issue 24 N6: the claim by subPath only, the old job's read-only
+        for pod in live_pod_names(world.kube, new):
+            seen = _mounts(world, pod)
+            own, source = seen["/var/lib/hybridflow/checkpoints/default/" + new], \
+                seen["/var/lib/hybridflow/resume-from/default/" + old]
+            assert own[0].endswith(f"/{old}-checkpoints/default/{new}") and "rw" in own[1], (pod, own)
+            assert source[0].endswith(f"/{old}-checkpoints/default/{old}") and "ro" in source[1], (pod, source)
+            assert "/var/lib/hybridflow/checkpoints" not in seen, pod  # never the whole claim
     wait_for(lambda: phase(world, new) in ("Succeeded", "Failed"), 600, "the resized job's end")
     st = world.kube.status(new)
     assert st["phase"] == "Succeeded", st

@@ -102,6 +102,20 @@ def test_identity_is_recorded_and_restore_refuses_another_job(tmp_path):
     assert str(ckpt) in msg and "team/job-a" in msg and "team/job-b" in msg and "spec.trainer.checkpointDir" in msg
 
 
+def test_resume_from_takes_another_job_of_the_namespace_never_another_namespaces(tmp_path):
+    """Issue 24 N3: trainer.resumeFrom (other_job_ok) opens another job's checkpoint to this one, but only within
+    its namespace (the tenant); the check comes before any weights are read (loop.restore)."""
+    ckpt = _make_for(tmp_path, 1, _ident("job-a", namespace="team-b"))
+    ck.check_compatible(ckpt, _ident("job-c", namespace="team-b"), other_job_ok=True)  # same namespace: resumes
+    for job in ("job-c", "job-a"):  # another namespace's job of any name
+        with pytest.raises(ck.CheckpointError) as err:
+            ck.check_compatible(ckpt, _ident(job, namespace="team-a"), other_job_ok=True)
+        msg = str(err.value)
+        assert msg.startswith("spec.trainer.resumeFrom: ") and str(ckpt) in msg, msg
+        assert "of namespace team-b, not to this job's namespace team-a" in msg, msg
+    ck.check_compatible(ckpt, _ident("job-c", namespace=None), other_job_ok=True)  # `hybridflow run`: no namespace
+
+
 def test_restore_refuses_an_incompatible_model(tmp_path):
     ckpt = _make_for(tmp_path, 1, _ident(hidden=64))
     with pytest.raises(ck.CheckpointError) as err:

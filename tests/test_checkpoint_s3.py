@@ -47,6 +47,13 @@ def test_checkpoints_seal_verify_prune_and_fall_back_on_object_storage(s3_server
     (root / "step_00000006" / "actor" / "__0_0.distcp").write_bytes(b"bit rot")
     path, state = ck.latest_good(root)
     assert path.name == "step_00000004" and state["data_position"] == 32
+    # issue 24 N3: named as another job's trainer.resumeFrom, it is refused to a job of another namespace from its
+    # identity on the store, before any weights are read; a job of its own namespace may resume from it
+    models = _ident()["models"]
+    ck.check_compatible(path, ck.identity("job-2", "ns", models), other_job_ok=True)
+    with pytest.raises(ck.CheckpointError, match=r"spec\.trainer\.resumeFrom: .* of namespace ns, not to this job's "
+                                                 r"namespace team-b"):
+        ck.check_compatible(path, ck.identity("job-2", "team-b", models), other_job_ok=True)
 
     # the step log: in parts (here of 3 records), so that a step's write stays small however long the job runs
     monkeypatch.setattr(ck, "STEP_LOG_PART_RECORDS", 3)

@@ -1,6 +1,7 @@
 """The Helm chart: lint, render over several values combinations, validate every object, check RBAC and security."""
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,14 +24,34 @@ COMBOS = {
                       "--set", "prometheusRule.enabled=false", "--set", "grafana.dashboards.enabled=false"],
     "no-volcano-custom-sa": ["--set", "rbac.volcano=false", "--set", "serviceAccount.name=rlhf-op",
                              "--set", "image.tag=0.2.0", "--set", "nodeSelector.pool=system"],
+    "cluster-wide": ["--set", "clusterWide=true", "--set", "resourceQuota.enabled=true",
+                     "--set", "resourceQuota.namespaces={team-a}"],
+    # every egress value set, the quota on, no scrapers: the operator's policy then admits no ingress at all
+    "egress-quota": ["--set", "watchNamespaces={team-a,team-b}", "--set", "resourceQuota.enabled=true",
+                     "--set-json", 'networkPolicy.objectStore={"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], '
+                                   '"ports": [{"protocol": "TCP", "port": 443}]}',
+                     "--set-json", 'networkPolicy.egressExtra=[{"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}]}]',
+                     "--set-json", 'networkPolicy.operator.livenessFrom=[{"ipBlock": {"cidr": "10.0.0.0/8"}}]',
+                     "--set-json", "networkPolicy.metricsFromNamespaces=[]"],
 }
 
 
-def helm(*args: str) -> str:
+def _helm(*args: str) -> subprocess.CompletedProcess:
     assert Path(HELM).exists(), f"helm not found at {HELM}: run scripts/install-helm.sh (make install does)"
-    out = subprocess.run([HELM, *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([HELM, *args], capture_output=True, text=True, timeout=120)
+
+
+def helm(*args: str) -> str:
+    out = _helm(*args)
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+def helm_refuses(*values: str) -> str:
+    """`helm template` with these values fails: its error message."""
+    out = _helm("template", "rel", str(CHART), "--namespace", "hybridflow", *values)
+    assert out.returncode != 0, "rendered, but should have been refused"
+    return out.stderr
 
 
 def render_chart(combo: str) -> list[dict]:
@@ -98,11 +119,12 @@ def test_operator_service_account_creates_secrets_but_never_reads_them(combo):
 
 def test_volcano_rule_follows_values():
     def groups(docs):
-        return {g for d in docs if d["kind"] == "ClusterRole" for r in d["rules"] for g in r["apiGroups"]}
+        return {g for d in docs if d["kind"] in ("Role", "ClusterRole") for r in d["rules"] for g in r["apiGroups"]}
 
     assert "scheduling.volcano.sh" in groups(render_chart("default"))
+    assert "scheduling.volcano.sh" in groups(render_chart("cluster-wide"))
     custom = render_chart("no-volcano-custom-sa")
-    assert "ClusterRole" in _kinds(custom)  # the rule is absent, not the whole role
+    assert "Role" in _kinds(custom)  # the rule is absent, not the whole role
     assert "scheduling.volcano.sh" not in groups(custom)
 
 
@@ -144,3 +166,232 @@ def test_prometheus_rule_carries_the_alerts_file():
     names = {r["alert"] for g in alerts["groups"] for r in g["rules"]}
     assert names == {"HybridFlowJobFailed", "HybridFlowJobRestartingRepeatedly", "HybridFlowThroughputDropped",
                      "HybridFlowJobStalled"}
+
+
+def _env(docs: list[dict]) -> dict:
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    return {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def _named(docs: list[dict], kind: str, suffix: str) -> dict:
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix))
+
+
+SERVED_DEFAULT = {"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["default"]}]}
+LABELLED = {"matchLabels": {"hybridflow.io/jobs": "enabled"}}
+
+
+def test_the_default_install_is_namespaced_to_default():
+    """Issue 24, a platform reviewer's objection 2: out of the box the operator holds a Role in `default` only: no
+    ClusterRole at all (a namespaced kopf watches no CRDs and lists no namespaces, so nothing cluster-scoped is
+    needed), and every admission binding, the PodMonitor and the operator's own policy look there only."""
+    docs = render_chart("default")
+    assert not {"ClusterRole", "ClusterRoleBinding"} & set(_kinds(docs))
+    assert [(d["kind"], d["metadata"]["namespace"]) for d in docs if d["kind"] in ("Role", "RoleBinding")] == [
+        ("Role", "default"), ("RoleBinding", "default")]
+    env = _env(docs)
+    assert env["HYBRIDFLOW_WATCH_NAMESPACES"] == "default" and "HYBRIDFLOW_NAMESPACE_LABEL" not in env
+    for suffix in ("-job-policy", "-job-children"):
+        assert _named(docs, "ValidatingAdmissionPolicyBinding", suffix)["spec"]["matchResources"] == {
+            "namespaceSelector": SERVED_DEFAULT}, suffix
+    assert _named(docs, "PodMonitor", "")["spec"]["namespaceSelector"] == {"matchNames": ["default"]}
+    heads = _named(docs, "NetworkPolicy", "-operator")["spec"]["egress"][2]["to"]
+    assert [p["namespaceSelector"] for p in heads] == [SERVED_DEFAULT]
+
+
+def test_a_cluster_wide_install_acts_only_in_labelled_namespaces():
+    """clusterWide is explicit, and limited to namespaces labelled hybridflow.io/jobs=enabled: the operator is told
+    the label (and may `get` namespaces, nothing more), the job policy binds there, the operator's head-pod egress
+    goes there; the job-children guard binds everywhere, since the PodMonitor (which cannot select namespaces by
+    label) then looks everywhere."""
+    from hybridflow_operator.policy import NAMESPACE_LABEL, Policy
+
+    docs = render_chart("cluster-wide")
+    assert "Role" not in _kinds(docs) and "RoleBinding" not in _kinds(docs)
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    assert [r for r in role["rules"] if "namespaces" in r["resources"]] == [
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get"]}]
+    env = _env(docs)
+    assert env["HYBRIDFLOW_WATCH_NAMESPACES"] == "" and env["HYBRIDFLOW_NAMESPACE_LABEL"] == NAMESPACE_LABEL
+    policy = Policy.from_env({k: v for k, v in env.items() if v is not None})
+    assert policy.acts_in({"hybridflow.io/jobs": "enabled"}) and not policy.acts_in({}) and not policy.acts_in(None)
+    assert _named(docs, "ValidatingAdmissionPolicyBinding", "-job-policy")["spec"]["matchResources"] == {
+        "namespaceSelector": LABELLED}
+    assert "matchResources" not in _named(docs, "ValidatingAdmissionPolicyBinding", "-job-children")["spec"]
+    assert _named(docs, "PodMonitor", "")["spec"]["namespaceSelector"] == {"any": True}
+    heads = _named(docs, "NetworkPolicy", "-operator")["spec"]["egress"][2]["to"]
+    assert [p["namespaceSelector"] for p in heads] == [LABELLED]
+    assert [(q["metadata"]["namespace"], q["spec"]["hard"]["count/rlhfjobs.hybridflow.io"])
+            for q in docs if q["kind"] == "ResourceQuota"] == [("team-a", "4")]
+
+
+def test_an_install_must_name_its_namespaces_or_choose_cluster_wide():
+    for empty in (["--set-json", "watchNamespaces=[]"], ["--set", "watchNamespaces={}"]):  # the second is [""]
+        err = helm_refuses(*empty)
+        assert "watchNamespaces is empty" in err and "clusterWide=true" in err, (empty, err)
+    assert "names an empty namespace" in helm_refuses("--set", "watchNamespaces={team-a,}")
+    assert "ClusterRole" in _kinds([d for d in yaml.safe_load_all(helm(
+        "template", "rel", str(CHART), "--set-json", "watchNamespaces=[]", "--set", "clusterWide=true")) if d])
+    err = helm_refuses("--set", "clusterWide=true", "--set", "resourceQuota.enabled=true")
+    assert "resourceQuota.namespaces" in err, err
+
+
+@pytest.mark.parametrize("where, values", [
+    ("networkPolicy.egressExtra[0].to[0]", {"networkPolicy": {"egressExtra": [
+        {"to": [{"ipBlock": {"cidr": "169.254.169.254/32"}}], "ports": [{"port": 80}]}]}}),
+    ("networkPolicy.objectStore.to[1]", {"networkPolicy": {"objectStore": {
+        "to": [{"podSelector": {}}, {"ipBlock": {"cidr": "169.254.169.254/32"}}]}}}),
+    ("networkPolicy.dns.to[0]", {"networkPolicy": {"dns": {"to": [{"ipBlock": {"cidr": "169.254.20.10/32"}}]}}}),
+    ("networkPolicy.operator.apiServer.to[0]", {"networkPolicy": {"operator": {"apiServer": {
+        "to": [{"ipBlock": {"cidr": "169.254.169.254/32"}}]}}}}),
+    ("networkPolicy.operator.livenessFrom[0]", {"networkPolicy": {"operator": {"livenessFrom": [
+        {"ipBlock": {"cidr": "fe80::1/128"}}]}}}),
+])
+def test_a_values_file_naming_the_metadata_service_is_refused(tmp_path, where, values):
+    """Issue 24 N4: no egress rule (jobs' or operator's) may reach 169.254.0.0/16 or fe80::/10; helm fails naming
+    the value. The operator refuses the same rules from its environment (policy.Egress.from_env)."""
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    err = helm_refuses("-f", str(path))
+    assert f"{where}.ipBlock.cidr" in err and "link-local" in err, err
+
+
+def test_an_ipblock_around_the_metadata_service_gets_it_as_except():
+    """0.0.0.0/0 (or ::/0, or any block containing a link-local range) is allowed less that range, in the operator's
+    policy as rendered and in the jobs' policies as the operator builds them from the same values."""
+    from hybridflow_operator.policy import Policy
+
+    peers = [{"ipBlock": {"cidr": "0.0.0.0/0"}}, {"ipBlock": {"cidr": "::/0"}},
+             {"ipBlock": {"cidr": "0.0.0.0/0", "except": ["10.0.0.0/8"]}},
+             {"ipBlock": {"cidr": "169.0.0.0/8", "except": ["169.254.0.0/15"]}},  # already held by a wider except
+             {"ipBlock": {"cidr": "10.0.0.0/8"}}, {"namespaceSelector": {}}]
+    docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "--set-json",
+                                               f"networkPolicy.operator.livenessFrom={json.dumps(peers)}",
+                                               "--set-json", f"networkPolicy.egressExtra=[{json.dumps({'to': peers})}]"))
+            if d]
+    expected = [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}},
+                {"ipBlock": {"cidr": "::/0", "except": ["fe80::/10"]}},
+                {"ipBlock": {"cidr": "0.0.0.0/0", "except": ["10.0.0.0/8", "169.254.0.0/16"]}},
+                {"ipBlock": {"cidr": "169.0.0.0/8", "except": ["169.254.0.0/15"]}},
+                {"ipBlock": {"cidr": "10.0.0.0/8"}}, {"namespaceSelector": {}}]
+    op = _named(docs, "NetworkPolicy", "-operator")["spec"]
+    assert op["ingress"][1] == {"from": expected, "ports": [{"protocol": "TCP", "port": 8081}]}
+    assert op["egress"][0]["to"] == [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}}]  # apiServer
+    egress = Policy.from_env({k: v for k, v in _env(docs).items() if v is not None}).egress
+    assert egress.rules(object_storage=False)[-1] == {"to": expected}
+
+
+# (CIDR, what its family's link-local range is to it), as policy.link_local and the chart's hybridflow.linkLocal say
+LINK_LOCAL_TABLE = [
+    ("169.254.169.254/32", "inside"), ("169.254.0.0/16", "inside"), ("169.254.20.10", "inside"),
+    ("169.254.128.0/17", "inside"), ("169.254.0.0/15", "contains"), ("169.252.0.0/14", "contains"),
+    ("169.0.0.0/8", "contains"), ("169.254.1.1/8", "contains"), ("128.0.0.0/1", "contains"),
+    ("0.0.0.0/0", "contains"), ("169.255.0.0/16", "apart"), ("169.253.0.0/16", "apart"), ("10.0.0.0/8", "apart"),
+    ("0.0.0.0/1", "apart"), ("192.168.1.0/24", "apart"), ("fe80::/10", "inside"), ("fe80::1/128", "inside"),
+    ("FEBF:ffff::/32", "inside"), ("fe80::", "inside"), ("fe00::/8", "contains"), ("fe80::/9", "contains"),
+    ("::/0", "contains"), ("8000::/1", "contains"), ("fec0::/10", "apart"), ("2001:db8::/32", "apart"),
+    ("::1/128", "apart"), ("::ffff:169.254.1.1/128", "apart"), ("fc00::/7", "apart"),
+]
+
+
+def test_the_charts_link_local_check_agrees_with_the_operators(tmp_path):
+    """Helm has no address arithmetic: hybridflow.linkLocal compares the leading bits itself. It must say what
+    policy.link_local (Python's ipaddress) says, for both families, or the chart and the operator would disagree on
+    what a value allows."""
+    from hybridflow_operator.policy import PolicyError, link_local
+
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)  # the CRD is a symlink into the repository: copied as a file
+    (chart / "templates" / "zz-link-local.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: link-local}\ndata:\n"
+        "{{- range $i, $c := .Values.linkLocalTable }}\n  c{{ $i }}: {{ include \"hybridflow.linkLocal\" $c | quote }}\n"
+        "{{- end }}\n")
+    cidrs = [c for c, _ in LINK_LOCAL_TABLE]
+    out = yaml.safe_load(helm("template", "rel", str(chart), "--show-only", "templates/zz-link-local.yaml",
+                              "--set-json", f"linkLocalTable={json.dumps(cidrs)}"))["data"]
+    for i, (cidr, verdict) in enumerate(LINK_LOCAL_TABLE):
+        family_range = "fe80::/10" if ":" in cidr else "169.254.0.0/16"
+        assert link_local(cidr) == (verdict, family_range), cidr
+        assert out[f"c{i}"] == f"{verdict} {family_range}", cidr
+    with pytest.raises(PolicyError, match="not a CIDR"):
+        link_local("metadata.google.internal")
+    assert "is not a CIDR" in helm_refuses("--set-json", 'networkPolicy.egressExtra=[{"to": [{"ipBlock": '
+                                                         '{"cidr": "metadata.google.internal"}}]}]')
+
+
+def test_the_pod_monitor_selects_only_pods_labelled_as_a_jobs():
+    """Issue 24 N10: role and managed-by are labels anyone may put on a pod; hybridflow.io/job only the operator
+    may (the job-children policy), so only a job's head is scraped as one."""
+    for combo in ("default", "cluster-wide"):
+        sel = _named(render_chart(combo), "PodMonitor", "")["spec"]["selector"]
+        assert sel["matchExpressions"] == [{"key": "hybridflow.io/job", "operator": "Exists"}], combo
+        assert sel["matchLabels"]["hybridflow.io/role"] == "head"
+
+
+def test_the_operators_network_policy_admits_the_scrapers_and_reaches_the_api_dns_and_job_heads_only():
+    """Issue 24 N11: the operator's metrics name every tenant's namespaces, jobs and phases: only
+    metricsFromNamespaces may reach that port (and nothing else of the pod); its egress is the API server, DNS and
+    the jobs' head pods on their port named metrics, which each job's head declares whatever spec.metrics.port is."""
+    from hybridflow.spec import parse_job
+    from hybridflow_operator import manifests as mf
+
+    docs = render_chart("default")
+    np = _named(docs, "NetworkPolicy", "-operator")
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert np["metadata"]["namespace"] == "hybridflow"
+    assert np["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert np["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    (metrics_port,) = [p["containerPort"] for p in dep["spec"]["template"]["spec"]["containers"][0]["ports"]
+                       if p["name"] == "metrics"]
+    assert np["spec"]["ingress"] == [{"from": [{"namespaceSelector": {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["monitoring"]}]}}],
+        "ports": [{"protocol": "TCP", "port": metrics_port}]}]
+    api, dns, heads = np["spec"]["egress"]
+    assert api == {"to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}}],
+                   "ports": [{"protocol": "TCP", "port": 443}, {"protocol": "TCP", "port": 6443}]}
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert dns == values["networkPolicy"]["dns"]
+    assert heads == {"to": [{"namespaceSelector": SERVED_DEFAULT, "podSelector": {
+        "matchLabels": {"hybridflow.io/role": "head"},
+        "matchExpressions": [{"key": "hybridflow.io/job", "operator": "Exists"}]}}],
+        "ports": [{"protocol": "TCP", "port": "metrics"}]}
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-grpo.yaml").read_text())
+    doc["spec"]["metrics"] = {"port": 9123}
+    doc["metadata"] = {"name": "tiny-grpo", "namespace": "default", "uid": "u"}
+    head = next(p for p in mf.gang_pods(doc, parse_job(doc), 0) if p["metadata"]["labels"][mf.LABEL_ROLE] == "head")
+    assert {"name": "metrics", "containerPort": 9123} in head["spec"]["containers"][0]["ports"]
+    assert _named(render_chart("egress-quota"), "NetworkPolicy", "-operator")["spec"]["ingress"] == [
+        {"from": [{"ipBlock": {"cidr": "10.0.0.0/8"}}], "ports": [{"protocol": "TCP", "port": 8081}]}]  # no scrapers
+    bare = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "--set-json",
+                                               "networkPolicy.metricsFromNamespaces=[]")) if d]
+    assert _named(bare, "NetworkPolicy", "-operator")["spec"]["ingress"] == []  # admits nothing
+    off = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "--set",
+                                              "networkPolicy.operator.enabled=false")) if d]
+    assert "NetworkPolicy" not in _kinds(off)
+
+
+@pytest.mark.parametrize("combo", ["default", "no-volcano-custom-sa"])
+def test_the_operators_requests_have_a_flow_schema_and_priority_level_of_their_own(combo):
+    """Issue 24 N8: API Priority and Fairness for the operator's ServiceAccount (whatever its name), its flows told
+    apart by namespace; on by default, off with flowSchema.enabled=false."""
+    docs = render_chart(combo)
+    sa = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]
+    (flow,) = [d for d in docs if d["kind"] == "FlowSchema"]
+    (level,) = [d for d in docs if d["kind"] == "PriorityLevelConfiguration"]
+    for doc in (flow, level):
+        assert doc["apiVersion"] == "flowcontrol.apiserver.k8s.io/v1"
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+    assert flow["spec"]["priorityLevelConfiguration"]["name"] == level["metadata"]["name"]
+    assert flow["spec"]["distinguisherMethod"] == {"type": "ByNamespace"}
+    assert 800 < flow["spec"]["matchingPrecedence"] < 9000  # after the system schemas, before service-accounts
+    (rule,) = flow["spec"]["rules"]
+    assert rule["subjects"] == [{"kind": "ServiceAccount", "serviceAccount": {"name": sa["name"],
+                                                                              "namespace": "hybridflow"}}]
+    assert rule["resourceRules"] == [{"apiGroups": ["*"], "resources": ["*"], "verbs": ["*"], "clusterScope": True,
+                                      "namespaces": ["*"]}]
+    assert level["spec"]["type"] == "Limited" and level["spec"]["limited"]["limitResponse"]["type"] == "Queue"
+    off = yaml.safe_load_all(helm("template", "rel", str(CHART), "--namespace", "hybridflow", *COMBOS[combo],
+                                  "--set", "flowSchema.enabled=false"))
+    assert not [d for d in off if d and d["kind"] in ("FlowSchema", "PriorityLevelConfiguration")]

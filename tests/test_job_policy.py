@@ -61,15 +61,17 @@ def _py(m) -> dict:
 
 
 def admitted(vap: dict, doc: dict, authorizer: AuthorizerDouble | None = None, namespace: str = "ml",
-             old: dict | None = None, user: str = "alice") -> bool:
+             old: dict | None = None, user: str = "alice", namespace_labels: dict | None = None) -> bool:
     """The API server's verdict: the policy's variables, then every validation, evaluated as CEL."""
-    return not refusals(vap, doc, authorizer, namespace, old, user)
+    return not refusals(vap, doc, authorizer, namespace, old, user, namespace_labels)
 
 
 def refusals(vap: dict, doc: dict, authorizer: AuthorizerDouble | None = None, namespace: str = "ml",
-             old: dict | None = None, user: str = "alice") -> list[str]:
+             old: dict | None = None, user: str = "alice", namespace_labels: dict | None = None) -> list[str]:
     """The message (or messageExpression) of every validation that refuses the request: CREATE, or an UPDATE of
-    `old` when given. A request of an operation the policy does not match is not judged at all."""
+    `old` when given. A request of an operation the policy does not match, or one that a matchCondition leaves
+    out, is not judged at all. `namespaceObject` is the request's namespace with `namespace_labels` (plus the
+    kubernetes.io/metadata.name label every namespace carries)."""
     operation = "CREATE" if old is None else "UPDATE"
     if not any(operation in rule["operations"] for rule in vap["spec"]["matchConstraints"]["resourceRules"]):
         return []
@@ -78,7 +80,12 @@ def refusals(vap: dict, doc: dict, authorizer: AuthorizerDouble | None = None, n
     activation = {"object": celpy.json_to_cel(doc), "oldObject": celpy.json_to_cel(old),
                   "request": celpy.json_to_cel({"namespace": namespace, "userInfo": {"username": user},
                                                 "operation": operation}),
+                  "namespaceObject": celpy.json_to_cel({"metadata": {"name": namespace, "labels": {
+                      "kubernetes.io/metadata.name": namespace, **(namespace_labels or {})}}}),
                   "authorizer": _cel_map({})}
+    for condition in vap["spec"].get("matchConditions", []):
+        if not bool(cel.program(cel.compile(condition["expression"]), functions=functions).evaluate(activation)):
+            return []
     variables = celpy.celtypes.MapType()  # in order: a variable may use those before it
     for v in vap["spec"].get("variables", []):
         activation["variables"] = variables
@@ -283,3 +290,109 @@ def test_the_operators_own_updates_and_a_suspend_are_never_refused(charts):
     higher = _job(PINNED, **{"runPolicy.priorityClassName": "system-node-critical"})
     assert refusals(vap, higher, old=PINNED) == [
         "spec.runPolicy.priorityClassName is not allowed (chart value jobPolicy.allowedPriorityClasses)"]
+
+
+def _operator_pods_policy(values: list[str]) -> dict:
+    docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "--namespace", "hf", *values)) if d]
+    assert not [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"
+                and d["metadata"]["name"].endswith("-operator-pods") and "matchResources" in d["spec"]], \
+        "bound in every namespace: a binding's selector could only leave namespaces unjudged"
+    return next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"
+                and d["metadata"]["name"].endswith("-operator-pods"))
+
+
+def _job_pods(doc: dict, namespace: str = "default") -> list[dict]:
+    """The pods the operator creates for this job (manifests.gang_pods, as in its reconcile)."""
+    from hybridflow_operator import manifests as mf
+
+    raw = copy.deepcopy(doc)
+    raw["metadata"] = {"name": raw["metadata"]["name"], "namespace": namespace, "uid": "1234-abcd"}
+    return mf.gang_pods(raw, parse_job(copy.deepcopy(raw)), 0)
+
+
+TINY_EXAMPLE = yaml.safe_load((ROOT / "examples" / "tiny-grpo.yaml").read_text())
+
+
+def _changed(pod: dict, change) -> dict:
+    out = copy.deepcopy(pod)
+    change(out)
+    return out
+
+
+POD_REFUSALS = {  # what a compromised operator might create -> the refusal that names it
+    "image elsewhere": (lambda p: p["spec"]["containers"][0].update(image="docker.io/someone/miner:1"),
+                        "image docker.io/someone/miner:1 is not under an allowed prefix"),
+    "init container elsewhere": (lambda p: p["spec"].setdefault("initContainers", []).append(
+        {"name": "fetch", "image": "busybox:1"}), "container fetch: image busybox:1"),
+    "token automounted": (lambda p: p["spec"].update(automountServiceAccountToken=True),
+                          "spec.automountServiceAccountToken must be false"),
+    "token by default": (lambda p: p["spec"].pop("automountServiceAccountToken"),
+                         "spec.automountServiceAccountToken must be false"),
+    "hostPath": (lambda p: p["spec"]["volumes"].append({"name": "root", "hostPath": {"path": "/"}}),
+                 "spec.volumes[root]: job pods mount ConfigMaps, PersistentVolumeClaims and emptyDirs only"),
+    "a Secret volume": (lambda p: p["spec"]["volumes"].append({"name": "s", "secret": {"secretName": "x"}}),
+                        "spec.volumes[s]"),
+    "other ServiceAccount": (lambda p: p["spec"].update(serviceAccountName="cluster-admin-sa"),
+                             "spec.serviceAccountName cluster-admin-sa is not allowed"),
+    "hostNetwork": (lambda p: p["spec"].update(hostNetwork=True), "the node's network, PID or IPC namespace"),
+    "hostPID": (lambda p: p["spec"].update(hostPID=True), "the node's network, PID or IPC namespace"),
+    "hostPort": (lambda p: p["spec"]["containers"][0]["ports"].append({"containerPort": 22, "hostPort": 22}),
+                 "or its ports"),
+    "privileged": (lambda p: p["spec"]["containers"][0]["securityContext"].update(privileged=True),
+                   "may not be privileged"),
+    "not a job's": (lambda p: p["metadata"]["labels"].pop("hybridflow.io/job"), "the operator creates job pods only"),
+    "owned by no job": (lambda p: p["metadata"].pop("ownerReferences"), "the operator creates job pods only"),
+}
+
+
+@pytest.fixture(scope="module")
+def operator_pods():
+    return {"default": _operator_pods_policy([]),
+            "cluster-wide": _operator_pods_policy(["--set", "clusterWide=true"]),
+            "open": _operator_pods_policy(OPEN)}
+
+
+def test_the_operators_own_pods_pass_its_pod_policy(operator_pods):
+    """Issue 24, objection 2: the pods the operator really creates (every pod of the examples) are admitted, in the
+    namespaces it serves; under open values a job's allowed ServiceAccount and pinned image too."""
+    vap = operator_pods["default"]
+    for example in (TINY_EXAMPLE, TINY):
+        pods = _job_pods(example)
+        assert len(pods) >= 2
+        for pod in pods:
+            assert refusals(vap, pod, namespace="default", user=OPERATOR) == [], pod["metadata"]["name"]
+    pinned = _job(PINNED, **{"kubernetes.serviceAccountName": "trainer"})
+    for pod in _job_pods(pinned):
+        assert pod["spec"]["serviceAccountName"] == "trainer"
+        assert refusals(operator_pods["open"], pod, namespace="default", user=OPERATOR) == []
+        assert not admitted(vap, pod, namespace="default", user=OPERATOR)  # the default values allow neither
+    for pod in _job_pods(TINY_EXAMPLE, "team-a"):
+        assert refusals(operator_pods["cluster-wide"], pod, namespace="team-a", user=OPERATOR,
+                        namespace_labels={"hybridflow.io/jobs": "enabled"}) == []
+
+
+@pytest.mark.parametrize("case", list(POD_REFUSALS))
+def test_a_pod_the_operator_should_never_create_is_refused(operator_pods, case):
+    change, message = POD_REFUSALS[case]
+    head = _job_pods(TINY_EXAMPLE)[0]
+    bad = _changed(head, change)
+    for combo, labels in (("default", None), ("cluster-wide", {"hybridflow.io/jobs": "enabled"})):
+        found = refusals(operator_pods[combo], bad, namespace="default", user=OPERATOR, namespace_labels=labels)
+        assert len(found) == 1 and message in found[0], (combo, found)
+        assert refusals(operator_pods[combo], bad, namespace="default", user="alice", namespace_labels=labels) == [], \
+            "other users' pods are not this policy's business (Pod Security admission judges them)"
+
+
+def test_the_operator_creates_pods_only_in_the_namespaces_it_serves(operator_pods):
+    """A namespaced install: its watchNamespaces; a cluster-wide one: the labelled namespaces only, even though its
+    ClusterRole would let it create pods anywhere."""
+    pod = _job_pods(TINY_EXAMPLE, "kube-system")[0]
+    assert refusals(operator_pods["default"], pod, namespace="kube-system", user=OPERATOR) == [
+        "the operator may not create pods in namespace kube-system: it serves default only (chart value "
+        "watchNamespaces)"]
+    assert refusals(operator_pods["cluster-wide"], pod, namespace="kube-system", user=OPERATOR) == [
+        "the operator may not create pods in namespace kube-system: it serves only namespaces labelled "
+        "hybridflow.io/jobs=enabled (kubectl label namespace kube-system hybridflow.io/jobs=enabled)"]
+    assert not admitted(operator_pods["cluster-wide"], pod, namespace="kube-system", user=OPERATOR,
+                        namespace_labels={"hybridflow.io/jobs": "disabled"})
+    assert admitted(operator_pods["cluster-wide"], pod, namespace="kube-system", user="system:serviceaccount:x:y")

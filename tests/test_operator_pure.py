@@ -2,6 +2,7 @@
 import base64
 import datetime as dt
 import json
+import re
 from pathlib import Path
 
 import kubernetes_validate
@@ -111,7 +112,8 @@ def test_network_policy_admits_the_jobs_pods_and_the_scrapers_metrics_port_only(
     raw = _raw("tiny-grpo.yaml")
     np = next(o for o in _all_manifests(raw) if o["kind"] == "NetworkPolicy")
     spec = np["spec"]
-    assert spec["podSelector"] == {"matchLabels": {mf.LABEL_JOB: "tiny-grpo"}} and spec["policyTypes"] == ["Ingress"]
+    assert spec["podSelector"] == {"matchLabels": {mf.LABEL_JOB: "tiny-grpo"}}
+    assert spec["policyTypes"] == ["Ingress", "Egress"]  # egress: test_job_egress_... below
     own, scrapers = spec["ingress"]
     assert own == {"from": [{"podSelector": {"matchLabels": {mf.LABEL_JOB: "tiny-grpo"}}}]}  # every port, own pods
     assert scrapers["ports"] == [{"protocol": "TCP", "port": 8000}]
@@ -520,7 +522,7 @@ def test_checkpoint_secret_reaches_the_head_and_every_pool_pod_by_reference():
             assert len(c["env"]) == len(env), "no variable is set twice"
             assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "tiny-grpo-ray-token"
         for c in pod["spec"].get("initContainers", []):
-            assert not [e for e in c["env"] if e["name"].startswith("AWS_")]  # waiting for the head needs none
+            assert not _aws_credentials(c)  # waiting for the head needs none
         assert not [v for v in pod["spec"]["volumes"] if "secret" in v]  # by reference, never mounted or copied
         assert _restricted_problems(pod) == []
     assert [o["metadata"]["name"] for o in objs if o["kind"] == "Secret"] == ["tiny-grpo-ray-token"]
@@ -530,12 +532,30 @@ def test_checkpoint_secret_reaches_the_head_and_every_pool_pod_by_reference():
             kubernetes_validate.validate(pod, version, strict=True)
 
 
+def _aws_credentials(container: dict) -> list[dict]:
+    return [e for e in container["env"] if e["name"].startswith("AWS_") and e["name"] != "AWS_EC2_METADATA_DISABLED"]
+
+
 def test_no_credentials_without_a_checkpoint_secret():
     for example in ("tiny-grpo.yaml", "gpu-grpo-7b.yaml"):
         for pod in _pods(_all_manifests(_raw(example))):
             for c in pod["spec"]["containers"] + pod["spec"].get("initContainers", []):
                 assert "envFrom" not in c, (example, pod["metadata"]["name"], c["name"])
-                assert not [e for e in c["env"] if e["name"].startswith("AWS_")], (example, c["name"])
+                assert not _aws_credentials(c), (example, c["name"])
+
+
+@pytest.mark.parametrize("example, k8s", [("tiny-grpo.yaml", {}), ("gpu-grpo-7b.yaml", {}),
+                                          ("tiny-grpo.yaml", {"checkpointSecret": "team-s3"})])
+def test_no_job_container_asks_the_instance_metadata_service_for_credentials(example, k8s):
+    """Issue 24 N3: only kubernetes.checkpointSecret's credentials reach a job; the AWS SDKs in its pods must not
+    fall back to the node's instance role (its NetworkPolicy also denies egress to 169.254.0.0/16)."""
+    raw = _raw(example, kubernetes={**_raw(example)["spec"].get("kubernetes", {}), **k8s})
+    containers = [c for pod in _pods(_all_manifests(raw))
+                  for c in pod["spec"]["containers"] + pod["spec"].get("initContainers", [])]
+    assert len(containers) >= 3
+    for c in containers:
+        assert {"name": "AWS_EC2_METADATA_DISABLED", "value": "true"} in c["env"], c["name"]
+        assert [e["name"] for e in c["env"]].count("AWS_EC2_METADATA_DISABLED") == 1, c["name"]
 
 
 @pytest.mark.parametrize("checkpoint_dir, expected", [
@@ -581,7 +601,8 @@ def test_editing_an_object_storage_checkpoint_dir_on_a_live_job_is_a_spec_change
 
     def job(checkpoint_dir: str, **k8s):
         trainer = {**_raw("tiny-grpo.yaml")["spec"]["trainer"], "checkpointDir": checkpoint_dir}
-        return parse_job(_raw("tiny-grpo.yaml", trainer=trainer, kubernetes={"checkpointPvc": "ck", **k8s}))
+        return parse_job(_raw("tiny-grpo.yaml", trainer=trainer, kubernetes={"checkpointPvc": "ck",
+                                                                            "checkpointSecret": "team-s3", **k8s}))
 
     accepted = mf.resolved_job(job("s3://bucket/runs"))
     live = mf.resolved_job(job(live_dir))
@@ -599,25 +620,204 @@ def test_checkpoint_url_refuses_names_that_would_leave_the_prefix():
     assert mf.is_url("s3://b") and mf.is_url("gs://b/x")
 
 
-CK = mf.CHECKPOINT_MOUNT
+CK, RM = mf.CHECKPOINT_MOUNT, mf.RESUME_MOUNT
+
+
+def _ran(objs: list[dict]):
+    """The spec the pods run: the ConfigMap's."""
+    return parse_job(json.loads(next(o for o in objs if o["kind"] == "ConfigMap")["data"][mf.SPEC_KEY]))
+
+
+def _claim_mounts(objs: list[dict], volume: str) -> list[list[dict]]:
+    """Per pod (container and init containers), the mounts of `volume`, each pod validated strictly."""
+    out = []
+    for pod in _pods(objs):
+        for version in (K8S_VERSIONS[0], K8S_VERSIONS[-1]):
+            kubernetes_validate.validate(pod, version, strict=True)
+        for c in pod["spec"]["containers"] + pod["spec"].get("initContainers", []):
+            out.append([m for m in c.get("volumeMounts", []) if m["name"] == volume])
+    return out
+
+
+def _with_trainer(example: str = "tiny-grpo.yaml", kubernetes: dict | None = None, **trainer) -> dict:
+    return _raw(example, trainer={**_raw(example)["spec"]["trainer"], **trainer},
+                kubernetes={**_raw(example)["spec"].get("kubernetes", {}), **(kubernetes or {})})
+
+
+@pytest.mark.parametrize("resume_from, source", [
+    ("tiny-grpo-2pods", "ml/tiny-grpo-2pods"),  # the old job's newest intact checkpoint
+    ("tiny-grpo-2pods/step_00000006", "ml/tiny-grpo-2pods/step_00000006"),
+    (f"{CK}/ml/tiny-grpo-2pods", "ml/tiny-grpo-2pods"),  # as the whole claim was once mounted: the same checkpoint
+    (f"{RM}/ml/tiny-grpo-2pods/", "ml/tiny-grpo-2pods"),  # already resolved: kept
+])
+def test_resume_from_names_a_checkpoint_of_this_namespace_on_the_claim(resume_from, source):
+    """How a job is resized: a new job (another pool size or tensorParallel) resumes from the old one's checkpoint
+    in this namespace's directory on the shared claim. Issue 24 N6: the claim is never mounted whole; the job's own
+    directory read-write, the source read-only by its own subPath, each where the spec the pods run names it."""
+    objs = _all_manifests(_with_trainer(resumeFrom=resume_from, kubernetes={"checkpointPvc": "ck"}))
+    ran = _ran(objs)
+    assert ran.spec.trainer.resume_from == f"{RM}/{source}"
+    assert ran.spec.trainer.checkpoint_dir == f"{CK}/ml/tiny-grpo"
+    assert mf.resolved_job(ran) == ran
+    mounts = _claim_mounts(objs, "checkpoints")
+    assert len(mounts) >= 3  # the head's controller, the worker, the worker's init container
+    for per_container in mounts:
+        if not per_container:
+            continue  # an init container that only waits for the head
+        assert per_container == [
+            {"name": "checkpoints", "mountPath": f"{CK}/ml/tiny-grpo", "subPath": "ml/tiny-grpo"},
+            {"name": "checkpoints", "mountPath": f"{RM}/{source}", "subPath": source, "readOnly": True}]
+    assert sum(1 for m in mounts if m) >= 2
+
+
+def test_the_checkpoint_claim_is_mounted_by_the_jobs_own_subpath_only():
+    """Issue 24 N6: job A cannot reach job B's step_N on a shared claim; without resumeFrom only the job's own
+    `<namespace>/<job>` directory of it is in the pods, read-write; the claim volume itself is unchanged."""
+    objs = _all_manifests(_with_trainer(kubernetes={"checkpointPvc": "ck"}))
+    mounts = [m for per in _claim_mounts(objs, "checkpoints") for m in per]
+    assert mounts and all(m == {"name": "checkpoints", "mountPath": f"{CK}/ml/tiny-grpo", "subPath": "ml/tiny-grpo"}
+                          for m in mounts)
+    for pod in _pods(objs):
+        assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ck"}} in pod["spec"]["volumes"]
+
+
+@pytest.mark.parametrize("resume_from", [
+    f"{CK}/other-team/their-job",  # another namespace's, as the whole claim was once mounted
+    f"{RM}/other-team/their-job",
+    "other-team/their-job",  # <job>/<something> that is not one of its checkpoints
+    "tiny-grpo-2pods/step_6",
+    "tiny-grpo-2pods/step_00000006/actor",
+    "/etc/hybridflow",  # elsewhere in the pod
+    "Not-A-Job",
+])
+def test_resume_from_outside_this_namespace_on_the_claim_is_refused(resume_from):
+    """Issue 24 N3/N6: before, another namespace's path was nested under this one's (a checkpoint that is not
+    there); now the job is refused, naming the field and what to give instead."""
+    raw = _with_trainer(resumeFrom=resume_from, kubernetes={"checkpointPvc": "ck"})
+    with pytest.raises(SpecError, match=r"spec\.trainer\.resumeFrom: .* is not a checkpoint of namespace ml on "
+                                        r"kubernetes\.checkpointPvc 'ck'; name a job of this namespace"):
+        _all_manifests(raw)
 
 
 @pytest.mark.parametrize("resume_from, expected", [
-    ("tiny-grpo-2pods", f"{CK}/ml/tiny-grpo-2pods"),  # the old job's newest intact checkpoint
-    ("tiny-grpo-2pods/step_00000006", f"{CK}/ml/tiny-grpo-2pods/step_00000006"),
-    (f"{CK}/ml/tiny-grpo-2pods", f"{CK}/ml/tiny-grpo-2pods"),  # already resolved: kept
-    (f"{CK}/other-team/their-job", f"{CK}/ml{CK}/other-team/their-job"),  # never another namespace's
-    ("s3://bucket/runs/ml/tiny-grpo-2pods", "s3://bucket/runs/ml/tiny-grpo-2pods"),
+    ("old-job", "s3://bucket/runs/ml/old-job"),
+    ("old-job/step_00000002", "s3://bucket/runs/ml/old-job/step_00000002"),
+    ("s3://bucket/runs/ml/old-job", "s3://bucket/runs/ml/old-job"),
+    ("s3://bucket/runs/ml/old-job/step_00000002/", "s3://bucket/runs/ml/old-job/step_00000002"),
 ])
-def test_resume_from_names_a_checkpoint_of_this_namespace_on_the_claim(resume_from, expected):
-    """How a job is resized: a new job (another pool size or tensorParallel) resumes from the old one's checkpoint,
-    which is inside this namespace's directory on the shared claim, whatever the path says."""
-    trainer = {**_raw("tiny-grpo.yaml")["spec"]["trainer"], "resumeFrom": resume_from}
-    raw = _raw("tiny-grpo.yaml", trainer=trainer, kubernetes={"checkpointPvc": "ck"})
-    objs = _all_manifests(raw)
-    ran = parse_job(json.loads(next(o for o in objs if o["kind"] == "ConfigMap")["data"][mf.SPEC_KEY]))
-    assert ran.spec.trainer.resume_from == expected
+def test_resume_from_on_object_storage_resolves_under_the_base_prefix_and_namespace(resume_from, expected):
+    objs = _all_manifests(_with_trainer(checkpointDir="s3://bucket/runs", resumeFrom=resume_from,
+                                        kubernetes={"checkpointSecret": "team-s3"}))
+    ran = _ran(objs)
+    assert (ran.spec.trainer.checkpoint_dir, ran.spec.trainer.resume_from) == ("s3://bucket/runs/ml/tiny-grpo",
+                                                                                 expected)
     assert mf.resolved_job(ran) == ran
+    assert not [m for per in _claim_mounts(objs, "checkpoints") for m in per]  # no claim: nothing mounted
+
+
+@pytest.mark.parametrize("resume_from", [
+    "s3://bucket/runs/team-b/job",  # another namespace's, the attack of issue 24 N3
+    "s3://bucket/runs/team-b/job/step_00000002",
+    "s3://other-bucket/runs/ml/old-job",  # another bucket
+    "s3://bucket/elsewhere/ml/old-job",  # another prefix
+    "s3://bucket/runs/ml/old-job/../../team-b/job",
+    "gs://bucket/runs/ml/old-job",
+    "s3://bucket/runs/ml",
+])
+def test_resume_from_another_namespace_on_object_storage_is_refused(resume_from):
+    raw = _with_trainer(checkpointDir="s3://bucket/runs", resumeFrom=resume_from,
+                        kubernetes={"checkpointSecret": "team-s3"})
+    with pytest.raises(SpecError, match=r"spec\.trainer\.resumeFrom: .* is not a checkpoint of namespace ml under "
+                                        r"s3://bucket/runs/ml/; .* or a URL under s3://bucket/runs/ml/"):
+        mf.resolved_job(parse_job(raw))
+
+
+def test_resume_from_on_object_storage_needs_a_checkpoint_dir_there():
+    raw = _with_trainer(resumeFrom="s3://bucket/runs/ml/old-job",
+                        kubernetes={"checkpointPvc": "ck", "checkpointSecret": "team-s3"})
+    with pytest.raises(SpecError, match=r"spec\.trainer\.resumeFrom: .* is on object storage, but "
+                                        r"spec\.trainer\.checkpointDir is not"):
+        mf.resolved_job(parse_job(raw))
+
+
+@pytest.mark.parametrize("trainer", [{"checkpointDir": "s3://bucket/runs"},
+                                     {"checkpointDir": "az://container/runs", "resumeFrom": "old-job"},
+                                     {"resumeFrom": "s3://bucket/runs/ml/old-job"}])
+def test_object_storage_without_a_checkpoint_secret_is_refused(trainer):
+    """Issue 24 N3: without the job's own credentials the SDKs would use the node's cloud identity."""
+    raw = _with_trainer(**trainer)
+    with pytest.raises(SpecError, match=r"spec\.kubernetes\.checkpointSecret: spec\.trainer\.(checkpointDir|"
+                                        r"resumeFrom) '.*' is on object storage, and no Secret gives the pods"):
+        mf.resolved_job(parse_job(raw))
+
+
+def test_model_claim_is_mounted_read_only_by_each_models_subpath():
+    """Issue 24 N6: kubernetes.modelPvc shows the pods the directories the spec names, not the claim's others."""
+    objs = _all_manifests(_raw("gpu-grpo-7b.yaml"))
+    mounts = [m for per in _claim_mounts(objs, "models") for m in per]
+    assert mounts and all(m == {"name": "models", "mountPath": "/models/Qwen2-7B-Instruct", "readOnly": True,
+                                "subPath": "Qwen2-7B-Instruct"} for m in mounts)
+    # a path relative to the claim, and one model inside another's directory (seen through the outer mount)
+    models = {"actor": {"source": "path", "path": "team/base"},
+              "reward": {"type": "model", "model": {"source": "path", "path": "/models/team/base/rm"}}}
+    raw = _raw("gpu-grpo-7b.yaml", models=models)
+    ran = _ran(objs := _all_manifests(raw))
+    assert (ran.spec.models.actor.path, ran.spec.models.reward.model.path) == ("/models/team/base",
+                                                                              "/models/team/base/rm")
+    assert {m["subPath"] for per in _claim_mounts(objs, "models") for m in per} == {"team/base"}
+
+
+@pytest.mark.parametrize("path", ["/opt/models/x", "/models/../etc", "team/../../etc"])
+def test_a_model_path_off_the_model_claim_is_refused(path):
+    raw = _raw("gpu-grpo-7b.yaml", models={"actor": {"source": "path", "path": path}})
+    with pytest.raises(SpecError, match=r"spec\.models\.actor\.path: with kubernetes\.modelPvc, give the model's "
+                                        r"directory on that claim"):
+        mf.resolved_job(parse_job(raw))
+
+
+@pytest.mark.parametrize("cache_dir, expected", [
+    ("prompt-cache", "/tmp/prompt-cache"),  # relative: the pod's scratch
+    ("/tmp/x", "/tmp/x"),
+    (f"{CK}/ml/tiny-grpo/cache", f"{CK}/ml/tiny-grpo/cache"),  # inside the job's own directory on the claim
+    (f"{CK}/ml/other-job/cache", None),  # another job's directory
+    ("/etc/hybridflow/cache", None),
+    ("/tmp/../etc", None),
+])
+def test_cache_dir_is_confined_to_the_jobs_own_directories(cache_dir, expected):
+    raw = _with_trainer(kubernetes={"checkpointPvc": "ck"})
+    raw["spec"]["data"] = {**raw["spec"]["data"], "cacheDir": cache_dir}
+    if expected is None:
+        with pytest.raises(SpecError, match=r"spec\.data\.cacheDir: .* is outside this job's own directories"):
+            mf.resolved_job(parse_job(raw))
+        return
+    ran = _ran(objs := _all_manifests(raw))
+    assert ran.spec.data.cache_dir == expected and mf.resolved_job(ran) == ran
+    _claim_mounts(objs, "checkpoints")  # the pods validate
+
+
+def test_an_accepted_job_is_compared_resolved_and_an_edit_it_may_not_have_is_only_ignored():
+    """A spec accepted by an older operator (resumeFrom below the whole claim's mount, a relative cacheDir) is the
+    same job, not an edit; once accepted, an edit naming another namespace's checkpoint or object storage without
+    credentials is a change to ignore (the job keeps running), not a SpecError that fails it."""
+    from hybridflow_operator.handlers import _accepted_job
+
+    def job(**trainer):
+        raw = _with_trainer(kubernetes={"checkpointPvc": "ck"}, **trainer)
+        raw["spec"]["data"] = {**raw["spec"]["data"], "cacheDir": "prompt-cache"}
+        return raw, parse_job(raw)
+
+    raw, live = job(resumeFrom="tiny-grpo-2pods")
+    _, old = job(checkpointDir=f"{CK}/ml/tiny-grpo", resumeFrom=f"{CK}/ml/tiny-grpo-2pods")
+    memo = {"accepted": old}
+    accepted, changed = _accepted_job(live, raw, "1234-abcd", {}, memo)
+    assert accepted == old and not changed
+    for edit in ({"resumeFrom": "s3://bucket/runs/team-b/job"}, {"resumeFrom": f"{CK}/team-b/job"},
+                 {"checkpointDir": "s3://bucket/runs"}):
+        _, edited = job(**edit)
+        with pytest.raises(SpecError):
+            mf.resolved_job(edited)  # refused at acceptance
+        accepted, changed = _accepted_job(edited, raw, "1234-abcd", {}, memo)
+        assert accepted == old and changed, edit
 
 
 def test_resume_from_may_not_climb_out_of_its_directory():
@@ -748,3 +948,127 @@ def test_a_reward_copy_is_used_only_when_it_is_the_jobs_and_remade_only_from_the
     world(**{"ConfigMap:my-reward": {**marked, "data": {key: "import os\n"}}})  # ... never from an edited one
     with pytest.raises(SpecError, match="no longer holds the file accepted"):
         handlers._reward_to_copy(raw, job, status, None)
+
+
+def _resting_job(**run_policy):
+    return parse_job(_raw("tiny-grpo.yaml", runPolicy={"backoffLimit": 2, **run_policy}))
+
+
+def _cond(ctype: str, value: str) -> dict:
+    return {"type": ctype, "status": value, "reason": "r", "message": "m", "lastTransitionTime": iso(NOW)}
+
+
+def test_a_job_rests_only_when_nothing_of_its_own_can_move_it():
+    """Issue 24 N8: what a tick may skip. Suspended and finished jobs wait for a change (or their TTL); a job waiting
+    for a missing input or refused by the API server looks again with a backoff, never past its deadline; every
+    active phase counts each tick."""
+    from hybridflow_operator.phases import Rest, resting
+
+    done = iso(NOW - dt.timedelta(seconds=30))
+    assert resting(_resting_job(suspend=True), {"phase": "Suspended"}, NOW) == Rest("suspended", None)
+    assert resting(_resting_job(suspend=False), {"phase": "Suspended"}, NOW) is None  # being resumed
+    assert resting(_resting_job(suspend=True), {"phase": "Suspending"}, NOW) is None  # pods still to delete
+    assert resting(_resting_job(), {"phase": "Succeeded", "completionTime": done}, NOW) == Rest("finished", None)
+    assert resting(_resting_job(ttlSecondsAfterFinished=100), {"phase": "Failed", "completionTime": done},
+                   NOW) == Rest("ttl", 70.0)
+    assert resting(_resting_job(ttlSecondsAfterFinished=10), {"phase": "Succeeded", "completionTime": done},
+                   NOW) == Rest("ttl", 0.0)  # due: the next tick deletes it
+    assert resting(None, {"phase": "Failed"}, NOW) == Rest("finished", None)  # an invalid spec: until it is edited
+    waiting = {"phase": "Pending", "startTime": done, "conditions": [_cond("InputsReady", "False")]}
+    assert resting(_resting_job(), waiting, NOW) == Rest("inputs", None, retry=True)
+    assert resting(_resting_job(activeDeadlineSeconds=100), waiting, NOW) == Rest("inputs", 70.0, retry=True)
+    refused = {"phase": "Pending", "startTime": done, "conditions": [_cond("CreateRefused", "True")]}
+    assert resting(_resting_job(), refused, NOW) == Rest("refused", None, retry=True)
+    for status in ({"phase": "Pending", "conditions": [_cond("InputsReady", "True"), _cond("CreateRefused", "False")]},
+                   {"phase": ""}, {"phase": "Initializing"}, {"phase": "Running"}, {"phase": "Restarting"}):
+        assert resting(_resting_job(), status, NOW) is None, status
+
+
+def test_backoff_doubles_from_the_first_delay_up_to_the_most():
+    from hybridflow_operator.phases import backoff
+
+    assert [backoff(t, 5.0, 60.0) for t in range(6)] == [5.0, 10.0, 20.0, 40.0, 60.0, 60.0]
+    assert backoff(10_000, 0.25, 60.0) == 60.0  # no overflow however long it waits
+
+
+OWN_PODS = {"podSelector": {"matchLabels": {mf.LABEL_JOB: "tiny-grpo"}}}
+OBJECT_STORE = {"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"protocol": "TCP", "port": 443}]}
+TRACKER = {"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}], "ports": [{"protocol": "TCP", "port": 5000}]}
+
+
+def _egress(raw: dict, egress=None) -> list[dict]:
+    job = parse_job(raw)
+    (np,) = [o for o in mf.static_children(raw, job, TOKEN, ["monitoring"], egress) if o["kind"] == "NetworkPolicy"]
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(np, version, strict=True)
+    return np["spec"]["egress"]
+
+
+def test_job_egress_reaches_its_own_pods_dns_and_the_object_store_only_for_object_storage_jobs():
+    """Issue 24 N4: a job's pods may connect to their own pods, the cluster's DNS, the object store when the job
+    checkpoints to one, and the platform's extra rules; nothing else (not the API server, not other tenants, not
+    the metadata service: an ipBlock around it gets it as `except`)."""
+    from hybridflow_operator.policy import DEFAULT_DNS, Egress
+
+    raw = _raw("tiny-grpo.yaml")
+    assert _egress(raw) == [{"to": [OWN_PODS]}, DEFAULT_DNS]  # the operator's defaults, as the chart's values
+    egress = Egress(object_store=OBJECT_STORE, extra=(TRACKER,))
+    assert _egress(raw, egress) == [{"to": [OWN_PODS]}, DEFAULT_DNS, TRACKER]  # no object store: not its business
+    trainer = {**raw["spec"]["trainer"], "checkpointDir": "s3://bucket/runs"}
+    s3 = _raw("tiny-grpo.yaml", trainer=trainer, kubernetes={"checkpointSecret": "team-s3"})
+    confined = {"to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}}],
+                "ports": [{"protocol": "TCP", "port": 443}]}
+    assert _egress(s3, egress) == [{"to": [OWN_PODS]}, DEFAULT_DNS, confined, TRACKER]
+    assert _egress(s3) == [{"to": [OWN_PODS]}, DEFAULT_DNS], "no object store configured: none reachable"
+
+
+def test_an_ipblock_containing_link_local_gets_it_as_except_and_one_inside_is_refused():
+    from hybridflow_operator.policy import Egress, PolicyError, confine_peer, confine_rule
+
+    for cidr, excepts, expected in [
+        ("0.0.0.0/0", None, ["169.254.0.0/16"]), ("::/0", None, ["fe80::/10"]),
+        ("169.0.0.0/8", ["10.0.0.0/8"], ["10.0.0.0/8", "169.254.0.0/16"]),
+        ("169.0.0.0/8", ["169.254.0.0/15"], ["169.254.0.0/15"]),  # a wider except holds it already
+        ("0.0.0.0/0", ["169.254.169.254/32"], ["169.254.169.254/32", "169.254.0.0/16"]),  # a narrower one does not
+    ]:
+        block = {"cidr": cidr, **({"except": excepts} if excepts else {})}
+        assert confine_peer({"ipBlock": block}, "x") == {"ipBlock": {"cidr": cidr, "except": expected}}, cidr
+    for peer in ({"ipBlock": {"cidr": "10.0.0.0/8"}}, {"namespaceSelector": {}}, {"podSelector": {"matchLabels": {}}}):
+        assert confine_peer(peer, "x") == peer
+    for cidr in ("169.254.169.254/32", "169.254.0.0/16", "169.254.20.10", "fe80::1/128"):
+        with pytest.raises(PolicyError, match=r"networkPolicy\.egressExtra\[0\]\.to\[1\]\.ipBlock\.cidr .*\(link-local"):
+            Egress(extra=({"to": [{"podSelector": {}}, {"ipBlock": {"cidr": cidr}}]},)).rules(object_storage=False)
+    with pytest.raises(PolicyError, match=r"networkPolicy\.objectStore\.to\[0\]"):
+        Egress(object_store={"to": [{"ipBlock": {"cidr": "169.254.169.254/32"}}]}).rules(object_storage=True)
+    with pytest.raises(PolicyError, match="allows every destination"):
+        confine_rule({"ports": [{"port": 443}]}, "networkPolicy.egressExtra[0]")  # no `to`: anywhere
+    with pytest.raises(PolicyError, match="not a CIDR"):
+        confine_peer({"ipBlock": {"cidr": "metadata.google.internal"}}, "x")
+
+
+def test_egress_and_the_namespace_label_come_from_the_operators_environment():
+    """The chart passes its networkPolicy values as JSON (deployment.yaml); a value the chart should have refused
+    stops the operator at start, naming the variable or the rule."""
+    from hybridflow_operator.policy import DEFAULT_DNS, NAMESPACE_LABEL, Egress, Policy, PolicyError
+
+    assert Egress.from_env({}) == Egress() and Egress().dns == DEFAULT_DNS
+    env = {"HYBRIDFLOW_EGRESS_DNS": json.dumps({"to": [{"podSelector": {}}], "ports": [{"port": 5353}]}),
+           "HYBRIDFLOW_EGRESS_OBJECT_STORE": json.dumps(OBJECT_STORE),
+           "HYBRIDFLOW_EGRESS_EXTRA": json.dumps([TRACKER]), "HYBRIDFLOW_NAMESPACE_LABEL": NAMESPACE_LABEL}
+    policy = Policy.from_env(env)
+    assert policy.egress.rules(object_storage=True) == [
+        {"to": [{"podSelector": {}}], "ports": [{"port": 5353}]},
+        {**OBJECT_STORE, "to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}}]}, TRACKER]
+    assert policy.namespace_label == "hybridflow.io/jobs=enabled"
+    assert policy.acts_in({"hybridflow.io/jobs": "enabled", "team": "a"})
+    assert not policy.acts_in({"hybridflow.io/jobs": "yes"}) and not policy.acts_in(None)
+    assert Policy.from_env({}).acts_in(None), "a namespaced install: every namespace it watches"
+    for key, value, message in [
+        ("HYBRIDFLOW_EGRESS_EXTRA", "[{to: []}]", "HYBRIDFLOW_EGRESS_EXTRA: not JSON"),
+        ("HYBRIDFLOW_EGRESS_EXTRA", json.dumps(TRACKER), "HYBRIDFLOW_EGRESS_EXTRA: a JSON list"),
+        ("HYBRIDFLOW_EGRESS_EXTRA", json.dumps([{"to": [{"ipBlock": {"cidr": "169.254.169.254/32"}}]}]),
+         "networkPolicy.egressExtra[0].to[0].ipBlock.cidr 169.254.169.254/32 is inside 169.254.0.0/16"),
+        ("HYBRIDFLOW_NAMESPACE_LABEL", "hybridflow.io/jobs", "HYBRIDFLOW_NAMESPACE_LABEL: key=value"),
+    ]:
+        with pytest.raises(PolicyError, match=re.escape(message)):
+            Policy.from_env({key: value})

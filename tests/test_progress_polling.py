@@ -96,3 +96,52 @@ def test_only_an_ip_address_is_contacted():
     'hybridflow_step{rlhfjob="j"} -5\n', 'hybridflow_step{rlhfjob="j} 3\n', "# TYPE x counter\nx_total{a=\"\\q\"} 1\n"])
 def test_garbage_and_non_finite_values_give_no_progress(text):
     assert parse_progress(text, "j") == {}
+
+
+class SlowDrivers(BaseHTTPRequestHandler):
+    """A driver that answers GOOD after `delay` seconds; counts the fetches in flight at once."""
+    delay, lock, now, most = 0.5, threading.Lock(), 0, 0
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        cls = SlowDrivers
+        with cls.lock:
+            cls.now += 1
+            cls.most = max(cls.most, cls.now)
+        time.sleep(cls.delay)
+        with cls.lock:
+            cls.now -= 1
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(GOOD.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_poller_fetches_at_most_workers_at_once_and_a_tick_never_waits():
+    """Issue 24 N8: 12 Running jobs whose drivers each take 0.5 s: a tick hands its fetch over and returns at once
+    (it used to wait up to 2 s, holding one of kopf's threads); at most `workers` fetches run at once; each job has
+    one fetch in flight, and its next tick gets that answer, only for the same target (pod)."""
+    from hybridflow_operator.progress import Poller
+
+    server = QuietServer(("127.0.0.1", 0), SlowDrivers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_port
+    poller = Poller(workers=3)
+    try:
+        t0 = time.monotonic()
+        assert [poller.poll(("ns", f"j{i}"), "127.0.0.1", port, "head-g0") for i in range(12)] == [None] * 12
+        assert time.monotonic() - t0 < 0.2, "a tick waited for its driver"
+        assert poller.in_flight() == 12  # queued or running: one each
+        assert poller.poll(("ns", "j0"), "127.0.0.1", port, "head-g0") is None  # still in flight: no second fetch
+        deadline = time.monotonic() + 10
+        while poller.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert poller.in_flight() == 0 and SlowDrivers.most == 3, SlowDrivers.most
+        assert parse_progress(poller.poll(("ns", "j0"), "127.0.0.1", port, "head-g0"), "j")["step"] == 7
+        assert poller.poll(("ns", "j1"), "127.0.0.1", port, "head-g1") is None  # a new head: not the old one's
+        poller.forget(("ns", "j2"))
+        assert poller.poll(("ns", "j2"), "127.0.0.1", port, "head-g0") is None  # forgotten: starts afresh
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -32,15 +32,20 @@ from hybridflow.spec import API_GROUP as GROUP
 from hybridflow.spec import PLURAL, VERSION, RLHFJob, SpecError, parse_job
 from hybridflow_operator import manifests as mf
 from hybridflow_operator.metrics import OperatorMetrics
-from hybridflow_operator.phases import TERMINAL, PodView, decide, iso, parse_time, refused, set_condition
+from hybridflow_operator.phases import (TERMINAL, PodView, backoff, decide, iso, parse_time, refused, resting,
+                                         set_condition)
 from hybridflow_operator.policy import Policy, unmarked, violations
-from hybridflow_operator.progress import fetch, merge_progress, parse_progress
+from hybridflow_operator.progress import Poller, merge_progress, parse_progress
 
 INTERVAL = float(os.environ.get("HYBRIDFLOW_RECONCILE_INTERVAL", "5"))
 POLICY = Policy.from_env()
 # The operator's own namespace: it polls the drivers' metrics, so the jobs' NetworkPolicies admit it.
 OPERATOR_NAMESPACE = os.environ.get("HYBRIDFLOW_OPERATOR_NAMESPACE", "")
 METRICS = OperatorMetrics()
+# Every Running job's progress fetch, by a few threads shared by all jobs (a slow driver holds no tick).
+POLLER = Poller()
+# The longest a job waiting for something outside it (a PVC, the reward ConfigMap, a quota) goes between looks.
+RETRY_MAX_SECONDS = 60.0
 log = logging.getLogger("hybridflow.operator")
 
 
@@ -229,7 +234,10 @@ def _accepted_job(live: RLHFJob, raw: dict[str, Any], uid: str | None, status: d
     the operator put into status before creating it (the ConfigMap is immutable, but could be deleted and planted
     again). Anyone who may create ConfigMaps could otherwise choose what the pods run. Before the ConfigMap exists
     the live spec is the one being accepted, unless a digest was recorded already: then the live spec must still be
-    exactly that one (a create refused or cut short is retried), never an edited one."""
+    exactly that one (a create refused or cut short is retried), never an edited one. A live spec that names what
+    its pods may not have (mf.resolved_job: another namespace's checkpoint, object storage without credentials)
+    is refused at acceptance, as a SpecError naming the field; once accepted, such an edit is only a change (the
+    job keeps running what it was accepted with, as with any other edit), never a reason to fail it."""
     if "accepted" not in memo:
         namespace = raw["metadata"].get("namespace", "default")
         name = mf.names(live.metadata.name)["configmap"]
@@ -239,6 +247,7 @@ def _accepted_job(live: RLHFJob, raw: dict[str, Any], uid: str | None, status: d
             if known and known != mf.content_digest(mf.configmap(raw, live)["data"][mf.SPEC_KEY]):
                 raise SpecError(f"ConfigMap {namespace}/{name}, which held the spec this job was accepted with, is "
                                 "gone, and the job's spec is no longer that one; delete the job and create it again")
+            mf.resolved_job(live)  # not yet accepted: what it may not have fails it now (SpecError)
             return live, False
         _check_owner("ConfigMap", namespace, name, cm, uid)
         text = (cm.get("data") or {}).get(mf.SPEC_KEY)  # JSON only: the operator never parses YAML it did not write
@@ -249,7 +258,10 @@ def _accepted_job(live: RLHFJob, raw: dict[str, Any], uid: str | None, status: d
         memo["accepted"] = parse_job(json.loads(text), "accepted spec")
     accepted = memo["accepted"].model_copy(deep=True)
     accepted.spec.run_policy = live.spec.run_policy
-    changed = _spec_fields(mf.resolved_job(live)) != _spec_fields(accepted)
+    try:  # both resolved: a spec accepted by an older operator (its paths resolved otherwise) is not an edit
+        changed = _spec_fields(mf.resolved_job(live)) != _spec_fields(mf.resolved_job(accepted))
+    except SpecError:  # an edit naming what the pods may not have: they never get it (the accepted spec runs)
+        changed = True
     return accepted, changed
 
 
@@ -370,7 +382,42 @@ def _delete_owned(kind: str, namespace: str, name: str, job_uid: str | None) -> 
         _delete(kind, namespace, name, found["metadata"]["uid"])
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=INTERVAL)
+# A cluster-wide install acts only in namespaces carrying POLICY.namespace_label: each namespace's labels are read
+# (`get namespaces`, the one namespace asked about) and kept this long, so a label removed stops its jobs' ticks
+# within that time, and a namespace labelled later is picked up at its jobs' next event (kopf re-lists them at
+# every watch restart, 5 minutes at most).
+NAMESPACE_TTL = 30.0
+_NAMESPACES: dict[str, tuple[float, bool]] = {}
+_SKIPPED: set[str] = set()  # namespaces whose jobs were left alone, each logged once
+
+
+def _acts_in(namespace: str | None = None, **_: Any) -> bool:
+    """Whether the operator may act in the namespace: always when the install names its namespaces (kopf watches
+    only those), else only when the namespace carries the label. kopf's `when` filter of the timer and the deletion
+    handler too: a job elsewhere gets no finalizer, no tick, nothing written."""
+    if not POLICY.namespace_label or not namespace:
+        return True
+    now = time.monotonic()
+    known = _NAMESPACES.get(namespace)
+    if known is None or now - known[0] > NAMESPACE_TTL:
+        try:
+            found = _ignore(404, _core().read_namespace, namespace, _request_timeout=min(API_TIMEOUT, 5.0))
+        except Exception as err:  # noqa: BLE001 - cannot tell: act as before, or not at all; ask again next time
+            log.warning("cannot read namespace %s (%s); acting there as %s", namespace, err,
+                        "before" if known else "not yet")
+            return bool(known and known[1])
+        known = (now, POLICY.acts_in(None if found is None else (found.metadata.labels or {})))
+        _NAMESPACES[namespace] = known
+    if not known[1] and namespace not in _SKIPPED:
+        _SKIPPED.add(namespace)
+        log.warning("namespace %s does not carry %s: the operator leaves its RLHFJobs alone (kubectl label "
+                    "namespace %s %s)", namespace, POLICY.namespace_label, namespace, POLICY.namespace_label)
+    elif known[1]:
+        _SKIPPED.discard(namespace)
+    return known[1]
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=INTERVAL, when=_acts_in)
 def reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, job_pods: kopf.Index, **_: Any) -> None:
     t0 = time.perf_counter()
     try:
@@ -382,9 +429,61 @@ def reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, job_p
         METRICS.reconcile.observe(time.perf_counter() - t0)
 
 
+class _Resting(NamedTuple):
+    """A job resting (phases.resting): what it waits for, the job's resourceVersion when it began (any change to
+    the object, its spec or status, ends the rest: kopf's timer body is live, fed by the watch), and when the rest
+    ends by itself (time.monotonic(); None: only a change ends it)."""
+    why: str
+    version: str | None
+    until: float | None
+
+
+def _rests(body: kopf.Body, memo: kopf.Memo) -> bool:
+    """Whether this tick has nothing to do: the job rests, unchanged since, and its time is not up. No API call,
+    no parse, no decide: 5,000 suspended jobs at a 5 s interval are 1,000 ticks a second (a job waiting for a PVC
+    used to make 8 requests at each)."""
+    rest = memo.get("rest")
+    if rest is None:
+        return False
+    if body["metadata"].get("resourceVersion") != rest.version:  # edited (e.g. unsuspended): act, back off anew
+        memo.pop("rest", None)
+        memo.pop("rest_tries", None)
+        return False
+    if rest.until is not None and time.monotonic() >= rest.until:
+        memo.pop("rest", None)
+        return False
+    return True
+
+
+def _rest_after(body: kopf.Body, memo: kopf.Memo, job: RLHFJob | None, status: dict[str, Any], plan: Any,
+                now: dt.datetime) -> None:
+    """After a tick that did nothing (no write, create, delete or event), let the job rest if phases.resting says
+    it has nothing to do: until a change when suspended or finished without a TTL; until its TTL; when it waits for
+    something outside it, for a backoff (INTERVAL doubling up to RETRY_MAX_SECONDS, never past its deadline)."""
+    idle = (plan.status == status and not plan.delete_pods and plan.create_gang is None and not plan.events
+            and not plan.delete_job)
+    rest = resting(job, plan.status, now) if idle else None
+    if rest is None:
+        memo.pop("rest", None)
+        memo.pop("rest_tries", None)
+        return
+    tries = memo.get("rest_tries", 0) if rest.retry else 0
+    wait = backoff(tries, INTERVAL, RETRY_MAX_SECONDS) if rest.retry else None
+    if rest.at_most is not None:
+        wait = rest.at_most if wait is None else min(wait, rest.at_most)
+    memo["rest_tries"] = tries + 1
+    memo["rest"] = _Resting(rest.why, body["metadata"].get("resourceVersion"),
+                            None if wait is None else time.monotonic() + wait)
+
+
 def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, index: kopf.Index) -> None:
     if body["metadata"].get("deletionTimestamp"):
         return  # being deleted: `cleanup` owns it now; a tick must not create children after cleanup has run
+    if not _acts_in(namespace):
+        return  # the namespace lost its label since kopf started this timer
+    if _rests(body, memo):
+        METRICS.resting_ticks.inc()
+        return
     now = dt.datetime.now(dt.timezone.utc)
     raw = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "metadata": dict(body["metadata"]),
            "spec": dict(body.get("spec") or {})}
@@ -426,7 +525,9 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
         set_condition(plan.status, "SpecChangeIgnored", True, "SpecChangeIgnored", msg, now)
 
     if job is not None and plan.status.get("phase") == "Running":
-        _poll_progress(job, pods, plan.status, now)
+        _poll_progress(namespace, job, pods, plan.status, now)
+    else:
+        POLLER.forget((namespace, name))
     # The status is written before anything is done about it: a tick that fails half-way is redone from the
     # new status (missing pods are created again, stale ones deleted again), never from the old one.
     if plan.status != status:
@@ -464,6 +565,7 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     METRICS.job_restarts.labels(namespace, name).set(plan.status.get("restarts", 0))
     if plan.delete_job:
         _ignore(404, _custom().delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
+    _rest_after(body, memo, job, status, plan, now)
 
 
 def _create_children(raw: dict[str, Any], job: RLHFJob, plan: Any, pods: list[dict[str, Any]], memo: kopf.Memo,
@@ -474,7 +576,7 @@ def _create_children(raw: dict[str, Any], job: RLHFJob, plan: Any, pods: list[di
     objs: list[dict[str, Any]] = []
     if plan.create_static:
         scrapers = [*POLICY.metrics_namespaces, *([OPERATOR_NAMESPACE] if OPERATOR_NAMESPACE else [])]
-        objs += mf.static_children(raw, job, secrets.token_hex(32), scrapers)
+        objs += mf.static_children(raw, job, secrets.token_hex(32), scrapers, POLICY.egress)
     if plan.create_gang is not None:
         if job.spec.kubernetes.reward_config_map and (text := _reward_to_copy(raw, job, plan.status, reward)):
             objs.append(mf.reward_configmap(raw, job, text))
@@ -485,7 +587,14 @@ def _create_children(raw: dict[str, Any], job: RLHFJob, plan: Any, pods: list[di
         existing = {p["view"].name for p in pods}
         objs += [p for p in gang if p["metadata"]["name"] not in existing]
     created = memo.setdefault("created", {})
+    gen = int(plan.status.get("restarts", 0))
+    known = memo.get("children")
+    if known is None or known[0] != gen:  # a new gang generation checks its static children once more
+        known = memo["children"] = (gen, set())
     for obj in objs:
+        key = (obj["kind"], obj["metadata"]["name"])
+        if key in known[1]:
+            continue  # created, or found to be this job's, by an earlier tick: no POST (and 409) every tick
         try:
             made = _create(obj)
         except ApiException as err:
@@ -500,6 +609,8 @@ def _create_children(raw: dict[str, Any], job: RLHFJob, plan: Any, pods: list[di
                           memo)
         if obj["kind"] == "Pod":
             created[obj["metadata"]["name"]] = (time.monotonic(), _pod_view(obj))
+        else:
+            known[1].add(key)
 
 
 # The status field holding the digest each of the job's ConfigMaps must match (by their key in manifests.names).
@@ -580,15 +691,19 @@ def _write_status(namespace: str, name: str, old: dict[str, Any], new: dict[str,
     memo["written"] = copy.deepcopy(new)
 
 
-def _poll_progress(job: RLHFJob, pods: list[dict[str, Any]], status: dict[str, Any], now: dt.datetime) -> None:
+def _poll_progress(namespace: str, job: RLHFJob, pods: list[dict[str, Any]], status: dict[str, Any],
+                   now: dt.datetime) -> None:
     """Progress from the current generation's head (`pods` holds only pods the job owns: `_observed_pods`); an old
-    head that still has an IP must not move step back."""
+    head that still has an IP must not move step back (POLLER keeps only the answer of this very head pod). The
+    answer is the fetch the previous tick handed over: the tick never waits for a driver."""
     gen = int(status.get("restarts", 0))
     head = [p for p in pods if p["view"].role == "head" and p["podIP"] and p["view"].generation == gen
             and not p["view"].deleting]
     if not head or not job.spec.metrics.port:
+        POLLER.forget((namespace, job.metadata.name))
         return
-    text = fetch(head[-1]["podIP"], job.spec.metrics.port)
+    text = POLLER.poll((namespace, job.metadata.name), head[-1]["podIP"], job.spec.metrics.port,
+                       target=head[-1]["view"].name)
     if text:
         merge_progress(status, parse_progress(text, job.metadata.name), job.spec.trainer.checkpoint_dir, iso(now))
 
@@ -598,7 +713,7 @@ NAMED_CHILDREN = (("Service", "service"), ("ConfigMap", "configmap"), ("ConfigMa
                   ("NetworkPolicy", "network_policy"), ("PodGroup", "podgroup"))
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL)
+@kopf.on.delete(GROUP, VERSION, PLURAL, when=_acts_in)
 async def cleanup(name: str, namespace: str, body: kopf.Body, **_: Any) -> None:
     """Remove the job's children, for clusters (and test doubles) without garbage collection: only those the job
     controls (its controller ownerReference), each deleted with its uid as the precondition, so an object that
@@ -614,5 +729,6 @@ async def cleanup(name: str, namespace: str, body: kopf.Body, **_: Any) -> None:
     if token := (body.get("status") or {}).get("rayTokenSecretUid"):
         calls.append(functools.partial(_delete, "Secret", namespace, names["ray_token"], token))
     await asyncio.gather(*(asyncio.to_thread(c) for c in calls))
+    POLLER.forget((namespace, name))
     METRICS.set_phase(namespace, name, None)
     _DISRUPTED.pop((namespace, name), None)

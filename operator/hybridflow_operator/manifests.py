@@ -14,11 +14,16 @@ from pathlib import PurePosixPath
 from typing import Any
 
 
-from hybridflow.checkpoint import STORAGE_CREDENTIAL_KEYS, is_url, job_checkpoint_dir, job_checkpoint_url
+from hybridflow.checkpoint import (
+    STORAGE_CREDENTIAL_KEYS, is_url, job_checkpoint_dir, job_checkpoint_url, namespace_url, resume_source,
+)
 from hybridflow.spec import API_GROUP as GROUP
 from hybridflow.spec import (
-    DATA_MOUNT, REWARD_MOUNT, RLHFJob, ResourcePool, dump_job, pool_resource, reward_configmap_key,
+    DATA_MOUNT, REWARD_MOUNT, JobSpec, ModelSource, RLHFJob, ResourcePool, SpecError, dump_job, pool_resource,
+    reward_configmap_key,
 )
+
+from hybridflow_operator.policy import Egress
 
 LABEL_JOB = f"{GROUP}/job"
 LABEL_ROLE = f"{GROUP}/role"
@@ -30,7 +35,11 @@ MANAGED_BY = {"app.kubernetes.io/managed-by": "hybridflow-operator", "app.kubern
 RAY_PORT = 6379
 SPEC_MOUNT = "/etc/hybridflow"
 SPEC_KEY = "job.json"  # JSON, not YAML: no aliases or tags in what the operator and the driver read back
+# The checkpoint claim is never mounted whole: the job's own directory on it (subPath <namespace>/<job>) is mounted
+# read-write at CHECKPOINT_MOUNT/<namespace>/<job>, and a trainer.resumeFrom on it (<namespace>/<job>[/step_N])
+# read-only at RESUME_MOUNT/<namespace>/<job>[/step_N]; the resolved spec names those paths.
 CHECKPOINT_MOUNT = "/var/lib/hybridflow/checkpoints"
+RESUME_MOUNT = "/var/lib/hybridflow/resume-from"
 MODEL_CACHE = "/var/cache/hybridflow/models"
 MODELS_MOUNT = "/models"
 RAY_AGENT_PORT = 52365  # Ray's per-node dashboard agent (job submission); refused without the token
@@ -99,29 +108,126 @@ def worker_pod_name(job_name: str, pool: str, index: int, generation: int) -> st
 
 def resolved_job(job: RLHFJob) -> RLHFJob:
     """The spec as it runs in pods: metrics on all interfaces, checkpoints in the job's own directory (under the
-    object-storage URL trainer.checkpointDir names, else on the PVC when one is given), prompt files inside the data
-    volume and the reward file inside the ConfigMap's mount."""
+    object-storage URL trainer.checkpointDir names, else on the PVC when one is given), trainer.resumeFrom, model
+    paths and data.cacheDir confined to what this job may read or write, prompt files inside the data volume and
+    the reward file inside the ConfigMap's mount. Idempotent (the accepted spec is resolved again when compared with
+    the live one). A spec that names what its pods may not have (another namespace's checkpoint, a path outside its
+    claims, object storage without kubernetes.checkpointSecret) raises SpecError, naming the fields."""
     run = job.model_copy(deep=True)
     s, k8s = run.spec, run.spec.kubernetes
     s.metrics.address = "0.0.0.0"
-    # one directory per job: a bucket prefix or a claim shared by several jobs never mixes their checkpoints
-    if is_url(s.trainer.checkpoint_dir):
-        s.trainer.checkpoint_dir = job_checkpoint_url(s.trainer.checkpoint_dir, run.metadata.namespace,
-                                                      run.metadata.name)
-    elif k8s.checkpoint_pvc:
-        s.trainer.checkpoint_dir = job_checkpoint_dir(CHECKPOINT_MOUNT, run.metadata.namespace, run.metadata.name)
-    if s.trainer.resume_from and not is_url(s.trainer.resume_from) and k8s.checkpoint_pvc:
-        # inside this namespace's directory on the claim (the spec refuses '..'): another job's checkpoints, never
-        # another namespace's
-        own = str(PurePosixPath(CHECKPOINT_MOUNT, run.metadata.namespace or "default"))
-        path = s.trainer.resume_from
-        s.trainer.resume_from = path if path.startswith(own + "/") else _inside(own, path.lstrip("/"))
+    ns, name = run.metadata.namespace or "default", run.metadata.name
+    problems = _credential_problems(s)
+    problems += _resolve_checkpoints(s, ns, name) + _resolve_models(s) + _resolve_cache_dir(s)
+    if problems:
+        raise SpecError("; ".join(problems))
     if k8s.data_pvc:
         s.data.train = [_inside(DATA_MOUNT, p) for p in s.data.train]
         s.data.eval = [_inside(DATA_MOUNT, p) for p in s.data.eval]
     if k8s.reward_config_map and s.models.reward.function is not None:
         s.models.reward.function.path = _inside(REWARD_MOUNT, s.models.reward.function.path)
     return run
+
+
+def _credential_problems(s: JobSpec) -> list[str]:
+    """Object storage only with the job's own credentials: without a Secret the cloud SDKs in the pods would fall
+    back to the node's identity (its instance role), which is the cluster's, not the job author's."""
+    if s.kubernetes.checkpoint_secret:
+        return []
+    return [f"spec.kubernetes.checkpointSecret: spec.trainer.{field} '{where}' is on object storage, and no Secret "
+            f"gives the pods its credentials; name one holding AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
+            f"AWS_ENDPOINT_URL, AWS_REGION) or the AZURE_STORAGE_* keys (job pods never use the node's cloud identity)"
+            for field, where in (("checkpointDir", s.trainer.checkpoint_dir), ("resumeFrom", s.trainer.resume_from))
+            if where and is_url(where)]
+
+
+def _resolve_checkpoints(s: JobSpec, ns: str, name: str) -> list[str]:
+    """trainer.checkpointDir becomes the job's own directory, `<base>/<namespace>/<job>`; trainer.resumeFrom, another
+    job of the namespace or one of its checkpoints, `<base>/<namespace>/<job>[/step_N]` (on the claim: below
+    RESUME_MOUNT, where its own subPath is mounted read-only). Returns what cannot be resolved."""
+    t, claim = s.trainer, s.kubernetes.checkpoint_pvc
+    if is_url(t.checkpoint_dir):
+        t.checkpoint_dir = job_checkpoint_url(t.checkpoint_dir, ns, name)
+    elif claim:
+        t.checkpoint_dir = job_checkpoint_dir(CHECKPOINT_MOUNT, ns, name)
+    if not t.resume_from:
+        return []
+    if is_url(t.checkpoint_dir):
+        base = namespace_url(t.checkpoint_dir, ns, name)
+        where, rel = f"under {base}", resume_source(t.resume_from, (base,))
+    elif is_url(t.resume_from):
+        return [f"spec.trainer.resumeFrom: '{t.resume_from}' is on object storage, but spec.trainer.checkpointDir is "
+                f"not: a job resumes only from checkpoints below its own checkpointDir's prefix and namespace; set "
+                f"checkpointDir to that prefix (s3://bucket/prefix, whose jobs are s3://bucket/prefix/{ns}/<job>) "
+                f"and name the old job"]
+    elif claim:
+        base = f"{RESUME_MOUNT}/{ns}/"
+        # a path into the namespace's directory as the whole claim was once mounted: the same checkpoint
+        where, rel = f"on kubernetes.checkpointPvc '{claim}'", resume_source(
+            t.resume_from, (base, f"{CHECKPOINT_MOUNT}/{ns}/"))
+    else:
+        return []  # a path in the pod's own filesystem: nothing shared to confine
+    if rel is None:
+        return [f"spec.trainer.resumeFrom: '{t.resume_from}' is not a checkpoint of namespace {ns} {where}; name a "
+                f"job of this namespace ('<job>': its newest intact checkpoint) or one of its checkpoints "
+                f"('<job>/step_00000006'){f', or a URL under {base}' if is_url(base) else ''}"]
+    t.resume_from = base + rel
+    return []
+
+
+def _model_sources(s: JobSpec) -> dict[str, ModelSource]:
+    """The spec's models that may come from a directory, by field."""
+    m = s.models
+    found = {"spec.models.actor": m.actor, "spec.models.critic": m.critic, "spec.models.reward.model":
+             m.reward.model, "spec.models.cost.model": m.cost.model if m.cost is not None else None}
+    return {field: src for field, src in found.items() if src is not None}
+
+
+def _resolve_models(s: JobSpec) -> list[str]:
+    """With kubernetes.modelPvc, a model's path lies on that claim (relative to it, or below MODELS_MOUNT), where
+    each model directory is mounted read-only by its own subPath."""
+    if not s.kubernetes.model_pvc:
+        return []
+    out = []
+    for field, src in _model_sources(s).items():
+        if src.source != "path" or not src.path:
+            continue
+        rel = _below(MODELS_MOUNT, src.path)
+        if rel is None:
+            out.append(f"{field}.path: with kubernetes.modelPvc, give the model's directory on that claim (relative, "
+                       f"or below {MODELS_MOUNT}/; no '..'), got '{src.path}'")
+        else:
+            src.path = f"{MODELS_MOUNT}/{rel}" if rel else MODELS_MOUNT
+    return out
+
+
+def _resolve_cache_dir(s: JobSpec) -> list[str]:
+    """data.cacheDir is written by the job: inside its own checkpoint directory or the pod's scratch (a relative
+    path is below the scratch, the containers' working directory), never a directory of the claim it shares."""
+    d, own = s.data, s.trainer.checkpoint_dir
+    if not d.cache_dir:
+        return []
+    path = str(PurePosixPath(SCRATCH_MOUNT, d.cache_dir))  # an absolute cacheDir stays as it is
+    roots = [SCRATCH_MOUNT] + ([own] if own.startswith("/") else [])
+    if ".." not in PurePosixPath(path).parts and any(_below(root, path) is not None for root in roots):
+        d.cache_dir = path
+        return []
+    return [f"spec.data.cacheDir: '{d.cache_dir}' is outside this job's own directories; give a path inside "
+            f"trainer.checkpointDir ({own}) or below {SCRATCH_MOUNT} (the pod's scratch), or leave it unset "
+            f"(<checkpointDir>/data-cache)"]
+
+
+def _below(mount: str, path: str) -> str | None:
+    """`path` relative to `mount` ("" for the mount itself), given relative to it or as an absolute path below it;
+    None when it is elsewhere or climbs ('..')."""
+    p = PurePosixPath(path)
+    if p.is_absolute():
+        if p != PurePosixPath(mount) and PurePosixPath(mount) not in p.parents:
+            return None
+        p = p.relative_to(mount)
+    if ".." in p.parts:
+        return None
+    return "" if str(p) == "." else str(p)
 
 
 def _inside(mount: str, path: str) -> str:
@@ -211,9 +317,12 @@ def podgroup(job: dict[str, Any], parsed: RLHFJob) -> dict[str, Any]:
 
 def _ray_env(parsed: RLHFJob) -> list[dict[str, Any]]:
     """Ray's token authentication is always on: GCS, the Ray client and every node's job agent refuse a caller
-    without the job's token (the user's Secret, or the one the operator made for this job)."""
+    without the job's token (the user's Secret, or the one the operator made for this job). The AWS SDKs never ask
+    the instance metadata service for the node's credentials (only kubernetes.checkpointSecret's reach a job; the
+    job's NetworkPolicy also denies egress to 169.254.0.0/16)."""
     return [
         {"name": "RAY_DEDUP_LOGS", "value": "1"},
+        {"name": "AWS_EC2_METADATA_DISABLED", "value": "true"},
         {"name": "HYBRIDFLOW_MODEL_CACHE", "value": MODEL_CACHE},
         {"name": "HOME", "value": SCRATCH_MOUNT},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -236,14 +345,14 @@ def _volumes(job: dict[str, Any], parsed: RLHFJob, shm: str, head: bool) -> tupl
         {"name": "scratch", "mountPath": SCRATCH_MOUNT},
         {"name": "model-cache", "mountPath": MODEL_CACHE},
     ]
-    if parsed.spec.kubernetes.model_pvc:
-        vols.append({"name": "models", "persistentVolumeClaim": {"claimName": parsed.spec.kubernetes.model_pvc,
-                                                                 "readOnly": True}})
-        mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
-    if parsed.spec.kubernetes.checkpoint_pvc:
-        vols.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": parsed.spec.kubernetes.checkpoint_pvc}})
-        mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT})
-    k8s = parsed.spec.kubernetes
+    run = resolved_job(parsed)  # the paths the driver reads (also when `parsed` is the live spec, not yet accepted)
+    k8s = run.spec.kubernetes
+    if model_mounts := _model_mounts(run.spec):
+        vols.append({"name": "models", "persistentVolumeClaim": {"claimName": k8s.model_pvc, "readOnly": True}})
+        mounts += model_mounts
+    if claim_mounts := _checkpoint_mounts(run.spec):
+        vols.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": k8s.checkpoint_pvc}})
+        mounts += claim_mounts
     if head and k8s.data_pvc:
         vols.append({"name": "data", "persistentVolumeClaim": {"claimName": k8s.data_pvc, "readOnly": True}})
         mounts.append({"name": "data", "mountPath": DATA_MOUNT, "readOnly": True})
@@ -253,9 +362,43 @@ def _volumes(job: dict[str, Any], parsed: RLHFJob, shm: str, head: bool) -> tupl
     return vols, mounts
 
 
+def _model_mounts(s: JobSpec) -> list[dict[str, Any]]:
+    """kubernetes.modelPvc: each model directory the (resolved) spec names, read-only by its own subPath (a
+    directory inside another one is seen through it); nothing of the claim's other models."""
+    if not s.kubernetes.model_pvc:
+        return []
+    rels = {_below(MODELS_MOUNT, src.path) for src in _model_sources(s).values() if src.source == "path" and src.path}
+    rels.discard(None)
+    outer = sorted(r for r in rels if not any(o == "" or r.startswith(o + "/") for o in rels - {r}))
+    return [{"name": "models", "mountPath": f"{MODELS_MOUNT}/{r}" if r else MODELS_MOUNT, "readOnly": True,
+             **({"subPath": r} if r else {})} for r in outer]
+
+
+def _checkpoint_mounts(s: JobSpec) -> list[dict[str, Any]]:
+    """kubernetes.checkpointPvc, by subPath only, never whole: the job's own directory read-write, and a
+    trainer.resumeFrom on the claim (another job's directory or one checkpoint of it, in the job's namespace)
+    read-only, each at the path the (resolved) spec names. A missing directory is created by the kubelet."""
+    t, out = s.trainer, []
+    if not s.kubernetes.checkpoint_pvc:
+        return out
+    if t.checkpoint_dir.startswith(CHECKPOINT_MOUNT + "/"):  # not when checkpoints go to object storage
+        own = _below(CHECKPOINT_MOUNT, t.checkpoint_dir)
+        out.append({"name": "checkpoints", "mountPath": t.checkpoint_dir, "subPath": own})
+    if t.resume_from and t.resume_from.startswith(RESUME_MOUNT + "/"):
+        source = _below(RESUME_MOUNT, t.resume_from)
+        out.append({"name": "checkpoints", "mountPath": t.resume_from, "subPath": source, "readOnly": True})
+    return out
+
+
 # Pod Security Standard `restricted` (https://kubernetes.io/docs/concepts/security/pod-security-standards/).
 # No runAsUser: each image runs as its own numeric USER (worker-cpu 1000, worker-gpu 1001), which runAsNonRoot
 # makes the kubelet verify. OnRootMismatch: a checkpoint claim full of files is not re-chowned at every pod start.
+# The claim's directories are mounted by subPath, which the kubelet creates when missing (a job's first start:
+# <namespace>/<job>) as root, with the mode of the claim's root directory. What lets the job's user write there is
+# that root: group-writable by FS_GROUP with the setgid bit, as the kubelet leaves it after applying fsGroup (volume
+# types with ownership management; other claims, NFS say, must be provisioned that way), so the new directories
+# inherit group FS_GROUP and group write. A directory the job cannot write fails it at start, naming
+# trainer.checkpointDir.
 POD_SECURITY: dict[str, Any] = {"runAsNonRoot": True, "fsGroup": FS_GROUP, "fsGroupChangePolicy": "OnRootMismatch",
                                 "seccompProfile": {"type": "RuntimeDefault"}}
 CONTAINER_SECURITY: dict[str, Any] = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
@@ -416,9 +559,14 @@ def ray_token_secret(job: dict[str, Any], parsed: RLHFJob, token: str) -> dict[s
     }
 
 
-def network_policy(job: dict[str, Any], parsed: RLHFJob, metrics_namespaces: list[str]) -> dict[str, Any]:
+def network_policy(job: dict[str, Any], parsed: RLHFJob, metrics_namespaces: list[str],
+                   egress: Egress | None = None) -> dict[str, Any]:
     """Ingress to the job's pods only from the job's own pods, plus the driver's metrics port from the namespaces
-    that scrape it (Prometheus, and the operator, which polls progress there)."""
+    that scrape it (Prometheus, and the operator, which polls progress there). Egress from them only to the job's
+    own pods, the cluster's DNS, the object store when the job checkpoints to one, and the platform's extra rules
+    (`egress`, from the chart's networkPolicy values); no ipBlock reaches the link-local range (the cloud's metadata
+    service), and nothing reaches the Kubernetes API (the pods hold no token either). The policy keeps the name it
+    had when it was ingress only (`<job>-ingress`), so jobs running across an upgrade keep one policy each."""
     name = parsed.metadata.name
     own = {"podSelector": {"matchLabels": {LABEL_JOB: name}}}
     rules: list[dict[str, Any]] = [{"from": [own]}]
@@ -429,11 +577,15 @@ def network_policy(job: dict[str, Any], parsed: RLHFJob, metrics_namespaces: lis
                                                                   "values": sorted(set(metrics_namespaces))}]}}],
             "ports": [{"protocol": "TCP", "port": parsed.spec.metrics.port}],
         })
+    trainer = parsed.spec.trainer
+    object_storage = is_url(trainer.checkpoint_dir) or bool(trainer.resume_from and is_url(trainer.resume_from))
+    out_rules = [{"to": [own]}, *(egress or Egress()).rules(object_storage)]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _meta(job, names(name)["network_policy"]),
-        "spec": {"podSelector": {"matchLabels": {LABEL_JOB: name}}, "policyTypes": ["Ingress"], "ingress": rules},
+        "spec": {"podSelector": {"matchLabels": {LABEL_JOB: name}}, "policyTypes": ["Ingress", "Egress"],
+                 "ingress": rules, "egress": out_rules},
     }
 
 
@@ -488,10 +640,10 @@ def foreign_references(pods: list[dict[str, Any]], accepted: RLHFJob) -> list[st
 
 
 def static_children(job: dict[str, Any], parsed: RLHFJob, ray_token: str,
-                    metrics_namespaces: list[str]) -> list[dict[str, Any]]:
+                    metrics_namespaces: list[str], egress: Egress | None = None) -> list[dict[str, Any]]:
     """What exists for the job's whole life, across gang restarts. `ray_token` is a fresh random token, used only
-    when the job has no token Secret yet."""
-    out = [configmap(job, parsed), head_service(job, parsed), network_policy(job, parsed, metrics_namespaces)]
+    when the job has no token Secret yet; `egress`: where the job's pods may connect (default: own pods and DNS)."""
+    out = [configmap(job, parsed), head_service(job, parsed), network_policy(job, parsed, metrics_namespaces, egress)]
     if not parsed.spec.kubernetes.ray_auth_secret:
         out.append(ray_token_secret(job, parsed, ray_token))
     if parsed.spec.run_policy.gang_scheduling:

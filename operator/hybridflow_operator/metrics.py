@@ -23,7 +23,12 @@ class OperatorMetrics:
                               ["namespace", "rlhfjob", "phase"], registry=r)
         self.job_restarts = Gauge("hybridflow_operator_job_restarts", "Gang restarts of each job so far.",
                                   ["namespace", "rlhfjob"], registry=r)
+        self.resting_ticks = Counter("hybridflow_operator_resting_ticks",
+                                     "Ticks of jobs with nothing to do (suspended, finished, waiting for inputs), "
+                                     "returned without an API call.", registry=r)
         self._phase_of: dict[tuple[str, str], str] = {}
+        self._count: dict[tuple[str, str], int] = {}  # (namespace, phase) -> jobs
+        self._namespaces: set[str] = set()  # those with a count of every phase
         self._lock = threading.Lock()  # ticks run in kopf's thread pool, cleanup on its event loop
 
     def set_phase(self, namespace: str, name: str, phase: str | None) -> None:
@@ -32,10 +37,20 @@ class OperatorMetrics:
             self._set_phase(namespace, name, phase)
 
     def _set_phase(self, namespace: str, name: str, phase: str | None) -> None:
+        """Counts move by the one job that changed: every tick of every job calls this, and recounting all jobs
+        each time cost O(jobs) a tick (25 ms a call at 5,000 jobs)."""
         key = (namespace, name)
         old = self._phase_of.get(key)
-        if old is not None and old != phase:
+        if namespace not in self._namespaces:  # a namespace first seen shows 0 for every phase
+            self._namespaces.add(namespace)
+            for ph in PHASES:
+                self._count[(namespace, ph)] = 0
+                self.jobs.labels(namespace, ph).set(0)
+        if old == phase:
+            return
+        if old is not None:
             self.job_info.remove(namespace, name, old)
+            self._bump(namespace, old, -1)
         if phase is None:
             self._phase_of.pop(key, None)
             if old is not None:
@@ -43,10 +58,11 @@ class OperatorMetrics:
         else:
             self._phase_of[key] = phase
             self.job_info.labels(namespace, name, phase).set(1)
-        namespaces = {ns for ns, _ in self._phase_of} | {namespace}
-        for ns in namespaces:
-            for ph in PHASES:
-                self.jobs.labels(ns, ph).set(sum(1 for (n, _), p in self._phase_of.items() if n == ns and p == ph))
+            self._bump(namespace, phase, 1)
+
+    def _bump(self, namespace: str, phase: str, by: int) -> None:
+        n = self._count[(namespace, phase)] = self._count.get((namespace, phase), 0) + by
+        self.jobs.labels(namespace, phase).set(n)
 
     def serve(self, port: int, address: str = "0.0.0.0") -> int:
         server, _ = start_http_server(port, addr=address, registry=self.registry)

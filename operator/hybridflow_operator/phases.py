@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from hybridflow.spec import EXIT_BAD_INPUT, RLHFJob
 
@@ -212,6 +212,51 @@ def _decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods
     elif any(p.phase != "Pending" for p in current) and phase == "Pending":
         _to(plan, "Initializing", "PodsStarting", "pods scheduled; waiting for the Ray cluster", now)
     return plan
+
+
+class Rest(NamedTuple):
+    """Why a job has nothing to do, and how long it may rest without any change to its spec or its pods."""
+    why: str  # suspended | finished | ttl | inputs | refused
+    at_most: float | None  # seconds; None: until a change
+    retry: bool = False  # what it waits for is outside the job (a PVC made, a quota raised): look again with a backoff
+
+
+def resting(job: RLHFJob | None, status: dict[str, Any], now: dt.datetime) -> Rest | None:
+    """Whether a job, in this status, has nothing to do until its spec or its pods change, or None when it is active
+    (Pending with its pods on their way, Initializing, Running, Restarting, Suspending: every tick counts).
+
+    - "suspended": runPolicy.suspend, every pod gone; only unsuspending (a spec change) moves it.
+    - "finished" / "ttl": Succeeded or Failed; its TTL (runPolicy.ttlSecondsAfterFinished) is all that is left, so
+      it rests until then, or for good without one.
+    - "inputs" / "refused": Pending while a PVC or the reward file is missing (InputsReady False), or while the API
+      server refuses its pods (CreateRefused True: a quota, an admission policy). Nothing of the job's own tells when
+      that ends: the caller looks again with a backoff, never past runPolicy.activeDeadlineSeconds."""
+    phase, conds = status.get("phase"), status.get("conditions", [])
+    if phase in TERMINAL:
+        ttl = job.spec.run_policy.ttl_seconds_after_finished if job is not None else None
+        done = parse_time(status.get("completionTime"))
+        if ttl is None or done is None:
+            return Rest("finished", None)
+        return Rest("ttl", max(0.0, ttl - (now - done).total_seconds()))
+    if job is None:
+        return None
+    if phase == "Suspended":
+        return Rest("suspended", None) if job.spec.run_policy.suspend else None
+    if phase != "Pending":
+        return None
+    why = ("inputs" if any(c["type"] == "InputsReady" and c["status"] == "False" for c in conds) else
+           "refused" if any(c["type"] == "CreateRefused" and c["status"] == "True" for c in conds) else None)
+    if why is None:
+        return None
+    deadline, started = job.spec.run_policy.active_deadline_seconds, parse_time(status.get("startTime"))
+    left = max(0.0, deadline - (now - started).total_seconds()) if deadline and started else None
+    return Rest(why, left, retry=True)
+
+
+def backoff(tries: int, first: float, most: float) -> float:
+    """Seconds before the next look at a job waiting for something outside it: first, doubling each try, at most
+    `most`."""
+    return min(most, first * 2 ** min(tries, 32))
 
 
 def refused(status: dict[str, Any], what: str, code: int, api_message: str, now: dt.datetime,

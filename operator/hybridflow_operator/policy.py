@@ -12,15 +12,139 @@ one is a deliberate act of someone who may label it, so naming it in a job gives
 not grant; the operator checks it (an admission policy cannot look other objects up). A Ray token Secret the job
 names is checked by the admission policy instead, with the API server's authorizer: its author must be allowed to
 read that Secret (the operator itself may create Secrets but never read one).
+
+Where a job's pods may connect to (`Egress`, the chart's `networkPolicy` values): their own pods, the cluster's DNS,
+the object store when the job checkpoints to one, and what the platform team adds; never the link-local ranges,
+where clouds serve instance metadata and credentials (169.254.169.254). A cluster-wide operator acts only in
+namespaces carrying `NAMESPACE_LABEL`.
 """
 from __future__ import annotations
 
+import ipaddress
+import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridflow.spec import API_GROUP, RLHFJob
 
 FOR_JOBS_LABEL = f"{API_GROUP}/for-jobs"
+# A cluster-wide install acts only in namespaces labelled so (the chart's clusterWide mode sets it).
+NAMESPACE_LABEL = f"{API_GROUP}/jobs=enabled"
+
+# Link-local: the cloud metadata service (169.254.169.254, credentials of the node's cloud identity) and its IPv6
+# kin. No egress rule may reach them: an ipBlock inside one is refused, one that contains one gets it as `except`.
+# The chart's _helpers.tpl (hybridflow.linkLocal) decides the same for the operator's own NetworkPolicy.
+LINK_LOCAL = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("fe80::/10"))
+DNS_PORTS = ({"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53})
+# kube-dns / CoreDNS as kubeadm, kind, GKE, EKS and AKS run it (its pods keep the k8s-app=kube-dns label).
+DEFAULT_DNS: dict[str, Any] = {
+    "to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
+    "ports": [dict(p) for p in DNS_PORTS],
+}
+
+
+class PolicyError(ValueError):
+    """The chart's values (the operator's environment) ask for something that is never allowed."""
+
+
+def link_local(cidr: str) -> tuple[str, str]:
+    """("inside" | "contains" | "apart", the link-local range of the CIDR's family) for an ipBlock's CIDR."""
+    try:
+        net = ipaddress.ip_network(cidr, strict=False)
+    except ValueError as err:
+        raise PolicyError(f"'{cidr}' is not a CIDR ({err})") from None
+    (bad,) = [r for r in LINK_LOCAL if r.version == net.version]
+    if net.subnet_of(bad):  # type: ignore[arg-type]
+        return "inside", str(bad)
+    return ("contains" if bad.subnet_of(net) else "apart"), str(bad)  # type: ignore[arg-type]
+
+
+def _prefix(cidr: str) -> int:
+    return ipaddress.ip_network(cidr, strict=False).prefixlen
+
+
+def confine_peer(peer: dict[str, Any], where: str) -> dict[str, Any]:
+    """A NetworkPolicyPeer that cannot reach the link-local range: an ipBlock containing it gets it as `except`; one
+    inside it is refused (PolicyError naming `where`). Selector peers (pods, namespaces) pass as they are."""
+    if not isinstance(peer, dict) or not peer:
+        raise PolicyError(f"{where}: a NetworkPolicyPeer (ipBlock, namespaceSelector, podSelector), got {peer!r}")
+    block = peer.get("ipBlock")
+    if block is None:
+        return peer
+    if not isinstance(block, dict) or not isinstance(block.get("cidr"), str):
+        raise PolicyError(f"{where}.ipBlock: needs a cidr, got {block!r}")
+    verdict, bad = link_local(block["cidr"])
+    if verdict == "inside":
+        raise PolicyError(f"{where}.ipBlock.cidr {block['cidr']} is inside {bad} (link-local: the cloud metadata "
+                          "service); no job or operator may reach it")
+    if verdict == "apart":
+        return peer
+    excepts = [str(e) for e in block.get("except") or []]
+    if not any(link_local(e) in (("contains", bad), ("inside", bad)) and _prefix(e) <= _prefix(bad)
+               for e in excepts):  # unless an `except` already holds the whole range
+        excepts.append(bad)
+    return {**peer, "ipBlock": {**block, "except": excepts}}
+
+
+def confine_rule(rule: dict[str, Any], where: str) -> dict[str, Any]:
+    """A NetworkPolicyEgressRule with every peer confined. A rule must name its peers: one without `to` would allow
+    every destination, the metadata service included."""
+    if not isinstance(rule, dict) or set(rule) - {"to", "ports"}:
+        raise PolicyError(f"{where}: an egress rule has only `to` and `ports`, got {rule!r}")
+    to = rule.get("to")
+    if not to or not isinstance(to, list):
+        raise PolicyError(f"{where}.to: list the peers it allows (an egress rule without `to` allows every "
+                          "destination); for anywhere but link-local give ipBlock 0.0.0.0/0 (and ::/0)")
+    out = {"to": [confine_peer(p, f"{where}.to[{i}]") for i, p in enumerate(to)]}
+    if rule.get("ports"):
+        if not isinstance(rule["ports"], list) or not all(isinstance(p, dict) for p in rule["ports"]):
+            raise PolicyError(f"{where}.ports: a list of NetworkPolicyPorts ({{protocol, port}}), got {rule['ports']!r}")
+        out["ports"] = [dict(p) for p in rule["ports"]]
+    return out
+
+
+@dataclass(frozen=True)
+class Egress:
+    """Where a job's pods may connect to besides their own pods (the chart's `networkPolicy` values): `dns` and
+    `object_store` are egress rules ({to: [peers], ports: [...]}); the object store's applies only to jobs whose
+    trainer.checkpointDir or resumeFrom is a URL, and only when it names peers; `extra` rules apply to every job.
+    Every rule is confined (`confine_rule`) when the policy is read, so a bad value stops the operator at start."""
+
+    dns: dict[str, Any] = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_DNS)))
+    object_store: dict[str, Any] = field(default_factory=lambda: {"to": [], "ports": [{"protocol": "TCP",
+                                                                                         "port": 443}]})
+    extra: tuple[dict[str, Any], ...] = ()
+
+    def rules(self, object_storage: bool) -> list[dict[str, Any]]:
+        """The egress rules for a job's pods, beyond the one to the job's own pods."""
+        out = [confine_rule(self.dns, "networkPolicy.dns")]
+        if object_storage and self.object_store.get("to"):
+            out.append(confine_rule(self.object_store, "networkPolicy.objectStore"))
+        out += [confine_rule(r, f"networkPolicy.egressExtra[{i}]") for i, r in enumerate(self.extra)]
+        return out
+
+    @classmethod
+    def from_env(cls, env: dict[str, str]) -> "Egress":
+        def parsed(key: str, kind: type) -> Any:
+            raw = env.get(key)
+            if raw is None or not raw.strip():
+                return None
+            try:
+                value = json.loads(raw)
+            except ValueError as err:
+                raise PolicyError(f"{key}: not JSON ({err})") from None
+            if not isinstance(value, kind):
+                raise PolicyError(f"{key}: a JSON {kind.__name__}, got {raw[:200]}")
+            return value
+
+        d = cls()
+        egress = cls(dns=parsed("HYBRIDFLOW_EGRESS_DNS", dict) or d.dns,
+                     object_store=parsed("HYBRIDFLOW_EGRESS_OBJECT_STORE", dict) or d.object_store,
+                     extra=tuple(parsed("HYBRIDFLOW_EGRESS_EXTRA", list) or ()))
+        egress.rules(object_storage=True)  # every rule checked now: a value the chart should have refused stops here
+        return egress
 
 
 @dataclass(frozen=True)
@@ -37,6 +161,9 @@ class Policy:
     allow_affinity: bool = False  # affinity and nodeSelector: both pick nodes
     require_for_jobs_label: bool = True
     metrics_namespaces: tuple[str, ...] = field(default=())  # who may scrape the driver (plus the operator's own)
+    egress: Egress = field(default_factory=Egress)
+    # "key=value": the label a namespace must carry for the operator to act in it ("": every namespace it watches)
+    namespace_label: str = ""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Policy":
@@ -62,7 +189,23 @@ class Policy:
             allow_affinity=flag("HYBRIDFLOW_ALLOW_AFFINITY", d.allow_affinity),
             require_for_jobs_label=flag("HYBRIDFLOW_REQUIRE_FOR_JOBS_LABEL", d.require_for_jobs_label),
             metrics_namespaces=items("HYBRIDFLOW_METRICS_NAMESPACES", d.metrics_namespaces),
+            egress=Egress.from_env(env),
+            namespace_label=_label(env.get("HYBRIDFLOW_NAMESPACE_LABEL", d.namespace_label)),
         )
+
+    def acts_in(self, namespace_labels: dict[str, str] | None) -> bool:
+        """Whether the operator may act in a namespace with these labels (None: the namespace was not found)."""
+        if not self.namespace_label:
+            return True
+        key, value = self.namespace_label.split("=", 1)
+        return namespace_labels is not None and namespace_labels.get(key) == value
+
+
+def _label(raw: str) -> str:
+    raw = raw.strip()
+    if raw and (raw.count("=") != 1 or not all(raw.split("="))):
+        raise PolicyError(f"HYBRIDFLOW_NAMESPACE_LABEL: key=value, got '{raw}'")
+    return raw
 
 
 def violations(job: RLHFJob, policy: Policy) -> list[str]:

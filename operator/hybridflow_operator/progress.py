@@ -3,14 +3,19 @@
 Why the operator polls instead of the driver writing status: the driver then needs no Kubernetes client, no
 credentials and no RBAC at all (its pods run with no service-account token), the numbers are exactly what
 Prometheus and Grafana show, and a wedged driver cannot corrupt the job object. The cost is one small HTTP GET
-per job per reconcile interval, done only while the job is Running.
+per job per reconcile interval, done only while the job is Running, by a few threads shared by every job
+(`Poller`), never by the job's reconcile tick: a driver that answers slowly (up to `fetch`'s 2 s deadline) holds
+none of the threads that reconcile the other jobs.
 """
 from __future__ import annotations
 
 import ipaddress
 import math
 import socket
+import threading
 import time
+from collections.abc import Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -84,3 +89,41 @@ def fetch(host: str, port: int, deadline: float = 2.0, max_bytes: int = MAX_BYTE
     if not sep or len(status) < 2 or not status[0].startswith(b"HTTP/1.") or status[1] != b"200":
         return None
     return body.decode("utf-8", errors="replace")
+
+
+class Poller:
+    """Every job's progress fetches, run by `workers` shared threads: at most that many at once, whatever number of
+    jobs run. A tick never waits for its fetch: `poll` hands the job's next fetch over and returns the answer of
+    the one before (started one tick earlier), so a job's status shows its driver's numbers of one interval ago."""
+
+    def __init__(self, workers: int = 8) -> None:
+        self.workers = workers
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="progress")
+        self._lock = threading.Lock()
+        self._jobs: dict[Hashable, tuple[Hashable, Future]] = {}  # job -> (what was fetched, its fetch)
+
+    def poll(self, job: Hashable, host: str, port: int, target: Hashable = None) -> str | None:
+        """The answer of the job's last fetch, when it is in and was of the same `target` (e.g. the head pod: an
+        old head's numbers must not count for a new one), else None; starts the next fetch unless one is still in
+        flight (a slow driver has one fetch at a time)."""
+        target = (host, port, target)
+        with self._lock:
+            last = self._jobs.get(job)
+            if last is not None and not last[1].done():
+                return None
+            self._jobs[job] = (target, self._pool.submit(fetch, host, port))
+        if last is None or last[0] != target:
+            return None
+        try:
+            return last[1].result()
+        except Exception:  # noqa: BLE001 - fetch answers None for what it expects; anything else is no answer too
+            return None
+
+    def forget(self, job: Hashable) -> None:
+        """The job is not Running (or gone): drop its last answer."""
+        with self._lock:
+            self._jobs.pop(job, None)
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return sum(1 for _, f in self._jobs.values() if not f.done())

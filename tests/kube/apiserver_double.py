@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
@@ -63,6 +64,7 @@ class Seen:
     namespace: str | None
     data: dict | None
     agent: str = ""  # the client's User-Agent: which program asked
+    status: int | None = None  # the HTTP status it was answered with (None: not answered yet, or a stream)
 
 
 @attrs.define(eq=False)
@@ -73,6 +75,11 @@ class KubeApiServerDouble(kmock.KubernetesEmulator):
     # plural -> (status, message): creates an admission controller would refuse (Pod Security admission: 403,
     # a webhook: 403 or 422), set by a test with `refuse_creates`.
     refusals: dict = attrs.field(factory=dict, init=False)
+    # name -> Namespace object, for GET /api/v1/namespaces/{name} (`put_namespace`). kmock cannot serve namespaces
+    # (it parses /api/v1/namespaces/X as the namespace of a resource; its lists and creates of them 500, STACK.md),
+    # and objects here live in namespaces nobody created: a namespace not put here answers 404, as a real API
+    # server answers for one that does not exist.
+    namespaces: dict = attrs.field(factory=dict, init=False)
 
     def refuse_creates(self, plural: str, status: int | None, message: str = "") -> None:
         """Stand in for an admission controller refusing every create of `plural` (None: admit them again)."""
@@ -80,6 +87,17 @@ class KubeApiServerDouble(kmock.KubernetesEmulator):
             self.refusals.pop(plural, None)
         else:
             self.refusals[plural] = (status, message)
+
+    def put_namespace(self, name: str, labels: dict[str, str]) -> None:
+        """Create the Namespace or replace its labels (a `kubectl label namespace`), with the
+        kubernetes.io/metadata.name label the API server gives every namespace."""
+        known = self.namespaces.get(name)
+        meta = dict(known["metadata"]) if known else {"name": name, "uid": str(uuid.uuid4()),
+                                                      "creationTimestamp": _now()}
+        meta.update(resourceVersion=str(next(self._versions)),
+                    labels={**labels, "kubernetes.io/metadata.name": name})
+        self.namespaces[name] = {"apiVersion": "v1", "kind": "Namespace", "metadata": meta,
+                                 "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}}
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -90,10 +108,29 @@ class KubeApiServerDouble(kmock.KubernetesEmulator):
         raw = request._raw_request
         if raw is not None and raw.transport is not None:  # which TCP connection: counts clients' connections
             self.peers.add(raw.transport.get_extra_info("peername"))
-        self.log.append(Seen(str(request.method).upper().rsplit(".", 1)[-1], request.action,
-                             request.resource.plural if request.resource is not None else None, request.namespace,
-                             request.data if isinstance(request.data, dict) else None,
-                             request.headers.get("User-Agent", "")))
+        namespace_get = _namespace_get(request)
+        seen = Seen(str(request.method).upper().rsplit(".", 1)[-1], request.action,
+                    request.resource.plural if request.resource is not None else None, request.namespace,
+                    request.data if isinstance(request.data, dict) else None, request.headers.get("User-Agent", ""))
+        if namespace_get:  # what it is: a get of the cluster-scoped namespace, not a list in a namespace
+            seen = attrs.evolve(seen, action=enums.action.FETCH, plural="namespaces", namespace=None)
+        self.log.append(seen)
+        at = len(self.log) - 1  # one event loop: nothing was appended since
+        try:
+            response = await (self._serve_namespace(namespace_get) if namespace_get else self._answer(request))
+        except kmock.KubernetesError as err:
+            self.log[at] = attrs.evolve(seen, status=err.status)  # e.g. 409 to a create of an existing object
+            raise
+        self.log[at] = attrs.evolve(seen, status=getattr(response, "status", None))
+        return response
+
+    async def _serve_namespace(self, name: str) -> Any:
+        if name not in self.namespaces:
+            raise kmock.KubernetesError(status=404, reason="NotFound", message=f'namespaces "{name}" not found',
+                                        details={"name": name, "kind": "namespaces"})
+        return aiohttp.web.json_response(self.namespaces[name])
+
+    async def _answer(self, request: rendering.Request) -> Any:
         # kmock matches every request against its whole request log (its payload filters re-scan it), so each
         # request cost grows with the run: 7 ms after 200 requests, 100 ms after 1,000. Only the request being
         # served needs to be there.
@@ -298,6 +335,16 @@ class RunningApiServer:
         return [r for r in list(self.handler.log)
                 if r.method == method and r.plural == plural and (namespace is None or r.namespace == namespace)]
 
+    def put_namespace(self, name: str, labels: dict[str, str]) -> None:
+        """See KubeApiServerDouble.put_namespace (run on the server's own loop)."""
+        assert self.loop and self.handler
+        handler = self.handler
+
+        async def put() -> None:
+            handler.put_namespace(name, labels)
+
+        asyncio.run_coroutine_threadsafe(put(), self.loop).result(10)
+
     def refuse_creates(self, plural: str, status: int | None, message: str = "") -> None:
         """See KubeApiServerDouble.refuse_creates."""
         assert self.handler is not None
@@ -311,6 +358,16 @@ class RunningApiServer:
     def watching(self, plural: str) -> bool:
         """Whether a client (kopf) has opened a watch on this resource: objects created later reach it."""
         return self.watches(plural) > 0
+
+
+def _namespace_get(request: rendering.Request) -> str | None:
+    """The name, when the request is GET /api/v1/namespaces/{name} (kmock sees no resource in it)."""
+    raw = request._raw_request
+    if (request.resource is not None and request.resource.plural) or raw is None or raw.method != "GET" \
+            or "watch=true" in raw.query_string:
+        return None
+    parts = raw.path.strip("/").split("/")
+    return parts[3] if len(parts) == 4 and parts[:3] == ["api", "v1", "namespaces"] and parts[3] else None
 
 
 def _resource_key(res: Any) -> str:

@@ -39,8 +39,8 @@ def wait_for(cond: Callable[[], Any], timeout: float = 60, what: str | Callable[
 class Operator:
     """`python -m hybridflow_operator.main` (kopf run) against the double, with its own metrics and liveness ports."""
 
-    def __init__(self, kubeconfig: str, log_path: Path, interval: float = 0.5) -> None:
-        self.kubeconfig, self.log_path, self.interval = kubeconfig, log_path, interval
+    def __init__(self, kubeconfig: str, log_path: Path, interval: float = 0.5, verbose: bool = True) -> None:
+        self.kubeconfig, self.log_path, self.interval, self.verbose = kubeconfig, log_path, interval, verbose
         self.metrics_port, self.liveness_port = free_port(), free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -50,7 +50,8 @@ class Operator:
                "HYBRIDFLOW_OPERATOR_METRICS_ADDRESS": "127.0.0.1",
                "HYBRIDFLOW_LIVENESS": f"http://127.0.0.1:{self.liveness_port}/healthz"}
         self._log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "hybridflow_operator.main", "--verbose"], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "hybridflow_operator.main",
+                                      *(["--verbose"] if self.verbose else [])], env=env,
                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         return self
 

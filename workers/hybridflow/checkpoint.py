@@ -136,6 +136,29 @@ def job_checkpoint_url(url: str, namespace: str | None, job: str) -> str:
     return url[:scheme.end()] + (base if base.endswith(own) else base + own)
 
 
+def namespace_url(url: str, namespace: str, job: str) -> str:
+    """`<base>/<namespace>/`: where the checkpoints of every job of `namespace` live under the base prefix that a
+    checkpointDir URL names (given as written, or already resolved to the job's own directory)."""
+    return job_checkpoint_url(url, namespace, job)[:-len(job)]
+
+
+# What trainer.resumeFrom names on Kubernetes, below its namespace's directory: another job of the namespace (its
+# newest intact checkpoint) or one checkpoint of it. Job names are DNS-1035 labels; nothing here can climb ('..').
+_RESUME_SOURCE = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?(/step_\d{8})?")
+
+
+def resume_source(location: str, prefixes: tuple[str, ...]) -> str | None:
+    """The `<job>` or `<job>/step_<N>` that `location` names, as it is or below one of `prefixes` (each ending in
+    '/': a namespace's directory); None when it names anything else (another namespace's, a path that climbs, a
+    URL elsewhere)."""
+    for prefix in prefixes:
+        if location.startswith(prefix):
+            location = location[len(prefix):]
+            break
+    rel = location.rstrip("/")
+    return rel if _RESUME_SOURCE.fullmatch(rel) else None
+
+
 def model_architecture(source: Any) -> dict[str, Any]:
     """What must match for a checkpoint to load into a model built from `source` (a spec ModelSource).
 
@@ -489,6 +512,12 @@ def _other_job(found: dict[str, Any] | None, ckpt: Path, ident: dict[str, Any]) 
     return _label(found) if found["job"] != ident["job"] or ns_differ else None
 
 
+def _other_namespace(found: dict[str, Any] | None, ident: dict[str, Any]) -> str | None:
+    """The checkpoint's namespace when both it and `ident` record one and they differ."""
+    theirs, ours = (found or {}).get("namespace"), ident.get("namespace")
+    return theirs if theirs and ours and theirs != ours else None
+
+
 def _model_mismatch(found: dict[str, Any] | None, ident: dict[str, Any]) -> str | None:
     """How the checkpoint's models differ from `ident`'s, or None (also when the checkpoint recorded none)."""
     if found is None or found.get("models") is None:
@@ -516,10 +545,17 @@ def _refuse_other_jobs(root: Path, ident: dict[str, Any]) -> None:
 
 def check_compatible(ckpt: Path, ident: dict[str, Any], other_job_ok: bool = False) -> None:
     """Refuse to resume `ident`'s job from `ckpt` when it belongs to another job (unless `other_job_ok`: the job
-    named it as trainer.resumeFrom) or to an incompatible model; a checkpoint written before identities were
-    recorded is accepted with a warning (its model is unknown)."""
+    named it as trainer.resumeFrom, and that job is of the same namespace: another namespace's checkpoint is
+    refused always), or to an incompatible model; a checkpoint written before identities were recorded is accepted
+    with a warning (its model is unknown). Called before any weights are read."""
     found = read_identity(ckpt)
     other = _other_job(found, ckpt, ident)
+    foreign = _other_namespace(found, ident)
+    if foreign and other_job_ok:  # another job's, yes; another namespace's, never: namespaces are the tenants
+        raise CheckpointError(
+            f"spec.trainer.resumeFrom: {ckpt} belongs to job '{other}' of namespace {foreign}, not to this job's "
+            f"namespace {ident['namespace']}: a job resumes only from checkpoints of its own namespace. Name a job "
+            f"of namespace {ident['namespace']} (or one of its step_* checkpoints)")
     if other and not other_job_ok:
         raise CheckpointError(
             f"{ckpt} belongs to job '{other}', not to '{_label(ident)}': will not resume another job's training. "

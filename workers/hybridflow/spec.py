@@ -545,9 +545,9 @@ class Trainer(_Spec):
         None, description="A checkpoint (a step_* directory, or another job's checkpointDir: its newest intact one) "
         "to start from while this job's checkpointDir has none: weights, optimizer state, step and data position. "
         "How a job moves to another number of pods or another tensorParallel: a new job names the old one's "
-        "checkpoint here (the checkpoint re-shards on load). On Kubernetes with kubernetes.checkpointPvc, a path "
-        "inside this namespace's directory on that claim: the old job's name (its newest intact checkpoint) or "
-        "<name>/step_<N>; or an object-storage URL."
+        "checkpoint here (the checkpoint re-shards on load). On Kubernetes, a checkpoint of this namespace only: the "
+        "old job's name (its newest intact checkpoint) or <name>/step_<N>, on kubernetes.checkpointPvc (mounted "
+        "read-only) or below an object-storage checkpointDir's prefix (also as the URL <prefix>/<namespace>/<name>)."
     )
     async_save: bool = Field(
         False, description="Write checkpoints in the background while training goes on: each rank copies its "
