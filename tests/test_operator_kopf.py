@@ -7,6 +7,7 @@ next one. The tests that restart the operator or count every request it made hav
 import base64
 import contextlib
 import copy
+import datetime as dt
 import hashlib
 import itertools
 import json
@@ -886,6 +887,14 @@ def test_a_job_waiting_for_a_missing_pvc_looks_again_rarely_and_never_posts_its_
     assert posts == ["configmaps", "networkpolicies", "secrets", "services"], posts  # each once, no pod
     assert [r for r in everything if r.status == 409] == []
     assert _resting_ticks(op) >= rested + 16  # kopf still ticks it: each tick returns before any API call
+    # A followed child deleted while it waits ends its rest: made again at once, not when its backoff is up (the
+    # look that follows this one is 8 s away by now).
+    looked = len(api.requests("GET", "persistentvolumeclaims", kube.namespace))
+    wait_for(lambda: len(api.requests("GET", "persistentvolumeclaims", kube.namespace)) > looked, 30, "its next look")
+    t0, uid = time.monotonic(), kube.job("jwait")["metadata"]["uid"]
+    client_networking(kube).delete_namespaced_network_policy("jwait-ingress", kube.namespace)
+    wait_for(lambda: _owned_by(_child(api, kube, "NetworkPolicy", "jwait-ingress"), uid), 30, "its NetworkPolicy back")
+    assert time.monotonic() - t0 < 3, "made again only when its backoff was up"
 
 
 def test_a_suspended_job_makes_no_requests_and_resumes_at_the_next_tick(cluster):
@@ -895,6 +904,10 @@ def test_a_suspended_job_makes_no_requests_and_resumes_at_the_next_tick(cluster)
     kube.create_job(job_doc("jsusp", suspend=True))
     wait_for(lambda: _phase(kube, "jsusp") == "Suspended", 30, "Suspended")
     _wait_ticks(op, kube, "jsusp", n=2)  # the write that made it Suspended has come back by the watch
+    # Children deleted while it is suspended (no pod to fence) do not end its rest; its resume makes them again.
+    kept = (("ConfigMap", "jsusp-spec"), ("NetworkPolicy", "jsusp-ingress"))
+    kube.core.delete_namespaced_config_map("jsusp-spec", kube.namespace)
+    client_networking(kube).delete_namespaced_network_policy("jsusp-ingress", kube.namespace)
     since, rested = len(api.handler.log), _resting_ticks(op)
     _wait_ticks(op, kube, "jsusp", n=12)  # 3 s of ticks
     window = _operator_requests(api, kube.namespace, since)
@@ -904,24 +917,95 @@ def test_a_suspended_job_makes_no_requests_and_resumes_at_the_next_tick(cluster)
     kube.patch_job("jsusp", {"spec": {"runPolicy": {"suspend": False}}})
     wait_for(lambda: len(kube.pods("jsusp")) == 2, 30, "pods once unsuspended")
     assert time.monotonic() - t0 < 3, "the resume waited past the next ticks"
+    uid = kube.job("jsusp")["metadata"]["uid"]
+    assert all(_owned_by(_child(api, kube, kind, name), uid) for kind, name in kept), "not made again at the resume"
 
 
 def test_a_finished_job_rests_until_its_ttl_and_is_deleted_on_time(cluster):
     """Issue 24 N8: a terminal job rests without requests, and its rest ends at its TTL
     (runPolicy.ttlSecondsAfterFinished), not a tick later than the next one."""
     api, kube, op = cluster
-    _start_running(kube, "jttl", ttlSecondsAfterFinished=3)
+    ttl = 8  # room for a resting window well before it, on a busy machine too
+    _start_running(kube, "jttl", ttlSecondsAfterFinished=ttl)
     kube.set_pod_phase("jttl-head-g0", "Succeeded", exit_code=0)
     wait_for(lambda: _phase(kube, "jttl") == "Succeeded", 30, "Succeeded")
-    done = time.time()
+    completed = dt.datetime.fromisoformat(kube.job("jttl")["status"]["completionTime"].replace("Z", "+00:00"))
+    due = completed.timestamp() + ttl  # what the operator counts from (completionTime: whole seconds, rounded down)
     _wait_ticks(op, kube, "jttl", n=2)
     since, rested = len(api.handler.log), _resting_ticks(op)
-    wait_for(lambda: time.time() - done > 2, 10, "2 s of its TTL")  # completionTime is in whole seconds
+    wait_for(lambda: time.time() > due - 2.5, ttl, "most of its TTL")
     resting = [r for r in _operator_requests(api, kube.namespace, since) if r.plural != "events"]
     assert resting == [], [(r.method, r.plural, r.status) for r in resting]
     assert _resting_ticks(op) > rested
     wait_for(lambda: kube.job("jttl") is None, 30, "deleted after its TTL")
-    assert time.time() - done < 3 + 2, "deleted late"
+    gone = time.time()
+    assert gone >= due - 0.5, f"deleted {due - gone:.1f} s before its TTL"
+    assert gone < due + 1 + 3, f"deleted {gone - due:.1f} s after its TTL"
+
+
+CHILD_RESOURCES = {"Service": "v1/services", "NetworkPolicy": "networking.k8s.io/v1/networkpolicies",
+                   "ConfigMap": "v1/configmaps"}
+
+
+def _child(api, kube, kind, name):
+    """The object of that kind and name in the test's namespace, as the API server holds it; None if there is none."""
+    return next((o for o in api.objects(CHILD_RESOURCES[kind], kube.namespace) if o["metadata"]["name"] == name), None)
+
+
+def _owned_by(obj, job_uid) -> bool:
+    """Whether the object exists and its only controller is the job of that uid."""
+    return obj is not None and [r["uid"] for r in obj["metadata"].get("ownerReferences") or []
+                                if r.get("controller")] == [job_uid]
+
+
+def test_a_running_jobs_deleted_network_policy_and_head_service_come_back_at_its_next_tick(cluster):
+    """Issue 24 N8 follow-up: children are created once per gang start, so a NetworkPolicy or head Service deleted
+    while the job runs stayed gone (its pods unfenced, the head's name unresolvable) until the next one. Both are
+    followed by a watch: they come back at the next tick, owned by the job and as they were, with a ChildRecreated
+    warning, at one POST each; following them costs a Running job no request while nothing changes."""
+    api, kube, op = cluster
+    _start_running(kube, "jkeep")
+    uid = kube.job("jkeep")["metadata"]["uid"]
+    before = {kind: _child(api, kube, kind, name) for kind, name in
+              (("Service", "jkeep-head"), ("NetworkPolicy", "jkeep-ingress"))}
+    _wait_ticks(op, kube, "jkeep", n=2)  # the write that made it Running has come back by the watch
+    since = len(api.handler.log)
+    _wait_ticks(op, kube, "jkeep", n=8)  # 2 s of ticks
+    steady = _operator_requests(api, kube.namespace, since)
+    assert steady == [], [(r.method, r.plural, r.status) for r in steady]
+
+    since, t0 = len(api.handler.log), time.monotonic()
+    kube.core.delete_namespaced_service("jkeep-head", kube.namespace)
+    client_networking(kube).delete_namespaced_network_policy("jkeep-ingress", kube.namespace)
+    back = wait_for(lambda: (now := {k: _child(api, kube, k, o["metadata"]["name"]) for k, o in before.items()})
+                    and all(now.values()) and now, 30, "the Service and the NetworkPolicy made again")
+    took = time.monotonic() - t0
+    for kind, obj in back.items():
+        assert obj["metadata"]["uid"] != before[kind]["metadata"]["uid"], kind
+        assert _owned_by(obj, uid), obj["metadata"]
+        assert obj["spec"] == before[kind]["spec"], kind  # the same fence, the same head selector
+    assert took < 3, f"made again {took:.1f} s after the deletion; ticks are 0.25 s apart"
+    wait_for(lambda: _reasons(kube, "jkeep").count("ChildRecreated") == 2, 30, "a ChildRecreated event for each")
+    _wait_ticks(op, kube, "jkeep", n=8)  # and nothing more once they are back
+    made = [(r.method, r.plural) for r in _operator_requests(api, kube.namespace, since) if r.plural != "events"]
+    assert sorted(made) == [("POST", "networkpolicies"), ("POST", "services")], made
+    assert _phase(kube, "jkeep") == "Running"
+
+
+def test_the_followed_childrens_watches_are_filtered_by_the_api_server():
+    """The pod, Service and NetworkPolicy watches ask the API server (labelSelector) for the jobs' objects only, not
+    for every pod, Service and NetworkPolicy of the namespaces served; nothing else is watched by this selector."""
+    import kopf
+    from hybridflow_operator.handlers import watch_children_only
+
+    settings = kopf.OperatorSettings()
+    watch_children_only(settings)
+    selected = {r: settings.watching.label_selectors.collect(kopf.Resource(*r)) for r in
+                (("", "v1", "pods"), ("", "v1", "services"), ("networking.k8s.io", "v1", "networkpolicies"),
+                 ("", "v1", "configmaps"), ("serving.knative.dev", "v1", "services"))}
+    assert selected == {("", "v1", "pods"): ["hybridflow.io/job"], ("", "v1", "services"): ["hybridflow.io/job"],
+                        ("networking.k8s.io", "v1", "networkpolicies"): ["hybridflow.io/job"],
+                        ("", "v1", "configmaps"): [], ("serving.knative.dev", "v1", "services"): []}
 
 
 def test_a_cluster_wide_operator_acts_only_in_labelled_namespaces(labelled_cluster):

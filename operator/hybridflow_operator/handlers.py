@@ -2,13 +2,14 @@
 
 One path reconciles a job: a timer, which kopf never runs twice at once for the same object (an `on.create`
 beside it used to overlap the first tick and start jobs twice). Children are followed from kopf's in-memory index
-of the jobs' pods, fed by one watch, instead of a LIST per job per tick; the accepted spec is read once. Between a
-status write and the watch event that brings it back, the timer sees its own last write (`_known_status`), so a
-fast tick never acts on a stale phase. Everything stays idempotent: objects are created by name, and one already
-there (409) counts only when it is this job's (its controller ownerReference), else the job fails naming it;
-children are deleted only when the job controls them, with their uid as the delete's precondition. So an operator
-that restarts mid-job creates nothing twice, and an object that merely has a child's name is never adopted nor
-deleted.
+of the jobs' pods, fed by one watch, instead of a LIST per job per tick, and the jobs' Services and NetworkPolicies
+likewise, so that one deleted while its job lives is made again (FOLLOWED_CHILDREN); the accepted spec is read
+once. Between a status write and the watch event that brings it back, the timer sees its own last write
+(`_known_status`), so a fast tick never acts on a stale phase. Everything stays idempotent: objects are created by
+name, and one already there (409) counts only when it is this job's (its controller ownerReference), else the job
+fails naming it; children are deleted only when the job controls them, with their uid as the delete's
+precondition. So an operator that restarts mid-job creates nothing twice, and an object that merely has a child's
+name is never adopted nor deleted.
 """
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.networking.request_timeout = API_TIMEOUT
     settings.networking.connect_timeout = 10
     tune_kopf(settings)
+    watch_children_only(settings)
     try:
         config.load_incluster_config()
     except config.ConfigException:
@@ -192,6 +194,74 @@ def job_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> 
     owners = [r.get("uid") for r in body.get("metadata", {}).get("ownerReferences") or [] if r.get("controller")]
     return {(namespace, labels[mf.LABEL_JOB]): {"view": view, "podIP": st.get("podIP"),
                                                 "owner": owners[0] if owners else None}}
+
+
+# The static children a live gang cannot do without, by kind: kopf's (group, version, plural) of each. A job's
+# children are created once per gang start (`_create_children`), so one deleted while the job lives (by a namespace
+# admin, a cleanup script, a mistake) would stay gone until the next gang start: without its NetworkPolicy the
+# job's pods lose their ingress and egress fence, without its head Service the head's name stops resolving (a Ray
+# worker reconnecting to the GCS cannot find it). These two are followed by a watch each, and one gone is made
+# again at the job's next tick (`_lost_children`).
+#
+# Why watches, not a periodic GET of each child (one per child a minute is ~70 requests a second at 1,000 running
+# jobs, and leaves a job unfenced for up to that minute): the API server filters each watch by the job label
+# (`watch_children_only`, kopf's server-side `labelSelector`), so the operator receives the jobs' own Services and
+# NetworkPolicies only, once at start (a LIST) and then only their changes: no request at all while nothing
+# changes, resting jobs included, and a deletion noticed within a tick. It costs `list`/`watch` on two kinds that
+# hold nothing secret (the chart grants them for this alone). Not followed: the Ray token Secret (the operator holds
+# no verb that reads a Secret, and a token made again mid-generation would not be the one the running Ray cluster
+# knows), the spec ConfigMap and the PodGroup (read only when pods are created or scheduled, never by running ones;
+# and `list` on ConfigMaps, which RBAC cannot narrow to a label, would let the operator read every tenant's). Those
+# are checked again at every gang start, a resume included (`_create_children`).
+FOLLOWED_CHILDREN = {"Service": ("v1", "services"), "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies")}
+# Rests (phases.resting) of a Pending job, whose pods may be on their way: a followed child lost ends them. A
+# suspended or finished job has no running pod to fence; a resume is a gang start, which checks its children anyway.
+PENDING_RESTS = ("inputs", "refused")
+
+
+def watch_children_only(settings: kopf.OperatorSettings) -> None:
+    """Have the API server send the pod watch (`job_pods`) and the followed kinds' watches only objects carrying the
+    job label (a label only the operator may set), instead of every pod, Service and NetworkPolicy of every
+    namespace served: on a busy cluster the pod watch alone would stream every pod's every status change."""
+    for resource in (("v1", "pods"), *FOLLOWED_CHILDREN.values()):
+        settings.watching.label_selectors[resource] = mf.LABEL_JOB
+
+
+def _followed_child(kind: str, namespace: str, name: str, labels: kopf.Labels,
+                    body: kopf.Body) -> dict[tuple[str, str], dict[str, Any]]:
+    """One followed child, by its job's (namespace, job): its kind, name and controller (the job's uid if it is the
+    job's own)."""
+    owners = _controllers(body)
+    return {(namespace, labels[mf.LABEL_JOB]): {"kind": kind, "name": name, "owner": owners[0] if owners else None}}
+
+
+@kopf.index(*FOLLOWED_CHILDREN["Service"], labels={mf.LABEL_JOB: kopf.PRESENT})
+def job_services(namespace: str, name: str, labels: kopf.Labels, body: kopf.Body,
+                 **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    """The jobs' head Services, kept current by one watch (FOLLOWED_CHILDREN)."""
+    return _followed_child("Service", namespace, name, labels, body)
+
+
+@kopf.index(*FOLLOWED_CHILDREN["NetworkPolicy"], labels={mf.LABEL_JOB: kopf.PRESENT})
+def job_network_policies(namespace: str, name: str, labels: kopf.Labels, body: kopf.Body,
+                         **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    """The jobs' NetworkPolicies, kept current by one watch (FOLLOWED_CHILDREN)."""
+    return _followed_child("NetworkPolicy", namespace, name, labels, body)
+
+
+def _lost_children(followed: list[kopf.Index], namespace: str, name: str, uid: str | None,
+                   memo: kopf.Memo) -> set[tuple[str, str]]:
+    """(kind, name) of the job's followed children that the watch showed and shows no more: deleted while the job
+    lives. In memory only (no request). Only children the job controls count, so an object planted under a child's
+    name is lost, not adopted (its create answers 409 and `_check_existing` fails the job, as at any create). A child
+    counts as lost only after it was seen: one this operator has just created (`_create_children` forgets it), whose
+    ADDED event the watch has not brought yet, is not created twice, and one never seen (no watch) is left as
+    before."""
+    present = {(e["kind"], e["name"]) for index in followed for e in index.get((namespace, name), [])
+               if uid and e["owner"] == uid}
+    seen: set[tuple[str, str]] = memo.setdefault("seen_children", set())
+    seen |= present
+    return seen - present
 
 
 def _list_pods(namespace: str, name: str) -> list[dict[str, Any]]:
@@ -418,10 +488,11 @@ def _acts_in(namespace: str | None = None, **_: Any) -> bool:
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=INTERVAL, when=_acts_in)
-def reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, job_pods: kopf.Index, **_: Any) -> None:
+def reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, job_pods: kopf.Index,
+              job_services: kopf.Index, job_network_policies: kopf.Index, **_: Any) -> None:
     t0 = time.perf_counter()
     try:
-        _reconcile(body, name, namespace, memo, job_pods)
+        _reconcile(body, name, namespace, memo, job_pods, [job_services, job_network_policies])
     except Exception:
         METRICS.reconcile_errors.inc()
         raise
@@ -438,10 +509,12 @@ class _Resting(NamedTuple):
     until: float | None
 
 
-def _rests(body: kopf.Body, memo: kopf.Memo) -> bool:
+def _rests(body: kopf.Body, memo: kopf.Memo, lost: Callable[[], set[tuple[str, str]]]) -> bool:
     """Whether this tick has nothing to do: the job rests, unchanged since, and its time is not up. No API call,
     no parse, no decide: 5,000 suspended jobs at a 5 s interval are 1,000 ticks a second (a job waiting for a PVC
-    used to make 8 requests at each)."""
+    used to make 8 requests at each). A Pending job's rest also ends when one of its followed children is gone
+    (`lost`, from the watches' index: still no request), so that the tick makes it again; no other event of its
+    children ends a rest."""
     rest = memo.get("rest")
     if rest is None:
         return False
@@ -450,6 +523,9 @@ def _rests(body: kopf.Body, memo: kopf.Memo) -> bool:
         memo.pop("rest_tries", None)
         return False
     if rest.until is not None and time.monotonic() >= rest.until:
+        memo.pop("rest", None)
+        return False
+    if rest.why in PENDING_RESTS and lost():
         memo.pop("rest", None)
         return False
     return True
@@ -476,19 +552,20 @@ def _rest_after(body: kopf.Body, memo: kopf.Memo, job: RLHFJob | None, status: d
                             None if wait is None else time.monotonic() + wait)
 
 
-def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, index: kopf.Index) -> None:
+def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, index: kopf.Index,
+               followed: list[kopf.Index]) -> None:
     if body["metadata"].get("deletionTimestamp"):
         return  # being deleted: `cleanup` owns it now; a tick must not create children after cleanup has run
     if not _acts_in(namespace):
         return  # the namespace lost its label since kopf started this timer
-    if _rests(body, memo):
+    uid = body["metadata"].get("uid")
+    if _rests(body, memo, functools.partial(_lost_children, followed, namespace, name, uid, memo)):
         METRICS.resting_ticks.inc()
         return
     now = dt.datetime.now(dt.timezone.utc)
     raw = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "metadata": dict(body["metadata"]),
            "spec": dict(body.get("spec") or {})}
     status = _known_status(body, memo)
-    uid = body["metadata"].get("uid")
     job: RLHFJob | None = None
     error: str | None = None
     try:
@@ -533,8 +610,13 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     if plan.status != status:
         _write_status(namespace, name, status, plan.status, memo)
     if job is not None:
+        # A followed child gone is made again while the job has (or is about to have) pods: not once it finished,
+        # nor while suspended (its resume is a gang start, which checks every child).
+        lost = (_lost_children(followed, namespace, name, uid, memo)
+                if plan.status.get("phase") not in (*TERMINAL, "Suspended") else set())
         try:
-            _create_children(raw, job, plan, pods, memo, first_start=not status.get("phase"), reward=reward)
+            _create_children(raw, job, plan, pods, memo, first_start=not status.get("phase"), reward=reward,
+                             lost=lost)
         except SpecError as err:  # a child that exists but is not this job's: fail now, before any pod runs it
             planned = plan
             plan = decide(None, str(err), planned.status, views, now)
@@ -569,14 +651,20 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
 
 
 def _create_children(raw: dict[str, Any], job: RLHFJob, plan: Any, pods: list[dict[str, Any]], memo: kopf.Memo,
-                     first_start: bool, reward: str | None) -> None:
+                     first_start: bool, reward: str | None, lost: set[tuple[str, str]] | None = None) -> None:
     """The static children, the job's copy of its reward file and the missing pods of the planned generation; a
     refused create raises, naming the object it was about. The pods may use only what the accepted spec names
-    (`foreign_references`). A child that already exists must be this job's (`_check_existing`)."""
+    (`foreign_references`). A child that already exists must be this job's (`_check_existing`).
+
+    Static children are POSTed once per gang start (a new generation, or a resume: the key is the generation and
+    status.startTime), then remembered (`memo["children"]`), not re-POSTed at every tick; `lost` (kind, name), the
+    followed children deleted since (`_lost_children`), are made again at any tick, with a Warning event."""
+    lost = lost or set()
     objs: list[dict[str, Any]] = []
-    if plan.create_static:
+    if plan.create_static or lost:
         scrapers = [*POLICY.metrics_namespaces, *([OPERATOR_NAMESPACE] if OPERATOR_NAMESPACE else [])]
-        objs += mf.static_children(raw, job, secrets.token_hex(32), scrapers, POLICY.egress)
+        static = mf.static_children(raw, job, secrets.token_hex(32), scrapers, POLICY.egress)
+        objs += static if plan.create_static else [o for o in static if (o["kind"], o["metadata"]["name"]) in lost]
     if plan.create_gang is not None:
         if job.spec.kubernetes.reward_config_map and (text := _reward_to_copy(raw, job, plan.status, reward)):
             objs.append(mf.reward_configmap(raw, job, text))
@@ -587,10 +675,12 @@ def _create_children(raw: dict[str, Any], job: RLHFJob, plan: Any, pods: list[di
         existing = {p["view"].name for p in pods}
         objs += [p for p in gang if p["metadata"]["name"] not in existing]
     created = memo.setdefault("created", {})
-    gen = int(plan.status.get("restarts", 0))
+    start = (int(plan.status.get("restarts", 0)), plan.status.get("startTime"))
     known = memo.get("children")
-    if known is None or known[0] != gen:  # a new gang generation checks its static children once more
-        known = memo["children"] = (gen, set())
+    if known is None or known[0] != start:  # a new gang generation, or a resume, checks its static children again
+        known = memo["children"] = (start, set())
+    known[1].difference_update(lost)
+    seen: set[tuple[str, str]] = memo.setdefault("seen_children", set())
     for obj in objs:
         key = (obj["kind"], obj["metadata"]["name"])
         if key in known[1]:
@@ -609,8 +699,13 @@ def _create_children(raw: dict[str, Any], job: RLHFJob, plan: Any, pods: list[di
                           memo)
         if obj["kind"] == "Pod":
             created[obj["metadata"]["name"]] = (time.monotonic(), _pod_view(obj))
-        else:
-            known[1].add(key)
+            continue
+        known[1].add(key)
+        seen.discard(key)  # lost again only once the watch has shown this one (`_lost_children`)
+        if key in lost and made is not None:
+            plan.events.append(("Warning", "ChildRecreated", f"{obj['kind']} {obj['metadata']['name']} was deleted "
+                                "while the job lives; the operator made it again (a job's children go with it: "
+                                "delete the RLHFJob to remove them)"))
 
 
 # The status field holding the digest each of the job's ConfigMaps must match (by their key in manifests.names).

@@ -46,10 +46,11 @@ pods through secretKeyRef, which the kubelet resolves: the operator creates a jo
   resources: ["pods"]
   verbs: ["list", "watch", "create", "delete"]
 # The head's headless Service. Read: one found under its name must be the job's (its owner) before the job uses it,
-# and before the job's deletion deletes it.
+# and before the job's deletion deletes it. Listed and watched (one watch, filtered by the API server to objects
+# carrying the hybridflow.io/job label) so that one deleted while its job lives is made again at the next tick.
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["get", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "delete"]
 # The job's accepted-spec ConfigMap and its copy of the reward file (created, read back to check owner and
 # content), and a job's reward ConfigMap (read: does it exist, is it marked for jobs, the file to copy).
 - apiGroups: [""]
@@ -61,10 +62,11 @@ pods through secretKeyRef, which the kubelet resolves: the operator creates a jo
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["create", "delete"]
-# Each job's NetworkPolicy: ingress only from the job's own pods and the metrics scrapers. Read as the Service is.
+# Each job's NetworkPolicy: the fence of its pods' ingress and egress. Read, listed and watched as the Service is (a
+# job's pods must not go on unfenced because someone deleted it).
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "delete"]
 # Before creating pods: do the job's PersistentVolumeClaims exist, and are they marked for jobs? (Read only.)
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
