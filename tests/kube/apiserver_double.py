@@ -20,7 +20,7 @@ import attrs
 import jsonpatch
 import kmock
 import yaml
-from kmock._internal import enums, rendering
+from kmock._internal import apps, enums, k8s, k8s_views, rendering
 
 RESOURCES = {
     "hybridflow.io/v1alpha1/rlhfjobs": kmock.ResourceInfo(
@@ -52,7 +52,62 @@ RESOURCES = {
 }
 
 
-KEEP_REQUESTS = 50
+class MatchedAlone(apps.RawHandler):
+    """kmock's matching of a request with its reaction, over a log that holds only that request.
+
+    kmock finds a request's reaction by looking for the request, by identity, among every request it has received,
+    through each reaction's filter: a request costs (reactions x requests logged) filter checks, 7 ms after 200
+    requests and 100 ms after 1,000. Trimming the log to the last 50 still left it the double's largest cost (41%
+    of the bench's samples with 5,000 jobs), and a request that waited behind 50 newer ones would not be found
+    (500). The matching runs without a pause from here to the reaction it picks (no custom reactions, no slicers:
+    only kmock's own fallbacks, whose filters look at the request alone), so the log needs only this request. The
+    tests read requests from the double's own `log`, not kmock's."""
+    __slots__ = ()  # kmock's handlers are slotted: this class sits between two of them (see KubeApiServerDouble)
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        self._requests[:] = [request]
+        return await super()._handle(request)
+
+
+@attrs.frozen(eq=False, order=False)
+class IndexedObjects(k8s_views.ObjectsArray):
+    """kmock's store of objects, with each resource's keys also kept apart (in the store's own order).
+
+    kmock 0.8 answers every fetch, create, patch and delete by comparing the request with every object stored, of
+    every resource, events included, and every list by the same scan plus one more for the resources known: each
+    request costs time in proportion to all the objects, and a run of N jobs, each making a few requests, grows as
+    N squared (bench/operator_scale.py's 5,000 suspended jobs took 296 s only to be created). The API server finds
+    an object by its key; this index lets the double do the same, and list one resource without reading the
+    others."""
+    _keys: dict = attrs.field(factory=dict, init=False)  # resource -> {(resource, namespace, name): None}
+
+    def __setitem__(self, key: Any, value: Any, /) -> None:
+        k8s_views.ObjectsArray.__setitem__(self, key, value)
+        if len(key) == 3:  # an object (a 4-item key is a version in its history)
+            resource = k8s_views._parse_resource(key[0])
+            self._keys.setdefault(resource, {})[(resource, key[1], key[2])] = None
+
+    def __delitem__(self, key: Any, /) -> None:
+        k8s_views.ObjectsArray.__delitem__(self, key)
+        if len(key) == 3:
+            resource = k8s_views._parse_resource(key[0])
+            self._keys.get(resource, {}).pop((resource, key[1], key[2]), None)
+
+    def clear(self) -> None:
+        k8s_views.ObjectsArray.clear(self)
+        self._keys.clear()
+
+    def get(self, key: tuple) -> Any:
+        """The object stored under (resource, namespace, name), soft-deleted or not; None if none ever was."""
+        return self._objects.get(key)
+
+    def of(self, resource: Any) -> list[tuple[tuple, Any]]:
+        """(key, object) of every object of this resource ever stored, in the order kmock's own scan finds them."""
+        return [(key, self._objects[key]) for key in self._keys.get(resource, ())]
+
+    def resources(self) -> set:
+        """The resources of the objects stored (what kmock's discovery adds to those declared)."""
+        return {resource for resource, keys in self._keys.items() if keys}
 
 
 @attrs.frozen
@@ -68,7 +123,7 @@ class Seen:
 
 
 @attrs.define(eq=False)
-class KubeApiServerDouble(kmock.KubernetesEmulator):
+class KubeApiServerDouble(kmock.KubernetesEmulator, MatchedAlone):  # kmock's emulator, then MatchedAlone's matching
     _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     peers: set = attrs.field(factory=set, init=False)  # (host, port) of every client connection seen
     log: list = attrs.field(factory=list, init=False)  # a Seen per request, for the tests' assertions
@@ -101,8 +156,26 @@ class KubeApiServerDouble(kmock.KubernetesEmulator):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
+        self._objects = IndexedObjects()  # before anything is stored
         for key, info in RESOURCES.items():
             self.resources[key] = info
+
+    def _KubernetesEmulator__get_objs(self, request: rendering.Request, strict: bool) -> list:
+        """kmock's lookup of the objects a request names (its private `__get_objs`: the same objects, in the same
+        order), by key and by resource instead of a comparison with every object stored (see IndexedObjects)."""
+        objects: IndexedObjects = self._objects
+        if request.resource is None:
+            return []
+        if strict and request.name is not None:  # fetch, create, patch, delete: one key
+            obj = objects.get((request.resource, request.namespace, request.name))
+            return [] if obj is None else [obj]
+        return [obj for (_, namespace, name), obj in objects.of(request.resource)
+                if (namespace == request.namespace if strict else request.namespace in (None, namespace))
+                and (request.name is None or name == request.name)]
+
+    def _get_resources(self) -> list:
+        """The resources declared or seen in an object (kmock's own reads every object for it: see IndexedObjects)."""
+        return list(set(k8s.KubernetesScaffold._get_resources(self)) | self._objects.resources())
 
     async def _handle(self, request: rendering.Request) -> Any:
         raw = request._raw_request
@@ -131,10 +204,6 @@ class KubeApiServerDouble(kmock.KubernetesEmulator):
         return aiohttp.web.json_response(self.namespaces[name])
 
     async def _answer(self, request: rendering.Request) -> Any:
-        # kmock matches every request against its whole request log (its payload filters re-scan it), so each
-        # request cost grows with the run: 7 ms after 200 requests, 100 ms after 1,000. Only the request being
-        # served needs to be there.
-        del self._requests[:-KEEP_REQUESTS]
         refusal = self.refusals.get(request.resource.plural) if request.resource is not None else None
         if refusal and request.action == enums.action.CREATE:
             status, message = refusal
@@ -320,12 +389,12 @@ class RunningApiServer:
         """Live objects of a resource (e.g. 'v1/pods'), read on the server's own loop."""
         assert self.loop and self.handler
 
+        objects: IndexedObjects = self.handler.objects
+
         async def read() -> list[dict]:
-            out = []
-            for (res, ns, _), obj in list(self.handler.objects.items()):
-                if _resource_key(res) == resource and (namespace is None or ns == namespace) and not obj.deleted:
-                    out.append(obj.raw)
-            return out
+            return [obj.raw for res in objects.resources() if _resource_key(res) == resource
+                    for (_, ns, _), obj in objects.of(res)
+                    if (namespace is None or ns == namespace) and not obj.deleted]
 
         return asyncio.run_coroutine_threadsafe(read(), self.loop).result(10)
 
