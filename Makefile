@@ -56,6 +56,7 @@ e2e: install install-tools
 	PYTHON=$(PYTHON) e2e/run.sh $(PYTEST_ARGS)
 
 test-fast: install
+	PYTHON=$(PYTHON) bash scripts/install-helm.sh .tools/bin/helm  # the chart tests render it
 	$(PYTHON) -m pytest -ra --durations=15 -m "not slow" $(PYTEST_ARGS)
 
 crd:

@@ -110,6 +110,7 @@ def _run(world: int, mode: str, ckpt: Path, tmp: Path) -> dict[str, list[float]]
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # two spawns of gloo ranks training FSDP2
 @pytest.mark.parametrize("saved_on, resumed_on", [(2, 1), (1, 2)], ids=["2->1", "1->2"])
 def test_a_sharded_checkpoint_resumes_on_another_world_size_with_the_same_losses(tmp_path, saved_on, resumed_on):
     ckpt = tmp_path / "ckpt"

@@ -21,6 +21,9 @@ from hybridflow.models.builders import materialize
 from hybridflow.roles.common import load_causal_lm
 from hybridflow.spec import ModelSource, load_job
 
+# A trained checkpoint (a `hybridflow run` in the module fixture), SmolLM2 conversions and a vLLM engine.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [9], [10, 11]]
 RESPONSES = [[4, 5, 6], [8, 9], [10, 11, 12, 13], [12]]

@@ -126,6 +126,10 @@ def _spawn(tmp: Path, world: int, cfg: dict, timeout: float = 300) -> dict:
             f.close()
 
 
+# Every test reads `runs`: rounds of megatron-core processes training at TP=2 and resuming at TP=1 (~20 s).
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Train at TP=2 and checkpoint (`ckpt`), continue uninterrupted (the reference); resume `ckpt` at TP=1, also

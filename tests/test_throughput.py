@@ -212,6 +212,7 @@ print(json.dumps({"freed": before - released, "error": error, "same": again == f
 """
 
 
+@pytest.mark.slow  # a vLLM engine in a subprocess
 def test_vllm_on_cpu_frees_its_weights_for_training_and_gets_them_back_with_the_next_sync(model_cache):
     """vLLM on CPU holds its weights as packed GEMMs (AVX-512) or as plain parameters its `linear` calls use (AVX2):
     release() drops either (SmolLM2 in bf16 is 0.27 GB of weights), generation before the next load_weights is a
