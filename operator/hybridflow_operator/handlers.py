@@ -326,10 +326,15 @@ def _accepted_job(live: RLHFJob, raw: dict[str, Any], uid: str | None, status: d
             raise SpecError(f"ConfigMap {namespace}/{name} does not hold the spec this job started with (digest "
                             f"{digest}, accepted {known or 'none'}); delete the job and create it again")
         memo["accepted"] = parse_job(json.loads(text), "accepted spec")
+    if "accepted_fields" not in memo:  # the accepted spec never changes: resolved once, not at every tick
+        try:  # resolved: a spec accepted by an older operator (its paths resolved otherwise) is not an edit
+            memo["accepted_fields"] = _spec_fields(mf.resolved_job(memo["accepted"]))
+        except SpecError:
+            memo["accepted_fields"] = None
     accepted = memo["accepted"].model_copy(deep=True)
     accepted.spec.run_policy = live.spec.run_policy
-    try:  # both resolved: a spec accepted by an older operator (its paths resolved otherwise) is not an edit
-        changed = _spec_fields(mf.resolved_job(live)) != _spec_fields(mf.resolved_job(accepted))
+    try:
+        changed = memo["accepted_fields"] is None or _spec_fields(mf.resolved_job(live)) != memo["accepted_fields"]
     except SpecError:  # an edit naming what the pods may not have: they never get it (the accepted spec runs)
         changed = True
     return accepted, changed
