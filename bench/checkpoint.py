@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "workers"))
 
 
 def _batch():
-    from hybridflow.controller.batch import Batch
+    from hybridflow.single_controller.batch import Batch
     from hybridflow.data.packing import pack_rollout
 
     g = torch.Generator().manual_seed(0)
@@ -49,10 +49,9 @@ def _step(engine, batch) -> float:
 
 
 def _rank(rank: int, world: int, store: str, model_dir: str, out_dir: str, steps: int, result: str) -> None:
-    from hybridflow import sharded_checkpoint as sc
-    from hybridflow.checkpoint import sha256
-    from hybridflow.engines.fsdp import FSDPEngine
-    from hybridflow.roles.common import load_causal_lm
+    from hybridflow.checkpoint import dcp as sc
+    from hybridflow.checkpoint.store import sha256
+    from hybridflow.engines.train.fsdp import FSDPEngine, load_causal_lm
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -83,7 +82,7 @@ def _rank(rank: int, world: int, store: str, model_dir: str, out_dir: str, steps
     timed("full_save", full_save)
 
     def full_load():
-        from hybridflow.checkpoint import load_tensors
+        from hybridflow.checkpoint.store import load_tensors
         engine.load_state_dict(load_tensors(out / "full" / "actor.pt"))
 
     timed("full_load", full_load)

@@ -2,7 +2,7 @@
 
 Every check drives the project's own code path, the one the CPU tests use (tests/test_weight_sync.py): an RLHFJob
 dict -> `spec.parse_job` -> `setup.prepare` -> `cli.start_local_ray` -> `setup.build_workers` -> `loop.run_iteration`
--> the actor's registered `train_checksum` / `rollout_checksum` / `rollout_instance`. Models are built from config
+-> the rollout role's registered `train_checksum` / `weight_checksums` / `instance_id`. Models are built from config
 (`models.actor.source: tiny`, the `increment` task): nothing is downloaded.
 
   python bench/gpu_check.py fsdp       FSDP2 actor + vLLM rollout on one GPU; three checks on one job (one vLLM start):
@@ -20,7 +20,7 @@ dict -> `spec.parse_job` -> `setup.prepare` -> `cli.start_local_ray` -> `setup.b
 mode). Results are appended to OUT/results.jsonl (OUT: --out or $OUT or /tmp/gpu_check); `summary` prints the table.
 
 What the project's API does not show, and how this file observes it anyway (reported in every result's `notes`):
-  * the generation engine's weights beyond one sum: `rollout_checksum` is the sum of vLLM's embedding and
+  * the generation engine's weights beyond one sum: `weight_checksums` is the sum of vLLM's embedding and
     `train_checksum` the sum of the trainer's fp32 master embedding, while vLLM on a GPU holds bf16 weights (compute
     dtype auto), so the two public sums differ by rounding. The exact comparison (every vLLM tensor == the trainer's
     whole tensor cast to vLLM's dtype, q/k/v and gate/up stacked as vLLM stacks them) runs inside the worker through
@@ -30,8 +30,8 @@ What the project's API does not show, and how this file observes it anyway (repo
     torch's allocator, blind to memory the driver unmaps under it). This file reads device memory in use (total -
     free, from the CUDA driver) and vLLM's `asleep` flag inside the worker via `__ray_call__`, and device memory from
     this process through NVML/nvidia-smi when available, right before and after `update_actor` and after
-    `sync_rollout_weights` (an ActorProbe wrapping the actor's handle that run_iteration is given); torch's allocator
-    counters are printed beside them, and vLLM's own "Sleep mode freed" log line is picked from the workers' logs.
+    `sync_weights` (ActorProbes wrapping the actor's and the rollout role's handles that run_iteration is given);
+    torch's allocator counters are printed beside them, and vLLM's own "Sleep mode freed" log line is picked from the workers' logs.
 """
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def job_doc(engine: str, device: str, steps: int, checkpoint_dir: str) -> dict[s
 
 
 def parse(doc: dict[str, Any]):
-    from hybridflow.spec import parse_job
+    from hybridflow.api import parse_job
 
     return parse_job(doc, f"bench/gpu_check.py ({doc['metadata']['name']})")
 
@@ -239,7 +239,7 @@ def _w_memory(host, reset_peak: bool = False) -> dict[str, Any]:
     """The generation engine's sleep flag and this process's / the device's memory."""
     import torch
 
-    rollout = host.roles["actor"].rollout
+    rollout = host.roles["rollout"].generator
     out: dict[str, Any] = {"engine": type(rollout).__name__, "asleep": getattr(rollout, "asleep", None)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         free, total = torch.cuda.mem_get_info()
@@ -300,12 +300,12 @@ def _w_weights(host) -> dict[str, Any]:
     import torch
 
     actor = host.roles["actor"]
-    rollout = actor.rollout
+    rollout = host.roles["rollout"].generator
     if hasattr(rollout, "llm"):  # vLLM
         gen = rollout.model.model.embed_tokens.weight.detach()
     else:
         gen = rollout.model.get_input_embeddings().weight.detach()
-    if actor.hybrid is not None:  # megatron: the embedding's TP shards gathered whole
+    if actor.config.train_engine.model_parallel:  # megatron: the embedding's TP shards gathered whole
         name = "embedding.word_embeddings.weight"
         shards = dict(actor.engine.named_shards())
         train = actor.engine.gather_tp(name, shards[name]).detach()
@@ -323,7 +323,7 @@ def _w_weights(host) -> dict[str, Any]:
     except Exception:
         pass
     return {
-        "all": _every_tensor(actor) if hasattr(rollout, "llm") else None,
+        "all": _every_tensor(actor, rollout) if hasattr(rollout, "llm") else None,
         "engine": type(rollout).__name__, "vllm_platform": platform,
         "gen_dtype": str(gen.dtype), "gen_device": str(gen.device), "gen_rows": int(gen.shape[0]),
         "train_dtype": str(train.dtype), "train_device": str(train.device), "train_rows": int(rows),
@@ -336,7 +336,7 @@ def _w_weights(host) -> dict[str, Any]:
     }
 
 
-def _every_tensor(actor) -> dict[str, Any]:
+def _every_tensor(actor, rollout) -> dict[str, Any]:
     """Every vLLM parameter against the trainer's whole HF-named weights (`engine.full_params()`, collective), cast
     to vLLM's dtype: vLLM stacks q/k/v into qkv_proj and gate/up into gate_up_proj (dim 0) and pads the vocabulary
     rows (which must be zero). Runs inside the worker (called from _w_weights)."""
@@ -346,7 +346,7 @@ def _every_tensor(actor) -> dict[str, Any]:
     train = {n: t.detach() for n, t in actor.engine.full_params()}
     used: set[str] = set()
     exact, differ, unmatched, packed = [], [], [], []
-    for name, param in actor.rollout.model.named_parameters():
+    for name, param in rollout.model.named_parameters():
         have = param.detach()
         if have.numel() == 0:  # vLLM's CPU backend moves linear weights into packed kernels: not comparable here
             packed.append(name)
@@ -401,7 +401,7 @@ def job_session(doc: dict[str, Any], out: Path, ray_dir: str | None) -> Iterator
     the block ends, and the workers' logs (tails) are appended to OUT/worker-logs.txt."""
     import ray
 
-    from hybridflow import setup
+    from hybridflow.trainer import setup
     from hybridflow.capacity import local_capacity_problems, machine_facts
     from hybridflow.cli import start_local_ray
 
@@ -483,13 +483,15 @@ def kill_processes_mentioning(text: str, grace: float = 5.0) -> int:
 
 
 class ActorProbe:
-    """The actor's handle as `run_iteration` sees it, with readings taken right before `update_actor` (vLLM awake,
-    after generation), right after it (vLLM released at the update's start, still asleep until the sync) and right
-    after `sync_rollout_weights` (woken by `load_weights`). Everything else passes straight through."""
+    """The actor's or the rollout role's handle as `run_iteration` sees it, with readings taken right before
+    `update_actor` (vLLM awake, after generation), right after it (vLLM released at the update's start, still asleep
+    until the sync) and right after the rollout role's `sync_weights` (woken by `load_weights`), into one list shared
+    by the two probes. Everything else passes straight through."""
 
-    def __init__(self, handle: Any, read: Callable[..., dict[str, Any]]) -> None:
+    def __init__(self, handle: Any, read: Callable[..., dict[str, Any]],
+                 readings: list[tuple[str, dict[str, Any]]] | None = None) -> None:
         self._handle, self._read = handle, read
-        self.readings: list[tuple[str, dict[str, Any]]] = []
+        self.readings: list[tuple[str, dict[str, Any]]] = [] if readings is None else readings
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._handle, name)
@@ -500,8 +502,8 @@ class ActorProbe:
         self.readings.append(("after_update", self._read()))
         return out
 
-    def sync_rollout_weights(self, *args: Any, **kwargs: Any) -> Any:
-        out = self._handle.sync_rollout_weights(*args, **kwargs)
+    def sync_weights(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._handle.sync_weights(*args, **kwargs)
         self.readings.append(("after_sync", self._read()))
         return out
 
@@ -568,10 +570,10 @@ def check_vllm_sync(c: Check, s: Session, args: argparse.Namespace) -> tuple[lis
     readings). After every step: the engine id is unchanged (in place), the update moved the weights, and the
     engine's weights are the trainer's: element-wise in the worker (embedding, cast to the engine's dtype), and the
     public checksums within that dtype's rounding."""
-    from hybridflow import loop, setup
+    from hybridflow.trainer import loop, setup
 
     job, w, task = s.job, s.w, s.task
-    actor = w.roles["actor"]
+    actor, rollout = w.roles["actor"], w.roles["rollout"]
 
     def inspect() -> list[dict[str, Any]] | None:
         try:
@@ -588,8 +590,8 @@ def check_vllm_sync(c: Check, s: Session, args: argparse.Namespace) -> tuple[lis
             r["worker"] = None
         return r
 
-    ids = actor.rollout_instance()
-    train, roll = actor.train_checksum(), actor.rollout_checksum()
+    ids = rollout.instance_id()
+    train, roll = rollout.train_checksum(), rollout.weight_checksums()
     first = inspect()
     c.facts["engine_ids"] = ids
     c.facts["initial"] = {"train": train, "rollout": roll, "worker": first}
@@ -601,14 +603,15 @@ def check_vllm_sync(c: Check, s: Session, args: argparse.Namespace) -> tuple[lis
             c.expect(f["vllm_platform"] == "cuda", f"vLLM's platform is {f['vllm_platform']}")
         c.expect(f["exact"], "before any step the engine's embedding differs from the trainer's")
     probe = ActorProbe(actor, read)
-    probed = setup.Workers({**w.roles, "actor": probe}, w.groups, w.devices)
+    probed = setup.Workers({**w.roles, "actor": probe, "rollout": ActorProbe(rollout, read, probe.readings)},
+                           w.groups, w.devices)
     steps: list[dict[str, Any]] = []
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         prompts = setup.prompt_batch(task.train[8 * (step - 1): 8 * step])
         stats, stages = loop.run_iteration(job, probed, task, prompts)
         secs = time.perf_counter() - t0
-        new_train, new_roll, new_ids = actor.train_checksum(), actor.rollout_checksum(), actor.rollout_instance()
+        new_train, new_roll, new_ids = rollout.train_checksum(), rollout.weight_checksums(), rollout.instance_id()
         wk = inspect()
         steps.append({"step": step, "seconds": round(secs, 2), "stages": {k: round(v, 3) for k, v in stages.items()},
                       "train": new_train, "rollout": new_roll, "engine_ids": new_ids, "worker": wk,
@@ -626,7 +629,7 @@ def check_vllm_sync(c: Check, s: Session, args: argparse.Namespace) -> tuple[lis
             c.expect(k["padding_zero"], f"step {step}: the engine's vocabulary padding rows are not zero")
             judge_every_tensor(c, k.get("all"), f"step {step}", args.cpu)
             bound = k["train_abs_sum"] * k["unit_roundoff"] + 1e-9
-            c.expect(gap <= bound, f"step {step}: rollout_checksum - train_checksum = {gap:.3e}, more than "
+            c.expect(gap <= bound, f"step {step}: weight_checksums - train_checksum = {gap:.3e}, more than "
                                    f"{k['gen_dtype']} rounding can explain ({bound:.3e})")
         else:  # the public sums alone: a stale engine would be about one step's change away
             c.expect(gap < 0.1 * moved, f"step {step}: the engine's embedding sum is {gap:.3e} from the trainer's, "
@@ -642,7 +645,7 @@ def check_vllm_sync(c: Check, s: Session, args: argparse.Namespace) -> tuple[lis
         if k["gen_dtype"] != k["train_dtype"]:
             off = abs(k["gen_sum"] - k["train_sum"])
             c.note(f"the engine generates in {k['gen_dtype']}, the trainer keeps {k['train_dtype']} weights: the "
-                   f"public rollout_checksum and train_checksum differ by rounding ({off:.2e} here); "
+                   f"public weight_checksums and train_checksum differ by rounding ({off:.2e} here); "
                    "tests/test_weight_sync.py compares them with ==, which holds only when both are one dtype")
     exact = [bool(r["worker"] and r["worker"][0]["exact"] and _all_equal(r["worker"][0].get("all"))) for r in steps]
     last = steps[-1]["worker"][0] if steps and steps[-1]["worker"] else {}
@@ -707,12 +710,12 @@ def check_nccl(c: Check, s: Session, cpu: bool) -> None:
 
 def check_sleep_wake(c: Check, s: Session, steps: list[dict[str, Any]], readings: list, base_used: int | None,
                      cpu: bool) -> None:
-    from hybridflow import setup
-    from hybridflow.controller.worker_group import resolve
+    from hybridflow.trainer import setup
+    from hybridflow.single_controller.worker_group import resolve
     from hybridflow.data.packing import unpack_responses
 
     judge_sleep(c, readings, steps, base_used, s.job, cpu)
-    gen = post_wake_generation(s.w.roles["actor"], s.task, s.job, resolve, unpack_responses, setup)
+    gen = post_wake_generation(s.w.roles["rollout"], s.task, s.job, resolve, unpack_responses, setup)
     c.facts["generation_after_wake"] = gen
     c.expect(gen["ok"], "generation after wake is degenerate: " + "; ".join(gen["problems"]))
     print(f"  after the last wake: {gen['distinct_responses']} distinct of 16 sampled responses, "
@@ -745,7 +748,7 @@ def judge_sleep(c: Check, readings: list[tuple[str, dict[str, Any]]], steps: lis
             if wa is not None:
                 c.expect(wa["asleep"] is False, f"step {i}: vLLM already asleep before the update")
                 c.expect(wb["asleep"] is True, f"step {i}: vLLM not asleep after update_actor (release() did not run)")
-                c.expect(wc["asleep"] is False, f"step {i}: vLLM still asleep after sync_rollout_weights")
+                c.expect(wc["asleep"] is False, f"step {i}: vLLM still asleep after sync_weights")
             # device memory in use (driver's view): in the worker if observable, else NVML from here
             src = "worker" if wa is not None and "device_used" in wa else "nvml"
             used = ([x["device_used"] for x in (wa, wb, wc)] if src == "worker"
@@ -785,16 +788,16 @@ def judge_sleep(c: Check, readings: list[tuple[str, dict[str, Any]]], steps: lis
                      f"log-prob gap {', '.join(f'{g:.4f}' for g in c.facts['rollout_log_prob_gap'] if g is not None)}")
 
 
-def post_wake_generation(actor, task, job, resolve, unpack_responses, setup) -> dict[str, Any]:
+def post_wake_generation(rollout, task, job, resolve, unpack_responses, setup) -> dict[str, Any]:
     """Sampled and greedy responses to held-out prompts from the engine as the last sync left it (woken): full
     length, in the vocabulary, not all alike; greedy twice gives the same tokens."""
     r = job.spec.rollout
     vocab = job.spec.models.actor.tiny.vocab_size
     n = 16
     prompts = setup.prompt_batch(task.eval[:n])
-    sampled = unpack_responses(resolve(actor.generate(prompts)))
-    greedy = unpack_responses(resolve(actor.generate(prompts, greedy=True)))
-    greedy2 = unpack_responses(resolve(actor.generate(prompts, greedy=True)))
+    sampled = unpack_responses(resolve(rollout.generate(prompts)))
+    greedy = unpack_responses(resolve(rollout.generate(prompts, greedy=True)))
+    greedy2 = unpack_responses(resolve(rollout.generate(prompts, greedy=True)))
     problems = []
     if len(sampled) != n or len(greedy) != n:
         problems.append(f"{len(sampled)} sampled and {len(greedy)} greedy responses for {n} prompts")
@@ -824,7 +827,7 @@ def post_wake_generation(actor, task, job, resolve, unpack_responses, setup) -> 
 # -- check: megatron -------------------------------------------------------------------------------------------------
 
 def run_megatron(args: argparse.Namespace) -> int:
-    from hybridflow import loop, setup
+    from hybridflow.trainer import loop, setup
 
     out = out_dir(args)
     c = Check("megatron", out)
@@ -834,9 +837,9 @@ def run_megatron(args: argparse.Namespace) -> int:
     try:
         with job_session(doc, out, args.ray_dir) as s:
             job, w, task = s.job, s.w, s.task
-            actor = w.roles["actor"]
+            rollout = w.roles["rollout"]
             c.facts["setup_seconds"] = round(time.perf_counter() - c._t0, 2)
-            c.facts["dp_sizes"] = actor.dp_sizes
+            c.facts["dp_sizes"] = rollout.dp_sizes
             try:
                 c.facts["ranks"] = ranks = in_worker(w, _w_megatron)
                 for r in ranks:
@@ -848,16 +851,16 @@ def run_megatron(args: argparse.Namespace) -> int:
                         c.expect(r["backend"] == "nccl", f"rank {r['rank']}: backend {r['backend']}")
             except Unobservable as err:
                 c.note(str(err))
-            ids = actor.rollout_instance()
-            before = actor.train_checksum()
-            c.expect(actor.rollout_checksum() == before, "before any step the generation weights differ")
+            ids = rollout.instance_id()
+            before = rollout.train_checksum()
+            c.expect(rollout.weight_checksums() == before, "before any step the generation weights differ")
             steps = []
             for step in range(1, args.steps + 1):
                 t0 = time.perf_counter()
                 stats, stages = loop.run_iteration(job, w, task, setup.prompt_batch(task.train[8 * (step - 1):
                                                                                                   8 * step]))
                 secs = time.perf_counter() - t0
-                tr, ro, new_ids = actor.train_checksum(), actor.rollout_checksum(), actor.rollout_instance()
+                tr, ro, new_ids = rollout.train_checksum(), rollout.weight_checksums(), rollout.instance_id()
                 exact = None
                 with contextlib.suppress(Unobservable):
                     exact = in_worker(w, _w_weights)[0]
@@ -904,7 +907,7 @@ def _w_megatron(host) -> dict[str, Any]:
     p = next(e.module.parameters())
     return {"rank": dist.get_rank(), "engine": type(e).__name__, "device": str(e.device),
             "param_device": str(p.device), "param_dtype": str(p.dtype), "backend": str(dist.get_backend()),
-            "tp": e.tp_size, "dp": e.dp_size, "rollout": type(actor.rollout).__name__}
+            "tp": e.tp_size, "dp": e.dp_size, "rollout": type(host.roles["rollout"].generator).__name__}
 
 
 # -- check: throughput -----------------------------------------------------------------------------------------------

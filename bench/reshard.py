@@ -6,10 +6,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
-from hybridflow.hybrid_engine.harness import SCHEMES, run_transition
-from hybridflow.hybrid_engine.layout import Layout, comm_fraction, peak_memory_fraction
-from hybridflow.hybrid_engine.reshard import BUCKET_BYTES, decoder_specs, model_bytes
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the baselines and the harness are test support (tests/support/)
+
+from support.reshard_baselines import comm_fraction, decoder_specs, model_bytes, peak_memory_fraction  # noqa: E402
+from support.reshard_harness import SCHEMES, run_transition  # noqa: E402
+
+from hybridflow.engines.bridge.layout import Layout  # noqa: E402
+from hybridflow.engines.bridge.reshard import BUCKET_BYTES  # noqa: E402
 
 LAYOUTS = {
     "t=4,p=1,d=2 -> t_g=2": Layout(p=1, t=4, d=2, p_g=1, t_g=2),

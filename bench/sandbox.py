@@ -19,9 +19,9 @@ REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info)
 
 
 def kinds() -> dict[str, sandbox.Layers]:
-    bwrap = sandbox.probe(rs._CHECK).bwrap
+    bwrap = sandbox.probe(rs.WORKER_CHECK).bwrap
     out = {"plain process (no sandbox)": sandbox.Layers(None, how="plain")}
-    cands = [c for c in sandbox._candidates(bwrap) if sandbox._try(c, rs._CHECK, sandbox.Limits()) is None]
+    cands = [c for c in sandbox.candidates(bwrap) if sandbox.try_layers(c, rs.WORKER_CHECK, sandbox.Limits()) is None]
     out.update({c.how: c for c in cands})
     return out
 
@@ -29,7 +29,7 @@ def kinds() -> dict[str, sandbox.Layers]:
 def _patched(layers: sandbox.Layers):
     """The plain kind: the worker's own command line, started as before the sandbox (no launcher, no bwrap)."""
     if layers.how == "plain":
-        return mock.patch.object(sandbox, "command", lambda argv, *a, **k: list(argv))
+        return mock.patch.object(sandbox.launcher, "command", lambda argv, *a, **k: list(argv))  # where spawn calls it
     return mock.MagicMock()
 
 
@@ -71,7 +71,7 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     sandbox.probe.cache_clear()
-    layers = sandbox.probe(rs._CHECK)
+    layers = sandbox.probe(rs.WORKER_CHECK)
     probe_s = time.perf_counter() - t0
     print(f"probe: {probe_s * 1000:.0f} ms -> {layers.describe()}")
     with tempfile.TemporaryDirectory() as d:

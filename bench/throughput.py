@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "workers"))
 
 from hybridflow.capacity import SMOLLM2_PARAMS, tiny_params  # noqa: E402
 from hybridflow.flops import forward_flops, matmul_peak_flops, training_flops  # noqa: E402
-from hybridflow.spec import TinyModel  # noqa: E402
+from hybridflow.api import TinyModel  # noqa: E402
 
 RANKS = 2
 JOB = {

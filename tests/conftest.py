@@ -52,7 +52,7 @@ def run_cli(args, cwd, env_extra=None, timeout=900):
 # `ray.init` costs ~5 s and `ray.shutdown` ~1.5 s. Tests that drive worker groups from this process share one Ray
 # while they run one after another (`local_ray`, or `shared_ray` for a module's fixtures), and it is stopped as soon
 # as the next test does not need it, so it never idles beside unrelated tests. A pool's "devices" are only counters
-# (`hybridflow_pool_<name>`, hybridflow.spec.pool_resource) that placement groups reserve, so one Ray with room for
+# (`hybridflow_pool_<name>`, hybridflow.api.pool_resource) that placement groups reserve, so one Ray with room for
 # the largest job of each pool name serves them all; a job needing more fails clearly (raise the numbers here).
 SHARED_RAY_POOLS = {"default": 8, "ref": 2, "p1": 2, "p2": 4}  # pool name -> devices
 # CPUs reserved at once (devices x cpusPerDevice): the megatron TP=4 job needs 4. Like start_local_ray, never fewer
@@ -83,7 +83,7 @@ class SharedRay:
 
         import ray
 
-        from hybridflow.spec import pool_resource
+        from hybridflow.api import pool_resource
 
         if self.running:
             return
@@ -126,7 +126,7 @@ class SharedRay:
         """The same for resource pools (spec or worker-group ones) that are reserved at the same time."""
         import ray
 
-        from hybridflow.spec import pool_resource
+        from hybridflow.api import pool_resource
 
         need = {"CPU": sum(p.world_size * p.cpus_per_device for p in pools),
                 "GPU": sum(p.world_size for p in pools if p.device == "gpu")}

@@ -25,12 +25,12 @@ from test_algorithms import AGG_REFERENCES, ESTIMATOR_REFERENCES, LOSS_REFERENCE
 
 from hybridflow import checkpoint as ck
 from hybridflow.checkpoint import read_step_log
-from hybridflow.controller.batch import Batch
-from hybridflow.controller.step import rollout_records
+from hybridflow.single_controller.batch import Batch
+from hybridflow.trainer.step import rollout_records
 from hybridflow.data.packing import pack_rollout
 from hybridflow.rewards.rules import increment, top_ids
 from hybridflow.roles.config import old_log_probs_from_update
-from hybridflow.spec import JobSpec, load_job
+from hybridflow.api import JobSpec, load_job
 
 LEARNED_MIN, LEARNED_GAIN = 0.4, 0.3
 LEARNING = ["remax", "safe-rlhf"]  # one per family (GRPO's: tests/test_end_to_end.py::test_tiny_example_learns)

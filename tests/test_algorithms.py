@@ -485,7 +485,7 @@ def test_every_registered_piece_has_a_reference():
 
 
 def test_clip_range_defaults_come_with_the_loss():
-    from hybridflow.spec import JobSpec
+    from hybridflow.api import JobSpec
 
     def clip(**algorithm):
         a = JobSpec.model_validate({"algorithm": algorithm}).algorithm
@@ -561,7 +561,7 @@ def test_numeric_modules_import_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys, hybridflow.algorithms, hybridflow.spec; "
+    code = ("import sys, hybridflow.algorithms, hybridflow.api; "
             "assert 'torch' not in sys.modules, 'torch imported'; print(len(hybridflow.algorithms.ALGORITHMS.names()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

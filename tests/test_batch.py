@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybridflow.controller.batch import Batch
-from hybridflow.controller.protocol import DPRank, collect_dp, split_for_dp, validate_dp_layout
+from hybridflow.single_controller.batch import Batch
+from hybridflow.single_controller.protocol import DPRank, collect_dp, split_for_dp, validate_dp_layout
 from hybridflow.data.packing import pack_rollout, unpack_prompts, unpack_responses
 
 

@@ -13,8 +13,8 @@ import pytest
 import re2
 import yaml
 
-from hybridflow.crd import build_crd, immutable_field_rule
-from hybridflow.spec import MAX_JOB_NAME, RLHFJob, SpecError, dump_job, parse_job
+from hybridflow.api.crd import build_crd, immutable_field_rule
+from hybridflow.api import MAX_JOB_NAME, RLHFJob, SpecError, dump_job, parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "tiny-grpo.yaml").read_text())

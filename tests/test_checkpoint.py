@@ -10,6 +10,8 @@ import sys
 import pytest
 
 from hybridflow import checkpoint as ck
+from hybridflow.api.storage import job_checkpoint_dir
+from hybridflow.checkpoint import checkpointer, sealing, store
 
 
 def _make(root, step):
@@ -69,7 +71,7 @@ def test_step_log_rewind_and_torn_line(tmp_path):
 # --- whose checkpoint: per-job directories, identity checks on resume and save --------------------------------
 
 def _ident(job="job-a", hidden=64, namespace="team"):
-    from hybridflow.spec import ModelSource
+    from hybridflow.api import ModelSource
 
     src = ModelSource(tiny={"hidden_size": hidden})
     return ck.identity(job, namespace, {"actor": ck.model_architecture(src)})
@@ -83,13 +85,13 @@ def _make_for(root, step, ident, keep=3):
 
 def test_job_checkpoint_dir_is_one_directory_per_job():
     root = "/var/lib/hybridflow/checkpoints"
-    assert ck.job_checkpoint_dir(root, "team", "job-a") == f"{root}/team/job-a"
-    assert ck.job_checkpoint_dir(root, None, "job-a") == f"{root}/job-a"
-    assert ck.job_checkpoint_dir(root, "team", "job-b") != ck.job_checkpoint_dir(root, "team", "job-a")
-    assert ck.job_checkpoint_dir(root, "other", "job-a") != ck.job_checkpoint_dir(root, "team", "job-a")
+    assert job_checkpoint_dir(root, "team", "job-a") == f"{root}/team/job-a"
+    assert job_checkpoint_dir(root, None, "job-a") == f"{root}/job-a"
+    assert job_checkpoint_dir(root, "team", "job-b") != job_checkpoint_dir(root, "team", "job-a")
+    assert job_checkpoint_dir(root, "other", "job-a") != job_checkpoint_dir(root, "team", "job-a")
     for bad in ("..", "", "a/b"):
         with pytest.raises(ValueError):
-            ck.job_checkpoint_dir(root, "team", bad)
+            job_checkpoint_dir(root, "team", bad)
 
 
 def test_identity_is_recorded_and_restore_refuses_another_job(tmp_path):
@@ -104,7 +106,7 @@ def test_identity_is_recorded_and_restore_refuses_another_job(tmp_path):
 
 def test_resume_from_takes_another_job_of_the_namespace_never_another_namespaces(tmp_path):
     """Issue 24 N3: trainer.resumeFrom (other_job_ok) opens another job's checkpoint to this one, but only within
-    its namespace (the tenant); the check comes before any weights are read (loop.restore)."""
+    its namespace (the tenant); the check comes before any weights are read (checkpointer.restore)."""
     ckpt = _make_for(tmp_path, 1, _ident("job-a", namespace="team-b"))
     ck.check_compatible(ckpt, _ident("job-c", namespace="team-b"), other_job_ok=True)  # same namespace: resumes
     for job in ("job-c", "job-a"):  # another namespace's job of any name
@@ -126,7 +128,7 @@ def test_restore_refuses_an_incompatible_model(tmp_path):
 
 
 def test_model_architecture_is_shapes_not_dtype(tmp_path):
-    from hybridflow.spec import ModelSource
+    from hybridflow.api import ModelSource
 
     arch = ck.model_architecture
     assert arch(ModelSource(dtype="bfloat16")) == arch(ModelSource(dtype="float32"))  # load_state_dict casts
@@ -150,19 +152,18 @@ def test_old_checkpoint_without_identity_is_accepted_with_a_warning(tmp_path, ca
 def test_loop_restore_refuses_before_loading_weights(tmp_path):
     from types import SimpleNamespace
 
-    from hybridflow import loop
-    from hybridflow.spec import RLHFJob
+    from hybridflow.api import RLHFJob
 
     _make_for(tmp_path, 1, _ident("job-a"))
     loaded = []
-    actor = SimpleNamespace(load_checkpoint=loaded.append, sync_rollout_weights=lambda: None)
-    w = SimpleNamespace(roles={"actor": actor})
+    actor = SimpleNamespace(load_checkpoint=loaded.append)
+    w = SimpleNamespace(roles={"actor": actor, "rollout": SimpleNamespace(sync_weights=lambda: None)})
     other = RLHFJob(metadata={"name": "job-b", "namespace": "team"})
     with pytest.raises(ck.CheckpointError, match="belongs to job 'team/job-a'"):
-        loop.restore(w, tmp_path, SimpleNamespace(load=lambda s: None), job=other)
+        checkpointer.restore(w, tmp_path, SimpleNamespace(load=lambda s: None), job=other)
     assert loaded == []
     own = RLHFJob(metadata={"name": "job-a", "namespace": "team"})
-    assert loop.restore(w, tmp_path, SimpleNamespace(load=lambda s: None), job=own) == (1, 1)
+    assert checkpointer.restore(w, tmp_path, SimpleNamespace(load=lambda s: None), job=own) == (1, 1)
     assert loaded == [str(tmp_path / "step_00000001")]
 
 
@@ -170,8 +171,8 @@ def test_resume_from_is_used_only_without_own_checkpoints_and_a_wrong_one_is_bad
     """trainer.resumeFrom names another job's checkpointDir or one step_* of it. A job uses it only while it has no
     checkpoint of its own (a restart continues from its own). One that names nothing is bad input (exit 2, which
     the operator does not retry), found before Ray starts when it is a path that does not exist."""
-    from hybridflow import loop
-    from hybridflow.spec import RLHFJob, SpecError, check_runtime_paths
+    from hybridflow.api import RLHFJob, SpecError
+    from hybridflow.trainer.preflight import check_runtime_paths
 
     old, own = tmp_path / "old-job", tmp_path / "new-job"
     _make_for(old, 3, _ident("old-job"))
@@ -181,24 +182,24 @@ def test_resume_from_is_used_only_without_own_checkpoints_and_a_wrong_one_is_bad
         return RLHFJob(metadata={"name": "new-job", "namespace": "team"},
                        spec={"trainer": {"checkpointDir": str(own), "resumeFrom": resume_from}})
 
-    path, state, other = loop.resume_point(job(str(old)), own)
+    path, state, other = checkpointer.resume_point(job(str(old)), own)
     assert (path.name, state["step"], other) == ("step_00000006", 6, True)  # the old job's newest
-    path, _, other = loop.resume_point(job(str(old / "step_00000003")), own)
+    path, _, other = checkpointer.resume_point(job(str(old / "step_00000003")), own)
     assert (path.name, other) == ("step_00000003", True)
     for missing in (tmp_path / "no-such-job", old / "step_00000009", old / "actor.pt"):
         with pytest.raises(SpecError, match=r"^spec.trainer.resumeFrom: .* holds no checkpoint; name the old job"):
-            loop.resume_point(job(str(missing)), own)
+            checkpointer.resume_point(job(str(missing)), own)
     for missing in (tmp_path / "no-such-job", old / "step_00000009"):
         assert [p for p in check_runtime_paths(job(str(missing))) if "spec.trainer.resumeFrom" in p
                 and "does not exist" in p]
     # one that is there but cannot be read intact: a failure (retried: it may be the storage, for now), not input
     (old / "step_00000006" / "actor.pt").write_bytes(b"torn")
     with pytest.raises(ck.CheckpointError, match=r"step_00000006 is not an intact checkpoint"):
-        loop.resume_point(job(str(old / "step_00000006")), own)
-    assert loop.resume_point(job(str(old)), own)[0].name == "step_00000003"  # the newest intact one
+        checkpointer.resume_point(job(str(old / "step_00000006")), own)
+    assert checkpointer.resume_point(job(str(old)), own)[0].name == "step_00000003"  # the newest intact one
 
     _make_for(own, 9, _ident("new-job"))  # once the job has its own, resumeFrom no longer matters
-    path, _, other = loop.resume_point(job(str(tmp_path / "no-such-job")), own)
+    path, _, other = checkpointer.resume_point(job(str(tmp_path / "no-such-job")), own)
     assert (path.name, other) == ("step_00000009", False)
     assert not check_runtime_paths(job(str(tmp_path / "no-such-job")))
 
@@ -259,7 +260,7 @@ sys.addaudithook(_audit)  # audit hooks stay for the process; it records only in
 _SAVE_IN_A_NEW_PROCESS = """
 import json, os, sys
 from hybridflow import checkpoint as ck
-from hybridflow.spec import ModelSource
+from hybridflow.api import ModelSource
 root, step = sys.argv[1], int(sys.argv[2])
 read = []
 def audit(event, args):
@@ -363,7 +364,7 @@ def test_full_disk_while_a_role_writes_keeps_the_previous_checkpoint(tmp_path):
 def test_full_disk_while_sealing_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     ident = _ident()
     prev = _make_for(tmp_path, 2, ident)
-    monkeypatch.setattr(ck, "_write_json", _enospc)  # the trainer state or manifest write hits ENOSPC
+    monkeypatch.setattr(store, "write_json", _enospc)  # the trainer state or manifest write hits ENOSPC
     with pytest.raises(ck.CheckpointError, match="no space left on device while saving checkpoint step 3"):
         with ck.writing(tmp_path, 3, ident) as st:
             (st / "actor.pt").write_bytes(b"x" * 100)
@@ -390,12 +391,12 @@ def test_a_full_disk_that_torch_reports_as_an_iostream_error_is_named(tmp_path, 
     with the volume nearly out of space at that moment, the failure is still reported as a full disk."""
     prev = _make_for(tmp_path, 2, _ident())
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: usage._replace(free=4096))
+    monkeypatch.setattr(sealing.shutil, "disk_usage", lambda p: usage._replace(free=4096))
     with pytest.raises(ck.CheckpointError, match="no space left on device while saving checkpoint step 3") as err:
         with ck.writing(tmp_path, 3, _ident()):
             raise RuntimeError("basic_ios::clear: iostream error")
     assert "step_00000002 is kept" in str(err.value) and ck.verify(prev) is None
-    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: usage._replace(free=100 << 30))
+    monkeypatch.setattr(sealing.shutil, "disk_usage", lambda p: usage._replace(free=100 << 30))
     with pytest.raises(RuntimeError, match="iostream error"):  # with space to spare it is not a disk problem
         with ck.writing(tmp_path, 3, _ident()):
             raise RuntimeError("basic_ios::clear: iostream error")
@@ -414,7 +415,7 @@ class _Exploit:
 def test_a_malicious_pickle_is_refused_and_never_runs(tmp_path):
     import torch
 
-    from hybridflow.roles.common import CheckpointMixin
+    from hybridflow.checkpoint.role import CheckpointMixin
 
     marker = tmp_path / "pwned"
     st = ck.staging_dir(tmp_path, 1)
@@ -459,7 +460,6 @@ def test_a_step_sealed_but_not_yet_logged_gets_its_record_back_on_resume(tmp_pat
     record the checkpoint carries, the log would lack it forever."""
     from types import SimpleNamespace
 
-    from hybridflow import loop
 
     for step in (1, 2):
         ck.append_step_log(tmp_path, {"step": step, "reward_mean": 0.1 * step})
@@ -467,11 +467,27 @@ def test_a_step_sealed_but_not_yet_logged_gets_its_record_back_on_resume(tmp_pat
     (st / "actor.pt").write_bytes(b"w")
     record = {"step": 3, "reward_mean": 0.3, "stages": {"generate": 1.0}}
     sealed = ck.seal(tmp_path, st, 3, {"data_position": 3, "step_record": record}, keep=3)
-    actor = SimpleNamespace(load_checkpoint=lambda d: None, sync_rollout_weights=lambda: None)
-    w = SimpleNamespace(roles={"actor": actor})
-    assert loop.restore(w, tmp_path, SimpleNamespace(load=lambda s: None)) == (3, 3)
+    actor = SimpleNamespace(load_checkpoint=lambda d: None)
+    w = SimpleNamespace(roles={"actor": actor, "rollout": SimpleNamespace(sync_weights=lambda: None)})
+    assert checkpointer.restore(w, tmp_path, SimpleNamespace(load=lambda s: None)) == (3, 3)
     logged = ck.read_step_log(tmp_path)
     assert [r["step"] for r in logged] == [1, 2, 3]
     assert logged[-1] == {**record, "checkpoint": str(sealed)}
-    assert loop.restore(w, tmp_path, SimpleNamespace(load=lambda s: None)) == (3, 3)  # a second resume adds nothing
+    assert checkpointer.restore(w, tmp_path, SimpleNamespace(load=lambda s: None)) == (3, 3)  # a second adds nothing
     assert [r["step"] for r in ck.read_step_log(tmp_path)] == [1, 2, 3]
+
+
+def test_the_checkpointers_cadence_is_a_pure_decision_every_save_freq_steps_and_the_last(tmp_path):
+    """`fit` asks the checkpointer after every step; whether the step is saved depends on the step alone."""
+    from types import SimpleNamespace
+
+    from hybridflow.api import RLHFJob
+
+    def cadence(save_freq: int) -> list[int]:
+        job = RLHFJob(metadata={"name": "job-a"},
+                      spec={"trainer": {"checkpointDir": str(tmp_path), "steps": 7, "saveFreq": save_freq}})
+        c = checkpointer.Checkpointer(job, SimpleNamespace(roles={}), SimpleNamespace(state=dict, load=print))
+        return [step for step in range(1, 8) if c.after_step(step)]
+
+    assert cadence(3) == [3, 6, 7] and cadence(7) == [7] and cadence(0) == [7] and cadence(1) == list(range(1, 8))
+    assert not ck.list_checkpoints(tmp_path)  # deciding writes nothing

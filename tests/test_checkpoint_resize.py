@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hybridflow import sharded_checkpoint
-from hybridflow.controller.batch import Batch
+from hybridflow.checkpoint import dcp
+from hybridflow.single_controller.batch import Batch
 from hybridflow.data.packing import pack_rollout
 
 BEFORE, AFTER = 3, 3  # optimizer steps before the checkpoint, and after it
@@ -28,7 +28,7 @@ RESPONSES = [[4, 5, 6], [8, 9], [10, 11, 12, 13], [12], [1, 2], [9, 9, 9], [4, 4
 def _engine():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hybridflow.engines.fsdp import FSDPEngine
+    from hybridflow.engines.train.fsdp import FSDPEngine
 
     torch.manual_seed(0)  # the same initial weights on every rank and in every run
     cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -65,7 +65,7 @@ def _resumed(checkpoint: Path, optimizer: bool) -> list[float]:
     state = engine.checkpoint_state()
     if not optimizer:
         state = {"model": state["model"]}
-    sharded_checkpoint.load(state, checkpoint / "actor")
+    dcp.load(state, checkpoint / "actor")
     engine.load_checkpoint_state(state)
     return _steps(engine, AFTER)
 
@@ -78,7 +78,7 @@ def _rank(rank: int, world: int, store: str, mode: str, ckpt: str, out: str) -> 
         if mode == "train":  # BEFORE steps, a checkpoint, AFTER steps: the uninterrupted reference
             engine = _engine()
             losses = _steps(engine, BEFORE)
-            sharded_checkpoint.save(engine.checkpoint_state(), checkpoint / "actor", checkpoint)
+            dcp.save(engine.checkpoint_state(), checkpoint / "actor", checkpoint)
             result = {"train": losses + _steps(engine, AFTER)}
         else:  # both resumes in the same processes: one round of process starts less
             result = {"resume": _resumed(checkpoint, optimizer=True),
@@ -134,13 +134,13 @@ def test_a_resumed_engine_keeps_its_own_learning_rate_and_takes_the_checkpoints_
     is what runs; the checkpoint brings the weights and Adam's moments and step count."""
     saved = _engine()
     _steps(saved, 2)
-    sharded_checkpoint.save(saved.checkpoint_state(), tmp_path / "actor", tmp_path)
-    import hybridflow.engines.fsdp as fsdp
+    dcp.save(saved.checkpoint_state(), tmp_path / "actor", tmp_path)
+    import hybridflow.engines.train.fsdp as fsdp
 
     torch.manual_seed(1)
     resumed = fsdp.FSDPEngine(type(saved.module)(saved.module.config), lr=LR / 10, grad_clip=1.0, device="cpu")
     state = resumed.checkpoint_state()
-    sharded_checkpoint.load(state, tmp_path / "actor")
+    dcp.load(state, tmp_path / "actor")
     resumed.load_checkpoint_state(state)
     assert [g["lr"] for g in resumed.optimizer.param_groups] == [LR / 10]
     (p_saved, s_saved), (p_res, s_res) = [next(iter(e.optimizer.state.items())) for e in (saved, resumed)]

@@ -10,7 +10,9 @@ import torch
 from conftest import ROOT, run_cli
 
 from hybridflow import checkpoint as ck
-from hybridflow import sharded_checkpoint as sc
+from hybridflow.api.storage import job_checkpoint_url
+from hybridflow.checkpoint import dcp as sc
+from hybridflow.checkpoint import steplog, store
 
 
 def _ident():
@@ -26,11 +28,11 @@ def _write(root, step: int, payload: bytes) -> object:
 
 def test_checkpoints_seal_verify_prune_and_fall_back_on_object_storage(s3_server, monkeypatch):
     s3_server.use(monkeypatch)
-    root = ck.storage_path(ck.job_checkpoint_url(f"{s3_server.url}/ckpt", "ns", "job"))
+    root = ck.storage_path(job_checkpoint_url(f"{s3_server.url}/ckpt", "ns", "job"))
     assert str(root) == f"{s3_server.url}/ckpt/ns/job" and ck.is_remote(root)
     downloaded = []  # hashing an object reads it whole: pruning must not download the kept checkpoints again
     real_sha256 = ck.sha256
-    monkeypatch.setattr(ck, "sha256", lambda p: downloaded.append(str(p)) or real_sha256(p))
+    monkeypatch.setattr(store, "sha256", lambda p: downloaded.append(str(p)) or real_sha256(p))
     for step in (2, 4, 6):
         sealed = _write(root, step, bytes([step]) * 1000)
         assert not [p for p in downloaded if f"step_{step:08d}" not in p], downloaded  # only what it seals
@@ -56,38 +58,23 @@ def test_checkpoints_seal_verify_prune_and_fall_back_on_object_storage(s3_server
         ck.check_compatible(path, ck.identity("job-2", "team-b", models), other_job_ok=True)
 
     # the step log: in parts (here of 3 records), so that a step's write stays small however long the job runs
-    monkeypatch.setattr(ck, "STEP_LOG_PART_RECORDS", 3)
+    monkeypatch.setattr(steplog, "STEP_LOG_PART_RECORDS", 3)
     for step in range(1, 8):
         ck.append_step_log(root, {"step": step})
-    assert [p.name for p in ck._log_parts(root)] == ["part-00000.jsonl", "part-00001.jsonl", "part-00002.jsonl"]
+    assert [p.name for p in steplog._log_parts(root)] == ["part-00000.jsonl", "part-00001.jsonl", "part-00002.jsonl"]
     assert [r["step"] for r in ck.read_step_log(root)] == list(range(1, 8))
     assert ck.rewind_step_log(root, 4) == 3
     assert [r["step"] for r in ck.read_step_log(root)] == [1, 2, 3, 4]
-    assert [p.name for p in ck._log_parts(root)] == ["part-00000.jsonl", "part-00001.jsonl"]
+    assert [p.name for p in steplog._log_parts(root)] == ["part-00000.jsonl", "part-00001.jsonl"]
     for step in (5, 6):
         ck.append_step_log(root, {"step": step})
     assert [r["step"] for r in ck.read_step_log(root)] == [1, 2, 3, 4, 5, 6]
     assert ck.rewind_step_log(root, 6) == 0 and ck.rewind_step_log(root, 3) == 3  # back to a part's end
-    assert [p.name for p in ck._log_parts(root)] == ["part-00000.jsonl"]
+    assert [p.name for p in steplog._log_parts(root)] == ["part-00000.jsonl"]
     for step in range(4, 7):
         ck.append_step_log(root, {"step": step})
     assert [r["step"] for r in ck.read_step_log(root)] == [1, 2, 3, 4, 5, 6]
     assert ck.rewind_step_log(root, 4) == 2
-
-    # a log an earlier version wrote whole is read, and split into parts (its records kept) once written to
-    old_root = root / "older-version"
-    (old_root / ck.STEP_LOG).write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)))
-    assert [r["step"] for r in ck.read_step_log(old_root)] == [1, 2, 3, 4, 5]
-    ck.append_step_log(old_root, {"step": 6})
-    assert [r["step"] for r in ck.read_step_log(old_root)] == [1, 2, 3, 4, 5, 6]
-    assert not (old_root / ck.STEP_LOG).exists() and len(ck._log_parts(old_root)) == 2
-    # a split interrupted after its first part: the whole log is still what counts, and the split is done again
-    torn = root / "split-interrupted"
-    (torn / ck.STEP_LOG).write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)))
-    ck._part(torn, 0).write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 4)))
-    assert [r["step"] for r in ck.read_step_log(torn)] == [1, 2, 3, 4, 5]
-    ck.append_step_log(torn, {"step": 6})
-    assert [r["step"] for r in ck.read_step_log(torn)] == [1, 2, 3, 4, 5, 6]
 
     # steps that go backwards (a `resume: never` run went on with the log): a rewind keeps the order, as locally
     backwards = root / "backwards"

@@ -5,7 +5,7 @@ import jsonschema
 import pytest
 import yaml
 
-from hybridflow.crd import build_crd, immutable_field_rule, render_crd
+from hybridflow.api.crd import build_crd, immutable_field_rule, render_crd
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_FILE = ROOT / "crds" / "rlhfjob.yaml"

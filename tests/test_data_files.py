@@ -11,7 +11,7 @@ from conftest import ROOT, run_cli
 
 from hybridflow.data.files import DataError, load_prompt_files, resolve_paths
 from hybridflow.data.tasks import PromptStream
-from hybridflow.spec import Data
+from hybridflow.api import Data
 
 sys.path.insert(0, str(ROOT / "examples" / "data"))
 import make_word_problems  # noqa: E402
@@ -25,7 +25,7 @@ def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from hybridflow.models.builders import materialize
-    from hybridflow.spec import ModelSource
+    from hybridflow.api import ModelSource
 
     cache = os.environ.get("HYBRIDFLOW_TEST_MODEL_CACHE") or tmp_path_factory.mktemp("models")
     return AutoTokenizer.from_pretrained(materialize(ModelSource(source="smollm2"), cache, 0))

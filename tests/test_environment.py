@@ -17,7 +17,7 @@ def test_runs_in_a_virtualenv():
 
 
 def test_no_module_comes_from_outside_the_venv():
-    import hybridflow.loop  # noqa: F401  the job's runtime, with torch, vLLM, Ray and megatron behind it
+    import hybridflow.trainer.loop  # noqa: F401  the job's runtime, with torch, vLLM, Ray and megatron behind it
     import hybridflow_operator.handlers  # noqa: F401
     import megatron.core  # noqa: F401
     import ray  # noqa: F401

@@ -12,14 +12,14 @@ import torch
 from conftest import run_cli
 
 from hybridflow import checkpoint as ckpt
-from hybridflow import sharded_checkpoint
-from hybridflow.controller.batch import Batch
+from hybridflow.checkpoint import dcp
+from hybridflow.single_controller.batch import Batch
 from hybridflow.data.packing import pack_rollout
-from hybridflow.engines.fsdp import FSDPEngine, response_logits
-from hybridflow.export import copy_model_metadata, export
+from hybridflow.engines.train.fsdp import FSDPEngine, load_causal_lm, response_logits
+from hybridflow.checkpoint.model_files import copy_model_metadata
+from hybridflow.export import export
 from hybridflow.models.builders import materialize
-from hybridflow.roles.common import load_causal_lm
-from hybridflow.spec import ModelSource, load_job
+from hybridflow.api import ModelSource, load_job
 
 # A trained checkpoint (a `hybridflow run` in the module fixture), SmolLM2 conversions and a vLLM engine.
 pytestmark = pytest.mark.slow
@@ -67,7 +67,7 @@ def test_an_exported_actor_loads_in_transformers_with_the_training_engines_logit
     engine = FSDPEngine(load_causal_lm(model_dir, "float32"), 1e-3, 1.0, "cpu")
     untrained = _logits(engine.module)
     state = engine.checkpoint_state()  # the resume path: the 2-rank shards re-shard onto this one rank
-    sharded_checkpoint.load(state, step / "actor")
+    dcp.load(state, step / "actor")
     engine.load_checkpoint_state(state)
     trained_logits = _logits(engine.module)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
@@ -80,7 +80,8 @@ def test_an_exported_actor_loads_in_transformers_with_the_training_engines_logit
 _VLLM_GREEDY = """
 import json, sys
 from pathlib import Path
-from hybridflow.engines.rollout import SamplingConfig, VLLMRollout
+from hybridflow.engines.rollout.base import SamplingConfig
+from hybridflow.engines.rollout.vllm import VLLMRollout
 engine = VLLMRollout(Path(sys.argv[1]), max_model_len=16, dtype="float32", seed=0, kv_cache_bytes=16 << 20,
                      gpu_memory_utilization=0.9, on_gpu=False)
 prompts = json.loads(sys.argv[2])
@@ -170,7 +171,7 @@ def test_a_critic_exports_as_a_one_label_token_classifier_with_its_values(tmp_pa
     from transformers import AutoModelForTokenClassification
 
     from hybridflow.models.builders import build_tiny
-    from hybridflow.spec import TinyModel
+    from hybridflow.api import TinyModel
 
     src = build_tiny(TinyModel(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2), tmp_path / "m", 0)
     critic = AutoModelForTokenClassification.from_pretrained(src, num_labels=1)

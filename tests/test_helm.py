@@ -332,7 +332,7 @@ def test_the_operators_network_policy_admits_the_scrapers_and_reaches_the_api_dn
     """Issue 24 N11: the operator's metrics name every tenant's namespaces, jobs and phases: only
     metricsFromNamespaces may reach that port (and nothing else of the pod); its egress is the API server, DNS and
     the jobs' head pods on their port named metrics, which each job's head declares whatever spec.metrics.port is."""
-    from hybridflow.spec import parse_job
+    from hybridflow.api import parse_job
     from hybridflow_operator import manifests as mf
 
     docs = render_chart("default")
@@ -359,7 +359,7 @@ def test_the_operators_network_policy_admits_the_scrapers_and_reaches_the_api_dn
     doc = yaml.safe_load((ROOT / "examples" / "tiny-grpo.yaml").read_text())
     doc["spec"]["metrics"] = {"port": 9123}
     doc["metadata"] = {"name": "tiny-grpo", "namespace": "default", "uid": "u"}
-    head = next(p for p in mf.gang_pods(doc, parse_job(doc), 0) if p["metadata"]["labels"][mf.LABEL_ROLE] == "head")
+    head = next(p for p in mf.gang_pods(parse_job(doc), doc["metadata"]["uid"], 0) if p["metadata"]["labels"][mf.LABEL_ROLE] == "head")
     assert {"name": "metrics", "containerPort": 9123} in head["spec"]["containers"][0]["ports"]
     assert _named(render_chart("egress-quota"), "NetworkPolicy", "-operator")["spec"]["ingress"] == [
         {"from": [{"ipBlock": {"cidr": "10.0.0.0/8"}}], "ports": [{"protocol": "TCP", "port": 8081}]}]  # no scrapers

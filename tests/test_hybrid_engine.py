@@ -4,11 +4,12 @@ from fractions import Fraction
 
 import pytest
 import torch
+from support import reshard_baselines as base
+from support.reshard_baselines import decoder_specs, model_bytes
+from support.reshard_harness import MegatronGather, Transition, run_cases
 
-from hybridflow.hybrid_engine import layout as lay
-from hybridflow.hybrid_engine import reshard as rs
-from hybridflow.hybrid_engine.harness import MegatronGather, Transition, run_cases
-from hybridflow.hybrid_engine.reshard import decoder_specs, model_bytes
+from hybridflow.engines.bridge import layout as lay
+from hybridflow.engines.bridge import reshard as rs
 
 
 def _divisors(n):
@@ -24,7 +25,7 @@ LAYOUTS = [lay.Layout(p, t, d, p_g, t_g)
 def test_groups_partition_the_world(L):
     for groups, size in ((lay.train_tp_groups(L), L.t), (lay.train_pp_groups(L), L.p), (lay.train_dp_groups(L), L.d),
                          (lay.micro_dp_groups(L), L.d_g), (lay.gen_tp_groups(L), L.t_g),
-                         (lay.gen_pp_groups(L), L.p_g), (lay.naive_gen_tp_groups(L), L.t_g)):
+                         (lay.gen_pp_groups(L), L.p_g), (base.naive_gen_tp_groups(L), L.t_g)):
         flat = sorted(r for g in groups for r in g)
         assert flat == list(range(L.world))
         assert {len(g) for g in groups} == {size}
@@ -32,7 +33,7 @@ def test_groups_partition_the_world(L):
 
 @pytest.mark.parametrize("L", LAYOUTS, ids=str)
 def test_hybridflow_grouping_is_redundancy_free(L):
-    assert lay.redundancy_free(L)
+    assert base.redundancy_free(L)
     for g in lay.micro_dp_groups(L):
         tps = sorted({L.coords(r)[0] for r in g})
         assert tps == list(range(tps[0], tps[0] + L.s_t)), "micro-DP groups are consecutive TP ranks"
@@ -49,21 +50,21 @@ def test_hybridflow_grouping_is_redundancy_free(L):
 @pytest.mark.parametrize("L", LAYOUTS, ids=str)
 def test_communication_formula(L):
     M = 1
-    hf = lay.comm_fraction(L, "hybridflow")
+    hf = base.comm_fraction(L, "hybridflow")
     # (d_g - 1) training shards of size M/(t p) arrive at every rank
     assert hf == Fraction(L.d_g - 1, L.t * L.p) * M
-    assert hf <= lay.comm_fraction(L, "hybridflow-v") <= lay.comm_fraction(L, "deepspeed-chat")
+    assert hf <= base.comm_fraction(L, "hybridflow-v") <= base.comm_fraction(L, "deepspeed-chat")
     # generation memory, measured on the generation shard itself (the reference the real transitions are checked
     # against) for every rank: the formula's share of the TP-split weights (norms are replicated, so held whole)
     specs = [s for s in decoder_specs(4, 8) if s.split_dim is not None]
-    memory = lay.peak_memory_fraction(L, "hybridflow") * model_bytes(specs)
+    memory = base.peak_memory_fraction(L, "hybridflow") * model_bytes(specs)
     for rank in range(L.world):
-        assert sum(t.nbytes for t in rs.expected_generation_shard(L, rank, specs).values()) == memory, rank
+        assert sum(t.nbytes for t in base.expected_generation_shard(L, rank, specs).values()) == memory, rank
 
 
 def test_naive_grouping_loses_zero_redundancy_where_the_paper_says():
     L = lay.Layout(1, 4, 1, 1, 2)
-    assert any(lay.train_shard(L, r)[0] not in lay.naive_gen_shard(L, r)[0] for r in range(L.world))
+    assert any(lay.train_shard(L, r)[0] not in base.naive_gen_shard(L, r)[0] for r in range(L.world))
 
 
 def test_invalid_layout():
@@ -130,13 +131,13 @@ def test_transition_builds_exact_generation_weights_with_the_predicted_traffic(g
     M = model_bytes(decoder_specs(case.layers, case.hidden))
     results = gloo(case)
     assert all(r["ok"] for r in results), results
-    predicted = float(lay.comm_fraction(L, scheme)) * M
+    predicted = float(base.comm_fraction(L, scheme)) * M
     for r in results:
         # replicated norm weights travel whole; everything else matches the formula: within 1%
         assert r["bytes_received"] == pytest.approx(predicted, rel=0.01, abs=1)
     if scheme == "hybridflow":
         gen = results[0]["generation_bytes"]
-        assert gen == pytest.approx(float(lay.peak_memory_fraction(L, scheme)) * M, rel=0.01)
+        assert gen == pytest.approx(float(base.peak_memory_fraction(L, scheme)) * M, rel=0.01)
 
 
 # --- HybridFlow's gather: byte-target buckets, one contiguous all-gather buffer each, direct tensors in place ------
@@ -190,13 +191,13 @@ def test_bucketed_gather_builds_the_exact_generation_shard_with_a_bounded_buffer
         sent = []
         for rank in group:
             monkeypatch.setattr(rs, "_ALL_GATHER_INTO", _Recorder())
-            rs.reshard_hybridflow(L, rank, rs.train_shards(L, rank, specs), specs, group, None, bucket_bytes)
+            base.reshard_hybridflow(L, rank, base.train_shards(L, rank, specs), specs, group, None, bucket_bytes)
             sent.append(rs._ALL_GATHER_INTO.sent)
         for me, rank in enumerate(group):
             monkeypatch.setattr(rs, "_ALL_GATHER_INTO", _Loopback(sent, me))
-            shards = rs.train_shards(L, rank, specs)
-            gen, stats = rs.reshard_hybridflow(L, rank, shards, specs, group, None, bucket_bytes)
-            expected = rs.expected_generation_shard(L, rank, specs)
+            shards = base.train_shards(L, rank, specs)
+            gen, stats = base.reshard_hybridflow(L, rank, shards, specs, group, None, bucket_bytes)
+            expected = base.expected_generation_shard(L, rank, specs)
             assert gen.keys() == expected.keys()
             assert all(torch.equal(gen[k], expected[k]) for k in expected), (L, rank)
             assert stats.bytes_received == (L.d_g - 1) * sum(t.nbytes for t in shards.values())
@@ -230,10 +231,10 @@ def test_bucketed_all_gather_on_gloo_is_exact_and_bounded(gloo, L, bucket_bytes)
     M = model_bytes(specs)
     results = gloo(case)
     assert all(r["ok"] for r in results), results
-    piece = max(bucket_bytes, _largest_slice(rs.train_shards(L, 0, specs), specs))
-    generation = float(lay.peak_memory_fraction(L, "hybridflow")) * M
+    piece = max(bucket_bytes, _largest_slice(base.train_shards(L, 0, specs), specs))
+    generation = float(base.peak_memory_fraction(L, "hybridflow")) * M
     for r in results:
-        assert r["bytes_received"] == pytest.approx(float(lay.comm_fraction(L, "hybridflow")) * M, rel=0.01)
+        assert r["bytes_received"] == pytest.approx(float(base.comm_fraction(L, "hybridflow")) * M, rel=0.01)
         assert r["generation_bytes"] == pytest.approx(generation, rel=0.01)
         assert r["peak_transient_bytes"] <= (2 * L.d_g + 1) * piece
         if bucket_bytes <= 50_000:

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from test_helm import helm
 
-from hybridflow.spec import Kubernetes, parse_job
+from hybridflow.api import Kubernetes, parse_job
 from hybridflow_operator.policy import FOR_JOBS_LABEL, Policy, unmarked, violations
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -307,7 +307,7 @@ def _job_pods(doc: dict, namespace: str = "default") -> list[dict]:
 
     raw = copy.deepcopy(doc)
     raw["metadata"] = {"name": raw["metadata"]["name"], "namespace": namespace, "uid": "1234-abcd"}
-    return mf.gang_pods(raw, parse_job(copy.deepcopy(raw)), 0)
+    return mf.gang_pods(parse_job(copy.deepcopy(raw)), raw["metadata"]["uid"], 0)
 
 
 TINY_EXAMPLE = yaml.safe_load((ROOT / "examples" / "tiny-grpo.yaml").read_text())

@@ -2,11 +2,11 @@
 TP=2 x DP=2 computes the log-probs, loss, gradients and gradient norm that plain HF autograd computes."""
 import pytest
 import torch
+from support.megatron_launcher import engine_step, objective
 
 from hybridflow.algorithms.core import entropy_from_logits
-from hybridflow.engines import megatron_model as mm
-from hybridflow.engines.fsdp import response_logits, token_log_probs
-from hybridflow.engines.megatron_check import engine_step, objective
+from hybridflow.engines.train import megatron_model as mm
+from hybridflow.engines.train.fsdp import response_logits, token_log_probs
 
 
 def hf_model(arch: str, seed: int = 0):
@@ -57,7 +57,7 @@ def _batch():
 
 
 def _hf_reference(model, batch):
-    from hybridflow.controller.batch import Batch
+    from hybridflow.single_controller.batch import Batch
 
     logits = response_logits(model, Batch(batch), 1.0)
     logp = token_log_probs(logits, batch["responses"])

@@ -22,7 +22,7 @@ REL = 1e-5  # float32; TP=1 and TP=2 sum in different orders, so losses agree to
 # --- the ranks (run as `python tests/test_megatron_checkpoint.py RANK WORLD INIT CFG`) ---
 
 def _steps(engine, batch, n: int) -> list[float]:
-    from hybridflow.engines.megatron_check import objective
+    from support.megatron_launcher import objective  # tests/ is on sys.path: this file runs from there
 
     def loss_fn(module, mb):
         logp, logits = engine.log_probs(module, mb, 1.0)
@@ -33,19 +33,19 @@ def _steps(engine, batch, n: int) -> list[float]:
 
 
 def _megatron(cfg: dict):
-    from hybridflow.engines.megatron import MegatronEngine
+    from hybridflow.engines.train.megatron import MegatronEngine
 
     return MegatronEngine(Path(cfg["model_dir"]), "float32", cfg["tp"], lr=LR, grad_clip=CLIP, device="cpu")
 
 
 def _save(engine, directory: str) -> None:
-    from hybridflow import sharded_checkpoint as sc
+    from hybridflow.checkpoint import dcp as sc
 
     sc.save(engine.checkpoint_state(), Path(directory), Path(directory).parent)
 
 
 def _resume(engine, directory: str, optimizer: bool = True) -> None:
-    from hybridflow import sharded_checkpoint as sc
+    from hybridflow.checkpoint import dcp as sc
 
     state = engine.checkpoint_state()
     if not optimizer:
@@ -57,7 +57,7 @@ def _resume(engine, directory: str, optimizer: bool = True) -> None:
 def run_rank(rank: int, world: int, init: str, cfg: dict) -> None:
     import torch.distributed as dist
 
-    from hybridflow.controller.batch import Batch
+    from hybridflow.single_controller.batch import Batch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -81,7 +81,7 @@ def run_rank(rank: int, world: int, init: str, cfg: dict) -> None:
             if cfg.get("fsdp"):
                 from transformers import AutoModelForCausalLM
 
-                from hybridflow.engines.fsdp import FSDPEngine
+                from hybridflow.engines.train.fsdp import FSDPEngine
 
                 hf = AutoModelForCausalLM.from_pretrained(cfg["model_dir"], dtype=torch.float32)
                 fsdp = FSDPEngine(hf, LR, CLIP, "cpu")
@@ -172,7 +172,7 @@ def test_megatron_checkpoint_loads_into_fsdp(runs):
     """HF names and whole-tensor shapes, as the FSDP engine's checkpoint has them: it resumes the megatron run."""
     from transformers import AutoModelForCausalLM
 
-    from hybridflow import sharded_checkpoint as sc
+    from hybridflow.checkpoint import dcp as sc
 
     full = sc.read_full(Path(runs["base"]["ckpt"]))
     hf = AutoModelForCausalLM.from_pretrained(runs["base"]["model_dir"]).state_dict()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hybridflow.models.builders import build_tiny, local_model_dir
-from hybridflow.spec import ModelSource, TinyModel
+from hybridflow.api import ModelSource, TinyModel
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from hybridflow.spec import SpecError, parse_job, pool_resource
+from hybridflow.api import SpecError, parse_job, pool_resource
 from hybridflow_operator import manifests as mf
 from hybridflow_operator.phases import STUCK_TERMINATING_SECONDS, PodView, decide, iso, set_condition
 from hybridflow_operator.progress import merge_progress, parse_progress
@@ -29,7 +29,8 @@ def _raw(example: str, **spec_changes) -> dict:
 
 def _all_manifests(raw: dict) -> list[dict]:
     job = parse_job(raw)
-    return mf.static_children(raw, job, TOKEN, ["monitoring", "hybridflow-system"]) + mf.gang_pods(raw, job, 0)
+    uid = raw["metadata"]["uid"]
+    return mf.static_children(job, uid, TOKEN, ["monitoring", "hybridflow-system"]) + mf.gang_pods(job, uid, 0)
 
 
 TOKEN = "ab" * 32
@@ -194,8 +195,8 @@ def test_the_restricted_check_catches_a_pod_that_breaks_it():
 def test_generations_never_collide():
     raw = _raw("tiny-grpo.yaml")
     job = parse_job(raw)
-    g0 = {p["metadata"]["name"] for p in mf.gang_pods(raw, job, 0)}
-    g1 = {p["metadata"]["name"] for p in mf.gang_pods(raw, job, 1)}
+    g0 = {p["metadata"]["name"] for p in mf.gang_pods(job, raw["metadata"]["uid"], 0)}
+    g1 = {p["metadata"]["name"] for p in mf.gang_pods(job, raw["metadata"]["uid"], 1)}
     assert not g0 & g1
 
 
@@ -436,7 +437,7 @@ def test_data_pvc_and_reward_configmap_reach_the_head_only_read_only():
     ({"data": {"source": "files", "train": ["../x.jsonl"]}}, r"spec.data.train\[0\]: .*no '..'"),
 ])
 def test_data_paths_must_stay_inside_the_volume(change, message):
-    from hybridflow.spec import SpecError
+    from hybridflow.api import SpecError
 
     raw = _files_job(dataPvc="prompts")
     raw["spec"]["data"].update(change["data"])
@@ -445,7 +446,7 @@ def test_data_paths_must_stay_inside_the_volume(change, message):
 
 
 def test_reward_configmap_needs_a_function_named_by_its_key():
-    from hybridflow.spec import SpecError
+    from hybridflow.api import SpecError
 
     raw = _files_job(rewardConfigMap="my-reward")
     raw["spec"]["models"]["reward"]["function"]["path"] = "rewards/word_problem_reward.py"
@@ -568,6 +569,7 @@ def test_no_job_container_asks_the_instance_metadata_service_for_credentials(exa
 def test_object_storage_checkpoint_dir_stays_a_url_with_the_jobs_own_prefix_and_needs_no_pvc(checkpoint_dir,
                                                                                               expected):
     from hybridflow_operator.handlers import _missing_inputs
+    from hybridflow_operator.policy import Policy
 
     trainer = {**_raw("tiny-grpo.yaml")["spec"]["trainer"], "checkpointDir": checkpoint_dir}
     raw = _raw("tiny-grpo.yaml", trainer=trainer, kubernetes={"checkpointSecret": "team-s3"})
@@ -579,7 +581,8 @@ def test_object_storage_checkpoint_dir_stays_a_url_with_the_jobs_own_prefix_and_
     for pod in _pods(objs):
         assert "checkpoints" not in {v["name"] for v in pod["spec"]["volumes"]}
         assert mf.CHECKPOINT_MOUNT not in {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
-    assert _missing_inputs(job, "ml", {}) == ("", None)  # nothing to look up: no PVC is needed (and the Secret is never read)
+    # nothing to look up: no PVC is needed (and the Secret is never read)
+    assert _missing_inputs(_Cluster(), Policy.from_env(), job, "ml", {}) == ("", None)
     status: dict = {}
     merge_progress(status, {"step": 2, "lastCheckpointStep": 2}, ran.spec.trainer.checkpoint_dir, iso(NOW))
     assert status["lastCheckpoint"] == f"{expected}/step_00000002"
@@ -809,14 +812,14 @@ def test_an_accepted_job_is_compared_resolved_and_an_edit_it_may_not_have_is_onl
     raw, live = job(resumeFrom="tiny-grpo-2pods")
     _, old = job(checkpointDir=f"{CK}/ml/tiny-grpo", resumeFrom=f"{CK}/ml/tiny-grpo-2pods")
     memo = {"accepted": old}
-    accepted, changed = _accepted_job(live, raw, "1234-abcd", {}, memo)
+    accepted, changed = _accepted_job(_Cluster(), live, "1234-abcd", {}, memo)
     assert accepted == old and not changed
     for edit in ({"resumeFrom": "s3://bucket/runs/team-b/job"}, {"resumeFrom": f"{CK}/team-b/job"},
                  {"checkpointDir": "s3://bucket/runs"}):
         _, edited = job(**edit)
         with pytest.raises(SpecError):
             mf.resolved_job(edited)  # refused at acceptance
-        accepted, changed = _accepted_job(edited, raw, "1234-abcd", {}, memo)
+        accepted, changed = _accepted_job(_Cluster(), edited, "1234-abcd", {}, memo)
         assert accepted == old and changed, edit
 
 
@@ -848,13 +851,14 @@ def test_pods_use_only_what_the_accepted_spec_names():
     refused."""
     accepted = parse_job(_files_job(rewardConfigMap="my-reward", dataPvc="prompts"))
     raw = _files_job(rewardConfigMap="my-reward", dataPvc="prompts")
-    assert mf.foreign_references(mf.gang_pods(raw, accepted, 0), accepted) == []
-    assert ("ConfigMap", "word-problems-reward") in mf.pod_references(mf.gang_pods(raw, accepted, 0))
+    uid = raw["metadata"]["uid"]
+    assert mf.foreign_references(mf.gang_pods(accepted, uid, 0), accepted) == []
+    assert ("ConfigMap", "word-problems-reward") in mf.pod_references(mf.gang_pods(accepted, uid, 0))
     edited = _files_job(rewardConfigMap="my-reward", dataPvc="other-data", rayAuthSecret="builder-token",
                         checkpointSecret="s3-admin", serviceAccountName="deployer")
-    assert mf.foreign_references(mf.gang_pods(edited, parse_job(edited), 0), accepted) == [
+    assert mf.foreign_references(mf.gang_pods(parse_job(edited), edited["metadata"]["uid"], 0), accepted) == [
         "PersistentVolumeClaim other-data", "Secret builder-token", "Secret s3-admin", "ServiceAccount deployer"]
-    pods_ = mf.gang_pods(raw, accepted, 0)
+    pods_ = mf.gang_pods(accepted, uid, 0)
     pods_[0]["spec"]["volumes"].append({"name": "x", "configMap": {"name": "my-reward"}})
     pods_[0]["spec"]["volumes"].append({"name": "p", "projected": {"sources": []}})
     pods_[1]["spec"]["containers"][0]["envFrom"] = [{"secretRef": {"name": "db"}}]
@@ -864,7 +868,7 @@ def test_pods_use_only_what_the_accepted_spec_names():
 def test_the_reward_copy_is_immutable_owned_and_bounded():
     raw = _files_job(rewardConfigMap="my-reward")
     job = parse_job(raw)
-    cm = mf.reward_configmap(raw, job, "def compute_score(*a): return 1\n")
+    cm = mf.reward_configmap(job, raw["metadata"]["uid"], "def compute_score(*a): return 1\n")
     assert cm["immutable"] is True and cm["metadata"]["name"] == "word-problems-reward"
     assert cm["data"] == {"word_problem_reward.py": "def compute_score(*a): return 1\n"}
     assert cm["metadata"]["ownerReferences"][0]["uid"] == "1234-abcd"
@@ -889,7 +893,7 @@ def test_status_messages_are_capped():
 
 
 class _Cluster:
-    """What `handlers._read` would find, by (kind, name)."""
+    """What `Kube.read` would find, by (kind, name): the API double the handlers' helpers are handed."""
 
     def __init__(self, **objects):
         self.objects = {tuple(k.split(":")): v for k, v in objects.items()}
@@ -902,7 +906,7 @@ def _owned(uid: str, **data) -> dict:
     return {"metadata": {"ownerReferences": [{"uid": uid, "controller": True}]}, "data": data}
 
 
-def test_the_accepted_spec_is_json_only_and_never_replaced_by_an_edited_live_one(monkeypatch):
+def test_the_accepted_spec_is_json_only_and_never_replaced_by_an_edited_live_one():
     """Issue 24 N7: a spec ConfigMap without job.json (an older operator's job.yaml, or a YAML alias bomb) is not
     the job's spec, even owned by the job: YAML is never parsed. N1: once a digest is recorded, a spec ConfigMap
     that is gone is not replaced by the live spec unless that is exactly the one accepted."""
@@ -910,21 +914,21 @@ def test_the_accepted_spec_is_json_only_and_never_replaced_by_an_edited_live_one
 
     raw = _raw("tiny-grpo.yaml")
     live = parse_job(raw)
-    text = mf.configmap(raw, live)["data"][mf.SPEC_KEY]
+    text = mf.spec_text(live)
     yaml_only = _Cluster(**{"ConfigMap:tiny-grpo-spec": _owned("1234-abcd", **{"job.yaml": yaml.safe_dump(raw)})})
-    monkeypatch.setattr(handlers, "_read", yaml_only.read)
     with pytest.raises(SpecError, match=r"does not hold the spec this job started with \(digest none \(no key job"):
-        handlers._accepted_job(live, raw, "1234-abcd", {}, {})
-    monkeypatch.setattr(handlers, "_read", _Cluster().read)  # gone
+        handlers._accepted_job(yaml_only, live, "1234-abcd", {}, {})
+    gone = _Cluster()
     accepted = {"acceptedSpecDigest": mf.content_digest(text)}
-    assert handlers._accepted_job(live, raw, "1234-abcd", accepted, {}) == (live, False)  # a create to retry
+    assert handlers._accepted_job(gone, live, "1234-abcd", accepted, {}) == (live, False)  # a create to retry
     edited = parse_job(_raw("tiny-grpo.yaml", kubernetes={"rayAuthSecret": "builder-token"}))
     with pytest.raises(SpecError, match="which held the spec this job was accepted with, is gone"):
-        handlers._accepted_job(edited, raw, "1234-abcd", accepted, {})
+        handlers._accepted_job(gone, edited, "1234-abcd", accepted, {})
 
 
-def test_a_reward_copy_is_used_only_when_it_is_the_jobs_and_remade_only_from_the_accepted_file(monkeypatch):
+def test_a_reward_copy_is_used_only_when_it_is_the_jobs_and_remade_only_from_the_accepted_file():
     from hybridflow_operator import handlers
+    from hybridflow_operator.policy import Policy
 
     raw = _files_job(rewardConfigMap="my-reward")
     job = parse_job(raw)
@@ -932,22 +936,19 @@ def test_a_reward_copy_is_used_only_when_it_is_the_jobs_and_remade_only_from_the
     status = {"rewardDigest": mf.content_digest(good)}
     marked = {"metadata": {"labels": {"hybridflow.io/for-jobs": "true"}}}
 
-    def world(**objects):
-        monkeypatch.setattr(handlers, "_read", _Cluster(**objects).read)
+    def copy_in(world: _Cluster):
+        return handlers._reward_to_copy(world, Policy.from_env(), job, raw["metadata"]["uid"], status, None)
 
-    world(**{"ConfigMap:word-problems-reward": _owned("1234-abcd", **{key: good})})
-    assert handlers._reward_to_copy(raw, job, status, None) is None  # there, and the job's: nothing to make
-    world(**{"ConfigMap:word-problems-reward": _owned("someone-else", **{key: good})})
+    # there, and the job's: nothing to make
+    assert copy_in(_Cluster(**{"ConfigMap:word-problems-reward": _owned("1234-abcd", **{key: good})})) is None
     with pytest.raises(SpecError, match="word-problems-reward exists but was not made for this job"):
-        handlers._reward_to_copy(raw, job, status, None)
-    world(**{"ConfigMap:word-problems-reward": _owned("1234-abcd", **{key: "import os\n"})})
+        copy_in(_Cluster(**{"ConfigMap:word-problems-reward": _owned("someone-else", **{key: good})}))
     with pytest.raises(SpecError, match="word-problems-reward does not hold what this job was accepted with"):
-        handlers._reward_to_copy(raw, job, status, None)
-    world(**{"ConfigMap:my-reward": {**marked, "data": {key: good}}})  # the copy gone: made again from the same file
-    assert handlers._reward_to_copy(raw, job, status, None) == good
-    world(**{"ConfigMap:my-reward": {**marked, "data": {key: "import os\n"}}})  # ... never from an edited one
-    with pytest.raises(SpecError, match="no longer holds the file accepted"):
-        handlers._reward_to_copy(raw, job, status, None)
+        copy_in(_Cluster(**{"ConfigMap:word-problems-reward": _owned("1234-abcd", **{key: "import os\n"})}))
+    # the copy gone: made again from the same file
+    assert copy_in(_Cluster(**{"ConfigMap:my-reward": {**marked, "data": {key: good}}})) == good
+    with pytest.raises(SpecError, match="no longer holds the file accepted"):  # ... never from an edited one
+        copy_in(_Cluster(**{"ConfigMap:my-reward": {**marked, "data": {key: "import os\n"}}}))
 
 
 def _resting_job(**run_policy):
@@ -998,7 +999,8 @@ TRACKER = {"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}], "ports": [{"protocol":
 
 def _egress(raw: dict, egress=None) -> list[dict]:
     job = parse_job(raw)
-    (np,) = [o for o in mf.static_children(raw, job, TOKEN, ["monitoring"], egress) if o["kind"] == "NetworkPolicy"]
+    (np,) = [o for o in mf.static_children(job, raw["metadata"]["uid"], TOKEN, ["monitoring"], egress)
+             if o["kind"] == "NetworkPolicy"]
     for version in K8S_VERSIONS:
         kubernetes_validate.validate(np, version, strict=True)
     return np["spec"]["egress"]

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from hybridflow import setup
-from hybridflow.controller.step import AlgorithmState, Step
+from hybridflow.trainer import setup
+from hybridflow.trainer.step import AlgorithmState, Step
 from hybridflow.models.builders import materialize
-from hybridflow.spec import load_job, parse_job, dump_job
+from hybridflow.api import load_job, parse_job, dump_job
 
 pytestmark = pytest.mark.slow
 

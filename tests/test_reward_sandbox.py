@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from hybridflow.rewards.sandbox import RewardFileError, RewardFunction, check_reward_file
+from hybridflow.rewards.reward_file import RewardFileError, check_reward_file
+from hybridflow.rewards.sandbox import RewardFunction
 
 
 def _file(tmp_path, body: str, name: str = "reward.py"):
@@ -179,10 +180,11 @@ from pathlib import Path
 
 from hybridflow import sandbox
 from hybridflow.rewards import sandbox as reward_sandbox
+from hybridflow.sandbox import policy as sandbox_policy
 from hybridflow.sandbox import Limits, SandboxUnavailable
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = sandbox.probe(reward_sandbox._CHECK)
+LAYERS = sandbox.probe(reward_sandbox.WORKER_CHECK)
 SECRET = "hf-test-secret-" + uuid.uuid4().hex
 
 ATTACKS = """
@@ -398,7 +400,7 @@ def test_a_driver_whose_home_is_tmp_still_gets_the_whole_sandbox(monkeypatch):
     # fails as expected in a user namespace, which hid the read-only /tmp of the one that should have run)
     failed = {"bwrap as root, a fresh uid": "PermissionError: EPERM", "bwrap in a user namespace": "OSError: EROFS",
               "no bwrap, a fresh uid": "EINVAL"}
-    why = dict(sandbox._missing(sandbox.Layers(None), "/usr/bin/bwrap", failed))["network"]
+    why = dict(sandbox.missing_layers(sandbox.Layers(None), "/usr/bin/bwrap", failed))["network"]
     assert "bwrap as root, a fresh uid: PermissionError: EPERM" in why and "user namespace: OSError: EROFS" in why
 
 
@@ -582,8 +584,8 @@ def test_memory_cpu_and_the_pool_goes_on(tmp_path):
 def test_without_bwrap_it_warns_once_and_scores(tmp_path, monkeypatch, caplog):
     """A machine without bwrap: one warning naming the missing layers and the remaining ones, then scoring as
     usual; required (the argument, or HYBRIDFLOW_SANDBOX=require), it refuses to start."""
-    bare = sandbox.probe(reward_sandbox._CHECK, bwrap=None)
-    monkeypatch.setattr(sandbox, "_warned", set())
+    bare = sandbox.probe(reward_sandbox.WORKER_CHECK, bwrap=None)
+    monkeypatch.setattr(sandbox_policy, "_warned", set())  # where warn_once keeps it
     caplog.set_level(logging.WARNING, logger="hybridflow.sandbox")
     for _ in range(2):
         with RewardFunction(_file(tmp_path, GOOD), workers=1, timeout_seconds=5, layers=bare) as fn:
@@ -606,8 +608,8 @@ def test_the_user_namespace_sandbox_of_pods(tmp_path, monkeypatch, kind):
     if not shutil.which("bwrap"):
         pytest.skip("bwrap is not installed")
     layers = sandbox.Layers(shutil.which("bwrap"), userns=True, proc=kind == "userns", how=kind)
-    if sandbox._try(layers, reward_sandbox._CHECK, Limits()) is not None:
-        pytest.skip(f"user namespaces refused here: {sandbox._try(layers, reward_sandbox._CHECK, Limits())}")
+    if (why := sandbox.try_layers(layers, reward_sandbox.WORKER_CHECK, Limits())) is not None:
+        pytest.skip(f"user namespaces refused here: {why}")
     monkeypatch.setenv("RAY_AUTH_TOKEN", SECRET)
     with RewardFunction(_attacks(tmp_path), workers=1, timeout_seconds=10, layers=layers) as fn:
         out = _run(fn, ["connect:1.1.1.1:53", "environ", "scan", f"sees:{os.getpid()}", f"write:{tmp_path}/x",

@@ -49,7 +49,7 @@ def test_a_scorer_reward_from_the_spec_scores_decoded_responses():
     response against its ground truth, a scorer that raises scoring errorScore and counted. This is the `math`
     scorer's path through a job (the end-to-end file jobs use reward functions)."""
     from hybridflow.rewards.text import TextReward
-    from hybridflow.spec import RewardSpec
+    from hybridflow.api import RewardSpec
 
     spec = RewardSpec.model_validate({"scorers": [{"name": "math"}], "errorScore": -1})
     assert spec.type == "scorer"

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hybridflow import sharded_checkpoint as sc
+from hybridflow.checkpoint import dcp as sc
 from hybridflow.checkpoint import CheckpointError
 
 

@@ -8,7 +8,7 @@ import yaml
 from conftest import save_readme_own_data_job
 
 from hybridflow.cli import main
-from hybridflow.spec import JobSpec, RLHFJob, SpecError, dump_job, load_job, parse_job
+from hybridflow.api import JobSpec, RLHFJob, SpecError, dump_job, load_job, parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -345,7 +345,7 @@ def test_bad_input_through_the_real_cli_has_no_traceback(tmp_path):
 
 
 def test_spec_module_does_not_import_torch():
-    code = "import sys, hybridflow.spec, hybridflow.crd; print('torch' in sys.modules)"
+    code = "import sys, hybridflow.api, hybridflow.api.crd; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 
@@ -399,7 +399,7 @@ def test_the_longest_job_and_pool_names_give_valid_child_names():
 
     from hybridflow_operator.manifests import head_pod_name, names, worker_pod_name
 
-    from hybridflow.spec import DNS1035_LABEL, DNS1123_SUBDOMAIN, MAX_BACKOFF, MAX_JOB_NAME, MAX_NODES
+    from hybridflow.api import DNS1035_LABEL, DNS1123_SUBDOMAIN, MAX_BACKOFF, MAX_JOB_NAME, MAX_NODES
 
     job, pool = "j" * MAX_JOB_NAME, "p" * 63
     parse_job({"kind": "RLHFJob", "metadata": {"name": job}, "spec": {
@@ -424,7 +424,7 @@ def test_pod_names_of_two_jobs_never_collide():
 
     from hybridflow_operator.manifests import head_pod_name, worker_pod_name
 
-    from hybridflow.spec import DNS1035_LABEL, POOL_NAME
+    from hybridflow.api import DNS1035_LABEL, POOL_NAME
 
     words = ["a", "b", "0", "1", "g0", "head", "a-b", "a-0", "b-1", "a-head", "a-b-0", "a-g0", "a-0-g1"]
     jobs = [w for w in words if re.fullmatch(DNS1035_LABEL, w)]

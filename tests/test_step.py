@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from hybridflow.controller.batch import Batch
-from hybridflow.controller.step import AlgorithmState, Step, stage_seconds
-from hybridflow.spec import JobSpec
+from hybridflow.single_controller.batch import Batch
+from hybridflow.trainer.step import AlgorithmState, Step, stage_seconds
+from hybridflow.api import JobSpec
 
 
 def _step(**algorithm):
@@ -95,3 +95,43 @@ def test_an_on_policy_step_skips_the_old_log_prob_pass_and_summarises_from_the_u
     assert step.state.kl.value > 0.1  # the controller moved on the update's KL
     for off_policy in ({"ppoEpochs": 2}, {"miniBatchSize": 2}, {"onPolicyOldLogProbs": False}):
         assert step_for(off_policy).skipped == set(), off_policy
+
+
+def test_step_implements_the_whole_dataflow_protocol():
+    """The programs type against algorithms.dataflow.Dataflow; the Step they get has every member, with the same
+    parameters."""
+    import inspect
+
+    from hybridflow.algorithms.dataflow import Dataflow
+
+    members = {n: m for n, m in vars(Dataflow).items() if not n.startswith("_")}
+    assert {"generate", "compute", "advantages", "update_actor", "sync_weights", "carried"} <= set(members)
+    for name, declared in members.items():
+        implemented = getattr(Step, name, None)
+        assert implemented is not None, f"Step lacks {name}"
+        assert isinstance(implemented, property) == isinstance(declared, property), name
+        if callable(declared):
+            assert list(inspect.signature(implemented).parameters) == list(inspect.signature(declared).parameters)
+
+
+def test_an_algorithm_carries_its_own_state_and_checkpoints_it_by_name():
+    """safe_rlhf's multiplier comes from the algorithm (no controller code names it); another algorithm carries
+    none, and loading a checkpoint that lacks it keeps the start value."""
+    def _safe():
+        spec = JobSpec.model_validate({"algorithm": {"name": "safe_rlhf", "lambdaInit": 0.5},
+                                       "models": {"cost": {"type": "rule", "rule": "top_ids"}},
+                                       "rollout": {"responsesPerPrompt": 2}, "trainer": {"promptsPerStep": 4}})
+        return Step(spec, {}, {}, {}, AlgorithmState.for_spec(spec), lambda: Batch())
+
+    safe = _safe()
+    assert safe.carried("lagrangian").value == 0.5
+    safe.carried("lagrangian").update(mean_cost=1.5)
+    saved = safe.state.state()
+    assert saved["lagrangian"]["value"] == pytest.approx(safe.carried("lagrangian").value) and "kl" in saved
+    grpo = _step(name="grpo")
+    assert set(grpo.state.state()) == {"kl"}
+    fresh = _safe()
+    fresh.state.load(saved)
+    assert fresh.carried("lagrangian").value == pytest.approx(saved["lagrangian"]["value"])
+    fresh.state.load(grpo.state.state())
+    assert fresh.carried("lagrangian").value == pytest.approx(saved["lagrangian"]["value"])

@@ -9,16 +9,15 @@ import pytest
 import torch
 
 from hybridflow.capacity import kv_cache_bytes
-from hybridflow.controller.batch import Batch
-from hybridflow.controller.worker_group import WorkerContext
+from hybridflow.single_controller.batch import Batch
+from hybridflow.single_controller.context import WorkerContext
 from hybridflow.data.packing import merge_rows, micro_batches, pack_rollout, token_budget_groups, trim_padding
-from hybridflow.engines.fsdp import FSDPEngine, response_logits, token_log_probs
+from hybridflow.engines.train.fsdp import FSDPEngine, load_causal_lm, response_logits, token_log_probs
 from hybridflow.engines.precision import compute_dtype
 from hybridflow.flops import forward_flops, matmul_peak_flops, training_flops
 from hybridflow.models.builders import build_tiny
-from hybridflow.roles.common import load_causal_lm
 from hybridflow.roles.config import actor_config, old_log_probs_from_update
-from hybridflow.spec import Algorithm, TinyModel, Training, parse_job
+from hybridflow.api import Algorithm, TinyModel, Training, parse_job
 
 P, R = 8, 6
 PROMPTS = [[3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15], [16, 17, 18, 19], [20, 21, 22], [23], [24, 25]]
@@ -117,13 +116,13 @@ def test_on_policy_is_one_epoch_one_mini_batch_and_no_kl_in_the_reward():
 
 
 def _actor(model_dir, **training):
-    from hybridflow.roles.actor import ActorRolloutWorker
+    from hybridflow.roles.actor import ActorWorker
 
     job = parse_job({"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "t"},
                          "spec": {"rollout": {"engine": "hf", "maxPromptLength": P, "maxResponseLength": R},
                                   "training": {"microBatchSize": 3, "computeDtype": "float32", **training},
                                   "trainer": {"promptsPerStep": 8}}})
-    return ActorRolloutWorker(WorkerContext(0, 1, 0, "cpu"), actor_config(job.spec), str(model_dir), [])
+    return ActorWorker(WorkerContext(0, 1, 0, "cpu"), actor_config(job.spec), str(model_dir))
 
 
 def test_an_on_policy_update_takes_the_same_step_as_one_after_a_separate_pass(one_rank, tiny_dir):
@@ -185,7 +184,8 @@ _RELEASE_AND_RELOAD = """
 import json, sys, torch
 from pathlib import Path
 from safetensors.torch import load_file
-from hybridflow.engines.rollout import SamplingConfig, VLLMRollout
+from hybridflow.engines.rollout.base import SamplingConfig
+from hybridflow.engines.rollout.vllm import VLLMRollout
 from hybridflow.roles.common import release_free_memory
 
 def rss():
@@ -224,7 +224,7 @@ def test_vllm_on_cpu_frees_its_weights_for_training_and_gets_them_back_with_the_
     import sys
 
     from hybridflow.models.builders import materialize
-    from hybridflow.spec import ModelSource
+    from hybridflow.api import ModelSource
 
     model_dir = materialize(ModelSource(source="smollm2"), model_cache, 0)
     out = subprocess.run([sys.executable, "-c", _RELEASE_AND_RELOAD, str(model_dir)], capture_output=True, text=True,

@@ -5,14 +5,15 @@ import torch
 
 from pathlib import Path
 
-from hybridflow import loop, setup
-from hybridflow.controller.step import AlgorithmState
-from hybridflow.controller.worker_group import resolve
+from hybridflow.trainer import loop, setup
+from hybridflow.checkpoint import checkpointer
+from hybridflow.trainer.step import AlgorithmState
+from hybridflow.single_controller.worker_group import resolve
 from hybridflow.data.tasks import PromptStream
 from hybridflow.data.packing import unpack_responses
 from hybridflow.export import role_weights
 from hybridflow.models.builders import materialize
-from hybridflow.spec import load_job
+from hybridflow.api import load_job
 
 pytestmark = pytest.mark.slow
 
@@ -50,15 +51,15 @@ def _greedy_matches_hf(job, w, task, model_dir, step):
     HF runs in the dtype the actor generates in (the megatron engine: its weights' dtype, whatever computeDtype)."""
     from transformers import AutoModelForCausalLM
 
-    saved = loop.save(job, w, Path(job.spec.trainer.checkpoint_dir), step, PromptStream(task.train, 8, 0),
+    saved = checkpointer.save(job, w, Path(job.spec.trainer.checkpoint_dir), step, PromptStream(task.train, 8, 0),
                       AlgorithmState.for_spec(job.spec))
     state = role_weights(saved, "actor")
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, w.roles["actor"].generation_dtype_name()))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, w.roles["rollout"].generation_dtype_name()))
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and all("lm_head" in k for k in missing)
     hf.eval()
     held_out = task.eval[:8]
-    got = unpack_responses(resolve(w.roles["actor"].generate(setup.prompt_batch(held_out), greedy=True)))
+    got = unpack_responses(resolve(w.roles["rollout"].generate(setup.prompt_batch(held_out), greedy=True)))
     assert len(got) == len(held_out)
     for sample, resp in zip(held_out, got, strict=True):
         assert resp == _hf_greedy(hf, sample.prompt, resp)
@@ -80,22 +81,22 @@ def test_generation_engine_follows_the_trained_weights(tmp_path, model_cache, lo
     train_prompts = 2 if example.startswith("smollm2") else 8
     w, task, model_dir = _start_workers(job, tmp_path, model_cache, local_ray, train_prompts)
     try:
-        actor = w.roles["actor"]
-        engines_before = actor.rollout_instance()
+        rollout = w.roles["rollout"]
+        engines_before = rollout.instance_id()
         assert len(set(engines_before)) == len(engines_before) > 1, "each rank has its own engine"
-        before = actor.rollout_checksum()
-        assert [x["embedding"] for x in before] == pytest.approx([x["embedding"] for x in actor.train_checksum()],
+        before = rollout.weight_checksums()
+        assert [x["embedding"] for x in before] == pytest.approx([x["embedding"] for x in rollout.train_checksum()],
                                                                  rel=0, abs=1e-6)
 
         prompts = setup.prompt_batch(task.train[:train_prompts])
         stats, stages = loop.run_iteration(job, w, task, prompts)
         assert stats["reshard_bytes"] > 0 and stages["reshard"] > 0
 
-        after_train, after_rollout = actor.train_checksum(), actor.rollout_checksum()
+        after_train, after_rollout = rollout.train_checksum(), rollout.weight_checksums()
         assert after_train[0]["embedding"] != pytest.approx(before[0]["embedding"], abs=1e-3), \
             "the update did not change the weights"
         assert after_rollout == after_train, "generation weights differ from training weights after the sync"
-        assert actor.rollout_instance() == engines_before, "the generation engine was re-created, not updated"
+        assert rollout.instance_id() == engines_before, "the generation engine was re-created, not updated"
 
         # Greedy generation by the synced engine equals HF greedy on the trained weights.
         _greedy_matches_hf(job, w, task, model_dir, step=1)
@@ -110,7 +111,9 @@ def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cac
     rank), the bytes moved match the paper's formula, and greedy generation equals HF's on the exported weights."""
     from fractions import Fraction
 
-    from hybridflow.hybrid_engine.layout import Layout, comm_fraction
+    from support.reshard_baselines import comm_fraction
+
+    from hybridflow.engines.bridge.layout import Layout
 
     job = load_job(Path(__file__).resolve().parents[1] / "examples" / "tiny-grpo-megatron.yaml")
     job.spec.models.actor.tiny.num_heads = job.spec.models.actor.tiny.num_kv_heads = t
@@ -119,14 +122,14 @@ def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cac
     job.spec.rollout.engine, job.spec.rollout.tensor_parallel = rollout, t_g
     w, task, model_dir = _start_workers(job, tmp_path, model_cache, local_ray)
     try:
-        actor = w.roles["actor"]
-        assert actor.dp_sizes == {"train": 1, "rollout": t // t_g}
-        before = actor.train_checksum()
-        assert actor.rollout_checksum() == before
+        actor, generator = w.roles["actor"], w.roles["rollout"]
+        assert generator.dp_sizes == {"train": 1, "rollout": t // t_g}
+        before = generator.train_checksum()
+        assert generator.weight_checksums() == before
         params = actor.num_parameters()
         for step in range(2):
             stats, stages = loop.run_iteration(job, w, task, setup.prompt_batch(task.train[8 * step: 8 * step + 8]))
-            after_train, after_rollout = actor.train_checksum(), actor.rollout_checksum()
+            after_train, after_rollout = generator.train_checksum(), generator.weight_checksums()
             assert after_rollout == after_train, f"generation weights differ from training weights after step {step}"
             assert after_train != before, "the update did not change the weights"
             before = after_train
@@ -141,12 +144,12 @@ def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cac
         _greedy_matches_hf(job, w, task, model_dir, step=2)  # the checkpoint's HF-named weights, exported
 
         # resume: another update moves the weights; restoring step 2 brings back exactly the saved ones
-        saved_sums = actor.train_checksum()
+        saved_sums = generator.train_checksum()
         loop.run_iteration(job, w, task, setup.prompt_batch(task.train[16:24]))
-        assert actor.train_checksum() != saved_sums
-        assert loop.restore(w, Path(job.spec.trainer.checkpoint_dir), AlgorithmState.for_spec(job.spec))[0] == 2
-        assert actor.train_checksum() == saved_sums
+        assert generator.train_checksum() != saved_sums
+        assert checkpointer.restore(w, Path(job.spec.trainer.checkpoint_dir), AlgorithmState.for_spec(job.spec))[0] == 2
+        assert generator.train_checksum() == saved_sums
         if rollout == "megatron":
-            assert actor.rollout_checksum() == saved_sums
+            assert generator.weight_checksums() == saved_sums
     finally:
         w.shutdown()

@@ -6,9 +6,9 @@ import ray
 import torch
 import torch.distributed as dist
 
-from hybridflow.controller.batch import Batch
-from hybridflow.controller.protocol import Dispatch, DPRank, register
-from hybridflow.controller.worker_group import PendingResult, ResourcePool, RoleSpec, WorkerGroup
+from hybridflow.single_controller.batch import Batch
+from hybridflow.single_controller.protocol import Dispatch, DPRank, register
+from hybridflow.single_controller.worker_group import PendingResult, RayResourcePool, RoleSpec, WorkerGroup
 
 pytestmark = pytest.mark.slow
 
@@ -63,14 +63,26 @@ class TensorParallelPair(Echo):
         return Batch({"x": batch["x"], "generator": torch.full((len(batch),), self.ctx.rank)})
 
 
+class Sibling:
+    """Built after role "a" in the same processes and handed a's object (RoleSpec.colocated), as the rollout role
+    is handed the actor."""
+
+    def __init__(self, ctx, a):
+        self.ctx, self.a = ctx, a
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sibling(self):
+        return self.a.tag, os.getpid(), self.a.ctx is self.ctx
+
+
 @pytest.fixture(scope="module")
 def pools(shared_ray):
     """Two pools in the tests' shared local Ray (conftest), which has room for both at once."""
     import sys
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-    p1 = ResourcePool("p1", nodes=1, devices_per_node=2, cpus_per_device=0.5)
-    p2 = ResourcePool("p2", nodes=2, devices_per_node=2, cpus_per_device=0.5)  # two "nodes" (placement groups)
+    p1 = RayResourcePool("p1", nodes=1, devices_per_node=2, cpus_per_device=0.5)
+    p2 = RayResourcePool("p2", nodes=2, devices_per_node=2, cpus_per_device=0.5)  # two "nodes" (placement groups)
     shared_ray.ensure_running()
     shared_ray.check_room([p1, p2])
     return p1, p2
@@ -79,7 +91,8 @@ def pools(shared_ray):
 @pytest.fixture(scope="module")
 def groups(pools):
     p1, p2 = pools
-    g1 = WorkerGroup(p1, {"a": RoleSpec(Echo, {"tag": "a"}), "b": RoleSpec(Echo, {"tag": "b"})})
+    g1 = WorkerGroup(p1, {"a": RoleSpec(Echo, {"tag": "a"}), "b": RoleSpec(Echo, {"tag": "b"}),
+                          "c": RoleSpec(Sibling, colocated=("a",))})
     g2 = WorkerGroup(p2, {"tp": RoleSpec(TensorParallelPair, {"tag": "tp"})})
     yield g1, g2
     for g in (g1, g2):
@@ -93,6 +106,13 @@ def test_one_to_all_and_colocation(groups):
     assert [(r, w, t) for r, w, _, t in a] == [(0, 2, "a"), (1, 2, "a")]
     assert [x[2] for x in a] == [x[2] for x in b], "colocated roles must share one process per device"
     assert len({x[2] for x in a}) == 2
+
+
+def test_a_colocated_role_is_handed_the_role_built_before_it_in_its_process(groups):
+    g1, _ = groups
+    got = g1["c"].sibling()
+    assert [(tag, same_host) for tag, _, same_host in got] == [("a", True), ("a", True)]
+    assert [pid for _, pid, _ in got] == [x[2] for x in g1["a"].info()]
 
 
 def test_all_to_all_and_rank_zero(groups):

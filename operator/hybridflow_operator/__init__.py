@@ -1,1 +1,1 @@
-"""The RLHFJob operator (kopf). Torch-free: it imports only `hybridflow.spec` from the worker package."""
+"""The RLHFJob operator (kopf). Torch-free: it imports only `hybridflow.api` from the worker package."""

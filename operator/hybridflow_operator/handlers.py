@@ -22,40 +22,58 @@ import logging
 import os
 import secrets
 import time
-from typing import Any, Callable, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, cast
 
 import kopf
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from hybridflow.checkpoint import is_url
-from hybridflow.spec import API_GROUP as GROUP
-from hybridflow.spec import PLURAL, VERSION, RLHFJob, SpecError, parse_job
+from hybridflow.api import API_GROUP as GROUP
+from hybridflow.api import PLURAL, VERSION, RLHFJob, SpecError, parse_job
+from hybridflow.api.storage import is_url
+from hybridflow.api.status import TERMINAL, JobStatus, Phase
 from hybridflow_operator import manifests as mf
+from hybridflow_operator.kube import API_TIMEOUT, Kube, controllers, ignore
 from hybridflow_operator.metrics import OperatorMetrics
-from hybridflow_operator.phases import (TERMINAL, PodView, backoff, decide, iso, parse_time, refused, resting,
-                                         set_condition)
+from hybridflow_operator.phases import (Plan, PodPhase, PodView, admit_gang, backoff, decide, invalid, iso,
+                                         parse_time, refused, resting, set_condition)
 from hybridflow_operator.policy import Policy, unmarked, violations
 from hybridflow_operator.progress import Poller, merge_progress, parse_progress
 
 INTERVAL = float(os.environ.get("HYBRIDFLOW_RECONCILE_INTERVAL", "5"))
-POLICY = Policy.from_env()
-# The operator's own namespace: it polls the drivers' metrics, so the jobs' NetworkPolicies admit it.
-OPERATOR_NAMESPACE = os.environ.get("HYBRIDFLOW_OPERATOR_NAMESPACE", "")
-METRICS = OperatorMetrics()
-# Every Running job's progress fetch, by a few threads shared by all jobs (a slow driver holds no tick).
-POLLER = Poller()
 # The longest a job waiting for something outside it (a PVC, the reward ConfigMap, a quota) goes between looks.
 RETRY_MAX_SECONDS = 60.0
 log = logging.getLogger("hybridflow.operator")
 
-
-USER_AGENT = "hybridflow-operator"
-# Seconds any one Kubernetes API call may take: a hung connection must not wedge a job's timer.
-API_TIMEOUT = float(os.environ.get("HYBRIDFLOW_API_TIMEOUT", "30"))
 # How long a pod this operator created counts as existing (Pending) while the pod watch has not shown it yet.
 CREATED_GRACE_SECONDS = 60.0
-_API: client.ApiClient | None = None
+
+
+@dataclass
+class Shared:
+    """What the handlers of every job share, made once by `configure` and reached through kopf's memo: kopf gives
+    each object a shallow copy of the operator's memo, so `memo["shared"]` is this one object in every handler (the
+    timer's, the pod index's, the deletion's) while each job's own keys ("written", "accepted", ...) stay its own.
+    No module state: a test or a second operator in one process gets its own."""
+    kube: Kube
+    policy: Policy
+    metrics: OperatorMetrics
+    # The operator's own namespace: it polls the drivers' metrics, so the jobs' NetworkPolicies admit it.
+    operator_namespace: str = ""
+    # Every Running job's progress fetch, by a few threads shared by all jobs (a slow driver holds no tick).
+    poller: Poller = field(default_factory=Poller)
+    # Pods seen with a DisruptionTarget condition, by job: (namespace, job) -> pod -> (generation, reason). An
+    # evicted pod may be gone before the next tick looks, and its gang's restart must still not use up backoffLimit.
+    disrupted: dict[tuple[str, str], dict[str, tuple[int, str]]] = field(default_factory=dict)
+    # Namespaces' verdicts (`_acts_in`): namespace -> (when read, time.monotonic(); acts there), and those whose
+    # jobs were left alone, each logged once.
+    namespaces: dict[str, tuple[float, bool]] = field(default_factory=dict)
+    skipped: set[str] = field(default_factory=set)
+
+
+def _shared(memo: kopf.Memo) -> Shared:
+    return memo["shared"]
 
 
 def tune_kopf(settings: kopf.OperatorSettings) -> None:
@@ -70,8 +88,7 @@ def tune_kopf(settings: kopf.OperatorSettings) -> None:
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    global _API
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.persistence.finalizer = f"{GROUP}/cleanup"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
@@ -86,31 +103,12 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    _API = client.ApiClient()  # one connection pool for every call (a client per call opened a connection each)
-    _API.user_agent = USER_AGENT  # audit logs (and the tests' API double) tell the operator's requests apart
+    shared = memo["shared"] = Shared(kube=Kube(client.ApiClient()), policy=Policy.from_env(),
+                                     metrics=OperatorMetrics(),
+                                     operator_namespace=os.environ.get("HYBRIDFLOW_OPERATOR_NAMESPACE", ""))
     port = int(os.environ.get("HYBRIDFLOW_OPERATOR_METRICS_PORT", "8080"))
     if port:
-        METRICS.serve(port, os.environ.get("HYBRIDFLOW_OPERATOR_METRICS_ADDRESS", "0.0.0.0"))
-
-
-def _core() -> client.CoreV1Api:
-    return client.CoreV1Api(_API)
-
-
-def _custom() -> client.CustomObjectsApi:
-    return client.CustomObjectsApi(_API)
-
-
-def _ignore(status: int | tuple[int, ...], fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call fn (with the API timeout); an ApiException with one of these statuses (409: exists, 404: gone) counts
-    as success."""
-    kwargs.setdefault("_request_timeout", API_TIMEOUT)
-    try:
-        return fn(*args, **kwargs)
-    except ApiException as err:
-        if err.status not in ((status,) if isinstance(status, int) else status):
-            raise
-        return None
+        shared.metrics.serve(port, os.environ.get("HYBRIDFLOW_OPERATOR_METRICS_ADDRESS", "0.0.0.0"))
 
 
 def _pod_view(pod: dict[str, Any]) -> PodView:
@@ -126,7 +124,7 @@ def _pod_view(pod: dict[str, Any]) -> PodView:
                 message = f"{kind} {cs['name']} exited with code {exit_code} ({term.get('reason', 'Error')})"
                 if term.get("message"):
                     message += f": {last_error(term['message'])}"
-    phase = st.get("phase") or "Pending"
+    phase = st.get("phase") or PodPhase.PENDING
     return PodView(
         name=meta["name"],
         role=labels.get(mf.LABEL_ROLE, "worker"),
@@ -135,11 +133,11 @@ def _pod_view(pod: dict[str, Any]) -> PodView:
         deleting=bool(meta.get("deletionTimestamp")),
         message=message,
         exit_code=exit_code,
-        waiting=_waiting(st) if phase == "Pending" else "",
+        waiting=_waiting(st) if phase == PodPhase.PENDING else "",
         disruption=next((c.get("reason") or "DisruptionTarget" for c in st.get("conditions") or []
                          if c.get("type") == "DisruptionTarget" and c.get("status") == "True"), ""),
         deletion_deadline=_time(meta.get("deletionTimestamp")),
-        pending_since=_time(meta.get("creationTimestamp")) if phase == "Pending" else None,
+        pending_since=_time(meta.get("creationTimestamp")) if phase == PodPhase.PENDING else None,
     )
 
 
@@ -179,17 +177,15 @@ def last_error(termination_message: str) -> str:
     return " ".join(ln.strip() for ln in picked).removeprefix("error: ")[:1000]
 
 
-# Pods seen with a DisruptionTarget condition, by job: (namespace, job) -> pod -> (generation, reason). An evicted
-# pod may be gone before the next tick looks, and its gang's restart must still not use up backoffLimit.
-_DISRUPTED: dict[tuple[str, str], dict[str, tuple[int, str]]] = {}
-
-
 @kopf.index("pods", labels={mf.LABEL_JOB: kopf.PRESENT})
-def job_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-    """The jobs' pods by (namespace, job), kept current by one pod watch: what a tick used to LIST."""
+def job_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, memo: kopf.Memo,
+             **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    """The jobs' pods by (namespace, job), kept current by one pod watch: what a tick used to LIST; and the pods
+    seen disrupted (Shared.disrupted)."""
     view = _pod_view(body)
     if view.disruption:
-        _DISRUPTED.setdefault((namespace, labels[mf.LABEL_JOB]), {})[view.name] = (view.generation, view.disruption)
+        seen = _shared(memo).disrupted.setdefault((namespace, labels[mf.LABEL_JOB]), {})
+        seen[view.name] = (view.generation, view.disruption)
     st = body.get("status") or {}
     owners = [r.get("uid") for r in body.get("metadata", {}).get("ownerReferences") or [] if r.get("controller")]
     return {(namespace, labels[mf.LABEL_JOB]): {"view": view, "podIP": st.get("podIP"),
@@ -231,7 +227,7 @@ def _followed_child(kind: str, namespace: str, name: str, labels: kopf.Labels,
                     body: kopf.Body) -> dict[tuple[str, str], dict[str, Any]]:
     """One followed child, by its job's (namespace, job): its kind, name and controller (the job's uid if it is the
     job's own)."""
-    owners = _controllers(body)
+    owners = controllers(body)
     return {(namespace, labels[mf.LABEL_JOB]): {"kind": kind, "name": name, "owner": owners[0] if owners else None}}
 
 
@@ -264,13 +260,6 @@ def _lost_children(followed: list[kopf.Index], namespace: str, name: str, uid: s
     return seen - present
 
 
-def _list_pods(namespace: str, name: str) -> list[dict[str, Any]]:
-    # Raw JSON rather than the client's models: the pure functions work on plain dicts.
-    resp = _core().list_namespaced_pod(namespace, label_selector=mf.selector(name), _preload_content=False,
-                                       _request_timeout=API_TIMEOUT)
-    return json.loads(resp.data).get("items", [])
-
-
 def _observed_pods(index: kopf.Index, namespace: str, name: str, uid: str | None,
                    memo: kopf.Memo) -> list[dict[str, Any]]:
     """The job's pods from the index, plus pods this operator created that the watch has not shown yet. Only pods
@@ -287,17 +276,17 @@ def _observed_pods(index: kopf.Index, namespace: str, name: str, uid: str | None
     return seen
 
 
-def _known_status(body: kopf.Body, memo: kopf.Memo) -> dict[str, Any]:
+def _known_status(body: kopf.Body, memo: kopf.Memo) -> JobStatus:
     """The job's status: what this operator last wrote, since it is the status's only writer and the watch may
     still deliver versions from before that write (kopf's own annotation patches make such versions routinely);
     the body's status only before the first write of this process (a new or restarted operator)."""
     written = memo.get("written")
     if written is not None:
         return copy.deepcopy(written)
-    return {k: v for k, v in dict(body.get("status") or {}).items() if k != "kopf"}
+    return cast(JobStatus, {k: v for k, v in dict(body.get("status") or {}).items() if k != "kopf"})
 
 
-def _accepted_job(live: RLHFJob, raw: dict[str, Any], uid: str | None, status: dict[str, Any],
+def _accepted_job(kube: Kube, live: RLHFJob, uid: str | None, status: JobStatus,
                   memo: kopf.Memo) -> tuple[RLHFJob, bool]:
     """The spec the job was accepted with (its ConfigMap, read once), with the live runPolicy; and whether other
     fields changed. The ConfigMap is trusted only when this job owns it and holds what the operator wrote: the digest
@@ -309,12 +298,12 @@ def _accepted_job(live: RLHFJob, raw: dict[str, Any], uid: str | None, status: d
     is refused at acceptance, as a SpecError naming the field; once accepted, such an edit is only a change (the
     job keeps running what it was accepted with, as with any other edit), never a reason to fail it."""
     if "accepted" not in memo:
-        namespace = raw["metadata"].get("namespace", "default")
+        namespace = mf.job_namespace(live)
         name = mf.names(live.metadata.name)["configmap"]
-        cm = _read("ConfigMap", namespace, name)
+        cm = kube.read("ConfigMap", namespace, name)
         known = status.get("acceptedSpecDigest")
         if cm is None:
-            if known and known != mf.content_digest(mf.configmap(raw, live)["data"][mf.SPEC_KEY]):
+            if known and known != mf.content_digest(mf.spec_text(live)):
                 raise SpecError(f"ConfigMap {namespace}/{name}, which held the spec this job was accepted with, is "
                                 "gone, and the job's spec is no longer that one; delete the job and create it again")
             mf.resolved_job(live)  # not yet accepted: what it may not have fails it now (SpecError)
@@ -350,7 +339,8 @@ def _spec_fields(job: RLHFJob) -> dict[str, Any]:
     return spec
 
 
-def _missing_inputs(job: RLHFJob, namespace: str, status: dict[str, Any]) -> tuple[str, str | None]:
+def _missing_inputs(kube: Kube, policy: Policy, job: RLHFJob, namespace: str,
+                    status: JobStatus) -> tuple[str, str | None]:
     """What the job's pods would mount but does not exist, or exists unmarked for jobs: its PVCs, and until the
     reward file was copied (status.rewardDigest) the reward ConfigMap and the file's key in it; and the reward file's
     text, when it is found and yet to be copied. Checked before pods are created, so the job waits with a reason
@@ -360,33 +350,33 @@ def _missing_inputs(job: RLHFJob, namespace: str, status: dict[str, Any]) -> tup
     object-storage trainer.checkpointDir (s3://...) needs no checkpointPvc.)"""
     k8s = job.spec.kubernetes
     problems = []
-    for field, claim in (("checkpointPvc", k8s.checkpoint_pvc), ("modelPvc", k8s.model_pvc),
+    for spec_field, claim in (("checkpointPvc", k8s.checkpoint_pvc), ("modelPvc", k8s.model_pvc),
                          ("dataPvc", k8s.data_pvc)):
         if not claim:
             continue
-        pvc = _ignore(404, _core().read_namespaced_persistent_volume_claim, claim, namespace)
+        pvc = ignore(404, kube.core.read_namespaced_persistent_volume_claim, claim, namespace)
         if pvc is None:
-            problems.append(f"spec.kubernetes.{field}: PersistentVolumeClaim '{claim}' not found in namespace "
+            problems.append(f"spec.kubernetes.{spec_field}: PersistentVolumeClaim '{claim}' not found in namespace "
                             f"{namespace}; create it")
-        elif why := unmarked("PersistentVolumeClaim", f"spec.kubernetes.{field}", claim, pvc.metadata.labels, POLICY):
+        elif why := unmarked("PersistentVolumeClaim", f"spec.kubernetes.{spec_field}", claim, pvc.metadata.labels, policy):
             problems.append(why)
     text = None
     if k8s.reward_config_map and not status.get("rewardDigest"):
-        why, text = _reward_file(job, namespace)
+        why, text = _reward_file(kube, policy, job, namespace)
         problems += [why] if why else []
     return "; ".join(problems), text
 
 
-def _reward_file(job: RLHFJob, namespace: str) -> tuple[str, str | None]:
+def _reward_file(kube: Kube, policy: Policy, job: RLHFJob, namespace: str) -> tuple[str, str | None]:
     """(what is wrong, the reward file's text) from kubernetes.rewardConfigMap. Its mark for jobs is checked before
     anything about its content: the keys of a ConfigMap its owner did not mark are not this job's to list."""
     name, key = job.spec.kubernetes.reward_config_map, mf.reward_key(job)
-    cm = _read("ConfigMap", namespace, name)
+    cm = kube.read("ConfigMap", namespace, name)
     if cm is None:
         return (f"spec.kubernetes.rewardConfigMap: ConfigMap '{name}' not found in namespace {namespace}; create it, "
                 f"e.g. kubectl create configmap {name} --from-file={key or 'my_reward.py'}"), None
     meta, data = cm.get("metadata") or {}, cm.get("data") or {}
-    if why := unmarked("ConfigMap", "spec.kubernetes.rewardConfigMap", name, meta.get("labels"), POLICY):
+    if why := unmarked("ConfigMap", "spec.kubernetes.rewardConfigMap", name, meta.get("labels"), policy):
         return why, None
     if key not in data:
         return (f"spec.models.reward.function.path: ConfigMap '{name}' has no key '{key}' (its keys: "
@@ -396,113 +386,62 @@ def _reward_file(job: RLHFJob, namespace: str) -> tuple[str, str | None]:
     return "", data[key]
 
 
-class _Kind(NamedTuple):
-    """How to create (namespace, body), read (namespace, name) and delete (namespace, name) one kind of child."""
-    create: Callable[..., Any]
-    read: Callable[..., Any]
-    delete: Callable[..., Any]
-
-
-def _kind(kind: str) -> _Kind:
-    """The API calls of a kind of child (manifests builds only these kinds)."""
-    if kind == "PodGroup":
-        custom, where = _custom(), ("scheduling.volcano.sh", "v1beta1")
-        return _Kind(lambda ns, body, **kw: custom.create_namespaced_custom_object(*where, ns, "podgroups", body, **kw),
-                     lambda ns, name, **kw: custom.get_namespaced_custom_object(*where, ns, "podgroups", name, **kw),
-                     lambda ns, name, **kw: custom.delete_namespaced_custom_object(*where, ns, "podgroups", name, **kw))
-    api, suffix = {"Pod": (_core(), "pod"), "Service": (_core(), "service"), "ConfigMap": (_core(), "config_map"),
-                   "Secret": (_core(), "secret"),
-                   "NetworkPolicy": (client.NetworkingV1Api(_API), "network_policy")}[kind]
-    return _Kind(lambda ns, body, **kw: getattr(api, f"create_namespaced_{suffix}")(ns, body, **kw),
-                 lambda ns, name, **kw: getattr(api, f"read_namespaced_{suffix}")(name, ns, **kw),
-                 lambda ns, name, **kw: getattr(api, f"delete_namespaced_{suffix}")(name, ns, **kw))
-
-
-def _create(obj: dict[str, Any]) -> Any:
-    """Create by name; None when it already exists (409)."""
-    return _ignore(409, _kind(obj["kind"]).create, obj["metadata"]["namespace"], obj)
-
-
-def _read(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-    """The object as plain JSON, or None when it is not there (404; 405: a kind this cluster lacks). Never a
-    Secret: the operator does not read them (and holds no verb to)."""
-    resp = _ignore((404, 405), _kind(kind).read, namespace, name, _preload_content=False)
-    return None if resp is None else json.loads(resp.data)
-
-
-def _controllers(obj: dict[str, Any]) -> list[str]:
-    return [r.get("uid") for r in obj.get("metadata", {}).get("ownerReferences") or [] if r.get("controller")]
-
-
 def _check_owner(kind: str, namespace: str, name: str, obj: dict[str, Any], uid: str | None) -> None:
     """A child's name is no proof: an object found under it must be controlled by this job, else the job fails
     naming it (whoever made it could otherwise choose what the job's pods run, or who may reach them)."""
-    owners = _controllers(obj)
+    owners = controllers(obj)
     if not uid or owners != [uid]:
         raise SpecError(f"{kind} {namespace}/{name} exists but was not made for this job (its owner: "
                         f"{owners[0] if owners else 'none'}); the job cannot start with a child it did not make. "
                         f"Delete that {kind}, or give the job another name")
 
 
-def _delete(kind: str, namespace: str, name: str, uid: str, **options: Any) -> None:
-    """Delete this very object (its uid the precondition: 409 when the name now holds another, which stays)."""
-    body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid), **options)
-    _ignore((404, 409), _kind(kind).delete, namespace, name, body=body)
-
-
-def _delete_owned(kind: str, namespace: str, name: str, job_uid: str | None) -> None:
-    """Delete the object of that name only if this job controls it."""
-    found = _read(kind, namespace, name)
-    if found is not None and job_uid and _controllers(found) == [job_uid]:
-        _delete(kind, namespace, name, found["metadata"]["uid"])
-
-
-# A cluster-wide install acts only in namespaces carrying POLICY.namespace_label: each namespace's labels are read
+# A cluster-wide install acts only in namespaces carrying Policy.namespace_label: each namespace's labels are read
 # (`get namespaces`, the one namespace asked about) and kept this long, so a label removed stops its jobs' ticks
 # within that time, and a namespace labelled later is picked up at its jobs' next event (kopf re-lists them at
 # every watch restart, 5 minutes at most).
 NAMESPACE_TTL = 30.0
-_NAMESPACES: dict[str, tuple[float, bool]] = {}
-_SKIPPED: set[str] = set()  # namespaces whose jobs were left alone, each logged once
 
 
-def _acts_in(namespace: str | None = None, **_: Any) -> bool:
+def _acts_in(memo: kopf.Memo, namespace: str | None = None, **_: Any) -> bool:
     """Whether the operator may act in the namespace: always when the install names its namespaces (kopf watches
     only those), else only when the namespace carries the label. kopf's `when` filter of the timer and the deletion
     handler too: a job elsewhere gets no finalizer, no tick, nothing written."""
-    if not POLICY.namespace_label or not namespace:
+    shared = _shared(memo)
+    policy = shared.policy
+    if not policy.namespace_label or not namespace:
         return True
     now = time.monotonic()
-    known = _NAMESPACES.get(namespace)
+    known = shared.namespaces.get(namespace)
     if known is None or now - known[0] > NAMESPACE_TTL:
         try:
-            found = _ignore(404, _core().read_namespace, namespace, _request_timeout=min(API_TIMEOUT, 5.0))
+            found = ignore(404, shared.kube.core.read_namespace, namespace, _request_timeout=min(API_TIMEOUT, 5.0))
         except Exception as err:  # noqa: BLE001 - cannot tell: act as before, or not at all; ask again next time
             log.warning("cannot read namespace %s (%s); acting there as %s", namespace, err,
                         "before" if known else "not yet")
             return bool(known and known[1])
-        known = (now, POLICY.acts_in(None if found is None else (found.metadata.labels or {})))
-        _NAMESPACES[namespace] = known
-    if not known[1] and namespace not in _SKIPPED:
-        _SKIPPED.add(namespace)
+        known = (now, policy.acts_in(None if found is None else (found.metadata.labels or {})))
+        shared.namespaces[namespace] = known
+    if not known[1] and namespace not in shared.skipped:
+        shared.skipped.add(namespace)
         log.warning("namespace %s does not carry %s: the operator leaves its RLHFJobs alone (kubectl label "
-                    "namespace %s %s)", namespace, POLICY.namespace_label, namespace, POLICY.namespace_label)
+                    "namespace %s %s)", namespace, policy.namespace_label, namespace, policy.namespace_label)
     elif known[1]:
-        _SKIPPED.discard(namespace)
+        shared.skipped.discard(namespace)
     return known[1]
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=INTERVAL, when=_acts_in)
 def reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, job_pods: kopf.Index,
               job_services: kopf.Index, job_network_policies: kopf.Index, **_: Any) -> None:
-    t0 = time.perf_counter()
+    t0, metrics = time.perf_counter(), _shared(memo).metrics
     try:
         _reconcile(body, name, namespace, memo, job_pods, [job_services, job_network_policies])
     except Exception:
-        METRICS.reconcile_errors.inc()
+        metrics.reconcile_errors.inc()
         raise
     finally:
-        METRICS.reconcile.observe(time.perf_counter() - t0)
+        metrics.reconcile.observe(time.perf_counter() - t0)
 
 
 class _Resting(NamedTuple):
@@ -536,7 +475,7 @@ def _rests(body: kopf.Body, memo: kopf.Memo, lost: Callable[[], set[tuple[str, s
     return True
 
 
-def _rest_after(body: kopf.Body, memo: kopf.Memo, job: RLHFJob | None, status: dict[str, Any], plan: Any,
+def _rest_after(body: kopf.Body, memo: kopf.Memo, job: RLHFJob | None, status: JobStatus, plan: Plan,
                 now: dt.datetime) -> None:
     """After a tick that did nothing (no write, create, delete or event), let the job rest if phases.resting says
     it has nothing to do: until a change when suspended or finished without a TTL; until its TTL; when it waits for
@@ -561,41 +500,36 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
                followed: list[kopf.Index]) -> None:
     if body["metadata"].get("deletionTimestamp"):
         return  # being deleted: `cleanup` owns it now; a tick must not create children after cleanup has run
-    if not _acts_in(namespace):
+    shared = _shared(memo)
+    if not _acts_in(memo, namespace):
         return  # the namespace lost its label since kopf started this timer
     uid = body["metadata"].get("uid")
     if _rests(body, memo, functools.partial(_lost_children, followed, namespace, name, uid, memo)):
-        METRICS.resting_ticks.inc()
+        shared.metrics.resting_ticks.inc()
         return
     now = dt.datetime.now(dt.timezone.utc)
-    raw = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "metadata": dict(body["metadata"]),
-           "spec": dict(body.get("spec") or {})}
     status = _known_status(body, memo)
     job: RLHFJob | None = None
     error: str | None = None
     try:
-        live = parse_job({"apiVersion": raw["apiVersion"], "kind": raw["kind"],
-                          "metadata": {"name": name, "namespace": namespace}, "spec": raw["spec"]},
+        live = parse_job({"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+                          "metadata": {"name": name, "namespace": namespace}, "spec": dict(body.get("spec") or {})},
                          f"RLHFJob {namespace}/{name}")
-        job, changed = _accepted_job(live, raw, uid, status, memo)
+        job, changed = _accepted_job(shared.kube, live, uid, status, memo)
     except SpecError as err:
         error, changed, job = str(err), False, None
     pods = _observed_pods(index, namespace, name, uid, memo)
     views = [p["view"] for p in pods]
     gen = int(status.get("restarts", 0))
-    disrupted = {pod: why for pod, (g, why) in _DISRUPTED.get((namespace, name), {}).items() if g == gen}
+    disrupted = {pod: why for pod, (g, why) in shared.disrupted.get((namespace, name), {}).items() if g == gen}
     plan = decide(job, error, status, views, now, disrupted=disrupted)
     reward: str | None = None  # the reward file, read to be copied
     if job is not None and plan.create_gang is not None:  # about to create pods: are their inputs there?
-        missing, reward = _missing_inputs(job, namespace, status)
-        plan = decide(job, error, status, views, now, missing_inputs=missing, disrupted=disrupted)
-    if job is not None and plan.create_gang is not None and (broken := violations(job, POLICY)):
-        # Judged on the spec the pods would be built from, at every gang start: runPolicy may change on a live job
-        # (a priority class patched in later is refused at the next restart or resume, not granted).
-        plan = decide(None, "the spec breaks this cluster's job policy: " + "; ".join(broken), status, views, now)
+        missing, reward = _missing_inputs(shared.kube, shared.policy, job, namespace, status)
+        plan = admit_gang(plan, status, views, now, missing, violations(job, shared.policy))
     if job is not None and plan.create_static and not plan.status.get("acceptedSpecDigest"):
         # Recorded before the ConfigMap is created, so a ConfigMap planted under its name is told apart by content.
-        plan.status["acceptedSpecDigest"] = mf.content_digest(mf.configmap(raw, job)["data"][mf.SPEC_KEY])
+        plan.status["acceptedSpecDigest"] = mf.content_digest(mf.spec_text(job))
     if reward is not None and plan.create_gang is not None:
         plan.status["rewardDigest"] = mf.content_digest(reward)  # likewise, before its copy is created
 
@@ -606,27 +540,27 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
             plan.events.append(("Warning", "SpecChangeIgnored", msg))
         set_condition(plan.status, "SpecChangeIgnored", True, "SpecChangeIgnored", msg, now)
 
-    if job is not None and plan.status.get("phase") == "Running":
-        _poll_progress(namespace, job, pods, plan.status, now)
+    if job is not None and plan.status.get("phase") == Phase.RUNNING:
+        _poll_progress(shared.poller, namespace, job, pods, plan.status, now)
     else:
-        POLLER.forget((namespace, name))
+        shared.poller.forget((namespace, name))
     # The status is written before anything is done about it: a tick that fails half-way is redone from the
     # new status (missing pods are created again, stale ones deleted again), never from the old one.
     if plan.status != status:
-        _write_status(namespace, name, status, plan.status, memo)
+        _write_status(shared.kube, namespace, name, status, plan.status, memo)
     if job is not None:
         # A followed child gone is made again while the job has (or is about to have) pods: not once it finished,
         # nor while suspended (its resume is a gang start, which checks every child).
         lost = (_lost_children(followed, namespace, name, uid, memo)
-                if plan.status.get("phase") not in (*TERMINAL, "Suspended") else set())
+                if plan.status.get("phase") not in (*TERMINAL, Phase.SUSPENDED) else set())
         try:
-            _create_children(raw, job, plan, pods, memo, first_start=not status.get("phase"), reward=reward,
+            _create_children(shared, job, uid, plan, pods, memo, first_start=not status.get("phase"), reward=reward,
                              lost=lost)
         except SpecError as err:  # a child that exists but is not this job's: fail now, before any pod runs it
             planned = plan
-            plan = decide(None, str(err), planned.status, views, now)
+            plan = invalid(planned.status, str(err), now, views)
             plan.events[:0] = planned.events
-            _write_status(namespace, name, planned.status, plan.status, memo)
+            _write_status(shared.kube, namespace, name, planned.status, plan.status, memo)
         except ApiException as err:
             if err.status not in (403, 404, 422):
                 raise
@@ -636,27 +570,29 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
             plan.events[:0] = planned.events
             plan.delete_pods = sorted(set(plan.delete_pods) | set(planned.delete_pods))
             if plan.status != planned.status:
-                _write_status(namespace, name, planned.status, plan.status, memo)
+                _write_status(shared.kube, namespace, name, planned.status, plan.status, memo)
     for pod_name in plan.delete_pods:
         memo.setdefault("created", {}).pop(pod_name, None)
-        _ignore(404, _core().delete_namespaced_pod, pod_name, namespace, grace_period_seconds=30)
+        ignore(404, shared.kube.core.delete_namespaced_pod, pod_name, namespace, grace_period_seconds=30)
     for etype, reason, message in plan.events:
         kopf.event(body, type=etype, reason=reason, message=message)
+    metrics = shared.metrics
     if plan.status.get("restarts", 0) > status.get("restarts", 0):
-        METRICS.restarts.labels(namespace).inc()
+        metrics.restarts.labels(namespace).inc()
     if plan.status.get("phase") in TERMINAL and status.get("phase") not in TERMINAL:
         started = parse_time(plan.status.get("startTime"))
         if started:
-            METRICS.duration.labels(plan.status["phase"]).observe((now - started).total_seconds())
-    METRICS.set_phase(namespace, name, plan.status.get("phase"))
-    METRICS.job_restarts.labels(namespace, name).set(plan.status.get("restarts", 0))
+            metrics.duration.labels(plan.status["phase"]).observe((now - started).total_seconds())
+    metrics.set_phase(namespace, name, plan.status.get("phase"))
+    metrics.job_restarts.labels(namespace, name).set(plan.status.get("restarts", 0))
     if plan.delete_job:
-        _ignore(404, _custom().delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
+        ignore(404, shared.kube.custom.delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
     _rest_after(body, memo, job, status, plan, now)
 
 
-def _create_children(raw: dict[str, Any], job: RLHFJob, plan: Any, pods: list[dict[str, Any]], memo: kopf.Memo,
-                     first_start: bool, reward: str | None, lost: set[tuple[str, str]] | None = None) -> None:
+def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, pods: list[dict[str, Any]],
+                     memo: kopf.Memo, first_start: bool, reward: str | None,
+                     lost: set[tuple[str, str]] | None = None) -> None:
     """The static children, the job's copy of its reward file and the missing pods of the planned generation; a
     refused create raises, naming the object it was about. The pods may use only what the accepted spec names
     (`foreign_references`). A child that already exists must be this job's (`_check_existing`).
@@ -667,13 +603,15 @@ def _create_children(raw: dict[str, Any], job: RLHFJob, plan: Any, pods: list[di
     lost = lost or set()
     objs: list[dict[str, Any]] = []
     if plan.create_static or lost:
-        scrapers = [*POLICY.metrics_namespaces, *([OPERATOR_NAMESPACE] if OPERATOR_NAMESPACE else [])]
-        static = mf.static_children(raw, job, secrets.token_hex(32), scrapers, POLICY.egress)
+        policy, own = shared.policy, shared.operator_namespace
+        scrapers = [*policy.metrics_namespaces, *([own] if own else [])]
+        static = mf.static_children(job, uid, secrets.token_hex(32), scrapers, policy.egress)
         objs += static if plan.create_static else [o for o in static if (o["kind"], o["metadata"]["name"]) in lost]
     if plan.create_gang is not None:
-        if job.spec.kubernetes.reward_config_map and (text := _reward_to_copy(raw, job, plan.status, reward)):
-            objs.append(mf.reward_configmap(raw, job, text))
-        gang = mf.gang_pods(raw, job, plan.create_gang)
+        if job.spec.kubernetes.reward_config_map and (
+                text := _reward_to_copy(shared.kube, shared.policy, job, uid, plan.status, reward)):
+            objs.append(mf.reward_configmap(job, uid, text))
+        gang = mf.gang_pods(job, uid, plan.create_gang)
         if foreign := mf.foreign_references(gang, memo.get("accepted") or job):
             raise SpecError(f"the job's pods would use {', '.join(foreign)}, which the spec it was accepted with "
                             "does not name; they are not created")
@@ -691,17 +629,17 @@ def _create_children(raw: dict[str, Any], job: RLHFJob, plan: Any, pods: list[di
         if key in known[1]:
             continue  # created, or found to be this job's, by an earlier tick: no POST (and 409) every tick
         try:
-            made = _create(obj)
+            made = shared.kube.create(obj)
         except ApiException as err:
             err.hybridflow_object = f"{obj['kind']} {obj['metadata']['name']}"  # type: ignore[attr-defined]
             raise
         if made is None:
-            _check_existing(obj, job.metadata.name, raw["metadata"].get("uid"), plan.status, first_start)
+            _check_existing(shared.kube, obj, job.metadata.name, uid, plan.status, first_start)
         elif obj["kind"] == "Secret":
             # The operator never reads Secrets: the uid its create returned is how `cleanup` knows this one.
             plan.status["rayTokenSecretUid"] = made.metadata.uid
-            _write_status(obj["metadata"]["namespace"], job.metadata.name, memo.get("written") or {}, plan.status,
-                          memo)
+            _write_status(shared.kube, obj["metadata"]["namespace"], job.metadata.name, memo.get("written") or {},
+                          plan.status, memo)
         if obj["kind"] == "Pod":
             created[obj["metadata"]["name"]] = (time.monotonic(), _pod_view(obj))
             continue
@@ -717,7 +655,7 @@ def _create_children(raw: dict[str, Any], job: RLHFJob, plan: Any, pods: list[di
 DIGEST_OF = {"configmap": "acceptedSpecDigest", "reward": "rewardDigest"}
 
 
-def _check_existing(obj: dict[str, Any], job_name: str, uid: str | None, status: dict[str, Any],
+def _check_existing(kube: Kube, obj: dict[str, Any], job_name: str, uid: str | None, status: JobStatus,
                     first_start: bool) -> None:
     """A child the create found already there (409): ours from an earlier tick, or someone else's under its name?
     Raises unless it is this job's: read and owned by the job, and the ConfigMaps holding what status recorded. A
@@ -733,7 +671,7 @@ def _check_existing(obj: dict[str, Any], job_name: str, uid: str | None, status:
                             "others; delete it (or name a Secret of yours in spec.kubernetes.rayAuthSecret) and create "
                             "the job again")
         return
-    found = _read(kind, ns, name)
+    found = kube.read(kind, ns, name)
     if found is None:  # deleted since the create: no pod may start without it, so the tick is redone
         raise kopf.TemporaryError(f"{kind} {ns}/{name} was deleted while being created; creating it again",
                                   delay=INTERVAL)
@@ -754,19 +692,20 @@ def _check_holds(namespace: str, name: str, cm: dict[str, Any], key: str, accept
                         f"{digest}, accepted {accepted or 'none'}); delete the job and create it again")
 
 
-def _reward_to_copy(raw: dict[str, Any], job: RLHFJob, status: dict[str, Any], found: str | None) -> str | None:
+def _reward_to_copy(kube: Kube, policy: Policy, job: RLHFJob, uid: str | None, status: JobStatus,
+                    found: str | None) -> str | None:
     """The reward file to copy into the job's own ConfigMap at this gang start, or None when its copy is there (and
     is this job's, holding the file accepted). `found`: the file just read from the user's ConfigMap (no copy was
     made yet; status.rewardDigest now records it). A copy that is gone (its first create failed, or someone deleted
     it) is made again only from the very file accepted, never from an edited one."""
     if found is not None:
         return found
-    ns, own = raw["metadata"]["namespace"], mf.names(job.metadata.name)["reward"]
-    if (copy_ := _read("ConfigMap", ns, own)) is not None:
-        _check_owner("ConfigMap", ns, own, copy_, raw["metadata"].get("uid"))
+    ns, own = mf.job_namespace(job), mf.names(job.metadata.name)["reward"]
+    if (copy_ := kube.read("ConfigMap", ns, own)) is not None:
+        _check_owner("ConfigMap", ns, own, copy_, uid)
         _check_holds(ns, own, copy_, mf.reward_key(job), status.get("rewardDigest"))
         return None
-    _, text = _reward_file(job, ns)
+    _, text = _reward_file(kube, policy, job, ns)
     if text is None or mf.content_digest(text) != status.get("rewardDigest"):
         raise SpecError(f"ConfigMap {ns}/{own}, the job's copy of its reward file, is gone, and ConfigMap "
                         f"{ns}/{job.spec.kubernetes.reward_config_map} no longer holds the file accepted "
@@ -782,27 +721,27 @@ def _api_message(err: ApiException) -> str:
         return str(err.reason)
 
 
-def _write_status(namespace: str, name: str, old: dict[str, Any], new: dict[str, Any], memo: kopf.Memo) -> None:
+def _write_status(kube: Kube, namespace: str, name: str, old: JobStatus, new: JobStatus, memo: kopf.Memo) -> None:
     """Merge-patch the status subresource now (not after the tick, as kopf's `patch` would), so that the write is
     known to have landed before anything relies on it; fields the plan dropped are removed."""
     patch = {"status": {**{k: None for k in old if k not in new}, **new}}
-    _custom().patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, patch,
-                                                    _request_timeout=API_TIMEOUT)
+    kube.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, patch,
+                                                      _request_timeout=API_TIMEOUT)
     memo["written"] = copy.deepcopy(new)
 
 
-def _poll_progress(namespace: str, job: RLHFJob, pods: list[dict[str, Any]], status: dict[str, Any],
+def _poll_progress(poller: Poller, namespace: str, job: RLHFJob, pods: list[dict[str, Any]], status: JobStatus,
                    now: dt.datetime) -> None:
     """Progress from the current generation's head (`pods` holds only pods the job owns: `_observed_pods`); an old
-    head that still has an IP must not move step back (POLLER keeps only the answer of this very head pod). The
+    head that still has an IP must not move step back (the poller keeps only the answer of this very head pod). The
     answer is the fetch the previous tick handed over: the tick never waits for a driver."""
     gen = int(status.get("restarts", 0))
     head = [p for p in pods if p["view"].role == "head" and p["podIP"] and p["view"].generation == gen
             and not p["view"].deleting]
     if not head or not job.spec.metrics.port:
-        POLLER.forget((namespace, job.metadata.name))
+        poller.forget((namespace, job.metadata.name))
         return
-    text = POLLER.poll((namespace, job.metadata.name), head[-1]["podIP"], job.spec.metrics.port,
+    text = poller.poll((namespace, job.metadata.name), head[-1]["podIP"], job.spec.metrics.port,
                        target=head[-1]["view"].name)
     if text:
         merge_progress(status, parse_progress(text, job.metadata.name), job.spec.trainer.checkpoint_dir, iso(now))
@@ -814,21 +753,22 @@ NAMED_CHILDREN = (("Service", "service"), ("ConfigMap", "configmap"), ("ConfigMa
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, when=_acts_in)
-async def cleanup(name: str, namespace: str, body: kopf.Body, **_: Any) -> None:
+async def cleanup(name: str, namespace: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Remove the job's children, for clusters (and test doubles) without garbage collection: only those the job
     controls (its controller ownerReference), each deleted with its uid as the precondition, so an object that
     merely has a child's name (a namespace's `default-deny-ingress` under a job called `default-deny`) stays. The
     Ray token Secret, which the operator never reads, is deleted by the uid its create returned; one the operator
     did not make is never touched. The deletions go out together: the finalizer, and so the job, goes as soon as
     the slowest of them is answered."""
-    uid, names = body["metadata"].get("uid"), mf.names(name)
-    pods = await asyncio.to_thread(_list_pods, namespace, name)
-    calls = [functools.partial(_delete, "Pod", namespace, p["metadata"]["name"], p["metadata"]["uid"],
-                               grace_period_seconds=0) for p in pods if uid and _controllers(p) == [uid]]
-    calls += [functools.partial(_delete_owned, kind, namespace, names[key], uid) for kind, key in NAMED_CHILDREN]
+    shared, uid, names = _shared(memo), body["metadata"].get("uid"), mf.names(name)
+    kube = shared.kube
+    pods = await asyncio.to_thread(kube.list_pods, namespace, name)
+    calls = [functools.partial(kube.delete, "Pod", namespace, p["metadata"]["name"], p["metadata"]["uid"],
+                               grace_period_seconds=0) for p in pods if uid and controllers(p) == [uid]]
+    calls += [functools.partial(kube.delete_owned, kind, namespace, names[key], uid) for kind, key in NAMED_CHILDREN]
     if token := (body.get("status") or {}).get("rayTokenSecretUid"):
-        calls.append(functools.partial(_delete, "Secret", namespace, names["ray_token"], token))
+        calls.append(functools.partial(kube.delete, "Secret", namespace, names["ray_token"], token))
     await asyncio.gather(*(asyncio.to_thread(c) for c in calls))
-    POLLER.forget((namespace, name))
-    METRICS.set_phase(namespace, name, None)
-    _DISRUPTED.pop((namespace, name), None)
+    shared.poller.forget((namespace, name))
+    shared.metrics.set_phase(namespace, name, None)
+    shared.disrupted.pop((namespace, name), None)

@@ -1,4 +1,5 @@
-"""Every object the operator creates, built by pure functions from the job: dicts in, dicts out, no I/O.
+"""Every object the operator creates, built by pure functions from the parsed job (and the job object's uid,
+the one fact of its children the spec does not hold): the job in, dicts out, no I/O.
 
 Pods carry the gang *generation* (the restart count) in their names and labels, so a restarted gang never
 collides with the terminating pods of the previous one, and the operator only looks at the current generation.
@@ -13,23 +14,20 @@ import shlex
 from pathlib import PurePosixPath
 from typing import Any
 
-
-from hybridflow.checkpoint import (
-    STORAGE_CREDENTIAL_KEYS, is_url, job_checkpoint_dir, job_checkpoint_url, namespace_url, resume_source,
-)
-from hybridflow.spec import API_GROUP as GROUP
-from hybridflow.spec import (
+from hybridflow.api import API_GROUP as GROUP
+from hybridflow.api import (
     DATA_MOUNT, REWARD_MOUNT, JobSpec, ModelSource, RLHFJob, ResourcePool, SpecError, dump_job, pool_resource,
     reward_configmap_key,
+)
+from hybridflow.api.names import (
+    LABEL_GENERATION, LABEL_INDEX, LABEL_JOB, LABEL_POOL, LABEL_ROLE, head_pod_name, names, worker_pod_name,
+)
+from hybridflow.api.storage import (
+    STORAGE_CREDENTIAL_KEYS, is_url, job_checkpoint_dir, job_checkpoint_url, namespace_url, resume_source,
 )
 
 from hybridflow_operator.policy import Egress
 
-LABEL_JOB = f"{GROUP}/job"
-LABEL_ROLE = f"{GROUP}/role"
-LABEL_POOL = f"{GROUP}/pool"
-LABEL_INDEX = f"{GROUP}/index"
-LABEL_GENERATION = f"{GROUP}/generation"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "hybridflow-operator", "app.kubernetes.io/name": "hybridflow"}
 
 RAY_PORT = 6379
@@ -61,49 +59,36 @@ def selector(name: str, **extra: str) -> str:
     return ",".join(parts)
 
 
-def owner_reference(job: dict[str, Any]) -> dict[str, Any]:
-    meta = job["metadata"]
+def owner_reference(job: RLHFJob, uid: str) -> dict[str, Any]:
+    """The job as its children's controller. `uid`, the job object's, is the one fact a child needs that the spec
+    does not hold (neither the live spec nor the accepted one read back carries it)."""
     return {
-        "apiVersion": job.get("apiVersion", f"{GROUP}/v1alpha1"),
-        "kind": "RLHFJob",
-        "name": meta["name"],
-        "uid": meta["uid"],
+        "apiVersion": job.api_version,
+        "kind": job.kind,
+        "name": job.metadata.name,
+        "uid": uid,
         "controller": True,
         "blockOwnerDeletion": True,
     }
 
 
-def _meta(job: dict[str, Any], name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+def job_namespace(job: RLHFJob) -> str:
+    """Where the job and its children live (a manifest without one is the default namespace's, as kubectl's)."""
+    return job.metadata.namespace or "default"
+
+
+def _meta(job: RLHFJob, uid: str, name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
     return {
         "name": name,
-        "namespace": job["metadata"].get("namespace", "default"),
-        "labels": {**job_labels(job["metadata"]["name"]), **(labels or {})},
-        "ownerReferences": [owner_reference(job)],
+        "namespace": job_namespace(job),
+        "labels": {**job_labels(job.metadata.name), **(labels or {})},
+        "ownerReferences": [owner_reference(job, uid)],
     }
 
 
-def names(job_name: str) -> dict[str, str]:
-    return {
-        "configmap": f"{job_name}-spec",
-        "service": f"{job_name}-head",
-        "podgroup": f"{job_name}-gang",
-        "ray_token": f"{job_name}-ray-token",
-        "network_policy": f"{job_name}-ingress",
-        "reward": f"{job_name}-reward",
-    }
-
-
-def ray_token_secret_name(parsed: RLHFJob) -> str:
+def ray_token_secret_name(job: RLHFJob) -> str:
     """The user's Secret when the spec names one, else the one the operator creates for the job."""
-    return parsed.spec.kubernetes.ray_auth_secret or names(parsed.metadata.name)["ray_token"]
-
-
-def head_pod_name(job_name: str, generation: int) -> str:
-    return f"{job_name}-head-g{generation}"
-
-
-def worker_pod_name(job_name: str, pool: str, index: int, generation: int) -> str:
-    return f"{job_name}-{pool}-{index}-g{generation}"
+    return job.spec.kubernetes.ray_auth_secret or names(job.metadata.name)["ray_token"]
 
 
 def resolved_job(job: RLHFJob) -> RLHFJob:
@@ -242,14 +227,20 @@ def content_digest(text: str) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
-def configmap(job: dict[str, Any], parsed: RLHFJob) -> dict[str, Any]:
-    doc = dump_job(resolved_job(parsed))
-    doc["metadata"] = {"name": parsed.metadata.name, "namespace": job["metadata"].get("namespace", "default")}
+def spec_text(job: RLHFJob) -> str:
+    """What the spec ConfigMap holds under SPEC_KEY: the spec as it runs in pods, as JSON; status.acceptedSpecDigest
+    is its digest."""
+    doc = dump_job(resolved_job(job))
+    doc["metadata"] = {"name": job.metadata.name, "namespace": job_namespace(job)}
+    return json.dumps(doc, indent=1)
+
+
+def configmap(job: RLHFJob, uid: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(job, names(parsed.metadata.name)["configmap"]),
-        "data": {SPEC_KEY: json.dumps(doc, indent=1)},
+        "metadata": _meta(job, uid, names(job.metadata.name)["configmap"]),
+        "data": {SPEC_KEY: spec_text(job)},
         "immutable": True,  # what the pods run cannot be edited under a live job
     }
 
@@ -258,22 +249,22 @@ def configmap(job: dict[str, Any], parsed: RLHFJob) -> dict[str, Any]:
 MAX_CONFIGMAP_BYTES = 1 << 20
 
 
-def reward_key(parsed: RLHFJob) -> str:
+def reward_key(job: RLHFJob) -> str:
     """The reward file's key in kubernetes.rewardConfigMap and in the job's copy ("" without a reward function,
     which the spec refuses alongside a rewardConfigMap)."""
-    fn = parsed.spec.models.reward.function
+    fn = job.spec.models.reward.function
     return reward_configmap_key(fn.path) if fn is not None else ""
 
 
-def reward_configmap(job: dict[str, Any], parsed: RLHFJob, text: str) -> dict[str, Any]:
+def reward_configmap(job: RLHFJob, uid: str, text: str) -> dict[str, Any]:
     """The job's own copy of the reward file, made when the operator first finds it in kubernetes.rewardConfigMap:
     immutable and owned by the job, and what the head pod mounts. The user's ConfigMap stays theirs to edit; an
     edit (anyone's who may update it) must not become code that the running job, or its next gang, executes."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(job, names(parsed.metadata.name)["reward"]),
-        "data": {reward_key(parsed): text},
+        "metadata": _meta(job, uid, names(job.metadata.name)["reward"]),
+        "data": {reward_key(job): text},
         "immutable": True,
     }
 
@@ -287,35 +278,35 @@ def reward_copy_problem(key: str, text: str) -> str:
             f"at most {MAX_CONFIGMAP_BYTES} (1 MiB); make the file smaller")
 
 
-def head_service(job: dict[str, Any], parsed: RLHFJob) -> dict[str, Any]:
-    name = parsed.metadata.name
+def head_service(job: RLHFJob, uid: str) -> dict[str, Any]:
+    name = job.metadata.name
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(job, names(name)["service"]),
+        "metadata": _meta(job, uid, names(name)["service"]),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,  # workers must resolve the head before it is Ready
             "selector": {LABEL_JOB: name, LABEL_ROLE: "head"},
             "ports": [
                 {"name": "gcs", "port": RAY_PORT, "targetPort": RAY_PORT, "protocol": "TCP"},
-                {"name": "metrics", "port": parsed.spec.metrics.port or 8000, "protocol": "TCP"},
+                {"name": "metrics", "port": job.spec.metrics.port or 8000, "protocol": "TCP"},
             ],
         },
     }
 
 
-def podgroup(job: dict[str, Any], parsed: RLHFJob) -> dict[str, Any]:
+def podgroup(job: RLHFJob, uid: str) -> dict[str, Any]:
     """Volcano gang: nothing starts until the head and every pool pod can be placed."""
     return {
         "apiVersion": "scheduling.volcano.sh/v1beta1",
         "kind": "PodGroup",
-        "metadata": _meta(job, names(parsed.metadata.name)["podgroup"]),
-        "spec": {"minMember": 1 + sum(p.nodes for p in parsed.spec.resource_pools)},
+        "metadata": _meta(job, uid, names(job.metadata.name)["podgroup"]),
+        "spec": {"minMember": 1 + sum(p.nodes for p in job.spec.resource_pools)},
     }
 
 
-def _ray_env(parsed: RLHFJob) -> list[dict[str, Any]]:
+def _ray_env(job: RLHFJob) -> list[dict[str, Any]]:
     """Ray's token authentication is always on: GCS, the Ray client and every node's job agent refuse a caller
     without the job's token (the user's Secret, or the one the operator made for this job). The AWS SDKs never ask
     the instance metadata service for the node's credentials (only kubernetes.checkpointSecret's reach a job; the
@@ -327,14 +318,14 @@ def _ray_env(parsed: RLHFJob) -> list[dict[str, Any]]:
         {"name": "HOME", "value": SCRATCH_MOUNT},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "RAY_AUTH_MODE", "value": "token"},
-        {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": ray_token_secret_name(parsed),
+        {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": ray_token_secret_name(job),
                                                                    "key": "token"}}},
     ]
 
 
-def _volumes(job: dict[str, Any], parsed: RLHFJob, shm: str, head: bool) -> tuple[list[dict], list[dict]]:
+def _volumes(job: RLHFJob, shm: str, head: bool) -> tuple[list[dict], list[dict]]:
     vols = [
-        {"name": "spec", "configMap": {"name": names(parsed.metadata.name)["configmap"]}},
+        {"name": "spec", "configMap": {"name": names(job.metadata.name)["configmap"]}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}},
         {"name": "scratch", "emptyDir": {"sizeLimit": SCRATCH_SIZE}},
         {"name": "model-cache", "emptyDir": {"sizeLimit": MODEL_CACHE_SIZE}},
@@ -345,7 +336,7 @@ def _volumes(job: dict[str, Any], parsed: RLHFJob, shm: str, head: bool) -> tupl
         {"name": "scratch", "mountPath": SCRATCH_MOUNT},
         {"name": "model-cache", "mountPath": MODEL_CACHE},
     ]
-    run = resolved_job(parsed)  # the paths the driver reads (also when `parsed` is the live spec, not yet accepted)
+    run = resolved_job(job)  # the paths the driver reads (also when `job` is the live spec, not yet accepted)
     k8s = run.spec.kubernetes
     if model_mounts := _model_mounts(run.spec):
         vols.append({"name": "models", "persistentVolumeClaim": {"claimName": k8s.model_pvc, "readOnly": True}})
@@ -357,7 +348,7 @@ def _volumes(job: dict[str, Any], parsed: RLHFJob, shm: str, head: bool) -> tupl
         vols.append({"name": "data", "persistentVolumeClaim": {"claimName": k8s.data_pvc, "readOnly": True}})
         mounts.append({"name": "data", "mountPath": DATA_MOUNT, "readOnly": True})
     if head and k8s.reward_config_map:  # the job's own copy of the file, never the user's ConfigMap itself
-        vols.append({"name": "reward", "configMap": {"name": names(parsed.metadata.name)["reward"]}})
+        vols.append({"name": "reward", "configMap": {"name": names(job.metadata.name)["reward"]}})
         mounts.append({"name": "reward", "mountPath": REWARD_MOUNT, "readOnly": True})
     return vols, mounts
 
@@ -409,8 +400,8 @@ EPHEMERAL_REQUEST = "1Gi"  # what scheduling reserves: a limit alone would becom
 
 
 def _pod(
-    job: dict[str, Any],
-    parsed: RLHFJob,
+    job: RLHFJob,
+    uid: str,
     name: str,
     labels: dict[str, str],
     containers: list[dict[str, Any]],
@@ -418,13 +409,13 @@ def _pod(
     pool: ResourcePool | None,
     shm: str,
 ) -> dict[str, Any]:
-    k8s, policy = parsed.spec.kubernetes, parsed.spec.run_policy
-    volumes, mounts = _volumes(job, parsed, shm, head=pool is None)
+    k8s, policy = job.spec.kubernetes, job.spec.run_policy
+    volumes, mounts = _volumes(job, shm, head=pool is None)
     for c in [*containers, *init_containers]:
         c.setdefault("image", k8s.image)
         c.setdefault("imagePullPolicy", k8s.image_pull_policy)
         c["volumeMounts"] = mounts
-        c["env"] = _ray_env(parsed) + c.get("env", [])
+        c["env"] = _ray_env(job) + c.get("env", [])
         c["securityContext"] = copy.deepcopy(CONTAINER_SECURITY)
         c["workingDir"] = SCRATCH_MOUNT  # the root filesystem is read-only: relative paths (./checkpoints) land here
         resources = c.setdefault("resources", {})
@@ -455,7 +446,7 @@ def _pod(
     annotations: dict[str, str] = {}
     if policy.gang_scheduling:
         spec["schedulerName"] = policy.scheduler_name or "volcano"
-        annotations["scheduling.k8s.io/group-name"] = names(parsed.metadata.name)["podgroup"]
+        annotations["scheduling.k8s.io/group-name"] = names(job.metadata.name)["podgroup"]
     elif policy.scheduler_name:
         spec["schedulerName"] = policy.scheduler_name
     if pool is not None:
@@ -465,16 +456,16 @@ def _pod(
             spec["tolerations"] = [dict(t) for t in pool.tolerations]
         if pool.affinity:
             spec["affinity"] = dict(pool.affinity)
-    meta = _meta(job, name, labels)
+    meta = _meta(job, uid, name, labels)
     if annotations:
         meta["annotations"] = annotations
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 
-def head_pod(job: dict[str, Any], parsed: RLHFJob, generation: int) -> dict[str, Any]:
+def head_pod(job: RLHFJob, uid: str, generation: int) -> dict[str, Any]:
     """Ray head (no devices of its own) plus the single controller; the pod's exit code is the job's."""
-    name = parsed.metadata.name
-    port = parsed.spec.metrics.port or 8000
+    name = job.metadata.name
+    port = job.spec.metrics.port or 8000
     script = "\n".join([
         "set -eu",
         f"ray start --head --port={RAY_PORT} --node-ip-address=\"$POD_IP\" --num-cpus=0 "
@@ -484,7 +475,7 @@ def head_pod(job: dict[str, Any], parsed: RLHFJob, generation: int) -> dict[str,
         # of a running gang and restart it. Ray ends with this container.
         f"exec hybridflow driver {SPEC_MOUNT}/{SPEC_KEY} --address=127.0.0.1:{RAY_PORT} --metrics-port={port}",
     ])
-    k8s = parsed.spec.kubernetes
+    k8s = job.spec.kubernetes
     container = {
         "name": "controller",
         "command": ["bash", "-c", script],
@@ -498,14 +489,13 @@ def head_pod(job: dict[str, Any], parsed: RLHFJob, generation: int) -> dict[str,
         },
     }
     labels = {LABEL_ROLE: "head", LABEL_GENERATION: str(generation)}
-    return _pod(job, parsed, head_pod_name(name, generation), labels, [container], [], None, "1Gi")
+    return _pod(job, uid, head_pod_name(name, generation), labels, [container], [], None, "1Gi")
 
 
-def worker_pod(job: dict[str, Any], parsed: RLHFJob, pool: ResourcePool, index: int, generation: int) -> dict[str, Any]:
+def worker_pod(job: RLHFJob, uid: str, pool: ResourcePool, index: int, generation: int) -> dict[str, Any]:
     """A Ray worker node advertising the pool's devices as the custom resource the controller asks for."""
-    name = parsed.metadata.name
-    ns = job["metadata"].get("namespace", "default")
-    head = f"{names(name)['service']}.{ns}.svc"
+    name = job.metadata.name
+    head = f"{names(name)['service']}.{job_namespace(job)}.svc"
     resources = json.dumps({pool_resource(pool.name): pool.devices_per_node})
     gpus = pool.devices_per_node if pool.device == "gpu" else 0
     cpus = max(1, int(round(pool.devices_per_node * pool.cpus_per_device)))
@@ -536,30 +526,30 @@ def worker_pod(job: dict[str, Any], parsed: RLHFJob, pool: ResourcePool, index: 
                           "limits": {"memory": "64Mi", "ephemeral-storage": "1Gi"}}}
     labels = {LABEL_ROLE: "worker", LABEL_POOL: pool.name, LABEL_INDEX: str(index), LABEL_GENERATION: str(generation)}
     shm = "2Gi" if pool.device == "cpu" else "16Gi"
-    return _pod(job, parsed, worker_pod_name(name, pool.name, index, generation), labels, [container], [init], pool,
+    return _pod(job, uid, worker_pod_name(name, pool.name, index, generation), labels, [container], [init], pool,
                 shm)
 
 
-def gang_pods(job: dict[str, Any], parsed: RLHFJob, generation: int) -> list[dict[str, Any]]:
-    pods = [head_pod(job, parsed, generation)]
-    for pool in parsed.spec.resource_pools:
-        pods += [worker_pod(job, parsed, pool, i, generation) for i in range(pool.nodes)]
+def gang_pods(job: RLHFJob, uid: str, generation: int) -> list[dict[str, Any]]:
+    pods = [head_pod(job, uid, generation)]
+    for pool in job.spec.resource_pools:
+        pods += [worker_pod(job, uid, pool, i, generation) for i in range(pool.nodes)]
     return pods
 
 
-def ray_token_secret(job: dict[str, Any], parsed: RLHFJob, token: str) -> dict[str, Any]:
+def ray_token_secret(job: RLHFJob, uid: str, token: str) -> dict[str, Any]:
     """The job's own Ray token (when the spec names no Secret): owned by the job, so it goes with it. Created once
     by name; a later create with another token is refused (409) and the first one stays."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _meta(job, names(parsed.metadata.name)["ray_token"]),
+        "metadata": _meta(job, uid, names(job.metadata.name)["ray_token"]),
         "data": {"token": base64.b64encode(token.encode()).decode()},
     }
 
 
-def network_policy(job: dict[str, Any], parsed: RLHFJob, metrics_namespaces: list[str],
+def network_policy(job: RLHFJob, uid: str, metrics_namespaces: list[str],
                    egress: Egress | None = None) -> dict[str, Any]:
     """Ingress to the job's pods only from the job's own pods, plus the driver's metrics port from the namespaces
     that scrape it (Prometheus, and the operator, which polls progress there). Egress from them only to the job's
@@ -567,23 +557,23 @@ def network_policy(job: dict[str, Any], parsed: RLHFJob, metrics_namespaces: lis
     (`egress`, from the chart's networkPolicy values); no ipBlock reaches the link-local range (the cloud's metadata
     service), and nothing reaches the Kubernetes API (the pods hold no token either). The policy keeps the name it
     had when it was ingress only (`<job>-ingress`), so jobs running across an upgrade keep one policy each."""
-    name = parsed.metadata.name
+    name = job.metadata.name
     own = {"podSelector": {"matchLabels": {LABEL_JOB: name}}}
     rules: list[dict[str, Any]] = [{"from": [own]}]
-    if parsed.spec.metrics.port and metrics_namespaces:
+    if job.spec.metrics.port and metrics_namespaces:
         rules.append({
             "from": [{"namespaceSelector": {"matchExpressions": [{"key": "kubernetes.io/metadata.name",
                                                                   "operator": "In",
                                                                   "values": sorted(set(metrics_namespaces))}]}}],
-            "ports": [{"protocol": "TCP", "port": parsed.spec.metrics.port}],
+            "ports": [{"protocol": "TCP", "port": job.spec.metrics.port}],
         })
-    trainer = parsed.spec.trainer
+    trainer = job.spec.trainer
     object_storage = is_url(trainer.checkpoint_dir) or bool(trainer.resume_from and is_url(trainer.resume_from))
     out_rules = [{"to": [own]}, *(egress or Egress()).rules(object_storage)]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _meta(job, names(name)["network_policy"]),
+        "metadata": _meta(job, uid, names(name)["network_policy"]),
         "spec": {"podSelector": {"matchLabels": {LABEL_JOB: name}}, "policyTypes": ["Ingress", "Egress"],
                  "ingress": rules, "egress": out_rules},
     }
@@ -616,12 +606,12 @@ def pod_references(pods: list[dict[str, Any]]) -> set[tuple[str, str]]:
     return out
 
 
-def accepted_references(parsed: RLHFJob) -> set[tuple[str, str]]:
+def accepted_references(job: RLHFJob) -> set[tuple[str, str]]:
     """What pods of this spec may use: the job's own spec and reward ConfigMaps (never the user's reward ConfigMap:
     its copy), its Ray token Secret (its own, or kubernetes.rayAuthSecret), kubernetes.checkpointSecret, its PVCs and
     its ServiceAccount."""
-    k8s, own = parsed.spec.kubernetes, names(parsed.metadata.name)
-    refs = {("ConfigMap", own["configmap"]), ("Secret", ray_token_secret_name(parsed))}
+    k8s, own = job.spec.kubernetes, names(job.metadata.name)
+    refs = {("ConfigMap", own["configmap"]), ("Secret", ray_token_secret_name(job))}
     if k8s.reward_config_map:
         refs.add(("ConfigMap", own["reward"]))
     if k8s.checkpoint_secret:
@@ -639,13 +629,14 @@ def foreign_references(pods: list[dict[str, Any]], accepted: RLHFJob) -> list[st
     return [f"{kind} {name}" for kind, name in sorted(pod_references(pods) - accepted_references(accepted))]
 
 
-def static_children(job: dict[str, Any], parsed: RLHFJob, ray_token: str,
+def static_children(job: RLHFJob, uid: str, ray_token: str,
                     metrics_namespaces: list[str], egress: Egress | None = None) -> list[dict[str, Any]]:
-    """What exists for the job's whole life, across gang restarts. `ray_token` is a fresh random token, used only
-    when the job has no token Secret yet; `egress`: where the job's pods may connect (default: own pods and DNS)."""
-    out = [configmap(job, parsed), head_service(job, parsed), network_policy(job, parsed, metrics_namespaces, egress)]
-    if not parsed.spec.kubernetes.ray_auth_secret:
-        out.append(ray_token_secret(job, parsed, ray_token))
-    if parsed.spec.run_policy.gang_scheduling:
-        out.append(podgroup(job, parsed))
+    """What exists for the job's whole life, across gang restarts. `uid`: the job object's (its children's owner);
+    `ray_token` is a fresh random token, used only when the job has no token Secret yet; `egress`: where the job's
+    pods may connect (default: own pods and DNS)."""
+    out = [configmap(job, uid), head_service(job, uid), network_policy(job, uid, metrics_namespaces, egress)]
+    if not job.spec.kubernetes.ray_auth_secret:
+        out.append(ray_token_secret(job, uid, ray_token))
+    if job.spec.run_policy.gang_scheduling:
+        out.append(podgroup(job, uid))
     return out

@@ -5,7 +5,7 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-PHASES = ("Pending", "Initializing", "Running", "Restarting", "Suspending", "Suspended", "Succeeded", "Failed")
+from hybridflow.api.status import SHOWN, Phase
 
 
 class OperatorMetrics:
@@ -26,24 +26,24 @@ class OperatorMetrics:
         self.resting_ticks = Counter("hybridflow_operator_resting_ticks",
                                      "Ticks of jobs with nothing to do (suspended, finished, waiting for inputs), "
                                      "returned without an API call.", registry=r)
-        self._phase_of: dict[tuple[str, str], str] = {}
+        self._phase_of: dict[tuple[str, str], Phase] = {}
         self._count: dict[tuple[str, str], int] = {}  # (namespace, phase) -> jobs
         self._namespaces: set[str] = set()  # those with a count of every phase
         self._lock = threading.Lock()  # ticks run in kopf's thread pool, cleanup on its event loop
 
-    def set_phase(self, namespace: str, name: str, phase: str | None) -> None:
+    def set_phase(self, namespace: str, name: str, phase: Phase | None) -> None:
         """Track one job's phase (None when the job is gone) and refresh the per-phase counts."""
         with self._lock:
             self._set_phase(namespace, name, phase)
 
-    def _set_phase(self, namespace: str, name: str, phase: str | None) -> None:
+    def _set_phase(self, namespace: str, name: str, phase: Phase | None) -> None:
         """Counts move by the one job that changed: every tick of every job calls this, and recounting all jobs
         each time cost O(jobs) a tick (25 ms a call at 5,000 jobs)."""
         key = (namespace, name)
         old = self._phase_of.get(key)
         if namespace not in self._namespaces:  # a namespace first seen shows 0 for every phase
             self._namespaces.add(namespace)
-            for ph in PHASES:
+            for ph in SHOWN:
                 self._count[(namespace, ph)] = 0
                 self.jobs.labels(namespace, ph).set(0)
         if old == phase:
@@ -60,7 +60,7 @@ class OperatorMetrics:
             self.job_info.labels(namespace, name, phase).set(1)
             self._bump(namespace, phase, 1)
 
-    def _bump(self, namespace: str, phase: str, by: int) -> None:
+    def _bump(self, namespace: str, phase: Phase, by: int) -> None:
         n = self._count[(namespace, phase)] = self._count.get((namespace, phase), 0) + by
         self.jobs.labels(namespace, phase).set(n)
 

@@ -1,23 +1,26 @@
 """The RLHFJob state machine: one pure function from (spec, status, observed pods, now) to a plan.
 
-    "" -> Pending -> Initializing -> Running -> Succeeded
-                 \\________________________/ -> Restarting -> Pending ...   (a pod failed, restarts < backoffLimit)
-                                             -> Failed                      (backoff exhausted, deadline, invalid spec)
+    NEW -> Pending -> Initializing -> Running -> Succeeded
+                  \\________________________/ -> Restarting -> Pending ...  (a pod failed, restarts < backoffLimit)
+                                              -> Failed                     (backoff exhausted, deadline, invalid spec)
     any active phase -> Suspending -> Suspended -> Pending                  (runPolicy.suspend true, then false)
 
-The handler reads the world, calls `decide`, and carries the plan out; nothing here performs I/O, so every
-transition is tested directly. Status is never rebuilt from scratch: restarts, conditions and progress carry over.
+The handler reads the world, calls `decide` once per tick, holds a plan that creates pods to what it looks up only
+then (`admit_gang`: missing inputs, the cluster's job policy), and carries the plan out; nothing here performs I/O,
+so every transition is tested directly. Phases are `hybridflow.api.status.Phase` members (each is its string).
+Status is never rebuilt from scratch: restarts, conditions and progress carry over.
 """
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from enum import StrEnum
+from typing import NamedTuple, cast
 
-from hybridflow.spec import EXIT_BAD_INPUT, RLHFJob
+from hybridflow.api import EXIT_BAD_INPUT, RLHFJob
+from hybridflow.api.status import ACTIVE, TERMINAL, Condition, JobStatus, Phase
 
-ACTIVE = ("Pending", "Initializing", "Running")
-TERMINAL = ("Succeeded", "Failed")
 # A pod still Pending this long with no reason of its own is reported (not failed: a queue may be long).
 PENDING_TOO_LONG_SECONDS = 600
 # A pod still terminating this long past its grace period (a lost node) no longer holds a gang restart back. Long:
@@ -29,12 +32,22 @@ STUCK_TERMINATING_SECONDS = 300
 MAX_MESSAGE = 1024
 
 
+class PodPhase(StrEnum):
+    """A pod's phase, in the kubelet's words (not a job's `Phase`: pods have Unknown, and no Suspended)."""
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    UNKNOWN = "Unknown"
+
+
 @dataclass(frozen=True)
 class PodView:
     name: str
     role: str  # head | worker
     generation: int
-    phase: str  # Pending | Running | Succeeded | Failed | Unknown
+    phase: str  # a PodPhase, as the API server wrote it
     deleting: bool = False
     message: str = ""
     exit_code: int | None = None  # of the container that failed
@@ -46,7 +59,7 @@ class PodView:
 
 @dataclass
 class Plan:
-    status: dict[str, Any]
+    status: JobStatus
     create_static: bool = False
     create_gang: int | None = None  # generation whose missing pods to create
     delete_pods: list[str] = field(default_factory=list)
@@ -67,10 +80,10 @@ def capped(message: str) -> str:
     return message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE - 1] + "\u2026"
 
 
-def set_condition(status: dict[str, Any], ctype: str, value: bool, reason: str, message: str, now: dt.datetime) -> None:
+def set_condition(status: JobStatus, ctype: str, value: bool, reason: str, message: str, now: dt.datetime) -> None:
     """metav1.Condition semantics: lastTransitionTime moves only when the status flips."""
     message = capped(message)
-    conds = [dict(c) for c in status.get("conditions", [])]
+    conds = [cast(Condition, dict(c)) for c in status.get("conditions", [])]
     new = "True" if value else "False"
     for c in conds:
         if c["type"] == ctype:
@@ -88,42 +101,69 @@ def expected_pods(job: RLHFJob) -> int:
     return 1 + sum(p.nodes for p in job.spec.resource_pools)
 
 
-def decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods: list[PodView],
+def decide(job: RLHFJob | None, error: str | None, status: JobStatus, pods: list[PodView],
            now: dt.datetime, missing_inputs: str | None = None, disrupted: dict[str, str] | None = None) -> Plan:
-    """missing_inputs: None when the job's inputs were not checked; "" when they were and all exist; else what the
-    operator found absent (a PVC, the reward ConfigMap or its key). Pods are not created while something is missing:
-    the job waits in Pending with the reason, as a pod waits for its volumes. disrupted: pods of the current
-    generation seen with a DisruptionTarget condition (name -> reason), also those already gone."""
+    """The tick's plan, decided once. missing_inputs: None when the job's inputs were not checked; "" when they were
+    and all exist; else what the operator found absent (see `admit_gang`). disrupted: pods of the current generation
+    seen with a DisruptionTarget condition (name -> reason), also those already gone.
+
+    The handler calls this without missing_inputs, and only when the plan creates pods looks the inputs up (API
+    reads) and folds them in with `admit_gang`: the same plan as deciding with them, without deciding twice."""
     plan = _decide(job, error, status, pods, now, disrupted or {})
-    missing_inputs = capped(missing_inputs) if missing_inputs else missing_inputs  # compared with the condition's
-    if job is None or plan.status.get("phase") in TERMINAL or plan.create_gang is None or missing_inputs is None:
+    return plan if job is None else admit_gang(plan, status, pods, now, missing_inputs)
+
+
+def admit_gang(plan: Plan, status: JobStatus, pods: list[PodView], now: dt.datetime, missing_inputs: str | None,
+               broken: Sequence[str] = ()) -> Plan:
+    """A plan that creates pods (`create_gang`), held to what the operator found out only then: missing_inputs
+    (as for `decide`): pods are not created while something is missing, the job waits in Pending with the reason, as
+    a pod waits for its volumes; broken: the ways the spec breaks the cluster's job policy (policy.violations), which
+    fail the job before any pod. Any other plan is returned as it is. `status` is the tick's status, as decided on."""
+    if plan.status.get("phase") in TERMINAL or plan.create_gang is None:
         return plan
+    if missing_inputs is not None:
+        _hold_for_inputs(plan, status, capped(missing_inputs) if missing_inputs else missing_inputs, now)
+    if plan.create_gang is not None and broken:
+        # Judged on the spec the pods would be built from, at every gang start: runPolicy may change on a live job
+        # (a priority class patched in later is refused at the next restart or resume, not granted).
+        return invalid(status, "the spec breaks this cluster's job policy: " + "; ".join(broken), now, pods)
+    return plan
+
+
+def _hold_for_inputs(plan: Plan, status: JobStatus, missing_inputs: str, now: dt.datetime) -> None:
+    """missing_inputs is compared with the InputsReady condition's message, so it comes capped like it."""
     had = next((c for c in status.get("conditions", []) if c["type"] == "InputsReady"), None)
     if missing_inputs:
         plan.create_gang = None
         plan.events = [e for e in plan.events if e[0] != "Normal"]  # no "creating the pods" when none are created
-        plan.status.update(phase="Pending", reason="InputsMissing", message=missing_inputs)
+        plan.status.update(phase=Phase.PENDING, reason="InputsMissing", message=missing_inputs)
         if not had or had["status"] != "False" or had["message"] != missing_inputs:
             plan.events.append(("Warning", "InputsMissing", missing_inputs))
         set_condition(plan.status, "InputsReady", False, "InputsMissing", missing_inputs, now)
     elif had and had["status"] == "False":
         found = "the job's volumes and reward file exist; creating the pods"
-        _to(plan, "Pending", "InputsFound", found, now)
+        _to(plan, Phase.PENDING, "InputsFound", found, now)
         set_condition(plan.status, "InputsReady", True, "InputsFound", found, now)
+
+
+def invalid(status: JobStatus, error: str, now: dt.datetime, pods: list[PodView]) -> Plan:
+    """The plan for a job that cannot run as it is (its spec, the cluster's job policy, a child that is not its
+    own): Failed, naming why; a job already Failed stays as it is."""
+    plan = Plan(status=cast(JobStatus, dict(status)))
+    plan.status.setdefault("restarts", 0)
+    if plan.status.get("phase", Phase.NEW) != Phase.FAILED:
+        _fail(plan, "ValidationFailed", error, now, pods)
     return plan
 
 
-def _decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods: list[PodView],
+def _decide(job: RLHFJob | None, error: str | None, status: JobStatus, pods: list[PodView],
             now: dt.datetime, disrupted: dict[str, str]) -> Plan:
-    st = dict(status)
+    if error is not None:
+        return invalid(status, error, now, pods)
+    st = cast(JobStatus, dict(status))
     st.setdefault("restarts", 0)
     plan = Plan(status=st)
-    phase = st.get("phase", "")
-
-    if error is not None:
-        if phase != "Failed":
-            _fail(plan, "ValidationFailed", error, now, pods)
-        return plan
+    phase = st.get("phase", Phase.NEW)
     assert job is not None
     policy = job.spec.run_policy
     gen = int(st["restarts"])
@@ -134,21 +174,22 @@ def _decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods
     if phase in TERMINAL:
         _finished(plan, job, current, now)
         return plan
-    if policy.suspend and phase not in ("Suspending", "Suspended"):
-        _to(plan, "Suspending", "SuspendRequested", "runPolicy.suspend is true: deleting pods, keeping status", now)
+    if policy.suspend and phase not in (Phase.SUSPENDING, Phase.SUSPENDED):
+        _to(plan, Phase.SUSPENDING, "SuspendRequested", "runPolicy.suspend is true: deleting pods, keeping status",
+            now)
         set_condition(st, "Suspended", False, "Suspending", "deleting the job's pods", now)
         plan.delete_pods = [p.name for p in pods if not p.deleting]
         # A job created suspended is accepted now all the same (its spec ConfigMap and digest): a spec edited while
         # it waits (a Secret or ConfigMap added) is then a change to ignore, never what its first pods are made of.
-        plan.create_static = phase == ""
+        plan.create_static = phase == Phase.NEW
         return plan
-    if phase == "Suspending":
+    if phase == Phase.SUSPENDING:
         plan.delete_pods = [p.name for p in pods if not p.deleting]
         if not pods:
-            _to(plan, "Suspended", "Suspended", "all pods deleted; set runPolicy.suspend false to resume", now)
+            _to(plan, Phase.SUSPENDED, "Suspended", "all pods deleted; set runPolicy.suspend false to resume", now)
             set_condition(st, "Suspended", True, "Suspended", "job suspended", now)
         return plan
-    if phase == "Suspended":
+    if phase == Phase.SUSPENDED:
         if policy.suspend:
             return plan
         set_condition(st, "Suspended", False, "Resumed", "resuming from the last checkpoint", now)
@@ -157,13 +198,13 @@ def _decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods
 
     deadline = policy.active_deadline_seconds
     started = parse_time(st.get("startTime"))
-    if deadline and started and (now - started).total_seconds() > deadline and phase in (*ACTIVE, "Restarting"):
+    if deadline and started and (now - started).total_seconds() > deadline and phase in (*ACTIVE, Phase.RESTARTING):
         _fail(plan, "DeadlineExceeded", f"ran longer than runPolicy.activeDeadlineSeconds={deadline}", now, pods)
         return plan
 
-    if phase == "":
+    if phase == Phase.NEW:
         return _start(plan, job, gen, now, "Created", "creating the head, pool pods and Ray cluster", static=True)
-    if phase == "Restarting":
+    if phase == Phase.RESTARTING:
         plan.delete_pods = [p.name for p in stale]
         stuck = [p for p in pods if p.generation != gen and _stuck_terminating(p, now)]
         if not stale and not [p for p in pods if p.generation != gen and p not in stuck]:
@@ -178,8 +219,8 @@ def _decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods
     # Pending / Initializing / Running
     plan.delete_pods = [p.name for p in stale]  # leftovers of an older generation (e.g. after operator restart)
     head = next((p for p in current if p.role == "head"), None)
-    if head is not None and head.phase == "Succeeded":
-        _to(plan, "Succeeded", "Completed", "the controller finished every step", now)
+    if head is not None and head.phase == PodPhase.SUCCEEDED:
+        _to(plan, Phase.SUCCEEDED, "Completed", "the controller finished every step", now)
         set_condition(st, "Succeeded", True, "Completed", "the controller finished every step", now)
         set_condition(st, "Running", False, "Completed", "job finished", now)
         st["completionTime"] = iso(now)
@@ -187,12 +228,12 @@ def _decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods
             st["step"] = st["totalSteps"]
         plan.delete_pods += [p.name for p in current if p.role != "head"]
         return plan
-    failed = [p for p in current if p.phase in ("Failed", "Unknown")]
+    failed = [p for p in current if p.phase in (PodPhase.FAILED, PodPhase.UNKNOWN)]
     if head is not None and head in failed and head.exit_code == EXIT_BAD_INPUT:
         _fail(plan, "InvalidInput", f"the driver rejected the job's input (not retried): {head.message}", now, pods)
         return plan
     missing = expected_pods(job) - len(current)
-    if failed or (missing and phase in ("Initializing", "Running")):
+    if failed or (missing and phase in (Phase.INITIALIZING, Phase.RUNNING)):
         what = (f"pod {failed[0].name} {failed[0].phase.lower()}" + (f": {failed[0].message}" if failed[0].message else "")
                 if failed else f"{missing} pod(s) disappeared")
         evicted = {**{p.name: p.disruption for p in pods if p.generation == gen and p.disruption}, **disrupted}
@@ -205,12 +246,12 @@ def _decide(job: RLHFJob | None, error: str | None, status: dict[str, Any], pods
         plan.create_static = True
         return plan
     _report_pods_not_starting(plan, current, now)
-    if all(p.phase == "Running" for p in current):
-        if phase != "Running":
-            _to(plan, "Running", "AllPodsRunning", f"{len(current)} pods running; training", now)
+    if all(p.phase == PodPhase.RUNNING for p in current):
+        if phase != Phase.RUNNING:
+            _to(plan, Phase.RUNNING, "AllPodsRunning", f"{len(current)} pods running; training", now)
             set_condition(st, "Running", True, "AllPodsRunning", "the Ray cluster formed and the controller runs", now)
-    elif any(p.phase != "Pending" for p in current) and phase == "Pending":
-        _to(plan, "Initializing", "PodsStarting", "pods scheduled; waiting for the Ray cluster", now)
+    elif any(p.phase != PodPhase.PENDING for p in current) and phase == Phase.PENDING:
+        _to(plan, Phase.INITIALIZING, "PodsStarting", "pods scheduled; waiting for the Ray cluster", now)
     return plan
 
 
@@ -221,7 +262,7 @@ class Rest(NamedTuple):
     retry: bool = False  # what it waits for is outside the job (a PVC made, a quota raised): look again with a backoff
 
 
-def resting(job: RLHFJob | None, status: dict[str, Any], now: dt.datetime) -> Rest | None:
+def resting(job: RLHFJob | None, status: JobStatus, now: dt.datetime) -> Rest | None:
     """Whether a job, in this status, has nothing to do until its spec or its pods change, or None when it is active
     (Pending with its pods on their way, Initializing, Running, Restarting, Suspending: every tick counts).
 
@@ -240,9 +281,9 @@ def resting(job: RLHFJob | None, status: dict[str, Any], now: dt.datetime) -> Re
         return Rest("ttl", max(0.0, ttl - (now - done).total_seconds()))
     if job is None:
         return None
-    if phase == "Suspended":
+    if phase == Phase.SUSPENDED:
         return Rest("suspended", None) if job.spec.run_policy.suspend else None
-    if phase != "Pending":
+    if phase != Phase.PENDING:
         return None
     why = ("inputs" if any(c["type"] == "InputsReady" and c["status"] == "False" for c in conds) else
            "refused" if any(c["type"] == "CreateRefused" and c["status"] == "True" for c in conds) else None)
@@ -259,7 +300,7 @@ def backoff(tries: int, first: float, most: float) -> float:
     return min(most, first * 2 ** min(tries, 32))
 
 
-def refused(status: dict[str, Any], what: str, code: int, api_message: str, now: dt.datetime,
+def refused(status: JobStatus, what: str, code: int, api_message: str, now: dt.datetime,
             pods: list[PodView]) -> Plan:
     """The API server refused to create a child. 422 (invalid) cannot succeed on retry, nor 404 (a kind the cluster
     lacks: Volcano's PodGroup without Volcano): the job fails with the API's words. 403 (an admission policy, a
@@ -277,7 +318,7 @@ def refused(status: dict[str, Any], what: str, code: int, api_message: str, now:
     return plan
 
 
-def _to(plan: Plan, phase: str, reason: str, message: str, now: dt.datetime, event_type: str = "Normal") -> None:
+def _to(plan: Plan, phase: Phase, reason: str, message: str, now: dt.datetime, event_type: str = "Normal") -> None:
     message = capped(message)
     plan.status["phase"] = phase
     plan.status["reason"] = reason
@@ -287,7 +328,7 @@ def _to(plan: Plan, phase: str, reason: str, message: str, now: dt.datetime, eve
 
 def _start(plan: Plan, job: RLHFJob, gen: int, now: dt.datetime, reason: str, message: str,
            static: bool = False) -> Plan:
-    _to(plan, "Pending", reason, message, now)
+    _to(plan, Phase.PENDING, reason, message, now)
     plan.status.setdefault("startTime", iso(now))
     set_condition(plan.status, "Created", True, reason, message, now)
     plan.create_static = True
@@ -310,7 +351,7 @@ def _restart(plan: Plan, job: RLHFJob, gen: int, what: str, now: dt.datetime, po
     if disruptions:
         plan.status["disruptions"] = disruptions
     count = f"({used + 1}/{limit})" if counts else "(a disruption: not counted against runPolicy.backoffLimit)"
-    _to(plan, "Restarting", "GangRestart", f"{what}; restarting the whole gang {count}", now, "Warning")
+    _to(plan, Phase.RESTARTING, "GangRestart", f"{what}; restarting the whole gang {count}", now, "Warning")
     set_condition(plan.status, "Running", False, "GangRestart", what, now)
     plan.delete_pods = [p.name for p in pods if not p.deleting]
     return plan
@@ -327,7 +368,7 @@ def _report_pods_not_starting(plan: Plan, current: list[PodView], now: dt.dateti
     st = plan.status
     stuck: list[tuple[str, str]] = []  # (reason, what)
     for p in current:
-        if p.phase != "Pending":
+        if p.phase != PodPhase.PENDING:
             continue
         if p.waiting:
             stuck.append((p.waiting.split(":")[0], f"pod {p.name}: {p.waiting}"))
@@ -347,7 +388,7 @@ def _report_pods_not_starting(plan: Plan, current: list[PodView], now: dt.dateti
 
 
 def _fail(plan: Plan, reason: str, message: str, now: dt.datetime, pods: list[PodView]) -> None:
-    _to(plan, "Failed", reason, message, now, "Warning")
+    _to(plan, Phase.FAILED, reason, message, now, "Warning")
     set_condition(plan.status, "Failed", True, reason, message, now)
     set_condition(plan.status, "Running", False, reason, message, now)
     plan.status["completionTime"] = iso(now)

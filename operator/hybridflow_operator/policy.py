@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.spec import API_GROUP, RLHFJob
+from hybridflow.api import API_GROUP, RLHFJob
 
 FOR_JOBS_LABEL = f"{API_GROUP}/for-jobs"
 # A cluster-wide install acts only in namespaces labelled so (the chart's clusterWide mode sets it).

@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 from kubernetes import client, config
 
-from hybridflow.spec import API_GROUP as GROUP
-from hybridflow.spec import PLURAL, VERSION
+from hybridflow.api import API_GROUP as GROUP
+from hybridflow.api import PLURAL, VERSION
 
 
 def free_port() -> int:

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from hybridflow.spec import JobSpec, ModelSource, ResourcePool, RLHFJob, TinyModel
+from hybridflow.api import JobSpec, ModelSource, ResourcePool, RLHFJob, TinyModel
+from hybridflow.api.engines import ROLLOUT_ENGINES
 
 GIB = 1 << 30
 # Floors of what a local job holds in memory, so that `hybridflow run` refuses a job this machine cannot hold before
@@ -66,7 +67,7 @@ def rank_floor(spec: JobSpec, pool: ResourcePool, machine: Machine) -> dict[str,
     """The least host memory one local rank of `pool` holds, by part (the parts name the fields that set them)."""
     parts = {"process": RANK_FLOOR_BYTES}
     if pool.device == "cpu" and pool.name == spec.pool("rollout").name:
-        if spec.rollout.engine == "vllm":
+        if ROLLOUT_ENGINES[spec.rollout.engine].kv_cache:
             parts["vLLM KV cache (spec.rollout.kvCacheGib)"] = _kv_floor(spec, pool)
         weights = model_bytes(spec.models.actor, machine) // spec.rollout.tensor_parallel
         if spec.training.compute_dtype != "float32" and spec.models.actor.dtype == "float32":

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hybridflow.capacity import local_capacity_problems, machine_facts
-from hybridflow.spec import EXIT_BAD_INPUT, EXIT_FAILED, RLHFJob, SpecError, check_runtime_paths, load_job
+from hybridflow.api import EXIT_BAD_INPUT, EXIT_FAILED, RLHFJob, SpecError, load_job
+from hybridflow.api.engines import standalone_rollout_engines
+from hybridflow.trainer.preflight import check_runtime_paths
 
 log = logging.getLogger("hybridflow")
 
@@ -41,7 +43,7 @@ def setup_logging(verbose: bool) -> None:
 def _load(path: str, overrides: dict[str, Any]) -> RLHFJob:
     job = load_job(path)
     if overrides:
-        from hybridflow.spec import dump_job, parse_job
+        from hybridflow.api import dump_job, parse_job
 
         doc = dump_job(job)
         for dotted, value in overrides.items():
@@ -74,7 +76,7 @@ def start_local_ray(job: RLHFJob, temp_dir: str | None, verbose: bool = False) -
     """A private single-node Ray that listens on loopback only and advertises each pool's devices."""
     import ray
 
-    from hybridflow.spec import pool_resource
+    from hybridflow.api import pool_resource
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keeps Ray on 127.0.0.1
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
@@ -117,8 +119,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if problems:
         raise SpecError(f"{args.job}: cannot run on this machine (`hybridflow validate` accepts it for a cluster)\n"
                         + "\n".join(f"  {p}" for p in problems))
-    from hybridflow.loop import execute
-    from hybridflow.setup import prepare
+    from hybridflow.trainer.loop import execute
+    from hybridflow.trainer.setup import prepare
 
     prepared = prepare(job, progress=not args.quiet)
     try:
@@ -132,8 +134,8 @@ def cmd_driver(args: argparse.Namespace) -> int:
     import ray
 
     job = _load(args.job, _overrides(args))
-    from hybridflow.loop import execute
-    from hybridflow.setup import prepare
+    from hybridflow.trainer.loop import execute
+    from hybridflow.trainer.setup import prepare
 
     prepared = prepare(job, progress=not args.quiet)
     try:
@@ -177,7 +179,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_crd(args: argparse.Namespace) -> int:
-    from hybridflow.crd import render_crd
+    from hybridflow.api.crd import render_crd
 
     text = render_crd()
     if args.output == "-":
@@ -234,7 +236,7 @@ def parser() -> argparse.ArgumentParser:
         c.add_argument("--steps", type=int, help="override spec.trainer.steps")
         c.add_argument("--checkpoint-dir", help="override spec.trainer.checkpointDir")
         c.add_argument("--metrics-port", type=int, help="override spec.metrics.port (0 disables)")
-        c.add_argument("--engine", choices=["vllm", "hf"], help="override spec.rollout.engine")
+        c.add_argument("--engine", choices=standalone_rollout_engines(), help="override spec.rollout.engine")
         c.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
         return c
 

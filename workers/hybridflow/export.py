@@ -8,45 +8,16 @@ Each checkpoint carries what the export needs besides the weights: the role's mo
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
 from hybridflow import checkpoint as ckpt
-from hybridflow import sharded_checkpoint
+from hybridflow.checkpoint import dcp
+from hybridflow.checkpoint.model_files import HF_FILES_INFIX, model_metadata_files
 
 log = logging.getLogger("hybridflow.export")
-
-HF_FILES_INFIX = ".hf."
-# Small files of an HF model directory that describe the model and its tokenizer; weights are never copied.
-_META_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken")
-_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-_META_MAX_BYTES = 64 << 20
-
-
-def model_metadata_files(model_dir: Path) -> list[Path]:
-    """The files of an HF model directory that are not weights: config, generation config, tokenizer, template."""
-    return sorted(p for p in model_dir.iterdir() if p.is_file() and p.suffix in _META_SUFFIXES
-                  and p.name not in _WEIGHT_INDEXES and p.stat().st_size <= _META_MAX_BYTES)
-
-
-def copy_model_metadata(model_dir: Path, directory: Path, role: str) -> list[Path]:
-    """Copy `model_dir`'s metadata files into a checkpoint being written, as `<role>.hf.<name>`; fsynced like the
-    weights, so a sealed checkpoint never holds an empty one after a power loss."""
-    out = []
-    for p in model_metadata_files(model_dir):
-        dest = directory / f"{role}{HF_FILES_INFIX}{p.name}"
-        if ckpt.is_remote(dest):
-            dest.write_bytes(p.read_bytes())
-        else:
-            shutil.copyfile(p, dest)
-            with open(dest, "rb+") as f:
-                os.fsync(f.fileno())
-        out.append(dest)
-    return out
-
 
 def _model_class(role: str):
     """Actors are causal LMs; critics are the same backbone with a one-label token-classification (value) head."""
@@ -60,7 +31,7 @@ def _model_class(role: str):
 
 
 def saved_roles(checkpoint: Path) -> list[str]:
-    sharded = {p.name for p in checkpoint.iterdir() if p.is_dir() and sharded_checkpoint.is_dcp_dir(p)}
+    sharded = {p.name for p in checkpoint.iterdir() if p.is_dir() and dcp.is_dcp_dir(p)}
     return sorted(sharded | {p.stem for p in checkpoint.glob("*.pt")})
 
 
@@ -70,7 +41,7 @@ def role_weights(checkpoint: Path, role: str) -> dict:
     full = checkpoint / f"{role}.pt"
     if full.is_file():
         return ckpt.load_tensors(full)["model"]
-    return sharded_checkpoint.read_full(checkpoint / role, keys={"model"})["model"]
+    return dcp.read_full(checkpoint / role, keys={"model"})["model"]
 
 
 def export(checkpoint: Path, out: Path, role: str = "actor", dtype: str | None = None,

@@ -1,8 +1,10 @@
 """What an RLHF algorithm is here: the roles it needs, its constraints, the spec defaults it brings, and its dataflow
 as a short controller program (HybridFlow section 4: a new algorithm is a few lines over existing worker groups).
 
-A program gets a `Step` (hybridflow.controller.step): the worker groups' operations for one iteration - generate,
+A program gets a `Dataflow` (algorithms/dataflow.py): the worker groups' operations for one iteration - generate,
 compute (stages run concurrently where their pools differ), advantages, update_critic, update_actor, sync_weights.
+What an algorithm carries between steps beyond the KL coefficient (safe_rlhf's multiplier) it makes itself
+(`carried`), so the controller knows no algorithm by name.
 """
 from __future__ import annotations
 
@@ -12,10 +14,14 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from hybridflow.algorithms.registry import Registry
 
 if TYPE_CHECKING:
-    from hybridflow.controller.batch import Batch
-    from hybridflow.controller.step import Step
+    from hybridflow.algorithms.dataflow import Carried, Dataflow
+    from hybridflow.single_controller.batch import Batch
 
-Program = Callable[["Step", "Batch"], None]
+Program = Callable[["Dataflow", "Batch"], None]
+
+
+def _nothing_carried(settings: Any) -> dict[str, Carried]:
+    return {}
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,8 @@ class Algorithm:
     cost: bool = False  # Safe-RLHF: a cost (rule or model, spec.models.cost) and a cost critic
     min_group: int = 1  # responses per prompt it needs (group baselines need 2)
     defaults: Mapping[str, Any] = field(default_factory=dict)  # spec.algorithm fields the user left unset
+    # spec.algorithm -> its state across steps by name (checkpointed under that name, read by `Dataflow.carried`)
+    carried: Callable[[Any], Mapping[str, Carried]] = _nothing_carried
 
 
 ALGORITHMS: Registry[Algorithm] = Registry("algorithm")

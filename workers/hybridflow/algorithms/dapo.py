@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 from hybridflow.algorithms.base import Algorithm, register_algorithm
 
 if TYPE_CHECKING:
-    from hybridflow.controller.batch import Batch
-    from hybridflow.controller.step import Step
+    from hybridflow.algorithms.dataflow import Dataflow
+    from hybridflow.single_controller.batch import Batch
 
 
-def dapo_iteration(c: Step, prompts: Batch) -> None:
+def dapo_iteration(c: Dataflow, prompts: Batch) -> None:
     informative: list[Batch] = []
-    for round_ in range(c.algo.max_sampling_rounds):
+    for round_ in range(c.max_sampling_rounds):
         if round_:
             prompts = c.next_prompts()
         batch = c.compute(c.generate(prompts), "reward")

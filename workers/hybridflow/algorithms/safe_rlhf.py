@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from hybridflow.algorithms.base import Algorithm, register_algorithm
 
 if TYPE_CHECKING:
-    from hybridflow.controller.batch import Batch
-    from hybridflow.controller.step import Step
+    from hybridflow.algorithms.dataflow import Dataflow
+    from hybridflow.single_controller.batch import Batch
 
 
 class Lagrangian:
@@ -33,13 +33,16 @@ class Lagrangian:
     def load(self, state: dict[str, Any]) -> None:
         self.value = float(state["value"])
 
+    def metrics(self) -> dict[str, float]:
+        return {"lagrange_multiplier": self.value}
 
-def safe_rlhf_iteration(c: Step, prompts: Batch) -> None:
+
+def safe_rlhf_iteration(c: Dataflow, prompts: Batch) -> None:
     batch = c.generate(prompts)
     batch = c.compute(batch, "old_log_prob", "reference", "values", "cost_values", "reward", "cost")
     reward_adv, returns = c.advantages(batch, "scores", "values", kl_weight=0.5, whiten=False)
     cost_adv, cost_returns = c.advantages(batch, "costs", "cost_values", kl_weight=-0.5, whiten=False)
-    lam = c.lagrangian.update(float(batch["costs"].mean()))  # before the update, from this batch's cost
+    lam = c.carried("lagrangian").update(float(batch["costs"].mean()))  # before the update, from this batch's cost
     batch = batch.with_columns(advantages=(reward_adv - lam * cost_adv) / (1 + lam), returns=returns,
                                cost_returns=cost_returns)
     c.update_critic(batch, "critic")
@@ -51,4 +54,5 @@ def safe_rlhf_iteration(c: Step, prompts: Batch) -> None:
 register_algorithm(Algorithm(
     "safe_rlhf", safe_rlhf_iteration, "reward minus lambda * cost, lambda the Lagrangian multiplier of E[cost] <= "
     "costLimit; reward and cost critics", critic=True, cost=True,
+    carried=lambda a: {"lagrangian": Lagrangian(a.lambda_init, a.lambda_lr, a.cost_limit)},
     defaults={"advantage_estimator": "gae", "policy_loss": "ppo", "loss_agg": "token-mean"}))

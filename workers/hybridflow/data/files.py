@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence, overload
 
 from hybridflow.data.tasks import Sample
-from hybridflow.spec import Data, SpecError
+from hybridflow.api import Data, SpecError
 
 log = logging.getLogger("hybridflow.data")
 

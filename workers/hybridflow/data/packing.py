@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.controller.batch import Batch
+from hybridflow.single_controller.batch import Batch
 
 PAD = 0
 

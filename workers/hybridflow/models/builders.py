@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from hybridflow.spec import ModelSource, TinyModel
+from hybridflow.api import ModelSource, TinyModel
 
 log = logging.getLogger("hybridflow.models")
 

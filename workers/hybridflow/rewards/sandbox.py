@@ -16,22 +16,18 @@ driver sends it the file's source and only ever reads plain floats and strings b
 objects. Where the machine lacks a layer (no bwrap, user namespaces refused) the job warns once, when the function
 starts, and runs with the layers that remain, unless the sandbox is required (`require_sandbox`, or
 HYBRIDFLOW_SANDBOX=require), which refuses to start.
+
+This module is the driver's side (the pool of workers, deadlines, replacing dead workers); what runs inside each
+sandbox is hybridflow.rewards.worker, and the checks made before any worker starts are hybridflow.rewards.reward_file.
 """
 from __future__ import annotations
 
-import ast
-import inspect
-import linecache
 import math
-import numbers
 import os
-import resource
 import signal
 import subprocess
 import sys
 import time
-import traceback
-import types
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_any
@@ -39,6 +35,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hybridflow import sandbox
+from hybridflow.rewards import worker
+from hybridflow.rewards.reward_file import RewardFileError, check_reward_file
 from hybridflow.sandbox import Limits, SandboxUnavailable
 
 __all__ = ["Limits", "RewardError", "RewardFileError", "RewardFunction", "RewardResult", "SandboxUnavailable",
@@ -48,13 +46,11 @@ WORKER_DIED = "the reward worker process died"
 # The driver's variables a reward worker starts with: nothing else of the driver's (tokens, keys, Ray's addresses) is
 # passed; HOME and TMPDIR are the worker's own private directory.
 SAFE_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH")
-# What a sandbox must be able to run for a worker to start: the interpreter and this module's imports.
-_CHECK = (sys.executable, "-c", "import hybridflow.rewards.sandbox; print('ok')")
-SIGNATURE = ("data_source", "solution_str", "ground_truth", "extra_info")
-
-
-class RewardFileError(ValueError):
-    """The reward file cannot be used: missing, not Python, no such function, or the wrong signature."""
+# The module each worker runs (`python -m`), named from the module itself so that the command line and the check
+# below cannot drift apart from where the worker's code is.
+WORKER_MODULE = worker.__name__
+# What a sandbox must be able to run for a worker to start: the interpreter and the worker's imports.
+WORKER_CHECK = (sys.executable, "-c", f"import {WORKER_MODULE}; print('ok')")
 
 
 @dataclass(frozen=True)
@@ -76,183 +72,12 @@ class RewardResult:
     errors: list[RewardError] = field(default_factory=list)
 
 
-def check_reward_file(path: str | Path, name: str, batched: bool = False) -> None:
-    """What can be checked without running the user's code: the file exists and parses, and `name` is bound at its
-    top level; when it is a plain `def`, that it can take verl's four arguments (data_source, solution_str,
-    ground_truth, extra_info). Anything else (a decorated, assigned or imported function) is checked when a worker
-    loads the file. Raises RewardFileError naming the file (and line)."""
-    p = Path(path)
-    if not p.is_file():
-        raise RewardFileError(f"{p}: reward file not found")
-    try:
-        tree = ast.parse(p.read_text(), filename=str(p))
-    except SyntaxError as err:
-        raise RewardFileError(f"{p}:{err.lineno}: syntax error: {err.msg}") from None
-    except UnicodeDecodeError as err:
-        raise RewardFileError(f"{p}: not a text file ({err})") from None
-    fns = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    if name not in fns:
-        if name in _other_top_level_names(tree):
-            return  # bound by an assignment, import, or inside if/try: the worker checks it at load
-        found = ", ".join(sorted(fns)) or "none"
-        raise RewardFileError(f"{p}: no top-level function '{name}' (functions found: {found})")
-    fn = fns[name]
-    if isinstance(fn, ast.AsyncFunctionDef):
-        raise RewardFileError(f"{p}:{fn.lineno}: '{name}' is async; write a plain function")
-    if fn.decorator_list:
-        return  # a decorator may change the signature: checked at load
-    a = fn.args
-    positional = [x.arg for x in a.posonlyargs + a.args]
-    required = len(positional) - len(a.defaults)
-    required_kwonly = [x.arg for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
-    by_name = set(SIGNATURE) <= set(positional[len(a.posonlyargs):]) | {x.arg for x in a.kwonlyargs} or a.kwarg
-    by_position = len(positional) >= len(SIGNATURE) or a.vararg is not None
-    if not (by_name or by_position) or required > len(SIGNATURE) or (required_kwonly and not by_name):
-        raise RewardFileError(
-            f"{p}:{fn.lineno}: '{name}' must accept ({', '.join(SIGNATURE)})"
-            + (" as lists (batched: true)" if batched else "") + f"; it takes ({', '.join(positional)})")
-
-
-def _other_top_level_names(tree: ast.Module) -> set[str]:
-    """Names the module binds at its top level other than by a plain `def`: assignments, imports, and anything
-    bound inside top-level if/try/with/for blocks; not the names inside function or class bodies."""
-    names: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-            return  # its body binds names of its own scope
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            names.add(node.id)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        if not isinstance(node, ast.Lambda):
-            for child in ast.iter_child_nodes(node):
-                visit(child)
-
-    for stmt in tree.body:
-        visit(stmt)
-    return names
-
-
-def _score_of(value: Any) -> tuple[float, dict[str, float]]:
-    """A result -> (score, extra metrics); ValueError says what was wrong with it. Any real number counts,
-    bools and numpy scalars included (`return answer == truth` is a score of 0 or 1)."""
-    extras: dict[str, float] = {}
-    if isinstance(value, dict):
-        if "score" not in value:
-            raise ValueError(f"returned a dict without 'score' (keys: {sorted(map(str, value))})")
-        for k, v in value.items():
-            if k != "score" and _is_real(v):
-                extras[str(k)] = float(v)
-        value = value["score"]
-    if not _is_real(value):
-        raise ValueError(f"returned {type(value).__name__} {value!r:.80}, not a number")
-    if not math.isfinite(float(value)):
-        raise ValueError(f"returned {value}, not a finite number")
-    return float(value), extras
-
-
-def _is_real(v: Any) -> bool:
-    if isinstance(v, numbers.Real):
-        return True
-    try:  # numpy and torch scalars
-        return getattr(v, "ndim", None) == 0 or (hasattr(v, "item") and isinstance(v.item(), numbers.Real))
-    except Exception:  # noqa: BLE001 - not a scalar
-        return False
-
-
-def _call_style(fn: Any) -> str:
-    """'keyword' when the function names verl's four parameters (verl calls them by keyword), else 'position'.
-    Raises TypeError when it can take them neither way."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return "position"  # a builtin or C function: try it
-    try:
-        sig.bind(**dict.fromkeys(SIGNATURE))
-        return "keyword"
-    except TypeError:
-        pass
-    try:
-        sig.bind(*SIGNATURE)
-        return "position"
-    except TypeError:
-        raise TypeError(f"it must accept ({', '.join(SIGNATURE)}); its signature is {sig}") from None
-
-
-def _worker_main(path: str, name: str) -> None:
-    """The reward worker (`python -m hybridflow.rewards.sandbox PATH NAME`): load the source the driver sends
-    (as PATH), then answer calls until the driver closes the pipe. The protocol runs on the original stdin/stdout;
-    the user's prints go to stderr. Only plain floats and error strings go back: the driver never unpickles the
-    user's objects. Each reply carries the worker's CPU seconds so far, against its RLIMIT_CPU."""
-    proto_in, proto_out = os.dup(0), os.dup(1)
-    os.dup2(2, 1)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    conn_in, conn = Connection(proto_in, writable=False), Connection(proto_out, readable=False)
-
-    def reply(kind: str, value: Any) -> None:
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        conn.send((kind, value, r.ru_utime + r.ru_stime))
-
-    try:
-        _, source = conn_in.recv()
-        code = compile(source, path, "exec")
-        # The file itself may be out of the sandbox's reach: tracebacks read its lines from here.
-        linecache.cache[path] = (len(source), None, source.splitlines(True), path)
-        module = types.ModuleType("hybridflow_user_reward")
-        module.__file__ = path
-        sys.modules[module.__name__] = module  # so that what the file defines can be pickled (e.g. its own pools)
-        exec(code, module.__dict__)  # noqa: S102 - the user's reward file, in its sandbox
-        fn = getattr(module, name, None)
-        if fn is None or not callable(fn):
-            raise TypeError(f"'{name}' is not a function in the file")
-        style = _call_style(fn)
-        reply("ready", None)
-    except BaseException as err:  # noqa: BLE001 - whatever the file does at import is reported, not raised here
-        reply("load-error", _describe(err))
-        return
-    while True:
-        try:
-            args = conn_in.recv()
-        except EOFError:
-            return
-        try:
-            result = fn(**dict(zip(SIGNATURE, args))) if style == "keyword" else fn(*args)
-        except BaseException as err:  # noqa: BLE001 - a user's exception is a result, reported with its sample
-            reply("error", _describe(err))
-            continue
-        try:
-            if isinstance(args[1], list):  # batched: one result per sample, each a score or its error
-                if not isinstance(result, (list, tuple)) or len(result) != len(args[1]):
-                    raise ValueError(f"a batched function must return a list of {len(args[1])} scores, got "
-                                     f"{type(result).__name__}")
-                reply("ok", [_checked(r) for r in result])
-            else:
-                reply("ok", _score_of(result))
-        except ValueError as err:
-            reply("error", str(err))
-
-
-def _checked(value: Any) -> tuple[float, dict[str, float]] | str:
-    try:
-        return _score_of(value)
-    except ValueError as err:
-        return str(err)
-
-
-def _describe(err: BaseException) -> str:
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename != __file__]
-    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
-    return f"{type(err).__name__}: {err}{where}"
-
 
 class _Proc:
     """One worker process in a sandbox of its own, started with only SAFE_ENV of the driver's environment."""
 
     def __init__(self, path: str, name: str, source: str, limits: Limits, layers: sandbox.Layers) -> None:
-        argv = [sys.executable, "-m", "hybridflow.rewards.sandbox", path, name]
+        argv = [sys.executable, "-m", WORKER_MODULE, path, name]
         self.box = sandbox.spawn(argv, limits, layers, env=sandbox.clean_env(SAFE_ENV), binds=_code_binds(path),
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.proc = self.box.popen
@@ -325,7 +150,7 @@ class RewardFunction:
         self.source = Path(self.path).read_text()  # what every worker runs, even if the file changes meanwhile
         self.timeout, self.error_score = timeout_seconds, error_score
         self.limits = limits or Limits(cpu_seconds=max(Limits.cpu_seconds, int(math.ceil(2 * timeout_seconds))))
-        self.layers = layers or sandbox.probe(_CHECK)
+        self.layers = layers or sandbox.probe(WORKER_CHECK)
         sandbox.check_required(self.layers, f"the reward function {self.path}:{name}", require_sandbox)
         self._load_timeout = load_timeout_seconds
         self._procs: list[_Proc] = []
@@ -454,7 +279,3 @@ class RewardFunction:
             for k in keys:
                 out.extras[k].append(extras.get(k, float("nan")))
         return out
-
-
-if __name__ == "__main__":
-    _worker_main(sys.argv[1], sys.argv[2])

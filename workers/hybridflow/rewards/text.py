@@ -7,11 +7,39 @@ rewards would only waste the run.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from hybridflow.rewards.sandbox import RewardError, RewardFunction, RewardResult
 from hybridflow.rewards.scorers import weighted
-from hybridflow.spec import RewardSpec
+
+
+class _Function(Protocol):
+    path: str
+    name: str
+    batched: bool
+
+
+class _Scorer(Protocol):
+    name: str
+    weight: float
+
+    def options(self) -> dict[str, Any]: ...
+
+
+class RewardSettings(Protocol):
+    """What a reward over text reads of spec.models.reward (hybridflow.api.RewardSpec): typed structurally so that
+    the rewards stay below the API layer whose rules validate their names."""
+
+    @property
+    def type(self) -> str: ...
+    @property
+    def function(self) -> _Function | None: ...
+    @property
+    def scorers(self) -> Sequence[_Scorer]: ...
+    workers: int
+    timeout_seconds: float
+    error_score: float
+    max_error_fraction: float
 
 
 class RewardFailure(RuntimeError):
@@ -19,7 +47,7 @@ class RewardFailure(RuntimeError):
 
 
 class TextReward:
-    def __init__(self, spec: RewardSpec) -> None:
+    def __init__(self, spec: RewardSettings) -> None:
         self.spec = spec
         self.function: RewardFunction | None = None
         if spec.type == "function":

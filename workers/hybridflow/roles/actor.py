@@ -1,127 +1,60 @@
-"""The actor role: trains the policy and generates with it on the same devices.
+"""The actor role: trains the policy (updates, log-probs, checkpoints); the rollout role (roles.rollout) generates
+with it.
 
-Training runs on FSDP2 or megatron-core (tensor x data parallel). Generation runs on vLLM, plain HF, or megatron
-layers at a generation TP size t_g. The train -> generate transition happens in memory with no files and no engine
-restart (`sync_rollout_weights`):
-* FSDP: gather each parameter whole into the generation engine;
-* megatron: the 3D-HybridEngine all-gathers inside micro-DP groups, one layer at a time, into generation shards.
+The training engine comes from the registry (hybridflow.api.engines: FSDP2, megatron-core tensor x data parallel)
+through its kind's factory. The rollout role is built right after it in the same process and reads this engine
+through the bridge's weight transfer; before training, the actor frees the memory the generation beside it holds
+(the releases it was handed in `before_training`), so both share the devices as one fused worker did.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import replace
-from pathlib import Path
-from typing import Any
+from typing import Callable
 
 import torch
 from torch import nn
 
 from hybridflow.algorithms.core import masked_mean
-from hybridflow.capacity import GIB
 from hybridflow.algorithms.kl import KL_ESTIMATORS
 from hybridflow.algorithms.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, ClipConfig, truncated_is_weights
-from hybridflow.controller.batch import Batch
-from hybridflow.controller.protocol import Dispatch, DPRank, register
-from hybridflow.controller.worker_group import WorkerContext
-from hybridflow.data.packing import pack_rollout, pad_log_probs
-from hybridflow.engines import megatron_model as mm
-from hybridflow.engines.precision import compute_dtype, dtype_name
-from hybridflow.engines.rollout import HFRollout, RolloutEngine, SamplingConfig, VLLMRollout, model_kv_cache_bytes
+from hybridflow.checkpoint.role import CheckpointMixin
+from hybridflow.single_controller.batch import Batch
+from hybridflow.single_controller.protocol import Dispatch, DPRank, register
+from hybridflow.single_controller.context import WorkerContext
+from hybridflow.engines.bridge.transfer import train_dp_rank
+from hybridflow.engines.train.base import TrainEngine, TrainEngineFactory, TrainSettings
 from hybridflow.flops import matmul_peak_flops, training_flops
-from hybridflow.hybrid_engine.reshard import ReshardStats
 from hybridflow.models.builders import local_model_dir
-from hybridflow.roles.common import CheckpointMixin, load_causal_lm, peak_memory_bytes, release_free_memory
+from hybridflow.roles.common import peak_memory_bytes, release_free_memory
 from hybridflow.roles.config import ActorConfig
 
 
-class ActorRolloutWorker(CheckpointMixin):
+class ActorWorker(CheckpointMixin):
     checkpoint_name = "actor"
 
-    def __init__(self, ctx: WorkerContext, config: ActorConfig, model_dir: str, stop_token_ids: list[int]) -> None:
+    def __init__(self, ctx: WorkerContext, config: ActorConfig, model_dir: str) -> None:
         self.ctx = ctx
         self.config = config
         torch.manual_seed(config.seed)
-        t, r = config.training, config.rollout
-        dtype = config.model.dtype
-        model_dir = str(local_model_dir(model_dir, config.model, config.seed))
-        self.model_dir = Path(model_dir)
-        self.hybrid: Any = None
-        self.rollout: RolloutEngine
-        if t.engine == "megatron":
-            from hybridflow.engines.megatron import MegatronEngine
-            from hybridflow.hybrid_engine.engine import HybridEngine
-            from hybridflow.hybrid_engine.layout import Layout
-
-            self.engine: Any = MegatronEngine(Path(model_dir), dtype, t.tensor_parallel, t.actor_lr, t.grad_clip,
-                                              ctx.device, config.seed)
-            self.engine.dynamic_batch_size = t.dynamic_batch_size
-            layout = Layout(p=1, t=t.tensor_parallel, d=ctx.world_size // t.tensor_parallel, p_g=1,
-                            t_g=r.tensor_parallel)
-            self.hybrid = HybridEngine(layout, ctx.rank)
-            replica, replicas = self.hybrid.generation_replica, layout.d * layout.t // layout.t_g
-            gen_dtype = dtype  # megatron computes in its weights' dtype
-        else:
-            from hybridflow.engines.fsdp import FSDPEngine
-
-            self.engine = FSDPEngine(load_causal_lm(Path(model_dir), dtype), t.actor_lr, t.grad_clip, ctx.device,
-                                     compute_dtype=compute_dtype(t.compute_dtype, ctx.device),
-                                     dynamic_batch_size=t.dynamic_batch_size)
-            replica, replicas = ctx.rank, ctx.world_size
-            gen_dtype = dtype_name(self.engine.compute_dtype)
+        t = config.training
+        self.model_dir = local_model_dir(model_dir, config.model, config.seed)
+        build_trainer: TrainEngineFactory = config.train_engine.load()
+        self.engine: TrainEngine = build_trainer(ctx, TrainSettings(
+            self.model_dir, config.model.dtype, lr=t.actor_lr, grad_clip=t.grad_clip, compute_dtype=t.compute_dtype,
+            dynamic_batch_size=t.dynamic_batch_size, tensor_parallel=t.tensor_parallel, seed=config.seed))
+        self._dp_rank = train_dp_rank(ctx, config.train_engine, t.tensor_parallel)
         release_free_memory()  # the whole model it loaded before sharding
-        self.generation_dtype = getattr(torch, gen_dtype)
-        self.parameters = self._count_parameters()
-        self.peak_flops = matmul_peak_flops(self.generation_dtype, ctx.device)  # MFU's denominator, per rank
-        self.stop_token_ids = tuple(stop_token_ids)
-        seed = config.seed + 1000 * replica  # distinct sampling streams per generation replica
-        if r.engine == "vllm":
-            max_len = r.max_prompt_length + r.max_response_length
-            kv_bytes = int(r.kv_cache_gib * GIB) or model_kv_cache_bytes(
-                Path(model_dir), self.generation_dtype, -(-config.generation_batch // replicas), max_len)
-            self.rollout = VLLMRollout(
-                Path(model_dir),
-                max_model_len=max_len,
-                dtype=gen_dtype,
-                seed=seed,
-                kv_cache_bytes=kv_bytes,
-                gpu_memory_utilization=r.gpu_memory_utilization,
-                on_gpu=ctx.device == "gpu",
-            )
-        elif r.engine == "megatron":
-            from hybridflow.engines.megatron_rollout import MegatronRollout
-
-            self.rollout = MegatronRollout(self.engine.shape, dtype, self.hybrid.gen_tp_group,
-                                           self.hybrid.gen_tp_ranks, seed, self.engine.device)
-            self.sync_rollout_weights()  # it starts empty: its weights only ever come from a transition
-        else:
-            torch.manual_seed(seed)
-            self.rollout = HFRollout(Path(model_dir), dtype, self.engine.device, seed)
+        self.parameters = self.engine.num_parameters()  # collective where the engine gathers to count
+        self.peak_flops = matmul_peak_flops(self.engine.compute_dtype, ctx.device)  # MFU's denominator, per rank
+        self._releases: list[Callable[[], None]] = []
 
     def dp_rank(self, mesh: str) -> DPRank:
-        if self.hybrid is not None:
-            return self.hybrid.dp_rank(mesh)
-        return DPRank(self.ctx.rank, self.ctx.world_size, True)
+        """The training layout's coordinate (the actor's methods are all split by "train")."""
+        return self._dp_rank
 
-    @register(Dispatch.DP_COMPUTE, blocking=False, mesh="rollout")
-    def generate(self, batch: Batch, greedy: bool = False) -> Batch:
-        """Prompts (non-tensor column `prompt_ids`; rows flagged in `greedy` decode greedily) -> packed
-        prompt+response tensors and the engine's own log-probs; other columns pass through."""
-        r = self.config.rollout
-        # Truncated IS compares the engine's log-probs with the trainer's; evaluation (greedy=True) needs none.
-        want_log_probs = self.config.algorithm.tis_cap is not None and not greedy
-        sampled = SamplingConfig(r.max_response_length, r.temperature, r.top_p, greedy, self.stop_token_ids,
-                                 want_log_probs)
-        greedy_cfg = replace(sampled, greedy=True)
-        flags = batch["greedy"] if "greedy" in batch else [greedy] * len(batch)
-        t0 = time.perf_counter()
-        prompts = [list(p) for p in batch["prompt_ids"]]
-        out = self.rollout.generate(prompts, [greedy_cfg if g else sampled for g in flags]) if prompts else []
-        packed = pack_rollout(prompts, [g.tokens for g in out], r.max_prompt_length, r.max_response_length)
-        if want_log_probs:
-            packed["rollout_log_probs"] = pad_log_probs([g.log_probs for g in out], r.max_response_length)
-        result = Batch(packed, batch.non_tensors)
-        result.meta["generate_seconds"] = time.perf_counter() - t0
-        return result
+    def before_training(self, release: Callable[[], None]) -> None:
+        """A role on these devices (the colocated rollout) hands over how to free its memory: every update calls it
+        first, so generation memory goes before training needs it."""
+        self._releases.append(release)
 
     @register(Dispatch.DP_COMPUTE, blocking=False)
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -154,7 +87,8 @@ class ActorRolloutWorker(CheckpointMixin):
         clip = ClipConfig(algo.clip_ratio_low or t.clip_ratio, algo.clip_ratio_high or t.clip_ratio, algo.dual_clip)
         kl_coef = float(batch.meta.get("kl_coef", algo.kl_coef))
         kl_loss = algo.kl_in == "loss" and kl_coef > 0
-        self.rollout.release()  # generate -> train: generation memory goes, training shards never left
+        for release in self._releases:  # generate -> train: generation memory goes, training shards never left
+            release()
         release_free_memory()
 
         def loss_fn(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -189,75 +123,13 @@ class ActorRolloutWorker(CheckpointMixin):
         out["mfu"] = out["update_flops_per_s"] / self.peak_flops
         return out
 
-    @register(Dispatch.ONE_TO_ALL)
-    def sync_rollout_weights(self) -> dict[str, float]:
-        """Train -> generate, in memory. Returns what this rank received, the largest transient buffer it held,
-        and the generation weights it now holds (bytes), plus seconds."""
-        t0 = time.perf_counter()
-        stats = ReshardStats()
-        if self.hybrid is not None:
-            shards = self.hybrid.transition(self.engine.named_shards(), stats)
-            if self.config.rollout.engine == "megatron":  # megatron layers take megatron-named TP shards
-                self.rollout.load_weights(shards)
-            else:  # t_g = 1 into an engine that speaks HF names: the generation shards are whole tensors
-                self.rollout.load_weights(mm.megatron_to_hf_items(shards, self.engine.shape))
-        else:
-            def whole():
-                for name, tensor in self.engine.full_params():
-                    n = tensor.numel() * tensor.element_size()
-                    stats.generation_bytes += n
-                    stats.peak_transient_bytes = max(stats.peak_transient_bytes, n)
-                    yield name, tensor
-
-            self.rollout.load_weights(whole())
-            world = self.ctx.world_size
-            stats.bytes_received = stats.generation_bytes * (world - 1) // world
-        return {"seconds": time.perf_counter() - t0, "bytes": float(stats.bytes_received),
-                "peak_bytes": float(stats.peak_transient_bytes), "generation_bytes": float(stats.generation_bytes)}
-
     @register(Dispatch.RANK_ZERO)
     def num_parameters(self) -> int:
         return self.parameters
 
-    @register(Dispatch.RANK_ZERO)
-    def generation_dtype_name(self) -> str:
-        """The dtype generation computes in, as computeDtype auto resolved on these ranks."""
-        return dtype_name(self.generation_dtype)
-
-    def _count_parameters(self) -> int:
-        if self.hybrid is not None:  # collective: every rank counts at start
-            return int(sum(t.numel() for _, t in self.engine.full_params()))
-        return int(sum(p.numel() for p in self.engine.module.parameters()))  # DTensor.numel() is the global size
-
-    @register(Dispatch.ONE_TO_ALL)
-    def rollout_checksum(self) -> dict[str, float]:
-        """Sums of the generation engine's whole tensors: lets tests see that a transition really landed.
-        megatron generation: every parameter; vLLM/HF: the embedding."""
-        return self.rollout.weight_checksums()
-
-    @register(Dispatch.ONE_TO_ALL)
-    def rollout_instance(self) -> str:
-        """This rank's generation engine's id, made when the engine was built: equal ids across calls prove the
-        weights were swapped in place, not by building a new engine."""
-        return self.rollout.instance_id
-
-    @register(Dispatch.ONE_TO_ALL)
-    def train_checksum(self) -> dict[str, float]:
-        """The same sums over the training engine's weights as the generation engine holds them, i.e. in its dtype
-        (collective under TP)."""
-        if self.hybrid is not None:
-            sums = {n: float(self.engine.gather_tp(n, t).double().sum()) for n, t in self.engine.named_shards()}
-            if self.config.rollout.engine == "megatron":
-                return dict(sorted(sums.items()))
-            return {"embedding": sums["embedding.word_embeddings.weight"]}
-        for name, tensor in self.engine.full_params():
-            if "embed_tokens" in name:
-                return {"embedding": float(tensor.to(self.generation_dtype).double().sum())}
-        raise KeyError("no embedding parameter found")
-
 
 @torch.no_grad()
-def _old_log_prob_stats(engine: Any, old: torch.Tensor, logits: torch.Tensor, mb: Batch,
+def _old_log_prob_stats(engine: TrainEngine, old: torch.Tensor, logits: torch.Tensor, mb: Batch,
                         kl_estimator: str) -> dict[str, float]:
     """What the summary reads from old log-probs (step.py), for an update that made them itself."""
     mask = mb["response_mask"]

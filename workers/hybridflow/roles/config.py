@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from hybridflow.spec import Algorithm, JobSpec, ModelSource, Rollout, Training
+from hybridflow.api import Algorithm, JobSpec, ModelSource, Rollout, Training
+from hybridflow.api.engines import ROLLOUT_ENGINES, TRAIN_ENGINES, RolloutEngineKind, TrainEngineKind
+
+# Critics, the reference and reward/cost models run on this training engine whatever the actor's is: they hold HF
+# heads (values, scores) that only it builds.
+SCORING_TRAIN_ENGINE = "fsdp"
 
 
 class _Section(BaseModel):
+    """Engine kinds travel resolved (name, factory path and facts), so a worker builds what the driver's registry
+    named, including an engine registered only in the driver's process (its module importable on the workers)."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
@@ -21,6 +29,8 @@ class ActorConfig(_Section):
     prompts_per_step: int  # mini-batches are a fraction of the step's prompts
     generation_batch: int  # the most sequences one generation call holds job-wide (sizes the KV cache)
     seed: int
+    train_engine: TrainEngineKind  # spec.training.engine, resolved
+    rollout_engine: RolloutEngineKind  # spec.rollout.engine, resolved
 
     @property
     def old_log_probs_from_update(self) -> bool:
@@ -42,6 +52,7 @@ class CriticConfig(_Section):
     training: Training
     prompts_per_step: int
     seed: int
+    train_engine: TrainEngineKind
 
 
 class ScoringConfig(_Section):
@@ -53,25 +64,29 @@ class ScoringConfig(_Section):
     compute_dtype: str
     dynamic_batch_size: bool
     seed: int
+    train_engine: TrainEngineKind
 
 
 def actor_config(spec: JobSpec) -> ActorConfig:
     r = spec.rollout
     per_call = max(spec.trainer.prompts_per_step * (r.responses_per_prompt + 1), spec.data.eval_prompts)
     return ActorConfig(model=spec.models.actor, algorithm=spec.algorithm, rollout=r, training=spec.training,
-                       prompts_per_step=spec.trainer.prompts_per_step, generation_batch=per_call, seed=spec.trainer.seed)
+                       prompts_per_step=spec.trainer.prompts_per_step, generation_batch=per_call, seed=spec.trainer.seed,
+                       train_engine=TRAIN_ENGINES[spec.training.engine], rollout_engine=ROLLOUT_ENGINES[r.engine])
 
 
 def critic_config(spec: JobSpec) -> CriticConfig:
     return CriticConfig(model=spec.models.critic or spec.models.actor, dtype=spec.models.actor.dtype,
-                        training=spec.training, prompts_per_step=spec.trainer.prompts_per_step, seed=spec.trainer.seed)
+                        training=spec.training, prompts_per_step=spec.trainer.prompts_per_step, seed=spec.trainer.seed,
+                        train_engine=TRAIN_ENGINES[SCORING_TRAIN_ENGINE])
 
 
 def reference_config(spec: JobSpec) -> ScoringConfig:
     t = spec.training
     return ScoringConfig(model=spec.models.actor, temperature=spec.rollout.temperature,
                          micro_batch_size=t.micro_batch_size, compute_dtype=t.compute_dtype,
-                         dynamic_batch_size=t.dynamic_batch_size, seed=spec.trainer.seed)
+                         dynamic_batch_size=t.dynamic_batch_size, seed=spec.trainer.seed,
+                         train_engine=TRAIN_ENGINES[SCORING_TRAIN_ENGINE])
 
 
 def judge_config(spec: JobSpec, judges: str) -> ScoringConfig:
@@ -81,4 +96,5 @@ def judge_config(spec: JobSpec, judges: str) -> ScoringConfig:
         raise ValueError(f"spec.models.{judges}.model is not set: there is no {judges} model to run")
     t = spec.training
     return ScoringConfig(model=judged.model, temperature=1.0, micro_batch_size=t.micro_batch_size,
-                         compute_dtype=t.compute_dtype, dynamic_batch_size=t.dynamic_batch_size, seed=spec.trainer.seed)
+                         compute_dtype=t.compute_dtype, dynamic_batch_size=t.dynamic_batch_size, seed=spec.trainer.seed,
+                         train_engine=TRAIN_ENGINES[SCORING_TRAIN_ENGINE])

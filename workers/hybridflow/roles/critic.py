@@ -6,13 +6,13 @@ import torch
 from torch import nn
 
 from hybridflow.algorithms.core import value_loss
-from hybridflow.controller.batch import Batch
-from hybridflow.controller.protocol import Dispatch, register
-from hybridflow.controller.worker_group import WorkerContext
-from hybridflow.engines.fsdp import FSDPEngine, sequence_inputs
-from hybridflow.engines.precision import compute_dtype
+from hybridflow.checkpoint.role import CheckpointMixin
+from hybridflow.single_controller.batch import Batch
+from hybridflow.single_controller.protocol import Dispatch, register
+from hybridflow.single_controller.context import WorkerContext
+from hybridflow.engines.train.base import TrainEngine, TrainEngineFactory, TrainSettings
+from hybridflow.engines.train.fsdp import sequence_inputs
 from hybridflow.models.builders import local_model_dir
-from hybridflow.roles.common import CheckpointMixin
 from hybridflow.roles.config import CriticConfig
 
 
@@ -27,19 +27,16 @@ class CriticWorker(CheckpointMixin):
     checkpoint_name = "critic"
 
     def __init__(self, ctx: WorkerContext, config: CriticConfig, model_dir: str, prefix: str = "") -> None:
-        from transformers import AutoModelForTokenClassification
-
         self.prefix = prefix  # reads `{prefix}values` and `{prefix}returns`
         self.checkpoint_name = f"{prefix}critic"
         self.config = config
         torch.manual_seed(config.seed + 7)
         self.model_dir = local_model_dir(model_dir, config.model, config.seed)
-        model = AutoModelForTokenClassification.from_pretrained(self.model_dir, num_labels=1,
-                                                                dtype=getattr(torch, config.dtype))
         t = config.training
-        self.engine = FSDPEngine(model, t.critic_lr, t.grad_clip, ctx.device,
-                                 compute_dtype=compute_dtype(t.compute_dtype, ctx.device),
-                                 dynamic_batch_size=t.dynamic_batch_size)
+        build: TrainEngineFactory = config.train_engine.load()
+        self.engine: TrainEngine = build(ctx, TrainSettings(
+            self.model_dir, config.dtype, head="value", lr=t.critic_lr, grad_clip=t.grad_clip,
+            compute_dtype=t.compute_dtype, dynamic_batch_size=t.dynamic_batch_size, seed=config.seed))
 
     @register(Dispatch.DP_COMPUTE, blocking=False)
     def compute_values(self, batch: Batch) -> Batch:

@@ -4,11 +4,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridflow.controller.batch import Batch
-from hybridflow.controller.protocol import Dispatch, register
-from hybridflow.controller.worker_group import WorkerContext
-from hybridflow.engines.fsdp import FSDPEngine, sequence_inputs
-from hybridflow.engines.precision import compute_dtype
+from hybridflow.single_controller.batch import Batch
+from hybridflow.single_controller.protocol import Dispatch, register
+from hybridflow.single_controller.context import WorkerContext
+from hybridflow.engines.train.base import TrainEngine, TrainEngineFactory, TrainSettings
+from hybridflow.engines.train.fsdp import sequence_inputs
 from hybridflow.models.builders import local_model_dir
 from hybridflow.roles.config import ScoringConfig
 
@@ -22,14 +22,11 @@ def last_token_scores(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 class RewardModelWorker:
     def __init__(self, ctx: WorkerContext, config: ScoringConfig, model_dir: str) -> None:
-        from transformers import AutoModelForTokenClassification
-
         self.config = config
-        model = AutoModelForTokenClassification.from_pretrained(
-            local_model_dir(model_dir, config.model, config.seed), num_labels=1)
-        self.engine = FSDPEngine(model, lr=0.0, grad_clip=1.0, device=ctx.device, trainable=False,
-                                 compute_dtype=compute_dtype(config.compute_dtype, ctx.device),
-                                 dynamic_batch_size=config.dynamic_batch_size)
+        build: TrainEngineFactory = config.train_engine.load()
+        self.engine: TrainEngine = build(ctx, TrainSettings(  # the score head in the checkpoint's own dtype
+            local_model_dir(model_dir, config.model, config.seed), None, head="value", trainable=False,
+            compute_dtype=config.compute_dtype, dynamic_batch_size=config.dynamic_batch_size, seed=config.seed))
 
     @register(Dispatch.DP_COMPUTE, blocking=False)
     def compute_rm_scores(self, batch: Batch) -> Batch:

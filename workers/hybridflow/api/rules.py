@@ -1,0 +1,224 @@
+"""Combinations each field allows alone but not together: pure checks over a parsed JobSpec, one message per
+problem naming the fields. What an engine supports comes from its registered facts (hybridflow.api.engines), never
+from its name."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hybridflow.algorithms import ALGORITHMS
+from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from hybridflow.api.engines import (
+    ROLLOUT_ENGINES, TRAIN_ENGINES, model_parallel_train_engines, standalone_rollout_engines,
+    tensor_parallel_rollout_engines,
+)
+from hybridflow.api.names import DATA_MOUNT, ROLES, reward_configmap_key
+from hybridflow.api.sources import REWARD_SOURCES, RewardSpec
+from hybridflow.rewards.rules import RULES, TASK_DEFAULT_RULE
+from hybridflow.rewards.scorers import SCORERS
+
+if TYPE_CHECKING:
+    from hybridflow.api.schema import JobSpec
+
+
+def reward_source_problems(field: str, r: RewardSpec) -> list[str]:
+    """A reward whose `type` and source fields disagree: `type: rule` with a function (it would be ignored), or
+    several sources and no type to pick one."""
+    given = r.sources_given()
+    if "type" not in r.model_fields_set and len(given) > 1:
+        return [f"{field}: {', '.join(f'{field}.{f}' for f in given)} are given together; keep the one you mean (it "
+                f"sets {field}.type) or set {field}.type"]
+    own = next(f for f, t in REWARD_SOURCES.items() if t == r.type)  # the field this type reads
+    out = []
+    for f in (f for f in given if REWARD_SOURCES[f] != r.type):
+        other_fix = f"remove {field}.{f}" if own in given or own == "rule" else f"give {field}.{own} in place of {f}"
+        out.append(f"{field}.type is '{r.type}' but {field}.{f} is given; remove {field}.type ({f} alone means type "
+                   f"{REWARD_SOURCES[f]}) or {other_fix}")
+    return out
+
+
+def cross_field_problems(spec: JobSpec) -> list[str]:
+    """Combinations each field allows alone but not together; one message per problem, naming the fields."""
+    out = reward_source_problems("spec.models.reward", spec.models.reward)
+    if spec.models.cost is not None:
+        out += reward_source_problems("spec.models.cost", spec.models.cost)
+    return out + _layout_and_pieces_problems(spec)
+
+
+def _layout_and_pieces_problems(spec: JobSpec) -> list[str]:
+    """Pools, placement and parallelism first (the rest assumes them), then algorithm, data and reward."""
+    out: list[str] = []
+    names = [p.name for p in spec.resource_pools]
+    if len(set(names)) != len(names):
+        out.append(f"spec.resourcePools: pool names must be unique, got {names}")
+    for role, pool in spec.placement.items():
+        if role not in ROLES:
+            out.append(f"spec.placement.{role}: unknown role; use one of {', '.join(ROLES)}")
+        elif pool not in names:
+            out.append(f"spec.placement.{role}: no resource pool named '{pool}'; pools are {names}")
+    if out:
+        return out
+    if spec.pool("actor").name != spec.pool("rollout").name:
+        out.append("spec.placement.rollout: must share the actor's pool (the hybrid engine colocates them)")
+    t = spec.training
+    actor_pool = spec.pool("actor")
+    mp = t.tensor_parallel * t.pipeline_parallel
+    if actor_pool.world_size % mp:
+        out.append(
+            f"spec.training.tensorParallel*pipelineParallel = {mp} does not divide the actor pool's "
+            f"{actor_pool.world_size} devices"
+        )
+        return out
+    if not TRAIN_ENGINES[t.engine].model_parallel and mp != 1:
+        out.append(f"spec.training.tensorParallel/pipelineParallel: only the "
+                   f"{'/'.join(model_parallel_train_engines())} engine supports them; set 1")
+    out += _hybrid_engine_problems(spec)
+    dp = actor_pool.world_size // mp
+    if spec.trainer.prompts_per_step % dp:
+        out.append(
+            f"spec.trainer.promptsPerStep = {spec.trainer.prompts_per_step} is not divisible by the actor's "
+            f"data-parallel size {dp}"
+        )
+    mini = t.mini_batch_size or spec.trainer.prompts_per_step
+    if spec.trainer.prompts_per_step % mini:
+        out.append(f"spec.training.miniBatchSize = {mini} does not divide spec.trainer.promptsPerStep")
+    elif mini % dp:
+        out.append(f"spec.training.miniBatchSize = {mini} is not divisible by the data-parallel size {dp}")
+    out += _algorithm_problems(spec)
+    if spec.algorithm.kl_coef > 0 and not spec.models.reference:
+        out.append("spec.algorithm.klCoef > 0 needs spec.models.reference: true")
+    out += _data_problems(spec)
+    r = spec.models.reward
+    if r.type == "rule" and r.rule is not None and r.rule not in RULES:
+        out.append(f"spec.models.reward.rule: unknown rule '{r.rule}'; registered rules: {', '.join(sorted(RULES))}")
+    if r.type == "rule" and spec.data.source == "generated" and (
+        r.rule or TASK_DEFAULT_RULE[spec.data.task]) == "arithmetic_exact" and (
+        spec.models.actor.source == "tiny"
+    ):
+        out.append("spec.models.reward.rule: arithmetic_exact needs a model with a tokenizer (source smollm2 or path)")
+    for i, part in enumerate(r.scorers):
+        if part.name not in SCORERS:
+            out.append(f"spec.models.reward.scorers[{i}].name: unknown scorer '{part.name}'; registered scorers: "
+                       f"{', '.join(sorted(SCORERS))}")
+    if r.type in ("scorer", "function") and spec.models.actor.source == "tiny":
+        out.append(f"spec.models.reward.type: {r.type} scores decoded text and needs a model with a tokenizer "
+                   "(source smollm2 or path)")
+    m = spec.models.actor
+    head_sizes = ROLLOUT_ENGINES[spec.rollout.engine].head_sizes
+    if m.source == "tiny" and head_sizes is not None:
+        head_dim = m.tiny.hidden_size // m.tiny.num_heads
+        if head_dim not in head_sizes:
+            out.append(
+                f"spec.models.actor.tiny: head size hiddenSize/numHeads = {head_dim} is not one the "
+                f"{spec.rollout.engine} engine's CPU attention supports ({', '.join(map(str, head_sizes))}); change "
+                "hiddenSize or numHeads"
+            )
+    if m.source == "tiny" and spec.data.source == "generated" and spec.data.task == "increment" and (
+        m.tiny.vocab_size < 4
+    ):
+        out.append("spec.models.actor.tiny.vocabSize: the increment task needs at least 4 tokens")
+    return out
+
+
+def _algorithm_problems(spec: JobSpec) -> list[str]:
+    """What the algorithm and its pieces need of the rest of the job: group sizes, a critic, a cost."""
+    a = spec.algorithm
+    algorithm, needs = ALGORITHMS[a.name], ADVANTAGE_ESTIMATORS.info(a.advantage_estimator or "")["needs"]
+    out = []
+    n = spec.rollout.responses_per_prompt
+    if n < algorithm.min_group or ("groups" in needs and n < 2):
+        out.append(f"spec.rollout.responsesPerPrompt: {a.name} with the {a.advantage_estimator} estimator needs at "
+                   f"least 2 responses per prompt (it compares the responses to the same prompt), got {n}")
+    if "values" in needs and not algorithm.critic:
+        out.append(f"spec.algorithm.advantageEstimator: {a.advantage_estimator} needs a critic's values; "
+                   f"{a.name} has no critic (use ppo or safe_rlhf, or another estimator)")
+    if "baseline" in needs and a.name != "remax":
+        out.append(f"spec.algorithm.advantageEstimator: {a.advantage_estimator} needs the greedy-response baseline "
+                   "only the remax algorithm generates")
+    if algorithm.critic and "values" not in needs:
+        out.append(f"spec.algorithm.advantageEstimator: {a.name} trains a critic on GAE returns; "
+                   f"{a.advantage_estimator} gives none (use gae, or an algorithm without a critic)")
+    if a.tis_cap is not None and spec.rollout.top_p < 1:
+        out.append("spec.algorithm.tisCap: the generation engines report log-probs over the top-p nucleus, the "
+                   "trainer over the whole vocabulary, so the weights would be biased; set rollout.topP: 1")
+    if a.overlong_buffer > spec.rollout.max_response_length:
+        out.append(f"spec.algorithm.overlongBuffer = {a.overlong_buffer} exceeds rollout.maxResponseLength = "
+                   f"{spec.rollout.max_response_length}: every response, even an empty one, would be penalised")
+    if algorithm.cost and spec.models.cost is None:
+        out.append(f"spec.models.cost: {a.name} needs a cost, e.g. cost: {{type: rule, rule: top_ids}}")
+    if not algorithm.cost and spec.models.cost is not None:
+        out.append(f"spec.models.cost: only a constrained algorithm (safe_rlhf) uses a cost; {a.name} would ignore it")
+    c = spec.models.cost
+    if c is not None and c.type not in ("rule", "model"):
+        out.append(f"spec.models.cost.type: a cost is a rule or a model, got {c.type}")
+    if c is not None and c.type == "rule" and (c.rule is None or c.rule not in RULES):
+        out.append(f"spec.models.cost.rule: name a registered rule ({', '.join(sorted(RULES))}), got {c.rule!r}")
+    elif c is not None and c.type == "rule" and c.rule == "arithmetic_exact" and spec.models.actor.source == "tiny":
+        out.append("spec.models.cost.rule: arithmetic_exact needs a model with a tokenizer (source smollm2 or path)")
+    return out
+
+
+def _data_problems(spec: JobSpec) -> list[str]:
+    d, k, r = spec.data, spec.kubernetes, spec.models.reward
+    out = []
+    if d.source == "generated":
+        if d.train_prompts < spec.trainer.prompts_per_step:
+            out.append("spec.data.trainPrompts must be at least spec.trainer.promptsPerStep")
+        if d.train or d.eval:
+            out.append("spec.data.train/eval: files are only read with spec.data.source: files")
+    else:
+        if not d.train:
+            out.append("spec.data.train: source is 'files' but no file is given, e.g. train: [data/train.parquet]")
+        if spec.models.actor.source == "tiny":
+            out.append("spec.models.actor.source: prompts from files need a model with a tokenizer (smollm2 or path)")
+        if r.type == "rule" and r.sources_given() in ([], ["rule"]):  # else reward_source_problems says it
+            out.append("spec.models.reward.type: rule scores the token ids of a generated task; for prompts from "
+                       "files use scorer (e.g. scorers: [{name: math}]), function or model")
+    if k.data_pvc:
+        for field, paths in (("train", d.train), ("eval", d.eval)):
+            for i, p in enumerate(paths):
+                if (Path(p).is_absolute() and not p.startswith(DATA_MOUNT + "/")) or ".." in Path(p).parts:
+                    out.append(f"spec.data.{field}[{i}]: with kubernetes.dataPvc, give a path inside the volume "
+                               f"(relative, no '..'), got '{p}'")
+    if k.reward_config_map:
+        if r.type != "function" or r.function is None:
+            out.append("spec.kubernetes.rewardConfigMap: holds a reward file, so spec.models.reward.type must be "
+                       "function with function.path naming the ConfigMap key")
+        elif not _CONFIGMAP_KEY.fullmatch(reward_configmap_key(r.function.path)):
+            out.append(f"spec.models.reward.function.path: with kubernetes.rewardConfigMap it is the ConfigMap's key "
+                       f"(a file name such as my_reward.py), got '{r.function.path}'")
+    return out
+
+
+_CONFIGMAP_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+
+
+def _hybrid_engine_problems(spec: JobSpec) -> list[str]:
+    t, r, m = spec.training, spec.rollout, spec.models.actor
+    trainer, generator = TRAIN_ENGINES[t.engine], ROLLOUT_ENGINES[r.engine]
+    out = []
+    if trainer.model_parallel and not trainer.pipeline_in_loop and t.pipeline_parallel != 1:
+        out.append(f"spec.training.pipelineParallel: the {t.engine} actor trains tensor x data parallel in the RLHF "
+                   "loop; set 1 (pipeline stages are covered by the engine's loss/gradient checks only)")
+    if generator.fed_by is not None and t.engine not in generator.fed_by:
+        out.append(f"spec.rollout.engine: {r.engine} generation is fed by the {'/'.join(sorted(generator.fed_by))} "
+                   f"actor; set spec.training.engine: {'/'.join(sorted(generator.fed_by))} or pick "
+                   f"{'/'.join(standalone_rollout_engines())}")
+    if trainer.computes_in_model_dtype and t.compute_dtype == "bfloat16" and m.dtype != "bfloat16":
+        out.append(f"spec.training.computeDtype = bfloat16: the {t.engine} engine computes in the model's dtype "
+                   f"({m.dtype}); set spec.models.actor.dtype: bfloat16, or computeDtype auto")
+    if r.tensor_parallel > 1 and not generator.tensor_parallel:
+        out.append(f"spec.rollout.tensorParallel = {r.tensor_parallel}: only spec.rollout.engine "
+                   f"{'/'.join(tensor_parallel_rollout_engines())} generates tensor-parallel (vLLM's "
+                   "external_launcher groups consecutive ranks, the hybrid engine strided ones)")
+    if t.tensor_parallel % r.tensor_parallel:
+        out.append(f"spec.rollout.tensorParallel = {r.tensor_parallel} must divide spec.training.tensorParallel = "
+                   f"{t.tensor_parallel}")
+    if trainer.model_parallel and m.source == "tiny":
+        for field, value in (("vocabSize", m.tiny.vocab_size), ("numKvHeads", m.tiny.num_kv_heads)):
+            if value % t.tensor_parallel:
+                out.append(f"spec.models.actor.tiny.{field} = {value} is not divisible by "
+                           f"spec.training.tensorParallel = {t.tensor_parallel}")
+    return out
+

@@ -1,0 +1,410 @@
+"""The RLHFJob manifest: one source of truth for the CRD, the operator's validation and the controller's config.
+
+Torch-free on purpose: the operator and `hybridflow crd` import this package and must stay light. Field names are
+camelCase in YAML (Kubernetes style) and snake_case in Python. Names of algorithms and their pieces and of engines
+are those registered (hybridflow.algorithms, hybridflow.api.engines); the CRD's enums come from the same tables.
+"""
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from hybridflow.algorithms import ALGORITHMS
+from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from hybridflow.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
+from hybridflow.algorithms.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
+from hybridflow.api.fields import (
+    MAX_BACKOFF, MAX_COUNT, MAX_DEVICES_PER_NODE, MAX_NODES, MAX_POOLS, MAX_ROLE_KEY, MAX_SEED, MAX_STEPS,
+    MAX_TEXT, FilePath, LabelValue, ObjectName, PathOrPaths, PoolName, Quantity, SpecModel, matching, registered,
+    short_keys,
+)
+from hybridflow.api.engines import ROLLOUT_ENGINES, TRAIN_ENGINES
+from hybridflow.api.names import API_VERSION, DNS1123_LABEL, KIND, ROLES, job_name_problems
+from hybridflow.api.rules import cross_field_problems
+from hybridflow.api.sources import Models
+from hybridflow.api.storage import is_url, location_problem
+
+
+class Algorithm(SpecModel):
+    """The RL algorithm and its pieces. Fields left unset take the algorithm's own defaults (see `hybridflow
+    algorithms`); the names are those registered in hybridflow.algorithms."""
+
+    name: str = Field("grpo", description="The algorithm (its dataflow, roles and defaults).",
+                      json_schema_extra={"enum": ALGORITHMS.names()})
+    advantage_estimator: str | None = Field(None, description="Advantage estimator; default: the algorithm's.",
+                                            json_schema_extra={"enum": ADVANTAGE_ESTIMATORS.names()})
+    policy_loss: str | None = Field(None, description="Policy loss: ppo (clipped, dual-clip with dualClip) or gspo "
+                                    "(sequence-level ratio); default: the algorithm's.",
+                                    json_schema_extra={"enum": POLICY_LOSSES.names()})
+    loss_agg: str | None = Field(None, description="How token losses become one number; default: the algorithm's.",
+                                 json_schema_extra={"enum": LOSS_AGGREGATIONS.names()})
+    norm_adv_by_std: bool | None = Field(None, description="grpo estimator: divide by the group's reward std "
+                                         "(default true; dr_grpo: false).")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount (GAE, REINFORCE++).")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    kl_coef: float = Field(0.0, ge=0, description="KL coefficient against the reference policy (the initial one "
+                           "with klController adaptive).")
+    kl_in: Literal["reward", "loss"] | None = Field(None, description="Apply KL as a per-token reward penalty or as "
+                                                    "a loss term; default loss (reinforce_plus_plus: reward).")
+    kl_estimator: str = Field("k3", description="k1: log-ratio; k2: squared log-ratio / 2; k3: low-variance "
+                              "unbiased, never negative.", json_schema_extra={"enum": KL_ESTIMATORS.names()})
+    kl_controller: str = Field("fixed", description="fixed: klCoef throughout; adaptive: moved toward targetKl.",
+                               json_schema_extra={"enum": KL_CONTROLLERS.names()})
+    target_kl: float | None = Field(None, gt=0, description="klController adaptive: the KL per token to track.")
+    kl_horizon: int = Field(
+        10000, gt=0, le=1_000_000_000,
+        description="klController adaptive: responses over which the coefficient "
+                    "may change by 20%."
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight in the actor loss.")
+    clip_ratio_low: float | None = Field(None, gt=0, description="Ratio clipped below at 1 - this; default "
+                                         "training.clipRatio (policyLoss gspo: 3e-4).")
+    clip_ratio_high: float | None = Field(None, gt=0, description="Ratio clipped above at 1 + this; default "
+                                          "training.clipRatio (dapo: 0.28; policyLoss gspo: 4e-4).")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip PPO: a negative advantage's loss is capped at "
+                                    "-A * dualClip (e.g. 3); unset: off.")
+    tis_cap: float | None = Field(None, gt=0, description="Truncated importance sampling against the rollout "
+                                  "engine's own log-probs: each token's loss weighted by min(pi_train/pi_rollout, "
+                                  "tisCap) (e.g. 2); unset: off. Needs rollout.topP 1.")
+    max_sampling_rounds: int | None = Field(
+        None, ge=1, le=1024,
+        description="dapo: generations per step to fill the batch "
+                    "with groups whose rewards differ (default 3)."
+    )
+    overlong_buffer: int = Field(
+        0, ge=0, le=MAX_COUNT,
+        description="Overlong shaping: responses within this many tokens of "
+                    "rollout.maxResponseLength lose up to overlongPenalty, linearly; 0: off."
+    )
+    overlong_penalty: float = Field(1.0, ge=0, description="The overlong shaping's largest penalty.")
+    cost_limit: float = Field(0.0, description="safe_rlhf: the bound on the mean cost per response.")
+    lambda_init: float = Field(1.0, ge=0, description="safe_rlhf: the Lagrangian multiplier's start value.")
+    lambda_lr: float = Field(0.5, gt=0, description="safe_rlhf: the multiplier's step size per unit of excess cost.")
+
+    @field_validator("name", "advantage_estimator", "policy_loss", "loss_agg", "kl_estimator", "kl_controller")
+    @classmethod
+    def _registered(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else registered(_ALGORITHM_REGISTRIES[info.field_name], value)
+
+    @model_validator(mode="after")
+    def _algorithm_defaults(self) -> "Algorithm":
+        """Unset fields take the named algorithm's defaults, so every role reads one resolved section."""
+        for key, value in {**_ALGORITHM_BASE_DEFAULTS, **ALGORITHMS[self.name].defaults}.items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        loss_clip = POLICY_LOSSES.info(self.policy_loss or "")["clip"]  # e.g. gspo's, whichever algorithm uses it
+        if loss_clip is not None and self.clip_ratio_low is None and self.clip_ratio_high is None:
+            self.clip_ratio_low, self.clip_ratio_high = loss_clip
+        if self.kl_controller == "adaptive" and (self.target_kl is None or self.kl_coef <= 0):
+            raise ValueError("klController adaptive needs targetKl (the KL per token to track, e.g. 0.05) and "
+                             "klCoef > 0 (its starting value)")
+        return self
+
+
+_ALGORITHM_REGISTRIES: dict[str, Any] = {
+    "name": ALGORITHMS, "advantage_estimator": ADVANTAGE_ESTIMATORS, "policy_loss": POLICY_LOSSES,
+    "loss_agg": LOSS_AGGREGATIONS, "kl_estimator": KL_ESTIMATORS, "kl_controller": KL_CONTROLLERS}
+_ALGORITHM_BASE_DEFAULTS = {"kl_in": "loss", "norm_adv_by_std": True, "max_sampling_rounds": 1}
+
+
+class Data(SpecModel):
+    """Where prompts come from: a generated task, or the user's files (verl's Parquet layout loads unchanged)."""
+
+    source: Literal["generated", "files"] = Field(
+        "generated", description="generated: a seeded synthetic task (task); files: the user's prompt files (train).")
+    task: Literal["increment", "arithmetic"] = Field(
+        "increment",
+        description="For source=generated. increment: continue a sequence of token ids counting up (synthetic, tiny "
+        "models); arithmetic: 'a+b=' with an exact-answer reward (real tokenizer).",
+    )
+    train_prompts: int = Field(
+        1024, gt=0, le=16 * MAX_COUNT, description="For source=generated: number of generated training prompts."
+    )
+    eval_prompts: int = Field(
+        64, gt=0, le=MAX_COUNT,
+        description="Held-out prompts for the before/after evaluation: generated, "
+                    "split off the training files (rows never used for training) or, with `eval`, the "
+                    "first ones of the eval set."
+    )
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for generated data, the held-out split and the "
+                      "shuffling.")
+    train: PathOrPaths = Field(
+        default_factory=list,
+        description="For source=files: one path or a list of files, globs or directories of JSONL, JSON or Parquet, "
+                    "or one datasets.save_to_disk directory. With kubernetes.dataPvc: relative paths inside that "
+                    "volume."
+    )
+    eval: PathOrPaths = Field(default_factory=list, description="Optional held-out set, like train (one path or a "
+                              "list).")
+    prompt_key: str = Field(
+        "prompt", min_length=1, max_length=1024,
+        description="Column of the prompt: a string, or a list of chat "
+                    "messages {role, content}. Dotted paths reach into nested columns."
+    )
+    answer_key: str | None = Field(
+        "reward_model.ground_truth", max_length=1024,
+        description="Column of the ground truth handed to "
+                    "the reward (dotted paths reach into nested columns); null: none."
+    )
+    system_prompt: str | None = Field(
+        None, max_length=MAX_TEXT,
+        description="A system message put before (or in place of) the prompt's "
+                    "own."
+    )
+    chat_template: str | None = Field(
+        None, max_length=MAX_TEXT,
+        description="A Jinja chat template used instead of the model's; without "
+                    "either, prompts are plain text."
+    )
+    cache_dir: FilePath | None = Field(None, description="Where tokenized prompts are cached (default: "
+                                  "<trainer.checkpointDir>/data-cache; a local temporary directory when "
+                                  "checkpointDir is on object storage).")
+
+
+class Rollout(SpecModel):
+    engine: str = Field(
+        "vllm",
+        description="vllm: in-process vLLM; hf: plain torch generation; megatron: tensor-parallel generation with "
+        "megatron-core layers on the 3D-HybridEngine's generation groups (needs training.engine megatron).",
+        json_schema_extra={"enum": ROLLOUT_ENGINES.names()},
+    )
+    tensor_parallel: int = Field(
+        1, gt=0, le=1024,
+        description="Generation TP size t_g; must divide training.tensorParallel (megatron engine only)."
+    )
+    # Not `n`: YAML 1.1 (kubectl's parser) reads a bare `n` key as the boolean false.
+    responses_per_prompt: int = Field(4, gt=0, le=1024, description="Responses sampled per prompt (GRPO's group size).")
+    temperature: float = Field(1.0, gt=0, le=100, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    max_prompt_length: int = Field(
+        16, gt=0, le=MAX_COUNT, description="Prompts are left-padded or rejected beyond this."
+    )
+    max_response_length: int = Field(8, gt=0, le=MAX_COUNT, description="New tokens per response.")
+    kv_cache_gib: float = Field(
+        0.0, ge=0, le=4096, description="vLLM KV cache size on CPU in GiB (0: sized from the job: every sequence of "
+        "one generation call, prompt + response, at once)."
+    )
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory fraction (GPU only).")
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_registered(cls, value: str) -> str:
+        return registered(ROLLOUT_ENGINES, value)
+
+
+class Training(SpecModel):
+    engine: str = Field("fsdp", description="fsdp: torch FSDP2; megatron: megatron-core 3D.",
+                        json_schema_extra={"enum": TRAIN_ENGINES.names()})
+    micro_batch_size: int = Field(16, gt=0, le=MAX_COUNT, description="Sequences per forward/backward on one device.")
+    mini_batch_size: int = Field(
+        0, ge=0, le=MAX_COUNT, description="Prompts per optimizer step (0: the whole batch, one step)."
+    )
+    ppo_epochs: int = Field(1, gt=0, le=1024, description="Passes over each batch.")
+    actor_lr: float = Field(1e-3, gt=0, description="Actor learning rate.")
+    critic_lr: float = Field(1e-3, gt=0, description="Critic learning rate.")
+    clip_ratio: float = Field(0.2, gt=0, description="PPO-clip epsilon.")
+    value_clip: float = Field(0.5, gt=0, description="Clipped value loss range.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
+    tensor_parallel: int = Field(1, gt=0, le=1024, description="Training TP size (megatron).")
+    pipeline_parallel: int = Field(1, gt=0, le=1024, description="Training PP size (megatron).")
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Dtype of forward and backward passes and of generation; weights and optimizer state stay "
+        "in the model's dtype (fp32 masters). auto: bfloat16 where the device computes it natively (GPUs with bf16, "
+        "CPUs with AVX512-BF16 or AMX), else float32. The megatron engine computes in the model's dtype (auto "
+        "means that there; set spec.models.actor.dtype to train it in bfloat16)."
+    )
+    dynamic_batch_size: bool = Field(
+        True, description="Micro-batches of length-sorted rows, each cut to its own longest prompt and response and "
+        "filled up to microBatchSize x (maxPromptLength + maxResponseLength) tokens, instead of microBatchSize rows "
+        "padded to the maximum lengths."
+    )
+    on_policy_old_log_probs: bool = Field(
+        True, description="When the update is on-policy (one epoch over one mini-batch, no KL in the reward), the old "
+        "log-probs are the update's own forward pass, detached, instead of a separate forward over the batch."
+    )
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_registered(cls, value: str) -> str:
+        return registered(TRAIN_ENGINES, value)
+
+
+class ResourcePool(SpecModel):
+    name: PoolName = Field("default", description="Pool name: lowercase letters and digits (no '-', so that pod "
+                           "names '<job>-<pool>-<index>-g<gen>' of two jobs never collide), at most 63.")
+    nodes: int = Field(1, gt=0, le=MAX_NODES, description="Nodes (pods) in the pool.")
+    devices_per_node: int = Field(2, gt=0, le=MAX_DEVICES_PER_NODE, description="Devices (GPUs, or CPU ranks on CPU) "
+                                  "per node.")
+    device: Literal["cpu", "gpu"] = Field("cpu", description="Device type.")
+    cpus_per_device: float = Field(1.0, gt=0, le=1024, description="CPU cores reserved per device process.")
+    memory_per_node: Quantity = Field("4Gi", description="Memory request and limit of each pool pod (Kubernetes "
+                                      "quantity, e.g. 16Gi).")
+    node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=64, description="Pod nodeSelector "
+                                                 "(Kubernetes only).")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, max_length=64, description="Pod tolerations "
+                                              "(Kubernetes only).")
+    affinity: dict[str, Any] = Field(default_factory=dict, description="Pod affinity (Kubernetes only).")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+class Trainer(SpecModel):
+    steps: int = Field(20, gt=0, le=MAX_STEPS, description="RLHF iterations.")
+    prompts_per_step: int = Field(32, gt=0, le=MAX_COUNT, description="Prompts in one global batch.")
+    save_freq: int = Field(0, ge=0, le=MAX_STEPS, description="Checkpoint every N steps (0: only at the end).")
+    checkpoint_dir: FilePath = Field("./checkpoints", description="Checkpoints and the step log.")
+    resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the latest good checkpoint.")
+    resume_from: FilePath | None = Field(
+        None, description="A checkpoint (a step_* directory, or another job's checkpointDir: its newest intact one) "
+        "to start from while this job's checkpointDir has none: weights, optimizer state, step and data position. "
+        "How a job moves to another number of pods or another tensorParallel: a new job names the old one's "
+        "checkpoint here (the checkpoint re-shards on load). On Kubernetes, a checkpoint of this namespace only: the "
+        "old job's name (its newest intact checkpoint) or <name>/step_<N>, on kubernetes.checkpointPvc (mounted "
+        "read-only) or below an object-storage checkpointDir's prefix (also as the URL <prefix>/<namespace>/<name>)."
+    )
+    async_save: bool = Field(
+        False, description="Write checkpoints in the background while training goes on: each rank copies its "
+        "shards to host memory and the next steps run while they are written. A checkpoint counts (for resume and "
+        "status) only once every rank's write is sealed."
+    )
+    keep_checkpoints: int = Field(2, gt=0, le=1024, description="Checkpoints kept; older ones are deleted.")
+    eval: bool = Field(True, description="Evaluate held-out reward before and after training.")
+    rollout_log: bool = Field(
+        False, description="Write each step's trained samples as JSON lines to <checkpointDir>/rollouts/"
+        "step_<N>.jsonl (N with 8 digits): per sample its group uid, prompt and response token ids (and their text "
+        "when the task has a tokenizer), reward (and cost), and per response token its advantage (and log-probs, "
+        "values and returns where the algorithm has them). A resumed job deletes the files of the steps it redoes."
+    )
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for sampling and initialisation.")
+
+    @field_validator("checkpoint_dir", "resume_from")
+    @classmethod
+    def _storage_location(cls, v: str | None, info: ValidationInfo) -> str | None:
+        problem = None if v is None else location_problem(v)
+        if problem:
+            raise ValueError(problem)
+        if info.field_name == "resume_from" and v is not None and not is_url(v) and ".." in PurePosixPath(v).parts:
+            raise ValueError(f"'{v}' climbs out of its directory ('..'); name the checkpoint's own path")
+        return v
+
+
+class Metrics(SpecModel):
+    port: int = Field(8000, ge=0, le=65535, description="Prometheus port of the driver (0: disabled).")
+    address: str = Field("127.0.0.1", min_length=1, max_length=253, description="Bind address of the metrics server.")
+    linger_seconds: int = Field(
+        0, ge=0, le=3600, description="Keep serving /metrics this long after the last step, so Prometheus scrapes "
+        "the final values (set it to at least the scrape interval)."
+    )
+
+
+class RunPolicy(SpecModel):
+    """How the operator runs the job on Kubernetes (ignored by `hybridflow run`)."""
+
+    backoff_limit: int = Field(3, ge=0, le=MAX_BACKOFF, description="Gang restarts allowed before the job is Failed "
+                               "(each restart is a new pod generation, g<n> in the pod names).")
+    active_deadline_seconds: int | None = Field(None, gt=0, le=2**31 - 1, description="Fail the job after this many "
+                                                "seconds.")
+    ttl_seconds_after_finished: int | None = Field(
+        None, ge=0, le=2**31 - 1, description="Delete the finished job (and its pods) this many seconds after it ends."
+    )
+    suspend: bool = Field(False, description="Delete the pods but keep the job; false again resumes from the checkpoint.")
+    scheduler_name: ObjectName | None = Field(None, description="Pod schedulerName (e.g. volcano).")
+    gang_scheduling: bool = Field(False, description="Create a Volcano PodGroup with minMember = all pods.")
+    priority_class_name: ObjectName | None = Field(None, description="Pod priorityClassName.")
+
+
+class Kubernetes(SpecModel):
+    """Pod-level settings of the job's head and pool pods."""
+
+    image: str = Field(
+        "hybridflow/worker-cpu:0.1.0", min_length=1, max_length=1024,
+        description="Image with Ray and this project installed."
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy.")
+    checkpoint_pvc: ObjectName | None = Field(
+        None, description="PersistentVolumeClaim mounted at trainer.checkpointDir (needed to resume after a restart)."
+    )
+    checkpoint_secret: ObjectName | None = Field(
+        None, description="Secret with the object-storage credentials of an s3:// (or az://) trainer.checkpointDir: "
+        "its keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_ENDPOINT_URL, AWS_REGION (and the "
+        "AZURE_STORAGE_* ones) become those variables in the head and pool pods; its other keys are ignored. The "
+        "operator passes it by reference (secretKeyRef) and never reads it."
+    )
+    model_pvc: ObjectName | None = Field(
+        None, description="PersistentVolumeClaim mounted read-only at /models (point models.*.path into it)."
+    )
+    ray_auth_secret: ObjectName | None = Field(
+        None, description="Secret with key `token` shared by Ray head, workers and driver (RAY_AUTH_TOKEN), one the "
+        "job's author may read; unset: the operator makes a random token for the job. Ray's token authentication is "
+        "always on."
+    )
+    head_cpu: Quantity = Field("1", description="CPU request of the head pod (Ray head + controller; a Kubernetes "
+                               "quantity, e.g. 500m).")
+    head_memory: Quantity = Field("4Gi", description="Memory request and limit of the head pod (a Kubernetes "
+                                  "quantity).")
+    service_account_name: ObjectName | None = Field(None, description="ServiceAccount of the job's pods.")
+    data_pvc: ObjectName | None = Field(
+        None, description="PersistentVolumeClaim with the prompt files, mounted read-only in the head pod; "
+        "spec.data.train and eval are paths inside it."
+    )
+    reward_config_map: ObjectName | None = Field(
+        None, description="ConfigMap holding the reward file (spec.models.reward.function.path names its key), "
+        "mounted read-only in the head pod."
+    )
+
+
+class JobSpec(SpecModel):
+    algorithm: Algorithm = Field(default_factory=Algorithm, description="RL algorithm and its hyper-parameters.")
+    models: Models = Field(default_factory=Models, description="Actor, critic, reference and reward.")
+    data: Data = Field(default_factory=Data, description="Prompt source.")
+    rollout: Rollout = Field(default_factory=Rollout, description="Generation settings.")
+    training: Training = Field(default_factory=Training, description="Training settings.")
+    resource_pools: list[ResourcePool] = Field(
+        default_factory=lambda: [ResourcePool()], min_length=1, max_length=MAX_POOLS, description="Device pools."
+    )
+    placement: Annotated[dict[Annotated[str, Field(max_length=MAX_ROLE_KEY)], Annotated[str, Field(max_length=63)]],
+                         short_keys(MAX_ROLE_KEY, f"role names ({', '.join(ROLES)})")] = Field(
+        default_factory=dict, max_length=len(ROLES),
+        description="Role -> pool name (roles: actor, rollout, reference, critic, reward)."
+    )
+    trainer: Trainer = Field(default_factory=Trainer, description="Loop, checkpoints, resume.")
+    metrics: Metrics = Field(default_factory=Metrics, description="Prometheus exporter.")
+    run_policy: RunPolicy = Field(default_factory=RunPolicy, description="Restarts, deadlines, suspension, scheduling.")
+    kubernetes: Kubernetes = Field(default_factory=Kubernetes, description="Image, volumes and pod settings.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "JobSpec":
+        problems = cross_field_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def pool(self, role: str) -> ResourcePool:
+        name = self.placement.get(role, self.resource_pools[0].name)
+        return next(p for p in self.resource_pools if p.name == name)
+
+
+class Metadata(SpecModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = Field("rlhfjob", description="Job name.")
+    namespace: Annotated[str, Field(max_length=63), matching(DNS1123_LABEL, "a namespace name (a DNS-1123 label)")
+                         ] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _child_names_fit(cls, name: str) -> str:
+        problems = job_name_problems(name)
+        if problems:
+            raise ValueError("; ".join(p.removeprefix("metadata.name: ") for p in problems))
+        return name
+
+
+class RLHFJob(SpecModel):
+    api_version: Literal["hybridflow.io/v1alpha1"] = Field(API_VERSION, description="API version.")
+    kind: Literal["RLHFJob"] = Field(KIND, description="Kind.")
+    metadata: Metadata = Field(default_factory=Metadata)
+    spec: JobSpec = Field(default_factory=JobSpec)

@@ -1,0 +1,162 @@
+"""Where checkpoints live and how their files are read: a local (or mounted) directory, or object storage.
+
+Object storage (s3://bucket/prefix, or any fsspec protocol) is reached through a UPath, which has Path's interface.
+It has no rename and no append, and a PUT replaces an object whole: a checkpoint there is written in place (its
+manifest, written last, is what seals it) and the step log is written in parts. Everything here is the storage
+both the controller (sealing, the step log) and the ranks (DCP shards) use; the URL grammar itself is
+`hybridflow.api.storage`, which the operator imports without any of this."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Union
+
+from hybridflow.api.storage import is_url
+
+MANIFEST = "MANIFEST.json"
+TRAINER_STATE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that must not be used, or one that could not be written; the message says what to do."""
+
+
+StoragePath = Union[Path, Any]  # a Path, or a UPath (object storage) with the same interface
+
+
+def storage_path(location: str | os.PathLike) -> StoragePath:
+    """A local Path, or for a URL a UPath whose credentials and endpoint come from the environment, as every AWS
+    tool reads them (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION)."""
+    if is_url(str(location)):
+        from upath import UPath
+
+        # no listings cache: other processes (every rank) write into the same prefixes
+        return UPath(str(location), use_listings_cache=False)
+    return Path(location)
+
+
+def open_root(location: str) -> StoragePath:
+    """The job's checkpoint directory, created if missing. On object storage this is the first request: a missing
+    bucket, refused or absent credentials or an unreachable endpoint become a CheckpointError that names the
+    field and what to check, not a botocore traceback."""
+    root = storage_path(location)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        list_checkpoints(root)
+    except Exception as err:
+        if not is_remote(root):
+            raise
+        raise CheckpointError(
+            f"spec.trainer.checkpointDir: cannot use {location} ({type(err).__name__}: {str(err)[:300]}). Check that "
+            f"the bucket exists and that AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL (on "
+            f"Kubernetes: the keys of the Secret that kubernetes.checkpointSecret names) give access to it") from err
+    return root
+
+
+def is_remote(p: StoragePath) -> bool:
+    """Whether `p` is on object storage (no rename, no append, no fsync), which several operations do otherwise."""
+    return getattr(p, "protocol", "") not in ("", "file", "local")
+
+
+def rmtree(p: StoragePath) -> None:
+    """Remove a directory and everything in it, locally or on object storage (where a directory is a prefix)."""
+    if is_remote(p):
+        if p.exists():
+            p.fs.rm(p.path, recursive=True)
+    else:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """Checkpoint `step`'s directory, `step_N` with 8 digits, so that names sort as steps do."""
+    return root / f"step_{step:08d}"
+
+
+def sha256(path: StoragePath) -> str:
+    """A file's SHA-256, read in 1 MiB chunks (shards are gigabytes)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_dir(path: StoragePath) -> None:
+    """Make a directory's entries durable (names of files written into it), before a rename relies on them."""
+    if is_remote(path):
+        return  # an object is durable once its PUT returns
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write and fsync, so that a sealed checkpoint's small files are on disk before its rename is."""
+    if is_remote(path):
+        path.write_text(json.dumps(obj, indent=1))
+        return
+    with open(path, "w") as f:
+        f.write(json.dumps(obj, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def files(directory: StoragePath) -> list[StoragePath]:
+    """Every file below `directory`, subdirectories included, sorted (the order a manifest lists them in)."""
+    if is_remote(directory):
+        keys = directory.fs.find(directory.path)
+        return sorted(directory / k[len(directory.path.rstrip("/")) + 1:] for k in keys)
+    return sorted(p for p in directory.rglob("*") if p.is_file())
+
+
+def relative(p: StoragePath, directory: StoragePath) -> str:
+    """`p`'s path inside `directory`, '/'-separated (the name a manifest lists it under)."""
+    return str(p)[len(str(directory).rstrip("/")) + 1:]
+
+
+def size_bytes(ckpt: Path) -> int:
+    """Bytes of the files in a checkpoint directory, its roles' shard directories included."""
+    if is_remote(ckpt):
+        return int(ckpt.fs.du(ckpt.path, total=True))
+    return sum(p.stat().st_size for p in files(ckpt))
+
+
+def list_checkpoints(root: StoragePath) -> list[StoragePath]:
+    """The `step_N` directories of a checkpointDir, oldest first, intact or not (`sealing.verify` tells)."""
+    if is_remote(root):  # step directories that hold objects (some stores list emptied prefixes as directories)
+        prefix = root.path.rstrip("/") + "/"
+        names = {k[len(prefix):].split("/", 1)[0] for k in root.fs.find(root.path) if k.startswith(prefix)}
+        return [root / n for n in sorted(names) if _STEP_DIR.match(n)]
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)), key=lambda p: p.name)
+
+
+def read_manifest(ckpt: Path) -> dict[str, Any]:
+    """A checkpoint's MANIFEST.json (files and digests, identity); raises when it is missing or unreadable."""
+    return json.loads((ckpt / MANIFEST).read_text())
+
+
+def load_tensors(path: Path) -> Any:
+    """A role's weight file, with `torch.load(weights_only=True)`: checkpoints sit on storage that other jobs and
+    people can write, and a full unpickle would run any code a file names. Tensors, dicts, lists, tuples, numbers
+    and strings (model and optimizer state) load; any other object is refused."""
+    import pickle
+
+    import torch
+
+    try:
+        with path.open("rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"refusing to load {path}: it holds Python objects other than tensors and plain values, which could run "
+            f"code when loaded. Checkpoints are only loaded as data; delete this file's checkpoint or point "
+            f"spec.trainer.checkpointDir elsewhere ({str(err).splitlines()[0]})") from err

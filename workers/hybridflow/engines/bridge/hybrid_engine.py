@@ -1,0 +1,48 @@
+"""The 3D-HybridEngine inside the actor: which process groups a megatron actor needs to generate at a different
+layout than it trains, which data-parallel coordinate each rank has in either stage, and the transition itself.
+
+Training is megatron's p-t-d layout (p = 1 here); generation is t_g-way TP in groups at stride t/t_g, with
+d * (t/t_g) generation replicas. Every rank creates every group in the same order, as torch.distributed requires.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.single_controller.protocol import DPRank
+from hybridflow.engines.bridge import layout as lay
+from hybridflow.engines.bridge.reshard import ReshardStats, gather_micro_dp
+
+
+def _own(groups: list[list[int]], rank: int) -> tuple[dist.ProcessGroup, list[int]]:
+    handles = [dist.new_group(g) for g in groups]
+    i = next(i for i, g in enumerate(groups) if rank in g)
+    return handles[i], groups[i]
+
+
+class HybridEngine:
+    def __init__(self, L: lay.Layout, rank: int) -> None:
+        if L.p != 1 or L.p_g != 1:
+            raise ValueError("the actor's hybrid engine runs tensor x data parallel layouts (p = p_g = 1)")
+        self.L, self.rank = L, rank
+        self.micro_group, self.micro_ranks = _own(lay.micro_dp_groups(L), rank)
+        self.gen_tp_group, self.gen_tp_ranks = _own(lay.gen_tp_groups(L), rank)
+
+    def dp_rank(self, mesh: str) -> DPRank:
+        """Training: a TP group shares one shard and its TP rank 0 answers. Generation: each generation TP group
+        is a replica and its first member answers."""
+        L, r = self.L, self.rank
+        tp, dp, _ = L.coords(r)
+        if mesh == "rollout":
+            return DPRank(lay.gen_dp_rank(L, r), L.d * L.d_g, lay.gen_tp_rank(L, r) == 0)
+        return DPRank(dp, L.d, tp == 0)
+
+    @property
+    def generation_replica(self) -> int:
+        return lay.gen_dp_rank(self.L, self.rank)
+
+    def transition(self, shards: Iterator[tuple[str, torch.Tensor]], stats: ReshardStats):
+        """Training shards in, generation shards out (a generator: buckets stream into the generation engine)."""
+        return gather_micro_dp(shards, self.micro_group, len(self.micro_ranks), stats)

@@ -1,0 +1,135 @@
+"""The weight transfer between a training engine and the generation engine beside it, picked for the (train kind,
+rollout kind) pair by their registered facts (hybridflow.api.engines), never by their names:
+
+* a trainer that is not model parallel (FSDP) hands over full tensors: each parameter all-gathered whole, under HF
+  names, straight into the generation engine's `load_weights`;
+* a model-parallel trainer (megatron) goes through the 3D-HybridEngine: its TP shards all-gathered inside micro-DP
+  groups (reshard.gather_micro_dp) into generation shards, installed as they are by a tensor-parallel generation
+  engine (megatron names), or converted to HF names for one that generates whole (t_g = 1).
+
+The transfer also knows the layout generation runs at (which replica a rank is, its generation TP group), so the
+rollout role asks it instead of asking which engines it holds. It is the one place that connects a training engine
+to a generation engine: today both live in one process (the rollout role colocated with the actor); a rollout on a
+pool of its own needs a transfer across processes, which would be one more kind picked here.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterator, Protocol, cast
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.api.engines import RolloutEngineKind, TrainEngineKind
+from hybridflow.single_controller.protocol import DPRank
+from hybridflow.single_controller.context import WorkerContext
+from hybridflow.engines.bridge.hybrid_engine import HybridEngine
+from hybridflow.engines.bridge.layout import Layout
+from hybridflow.engines.bridge.reshard import ReshardStats
+from hybridflow.engines.rollout.base import RolloutEngine
+from hybridflow.engines.train import megatron_model as mm
+from hybridflow.engines.train.base import ModelParallelTrainEngine, TrainEngine
+
+
+class WeightTransfer(Protocol):
+    """Train -> generate for one pair of engines, and the generation layout it implies."""
+
+    generation_replica: int  # this rank's generation replica (its sampling stream)
+    generation_replicas: int
+    generation_group: tuple[dist.ProcessGroup | None, list[int]]  # this rank's generation TP group and its ranks
+
+    def dp_rank(self, mesh: str) -> DPRank:
+        """This rank's data-parallel coordinate when training ("train") or generating ("rollout")."""
+
+    def push(self, rollout: RolloutEngine) -> ReshardStats:
+        """The training engine's current weights into `rollout`, in memory (collective)."""
+
+    def train_checksums(self, dtype: torch.dtype) -> dict[str, float]:
+        """The sums `rollout.weight_checksums()` gives once a push landed, from the training side (collective)."""
+
+
+def train_dp_rank(ctx: WorkerContext, train: TrainEngineKind, train_tp: int) -> DPRank:
+    """This rank's training data-parallel coordinate, as the transfer for any rollout kind gives it for "train":
+    the actor reports it when it is built, before the rollout role beside it builds the transfer. A model-parallel
+    trainer's TP group shares one shard and its TP rank 0 answers."""
+    if not train.model_parallel:
+        return DPRank(ctx.rank, ctx.world_size, True)
+    layout = Layout(p=1, t=train_tp, d=ctx.world_size // train_tp, p_g=1, t_g=train_tp)
+    tp, dp, _ = layout.coords(ctx.rank)
+    return DPRank(dp, layout.d, tp == 0)
+
+
+def weight_transfer(ctx: WorkerContext, train: TrainEngineKind, rollout: RolloutEngineKind, engine: TrainEngine,
+                    train_tp: int, rollout_tp: int) -> WeightTransfer:
+    """The transfer for this pair (collective: a model-parallel one creates its process groups)."""
+    if train.model_parallel:
+        return MicroDPTransfer(ctx, cast(ModelParallelTrainEngine, engine), train_tp, rollout_tp,
+                               native_shards=rollout.tensor_parallel)
+    return FullTensorTransfer(ctx, engine)
+
+
+class FullTensorTransfer:
+    """Every parameter gathered whole into the generation engine; every rank is a generation replica."""
+
+    def __init__(self, ctx: WorkerContext, engine: TrainEngine) -> None:
+        self.ctx, self.engine = ctx, engine
+        self.generation_replica, self.generation_replicas = ctx.rank, ctx.world_size
+        self.generation_group: tuple[dist.ProcessGroup | None, list[int]] = (None, [ctx.rank])
+
+    def dp_rank(self, mesh: str) -> DPRank:
+        return DPRank(self.ctx.rank, self.ctx.world_size, True)
+
+    def push(self, rollout: RolloutEngine) -> ReshardStats:
+        stats = ReshardStats()
+
+        def whole() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in self.engine.full_params():
+                n = tensor.numel() * tensor.element_size()
+                stats.generation_bytes += n
+                stats.peak_transient_bytes = max(stats.peak_transient_bytes, n)
+                yield name, tensor
+
+        t0 = time.perf_counter()
+        rollout.load_weights(whole())
+        world = self.ctx.world_size
+        stats.bytes_received = stats.generation_bytes * (world - 1) // world
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def train_checksums(self, dtype: torch.dtype) -> dict[str, float]:
+        for name, tensor in self.engine.full_params():
+            if "embed_tokens" in name:
+                return {"embedding": float(tensor.to(dtype).double().sum())}
+        raise KeyError("no embedding parameter found")
+
+
+class MicroDPTransfer:
+    """The 3D-HybridEngine: training at TP = t over d replicas, generation at TP = t_g in strided groups, the
+    shards regrouped by an all-gather inside each micro-DP group. `native_shards`: the generation engine takes
+    megatron-named TP shards (it generates tensor-parallel); otherwise it gets whole HF-named tensors (t_g = 1)."""
+
+    def __init__(self, ctx: WorkerContext, engine: ModelParallelTrainEngine, train_tp: int, rollout_tp: int,
+                 native_shards: bool) -> None:
+        self.engine, self.native_shards = engine, native_shards
+        layout = Layout(p=1, t=train_tp, d=ctx.world_size // train_tp, p_g=1, t_g=rollout_tp)
+        self.hybrid = HybridEngine(layout, ctx.rank)
+        self.generation_replica = self.hybrid.generation_replica
+        self.generation_replicas = layout.d * layout.t // layout.t_g
+        self.generation_group = (self.hybrid.gen_tp_group, self.hybrid.gen_tp_ranks)
+
+    def dp_rank(self, mesh: str) -> DPRank:
+        return self.hybrid.dp_rank(mesh)
+
+    def push(self, rollout: RolloutEngine) -> ReshardStats:
+        stats = ReshardStats()
+        shards = self.hybrid.transition(self.engine.named_shards(), stats)
+        rollout.load_weights(shards if self.native_shards else mm.megatron_to_hf_items(shards, self.engine.shape))
+        return stats
+
+    def train_checksums(self, dtype: torch.dtype) -> dict[str, float]:
+        """Every whole tensor for an engine fed shards (it sums all of its own); the embedding for one fed HF
+        tensors. Megatron generation computes in the weights' dtype, so no cast."""
+        sums = {n: float(self.engine.gather_tp(n, t).double().sum()) for n, t in self.engine.named_shards()}
+        if self.native_shards:
+            return dict(sorted(sums.items()))
+        return {"embedding": sums["embedding.word_embeddings.weight"]}

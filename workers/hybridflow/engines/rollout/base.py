@@ -1,0 +1,86 @@
+"""What every generation engine is: token ids in, token ids out, weights replaced in memory after every actor update.
+
+Each kind is registered by name in `hybridflow.api.engines.ROLLOUT_ENGINES` with a lazy "module:build" factory of
+one signature (`RolloutEngineFactory`), so the actor builds any of them the same way and never asks which it got.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
+
+import torch
+
+from hybridflow.api import Rollout
+from hybridflow.capacity import kv_cache_bytes
+from hybridflow.single_controller.context import WorkerContext
+
+if TYPE_CHECKING:
+    from hybridflow.engines.bridge.transfer import WeightTransfer
+    from hybridflow.engines.train.base import TrainEngine
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    log_probs: bool = False  # also return each token's log-prob (vLLM's first such call costs seconds of set-up)
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    log_probs: list[float]  # the engine's own log-prob of each token after temperature, when asked (truncated IS)
+
+
+class RolloutEngine(Protocol):
+    """What the actor needs of a generation engine; every engine implements all of it."""
+
+    instance_id: str  # made once when the engine is built: a changed id means the engine was re-created
+
+    def generate(self, prompts: list[list[int]], cfgs: Sequence[SamplingConfig]) -> list[Generation]:
+        """One response per prompt, each with its own sampling settings (e.g. sampled and greedy in one call)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the weights in memory from HF-named tensors (whole, or the engine's own shards)."""
+
+    def release(self) -> None:
+        """Free what generation holds that training does not need (a no-op where the engine cannot)."""
+
+    def weight_checksums(self) -> dict[str, float]:
+        """Sums of the weights it generates with, to check that a transition landed."""
+
+
+@dataclass(frozen=True)
+class RolloutSetup:
+    """All a generation engine is built from, the same for every kind, so one factory signature serves them all.
+    Each kind reads the fields it needs: a KV-cache engine sizes its cache from `sequences`, an engine with weights
+    of its own loads them from `model_dir`, one fed by shards takes its process group from `transfer`."""
+
+    model_dir: Path
+    rollout: Rollout  # spec.rollout
+    model_dtype: str  # the weights' dtype on disk (spec.models.actor.dtype)
+    generation_dtype: torch.dtype  # what generation computes in: the training engine's compute dtype
+    seed: int  # this generation replica's sampling seed
+    sequences: int  # the most sequences one generation call holds on this replica
+    trainer: TrainEngine  # the colocated training engine (its device; a model-parallel one's model shape)
+    transfer: WeightTransfer  # how the trainer's weights reach this engine (and the generation process group)
+
+
+class RolloutEngineFactory(Protocol):
+    """The `build` every generation engine module defines (registered as "module:build")."""
+
+    def __call__(self, ctx: WorkerContext, setup: RolloutSetup) -> RolloutEngine: ...
+
+
+def model_kv_cache_bytes(model_dir: Path, dtype: torch.dtype, sequences: int, max_len: int) -> int:
+    """`kv_cache_bytes` for the HF model in `model_dir` (its config.json)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return kv_cache_bytes(cfg["num_hidden_layers"], cfg.get("num_key_value_heads") or heads, head_dim,
+                          torch.tensor([], dtype=dtype).element_size(), sequences, max_len)

@@ -1,0 +1,139 @@
+"""Tensor-parallel generation with megatron-core layers: the 3D-HybridEngine's generation engine when t_g > 1.
+
+A second GPTModel, built at t_g-way TP over the generation TP groups (strided ranks, see engines.bridge.layout),
+holds exactly the generation shards the micro-DP all-gather produced; nothing else. Its weights exist only
+between a train -> generate transition and the next update (`release` frees them: generate -> train moves no
+data). Decoding recomputes the whole prefix each step (no KV cache): fine for short responses on CPU, where
+this engine exists because vLLM's external_launcher forms TP groups from consecutive ranks, not strided ones.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import replace
+from typing import Iterable, Sequence, cast
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.single_controller.context import WorkerContext
+from hybridflow.engines.rollout.base import Generation, RolloutSetup, SamplingConfig
+from hybridflow.engines.train import megatron_model as mm
+from hybridflow.engines.train.base import ModelParallelTrainEngine
+from hybridflow.engines.train.megatron import attention_inputs
+
+
+def build(ctx: WorkerContext, setup: RolloutSetup) -> MegatronRollout:
+    """Layers of the training engine's shape on the transfer's generation TP group, in the model's dtype (megatron
+    computes in its weights' dtype). It starts empty: its weights only ever come from a transition, so the first
+    one runs here. Registered as fed by model-parallel trainers only (the spec's rules hold it to that)."""
+    trainer = cast(ModelParallelTrainEngine, setup.trainer)
+    group, ranks = setup.transfer.generation_group
+    engine = MegatronRollout(trainer.shape, setup.model_dtype, group, ranks, setup.seed, trainer.device)
+    setup.transfer.push(engine)
+    return engine
+
+
+class MegatronRollout:
+    def __init__(self, shape: mm.DecoderShape, dtype: str, tp_group: dist.ProcessGroup, tp_ranks: list[int],
+                 seed: int, device: torch.device) -> None:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        pgs = ProcessGroupCollection.use_mpu_process_groups()
+        pgs.tp = pgs.tp_cp = tp_group
+        self.group, self.leader, self.tp = tp_group, tp_ranks[0], len(tp_ranks)
+        self.device = device
+        cfg = mm.transformer_config(shape, getattr(torch, dtype), tp=self.tp, pp=1)
+        self.model = mm.build_gpt(cfg, shape, pg_collection=pgs).to(device).eval()
+        self.model.requires_grad_(False)
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.params = dict(self.model.named_parameters())
+        self.shapes = {k: p.shape for k, p in self.params.items()}
+        self.instance_id = uuid.uuid4().hex
+        self.release()
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params.values())
+
+    def release(self) -> None:
+        """Generate -> train: drop the generation shards (training never dropped its own)."""
+        for p in self.params.values():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Install generation shards (megatron names, this rank's TP part) as the parameters' storage, no copy."""
+        seen = set()
+        for name, t in weights:
+            if name not in self.shapes:
+                raise KeyError(f"generation engine has no parameter {name}")
+            if t.shape != self.shapes[name]:
+                raise ValueError(f"{name}: generation shard {tuple(t.shape)} != expected {tuple(self.shapes[name])}")
+            self.params[name].data = t.to(self.device)
+            seen.add(name)
+        if seen != set(self.shapes):
+            raise KeyError(f"generation shards missing: {sorted(set(self.shapes) - seen)[:3]}")
+
+    def weight_checksums(self) -> dict[str, float]:
+        """Sums of every whole (TP-gathered) tensor: tests compare them with training's (collective over TP)."""
+        return {name: self._checksum(name) for name in sorted(self.shapes)}
+
+    def _checksum(self, name: str) -> float:
+        t = self.params[name].detach()
+        if mm.split_rule(name) != "replicated" and self.tp > 1:
+            parts = [torch.empty_like(t) for _ in range(self.tp)]
+            dist.all_gather(parts, t.contiguous(), group=self.group)
+            t = mm.unshard(name, parts)
+        return float(t.double().sum())
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], cfgs: Sequence[SamplingConfig]) -> list[Generation]:
+        """Rows may differ only in `greedy` (ReMax's baseline rows): one decode loop serves them all."""
+        if len({replace(c, greedy=False) for c in cfgs}) > 1:
+            raise ValueError("megatron generation takes one sampling setting per call (rows may differ in greedy)")
+        cfg = cfgs[0]
+        greedy_rows = torch.tensor([c.greedy for c in cfgs])
+        B = len(prompts)
+        P = max(len(p) for p in prompts)
+        ids = torch.zeros(B, P, dtype=torch.long)
+        keep = torch.zeros(B, P, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, P - len(p):] = torch.tensor(p)
+            keep[i, P - len(p):] = 1
+        stops = torch.tensor(list(cfg.stop_token_ids) or [-1])
+        done = torch.zeros(B, dtype=torch.bool)
+        out = [Generation([], []) for _ in range(B)]
+        for _ in range(cfg.max_tokens):
+            x, pos, mask = attention_inputs({"input_ids": ids.to(self.device), "attention_mask": keep.to(self.device)})
+            local = self.model(x, pos, attention_mask=mask)[:, -1, :].float()
+            logits = self._gather_vocab(local).cpu()
+            nxt = self._sample(logits, cfg).where(~greedy_rows, logits.argmax(-1))
+            dist.broadcast(nxt, src=self.leader, group=self.group)  # one decision per TP group
+            logp = (logits / cfg.temperature).log_softmax(-1).gather(-1, nxt[:, None]).squeeze(-1)
+            for i in range(B):
+                if not done[i]:
+                    out[i].tokens.append(int(nxt[i]))
+                    if cfg.log_probs:
+                        out[i].log_probs.append(float(logp[i]))
+            done |= torch.isin(nxt, stops)
+            if bool(done.all()):
+                break
+            ids = torch.cat([ids, nxt[:, None]], 1)
+            keep = torch.cat([keep, torch.ones(B, 1, dtype=torch.long)], 1)
+        return out
+
+    def _gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.tp)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        return torch.cat(parts, -1)
+
+    def _sample(self, logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+        if cfg.greedy:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits / cfg.temperature, -1)
+        if cfg.top_p < 1:
+            sorted_p, idx = probs.sort(-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p > cfg.top_p
+            probs = probs.scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)

@@ -1,0 +1,189 @@
+"""What every training engine is (`TrainEngine`, the whole surface roles, checkpoints and the weight bridge use), how
+one is built (`TrainSettings` and the one factory signature every kind's module defines), and the training loop
+every engine shares (`TrainLoop`): micro-batch accumulation, one optimizer step per mini-batch, PPO epochs.
+
+Engines differ only in how gradients are reduced and their norm computed (FSDP: by torch; megatron: over the
+tensor- and data-parallel groups), and in how log-probabilities come out of the model (whole or vocab-parallel).
+Each kind is registered by name in `hybridflow.api.engines.TRAIN_ENGINES` with a lazy "module:build" factory.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Literal, Protocol
+
+import torch
+from torch import nn
+
+from hybridflow.api import Training
+from hybridflow.single_controller.batch import Batch
+from hybridflow.single_controller.context import WorkerContext
+from hybridflow.data.packing import merge_rows, micro_batches
+
+LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, dict[str, float]]]
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's settings (lr, betas, weight decay...): what a resumed job keeps from its own spec when
+    it loads a checkpoint's optimizer state (saved under settings that a new job may have changed)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def restore_optimizer_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> None:
+    for group, own in zip(optimizer.param_groups, settings, strict=True):
+        group.update(own)
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What a role asks of its training engine, the same fields for every kind (one factory signature): the model
+    to load and its head, and how to train it (a frozen scorer: `trainable=False`)."""
+
+    model_dir: Path
+    dtype: str | None  # the weights' (and optimizer state's) dtype; None: as the checkpoint's loader defaults
+    head: Literal["lm", "value"] = "lm"  # a causal LM, or a one-label token classifier (critics, reward models)
+    lr: float = 0.0
+    grad_clip: float = 1.0
+    trainable: bool = True
+    compute_dtype: str = "auto"  # spec.training.computeDtype
+    dynamic_batch_size: bool = False
+    tensor_parallel: int = 1
+    seed: int = 0
+
+
+class TrainEngine(Protocol):
+    """Everything a role, the checkpoint role side and the weight bridge use of a training engine; every registered
+    kind implements all of it (tests/test_engine_protocols.py checks each one's signatures)."""
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    device: torch.device
+    compute_dtype: torch.dtype  # forward, backward and generation run in it
+    dynamic_batch_size: bool
+
+    def forward_micro(self, batch: Batch, micro_batch_size: int, fn: Callable[[nn.Module, Batch], Any]) -> Any:
+        """`fn` over micro-batches, outputs merged back in the batch's row order (no gradients)."""
+
+    def train_mini_batch(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn,
+                         per: str = "rows") -> dict[str, float]:
+        """One optimizer step over `batch`."""
+
+    def ppo_update(self, batch: Batch, t: Training, prompts_per_step: int, loss_fn: LossFn,
+                   per: str = "rows") -> dict[str, float]:
+        """`ppoEpochs` passes over this rank's shard, one optimizer step per mini-batch."""
+
+    def log_probs(self, model: nn.Module, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of the response tokens, and the logits (however the engine holds them) that predicted them."""
+
+    def entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per-token entropy of logits as `log_probs` returned them."""
+
+    def clip_grad_norm(self) -> torch.Tensor:
+        """Reduce gradients as the layout needs, clip them to `grad_clip`, return the global norm before clipping."""
+
+    def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter whole under HF names (collective): what a generation engine fed full tensors loads."""
+
+    def num_parameters(self) -> int:
+        """The whole model's parameter count (collective where the engine must gather to count)."""
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """This rank's part of the model and optimizer state for torch.distributed.checkpoint, as (D)Tensors under
+        names that do not depend on the layout (HF parameter names, whole-tensor shapes): each rank writes its own
+        shards, and a load re-shards them to another world size or tensor-parallel size. The same call on a freshly
+        built engine gives the template that a load fills in place."""
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Take `state` (a `checkpoint_state()` that a load filled in) as the engine's model and optimizer state."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole state, HF-named full tensors (the single-file checkpoint format)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a `state_dict()`."""
+
+
+class ModelParallelTrainEngine(TrainEngine, Protocol):
+    """A kind registered `model_parallel`: it holds tensor-parallel shards under megatron names, which the
+    3D-HybridEngine's transfer (engines.bridge.transfer) regroups for generation."""
+
+    shape: Any  # the decoder's shape (megatron_model.DecoderShape), whole-model sizes
+
+    def named_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's parameter shards, megatron names."""
+
+    def gather_tp(self, name: str, shard: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of one shard (collective over the tensor-parallel group)."""
+
+
+class TrainEngineFactory(Protocol):
+    """The `build` every training engine module defines (registered as "module:build")."""
+
+    def __call__(self, ctx: WorkerContext, settings: TrainSettings) -> TrainEngine: ...
+
+
+class TrainLoop:
+    """The loop code every engine shares, over the engine's `module`, `optimizer` and `clip_grad_norm`."""
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    device: torch.device
+    dynamic_batch_size: bool = False  # token-budget micro-batches cut to their own lengths (data/packing.py)
+
+    def clip_grad_norm(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def forward_micro(self, batch: Batch, micro_batch_size: int, fn: Callable[[nn.Module, Batch], Any]) -> Any:
+        """`fn` over micro-batches; its outputs (a tensor or a tuple of tensors, per row or per response token) come
+        back as one, in the batch's row order and at its full response width."""
+        self.module.eval()
+        rows, outs = [], []
+        for idx, mb in micro_batches(batch, micro_batch_size, self.dynamic_batch_size):
+            rows.append(idx)
+            outs.append(fn(self.module, mb.to(self.device)))
+        return merge_rows(outs, rows, batch["responses"].shape[1] if "responses" in batch else None)
+
+    def train_mini_batch(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn,
+                         per: str = "rows") -> dict[str, float]:
+        """One optimizer step over `batch`, accumulating micro-batches weighted by their share of what the loss
+        averages over (`per`: "rows", or "tokens" for a token mean), so the step is the same however the rows were
+        grouped (length-sorted micro-batches hold few long rows or many short ones)."""
+        assert self.optimizer is not None, "this engine was built frozen"
+        self.module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats: dict[str, float] = {}
+        size = (lambda b: float(b["response_mask"].sum())) if per == "tokens" else len  # noqa: E731
+        total = size(batch)
+        for _, mb in micro_batches(batch, micro_batch_size, self.dynamic_batch_size):
+            share = size(mb) / total if total else 0.0
+            loss, mstats = loss_fn(self.module, mb.to(self.device))
+            (loss * share).backward()
+            for k, v in mstats.items():
+                stats[k] = stats.get(k, 0.0) + float(v) * share
+        norm = self.clip_grad_norm()
+        stats["grad_norm"] = float(norm)
+        if torch.isfinite(norm):
+            self.optimizer.step()
+        return stats
+
+    def ppo_update(self, batch: Batch, t: Training, prompts_per_step: int, loss_fn: LossFn,
+                   per: str = "rows") -> dict[str, float]:
+        """`ppoEpochs` passes over this rank's shard, one optimizer step per mini-batch; stats averaged over steps.
+
+        A mini-batch is `miniBatchSize` prompts of the global batch, i.e. the same fraction of this rank's rows.
+        """
+        t0 = time.perf_counter()
+        prompts = prompts_per_step
+        rows = max(1, len(batch) * (t.mini_batch_size or prompts) // prompts)
+        totals: dict[str, float] = {}
+        steps = 0
+        for _ in range(t.ppo_epochs):
+            for mini in batch.split(rows):
+                for k, v in self.train_mini_batch(mini, t.micro_batch_size, loss_fn, per).items():
+                    totals[k] = totals.get(k, 0.0) + v
+                steps += 1
+        out = {k: v / steps for k, v in totals.items()}
+        out["update_seconds"] = time.perf_counter() - t0
+        return out

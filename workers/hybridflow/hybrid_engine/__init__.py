@@ -1,1 +1,0 @@
-"""The 3D-HybridEngine: layout arithmetic and the train -> generate resharding."""

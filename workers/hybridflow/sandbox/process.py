@@ -1,0 +1,183 @@
+"""A running sandbox: starting one (`spawn`), killing it with everything it started (`Sandboxed.kill`), and finding
+which kinds this machine runs (`probe`, by starting trial sandboxes: hence in this module). Kept apart from the
+command line (launcher.py, pure) because this side owns processes, a host directory and the one long-lived thread
+every sandbox is started from."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Any, Sequence
+
+from hybridflow.sandbox import launcher
+from hybridflow.sandbox.limits import WORKDIR, Layers, Limits
+
+
+@dataclass
+class Sandboxed:
+    """A running sandbox: its process (bwrap, or the launcher without it) and the host directory it runs in (only
+    without bwrap: with it, its directory is a tmpfs of its own)."""
+
+    popen: subprocess.Popen
+    host_dir: str | None = None
+    layers: Layers = field(default_factory=Layers)
+
+    def kill(self, wait: float = 10.0) -> None:
+        """SIGKILL it and everything it started. With bwrap: its PID namespace's init, which takes every process
+        in the namespace along, and bwrap then exits by itself (so nothing is left to the machine's init to reap);
+        then, and without bwrap, its process group."""
+        if self.layers.bwrap is not None and self.popen.poll() is None:
+            for pid in _children(self.popen.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                self.popen.wait(min(wait, 2.0))
+            except subprocess.TimeoutExpired:
+                pass
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.popen.wait(wait)
+        except subprocess.TimeoutExpired:  # stuck in the kernel: it is SIGKILLed, leave it
+            pass
+        if self.host_dir:
+            shutil.rmtree(self.host_dir, ignore_errors=True)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def spawn(argv: Sequence[str], limits: Limits, layers: Layers | None = None, *, env: dict[str, str] | None = None,
+          binds: Sequence[str] = (), hidden: Sequence[str] | None = None, needed: Sequence[str] | None = None,
+          **popen: Any) -> Sandboxed:
+    """Start `argv` in a sandbox (`probe()`'s layers unless given); `popen` goes to subprocess.Popen (stdin,
+    stdout, ...). The caller kills it (`Sandboxed.kill`) at its deadline."""
+    if layers is None:
+        layers = probe()
+    uid = launcher.fresh_uid() if layers.other_uid else None
+    host_dir = None
+    workdir = WORKDIR
+    if layers.bwrap is None:  # no mount namespace: a fresh directory of the machine's, its own uid's when it has one
+        host_dir = tempfile.mkdtemp(prefix="hybridflow-sandbox-")
+        workdir = host_dir
+        if uid is not None:
+            os.chown(host_dir, uid, uid)
+    env = dict(env) if env is not None else launcher.clean_env(workdir=workdir)
+    if layers.bwrap is None:
+        env.update({"HOME": workdir, "TMPDIR": workdir})
+    hidden = launcher.default_hidden() if hidden is None else hidden
+    cmd = launcher.command(argv, limits, layers, env=env, workdir=workdir, uid=uid, parent=os.getpid(), binds=binds,
+                           hidden=hidden, needed=launcher.default_needed(hidden) if needed is None else needed)
+    try:
+        proc = _popen(cmd, env=env, cwd="/", start_new_session=True, close_fds=True, **popen)
+    except BaseException:
+        if host_dir:
+            shutil.rmtree(host_dir, ignore_errors=True)
+        raise
+    return Sandboxed(proc, host_dir, layers)
+
+
+_spawner: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _popen(cmd: list[str], **kw: Any) -> subprocess.Popen:
+    """Popen from one long-lived thread: the parent-death signal (bwrap's --die-with-parent, the launcher's
+    PR_SET_PDEATHSIG) fires when the thread that started a sandbox ends, so a sandbox started from a short-lived
+    thread would die with that thread instead of with the driver."""
+    global _spawner
+    if _spawner is None or _spawner[0] != os.getpid():  # none yet, or a forked child's copy without its thread
+        _spawner = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="hybridflow-sandbox"))
+    return _spawner[1].submit(subprocess.Popen, cmd, **kw).result()
+
+
+# Which layers this machine offers (`probe`, the default of `spawn`): found by starting a trial sandbox of each kind,
+# best first. Trying is the only reliable test: whether bwrap, user namespaces or a fresh /proc work depends on the
+# container runtime, seccomp and sysctls, none of which can be read reliably from inside.
+
+
+def candidates(bwrap: str | None) -> list[Layers]:
+    """The kinds of sandbox worth trying here, best first (the root-only kinds only as root)."""
+    root = os.geteuid() == 0
+    out = []
+    if bwrap:
+        if root:
+            out += [Layers(bwrap, privileged=True, how="bwrap as root, a fresh uid"),
+                    Layers(bwrap, privileged=True, proc=False, how="bwrap as root, a fresh uid, an empty /proc")]
+        out += [Layers(bwrap, userns=True, how="bwrap in a user namespace"),
+                Layers(bwrap, userns=True, proc=False, how="bwrap in a user namespace, an empty /proc")]
+    if root:
+        out.append(Layers(None, drop_uid=True, how="no bwrap, a fresh uid"))
+    out.append(Layers(None, how="no bwrap"))
+    return out
+
+
+def try_layers(layers: Layers, check: Sequence[str], limits: Limits) -> str | None:
+    """None when `check` runs and prints 'ok' in a sandbox of these layers, else why not."""
+    try:
+        box = spawn(check, limits, layers, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE)
+    except OSError as err:
+        return str(err)
+    try:
+        out, err = box.popen.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        box.kill()
+        return "timed out starting"
+    finally:
+        box.kill(wait=1)
+    if box.popen.returncode == 0 and out.strip() == b"ok":
+        return None
+    lines = [x for x in err.decode(errors="replace").strip().splitlines() if x.strip()]
+    return lines[-1].strip() if lines else f"exit status {box.popen.returncode}"
+
+
+@lru_cache(maxsize=None)
+def probe(check: tuple[str, ...] = (sys.executable, "-I", "-S", "-c", "print('ok')"), bwrap: str | None = "",
+          limits: Limits = Limits()) -> Layers:
+    """The best sandbox this machine offers: each kind is tried, best first, by running `check` in it (it must
+    print 'ok': pass the program's own start, e.g. its imports). bwrap="" finds it on PATH; None: do without."""
+    if bwrap == "":
+        bwrap = shutil.which("bwrap") or (os.path.exists("/usr/bin/bwrap") and "/usr/bin/bwrap") or None
+    failures: dict[str, str] = {}
+    for cand in candidates(bwrap):
+        why = try_layers(cand, check, limits)
+        if why is None:
+            return replace(cand, missing=missing_layers(cand, bwrap, failures))
+        failures[cand.how] = why
+    # Not even the bare launcher ran the check: report it; the caller's start fails with the program's own error.
+    bare = Layers(None, how="no bwrap")
+    return replace(bare, missing=missing_layers(bare, bwrap, failures))
+
+
+def missing_layers(layers: Layers, bwrap: str | None, failures: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """(layer, why) for each layer `layers` leave out, why being what failed when the better kinds were tried."""
+    tried_bwrap = [f"{how}: {why}" for how, why in failures.items() if how.startswith("bwrap")]
+    out: list[tuple[str, str]] = []
+    if layers.bwrap is None:
+        why = "bwrap is not installed (apt-get install bubblewrap)" if bwrap is None else (
+            "; ".join(tried_bwrap) if tried_bwrap else "bwrap failed")  # each kind: the best one may fail as expected
+        out += [("network", why), ("processes", why), ("filesystem", why)]
+    if not (layers.other_uid or layers.userns):
+        if os.geteuid() == 0:
+            why = failures.get("no bwrap, a fresh uid", "")
+            why = f"a fresh uid cannot run the program: {why}" if why else "runs as root"
+        else:
+            why = "not root, and no user namespace"
+        out.append(("user", why + "; nor a process-count limit (RLIMIT_NPROC would count the driver's processes)"))
+    return tuple(out)

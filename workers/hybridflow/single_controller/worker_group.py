@@ -1,0 +1,290 @@
+"""RayResourcePool (a spec resource pool as Ray placement groups) and WorkerGroup (one Ray actor per device,
+torch.distributed among them).
+
+Several roles given the same pool are *colocated*: one process per device hosts all of them and they take turns,
+which is what lets the actor train and generate on the same devices (HybridFlow section 4.2 / 5).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hybridflow.single_controller.batch import Batch
+from hybridflow.single_controller.protocol import (
+    Dispatch,
+    DPRank,
+    collect_dp,
+    concat_results,
+    method_protocol,
+    registered_methods,
+    split_for_dp,
+    validate_dp_layout,
+)
+from hybridflow.api import pool_resource
+from hybridflow.single_controller.context import WorkerContext
+
+
+@dataclass
+class RayResourcePool:
+    """A virtualised set of devices: one placement group per node, one bundle per device."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device: str = "cpu"
+    cpus_per_device: float = 1.0
+    placement_groups: list[PlacementGroup] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def bundle(self) -> dict[str, float]:
+        b = {"CPU": self.cpus_per_device, pool_resource(self.name): 1.0}
+        if self.device == "gpu":
+            b["GPU"] = 1.0
+        return b
+
+    def acquire(self, timeout_s: float = 300) -> list[tuple[PlacementGroup, int]]:
+        """Reserve the devices; returns (placement group, bundle index) per rank, ranks packed node by node."""
+        if not self.placement_groups:
+            self.placement_groups = [
+                placement_group([self.bundle()] * self.devices_per_node, strategy="STRICT_PACK", name=f"{self.name}-{i}")
+                for i in range(self.nodes)
+            ]
+            ready = ray.get([pg.ready() for pg in self.placement_groups], timeout=timeout_s)
+            assert len(ready) == self.nodes
+        return [(pg, i) for pg in self.placement_groups for i in range(self.devices_per_node)]
+
+    def release(self) -> None:
+        for pg in self.placement_groups:
+            remove_placement_group(pg)
+        self.placement_groups = []
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """A role class and its constructor keyword arguments; the class takes `ctx: WorkerContext` first.
+
+    `colocated` names roles of the same group, built before this one, that its constructor receives as objects
+    (keyword = role name): a role that works on another's state in the same process (the rollout role on the
+    actor's training engine) gets it handed over by the host, not found through a global."""
+
+    cls: type
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    colocated: tuple[str, ...] = ()
+
+
+def interface_for(ip: str) -> str | None:
+    """The network interface that holds this address (e.g. eth0 for a pod IP, lo for 127.0.0.1)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs):
+            return name
+    return None
+
+
+def settle_heap() -> None:
+    """Collect garbage once, then move every object alive into the collector's permanent generation (gc.freeze).
+
+    A worker holds ~650k Python objects once torch, transformers and vLLM are imported, and each full collection
+    walks them all (0.2-1.6 s here, depending on load): vLLM's engine start collects five times, every actor update
+    twice (release_free_memory), and the interpreter by itself whenever enough objects were allocated. What exists
+    after a role is built lives as long as the worker, so later collections only need to walk what the steps
+    allocate."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+@ray.remote
+class WorkerHost:
+    """One process per device. Sets up torch.distributed, then hosts any number of colocated role objects."""
+
+    def __init__(self, rank: int, world_size: int, local_rank: int, device: str, env: dict[str, str]) -> None:
+        os.environ.update(env)
+        self.ctx = WorkerContext(rank, world_size, local_rank, device)
+        self.roles: dict[str, Any] = {}
+        self._store: Any = None
+
+    def open_rendezvous(self) -> tuple[str, int]:
+        """Rank 0: start the group's rendezvous store on a port the kernel picks (the server listens on every
+        address; the other ranks reach it at this node's address, which is returned with the port).
+
+        Binding port 0 leaves no gap between choosing the port and listening on it. The port used to be probed
+        free on 127.0.0.1 and bound later on every address, and a port free on loopback can already belong to one
+        of Ray's servers on the pod IP: the other ranks then talked to that server (connection reset by peer)."""
+        import torch.distributed as dist
+
+        ip = ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(ip, 0, self.ctx.world_size, is_master=True, wait_for_workers=False)
+        return ip, int(self._store.port)
+
+    def init_distributed(self, master_addr: str, master_port: int) -> None:
+        import torch.distributed as dist
+
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.ctx.rank),
+            WORLD_SIZE=str(self.ctx.world_size),
+            LOCAL_RANK=str(self.ctx.local_rank),
+        )
+        # gloo listens where the hostname resolves, or on loopback when it does not resolve (yet): bind it to the
+        # interface of the address Ray reaches this node on, which the other ranks can reach too.
+        iface = interface_for(ray.util.get_node_ip_address())
+        if iface and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
+        if self.ctx.device == "gpu":
+            import torch
+
+            torch.cuda.set_device(0)  # Ray exposes exactly the bundle's GPU
+        backend = "nccl" if self.ctx.device == "gpu" else "gloo"
+        store = self._store or dist.TCPStore(master_addr, master_port, self.ctx.world_size, is_master=False)
+        dist.init_process_group(backend, store=store, rank=self.ctx.rank, world_size=self.ctx.world_size)
+
+    def build(self, role: str, spec: RoleSpec) -> None:
+        missing = [name for name in spec.colocated if name not in self.roles]
+        if missing:
+            raise ValueError(f"role '{role}' needs the colocated role(s) {missing} built before it in this process")
+        siblings = {name: self.roles[name] for name in spec.colocated}
+        settle_heap()  # the modules this worker imported (torch, the role's own) are never garbage
+        self.roles[role] = spec.cls(self.ctx, **spec.kwargs, **siblings)
+        settle_heap()  # nor are the role's engines and weights: they live as long as the worker
+
+    def dp_rank(self, role: str, mesh: str) -> DPRank:
+        obj = self.roles[role]
+        if hasattr(obj, "dp_rank"):
+            return obj.dp_rank(mesh)
+        return DPRank(self.ctx.rank, self.ctx.world_size, True)
+
+    def execute(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.roles[role], method)(*args, **kwargs)
+
+
+class PendingResult:
+    """Futures of one call, plus how to combine them. Passing it to another call hands over the futures."""
+
+    def __init__(self, refs: list[ray.ObjectRef], combine: Callable[[list[Any]], Any], dp_refs: list | None) -> None:
+        self.refs = refs
+        self._combine = combine
+        self.dp_refs = dp_refs  # per DP rank, when produced by DP_COMPUTE
+
+    def get(self) -> Any:
+        return self._combine(ray.get(self.refs))
+
+
+def resolve(x: Any) -> Any:
+    return x.get() if isinstance(x, PendingResult) else x
+
+
+class RoleHandle:
+    """The controller's view of one role in a WorkerGroup: calling a registered method runs it on every rank."""
+
+    def __init__(self, group: "WorkerGroup", role: str, cls: type, layouts: dict[str, list[DPRank]]) -> None:
+        self._group, self._role, self._cls, self.layouts = group, role, cls, layouts
+        self.dp_sizes = {mesh: validate_dp_layout(layout) for mesh, layout in layouts.items()}
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size of the training layout (what batches must divide by)."""
+        return self.dp_sizes["train"]
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        proto = method_protocol(self._cls, method)
+        if proto is None:
+            raise AttributeError(f"{self._cls.__name__}.{method} is not a registered worker method")
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            pending = self._dispatch(method, proto.dispatch, proto.mesh, args, kwargs)
+            return pending.get() if proto.blocking else pending
+
+        call.__name__ = method
+        return call
+
+    def _dispatch(self, method: str, dispatch: Dispatch, mesh: str, args: tuple, kwargs: dict) -> PendingResult:
+        hosts = self._group.hosts
+        n = len(hosts)
+        if dispatch == Dispatch.DP_COMPUTE:
+            layout = self.layouts[mesh]
+            per_rank = [self._dp_args(a, layout) for a in args]
+            per_rank_kw = {k: self._dp_args(v, layout) for k, v in kwargs.items()}
+            refs = [
+                h.execute.remote(self._role, method, *[a[i] for a in per_rank], **{k: v[i] for k, v in per_rank_kw.items()})
+                for i, h in enumerate(hosts)
+            ]
+            dp_refs = collect_dp(refs, layout)
+            return PendingResult(refs, lambda outs: concat_results(collect_dp(outs, layout)), dp_refs)
+        if dispatch == Dispatch.ALL_TO_ALL:
+            for a in [*args, *kwargs.values()]:
+                if not isinstance(a, (list, tuple)) or len(a) != n:
+                    raise ValueError(f"{method}: ALL_TO_ALL needs one argument per rank ({n})")
+            refs = [
+                h.execute.remote(self._role, method, *[a[i] for a in args], **{k: v[i] for k, v in kwargs.items()})
+                for i, h in enumerate(hosts)
+            ]
+            return PendingResult(refs, list, None)
+        args = tuple(resolve(a) for a in args)
+        kwargs = {k: resolve(v) for k, v in kwargs.items()}
+        refs = [h.execute.remote(self._role, method, *args, **kwargs) for h in hosts]
+        if dispatch == Dispatch.RANK_ZERO:
+            return PendingResult(refs, lambda outs: outs[0], None)
+        return PendingResult(refs, list, None)
+
+    @staticmethod
+    def _dp_args(a: Any, layout: list[DPRank]) -> list[Any]:
+        """Per-rank values of one argument: futures of an equally sharded producer pass straight through; a
+        producer sharded differently (generation replicas vs training replicas) is gathered and re-split."""
+        if isinstance(a, PendingResult) and a.dp_refs is not None and len(a.dp_refs) == layout[0].dp_size:
+            return [a.dp_refs[r.dp_rank] for r in layout]
+        a = resolve(a)
+        if isinstance(a, Batch):
+            return split_for_dp(a, layout)
+        return [a] * len(layout)
+
+
+class WorkerGroup:
+    """One WorkerHost per device of a pool, hosting the given roles side by side (colocation)."""
+
+    def __init__(self, pool: RayResourcePool, roles: dict[str, RoleSpec],
+                 env: dict[str, str] | None = None) -> None:
+        self.pool = pool
+        placements = pool.acquire()
+        gpu = 1 if pool.device == "gpu" else 0
+        self.hosts = [
+            WorkerHost.options(
+                num_cpus=pool.cpus_per_device,
+                num_gpus=gpu,
+                resources={pool_resource(pool.name): 1.0},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=idx),
+                name=None,
+            ).remote(rank, pool.world_size, idx, pool.device, env or {})
+            for rank, (pg, idx) in enumerate(placements)
+        ]
+        addr, port = ray.get(self.hosts[0].open_rendezvous.remote())
+        ray.get([h.init_distributed.remote(addr, port) for h in self.hosts])
+        self._roles: dict[str, RoleHandle] = {}
+        for role, spec in roles.items():
+            ray.get([h.build.remote(role, spec) for h in self.hosts])
+            meshes = {"train"} | {p.mesh for p in registered_methods(spec.cls).values()}
+            layouts = {m: ray.get([h.dp_rank.remote(role, m) for h in self.hosts]) for m in sorted(meshes)}
+            self._roles[role] = RoleHandle(self, role, spec.cls, layouts)
+
+    def __getitem__(self, role: str) -> RoleHandle:
+        return self._roles[role]
+
+    @property
+    def roles(self) -> list[str]:
+        return list(self._roles)
+
+    def shutdown(self) -> None:
+        for h in self.hosts:
+            ray.kill(h)
+        self.hosts = []

@@ -1,0 +1,83 @@
+"""Checks only the machine that runs the job can make: model directories, the reward file, prompt files, a
+resumeFrom checkpoint, writable directories. `hybridflow validate` and `run` call them; the operator cannot."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from hybridflow.api import RLHFJob
+from hybridflow.api.storage import is_url
+from hybridflow.data.files import DataError, resolve_paths
+from hybridflow.rewards.reward_file import RewardFileError, check_reward_file
+
+
+def _has_checkpoints(job: RLHFJob) -> bool:
+    """Whether the job has checkpoints of its own (then resumeFrom is not used: a restart continues from them,
+    even once the old job's directory is gone). Object storage is not looked at before the job runs."""
+    from hybridflow.checkpoint import list_checkpoints
+
+    where = job.spec.trainer.checkpoint_dir
+    return is_url(where) or bool(list_checkpoints(Path(where)))
+
+
+def check_runtime_paths(job: RLHFJob) -> list[str]:
+    """Problems only visible where the job runs (files, permissions); the operator cannot check these."""
+    out: list[str] = []
+    models = {"spec.models.actor": job.spec.models.actor, "spec.models.critic": job.spec.models.critic}
+    if job.spec.models.reward.model is not None:
+        models["spec.models.reward.model"] = job.spec.models.reward.model
+    for field, m in models.items():
+        if m is not None and m.source == "path":
+            d = Path(m.path or "")
+            if not (d / "config.json").is_file():
+                out.append(f"{field}.path: '{d}' is not an HF model directory (no config.json); fix the path")
+    fn = job.spec.models.reward.function
+    if job.spec.models.reward.type == "function" and fn is not None:
+        try:
+            check_reward_file(fn.path, fn.name, fn.batched)
+        except RewardFileError as err:
+            out.append(f"spec.models.reward.function: {err}")
+    if job.spec.data.source == "files":
+        for field, entries in (("spec.data.train", job.spec.data.train), ("spec.data.eval", job.spec.data.eval)):
+            try:
+                if entries:
+                    resolve_paths(field, entries)
+            except DataError as err:
+                out.append(str(err))
+    resume_from = job.spec.trainer.resume_from
+    if resume_from and not is_url(resume_from) and not Path(resume_from).exists() and not _has_checkpoints(job):
+        out.append(f"spec.trainer.resumeFrom: '{resume_from}' does not exist; name the old job's checkpointDir (on "
+                   f"Kubernetes: the old job's name) or one of its step_* directories")
+    writable = {"spec.trainer.checkpointDir": job.spec.trainer.checkpoint_dir}
+    if job.spec.data.source == "files" and job.spec.data.cache_dir:
+        writable["spec.data.cacheDir"] = job.spec.data.cache_dir
+    for field, where in writable.items():
+        if not is_url(where):  # object storage: reached (and refused) only when the job runs
+            problem = unwritable_dir_problem(Path(where))
+            if problem:
+                out.append(f"{field}: '{where}' is not writable ({problem}); choose a directory you can write")
+    return out
+
+
+def unwritable_dir_problem(path: Path) -> str | None:
+    """Why the job could not make `path` and write files in it, found by doing so in its nearest existing directory:
+    permission bits say nothing for root, and a pseudo filesystem (/proc, /sys) or a read-only mount refuses what
+    os.access allows. The probe is a fresh temporary directory, removed again, so a check (`hybridflow validate`)
+    leaves nothing behind: neither `path` nor its missing parents are created."""
+    base = path
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        return f"'{base}' is a file, not a directory"
+    try:
+        probe = tempfile.mkdtemp(prefix=".hybridflow-write-check-", dir=base)
+    except OSError as err:
+        return f"cannot make a directory in '{base}': {err.strerror or err}"
+    try:
+        (Path(probe) / "probe").write_bytes(b"x")
+    except OSError as err:
+        return f"cannot write a file in a new directory under '{base}': {err.strerror or err}"
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+    return None

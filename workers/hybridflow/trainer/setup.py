@@ -1,0 +1,264 @@
+"""A job's setup: its prompts and how responses are scored (the Task), the models on disk, and the worker groups
+the algorithm asks for, placed on their resource pools."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from hybridflow.algorithms import ALGORITHMS
+from hybridflow.api.storage import is_url
+from hybridflow.single_controller.batch import Batch
+from hybridflow.trainer.step import Scorer
+from hybridflow.single_controller.worker_group import RayResourcePool, RoleSpec, WorkerGroup
+from hybridflow.data.files import PromptRenderer, load_prompt_files
+from hybridflow.data.packing import unpack_prompts, unpack_responses
+from hybridflow.data.tasks import Sample, arithmetic_samples, increment_samples, split_train_eval
+from hybridflow.rewards.rules import TASK_DEFAULT_RULE, RewardRule, get_rule
+from hybridflow.rewards.text import TextReward
+from hybridflow.roles import config as rc
+from hybridflow.api import RLHFJob
+
+log = logging.getLogger("hybridflow.trainer.setup")
+
+
+@dataclass
+class Task:
+    train: Sequence[Sample]
+    eval: Sequence[Sample]
+    rule: Callable[..., float] | None  # reward type rule: over token ids
+    decode: Callable[[list[int]], str] | None
+    stop_token_ids: list[int]
+    text_reward: TextReward | None = None  # reward types scorer/function: scored on decoded responses
+    data_fingerprint: str | None = None  # prompts from files: a resumed job checks it reads the same rows
+    cost_rule: RewardRule | None = None  # safe_rlhf with a cost rule
+
+    def close(self) -> None:
+        if self.text_reward is not None:
+            self.text_reward.close()
+
+
+def data_cache_default(checkpoint_dir: str) -> Path:
+    """<checkpointDir>/data-cache, or a local directory when checkpoints go to object storage (the cache is read
+    as files)."""
+    if is_url(checkpoint_dir):
+        import tempfile
+
+        return Path(tempfile.gettempdir()) / "hybridflow-data-cache"
+    return Path(checkpoint_dir) / "data-cache"
+
+
+def build_task(job: RLHFJob, model_dir: Path) -> Task:
+    """The prompts (generated, or the user's files tokenized once) and how responses are scored."""
+    s = job.spec
+    r = s.models.reward
+    # A generated task always has its rule: with a reward model it still scores the held-out evaluation.
+    rule = get_rule(r.rule or TASK_DEFAULT_RULE[s.data.task]) if s.data.source == "generated" else None
+    decode, stop, fingerprint = None, [], None
+    if s.data.source == "generated" and s.data.task == "increment":
+        vocab = s.models.actor.tiny.vocab_size if s.models.actor.source == "tiny" else _vocab_size(model_dir)
+        n = s.data.train_prompts + s.data.eval_prompts
+        train, held_out = split_train_eval(increment_samples(n, vocab, min(8, s.rollout.max_prompt_length),
+                                                             s.data.seed), s.data.eval_prompts)
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        if s.data.source == "files":
+            cache = Path(s.data.cache_dir or data_cache_default(s.trainer.checkpoint_dir))
+            files = load_prompt_files(s.data, tok, s.rollout.max_prompt_length, cache, s.trainer.prompts_per_step)
+            train, held_out, fingerprint = files.train, files.eval, files.fingerprint
+        else:
+            renderer = PromptRenderer(tok, None, None)  # the model's chat template, one user message
+            samples = arithmetic_samples(s.data.train_prompts + s.data.eval_prompts, s.data.seed,
+                                         lambda text: renderer.ids(text, "the arithmetic task"))
+            too_long = max(len(x.prompt) for x in samples)
+            if too_long > s.rollout.max_prompt_length:
+                raise ValueError(
+                    f"spec.rollout.maxPromptLength={s.rollout.max_prompt_length} is shorter than the task's prompts "
+                    f"({too_long} tokens); raise it"
+                )
+            train, held_out = split_train_eval(samples, s.data.eval_prompts)
+    text_reward = TextReward(r) if r.type in ("scorer", "function") else None
+    c = s.models.cost
+    cost_rule = get_rule(c.rule) if c is not None and c.type == "rule" and c.rule else None
+    return Task(train, held_out, rule, decode, stop, text_reward, fingerprint, cost_rule)
+
+
+def _vocab_size(model_dir: Path) -> int:
+    import json
+
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+@dataclass
+class Workers:
+    """Role name -> handle, and the groups that host them (one group per resource pool: colocation)."""
+
+    roles: dict[str, Any]
+    groups: list[WorkerGroup]
+    devices: int
+
+    @property
+    def pools(self) -> dict[str, str]:
+        """Role -> the name of the pool hosting it."""
+        return {role: g.pool.name for g in self.groups for role in g.roles}
+
+    def shutdown(self) -> None:
+        for g in self.groups:
+            g.shutdown()
+            g.pool.release()
+
+
+def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | None, rm_dir: Path | None,
+                  cost_dir: Path | None = None) -> Workers:
+    """The roles the algorithm needs (actor and rollout always; reference when KL is used; critics, reward and cost
+    models as the algorithm and the spec say), grouped by resource pool: roles on one pool share its processes.
+    The rollout role comes right after the actor: it is built in the actor's processes on the actor's engine."""
+    from hybridflow.roles.actor import ActorWorker
+    from hybridflow.roles.rollout import RolloutWorker
+    from hybridflow.roles.critic import CriticWorker
+    from hybridflow.roles.reference import ReferenceWorker
+    from hybridflow.roles.reward_model import RewardModelWorker
+
+    s = job.spec
+    algorithm = ALGORITHMS[s.algorithm.name]
+    critic = {"config": rc.critic_config(s), "model_dir": str(critic_dir or model_dir)}
+    actor = rc.actor_config(s)
+    wanted: dict[str, RoleSpec] = {
+        "actor": RoleSpec(ActorWorker, {"config": actor, "model_dir": str(model_dir)}),
+        "rollout": RoleSpec(RolloutWorker, {"config": actor, "stop_token_ids": task.stop_token_ids},
+                            colocated=("actor",)),
+    }
+    if s.models.reference:
+        wanted["reference"] = RoleSpec(ReferenceWorker, {"config": rc.reference_config(s), "model_dir": str(model_dir)})
+    if algorithm.critic:
+        wanted["critic"] = RoleSpec(CriticWorker, critic)
+    if algorithm.cost:
+        wanted["cost_critic"] = RoleSpec(CriticWorker, {**critic, "prefix": "cost_"})
+    if rm_dir is not None:
+        wanted["reward"] = RoleSpec(RewardModelWorker, {"config": rc.judge_config(s, "reward"),
+                                                        "model_dir": str(rm_dir)})
+    if cost_dir is not None:
+        wanted["cost"] = RoleSpec(RewardModelWorker, {"config": rc.judge_config(s, "cost"), "model_dir": str(cost_dir)})
+    by_pool: dict[str, dict[str, RoleSpec]] = {}
+    for role, rs in wanted.items():
+        by_pool.setdefault(s.pool(role).name, {})[role] = rs
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
+        "TRANSFORMERS_VERBOSITY": "error",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    }
+    groups, roles = [], {}
+    for pool_spec in s.resource_pools:
+        if pool_spec.name not in by_pool:
+            continue
+        threads = max(1, int(pool_spec.cpus_per_device))
+        pool = RayResourcePool(
+            pool_spec.name, pool_spec.nodes, pool_spec.devices_per_node, pool_spec.device, pool_spec.cpus_per_device
+        )
+        group = WorkerGroup(pool, by_pool[pool_spec.name], env={**env, "OMP_NUM_THREADS": str(threads)})
+        groups.append(group)
+        roles.update({r: group[r] for r in group.roles})
+    devices = sum(g.pool.world_size for g in groups)
+    return Workers(roles, groups, devices)
+
+
+def prompt_batch(samples: list[Sample], uid_offset: int = 0) -> Batch:
+    return Batch(
+        non_tensors={
+            "prompt_ids": [s.prompt for s in samples],
+            "truth": [s.truth for s in samples],
+            "data_source": [s.data_source for s in samples],
+            "extra_info": [s.extra_info for s in samples],
+            "uid": list(range(uid_offset, uid_offset + len(samples))),
+        }
+    )
+
+
+def reward_scores(batch: Batch, task: Task) -> tuple[torch.Tensor, dict[str, float]]:
+    """Scores of the batch's responses by the task's rule or text reward, and reward statistics for the step log
+    (failed samples, and the means of a reward function's extra metrics)."""
+    prompts, responses = unpack_prompts(batch), unpack_responses(batch)
+    if task.text_reward is None:
+        assert task.rule is not None
+        scores = [task.rule(p, r, t, task.decode) for p, r, t in zip(prompts, responses, batch["truth"])]
+        return torch.tensor(scores, dtype=torch.float32), {}
+    assert task.decode is not None
+    n = len(responses)
+    out = task.text_reward.score(list(batch["data_source"]), [task.decode(r) for r in responses],
+                                 list(batch["truth"]), [dict(x) for x in batch["extra_info"]])
+    stats = {"reward_errors": float(len(out.errors))}
+    for key, values in out.extras.items():
+        got = [v for v in values if v == v]  # NaN: that sample's result had no such key
+        if got:
+            stats[f"reward_{key}_mean"] = float(np.mean(got))
+    if out.errors:
+        log.warning("%d of %d samples could not be scored; first: %s", len(out.errors), n, out.errors[0])
+    return torch.tensor(out.scores, dtype=torch.float32), stats
+
+
+
+
+@dataclass
+class Prepared:
+    """What a job needs before its workers start: model directories, and the prompts and the reward."""
+
+    model_dir: Path
+    critic_dir: Path | None
+    rm_dir: Path | None
+    task: Task
+    cost_dir: Path | None = None
+
+    def close(self) -> None:
+        self.task.close()  # a reward function's worker processes
+
+
+def prepare(job: RLHFJob, progress: bool = True) -> Prepared:
+    """Models and data, before Ray starts: a bad data file is exit 2 with nothing started, and tokenizing does not
+    hold a cluster's devices."""
+    from hybridflow.models.builders import materialize, model_cache_dir
+
+    s = job.spec
+    cache = model_cache_dir()
+    if progress:
+        print(f"job {job.metadata.name}: {s.algorithm.name} on {s.models.actor.source} model, rollout "
+              f"{s.rollout.engine}, {s.trainer.steps} steps x {s.trainer.prompts_per_step} prompts x "
+              f"{s.rollout.responses_per_prompt} samples")
+    model_dir = materialize(s.models.actor, cache, s.trainer.seed)
+    critic_dir = materialize(s.models.critic, cache, s.trainer.seed) if s.models.critic else None
+    rm_dir = materialize(s.models.reward.model, cache, s.trainer.seed) if s.models.reward.model else None
+    cost = s.models.cost.model if s.models.cost is not None else None
+    cost_dir = materialize(cost, cache, s.trainer.seed) if cost is not None else None
+    task = build_task(job, model_dir)
+    if progress:
+        print(f"prompts: {len(task.train)} for training, {len(task.eval)} held out")
+    return Prepared(model_dir, critic_dir, rm_dir, task, cost_dir)
+
+
+def cost_scores(batch: Batch, task: Task) -> tuple[torch.Tensor, dict[str, float]]:
+    """The cost rule over each response (safe_rlhf with spec.models.cost.type rule)."""
+    assert task.cost_rule is not None
+    prompts, responses = unpack_prompts(batch), unpack_responses(batch)
+    costs = [task.cost_rule(p, r, t, task.decode) for p, r, t in zip(prompts, responses, batch["truth"])]
+    return torch.tensor(costs, dtype=torch.float32), {}
+
+
+def controller_scorers(task: Task) -> dict[str, Scorer]:
+    """The stages scored on the controller rather than by a model: rules and reward functions."""
+    out: dict[str, Scorer] = {}
+    if task.rule is not None or task.text_reward is not None:
+        out["reward"] = lambda batch: reward_scores(batch, task)
+    if task.cost_rule is not None:
+        out["cost"] = lambda batch: cost_scores(batch, task)
+    return out
