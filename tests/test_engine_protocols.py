@@ -9,6 +9,7 @@ import ast
 import inspect
 import json
 import os
+import sys
 import textwrap
 import typing
 from pathlib import Path
@@ -228,6 +229,7 @@ def plugin_engine(tmp_path, monkeypatch):
     monkeypatch.setattr(ROLLOUT_ENGINES, "_info", dict(ROLLOUT_ENGINES._info))
     registry.register_rollout_engine(RolloutEngineKind("random", f"{PLUGIN}:build", "random tokens (a test)"))
     yield "random"
+    sys.modules.pop(PLUGIN, None)  # imported from tmp_path: gone with it (test_environment checks every module)
 
 
 @pytest.mark.slow  # starts Ray: about 10 s on a 2-core machine, most of it Ray and worker start-up
