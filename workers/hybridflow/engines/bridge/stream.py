@@ -1,0 +1,265 @@
+"""Weights across pools (issue 26, item 2): a trainer rank that holds whole tensors streams them to every rollout
+replica's ranks over one torch.distributed group spanning them (gloo on CPU, NCCL on GPU: the same code, the
+tensors on the group's device).
+
+The in-process transfers (transfer.py) hand tensors to `load_weights` by reference; a rollout on a pool of its own
+gets them by broadcast instead. Three things matter there that do not in-process:
+
+* Memory stays bounded. Tensors travel in buckets (reshard.byte_buckets: same-dtype tensors coalesced up to
+  `bucket_bytes`, a bigger one alone), each flattened into one buffer and broadcast as bytes. The sender holds at
+  most that one buffer beyond its own tensors (a lone contiguous tensor is sent as it lies, no copy); a receiver
+  splits the buffer into named views and yields them lazily, so it holds one bucket in flight: the next one is
+  received only when its consumer (a `load_weights`) asks for the next tensor.
+* The receiver knows nothing beforehand. Each bucket is preceded by a preamble (a fixed-size int64 tensor) and a
+  header (JSON: names, shapes, dtype), so a replica needs no prior knowledge of the model's shapes; the preamble
+  carries the POLICY VERSION, the bucket's index and byte count, which the receiver checks (same version
+  throughout, newer than the last one it loaded, buckets in order, bytes as announced). Preamble and header are
+  two small broadcasts per bucket beside its payload, a per-collective cost: buckets are MBs, not tensors. An end
+  marker carries the totals; each receiver then acks (version, tensors, bytes) to the sender point to point, so
+  the sender knows every replica got what it meant, and by name which did not.
+* A stall is an error, not a hang. Every wait is bounded by `timeout_s` (Work.wait(timeout): gloo honours it, as
+  tests/test_weight_stream.py shows; NCCL's Work.wait takes the same timeout, not run here for want of two GPUs;
+  make the group with stream_group so its own timeout is the same) and a failure is re-raised as a
+  WeightStreamError naming the peer that did not answer (the sender, or the receiver that did not ack), the
+  version and the bucket. A killed sender's sockets close, so its receivers fail at once (those reached through a
+  peer fail within the timeout); the group is unusable after an error and must be rebuilt by the caller.
+
+Not wired yet: the spec still refuses a separate rollout pool; the roles and the loop use this when it is lifted.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.engines.bridge.reshard import BUCKET_BYTES, byte_buckets, flat_input, tensor_bytes, views_of
+
+STREAM_TIMEOUT_S = 60.0
+"""Default bound, in seconds, on any one wait of a stream: a bucket's broadcast (which includes the sender
+producing it, e.g. an FSDP all-gather for full_params, and the receivers loading the previous one) or an ack. Far
+above what a bucket costs (milliseconds to a second for 4 MB to hundreds of MB), far below "hangs silently". The
+first wait of a sync counts too: receivers enter `receive` when the controller says a version is coming."""
+
+_MAGIC = 0x48465753  # "HFWS": a preamble that does not start with it is not ours (a desynchronised stream)
+_PREAMBLE = 6  # magic, version, bucket index (-1: end), header bytes, payload bytes, tensors
+_ACK = 3  # version, tensors, bytes
+
+
+class WeightStreamError(RuntimeError):
+    """A weight stream that stalled, broke or did not carry what its sender meant. The message names this rank,
+    the peer, the policy version and the bucket, so the log says who to look at."""
+
+
+@dataclass
+class SyncStats:
+    """What one sync cost this rank (the metrics of issue 26: bytes and seconds per sync). `bytes`: payload bytes
+    sent (sender) or received (receiver); `peak_transient_bytes`: the largest buffer the stream itself held beyond
+    the sender's own tensors and what the receiver's consumer keeps."""
+    version: int
+    tensors: int = 0
+    buckets: int = 0
+    bytes: int = 0
+    peak_transient_bytes: int = 0
+    seconds: float = 0.0
+
+
+def stream_group(ranks: list[int], timeout_s: float = STREAM_TIMEOUT_S,
+                 backend: str | None = None) -> dist.ProcessGroup:
+    """The group a stream runs on (collective over the default group, as every new_group): the sender and every
+    receiver rank, with the stream's timeout as the group's own, so a wait the stream does not bound is bounded
+    too. `backend`: None is the default group's (gloo on CPU, NCCL on GPU)."""
+    return dist.new_group(sorted(ranks), timeout=timedelta(seconds=timeout_s), backend=backend)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise WeightStreamError(f"unknown dtype {name!r} in a weight stream header")
+    return dtype
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D contiguous tensor seen as uint8: every backend broadcasts bytes, whatever the weights' dtype."""
+    return t.view(torch.uint8)
+
+
+class _Bounded:
+    """One rank's side of a stream: every wait bounded, every failure named."""
+
+    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device | str, timeout_s: float) -> None:
+        self.group, self.src, self.device = group, src, torch.device(device)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.rank = dist.get_rank()
+        self.receivers = [r for r in dist.get_process_group_ranks(group) if r != src]
+
+    def _bounded(self, start: Callable[[], dist.Work], what: Callable[[], str]) -> None:
+        """Start one operation and wait for it at most the timeout; a timeout or a lost peer (gloo and NCCL raise
+        RuntimeError, DistBackendError, for both, at the start or at the wait) becomes a WeightStreamError that
+        says `what` did not happen."""
+        try:
+            start().wait(timeout=self.timeout)
+        except RuntimeError as e:
+            raise WeightStreamError(f"rank {self.rank}: {what()} (stream timeout {self.timeout.total_seconds():g} "
+                                    f"s): {str(e).strip().splitlines()[0]}") from e
+
+    def _broadcast(self, t: torch.Tensor, what: Callable[[], str]) -> None:
+        self._bounded(lambda: dist.broadcast(t, src=self.src, group=self.group, async_op=True), what)
+
+
+class WeightSender(_Bounded):
+    """The sending side: the one trainer rank in the group that holds whole tensors (FSDP's rank 0 after
+    full_params()). `send` streams one policy version; versions must increase."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device | str = "cpu",
+                 bucket_bytes: int = BUCKET_BYTES, timeout_s: float = STREAM_TIMEOUT_S) -> None:
+        super().__init__(group, dist.get_rank(), device, timeout_s)
+        self.bucket_bytes = bucket_bytes
+        self.version: int | None = None
+
+    def send(self, version: int, named: Iterable[tuple[str, torch.Tensor]],
+             on_bucket: Callable[[int], None] | None = None) -> SyncStats:
+        """Stream `named` (HF names, whole tensors, consumed lazily) as policy `version`; returns once every
+        receiver acked it. `on_bucket(i)` runs after bucket i was sent, its buffer still held: where tests measure
+        what the sender holds, or kill it between buckets."""
+        if self.version is not None and version <= self.version:
+            raise ValueError(f"policy version {version} is not newer than the last one sent ({self.version})")
+        stats, t0 = SyncStats(version), time.perf_counter()
+        buckets = byte_buckets(named, lambda item: tensor_bytes(item[1]), self.bucket_bytes,
+                               kind=lambda item: item[1].dtype)
+        for i, bucket in enumerate(buckets):
+            flat = flat_input(t.detach().to(self.device) for _, t in bucket)
+            if len(bucket) > 1 or flat.data_ptr() != bucket[0][1].data_ptr():  # a copy: the stream's own buffer
+                stats.peak_transient_bytes = max(stats.peak_transient_bytes, tensor_bytes(flat))
+            header = json.dumps({"names": [n for n, _ in bucket], "shapes": [list(t.shape) for _, t in bucket],
+                                 "dtype": str(flat.dtype).removeprefix("torch.")}).encode()
+            self._send_bucket(version, i, header, flat, len(bucket))
+            stats.tensors, stats.buckets = stats.tensors + len(bucket), i + 1
+            stats.bytes += tensor_bytes(flat)
+            if on_bucket is not None:
+                on_bucket(i)
+            del flat, bucket  # before the next bucket is built
+        end = torch.tensor([_MAGIC, version, -1, 0, stats.bytes, stats.tensors], dtype=torch.int64, device=self.device)
+        self._broadcast(end, lambda: f"receivers {self.receivers} did not take the end of policy version {version}")
+        self._acks(stats)
+        self.version = version
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _send_bucket(self, version: int, i: int, header: bytes, flat: torch.Tensor, n: int) -> None:
+        def what() -> str:
+            return f"receivers {self.receivers} did not take bucket {i} of policy version {version}"
+
+        pre = torch.tensor([_MAGIC, version, i, len(header), tensor_bytes(flat), n], dtype=torch.int64,
+                           device=self.device)
+        self._broadcast(pre, what)
+        self._broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device), what)
+        self._broadcast(_as_bytes(flat), what)
+
+    def _acks(self, stats: SyncStats) -> None:
+        """Each receiver's (version, tensors, bytes), point to point: names the receiver that did not answer."""
+        acks = {r: torch.zeros(_ACK, dtype=torch.int64, device=self.device) for r in self.receivers}
+        works = {r: dist.irecv(a, src=r, group=self.group) for r, a in acks.items()}
+        for r, work in works.items():
+            self._bounded(lambda w=work: w,
+                          lambda r=r: f"receiver rank {r} did not ack policy version {stats.version}")
+            got = acks[r].tolist()
+            if got != [stats.version, stats.tensors, stats.bytes]:
+                raise WeightStreamError(f"rank {self.rank}: receiver rank {r} acked (version, tensors, bytes) "
+                                        f"{got}, sent {[stats.version, stats.tensors, stats.bytes]}")
+
+
+class WeightReceiver(_Bounded):
+    """The receiving side, on each rank of each rollout replica: `receive` yields one version's (name, tensor)
+    lazily, shaped for RolloutEngine.load_weights; `sync(load)` runs a whole one. `version`: the last loaded."""
+
+    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device | str = "cpu",
+                 timeout_s: float = STREAM_TIMEOUT_S) -> None:
+        super().__init__(group, src, device, timeout_s)
+        self.version: int | None = None
+        self.stats: SyncStats | None = None  # the last complete sync's
+
+    def sync(self, load: Callable[[Iterable[tuple[str, torch.Tensor]]], None]) -> SyncStats:
+        """One version into `load` (a load_weights). A load that stops early would leave the stream out of step
+        with the sender, so what it left is drained, and that is an error."""
+        stream = self.receive()
+        load(stream)
+        left = sum(1 for _ in stream)
+        if left:
+            raise WeightStreamError(f"rank {self.rank}: the load left {left} tensor(s) of policy version "
+                                    f"{self.version} unconsumed")
+        assert self.stats is not None
+        return self.stats
+
+    def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The next version's tensors, as views into the bucket just received: valid until the next item is asked
+        for (a load_weights copies them into its parameters). Acks the sender after the end marker."""
+        t0, stats, i = time.perf_counter(), SyncStats(-1), 0
+        while True:
+            pre = self._preamble(stats.version, i)
+            magic, version, index, header_len, nbytes, n = pre
+            if magic != _MAGIC:
+                raise WeightStreamError(f"rank {self.rank}: bucket {i} from sender rank {self.src} is not a weight "
+                                        f"stream preamble ({pre})")
+            if i == 0:
+                if self.version is not None and version <= self.version:
+                    raise WeightStreamError(f"rank {self.rank}: sender rank {self.src} sent policy version {version}, "
+                                            f"not newer than the loaded {self.version}")
+                stats.version = version
+            elif version != stats.version:
+                raise WeightStreamError(f"rank {self.rank}: bucket {i} from sender rank {self.src} is of policy "
+                                        f"version {version}, the sync began as {stats.version}")
+            if index == -1:
+                if (nbytes, n) != (stats.bytes, stats.tensors):
+                    raise WeightStreamError(f"rank {self.rank}: sender rank {self.src} ended version {version} at "
+                                            f"{n} tensors / {nbytes} bytes, received {stats.tensors} / {stats.bytes}")
+                break
+            if index != i:
+                raise WeightStreamError(f"rank {self.rank}: sender rank {self.src} sent bucket {index} of version "
+                                        f"{version}, expected bucket {i}")
+            yield from self._bucket(stats, i, header_len, nbytes, n)
+            i += 1
+        self._ack(stats)
+        self.version, stats.seconds = stats.version, time.perf_counter() - t0
+        self.stats = stats
+
+    def _what(self, version: int, i: int) -> Callable[[], str]:
+        shown = "the next version" if version < 0 else f"policy version {version}"
+        return lambda: f"sender rank {self.src} did not send bucket {i} of {shown}"
+
+    def _preamble(self, version: int, i: int) -> list[int]:
+        pre = torch.zeros(_PREAMBLE, dtype=torch.int64, device=self.device)
+        self._broadcast(pre, self._what(version, i))
+        return pre.tolist()
+
+    def _bucket(self, stats: SyncStats, i: int, header_len: int, nbytes: int,
+                n: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """One bucket: its header, its bytes, split into named views. Only this bucket's buffer is held; the
+        views are dropped before the next one is received."""
+        header = torch.empty(header_len, dtype=torch.uint8, device=self.device)
+        self._broadcast(header, self._what(stats.version, i))
+        meta = json.loads(bytes(header.cpu().tolist()).decode())
+        del header
+        names, shapes, dtype = meta["names"], [torch.Size(s) for s in meta["shapes"]], _dtype(meta["dtype"])
+        expected = sum(s.numel() for s in shapes) * dtype.itemsize
+        if len(names) != n or len(shapes) != n or expected != nbytes:
+            raise WeightStreamError(f"rank {self.rank}: bucket {i} of version {stats.version} from sender rank "
+                                    f"{self.src} announces {n} tensors / {nbytes} bytes, its header {len(names)} / "
+                                    f"{expected}")
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._broadcast(buf, self._what(stats.version, i))
+        stats.peak_transient_bytes = max(stats.peak_transient_bytes, nbytes)
+        stats.tensors, stats.buckets, stats.bytes = stats.tensors + n, i + 1, stats.bytes + nbytes
+        views = views_of(buf.view(dtype), list(shapes))
+        del buf
+        while views:
+            yield names.pop(0), views.pop(0)  # the generator keeps no reference to what it handed out
+
+    def _ack(self, stats: SyncStats) -> None:
+        ack = torch.tensor([stats.version, stats.tensors, stats.bytes], dtype=torch.int64, device=self.device)
+        self._bounded(lambda: dist.isend(ack, dst=self.src, group=self.group),
+                      lambda: f"sender rank {self.src} did not take the ack of policy version {stats.version}")
