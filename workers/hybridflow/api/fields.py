@@ -34,8 +34,10 @@ def matching(pattern: str, what: str) -> AfterValidator:
 def registered(registry: Registry[Any], value: str) -> str:
     """A name checked against its registry when the manifest is validated (not when the schema is built), so an
     entry registered later, by a plug-in or a test, is accepted too."""
-    if value not in registry:
-        raise ValueError(f"unknown {registry.kind} '{value}'; registered: {', '.join(registry.names())}")
+    try:
+        registry[value]
+    except KeyError as err:  # the registry's own message: the name and the registered ones
+        raise ValueError(err.args[0]) from None
     return value
 
 

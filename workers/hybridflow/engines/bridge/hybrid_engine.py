@@ -16,6 +16,12 @@ from hybridflow.engines.bridge import layout as lay
 from hybridflow.engines.bridge.reshard import ReshardStats, gather_micro_dp
 
 
+def training_dp_rank(L: lay.Layout, rank: int) -> DPRank:
+    """`rank`'s training data-parallel coordinate: a TP group shares one shard and its TP rank 0 answers."""
+    tp, dp, _ = L.coords(rank)
+    return DPRank(dp, L.d, tp == 0)
+
+
 def _own(groups: list[list[int]], rank: int) -> tuple[dist.ProcessGroup, list[int]]:
     handles = [dist.new_group(g) for g in groups]
     i = next(i for i, g in enumerate(groups) if rank in g)
@@ -31,13 +37,12 @@ class HybridEngine:
         self.gen_tp_group, self.gen_tp_ranks = _own(lay.gen_tp_groups(L), rank)
 
     def dp_rank(self, mesh: str) -> DPRank:
-        """Training: a TP group shares one shard and its TP rank 0 answers. Generation: each generation TP group
-        is a replica and its first member answers."""
+        """Generation: each generation TP group is a replica and its first member answers (training:
+        training_dp_rank)."""
         L, r = self.L, self.rank
-        tp, dp, _ = L.coords(r)
         if mesh == "rollout":
             return DPRank(lay.gen_dp_rank(L, r), L.d * L.d_g, lay.gen_tp_rank(L, r) == 0)
-        return DPRank(dp, L.d, tp == 0)
+        return training_dp_rank(L, r)
 
     @property
     def generation_replica(self) -> int:

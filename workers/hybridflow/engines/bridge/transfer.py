@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hybridflow.api.engines import RolloutEngineKind, TrainEngineKind
 from hybridflow.single_controller.protocol import DPRank
 from hybridflow.single_controller.context import WorkerContext
-from hybridflow.engines.bridge.hybrid_engine import HybridEngine
+from hybridflow.engines.bridge.hybrid_engine import HybridEngine, training_dp_rank
 from hybridflow.engines.bridge.layout import Layout
 from hybridflow.engines.bridge.reshard import ReshardStats
 from hybridflow.engines.rollout.base import RolloutEngine
@@ -54,9 +54,7 @@ def train_dp_rank(ctx: WorkerContext, train: TrainEngineKind, train_tp: int) -> 
     trainer's TP group shares one shard and its TP rank 0 answers."""
     if not train.model_parallel:
         return DPRank(ctx.rank, ctx.world_size, True)
-    layout = Layout(p=1, t=train_tp, d=ctx.world_size // train_tp, p_g=1, t_g=train_tp)
-    tp, dp, _ = layout.coords(ctx.rank)
-    return DPRank(dp, layout.d, tp == 0)
+    return training_dp_rank(Layout(p=1, t=train_tp, d=ctx.world_size // train_tp, p_g=1, t_g=train_tp), ctx.rank)
 
 
 def weight_transfer(ctx: WorkerContext, train: TrainEngineKind, rollout: RolloutEngineKind, engine: TrainEngine,
