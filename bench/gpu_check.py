@@ -571,6 +571,7 @@ def check_vllm_sync(c: Check, s: Session, args: argparse.Namespace) -> tuple[lis
     engine's weights are the trainer's: element-wise in the worker (embedding, cast to the engine's dtype), and the
     public checksums within that dtype's rounding."""
     from hybridflow.trainer import loop, setup
+    from hybridflow.trainer.rollouts import ColocatedWeightSync
 
     job, w, task = s.job, s.w, s.task
     actor, rollout = w.roles["actor"], w.roles["rollout"]
@@ -603,8 +604,9 @@ def check_vllm_sync(c: Check, s: Session, args: argparse.Namespace) -> tuple[lis
             c.expect(f["vllm_platform"] == "cuda", f"vLLM's platform is {f['vllm_platform']}")
         c.expect(f["exact"], "before any step the engine's embedding differs from the trainer's")
     probe = ActorProbe(actor, read)
-    probed = setup.Workers({**w.roles, "actor": probe, "rollout": ActorProbe(rollout, read, probe.readings)},
-                           w.groups, w.devices)
+    probed_rollout = ActorProbe(rollout, read, probe.readings)
+    probed = setup.Workers({**w.roles, "actor": probe, "rollout": probed_rollout}, w.groups, w.devices,
+                           ColocatedWeightSync(probed_rollout), w.spec)
     steps: list[dict[str, Any]] = []
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
@@ -828,6 +830,7 @@ def post_wake_generation(rollout, task, job, resolve, unpack_responses, setup) -
 
 def run_megatron(args: argparse.Namespace) -> int:
     from hybridflow.trainer import loop, setup
+    from hybridflow.trainer.rollouts import ColocatedWeightSync
 
     out = out_dir(args)
     c = Check("megatron", out)

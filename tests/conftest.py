@@ -40,6 +40,26 @@ def word_problems(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_example_run(tmp_path_factory, model_cache):
+    """examples/tiny-grpo.yaml run once as a user runs it (`hybridflow run`, its 40 steps): (checkpoint dir, the
+    CompletedProcess). Its learning is asserted in test_end_to_end; test_export exports its final checkpoint. One
+    `hybridflow run` of it costs ~30 s here, so the tests that only read a tiny run's outputs share this one."""
+    import shutil
+    import tempfile
+
+    work = tmp_path_factory.mktemp("tiny-example")
+    ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths are limited
+    try:
+        out = run_cli(["run", str(ROOT / "examples" / "tiny-grpo.yaml"), "--checkpoint-dir", str(work / "run"),
+                       "--metrics-port", "0", "--ray-temp-dir", ray_dir], cwd=work,
+                      env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
+    finally:
+        kill_processes_mentioning(ray_dir)
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    return work / "run", out
+
+
 def run_cli(args, cwd, env_extra=None, timeout=900):
     import subprocess
 
@@ -54,7 +74,7 @@ def run_cli(args, cwd, env_extra=None, timeout=900):
 # as the next test does not need it, so it never idles beside unrelated tests. A pool's "devices" are only counters
 # (`hybridflow_pool_<name>`, hybridflow.api.pool_resource) that placement groups reserve, so one Ray with room for
 # the largest job of each pool name serves them all; a job needing more fails clearly (raise the numbers here).
-SHARED_RAY_POOLS = {"default": 8, "ref": 2, "p1": 2, "p2": 4}  # pool name -> devices
+SHARED_RAY_POOLS = {"default": 8, "ref": 2, "p1": 2, "p2": 4, "trainer": 1, "rollout": 1}  # pool name -> devices
 # CPUs reserved at once (devices x cpusPerDevice): the megatron TP=4 job needs 4. Like start_local_ray, never fewer
 # than the machine has; Ray starts that many idle workers when the driver connects.
 SHARED_RAY_CPUS = max(4, os.cpu_count() or 1)

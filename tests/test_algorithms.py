@@ -507,7 +507,7 @@ def test_ppo_loss_stays_finite_for_extreme_ratios():
 
 
 def test_truncated_importance_weights():
-    from hybridflow.algorithms.losses import truncated_is_weights
+    from hybridflow.algorithms.corrections import truncated_is_weights
 
     old = torch.tensor([[-1.0, -0.5, -3.0]], dtype=D)
     rollout = torch.tensor([[-1.2, -0.4, -0.1]], dtype=D)

@@ -157,7 +157,7 @@ def test_loop_restore_refuses_before_loading_weights(tmp_path):
     _make_for(tmp_path, 1, _ident("job-a"))
     loaded = []
     actor = SimpleNamespace(load_checkpoint=loaded.append)
-    w = SimpleNamespace(roles={"actor": actor, "rollout": SimpleNamespace(sync_weights=lambda: None)})
+    w = SimpleNamespace(roles={"actor": actor}, sync_weights=lambda version: {})
     other = RLHFJob(metadata={"name": "job-b", "namespace": "team"})
     with pytest.raises(ck.CheckpointError, match="belongs to job 'team/job-a'"):
         checkpointer.restore(w, tmp_path, SimpleNamespace(load=lambda s: None), job=other)
@@ -468,7 +468,7 @@ def test_a_step_sealed_but_not_yet_logged_gets_its_record_back_on_resume(tmp_pat
     record = {"step": 3, "reward_mean": 0.3, "stages": {"generate": 1.0}}
     sealed = ck.seal(tmp_path, st, 3, {"data_position": 3, "step_record": record}, keep=3)
     actor = SimpleNamespace(load_checkpoint=lambda d: None)
-    w = SimpleNamespace(roles={"actor": actor, "rollout": SimpleNamespace(sync_weights=lambda: None)})
+    w = SimpleNamespace(roles={"actor": actor}, sync_weights=lambda version: {})
     assert checkpointer.restore(w, tmp_path, SimpleNamespace(load=lambda s: None)) == (3, 3)
     logged = ck.read_step_log(tmp_path)
     assert [r["step"] for r in logged] == [1, 2, 3]

@@ -56,10 +56,8 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_tiny_example_learns(tmp_path, model_cache, ray_tmp):
-    ckpt = tmp_path / "run"
-    out = run_cli(["run", str(TINY), "--checkpoint-dir", str(ckpt), "--metrics-port", "0", "--ray-temp-dir", ray_tmp],
-                  cwd=tmp_path, env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
+def test_tiny_example_learns(tiny_example_run):
+    ckpt, out = tiny_example_run  # examples/tiny-grpo.yaml as it is (conftest); test_export exports this run too
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step 40/40" in out.stdout and "ETA" in out.stdout and "tok/s" in out.stdout
     summary = json.loads((ckpt / "summary.json").read_text())

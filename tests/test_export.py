@@ -30,14 +30,12 @@ RESPONSES = [[4, 5, 6], [8, 9], [10, 11, 12, 13], [12]]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """examples/tiny-grpo.yaml trained for 2 steps by `hybridflow run`: (job, its final checkpoint)."""
-    work = tmp_path_factory.mktemp("export-run")
-    example = ROOT / "examples" / "tiny-grpo.yaml"
-    out = run_cli(["run", str(example), "--steps", "2", "--checkpoint-dir", str(work / "ckpt"), "--metrics-port", "0",
-                   "-q"], cwd=work)
+def trained(tiny_example_run):
+    """examples/tiny-grpo.yaml trained by `hybridflow run` (the session's run of it, which test_end_to_end checks
+    for learning; these tests only read it): (job, its final checkpoint)."""
+    root, out = tiny_example_run
     assert out.returncode == 0, out.stderr[-3000:]
-    return load_job(example), ckpt.list_checkpoints(work / "ckpt")[-1]
+    return load_job(ROOT / "examples" / "tiny-grpo.yaml"), ckpt.list_checkpoints(root)[-1]
 
 
 def test_the_step_log_records_the_size_of_each_checkpoint(trained):

@@ -20,7 +20,7 @@ from hybridflow.dashboards import DASHBOARDS
 pytestmark = pytest.mark.slow
 ALERTS = ROOT / "helm" / "hybridflow" / "files" / "alerts.yaml"
 VARIABLES = {"$namespace": ".*", "$rlhfjob": ".*", "$peak_flops_per_device": "1e12"}
-STEPS = 60
+STEPS = 50  # the panels are queried from step 20 on (about 0.5 s a step here), while the run still runs
 
 
 def _promtool() -> str:
@@ -63,6 +63,13 @@ def test_every_panel_and_alert_has_data_from_live_exporters(tmp_path, model_cach
             # the steps after the queries only wait for the run to end
             run_doc["spec"]["trainer"].update(steps=STEPS, saveFreq=10, checkpointDir=str(tmp_path / "run"))
             run_doc["spec"]["algorithm"]["tisCap"] = 10.0  # the trainer/rollout log-prob gap panel needs TIS on
+            # Rollout on a pool of its own, asynchronous (the staleness, queue, idle and weight-sync panels): the
+            # same two devices, one trainer rank and one rollout rank; a queue deep enough that some groups age
+            # past maxStaleness (the stale-drop panel).
+            run_doc["spec"]["resourcePools"] = [{"name": "trainer", "devicesPerNode": 1},
+                                                {"name": "rollout", "devicesPerNode": 1}]
+            run_doc["spec"]["placement"] = {"actor": "trainer", "rollout": "rollout"}
+            run_doc["spec"]["rollout"].update(mode="async", maxStaleness=1, queuePrompts=128)
             job.write_text(yaml.safe_dump(run_doc))
             env = {**os.environ, "HYBRIDFLOW_MODEL_CACHE": str(model_cache)}
             run_cmd = [sys.executable, "-m", "hybridflow.cli", "run", str(job), "-q", "--metrics-port",

@@ -40,7 +40,7 @@ def test_independent_stages_overlap_across_pools(tmp_path, model_cache, local_ra
     try:
         assert (w.pools["reference"] != w.pools["actor"]) == separate_pools
         step = Step(job.spec, w.roles, w.pools, setup.controller_scorers(task), AlgorithmState.for_spec(job.spec),
-                    lambda: setup.prompt_batch(task.train[:64]))
+                    w.rollouts(lambda: setup.prompt_batch(task.train[:64]), task.stop_token_ids))
         rollout = step.generate(setup.prompt_batch(task.train[:64]))
         step.compute(rollout, "old_log_prob", "reference")  # warm-up: first calls pay one-off costs
         walls, sums = [], []

@@ -540,3 +540,61 @@ def test_a_placement_key_is_bounded_and_never_quoted_whole():
     assert "are at most 63 characters; got one of 200000 starting 'kkkkkkkkkkkkkkkkkkkk'" in str(err.value)
     with pytest.raises(SpecError, match=r"spec.placement.kkk+: unknown role"):  # within the bound: the usual message
         parse_job({"spec": {"placement": {"k" * 63: "default"}}})
+
+
+# Rollout on a pool of its own (issue 26): what the spec accepts and what it refuses, and why.
+TWO_POOLS = {"resourcePools": [{"name": "trainer", "devicesPerNode": 1}, {"name": "rollout", "devicesPerNode": 1}],
+             "placement": {"actor": "trainer", "rollout": "rollout"}}
+
+
+def _two_pools(**rollout) -> dict:
+    return {"spec": {**TWO_POOLS, "rollout": rollout}}
+
+
+@pytest.mark.parametrize("rollout", [{"mode": "sync"}, {"mode": "one_step_off"}, {"mode": "async", "maxStaleness": 3},
+                                     {"mode": "async", "partialRolloutTokens": 4, "queuePrompts": 64, "engine": "hf"}])
+def test_a_rollout_pool_of_its_own_is_accepted_in_every_mode(rollout):
+    job = parse_job(_two_pools(**rollout))
+    assert job.spec.pool("rollout").name == "rollout" and job.spec.rollout.mode == rollout["mode"]
+    assert parse_job(dump_job(job)).spec == job.spec  # a dumped spec (every field set) reads back
+
+
+@pytest.mark.parametrize("doc,message", [
+    ({"spec": {"rollout": {"mode": "one_step_off"}}}, "spec.rollout.mode = one_step_off generates while the actor "
+                                                      "trains, so rollout needs devices of its own"),
+    ({"spec": {"rollout": {"mode": "async"}}}, "spec.rollout.mode = async generates while the actor trains"),
+    (_two_pools(tensorParallel=2), "spec.rollout.tensorParallel = 2: a rollout pool of its own holds one replica"),
+    ({"spec": {**TWO_POOLS, "training": {"engine": "megatron"}, "rollout": {"engine": "megatron"}}},
+     "spec.placement.rollout: megatron generation runs on the actor's own processes"),
+    (_two_pools(maxStaleness=3), "spec.rollout.maxStaleness applies to mode async only (mode is sync)"),
+    (_two_pools(mode="one_step_off", partialRolloutTokens=2), "spec.rollout.partialRolloutTokens applies to mode "
+                                                              "async only"),
+    ({"spec": {**TWO_POOLS, "resourcePools": [{"name": "trainer", "devicesPerNode": 1},
+                                              {"name": "rollout", "devicesPerNode": 3}]}},
+     "responses a step do not split evenly over the rollout pool's 3 replicas"),
+    ({"spec": {**TWO_POOLS, "algorithm": {"name": "remax"}, "rollout": {"mode": "async"}}},
+     "spec.rollout.mode = async: remax's baseline is a greedy response of the policy being trained"),
+])
+def test_what_a_rollout_pool_refuses_names_the_field_and_the_way_out(doc, message):
+    with pytest.raises(SpecError) as err:
+        parse_job(doc)
+    assert message in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "async"])
+def test_every_algorithm_runs_in_every_mode_or_is_refused_saying_why(mode):
+    """Issue 26 item 5: each registered algorithm, on two pools, is accepted or refused by a message about the mode
+    (not by some unrelated rule: its other needs are met the way its example meets them)."""
+    from hybridflow.algorithms import ALGORITHMS
+
+    refused = {}
+    for name in ALGORITHMS.names():
+        spec = {**TWO_POOLS, "algorithm": {"name": name}, "rollout": {"mode": mode}}
+        if ALGORITHMS[name].cost:
+            spec["models"] = {"cost": {"type": "rule", "rule": "top_ids"}}
+        try:
+            parse_job({"spec": spec})
+        except SpecError as e:
+            refused[name] = str(e)
+    assert all("spec.rollout.mode" in msg for msg in refused.values()), refused
+    assert set(refused) == ({"remax"} if mode == "async" else set())

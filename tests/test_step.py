@@ -5,14 +5,20 @@ import pytest
 import torch
 
 from hybridflow.single_controller.batch import Batch
-from hybridflow.trainer.step import AlgorithmState, Step, stage_seconds
+from hybridflow.trainer.rollouts import ColocatedWeightSync, Rollouts
+from hybridflow.trainer.step import AlgorithmState, Step, generation_rows, stage_seconds
 from hybridflow.api import JobSpec
+
+
+def _no_rollouts(spec: JobSpec) -> Rollouts:
+    """A sync source with no rollout role behind it: these steps never generate."""
+    return Rollouts(spec, None, ColocatedWeightSync(None), lambda: Batch(), generation_rows)
 
 
 def _step(**algorithm):
     spec = JobSpec.model_validate({"algorithm": algorithm, "rollout": {"responsesPerPrompt": 2},
                                    "trainer": {"promptsPerStep": 4}})
-    return Step(spec, {}, {}, {}, AlgorithmState.for_spec(spec), lambda: Batch())
+    return Step(spec, {}, {}, {}, AlgorithmState.for_spec(spec), _no_rollouts(spec))
 
 
 def _scored(scores, uid0=0):
@@ -83,7 +89,7 @@ def test_an_on_policy_step_skips_the_old_log_prob_pass_and_summarises_from_the_u
 
     def step_for(training: dict) -> Step:
         spec = JobSpec.model_validate({**doc, "training": training})
-        return Step(spec, {}, {}, {}, AlgorithmState.for_spec(spec), lambda: Batch())
+        return Step(spec, {}, {}, {}, AlgorithmState.for_spec(spec), _no_rollouts(spec))
 
     step = step_for({})
     assert step.skipped == {"old_log_prob"}
@@ -121,7 +127,7 @@ def test_an_algorithm_carries_its_own_state_and_checkpoints_it_by_name():
         spec = JobSpec.model_validate({"algorithm": {"name": "safe_rlhf", "lambdaInit": 0.5},
                                        "models": {"cost": {"type": "rule", "rule": "top_ids"}},
                                        "rollout": {"responsesPerPrompt": 2}, "trainer": {"promptsPerStep": 4}})
-        return Step(spec, {}, {}, {}, AlgorithmState.for_spec(spec), lambda: Batch())
+        return Step(spec, {}, {}, {}, AlgorithmState.for_spec(spec), _no_rollouts(spec))
 
     safe = _safe()
     assert safe.carried("lagrangian").value == 0.5

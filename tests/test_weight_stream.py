@@ -118,8 +118,20 @@ def _rank(rank: int, store: str, outdir: str) -> None:
     from hybridflow.engines.bridge import stream as ws
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=3)
-    group, stalled, killed = (ws.stream_group([0, 1, 2], timeout_s=t) for t in (TIMEOUT_S, STALL_TIMEOUT_S, TIMEOUT_S))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=3)  # its barrier only
+    # Three groups of their own, as a job's stream is (its ranks are in different pools' worlds), joined through
+    # one rendezvous the sender serves, each under a prefix of its own.
+    if rank == 0:
+        rendezvous = ws.StreamRendezvous("127.0.0.1", 3)
+        Path(store + ".tmp").write_text(str(rendezvous.port))
+        os.replace(store + ".tmp", store + ".port")  # whole, or not there
+        stores = rendezvous.store
+    else:
+        while not Path(store + ".port").exists():
+            time.sleep(0.05)
+        stores = ws.stream_store("127.0.0.1", int(Path(store + ".port").read_text()), 3)
+    group, stalled, killed = (ws.stream_group(dist.PrefixStore(f"g{i}", stores), rank, 3, timeout_s=t)
+                              for i, t in enumerate((TIMEOUT_S, STALL_TIMEOUT_S, TIMEOUT_S)))
     out: dict = {"syncs": []}
     path = Path(outdir) / f"rank{rank}.json"
     if rank == 0:

@@ -65,8 +65,9 @@ def _greedy_matches_hf(job, w, task, model_dir, step):
         assert resp == _hf_greedy(hf, sample.prompt, resp)
 
 
-@pytest.mark.parametrize("example,engine,dtype", [("tiny-grpo.yaml", "vllm", "float32"),
-                                                  ("tiny-grpo.yaml", "vllm", "bfloat16"),
+# vLLM in fp32 runs with SmolLM2 (its update is the slow one: 2 prompts); vLLM fed by the cross-pool stream after
+# 40 updates in tests/test_async_rollout.py (checksums and greedy == HF there too).
+@pytest.mark.parametrize("example,engine,dtype", [("tiny-grpo.yaml", "vllm", "bfloat16"),
                                                   ("tiny-grpo.yaml", "hf", "float32"),
                                                   ("smollm2-arithmetic.yaml", "vllm", "float32")])
 def test_generation_engine_follows_the_trained_weights(tmp_path, model_cache, local_ray, example, engine, dtype):

@@ -203,6 +203,7 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
     """Each registered algorithm with the roles it adds and its defaults, then the registered pieces."""
     from hybridflow.algorithms import ALGORITHMS
     from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS
+    from hybridflow.algorithms.corrections import OFF_POLICY_CORRECTIONS
     from hybridflow.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
     from hybridflow.algorithms.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
     from pydantic.alias_generators import to_camel
@@ -212,7 +213,8 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
         roles = ", ".join(r for r, on in (("critic", a.critic), ("cost + cost critic", a.cost)) if on) or "no critic"
         defaults = ", ".join(f"{to_camel(k)}={v}" for k, v in a.defaults.items())
         print(f"{name}: {a.summary}\n    roles: actor, {roles}; min responses per prompt {a.min_group}; {defaults}")
-    for registry in (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, LOSS_AGGREGATIONS, KL_ESTIMATORS, KL_CONTROLLERS):
+    for registry in (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, LOSS_AGGREGATIONS, KL_ESTIMATORS, KL_CONTROLLERS,
+                     OFF_POLICY_CORRECTIONS):
         print(f"registered {registry.kind}: {', '.join(registry.names())}")
     return 0
 

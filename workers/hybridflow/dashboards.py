@@ -86,9 +86,40 @@ JOB_OVERVIEW = Dashboard(
                                                       f"avg by (rlhfjob) (hybridflow_kl_coefficient{JOB})"), width=8,
               description="The coefficient moves only with klController adaptive."),
         Panel("Trainer vs rollout log-prob gap", (f"avg by (rlhfjob) (hybridflow_rollout_log_prob_gap{JOB})",),
-              width=8, description="With algorithm.tisCap set: mean |log pi_train - log pi_rollout| per token on "
-                                   "the same weights, near 0 unless the generation engine samples from a "
-                                   "different distribution than the trainer computes."),
+              width=8, description="With any algorithm.offPolicyCorrection (or tisCap): mean |log pi_train - "
+                                   "log pi_rollout| per token; on the same weights near 0 unless the generation "
+                                   "engine samples from a different distribution than the trainer computes, and "
+                                   "larger as rollout runs older weights (asynchronous modes)."),
+        Panel("Importance ratio pi_old / pi_rollout", (
+            'avg by (__name__) ({__name__=~"hybridflow_is_(ratio_(mean|std|min|max)|masked_fraction)", '
+            'namespace=~"$namespace", rlhfjob=~"$rlhfjob"})',), legend="{{__name__}}", width=8,
+              description="With an off-policy correction: the ratio's mean, min, max and std over response tokens "
+                          "(min and max: per micro-batch, averaged), and the fraction of tokens the correction "
+                          "dropped (masked_is, decoupled with a cap)."),
+        Panel("Trajectory staleness (policy versions)", (
+            f"histogram_quantile(0.9, sum by (le, rlhfjob) (rate(hybridflow_trajectory_staleness_versions_bucket{JOB}[5m])))",
+            f"max by (rlhfjob) (hybridflow_staleness_max{JOB})"), legend="{{rlhfjob}}", width=8,
+              description="Rollout on a pool of its own: how many policy versions trained trajectories were behind "
+                          "the trainer (p90 of each batch's mean; the last step's max). one_step_off: 1; async: at "
+                          "most rollout.maxStaleness."),
+        Panel("Trajectory queue and stale drops", (
+            f"max by (rlhfjob) (hybridflow_trajectory_queue_depth{JOB})",
+            f"sum by (rlhfjob) (increase(hybridflow_trajectories_dropped_stale_total{JOB}[5m]))"),
+              legend="{{rlhfjob}}", width=8,
+              description="async: finished prompt groups waiting for the trainer, and groups dropped in the last "
+                          "5 minutes for being older than maxStaleness."),
+        Panel("Idle fraction: trainer vs rollout", (
+            'max by (__name__) ({__name__=~"hybridflow_(trainer|rollout)_idle_ratio", namespace=~"$namespace", '
+            'rlhfjob=~"$rlhfjob"})',), unit="percentunit", legend="{{__name__}}", width=8,
+              description="Of the last step: the trainer waiting for trajectories, the rollout pool not generating. "
+                          "The point of asynchronous modes is to bring both down."),
+        Panel("Weight sync across pools", (
+            f"max by (rlhfjob) (hybridflow_weight_sync_seconds{JOB})",), unit="s", legend="{{rlhfjob}}", width=8,
+              description="Seconds of the last trainer -> rollout weight stream (its bytes: the next panel)."),
+        Panel("Weight sync bytes and rollout policy version", (
+            f"max by (rlhfjob) (hybridflow_weight_sync_bytes{JOB})",
+            f"max by (rlhfjob) (hybridflow_rollout_policy_version{JOB})"), legend="{{rlhfjob}}", width=8,
+              description="Bytes the last sync delivered to all rollout ranks, and the policy version they hold."),
         Panel("Response length (tokens)", (f"avg by (rlhfjob) (hybridflow_response_length_tokens_mean{JOB})",),
               width=8),
         Panel("Entropy and clip fraction", (f"avg by (rlhfjob) (hybridflow_entropy_mean{JOB})",

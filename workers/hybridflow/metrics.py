@@ -25,6 +25,21 @@ STEP_GAUGES = {
     "kl_coefficient": ("kl_coef", "KL coefficient in use (moves with klController adaptive)."),
     "rollout_log_prob_gap": ("rollout_log_prob_gap", "Mean |log pi_train - log pi_rollout| per token: how far the "
                              "generation engine's sampler is from the trainer's forward pass."),
+    # With spec.algorithm.offPolicyCorrection (or tisCap): pi_prox / pi_behaviour over response tokens, per update.
+    "is_ratio_mean": ("is_ratio_mean", "Mean importance ratio pi_old / pi_rollout over response tokens."),
+    "is_ratio_std": ("is_ratio_std", "Standard deviation of the importance ratio over response tokens."),
+    "is_ratio_max": ("is_ratio_max", "Largest importance ratio (mean over micro-batches and ranks of each one's)."),
+    "is_ratio_min": ("is_ratio_min", "Smallest importance ratio (mean over micro-batches and ranks of each one's)."),
+    "is_masked_fraction": ("is_masked_fraction", "Fraction of response tokens whose loss the off-policy correction "
+                           "dropped (masked_is; decoupled with a cap)."),
+    # A rollout pool of its own (spec.placement.rollout; spec.rollout.mode one_step_off / async):
+    "trajectory_queue_depth": ("queue_depth", "async: finished prompt groups waiting in the trajectory queue."),
+    "trainer_idle_ratio": ("trainer_idle_fraction", "Fraction of the last step the trainer waited for generation."),
+    "rollout_idle_ratio": ("rollout_idle_fraction", "Fraction of the last step the rollout pool did not generate."),
+    "weight_sync_seconds": ("weight_sync_seconds", "Seconds of the last cross-pool weight sync (slowest rank)."),
+    "weight_sync_bytes": ("weight_sync_bytes", "Bytes the last cross-pool weight sync delivered (all rollout ranks)."),
+    "rollout_policy_version": ("rollout_policy_version", "Policy version the rollout replicas hold (updates synced)."),
+    "staleness_max": ("staleness_max", "Most policy versions a trained trajectory of the last step was behind."),
     "cost_mean": ("cost_mean", "safe_rlhf: mean cost of the step's responses."),
     "lagrange_multiplier": ("lagrange_multiplier", "safe_rlhf: the Lagrangian multiplier weighing the cost."),
     "kept_groups": ("kept_groups", "dapo: groups with differing rewards found this step (dynamic sampling)."),
@@ -77,10 +92,16 @@ class JobMetrics:
         self.parameters = Gauge("hybridflow_model_parameters", "Parameters of the actor model.", lbl, registry=r)
         self.reward_errors = Counter("hybridflow_reward_errors", "Samples whose reward function raised, timed out or "
                                      "returned no score (they score errorScore).", lbl, registry=r)
+        self.staleness = Histogram(
+            "hybridflow_trajectory_staleness_versions", "Policy versions each trained batch was behind the trainer "
+            "(its mean over trajectories; oldest token of each).", lbl, buckets=(0, 1, 2, 3, 4, 6, 8, 16), registry=r)
+        self.dropped_stale = Counter("hybridflow_trajectories_dropped_stale", "async: prompt groups dropped for "
+                                     "being more than maxStaleness versions old.", lbl, registry=r)
         self.gauges = {
             key: Gauge(f"hybridflow_{name}", doc, lbl, registry=r) for name, (key, doc) in STEP_GAUGES.items()
         }
         self.total_steps.labels(self.job)
+        self.dropped_stale.labels(self.job)  # 0 until a group is dropped: increase() has a series from the start
 
     def serve(self, port: int, address: str) -> int:
         """Start the HTTP exporter; returns the bound port (useful with port 0 in tests)."""
@@ -96,6 +117,10 @@ class JobMetrics:
         self.generation_throughput.labels(j).set(rec["generation_tokens_per_s"])
         self.iteration.labels(j).observe(rec["iteration_seconds"])
         self.eta.labels(j).set(rec["eta_seconds"])
+        if "staleness_mean" in rec:
+            self.staleness.labels(j).observe(rec["staleness_mean"])
+        if rec.get("dropped_stale"):
+            self.dropped_stale.labels(j).inc(rec["dropped_stale"])
         if rec.get("reward_errors"):
             self.reward_errors.labels(j).inc(rec["reward_errors"])
         for stage, secs in stages.items():

@@ -1,8 +1,8 @@
 """Policy losses and loss aggregations, one registered function each.
 
 A policy loss returns per-token losses (B, R) plus statistics; an aggregation reduces them to the scalar the
-optimizer sees. Truncated importance sampling (TIS) multiplies each token's loss by min(pi_old / pi_rollout, cap):
-the rollout engine's sampler differs slightly from the trainer's forward pass, and this corrects for it.
+optimizer sees. Off-policy corrections (truncated IS and the others) weight the token losses between the two; they
+are registered in hybridflow.algorithms.corrections.
 """
 from __future__ import annotations
 
@@ -92,8 +92,3 @@ def seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, max_len: int | None = No
     """Summed token losses over a constant (the job's maximum response length), averaged over responses
     (Dr. GRPO): no length bias either way."""
     return (loss * mask).sum(1).mean() / (max_len or loss.shape[1])
-
-
-def truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> Tensor:
-    """min(pi_old / pi_rollout, cap) per token, without gradient."""
-    return (old_logp - rollout_logp).clamp(max=20.0).exp().clamp(max=cap).detach()

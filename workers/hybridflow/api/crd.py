@@ -147,6 +147,22 @@ STATUS_SCHEMA: dict[str, Any] = {
             "description": "metav1.Condition list.",
             "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
         },
+        "pools": {
+            "type": "array",
+            "description": "One entry per resource pool, in spec.resourcePools' order: the roles spec.placement puts "
+            "on it (the first pool takes the rest), and its pods of the current gang generation and how many are "
+            "Ready.",
+            "items": {
+                "type": "object",
+                "required": ["name", "roles", "pods", "ready"],
+                "properties": {
+                    "name": {"type": "string", "description": "The pool's name (spec.resourcePools[].name)."},
+                    "roles": {"type": "array", "items": {"type": "string"}, "description": "Roles placed on it."},
+                    "pods": {"type": "integer", "description": "Its pods of the current generation."},
+                    "ready": {"type": "integer", "description": "Those of them that are Ready."},
+                },
+            },
+        },
     },
 }
 

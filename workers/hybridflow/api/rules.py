@@ -7,8 +7,11 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pydantic.alias_generators import to_camel
+
 from hybridflow.algorithms import ALGORITHMS
 from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from hybridflow.algorithms.corrections import OFF_POLICY_CORRECTIONS
 from hybridflow.api.engines import (
     ROLLOUT_ENGINES, TRAIN_ENGINES, model_parallel_train_engines, standalone_rollout_engines,
     tensor_parallel_rollout_engines,
@@ -59,8 +62,7 @@ def _layout_and_pieces_problems(spec: JobSpec) -> list[str]:
             out.append(f"spec.placement.{role}: no resource pool named '{pool}'; pools are {names}")
     if out:
         return out
-    if spec.pool("actor").name != spec.pool("rollout").name:
-        out.append("spec.placement.rollout: must share the actor's pool (the hybrid engine colocates them)")
+    out += _rollout_mode_problems(spec)
     t = spec.training
     actor_pool = spec.pool("actor")
     mp = t.tensor_parallel * t.pipeline_parallel
@@ -139,9 +141,23 @@ def _algorithm_problems(spec: JobSpec) -> list[str]:
     if algorithm.critic and "values" not in needs:
         out.append(f"spec.algorithm.advantageEstimator: {a.name} trains a critic on GAE returns; "
                    f"{a.advantage_estimator} gives none (use gae, or an algorithm without a critic)")
-    if a.tis_cap is not None and spec.rollout.top_p < 1:
-        out.append("spec.algorithm.tisCap: the generation engines report log-probs over the top-p nucleus, the "
+    c = a.off_policy_correction
+    corrected = "tisCap" if a.tis_cap is not None else None if c is None else "offPolicyCorrection"
+    if corrected is not None and spec.rollout.top_p < 1:
+        out.append(f"spec.algorithm.{corrected}: the generation engines report log-probs over the top-p nucleus, the "
                    "trainer over the whole vocabulary, so the weights would be biased; set rollout.topP: 1")
+    if c is not None:
+        reads = OFF_POLICY_CORRECTIONS[c.name].defaults
+        for key in sorted(type(c).model_fields.keys() - {"name"} - reads.keys()):
+            if getattr(c, key) is not None:
+                out.append(f"spec.algorithm.offPolicyCorrection.{key}: {c.name} does not read it (it reads "
+                           f"{', '.join(reads) or 'nothing'}); remove it")
+        if "cap" in reads and c.cap is not None and c.cap < 1:
+            out.append(f"spec.algorithm.offPolicyCorrection.cap = {c.cap}: below 1 even an on-policy token (ratio 1) "
+                       "would lose its weight; set cap > 1 (e.g. 2)")
+        if "low" in reads and not c.low < 1 < c.high:
+            out.append(f"spec.algorithm.offPolicyCorrection: {c.name} keeps ratios in [low, high], which must hold "
+                       f"the on-policy ratio 1 (low < 1 < high); got low {c.low}, high {c.high}")
     if a.overlong_buffer > spec.rollout.max_response_length:
         out.append(f"spec.algorithm.overlongBuffer = {a.overlong_buffer} exceeds rollout.maxResponseLength = "
                    f"{spec.rollout.max_response_length}: every response, even an empty one, would be penalised")
@@ -188,6 +204,39 @@ def _data_problems(spec: JobSpec) -> list[str]:
         elif not _CONFIGMAP_KEY.fullmatch(reward_configmap_key(r.function.path)):
             out.append(f"spec.models.reward.function.path: with kubernetes.rewardConfigMap it is the ConfigMap's key "
                        f"(a file name such as my_reward.py), got '{r.function.path}'")
+    return out
+
+
+def _rollout_mode_problems(spec: JobSpec) -> list[str]:
+    """A rollout pool of its own (fed by the cross-pool weight stream) and the modes that overlap generation with
+    training (which need one)."""
+    r, out = spec.rollout, []
+    own_pool = spec.pool("actor").name != spec.pool("rollout").name
+    generator = ROLLOUT_ENGINES[r.engine]
+    if own_pool and generator.fed_by is not None:
+        out.append(f"spec.placement.rollout: {r.engine} generation runs on the actor's own processes (it is fed "
+                   f"training shards); on a pool of its own use spec.rollout.engine "
+                   f"{'/'.join(standalone_rollout_engines())}, or place rollout with the actor")
+    if own_pool and r.tensor_parallel > 1:
+        out.append(f"spec.rollout.tensorParallel = {r.tensor_parallel}: a rollout pool of its own holds one replica "
+                   "per device for now (each receives whole tensors); set 1, and give the pool more devices for "
+                   "more replicas")
+    rows, ranks = spec.trainer.prompts_per_step * r.responses_per_prompt, spec.pool("rollout").world_size
+    if own_pool and rows % ranks:
+        out.append(f"spec.trainer.promptsPerStep x spec.rollout.responsesPerPrompt = {rows} responses a step do not "
+                   f"split evenly over the rollout pool's {ranks} replicas; make it a multiple of {ranks}")
+    if r.mode != "sync" and not own_pool:
+        out.append(f"spec.rollout.mode = {r.mode} generates while the actor trains, so rollout needs devices of "
+                   "its own: add a resource pool and set spec.placement.rollout to it (or use mode sync)")
+    if r.mode == "async" and spec.algorithm.name == "remax":
+        out.append("spec.rollout.mode = async: remax's baseline is a greedy response of the policy being trained, "
+                   "made in the same engine call as its samples; queued samples come from older policies, and so "
+                   "would their baseline. Use one_step_off (one version old, baseline and samples alike) or sync")
+    if r.mode != "async":
+        for field in ("max_staleness", "partial_rollout_tokens", "queue_prompts"):
+            if getattr(r, field) != type(r).model_fields[field].default:  # a dumped spec holds every field
+                out.append(f"spec.rollout.{to_camel(field)} applies to mode async only (mode is {r.mode}); remove it "
+                           "or set spec.rollout.mode: async")
     return out
 
 

@@ -20,6 +20,7 @@ from hybridflow.api.fields import (
     MAX_TEXT, FilePath, LabelValue, ObjectName, PathOrPaths, PoolName, Quantity, SpecModel, matching, registered,
     short_keys,
 )
+from hybridflow.api.corrections import OffPolicyCorrection
 from hybridflow.api.engines import ROLLOUT_ENGINES, TRAIN_ENGINES
 from hybridflow.api.names import API_VERSION, DNS1123_LABEL, KIND, ROLES, job_name_problems
 from hybridflow.api.rules import cross_field_problems
@@ -67,7 +68,12 @@ class Algorithm(SpecModel):
                                     "-A * dualClip (e.g. 3); unset: off.")
     tis_cap: float | None = Field(None, gt=0, description="Truncated importance sampling against the rollout "
                                   "engine's own log-probs: each token's loss weighted by min(pi_train/pi_rollout, "
-                                  "tisCap) (e.g. 2); unset: off. Needs rollout.topP 1.")
+                                  "tisCap) (e.g. 2); unset: off. Needs rollout.topP 1. Shorthand for "
+                                  "offPolicyCorrection: {name: tis, cap: <tisCap>}.")
+    off_policy_correction: OffPolicyCorrection | None = Field(
+        None, description="How the policy loss corrects for tokens sampled by a policy other than the trainer's "
+        "(the rollout engine's sampler; older weights under asynchronous rollout); unset: none (tisCap aside). "
+        "Needs rollout.topP 1.")
     max_sampling_rounds: int | None = Field(
         None, ge=1, le=1024,
         description="dapo: generations per step to fill the batch "
@@ -97,6 +103,9 @@ class Algorithm(SpecModel):
         loss_clip = POLICY_LOSSES.info(self.policy_loss or "")["clip"]  # e.g. gspo's, whichever algorithm uses it
         if loss_clip is not None and self.clip_ratio_low is None and self.clip_ratio_high is None:
             self.clip_ratio_low, self.clip_ratio_high = loss_clip
+        if self.tis_cap is not None and self.off_policy_correction is not None:
+            raise ValueError("tisCap and offPolicyCorrection are both set: tisCap: c is shorthand for "
+                             "offPolicyCorrection: {name: tis, cap: c}; keep one")
         if self.kl_controller == "adaptive" and (self.target_kl is None or self.kl_coef <= 0):
             raise ValueError("klController adaptive needs targetKl (the KL per token to track, e.g. 0.05) and "
                              "klCoef > 0 (its starting value)")
@@ -187,6 +196,25 @@ class Rollout(SpecModel):
         "one generation call, prompt + response, at once)."
     )
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory fraction (GPU only).")
+    mode: Literal["sync", "one_step_off", "async"] = Field(
+        "sync", description="sync: generate, then train, then sync the weights (colocated or not). one_step_off: "
+        "batch k+1 is generated while batch k trains (one policy version old). async: rollout generates "
+        "continuously into a trajectory queue and the trainer takes a batch when enough are ready, none older than "
+        "maxStaleness versions. Both need spec.placement.rollout on a pool of its own.")
+    max_staleness: int = Field(
+        1, ge=0, le=1024, description="async: how many policy versions older than the trainer a trajectory's oldest "
+        "token may be when it is trained; older ones are dropped (and counted).")
+    partial_rollout_tokens: int = Field(
+        0, ge=0, le=MAX_COUNT, description="async: generations advance this many tokens per engine call, and new "
+        "weights that arrive in between are used for the rest of a response (partial rollout; each token is tagged "
+        "with the policy version that produced it). 0: a response finishes with the weights it began with.")
+    queue_prompts: int = Field(
+        0, ge=0, le=MAX_COUNT, description="async: prompt groups the trajectory queue holds ahead of the trainer "
+        "(generated or in flight); 0: twice trainer.promptsPerStep.")
+    weight_sync_timeout_seconds: float = Field(
+        120.0, gt=0, le=86400, description="A rollout pool of its own: the longest any one wait of a weight sync may "
+        "take (a bucket, an ack, a rollout rank finishing the generation it is in) before the job fails naming "
+        "the rank that did not answer.")
 
     @field_validator("engine")
     @classmethod
@@ -386,6 +414,14 @@ class JobSpec(SpecModel):
     def pool(self, role: str) -> ResourcePool:
         name = self.placement.get(role, self.resource_pools[0].name)
         return next(p for p in self.resource_pools if p.name == name)
+
+    def roles(self) -> list[str]:
+        """The roles this job runs, in ROLES' order: the workers build_workers creates and status.pools lists."""
+        algorithm, m = ALGORITHMS[self.algorithm.name], self.models
+        runs = {"actor": True, "rollout": True, "reference": m.reference, "critic": algorithm.critic,
+                "cost_critic": algorithm.cost, "reward": m.reward.model is not None,
+                "cost": m.cost is not None and m.cost.model is not None}
+        return [r for r in ROLES if runs.get(r, False)]
 
 
 class Metadata(SpecModel):

@@ -7,8 +7,12 @@ is the same "Running" as before phases were typed, and no reader of the status h
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import StrEnum
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    from hybridflow.api.schema import JobSpec
 
 
 class Phase(StrEnum):
@@ -43,6 +47,31 @@ class Condition(TypedDict):
     lastTransitionTime: str
 
 
+class PoolStatus(TypedDict):
+    """One resource pool as status.pools shows it: which roles the spec places on it, and how many of its pods of
+    the current gang generation exist and are Ready. A rollout pool of its own (spec.placement.rollout) is a second
+    entry, so `kubectl get rlhfjob -o yaml` tells a trainer pool that is up from a rollout pool still pending."""
+
+    name: str
+    roles: list[str]
+    pods: int
+    ready: int
+
+
+def pool_status(spec: JobSpec, pods: Iterable[tuple[str, bool]]) -> list[PoolStatus]:
+    """status.pools, in spec.resourcePools' order. `pods`: (pool name, Ready) of each pool pod that counts (the
+    current generation's, not being deleted); a pod of a pool the spec does not have is not counted. Roles are
+    the job's (JobSpec.roles) where `JobSpec.pool` puts them: spec.placement's, the first pool for the rest."""
+    roles = spec.roles()
+    out = {p.name: PoolStatus(name=p.name, roles=[r for r in roles if spec.pool(r).name == p.name], pods=0, ready=0)
+           for p in spec.resource_pools}
+    for pool, ready in pods:
+        if (entry := out.get(pool)) is not None:
+            entry["pods"] += 1
+            entry["ready"] += int(ready)
+    return list(out.values())
+
+
 class JobStatus(TypedDict, total=False):
     """Every field of RLHFJob.status the operator writes (the CRD keeps unknown fields, so this is the contract
     between the operator's ticks, which read back what the last one wrote, and whoever reads the job)."""
@@ -63,6 +92,7 @@ class JobStatus(TypedDict, total=False):
     lastCheckpointStep: int
     lastCheckpoint: str
     lastCheckpointTime: str
+    pools: list[PoolStatus]  # per resource pool: its roles, pods and Ready pods (pool_status), seen at every tick
     # digests recorded before the job's ConfigMaps are created, and the uid of the Ray token Secret it made
     acceptedSpecDigest: str
     rewardDigest: str

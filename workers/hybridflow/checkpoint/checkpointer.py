@@ -28,6 +28,9 @@ class HasRoles(Protocol):
 
     roles: Mapping[str, Any]
 
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """The actor's weights into generation, as policy `version` (after loading a checkpoint: its step)."""
+
 
 class CarriedState(Protocol):
     """The algorithm's state carried across steps (KL controller, Lagrangian): saved and loaded with the weights."""
@@ -173,7 +176,7 @@ def restore(w: HasRoles, root: Path, algorithm: CarriedState, data_fingerprint: 
         w.roles[role].load_checkpoint(str(path))
     loaded = time.perf_counter() - t0
     algorithm.load(state.get("algorithm", {}))
-    w.roles["rollout"].sync_weights()
+    w.sync_weights(state["step"])
     dropped = rewind_step_log(root, state["step"])
     rewind_rollouts(root, state["step"])  # trainer.rolloutLog: the redone steps write theirs again
     if not other_job and state.get("step_record"):

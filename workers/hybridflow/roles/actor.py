@@ -8,6 +8,8 @@ through the bridge's weight transfer; before training, the actor frees the memor
 """
 from __future__ import annotations
 
+import os
+import time
 from typing import Callable
 
 import torch
@@ -15,17 +17,18 @@ from torch import nn
 
 from hybridflow.algorithms.core import masked_mean
 from hybridflow.algorithms.kl import KL_ESTIMATORS
-from hybridflow.algorithms.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, ClipConfig, truncated_is_weights
+from hybridflow.algorithms.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, ClipConfig
 from hybridflow.checkpoint.role import CheckpointMixin
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.protocol import Dispatch, DPRank, register
 from hybridflow.single_controller.context import WorkerContext
-from hybridflow.engines.bridge.transfer import train_dp_rank
+from hybridflow.engines.bridge.stream import StreamRendezvous, WeightSender, stream_group
+from hybridflow.engines.bridge.transfer import full_tensor_checksums, train_dp_rank
 from hybridflow.engines.train.base import TrainEngine, TrainEngineFactory, TrainSettings
 from hybridflow.flops import matmul_peak_flops, training_flops
 from hybridflow.models.builders import local_model_dir
 from hybridflow.roles.common import peak_memory_bytes, release_free_memory
-from hybridflow.roles.config import ActorConfig
+from hybridflow.roles.config import ActorConfig, off_policy_correction
 
 
 class ActorWorker(CheckpointMixin):
@@ -46,6 +49,7 @@ class ActorWorker(CheckpointMixin):
         self.parameters = self.engine.num_parameters()  # collective where the engine gathers to count
         self.peak_flops = matmul_peak_flops(self.engine.compute_dtype, ctx.device)  # MFU's denominator, per rank
         self._releases: list[Callable[[], None]] = []
+        self.stream = WeightSending(ctx, self.engine)
 
     def dp_rank(self, mesh: str) -> DPRank:
         """The training layout's coordinate (the actor's methods are all split by "train")."""
@@ -90,18 +94,20 @@ class ActorWorker(CheckpointMixin):
         for release in self._releases:  # generate -> train: generation memory goes, training shards never left
             release()
         release_free_memory()
+        correction = off_policy_correction(algo)
 
         def loss_fn(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
             mask = mb["response_mask"]
             logp, logits = self.engine.log_probs(model, mb, temp)
-            old = logp.detach() if on_policy else mb["old_log_probs"]
+            old = logp.detach() if on_policy else mb["old_log_probs"]  # the proximal policy: the PPO ratio's base
             pl = policy_loss(logp, old, mb["advantages"], mask, clip)
-            token_loss = pl.loss
-            if algo.tis_cap is not None:
-                token_loss = token_loss * truncated_is_weights(old, mb["rollout_log_probs"], algo.tis_cap)
+            token_loss, stats = pl.loss, dict[str, float]()
+            if correction is not None:  # the behaviour policy's log-probs enter only through the weights
+                corrected = correction(old, mb["rollout_log_probs"], mask)
+                token_loss, stats = token_loss * corrected.weights, dict(corrected.stats)
             loss = aggregate(token_loss, mask, max_len)
-            stats = {"pg_loss": loss.item(), "clip_frac": masked_mean(pl.clipped.float(), mask).item(),
-                     "approx_kl": masked_mean(old - logp, mask).item()}
+            stats.update(pg_loss=loss.item(), clip_frac=masked_mean(pl.clipped.float(), mask).item(),
+                         approx_kl=masked_mean(old - logp, mask).item())
             if on_policy:
                 stats.update(_old_log_prob_stats(self.engine, old, logits, mb, algo.kl_estimator))
             if pl.dual_clipped is not None:
@@ -127,6 +133,27 @@ class ActorWorker(CheckpointMixin):
     def num_parameters(self) -> int:
         return self.parameters
 
+    @register(Dispatch.RANK_ZERO)
+    def open_weight_stream(self, size: int, timeout_s: float) -> tuple[str, int]:
+        """A rollout pool of its own: rank 0 serves the stream's rendezvous for `size` members (itself and every
+        rollout rank); returns where."""
+        return self.stream.open(size, timeout_s)
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def join_weight_stream(self, size: int, timeout_s: float) -> None:
+        """Rank 0 joins as the sender (blocks until every rollout rank joined too)."""
+        self.stream.join(size, timeout_s)
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def send_weights(self, version: int, dtype: str) -> dict[str, float]:
+        """The current weights as policy `version`, in generation dtype `dtype`, to every rollout rank."""
+        return self.stream.send(version, getattr(torch, dtype))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def weight_checksums_as(self, dtype: str) -> dict[str, float]:
+        """The sums a rollout engine fed whole tensors reports once these weights landed (collective)."""
+        return full_tensor_checksums(self.engine, getattr(torch, dtype))
+
 
 @torch.no_grad()
 def _old_log_prob_stats(engine: TrainEngine, old: torch.Tensor, logits: torch.Tensor, mb: Batch,
@@ -142,3 +169,39 @@ def _old_log_prob_stats(engine: TrainEngine, old: torch.Tensor, logits: torch.Te
     if "rollout_log_probs" in mb:
         out["rollout_log_prob_gap"] = masked_mean((old - mb["rollout_log_probs"]).abs(), mask).item()
     return out
+
+
+class WeightSending:
+    """The actor's side of the cross-pool weight stream (a rollout pool of its own): every rank gathers whole
+    tensors (full_params is collective), rank 0 streams them, cast to the generation dtype, to every rollout rank."""
+
+    def __init__(self, ctx: WorkerContext, engine: TrainEngine) -> None:
+        self.ctx, self.engine = ctx, engine
+        self.rendezvous: StreamRendezvous | None = None
+        self.sender: WeightSender | None = None
+
+    def open(self, size: int, timeout_s: float) -> tuple[str, int]:
+        """Rank 0 serves the stream's rendezvous at its pool's address (where the pool's own rendezvous is)."""
+        if self.ctx.rank != 0:
+            return "", 0
+        self.rendezvous = StreamRendezvous(os.environ.get("MASTER_ADDR", "127.0.0.1"), size, timeout_s)
+        return self.rendezvous.host, self.rendezvous.port
+
+    def join(self, size: int, timeout_s: float) -> None:
+        if self.ctx.rank == 0:
+            assert self.rendezvous is not None, "open the stream first"
+            peers = ["trainer rank 0"] + [f"rollout rank {i}" for i in range(size - 1)]
+            device = self.engine.device
+            group = stream_group(self.rendezvous.store, 0, size, timeout_s, device)
+            self.sender = WeightSender(group, device, timeout_s=timeout_s, peers=peers)
+
+    def send(self, version: int, dtype: torch.dtype) -> dict[str, float]:
+        t0 = time.perf_counter()
+        whole = ((name, t.to(dtype)) for name, t in self.engine.full_params())
+        if self.ctx.rank != 0:
+            for _ in whole:  # the gathers are collective: every rank takes part, rank 0 alone sends
+                pass
+            return {"seconds": time.perf_counter() - t0, "bytes": 0.0, "peak_bytes": 0.0}
+        assert self.sender is not None, "join the stream first"
+        stats = self.sender.send(version, whole)
+        return {"seconds": stats.seconds, "bytes": float(stats.bytes), "peak_bytes": float(stats.peak_transient_bytes)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from hybridflow.algorithms.corrections import CorrectionSettings, JobCorrection
 from hybridflow.api import Algorithm, JobSpec, ModelSource, Rollout, Training
 from hybridflow.api.engines import ROLLOUT_ENGINES, TRAIN_ENGINES, RolloutEngineKind, TrainEngineKind
 
@@ -40,10 +41,31 @@ class ActorConfig(_Section):
 def old_log_probs_from_update(training: Training, algorithm: Algorithm, prompts_per_step: int) -> bool:
     """Whether the actor's update is on-policy, so that its own first forward pass gives the old log-probs: one
     epoch over one mini-batch (the weights never move before a token's loss is taken) and nothing needs them
-    before the update (KL in the reward is computed from them when advantages are)."""
+    before the update (KL in the reward is computed from them when advantages are), and the off-policy correction
+    does not ask for a proximal policy of its own (the decoupled loss)."""
     one_step = training.ppo_epochs == 1 and training.mini_batch_size in (0, prompts_per_step)
     kl_before_update = algorithm.kl_in == "reward" and algorithm.kl_coef > 0
-    return training.on_policy_old_log_probs and one_step and not kl_before_update
+    correction = off_policy_correction(algorithm)
+    needs_proximal = correction is not None and correction.needs_proximal
+    return training.on_policy_old_log_probs and one_step and not kl_before_update and not needs_proximal
+
+
+def off_policy_correction(algorithm: Algorithm) -> JobCorrection | None:
+    """The job's off-policy correction, or None: `spec.algorithm.offPolicyCorrection`, or `tisCap: c`, shorthand for
+    {name: tis, cap: c}. The one place the spec becomes a correction, so the actor's loss, the rollout's request for
+    the engine's log-probs and the old-log-prob stage all agree."""
+    if algorithm.tis_cap is not None:
+        return JobCorrection("tis", CorrectionSettings(cap=algorithm.tis_cap))
+    c = algorithm.off_policy_correction
+    if c is None:
+        return None
+    return JobCorrection(c.name, CorrectionSettings(cap=c.cap, low=c.low, high=c.high, level=c.level))
+
+
+def wants_rollout_log_probs(algorithm: Algorithm) -> bool:
+    """Whether sampled generations must carry the engine's own log-probs (the behaviour policy's): every correction
+    reads them."""
+    return off_policy_correction(algorithm) is not None
 
 
 class CriticConfig(_Section):

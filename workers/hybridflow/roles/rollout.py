@@ -1,27 +1,88 @@
 """The rollout role: generates with the policy, and takes the policy's new weights after every update.
 
-It is its own role so that the controller addresses generation and training apart (the seam asynchronous training
-needs), while it runs exactly where it did: colocated with the actor, built right after it in the same process
-(the worker host hands it the actor object: RoleSpec.colocated). The weights move in memory, zero-copy where they
-did, by the bridge's weight transfer for the (train kind, rollout kind) pair (engines.bridge.transfer), which reads
-the actor's training engine and writes this role's generation engine; and generation memory is freed before every
-actor update through the release this role hands the actor. A rollout on a pool of its own needs a transfer across
-processes: that would be a transfer the bridge picks, not a change here (the spec still refuses that placement).
+Two placements, one generation code:
+
+* `RolloutWorker`, colocated (the default): built right after the actor in the same processes (the worker host
+  hands it the actor object: RoleSpec.colocated). The weights move in memory, zero-copy where they can, by the
+  bridge's weight transfer for the (train kind, rollout kind) pair (engines.bridge.transfer); generation memory is
+  freed before every actor update through the release this role hands the actor.
+* `PooledRolloutWorker`, on a resource pool of its own (spec.placement.rollout): one generation replica per device,
+  its engine built from the model's files, its weights received after every update over the cross-pool weight
+  stream (engines.bridge.stream) that the actor's rank 0 sends, tagged with a policy version. Generation and
+  training then run at the same time on different devices (rollout modes one_step_off and async).
+
+Both count the policy version they generate with (0: the initial weights; +1 per sync) and report it with every
+generation, so the controller tags each token with the version that produced it.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 from hybridflow.data.packing import pack_rollout, pad_log_probs
+from hybridflow.engines.bridge.stream import WeightReceiver, WeightStreamError, stream_group, stream_store
 from hybridflow.engines.bridge.transfer import weight_transfer
-from hybridflow.engines.precision import dtype_name
-from hybridflow.engines.rollout.base import RolloutEngine, RolloutEngineFactory, RolloutSetup, SamplingConfig
+from hybridflow.engines.precision import compute_dtype, dtype_name
+from hybridflow.engines.rollout.base import (
+    Generation, RolloutEngine, RolloutEngineFactory, RolloutSetup, SamplingConfig,
+)
+from hybridflow.models.builders import local_model_dir
 from hybridflow.roles.actor import ActorWorker
-from hybridflow.roles.config import ActorConfig
+from hybridflow.roles.config import ActorConfig, wants_rollout_log_probs
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.context import WorkerContext
 from hybridflow.single_controller.protocol import Dispatch, DPRank, register
+
+
+@dataclass
+class _Generator:
+    """What both placements generate with: the engine, the sampling settings, the version it holds."""
+
+    generator: RolloutEngine
+    config: ActorConfig
+    stop_token_ids: tuple[int, ...]
+    version: int = 0
+
+    def sampling(self, greedy: bool, log_probs: bool, max_tokens: int | None = None) -> SamplingConfig:
+        r = self.config.rollout
+        return SamplingConfig(max_tokens or r.max_response_length, r.temperature, r.top_p, greedy,
+                              self.stop_token_ids, log_probs)
+
+    def wants_log_probs(self, greedy: bool) -> bool:
+        """The engine's own log-probs: for an off-policy correction, and always when generation runs apart from training
+        (the trainer compares its policy with the one that sampled). Evaluation (greedy) needs none."""
+        c = self.config
+        return not greedy and (wants_rollout_log_probs(c.algorithm) or c.rollout.mode != "sync")
+
+    def packed(self, batch: Batch, greedy: bool) -> Batch:
+        """Prompts (non-tensor column `prompt_ids`; rows flagged in `greedy` decode greedily) -> packed
+        prompt+response tensors and the engine's own log-probs; other columns pass through."""
+        r = self.config.rollout
+        want = self.wants_log_probs(greedy)
+        sampled = self.sampling(greedy, want)
+        flags = batch["greedy"] if "greedy" in batch else [greedy] * len(batch)
+        t0 = time.perf_counter()
+        prompts = [list(p) for p in batch["prompt_ids"]]
+        greedy_cfg = replace(sampled, greedy=True)
+        out = self.generator.generate(prompts, [greedy_cfg if g else sampled for g in flags]) if prompts else []
+        packed = pack_rollout(prompts, [g.tokens for g in out], r.max_prompt_length, r.max_response_length)
+        if want:
+            packed["rollout_log_probs"] = pad_log_probs([g.log_probs for g in out], r.max_response_length)
+        result = Batch(packed, batch.non_tensors)
+        result.meta.update(generate_seconds=time.perf_counter() - t0, policy_version=self.version)
+        return result
+
+    def continued(self, batch: Batch) -> dict[str, Any]:
+        """Partial rollouts: each row's prompt plus the response so far (`prompt_ids`, `response_ids`), at most
+        `max_new` more tokens each; returns the new tokens and log-probs per row (unpacked: the controller joins
+        the pieces) and the version that made them."""
+        t0 = time.perf_counter()
+        contexts = [list(p) + list(s) for p, s in zip(batch["prompt_ids"], batch["response_ids"])]
+        cfgs = [self.sampling(bool(g), not g, int(n)) for g, n in zip(batch["greedy"], batch["max_new"])]
+        out: list[Generation] = self.generator.generate(contexts, cfgs) if contexts else []
+        return {"tokens": [g.tokens for g in out], "log_probs": [g.log_probs for g in out],
+                "policy_version": self.version, "seconds": time.perf_counter() - t0}
 
 
 class RolloutWorker:
@@ -35,14 +96,15 @@ class RolloutWorker:
         self.transfer = weight_transfer(ctx, config.train_engine, config.rollout_engine, actor.engine,
                                         t.tensor_parallel, r.tensor_parallel)
         self.generation_dtype = actor.engine.compute_dtype
-        self.stop_token_ids = tuple(stop_token_ids)
         seed = config.seed + 1000 * self.transfer.generation_replica  # distinct sampling streams per replica
         build_rollout: RolloutEngineFactory = config.rollout_engine.load()
-        self.generator: RolloutEngine = build_rollout(ctx, RolloutSetup(
+        generator = build_rollout(ctx, RolloutSetup(
             actor.model_dir, r, config.model.dtype, self.generation_dtype, seed,
-            sequences=-(-config.generation_batch // self.transfer.generation_replicas), trainer=actor.engine,
-            transfer=self.transfer))
-        actor.before_training(self.generator.release)
+            sequences=-(-config.generation_batch // self.transfer.generation_replicas), device=actor.engine.device,
+            trainer=actor.engine, transfer=self.transfer))
+        self.gen = _Generator(generator, config, tuple(stop_token_ids))
+        self.generator = generator
+        actor.before_training(generator.release)
 
     def dp_rank(self, mesh: str) -> DPRank:
         """Generation replicas ("rollout") can outnumber training replicas ("train") under the 3D-HybridEngine."""
@@ -50,33 +112,19 @@ class RolloutWorker:
 
     @register(Dispatch.DP_COMPUTE, blocking=False, mesh="rollout")
     def generate(self, batch: Batch, greedy: bool = False) -> Batch:
-        """Prompts (non-tensor column `prompt_ids`; rows flagged in `greedy` decode greedily) -> packed
-        prompt+response tensors and the engine's own log-probs; other columns pass through."""
-        r = self.config.rollout
-        # Truncated IS compares the engine's log-probs with the trainer's; evaluation (greedy=True) needs none.
-        want_log_probs = self.config.algorithm.tis_cap is not None and not greedy
-        sampled = SamplingConfig(r.max_response_length, r.temperature, r.top_p, greedy, self.stop_token_ids,
-                                 want_log_probs)
-        greedy_cfg = replace(sampled, greedy=True)
-        flags = batch["greedy"] if "greedy" in batch else [greedy] * len(batch)
-        t0 = time.perf_counter()
-        prompts = [list(p) for p in batch["prompt_ids"]]
-        out = self.generator.generate(prompts, [greedy_cfg if g else sampled for g in flags]) if prompts else []
-        packed = pack_rollout(prompts, [g.tokens for g in out], r.max_prompt_length, r.max_response_length)
-        if want_log_probs:
-            packed["rollout_log_probs"] = pad_log_probs([g.log_probs for g in out], r.max_response_length)
-        result = Batch(packed, batch.non_tensors)
-        result.meta["generate_seconds"] = time.perf_counter() - t0
-        return result
+        return self.gen.packed(batch, greedy)
 
     @register(Dispatch.ONE_TO_ALL)
-    def sync_weights(self) -> dict[str, float]:
-        """Train -> generate, in memory, through the bridge. Returns what this rank received, the largest transient
-        buffer it held, and the generation weights it now holds (bytes), plus seconds."""
+    def sync_weights(self, version: int | None = None) -> dict[str, float]:
+        """Train -> generate, in memory, through the bridge, as policy `version` (default: the next). Returns what
+        this rank received, the largest transient buffer it held, and the generation weights it now holds (bytes),
+        plus seconds."""
         t0 = time.perf_counter()
         stats = self.transfer.push(self.generator)
+        self.gen.version = self.gen.version + 1 if version is None else version
         return {"seconds": time.perf_counter() - t0, "bytes": float(stats.bytes_received),
-                "peak_bytes": float(stats.peak_transient_bytes), "generation_bytes": float(stats.generation_bytes)}
+                "peak_bytes": float(stats.peak_transient_bytes), "generation_bytes": float(stats.generation_bytes),
+                "version": float(self.gen.version)}
 
     @register(Dispatch.RANK_ZERO)
     def generation_dtype_name(self) -> str:
@@ -100,3 +148,83 @@ class RolloutWorker:
         """The same sums over the training engine's weights as the generation engine holds them, i.e. in its dtype
         (collective under TP): the bridge's view of what a push delivers."""
         return self.transfer.train_checksums(self.generation_dtype)
+
+
+class PooledRolloutWorker:
+    """One generation replica per device of the rollout pool, its engine built from the model's files (the same
+    initial weights as the actor's: version 0), its later weights received from the actor's stream."""
+
+    def __init__(self, ctx: WorkerContext, config: ActorConfig, stop_token_ids: list[int], model_dir: str) -> None:
+        self.ctx, self.config = ctx, config
+        r = config.rollout
+        self.generation_dtype = compute_dtype(config.training.compute_dtype, ctx.device)
+        device = torch_device(ctx)
+        build_rollout: RolloutEngineFactory = config.rollout_engine.load()
+        generator = build_rollout(ctx, RolloutSetup(
+            local_model_dir(model_dir, config.model, config.seed), r, config.model.dtype, self.generation_dtype,
+            seed=config.seed + 1000 * ctx.rank, sequences=-(-config.generation_batch // ctx.world_size),
+            device=device, trainer=None, transfer=None))
+        self.gen = _Generator(generator, config, tuple(stop_token_ids))
+        self.generator = generator
+        self.receiver: WeightReceiver | None = None
+
+    def dp_rank(self, mesh: str) -> DPRank:
+        return DPRank(self.ctx.rank, self.ctx.world_size, True)
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def join_weight_stream(self, host: str, port: int, size: int, timeout_s: float) -> int:
+        """Join the actor's stream as group rank 1 + this rank (collective with every member: blocks until all
+        joined). Returns the version held."""
+        peers = ["trainer rank 0"] + [f"rollout rank {i}" for i in range(size - 1)]
+        store = stream_store(host, port, size, timeout_s)
+        device = torch_device(self.ctx)
+        group = stream_group(store, 1 + self.ctx.rank, size, timeout_s, device)
+        self.receiver = WeightReceiver(group, 0, device, timeout_s, peers)
+        return self.gen.version
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Receive policy `version` from the actor's stream into the engine, in place (between generations: a
+        Ray actor runs one call at a time, so this is a safe point)."""
+        if self.receiver is None:
+            raise RuntimeError("sync_weights before join_weight_stream")
+        try:
+            stats = self.receiver.sync(self.generator.load_weights)
+        except WeightStreamError as e:  # the stream's group is unusable now: the job fails (a restart rebuilds it)
+            raise WeightStreamError(f"{e} [waiting for policy version {version}]") from e
+        if stats.version != version:
+            raise WeightStreamError(f"rollout rank {self.ctx.rank}: received policy version {stats.version}, the "
+                                    f"controller announced {version}")
+        self.gen.version = version
+        return {"seconds": stats.seconds, "bytes": float(stats.bytes), "peak_bytes": float(stats.peak_transient_bytes),
+                "generation_bytes": float(stats.bytes), "version": float(version)}
+
+    @register(Dispatch.DP_COMPUTE, blocking=False, mesh="rollout")
+    def generate(self, batch: Batch, greedy: bool = False) -> Batch:
+        return self.gen.packed(batch, greedy)
+
+    @register(Dispatch.DP_COMPUTE, blocking=False, mesh="rollout")
+    def continue_generation(self, batch: Batch) -> dict[str, Any]:
+        return self.gen.continued(batch)
+
+    @register(Dispatch.RANK_ZERO)
+    def generation_dtype_name(self) -> str:
+        return dtype_name(self.generation_dtype)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def weight_checksums(self) -> dict[str, float]:
+        return self.generator.weight_checksums()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def instance_id(self) -> str:
+        return self.generator.instance_id
+
+    @register(Dispatch.ONE_TO_ALL)
+    def policy_version(self) -> int:
+        return self.gen.version
+
+
+def torch_device(ctx: WorkerContext) -> Any:
+    import torch
+
+    return torch.device("cuda", ctx.local_rank) if ctx.device == "gpu" else torch.device("cpu")

@@ -3,6 +3,7 @@
 that `hybridflow run` and `hybridflow driver` call once Ray is up."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -16,7 +17,8 @@ import numpy as np
 from hybridflow.checkpoint.checkpointer import Checkpointer
 from hybridflow.checkpoint.store import storage_path
 from hybridflow.single_controller.batch import Batch
-from hybridflow.trainer.step import AlgorithmState, Step, rollout_records, run_program
+from hybridflow.trainer.rollouts import Rollouts
+from hybridflow.trainer.step import AlgorithmState, Step, generation_rows, rollout_records, run_program
 from hybridflow.single_controller.worker_group import resolve
 from hybridflow.data.tasks import PromptStream, Sample
 from hybridflow.metrics import JobMetrics
@@ -43,7 +45,7 @@ class Evaluation:
 
 def evaluate(w: Workers, task: Task, samples: Sequence[Sample]) -> Evaluation:
     """Mean reward (and cost) of greedy responses to held-out prompts."""
-    dp = w.roles["actor"].dp_size
+    dp = w.roles["rollout"].dp_sizes["rollout"]
     usable = samples[: len(samples) // dp * dp]
     out = resolve(w.roles["rollout"].generate(prompt_batch(usable), greedy=True))
     if task.rule is None and task.text_reward is None:  # files scored by a reward model only: it judges
@@ -58,17 +60,22 @@ def evaluate(w: Workers, task: Task, samples: Sequence[Sample]) -> Evaluation:
     return Evaluation(reward, cost)
 
 
-def run_iteration(job: RLHFJob, w: Workers, task: Task, prompts: Batch, algorithm: AlgorithmState | None = None,
+def run_iteration(job: RLHFJob, w: Workers, task: Task, prompts: Batch | None, algorithm: AlgorithmState | None = None,
                   next_prompts: Callable[[], Batch] | None = None,
-                  trained: Callable[[Batch], None] | None = None) -> tuple[dict[str, float], dict[str, float]]:
-    """One step of the job's algorithm: (statistics, seconds per stage). `trained`, when given, gets the batch the
-    actor trained on (with its advantages), after the step."""
+                  trained: Callable[[Batch], None] | None = None,
+                  rollouts: Rollouts | None = None) -> tuple[dict[str, float], dict[str, float]]:
+    """One step of the job's algorithm: (statistics, seconds per stage). `rollouts`: where generations come from
+    (fit's, for the job's rollout mode; default: generate when asked, with `next_prompts` for dynamic sampling);
+    `prompts` None: the step's prompts are the rollouts' next. `trained`, when given, gets the batch the actor
+    trained on (with its advantages), after the step."""
     def no_more() -> Batch:
         raise RuntimeError("this iteration was given no prompt source for dynamic sampling")
 
     state = algorithm or AlgorithmState.for_spec(job.spec)
-    step = Step(job.spec, w.roles, w.pools, controller_scorers(task), state, next_prompts or no_more)
-    out = run_program(job.spec, step, prompts)
+    source = rollouts or Rollouts(job.spec, w.roles["rollout"], w.weights, next_prompts or no_more,
+                                  functools.partial(generation_rows, n=job.spec.rollout.responses_per_prompt))
+    step = Step(job.spec, w.roles, w.pools, controller_scorers(task), state, source)
+    out = run_program(job.spec, step, source.next_prompts() if prompts is None else prompts)
     if trained is not None and step.trained is not None:
         trained(step.trained)
     return out
@@ -101,29 +108,46 @@ def fit(
                                on_sealed=metrics.checkpoint_step.labels(metrics.job).set)
     start_step, position = checkpoints.resume()
     stream = PromptStream(task.train, s.trainer.prompts_per_step, s.data.seed, position)
-    next_prompts = prompt_source(stream)
+    rollouts = w.rollouts(prompt_source(stream), task.stop_token_ids)
     _export_job_metrics(metrics, w, s.trainer.steps, start_step, checkpoints.has_own())
     run_eval = s.trainer.eval and start_step == 0
     eval_before = _evaluate_and_report(w, task, metrics, progress, "before") if run_eval else None
     t_start = time.perf_counter()
     records = []
-    for step in range(start_step + 1, s.trainer.steps + 1):
-        t0 = time.perf_counter()
-        trained: list[Batch] = []
-        stats, stages = run_iteration(job, w, task, next_prompts(), algorithm, next_prompts,
-                                      trained.append if s.trainer.rollout_log else None)
-        if trained:  # before the step's checkpoint: a step that is sealed has its samples written
-            checkpoints.write_rollouts(step, rollout_records(trained[0], task.decode))
-        saved = checkpoints.save_step(step, stream, stats, stages)
-        rec = _step_record(step, stats, stages, saved, t0, (t_start, start_step, s.trainer.steps), w.devices)
-        checkpoints.log_step(rec)
-        metrics.record_step(rec, stages)
-        records.append(rec)
-        progress(progress_line(rec, s.trainer.steps))
+    try:
+        for step in range(start_step + 1, s.trainer.steps + 1):
+            records.append(_fit_step(job, w, task, metrics, progress, checkpoints, algorithm, rollouts, stream,
+                                     step, (t_start, start_step)))
+    finally:
+        rollouts.close()
     eval_after = _evaluate_and_report(w, task, metrics, progress, "after") if s.trainer.eval else None
     secs = time.perf_counter() - t_start
     tput = float(np.mean([r["throughput_tokens_per_s"] for r in records])) if records else 0.0
     return RunSummary(len(records), start_step, eval_before, eval_after, secs, tput, records)
+
+
+def _fit_step(job: RLHFJob, w: Workers, task: Task, metrics: JobMetrics, progress: Callable[[str], None],
+              checkpoints: Checkpointer, algorithm: AlgorithmState, rollouts: Rollouts, stream: PromptStream,
+              step: int, started: tuple[float, int]) -> dict[str, Any]:
+    """One step of `fit`: the program, its rollout log, the checkpointer, the step record everywhere."""
+    s = job.spec
+    t0 = time.perf_counter()
+    trained: list[Batch] = []
+    rollouts.start_step(last=step == s.trainer.steps)
+    stats, stages = run_iteration(job, w, task, None, algorithm, None,
+                                  trained.append if s.trainer.rollout_log else None, rollouts)
+    if w.rollout_apart:  # what each side of an overlapped step spent waiting for the other
+        it = time.perf_counter() - t0
+        stats.update(trainer_idle_fraction=min(1.0, stats.get("trainer_wait_seconds", 0.0) / it),
+                     rollout_idle_fraction=max(0.0, 1.0 - stats.get("rollout_busy_seconds", 0.0) / it))
+    if trained:  # before the step's checkpoint: a step that is sealed has its samples written
+        checkpoints.write_rollouts(step, rollout_records(trained[0], task.decode))
+    saved = checkpoints.save_step(step, stream, stats, stages)
+    rec = _step_record(step, stats, stages, saved, t0, (*started, s.trainer.steps), w.devices)
+    checkpoints.log_step(rec)
+    metrics.record_step(rec, stages)
+    progress(progress_line(rec, s.trainer.steps))
+    return rec
 
 
 def prompt_source(stream: PromptStream) -> Callable[[], Batch]:
@@ -193,6 +217,10 @@ def progress_line(rec: dict[str, Any], total: int) -> str:
     ]
     if "cost_mean" in rec:
         parts.insert(2, f"cost {rec['cost_mean']:.3f} (lambda {rec['lagrange_multiplier']:.2f})")
+    if "trainer_idle_fraction" in rec:  # rollout on a pool of its own: how far behind, and who waited
+        queued = f", queue {rec['queue_depth']:.0f}" if "queue_depth" in rec else ""
+        parts.insert(-1, f"stale {rec.get('staleness_max', 0):.0f}{queued} | idle trainer "
+                         f"{rec['trainer_idle_fraction']:.0%} rollout {rec['rollout_idle_fraction']:.0%}")
     if rec.get("checkpoint"):  # sealed this step; an asynchronous save seals a step it began earlier
         parts.append(f"saved step {rec.get('checkpoint_step', rec['step'])}")
     return " | ".join(parts)

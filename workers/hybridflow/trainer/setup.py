@@ -2,6 +2,7 @@
 the algorithm asks for, placed on their resource pools."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -11,10 +12,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from hybridflow.algorithms import ALGORITHMS
 from hybridflow.api.storage import is_url
 from hybridflow.single_controller.batch import Batch
-from hybridflow.trainer.step import Scorer
+from hybridflow.trainer.rollouts import ROLLOUT_MODES, ColocatedWeightSync, Rollouts, StreamedWeightSync, WeightSync
+from hybridflow.trainer.step import Scorer, generation_rows
 from hybridflow.single_controller.worker_group import RayResourcePool, RoleSpec, WorkerGroup
 from hybridflow.data.files import PromptRenderer, load_prompt_files
 from hybridflow.data.packing import unpack_prompts, unpack_responses
@@ -22,7 +23,7 @@ from hybridflow.data.tasks import Sample, arithmetic_samples, increment_samples,
 from hybridflow.rewards.rules import TASK_DEFAULT_RULE, RewardRule, get_rule
 from hybridflow.rewards.text import TextReward
 from hybridflow.roles import config as rc
-from hybridflow.api import RLHFJob
+from hybridflow.api import JobSpec, RLHFJob
 
 log = logging.getLogger("hybridflow.trainer.setup")
 
@@ -100,11 +101,30 @@ def _vocab_size(model_dir: Path) -> int:
 
 @dataclass
 class Workers:
-    """Role name -> handle, and the groups that host them (one group per resource pool: colocation)."""
+    """Role name -> handle, the groups that host them (one group per resource pool: colocation), and how the
+    actor's weights reach generation (`weights`: in memory beside it, or streamed to a rollout pool of its own)."""
 
     roles: dict[str, Any]
     groups: list[WorkerGroup]
     devices: int
+    weights: WeightSync
+    spec: JobSpec
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        return self.weights.sync(version)
+
+    @property
+    def rollout_apart(self) -> bool:
+        """Whether rollout has a pool of its own (generation and training can overlap)."""
+        return self.pools["rollout"] != self.pools["actor"]
+
+    def rollouts(self, prompts: Callable[[], Batch], stop_token_ids: Sequence[int]) -> Rollouts:
+        """The source of the job's generations for its spec.rollout.mode, drawing prompts from `prompts`."""
+        s = self.spec
+        ranks = self.roles["rollout"].dp_sizes["rollout"]
+        shape = functools.partial(generation_rows, n=s.rollout.responses_per_prompt)
+        return ROLLOUT_MODES[s.rollout.mode](s, self.roles["rollout"], self.weights, prompts, shape, ranks,
+                                             tuple(stop_token_ids))
 
     @property
     def pools(self) -> dict[str, str]:
@@ -123,31 +143,33 @@ def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | 
     models as the algorithm and the spec say), grouped by resource pool: roles on one pool share its processes.
     The rollout role comes right after the actor: it is built in the actor's processes on the actor's engine."""
     from hybridflow.roles.actor import ActorWorker
-    from hybridflow.roles.rollout import RolloutWorker
+    from hybridflow.roles.rollout import PooledRolloutWorker, RolloutWorker
     from hybridflow.roles.critic import CriticWorker
     from hybridflow.roles.reference import ReferenceWorker
     from hybridflow.roles.reward_model import RewardModelWorker
 
     s = job.spec
-    algorithm = ALGORITHMS[s.algorithm.name]
     critic = {"config": rc.critic_config(s), "model_dir": str(critic_dir or model_dir)}
     actor = rc.actor_config(s)
+    apart = s.pool("rollout").name != s.pool("actor").name
     wanted: dict[str, RoleSpec] = {
         "actor": RoleSpec(ActorWorker, {"config": actor, "model_dir": str(model_dir)}),
-        "rollout": RoleSpec(RolloutWorker, {"config": actor, "stop_token_ids": task.stop_token_ids},
-                            colocated=("actor",)),
+        "rollout": RoleSpec(PooledRolloutWorker, {"config": actor, "stop_token_ids": task.stop_token_ids,
+                                                  "model_dir": str(model_dir)}) if apart else
+        RoleSpec(RolloutWorker, {"config": actor, "stop_token_ids": task.stop_token_ids}, colocated=("actor",)),
     }
-    if s.models.reference:
+    runs = set(s.roles())  # the one list of the job's roles (status.pools shows the same)
+    if "reference" in runs:
         wanted["reference"] = RoleSpec(ReferenceWorker, {"config": rc.reference_config(s), "model_dir": str(model_dir)})
-    if algorithm.critic:
+    if "critic" in runs:
         wanted["critic"] = RoleSpec(CriticWorker, critic)
-    if algorithm.cost:
+    if "cost_critic" in runs:
         wanted["cost_critic"] = RoleSpec(CriticWorker, {**critic, "prefix": "cost_"})
-    if rm_dir is not None:
-        wanted["reward"] = RoleSpec(RewardModelWorker, {"config": rc.judge_config(s, "reward"),
-                                                        "model_dir": str(rm_dir)})
-    if cost_dir is not None:
-        wanted["cost"] = RoleSpec(RewardModelWorker, {"config": rc.judge_config(s, "cost"), "model_dir": str(cost_dir)})
+    for judge, where in (("reward", rm_dir), ("cost", cost_dir)):
+        if judge in runs:
+            if where is None:
+                raise ValueError(f"the job's {judge} model was not materialized (prepare() gives its directory)")
+            wanted[judge] = RoleSpec(RewardModelWorker, {"config": rc.judge_config(s, judge), "model_dir": str(where)})
     by_pool: dict[str, dict[str, RoleSpec]] = {}
     for role, rs in wanted.items():
         by_pool.setdefault(s.pool(role).name, {})[role] = rs
@@ -171,7 +193,17 @@ def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | 
         groups.append(group)
         roles.update({r: group[r] for r in group.roles})
     devices = sum(g.pool.world_size for g in groups)
-    return Workers(roles, groups, devices)
+    if not apart:
+        return Workers(roles, groups, devices, ColocatedWeightSync(roles["rollout"]), s)
+    try:
+        weights = StreamedWeightSync(roles["actor"], roles["rollout"], s.pool("rollout").world_size,
+                                     s.rollout.weight_sync_timeout_seconds)
+    except BaseException:
+        for g in groups:
+            g.shutdown()
+            g.pool.release()
+        raise
+    return Workers(roles, groups, devices, weights, s)
 
 
 def prompt_batch(samples: list[Sample], uid_offset: int = 0) -> Batch:

@@ -26,6 +26,7 @@ from hybridflow.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.worker_group import PendingResult, resolve
 from hybridflow.roles.config import old_log_probs_from_update
+from hybridflow.trainer.rollouts import Rollouts
 from hybridflow.api import JobSpec
 
 # stage -> (role, worker method). "reward" and "cost" run on the controller instead when they are rules or functions.
@@ -100,16 +101,18 @@ class Step:
     """One iteration: the program calls these in the order of its algorithm; stats and stage times accumulate."""
 
     def __init__(self, spec: JobSpec, roles: dict[str, Any], pools: dict[str, str], scorers: dict[str, Scorer],
-                 state: AlgorithmState, next_prompts: Callable[[], Batch]) -> None:
+                 state: AlgorithmState, rollouts: Rollouts) -> None:
         self.spec, self.algo = spec, spec.algorithm
         self.roles, self.pools, self.scorers, self.state = roles, pools, scorers, state
-        self._next_prompts = next_prompts
+        self.rollouts = rollouts  # where generations come from (spec.rollout.mode) and how weights reach them
         self.clock = StageClock()
         self.stats: dict[str, float] = {}
         self.trained: Batch | None = None
         self._generating: list[threading.Thread] = []  # clocks of generations still running
-        # On-policy updates take old log-probs from their own forward pass: the separate stage is skipped.
-        self.skipped = {"old_log_prob"} if old_log_probs_from_update(
+        # On-policy updates take old log-probs from their own forward pass: the separate stage is skipped. Not when
+        # generation runs apart from training: the batch is older than the policy, the trainer's own old log-probs
+        # are the proximal policy the corrections compare the rollout's with.
+        self.skipped = {"old_log_prob"} if spec.rollout.mode == "sync" and old_log_probs_from_update(
             spec.training, spec.algorithm, spec.trainer.prompts_per_step) else set()
 
     @property
@@ -128,7 +131,7 @@ class Step:
         return self.state.carried[name]
 
     def next_prompts(self) -> Batch:
-        return self._next_prompts()
+        return self.rollouts.next_prompts()
 
     # -- generation ----------------------------------------------------------------------------------------------
 
@@ -137,15 +140,12 @@ class Step:
         per prompt from the same engine call, returned apart: (sampled, greedy). Pending results, like every
         stage's: the rollout role's futures go on to the next stage without the controller fetching them."""
         n = self.responses_per_prompt
-        batch = prompts.repeat(n)
-        batch.non_tensors["greedy"] = np.zeros(len(batch), dtype=bool)
-        if greedy_baseline:
-            greedy = prompts.with_columns()
-            greedy.non_tensors["greedy"] = np.ones(len(prompts), dtype=bool)
-            batch = Batch.concat([batch, greedy])
         t0 = time.perf_counter()
-        out = self.roles["rollout"].generate(batch)
-        self._clock_generation(out, t0)
+        out = self.rollouts.generate(prompts, functools.partial(generation_rows, n=n, greedy_baseline=greedy_baseline))
+        if isinstance(out, PendingResult):
+            self._clock_generation(out, t0)
+        else:  # generated before it was asked for (async): the trainer's wait is the stage's time
+            self.clock.add("generate", float(out.meta.get("generate_seconds", 0.0)))
         if not greedy_baseline:
             return out
         k = n * len(prompts)
@@ -168,8 +168,11 @@ class Step:
         """Every generation launched has finished and is on the clock. The stages after it wait for this before
         their own clocks start: they would queue behind generation on its devices, and generation's time is its
         own stage's, not theirs."""
+        t0 = time.perf_counter()
         for waiter in self._generating:
             waiter.join()
+        if self._generating:  # the trainer waited for generation (idle, when rollout has devices of its own)
+            self.stats["trainer_wait_seconds"] = self.stats.get("trainer_wait_seconds", 0.0) + time.perf_counter() - t0
         self._generating.clear()
 
     # -- stages --------------------------------------------------------------------------------------------------
@@ -284,6 +287,7 @@ class Step:
     def update_actor(self, batch: Batch) -> None:
         batch.meta["kl_coef"] = self.state.kl.value
         self._generated()
+        self.rollouts.trained(batch)
         with self.clock("actor_update"):
             self.stats.update(mean_stats(self.roles["actor"].update_actor(batch), ""))
         self.trained = batch
@@ -293,10 +297,7 @@ class Step:
         takes the actor's new weights through the bridge."""
         self._generated()
         with self.clock("reshard"):
-            per_rank = self.roles["rollout"].sync_weights()
-        self.stats.update(reshard_bytes=float(np.mean([x["bytes"] for x in per_rank])),
-                          reshard_peak_bytes=float(max(x["peak_bytes"] for x in per_rank)),
-                          generation_weight_bytes=float(max(x["generation_bytes"] for x in per_rank)))
+            self.stats.update(self.rollouts.sync())
 
     # -- after the program ---------------------------------------------------------------------------------------
 
@@ -323,10 +324,23 @@ class Step:
             out["cost_mean"] = float(batch["costs"].mean())
         for carried in self.state.carried.values():
             out.update(carried.metrics())
+        out.update(self.rollouts.step_stats())
         if "rollout_log_probs" in batch and "old_log_probs" in batch:
             gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
             out["rollout_log_prob_gap"] = float(masked_mean(gap, mask))
         return out
+
+
+def generation_rows(prompts: Batch, n: int, greedy_baseline: bool = False) -> Batch:
+    """What generation gets for a step's prompts: each prompt n times (groups adjacent, sampled), and with
+    greedy_baseline one more greedy row per prompt after them."""
+    batch = prompts.repeat(n)
+    batch.non_tensors["greedy"] = np.zeros(len(batch), dtype=bool)
+    if greedy_baseline:
+        greedy = prompts.with_columns()
+        greedy.non_tensors["greedy"] = np.ones(len(prompts), dtype=bool)
+        batch = Batch.concat([batch, greedy])
+    return batch
 
 
 def _varied(group: Batch) -> bool:
@@ -366,6 +380,10 @@ def rollout_records(batch: Batch, decode: Callable[[list[int]], str] | None = No
         if costs is not None:
             rec["cost"] = costs[i]
         rec.update({c: batch[c][i][real[i]].float().tolist() for c in columns})
+        if "token_versions" in batch:  # the policy version of each response token, and how stale it was trained
+            rec["token_versions"] = batch["token_versions"][i][real[i]].tolist()
+        if "staleness" in batch.meta:
+            rec.update(trainer_version=batch.meta["trainer_version"], staleness=batch.meta["staleness"][i])
         out.append(rec)
     return out
 

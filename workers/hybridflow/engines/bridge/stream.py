@@ -24,7 +24,9 @@ gets them by broadcast instead. Three things matter there that do not in-process
   version and the bucket. A killed sender's sockets close, so its receivers fail at once (those reached through a
   peer fail within the timeout); the group is unusable after an error and must be rebuilt by the caller.
 
-Not wired yet: the spec still refuses a separate rollout pool; the roles and the loop use this when it is lifted.
+The group is one of its own (`stream_group`), not part of either pool's torch.distributed world: the sender serves
+its rendezvous (`StreamRendezvous`), the receivers join it (`stream_store`). The actor role sends
+(roles/actor.py `send_weights`), the rollout role on a pool of its own receives (roles/rollout.py).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import json
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,6 +50,8 @@ first wait of a sync counts too: receivers enter `receive` when the controller s
 _MAGIC = 0x48465753  # "HFWS": a preamble that does not start with it is not ours (a desynchronised stream)
 _PREAMBLE = 6  # magic, version, bucket index (-1: end), header bytes, payload bytes, tensors
 _ACK = 3  # version, tensors, bytes
+_ACK_TAG = 7  # the acks' point-to-point tag
+_PREFIX = "hybridflow/weight-stream"
 
 
 class WeightStreamError(RuntimeError):
@@ -68,12 +72,39 @@ class SyncStats:
     seconds: float = 0.0
 
 
-def stream_group(ranks: list[int], timeout_s: float = STREAM_TIMEOUT_S,
-                 backend: str | None = None) -> dist.ProcessGroup:
-    """The group a stream runs on (collective over the default group, as every new_group): the sender and every
-    receiver rank, with the stream's timeout as the group's own, so a wait the stream does not bound is bounded
-    too. `backend`: None is the default group's (gloo on CPU, NCCL on GPU)."""
-    return dist.new_group(sorted(ranks), timeout=timedelta(seconds=timeout_s), backend=backend)
+def stream_group(store: dist.Store, rank: int, size: int, timeout_s: float = STREAM_TIMEOUT_S,
+                 device: torch.device | str = "cpu") -> dist.ProcessGroup:
+    """The group a stream runs on, a process group of its own: not made from a default group, because its ranks
+    live in different pools (each pool's processes form a torch.distributed world of their own, which FSDP and the
+    3D-HybridEngine use) and join it through `store`. Group rank 0 sends; ranks 1..size-1 receive. The stream's
+    timeout is the group's own, so a wait the stream does not bound is bounded too. Gloo for CPU tensors, NCCL for
+    CUDA ones (the same calls; not run here for want of GPUs). Blocks until all `size` ranks joined."""
+    timeout = timedelta(seconds=timeout_s)
+    if torch.device(device).type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def stream_store(host: str, port: int, size: int, timeout_s: float = STREAM_TIMEOUT_S) -> dist.Store:
+    """A receiver's way into a stream's rendezvous (`StreamRendezvous`, opened by the sender), under the stream's
+    own prefix, so the store could serve other things."""
+    store = dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(_PREFIX, store)
+
+
+class StreamRendezvous:
+    """The sender's side of a stream's rendezvous: a TCPStore it serves on a port the kernel picks (no gap between
+    choosing and listening), at `host`; the receivers reach it through `stream_store`. Kept open for the group's
+    life: gloo's ranks read each other's addresses from it when they connect."""
+
+    def __init__(self, host: str, size: int, timeout_s: float = STREAM_TIMEOUT_S) -> None:
+        self.host, self.size = host, size
+        self._store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=timeout_s))
+        self.port = int(self._store.port)
+        self.store: dist.Store = dist.PrefixStore(_PREFIX, self._store)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -89,13 +120,18 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Bounded:
-    """One rank's side of a stream: every wait bounded, every failure named."""
+    """One rank's side of a stream: every wait bounded, every failure named. Ranks are the group's own; `peers`
+    names them for messages (e.g. "trainer rank 0", "rollout rank 1"), "rank <i>" unless given."""
 
-    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device | str, timeout_s: float) -> None:
+    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device | str, timeout_s: float,
+                 peers: Sequence[str] | None = None) -> None:
         self.group, self.src, self.device = group, src, torch.device(device)
         self.timeout = timedelta(seconds=timeout_s)
-        self.rank = dist.get_rank()
-        self.receivers = [r for r in dist.get_process_group_ranks(group) if r != src]
+        self.rank = group.rank()
+        self.receivers = [r for r in range(group.size()) if r != src]
+        self.peers = list(peers) if peers is not None else [f"rank {r}" for r in range(group.size())]
+        if len(self.peers) != group.size():
+            raise ValueError(f"{len(self.peers)} peer names for a group of {group.size()}")
 
     def _bounded(self, start: Callable[[], dist.Work], what: Callable[[], str]) -> None:
         """Start one operation and wait for it at most the timeout; a timeout or a lost peer (gloo and NCCL raise
@@ -104,11 +140,16 @@ class _Bounded:
         try:
             start().wait(timeout=self.timeout)
         except RuntimeError as e:
-            raise WeightStreamError(f"rank {self.rank}: {what()} (stream timeout {self.timeout.total_seconds():g} "
-                                    f"s): {str(e).strip().splitlines()[0]}") from e
+            raise WeightStreamError(f"{self.peers[self.rank]}: {what()} (stream timeout "
+                                    f"{self.timeout.total_seconds():g} s): {str(e).strip().splitlines()[0]}") from e
 
     def _broadcast(self, t: torch.Tensor, what: Callable[[], str]) -> None:
-        self._bounded(lambda: dist.broadcast(t, src=self.src, group=self.group, async_op=True), what)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = self.src, 0
+        self._bounded(lambda: self.group.broadcast([t], opts), what)
+
+    def _error(self, message: str) -> WeightStreamError:
+        return WeightStreamError(f"{self.peers[self.rank]}: {message}")
 
 
 class WeightSender(_Bounded):
@@ -116,8 +157,9 @@ class WeightSender(_Bounded):
     full_params()). `send` streams one policy version; versions must increase."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device | str = "cpu",
-                 bucket_bytes: int = BUCKET_BYTES, timeout_s: float = STREAM_TIMEOUT_S) -> None:
-        super().__init__(group, dist.get_rank(), device, timeout_s)
+                 bucket_bytes: int = BUCKET_BYTES, timeout_s: float = STREAM_TIMEOUT_S,
+                 peers: Sequence[str] | None = None) -> None:
+        super().__init__(group, group.rank(), device, timeout_s, peers)
         self.bucket_bytes = bucket_bytes
         self.version: int | None = None
 
@@ -144,7 +186,7 @@ class WeightSender(_Bounded):
                 on_bucket(i)
             del flat, bucket  # before the next bucket is built
         end = torch.tensor([_MAGIC, version, -1, 0, stats.bytes, stats.tensors], dtype=torch.int64, device=self.device)
-        self._broadcast(end, lambda: f"receivers {self.receivers} did not take the end of policy version {version}")
+        self._broadcast(end, lambda: f"receivers {self._names(self.receivers)} did not take the end of policy version {version}")
         self._acks(stats)
         self.version = version
         stats.seconds = time.perf_counter() - t0
@@ -152,7 +194,7 @@ class WeightSender(_Bounded):
 
     def _send_bucket(self, version: int, i: int, header: bytes, flat: torch.Tensor, n: int) -> None:
         def what() -> str:
-            return f"receivers {self.receivers} did not take bucket {i} of policy version {version}"
+            return f"receivers {self._names(self.receivers)} did not take bucket {i} of policy version {version}"
 
         pre = torch.tensor([_MAGIC, version, i, len(header), tensor_bytes(flat), n], dtype=torch.int64,
                            device=self.device)
@@ -160,16 +202,19 @@ class WeightSender(_Bounded):
         self._broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device), what)
         self._broadcast(_as_bytes(flat), what)
 
+    def _names(self, ranks: list[int]) -> str:
+        return ", ".join(self.peers[r] for r in ranks)
+
     def _acks(self, stats: SyncStats) -> None:
         """Each receiver's (version, tensors, bytes), point to point: names the receiver that did not answer."""
         acks = {r: torch.zeros(_ACK, dtype=torch.int64, device=self.device) for r in self.receivers}
-        works = {r: dist.irecv(a, src=r, group=self.group) for r, a in acks.items()}
+        works = {r: self.group.recv([a], r, _ACK_TAG) for r, a in acks.items()}
         for r, work in works.items():
             self._bounded(lambda w=work: w,
-                          lambda r=r: f"receiver rank {r} did not ack policy version {stats.version}")
+                          lambda r=r: f"receiver {self.peers[r]} did not ack policy version {stats.version}")
             got = acks[r].tolist()
             if got != [stats.version, stats.tensors, stats.bytes]:
-                raise WeightStreamError(f"rank {self.rank}: receiver rank {r} acked (version, tensors, bytes) "
+                raise self._error(f"receiver {self.peers[r]} acked (version, tensors, bytes) "
                                         f"{got}, sent {[stats.version, stats.tensors, stats.bytes]}")
 
 
@@ -177,9 +222,9 @@ class WeightReceiver(_Bounded):
     """The receiving side, on each rank of each rollout replica: `receive` yields one version's (name, tensor)
     lazily, shaped for RolloutEngine.load_weights; `sync(load)` runs a whole one. `version`: the last loaded."""
 
-    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device | str = "cpu",
-                 timeout_s: float = STREAM_TIMEOUT_S) -> None:
-        super().__init__(group, src, device, timeout_s)
+    def __init__(self, group: dist.ProcessGroup, src: int = 0, device: torch.device | str = "cpu",
+                 timeout_s: float = STREAM_TIMEOUT_S, peers: Sequence[str] | None = None) -> None:
+        super().__init__(group, src, device, timeout_s, peers)
         self.version: int | None = None
         self.stats: SyncStats | None = None  # the last complete sync's
 
@@ -190,7 +235,7 @@ class WeightReceiver(_Bounded):
         load(stream)
         left = sum(1 for _ in stream)
         if left:
-            raise WeightStreamError(f"rank {self.rank}: the load left {left} tensor(s) of policy version "
+            raise self._error(f"the load left {left} tensor(s) of policy version "
                                     f"{self.version} unconsumed")
         assert self.stats is not None
         return self.stats
@@ -203,23 +248,23 @@ class WeightReceiver(_Bounded):
             pre = self._preamble(stats.version, i)
             magic, version, index, header_len, nbytes, n = pre
             if magic != _MAGIC:
-                raise WeightStreamError(f"rank {self.rank}: bucket {i} from sender rank {self.src} is not a weight "
+                raise self._error(f"bucket {i} from sender {self.peers[self.src]} is not a weight "
                                         f"stream preamble ({pre})")
             if i == 0:
                 if self.version is not None and version <= self.version:
-                    raise WeightStreamError(f"rank {self.rank}: sender rank {self.src} sent policy version {version}, "
+                    raise self._error(f"sender {self.peers[self.src]} sent policy version {version}, "
                                             f"not newer than the loaded {self.version}")
                 stats.version = version
             elif version != stats.version:
-                raise WeightStreamError(f"rank {self.rank}: bucket {i} from sender rank {self.src} is of policy "
+                raise self._error(f"bucket {i} from sender {self.peers[self.src]} is of policy "
                                         f"version {version}, the sync began as {stats.version}")
             if index == -1:
                 if (nbytes, n) != (stats.bytes, stats.tensors):
-                    raise WeightStreamError(f"rank {self.rank}: sender rank {self.src} ended version {version} at "
+                    raise self._error(f"sender {self.peers[self.src]} ended version {version} at "
                                             f"{n} tensors / {nbytes} bytes, received {stats.tensors} / {stats.bytes}")
                 break
             if index != i:
-                raise WeightStreamError(f"rank {self.rank}: sender rank {self.src} sent bucket {index} of version "
+                raise self._error(f"sender {self.peers[self.src]} sent bucket {index} of version "
                                         f"{version}, expected bucket {i}")
             yield from self._bucket(stats, i, header_len, nbytes, n)
             i += 1
@@ -229,7 +274,7 @@ class WeightReceiver(_Bounded):
 
     def _what(self, version: int, i: int) -> Callable[[], str]:
         shown = "the next version" if version < 0 else f"policy version {version}"
-        return lambda: f"sender rank {self.src} did not send bucket {i} of {shown}"
+        return lambda: f"sender {self.peers[self.src]} did not send bucket {i} of {shown}"
 
     def _preamble(self, version: int, i: int) -> list[int]:
         pre = torch.zeros(_PREAMBLE, dtype=torch.int64, device=self.device)
@@ -247,8 +292,8 @@ class WeightReceiver(_Bounded):
         names, shapes, dtype = meta["names"], [torch.Size(s) for s in meta["shapes"]], _dtype(meta["dtype"])
         expected = sum(s.numel() for s in shapes) * dtype.itemsize
         if len(names) != n or len(shapes) != n or expected != nbytes:
-            raise WeightStreamError(f"rank {self.rank}: bucket {i} of version {stats.version} from sender rank "
-                                    f"{self.src} announces {n} tensors / {nbytes} bytes, its header {len(names)} / "
+            raise self._error(f"bucket {i} of version {stats.version} from sender {self.peers[self.src]} "
+                                    f"announces {n} tensors / {nbytes} bytes, its header {len(names)} / "
                                     f"{expected}")
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._broadcast(buf, self._what(stats.version, i))
@@ -261,5 +306,5 @@ class WeightReceiver(_Bounded):
 
     def _ack(self, stats: SyncStats) -> None:
         ack = torch.tensor([stats.version, stats.tensors, stats.bytes], dtype=torch.int64, device=self.device)
-        self._bounded(lambda: dist.isend(ack, dst=self.src, group=self.group),
-                      lambda: f"sender rank {self.src} did not take the ack of policy version {stats.version}")
+        self._bounded(lambda: self.group.send([ack], self.src, _ACK_TAG),
+                      lambda: f"sender {self.peers[self.src]} did not take the ack of policy version {stats.version}")

@@ -95,10 +95,16 @@ class FullTensorTransfer:
         return stats
 
     def train_checksums(self, dtype: torch.dtype) -> dict[str, float]:
-        for name, tensor in self.engine.full_params():
-            if "embed_tokens" in name:
-                return {"embedding": float(tensor.to(dtype).double().sum())}
-        raise KeyError("no embedding parameter found")
+        return full_tensor_checksums(self.engine, dtype)
+
+
+def full_tensor_checksums(engine: TrainEngine, dtype: torch.dtype) -> dict[str, float]:
+    """The embedding's sum in the generation dtype, as an engine fed whole HF tensors (vLLM, HF) reports it
+    (collective: full_params gathers; every rank stops at the same parameter)."""
+    for name, tensor in engine.full_params():
+        if "embed_tokens" in name:
+            return {"embedding": float(tensor.to(dtype).double().sum())}
+    raise KeyError("no embedding parameter found")
 
 
 class MicroDPTransfer:

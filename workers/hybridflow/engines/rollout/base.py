@@ -67,8 +67,11 @@ class RolloutSetup:
     generation_dtype: torch.dtype  # what generation computes in: the training engine's compute dtype
     seed: int  # this generation replica's sampling seed
     sequences: int  # the most sequences one generation call holds on this replica
-    trainer: TrainEngine  # the colocated training engine (its device; a model-parallel one's model shape)
-    transfer: WeightTransfer  # how the trainer's weights reach this engine (and the generation process group)
+    device: torch.device  # where generation runs
+    # Colocated only (None on a rollout pool of its own): the training engine beside it (a model-parallel one's
+    # model shape), and how its weights reach this engine (and the generation process group).
+    trainer: TrainEngine | None
+    transfer: WeightTransfer | None
 
 
 class RolloutEngineFactory(Protocol):

@@ -12,10 +12,10 @@ from hybridflow.engines.rollout.base import Generation, RolloutSetup, SamplingCo
 
 
 def build(ctx: WorkerContext, setup: RolloutSetup) -> HFRollout:
-    """Its own copy of the weights in the model's dtype, on the training engine's device; the process's torch seed
+    """Its own copy of the weights in the model's dtype, on the replica's device; the process's torch seed
     is the replica's (HF samples from the global generator)."""
     torch.manual_seed(setup.seed)
-    return HFRollout(setup.model_dir, setup.model_dtype, setup.trainer.device, setup.seed)
+    return HFRollout(setup.model_dir, setup.model_dtype, setup.device, setup.seed)
 
 
 class HFRollout:

@@ -26,6 +26,9 @@ def build(ctx: WorkerContext, setup: RolloutSetup) -> MegatronRollout:
     """Layers of the training engine's shape on the transfer's generation TP group, in the model's dtype (megatron
     computes in its weights' dtype). It starts empty: its weights only ever come from a transition, so the first
     one runs here. Registered as fed by model-parallel trainers only (the spec's rules hold it to that)."""
+    if setup.trainer is None or setup.transfer is None:
+        raise ValueError("megatron generation runs beside its megatron actor (it is fed training shards): place "
+                         "rollout on the actor's pool")
     trainer = cast(ModelParallelTrainEngine, setup.trainer)
     group, ranks = setup.transfer.generation_group
     engine = MegatronRollout(trainer.shape, setup.model_dtype, group, ranks, setup.seed, trainer.device)

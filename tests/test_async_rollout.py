@@ -1,0 +1,150 @@
+"""Asynchronous RL (issue 26) on real parts: examples/tiny-async.yaml, rollout on a pool of its own (one trainer
+rank, one vLLM rollout rank, weights streamed between them over gloo), in `async` (maxStaleness 2, partial rollouts,
+a queue deep enough that groups age past the bound); `one_step_off` in test_one_step_off.py. One 40-step run in
+the shared Ray, shared by the tests below: it learns to the synchronous example's thresholds (test_end_to_end), its
+trajectory log proves the staleness bound, after the last sync the rollout engine holds the trainer's weights and
+generates what HF generates with them, and a killed trainer is a named error, not a hang."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import yaml
+from test_end_to_end import LEARNED_GAIN, LEARNED_MIN
+from test_weight_sync import _greedy_matches_hf
+
+from hybridflow.api import parse_job
+from hybridflow.metrics import JobMetrics
+from hybridflow.models.builders import materialize
+from hybridflow.trainer import loop, setup
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+MAX_STALENESS = 2
+SYNC_TIMEOUT_S = 10.0
+
+
+def _job(tmp_path: Path, mode: str):
+    """The async example (one trainer rank, one rollout rank) in `mode`, its rollout log on."""
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-async.yaml").read_text())
+    spec = doc["spec"]
+    assert spec["rollout"]["maxStaleness"] == MAX_STALENESS
+    spec["rollout"].update(mode=mode, weightSyncTimeoutSeconds=SYNC_TIMEOUT_S)
+    if mode == "async":  # partial rollouts of 2 tokens (responses are 6), and a queue of 4 steps' prompts
+        spec["rollout"].update(partialRolloutTokens=2, queuePrompts=128)
+    else:
+        del spec["rollout"]["maxStaleness"]
+    spec["trainer"].update(checkpointDir=str(tmp_path / "run"), rolloutLog=True, saveFreq=0)
+    spec["metrics"]["port"] = 0
+    return parse_job(doc)
+
+
+@dataclass
+class Run:
+    job: Any
+    w: Any  # setup.Workers, up until the module's tests are done
+    task: Any
+    model_dir: Path
+    summary: Any  # loop.RunSummary
+    engines: list[str]  # the rollout engines' instance ids before the run
+
+
+def _run(job, model_cache, shared_ray) -> Run:
+    """Workers for the job in the shared Ray, and its whole fit(); the workers stay up for the tests."""
+    model_dir = materialize(job.spec.models.actor, model_cache, job.spec.trainer.seed)
+    task = setup.build_task(job, model_dir)
+    shared_ray.ensure_running()
+    shared_ray.check_fits(job)
+    w = setup.build_workers(job, model_dir, task, None, None)
+    try:
+        engines = w.roles["rollout"].instance_id()
+        summary = loop.fit(job, w, task, JobMetrics(job.metadata.name), progress=lambda _: None)
+    except BaseException:
+        w.shutdown()
+        raise
+    return Run(job, w, task, model_dir, summary, engines)
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory, model_cache, shared_ray):
+    run = _run(_job(tmp_path_factory.mktemp("async"), "async"), model_cache, shared_ray)
+    try:
+        yield run
+    finally:
+        run.w.shutdown()
+
+
+def _log(job) -> list[dict]:
+    root = Path(job.spec.trainer.checkpoint_dir) / "rollouts"
+    return [json.loads(line) for f in sorted(root.glob("step_*.jsonl")) for line in f.read_text().splitlines()]
+
+
+def _steps(job) -> list[dict]:
+    return [json.loads(line) for line in (Path(job.spec.trainer.checkpoint_dir) / "steps.jsonl").read_text().splitlines()]
+
+
+def test_it_learns_to_the_synchronous_examples_thresholds(async_run):
+    """Held-out reward after 40 steps at least LEARNED_MIN, up by at least LEARNED_GAIN: what the synchronous,
+    colocated example must reach in test_end_to_end (measured: sync on two pools 0.92, async with maxStaleness 2
+    0.87-0.88)."""
+    assert_learned(async_run.summary)
+
+
+def assert_learned(summary) -> None:
+    assert summary.steps_done == 40
+    assert summary.eval_after.reward >= LEARNED_MIN, summary.eval_after
+    assert summary.eval_after.reward - summary.eval_before.reward >= LEARNED_GAIN
+
+
+def test_the_trajectory_log_proves_the_staleness_bound(async_run):
+    """No trained token is older than maxStaleness versions; the bound is reached (the queue holds older groups,
+    which are dropped and counted), and partial rollouts mix versions within a response, newest last."""
+    job = async_run.job
+    log = _log(job)
+    assert len(log) == 40 * job.spec.trainer.prompts_per_step * job.spec.rollout.responses_per_prompt
+    for r in log:
+        versions = r["token_versions"]
+        assert versions, r
+        assert r["trainer_version"] - min(versions) <= MAX_STALENESS, r
+        assert r["staleness"] == r["trainer_version"] - min(versions)
+        assert versions == sorted(versions) and max(versions) <= r["trainer_version"], r
+    assert max(r["staleness"] for r in log) == MAX_STALENESS
+    assert sum(len(set(r["token_versions"])) > 1 for r in log) > len(log) // 10  # partial rollouts
+    steps = _steps(job)
+    assert steps[-1]["dropped_stale_total"] > 0
+    assert all(r["staleness_max"] <= MAX_STALENESS for r in steps)
+    assert 0 < max(r["queue_depth"] for r in steps) <= 128
+
+
+def test_after_the_last_sync_the_rollout_holds_the_trainers_weights(async_run):
+    """The rollout engine (the same one, updated in place 40 times over the stream) sums to the trainer's weights
+    cast to its dtype, and its greedy responses equal HF's on the trainer's exported weights."""
+    job, w = async_run.job, async_run.w
+    rollout, actor = w.roles["rollout"], w.roles["actor"]
+    assert rollout.policy_version() == [40]
+    assert rollout.instance_id() == async_run.engines
+    trainer = actor.weight_checksums_as(rollout.generation_dtype_name())[0]
+    assert rollout.weight_checksums() == [trainer]
+    steps = _steps(job)
+    assert all(r["weight_sync_bytes"] > 0 and r["weight_sync_seconds"] > 0 for r in steps)
+    _greedy_matches_hf(job, w, async_run.task, async_run.model_dir, step=40)
+
+
+def test_a_killed_trainer_is_a_named_error_within_the_timeout(async_run):
+    """Last (it kills the trainer): the rollout rank waiting for a version from a trainer that died says so, naming
+    it, well within weightSyncTimeoutSeconds plus a margin, instead of hanging."""
+    w = async_run.w
+    trainer_group = next(g for g in w.groups if "actor" in g.roles)
+    ray.kill(trainer_group.hosts[0], no_restart=True)
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as err:
+        w.sync_weights(41)
+    took = time.monotonic() - t0
+    assert "sender trainer rank 0 did not send bucket 0" in str(err.value), err.value
+    assert "[waiting for policy version 41]" in str(err.value), err.value
+    assert took < SYNC_TIMEOUT_S + 20, took

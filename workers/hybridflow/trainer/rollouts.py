@@ -1,0 +1,293 @@
+"""Where a step's generations come from, one source per spec.rollout.mode, and how the trainer's new weights reach
+generation (`WeightSync`: in memory beside the actor, or streamed to a rollout pool of its own).
+
+* sync: the program's generate runs when it is called; the weights follow every update (HybridFlow as published).
+* one_step_off: when a step's prompts are generated, the next step's are launched at once on the rollout pool, so
+  they generate while this step trains (Ray runs one call at a time per rollout rank: the weight sync that ends
+  the step queues behind that generation and lands before the one after). Every trained batch is one version old.
+* async: a producer thread keeps the rollout pool generating into a trajectory queue of `queuePrompts` groups; a
+  step takes promptsPerStep groups once they are ready, dropping (and counting) those whose oldest token is more
+  than maxStaleness versions behind the trainer. With partialRolloutTokens, generations advance a chunk per engine
+  call, so new weights land between chunks and the rest of a response comes from them (each token tagged).
+
+Every generated batch carries `token_versions` (the policy version of each response token), which the step's
+staleness statistics, the metrics and the rollout log (trainer.rolloutLog) read.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from hybridflow.api import JobSpec
+from hybridflow.single_controller.batch import Batch
+from hybridflow.single_controller.worker_group import PendingResult, resolve
+from hybridflow.trainer.trajectories import (
+    Trajectory, oldest_versions, pack_trajectories, staleness, too_stale, uniform_versions,
+)
+
+Shape = Callable[[Batch], Batch]  # a step's prompts -> the rows generation gets (responsesPerPrompt each, greedy flags)
+
+
+class WeightSync(Protocol):
+    version: int  # updates the trainer has made and generation holds (0: the initial weights)
+
+    def sync(self, version: int) -> dict[str, float]:
+        """The trainer's weights, as policy `version`, into every generation engine; the step's statistics."""
+
+
+class ColocatedWeightSync:
+    """The rollout role beside the actor takes the weights in memory through the bridge (3D-HybridEngine)."""
+
+    def __init__(self, rollout: Any) -> None:
+        self.rollout, self.version = rollout, 0
+
+    def sync(self, version: int) -> dict[str, float]:
+        per_rank = self.rollout.sync_weights(version)
+        self.version = version
+        return {"reshard_bytes": float(np.mean([x["bytes"] for x in per_rank])),
+                "reshard_peak_bytes": float(max(x["peak_bytes"] for x in per_rank)),
+                "generation_weight_bytes": float(max(x["generation_bytes"] for x in per_rank))}
+
+
+class StreamedWeightSync:
+    """The actor's rank 0 streams whole tensors, in the generation dtype, to every rank of the rollout pool over
+    a group of their own (engines.bridge.stream), joined here once."""
+
+    def __init__(self, actor: Any, rollout: Any, rollout_ranks: int, timeout_s: float) -> None:
+        self.actor, self.rollout, self.version = actor, rollout, 0
+        self.dtype = rollout.generation_dtype_name()
+        size = 1 + rollout_ranks
+        host, port = actor.open_weight_stream(size, timeout_s)
+        joining = [actor.join_weight_stream(size, timeout_s), rollout.join_weight_stream(host, port, size, timeout_s)]
+        for pending in reversed(joining):
+            resolve(pending)
+
+    def sync(self, version: int) -> dict[str, float]:
+        sending = self.actor.send_weights(version, self.dtype)
+        receiving = self.rollout.sync_weights(version)
+        got = resolve(receiving)  # first: a receiver's error names the peer that did not answer
+        sent = resolve(sending)
+        self.version = version
+        return {"reshard_bytes": float(np.mean([x["bytes"] for x in got])),
+                "reshard_peak_bytes": float(max(x["peak_bytes"] for x in [*got, *sent])),
+                "generation_weight_bytes": float(max(x["generation_bytes"] for x in got)),
+                "weight_sync_bytes": float(sum(x["bytes"] for x in got)),
+                "weight_sync_seconds": float(max(x["seconds"] for x in [*got, *sent])),
+                "rollout_policy_version": float(version)}
+
+
+class Rollouts:
+    """sync mode, and what the other modes share: the weight sync (which keeps the trainer's policy version) and
+    the step's staleness statistics. `shape` makes a step's generation rows from its prompts (used by a source
+    that generates before the program asks); `rollout_ranks` is the rollout pool's size."""
+
+    def __init__(self, spec: JobSpec, rollout: Any, weights: WeightSync, prompts: Callable[[], Batch],
+                 shape: Shape, rollout_ranks: int = 1, stop_token_ids: tuple[int, ...] = ()) -> None:
+        self.spec, self.rollout, self.weights, self._prompts = spec, rollout, weights, prompts
+        self.shape, self.ranks, self.stop_ids = shape, rollout_ranks, stop_token_ids
+        self.stats: dict[str, float] = {}
+        self.last_step = False
+        self.rollout_busy = 0.0
+
+    @property
+    def version(self) -> int:
+        return self.weights.version
+
+    def start_step(self, last: bool) -> None:
+        self.stats, self.last_step, self.rollout_busy = {}, last, 0.0
+
+    def next_prompts(self) -> Batch:
+        return self._prompts()
+
+    def generate(self, prompts: Batch, shape: Shape) -> Any:
+        return self.rollout.generate(shape(prompts))
+
+    def sync(self) -> dict[str, float]:
+        return self.weights.sync(self.version + 1)
+
+    def trained(self, batch: Batch) -> None:
+        """The batch the actor is about to train on (the trainer's version is `self.version`): each token's
+        version (one version made a batch that carries none), its staleness into the step's statistics and the
+        batch's meta (the rollout log writes them)."""
+        if "token_versions" not in batch:
+            batch.tensors["token_versions"] = uniform_versions(batch, int(batch.meta.get("policy_version",
+                                                                                        self.version)))
+        self.rollout_busy += float(batch.meta.get("generate_seconds", 0.0))
+        ages = [staleness(self.version, int(v)) for v in oldest_versions(batch)]
+        batch.meta.update(trainer_version=self.version, staleness=ages)
+        self.stats.update(staleness_mean=float(np.mean(ages)), staleness_max=float(max(ages)))
+
+    def step_stats(self) -> dict[str, float]:
+        return {**self.stats, "rollout_busy_seconds": self.rollout_busy}
+
+    def close(self) -> None:
+        pass
+
+
+class OneStepOffRollouts(Rollouts):
+    """Each step's prompts were launched during the step before; generating them launches the next ones."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ahead: tuple[Batch, PendingResult] | None = None
+
+    def next_prompts(self) -> Batch:
+        return self.ahead[0] if self.ahead is not None else self._prompts()
+
+    def generate(self, prompts: Batch, shape: Shape) -> Any:
+        if self.ahead is not None and self.ahead[0] is prompts:
+            out, self.ahead = self.ahead[1], None
+        else:
+            out = self.rollout.generate(shape(prompts))
+        if not self.last_step:  # the next prompts generate with these weights while this batch trains
+            following = self._prompts()
+            self.ahead = (following, self.rollout.generate(shape(following)))
+        return out
+
+
+class AsyncRollouts(Rollouts):
+    """A producer thread generating into a bounded queue of finished groups; steps take them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        r = self.spec.rollout
+        self.group_size, self.per_step = r.responses_per_prompt, self.spec.trainer.prompts_per_step
+        self.capacity = r.queue_prompts or 2 * self.per_step
+        self.ready: collections.deque[Batch] = collections.deque()  # finished groups, oldest first
+        self.in_flight = 0  # groups drawn and not finished
+        self.dropped = 0
+        self._dropped_reported = 0
+        self._taken: Batch | None = None
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._busy_total = 0.0
+        self._active: list[list[Trajectory]] = []  # partial rollouts: groups whose responses are in the making
+        produce = self._produce_partial if r.partial_rollout_tokens else self._produce_whole
+        self._thread = threading.Thread(target=self._run, args=(produce,), name="rollout-producer", daemon=True)
+        self._thread.start()
+
+    # -- the trainer's side ----------------------------------------------------------------------------------
+
+    def next_prompts(self) -> Batch:
+        t0 = time.perf_counter()
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise RuntimeError(f"rollout generation failed: {self._error}") from self._error
+                self._drop_stale()
+                if len(self.ready) >= self.per_step:
+                    groups = [self.ready.popleft() for _ in range(self.per_step)]
+                    self._cond.notify_all()
+                    break
+                self._cond.wait(0.5)
+        waited = time.perf_counter() - t0
+        self.stats["trainer_wait_seconds"] = self.stats.get("trainer_wait_seconds", 0.0) + waited
+        self._taken = Batch.concat(groups)
+        self._taken.meta["generate_seconds"] = waited
+        return self._taken
+
+    def generate(self, prompts: Batch, shape: Shape) -> Any:
+        if prompts is not self._taken:
+            raise RuntimeError("async rollouts generate the prompts they hand out (next_prompts) only")
+        return prompts
+
+    def _drop_stale(self) -> None:
+        kept = collections.deque(g for g in self.ready if not too_stale(
+            self.version, int(oldest_versions(g).min()), self.spec.rollout.max_staleness))
+        self.dropped += len(self.ready) - len(kept)
+        self.ready = kept
+
+    def step_stats(self) -> dict[str, float]:
+        with self._cond:
+            depth = len(self.ready)
+        busy, self._busy_total = self._busy_total, 0.0
+        dropped, self._dropped_reported = self.dropped - self._dropped_reported, self.dropped
+        return {**self.stats, "queue_depth": float(depth), "dropped_stale": float(dropped),
+                "dropped_stale_total": float(self.dropped), "rollout_busy_seconds": busy}
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join(timeout=self.spec.rollout.weight_sync_timeout_seconds)
+
+    # -- the producer's side ---------------------------------------------------------------------------------
+
+    def _run(self, produce: Callable[[], None]) -> None:
+        try:
+            while not self._stop.is_set():
+                produce()
+        except BaseException as e:  # the trainer raises it at its next take
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+    def _room(self) -> int:
+        """Groups the queue can still take in (finished + in flight below capacity); waits while it is full."""
+        with self._cond:
+            while not self._stop.is_set() and len(self.ready) + self.in_flight >= self.capacity:
+                self._cond.wait(0.5)
+            return 0 if self._stop.is_set() else self.capacity - len(self.ready) - self.in_flight
+
+    def _finished(self, groups: list[Batch], seconds: float) -> None:
+        with self._cond:
+            self.ready.extend(groups)
+            self.in_flight -= len(groups)
+            self._busy_total += seconds
+            self._cond.notify_all()
+
+    def _draw(self) -> Batch:
+        prompts = self._prompts()
+        with self._cond:
+            self.in_flight += len(prompts)
+        return prompts
+
+    def _produce_whole(self) -> None:
+        """A batch of prompts per engine call, each response generated whole by the weights it began with."""
+        if not self._room():
+            return
+        prompts = self._draw()
+        out = resolve(self.rollout.generate(self.shape(prompts)))
+        out.tensors["token_versions"] = uniform_versions(out, int(out.meta["policy_version"]))
+        self._finished(out.chunk(len(prompts)), float(out.meta.get("generate_seconds", 0.0)))
+
+    def _produce_partial(self) -> None:
+        """Partial rollouts: every call advances each unfinished response by at most partialRolloutTokens; weights
+        that arrived since the last call make the next tokens."""
+        r = self.spec.rollout
+        active = self._active
+        if self._room() and sum(1 for g in active for t in g if not t.done) < self.per_step * self.group_size:
+            rows = self.shape(self._draw())
+            for g in range(len(rows) // self.group_size):
+                active.append([Trajectory({k: rows.non_tensors[k][i] for k in rows.non_tensors})
+                               for i in range(g * self.group_size, (g + 1) * self.group_size)])
+        todo = [t for g in active for t in g if not t.done]
+        todo = todo[: len(todo) // self.ranks * self.ranks]
+        if not todo:
+            time.sleep(0.05)
+            return
+        asked = [min(r.partial_rollout_tokens, r.max_response_length - len(t.tokens)) for t in todo]
+        call = Batch(non_tensors={"prompt_ids": [t.row["prompt_ids"] for t in todo],
+                                  "response_ids": [t.tokens for t in todo],
+                                  "greedy": [bool(t.row.get("greedy", False)) for t in todo], "max_new": asked})
+        parts = resolve(self.rollout.continue_generation(call))
+        tokens = [x for p in parts for x in p["tokens"]]
+        log_probs = [x for p in parts for x in p["log_probs"]]
+        versions = [p["policy_version"] for p in parts for _ in p["tokens"]]
+        for t, toks, lps, v, n in zip(todo, tokens, log_probs, versions, asked):
+            t.advance(toks, lps, v, n, r.max_response_length, self.stop_ids)
+        done = [g for g in active if all(t.done for t in g)]
+        for g in done:
+            active.remove(g)
+        groups = [pack_trajectories(g, r.max_prompt_length, r.max_response_length) for g in done]
+        self._finished(groups, max(float(p["seconds"]) for p in parts))
+
+
+# spec.rollout.mode -> its source (the schema lists the same names; tests/test_rollouts.py checks they agree)
+ROLLOUT_MODES: dict[str, type[Rollouts]] = {"sync": Rollouts, "one_step_off": OneStepOffRollouts,
+                                            "async": AsyncRollouts}
