@@ -1,6 +1,7 @@
-"""Scenario: success. `kubectl apply` of the example -> operator -> head and worker pods -> a Ray cluster of three
-nodes -> the controller trains on the pool pods -> Succeeded, with steps and tokens/s in status, and a real
-Prometheus scraping the driver and the operator."""
+"""Scenario: success. `kubectl apply` of the async example (examples/tiny-async-k8s.yaml) -> operator -> head, trainer
+pool and rollout pool pods -> a Ray cluster of three nodes -> the actor trains on the trainer pod while vLLM generates
+on the rollout pod, the weights streamed between them -> Succeeded, with both pools, steps and tokens/s in status,
+every step logged once, and a real Prometheus scraping the driver and the operator."""
 from __future__ import annotations
 
 import json
@@ -11,25 +12,36 @@ from hybridflow_operator import manifests as mf
 from kube.harness import free_port, wait_for
 from prometheus_server import Prometheus
 
-from e2e.helpers import EXAMPLE, PVC, phase, prom_value
+from e2e.helpers import PVC, ROOT, phase, prom_value
 from e2e.worlds import current_head
 
+EXAMPLE = ROOT / "examples" / "tiny-async-k8s.yaml"
+SPEC = yaml.safe_load(EXAMPLE.read_text())["spec"]
 NAME = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
-STEPS = yaml.safe_load(EXAMPLE.read_text())["spec"]["trainer"]["steps"]
+STEPS = SPEC["trainer"]["steps"]
+TRAINER_ROLES = ["actor", "reference"]  # the job's roles (JobSpec.roles) not placed on the rollout pool
 PROBE = Path(__file__).with_name("probe_ray.py")
 
 
 def test_kubectl_apply_runs_to_succeeded(world, tmp_path):
     kube = world.kube
-    world.kubectl("apply", "--validate=false", "-f", str(PVC))
+    claim = yaml.safe_load(PVC.read_text())
+    claim["metadata"]["name"] = SPEC["kubernetes"]["checkpointPvc"]
+    (tmp_path / "pvc.yaml").write_text(yaml.safe_dump(claim))
+    world.kubectl("apply", "--validate=false", "-f", str(tmp_path / "pvc.yaml"))
     world.kubectl("apply", "--validate=false", "-f", str(EXAMPLE))
-    pods = wait_for(lambda: len(kube.pods(NAME)) == 3 and kube.pods(NAME), 60, "head + 2 worker pods")
+    pods = wait_for(lambda: len(kube.pods(NAME)) == 3 and kube.pods(NAME), 60, "head + trainer + rollout pods")
 
     def head_log() -> str:  # on a timeout: what the driver, Ray and the pool pods said until then
         return "\n".join(f"{p.metadata.name} log:\n{world.logs(p.metadata.name)[-3000:]}" for p in kube.pods(NAME))
 
-    assert sorted(p.metadata.name for p in pods) == [f"{NAME}-default-0-g0", f"{NAME}-default-1-g0", f"{NAME}-head-g0"]
+    assert sorted(p.metadata.name for p in pods) == [f"{NAME}-head-g0", f"{NAME}-rollout-0-g0", f"{NAME}-trainer-0-g0"]
     wait_for(lambda: phase(world, NAME) == "Running", 300, lambda: f"phase Running; {head_log()}")
+    # status.pools: the trainer pool and the rollout pool apart, each with its roles and its one pod Ready
+    pools = wait_for(lambda: (p := kube.status(NAME).get("pools")) and all(x["ready"] == 1 for x in p) and p, 60,
+                     lambda: f"both pools Ready in status; {kube.status(NAME).get('pools')}")
+    assert pools == [{"name": "trainer", "roles": TRAINER_ROLES, "pods": 1, "ready": 1},
+                     {"name": "rollout", "roles": ["rollout"], "pods": 1, "ready": 1}]
     outsider = _start_outsider_probe(world, tmp_path)  # while the job trains
     scraped = [current_head(kube, NAME)]
     with Prometheus(tmp_path, world.metrics_targets(NAME), free_port()) as prom:
@@ -44,7 +56,7 @@ def test_kubectl_apply_runs_to_succeeded(world, tmp_path):
         up = wait_for(lambda: follow(lambda: (t := prom.targets_up()) and all(t.get(j) for j in prom.targets) and t),
                       120, "driver and operator scraped")
         assert up == {"driver": True, "operator": True}
-        # the driver's worker group spans the two pool pods' devices (one each): Ray saw both nodes join
+        # the driver's worker groups span the two pools' devices (one each): Ray saw both nodes join
         assert wait_for(lambda: follow(lambda: prom_value(prom.query(f'hybridflow_devices{{rlhfjob="{NAME}"}}'))),
                         120, lambda: f"devices gauge; {head_log()}") == 2
         # the operator polls the driver's progress into status while the job runs
@@ -64,7 +76,11 @@ def test_kubectl_apply_runs_to_succeeded(world, tmp_path):
     assert st["phase"] == "Succeeded", (st, world.logs(head))
     assert st["totalSteps"] == STEPS and float(st["tokensPerSecond"]) > 0
     assert "held-out reward after training" in world.logs(head)
-    assert world.step_log(NAME) == list(range(1, STEPS + 1))
+    assert world.step_log(NAME) == list(range(1, STEPS + 1))  # every step exactly once
+    # trained asynchronously, within the bound: no batch older than maxStaleness policy versions
+    staleness = [r["staleness_max"] for r in world.step_records(NAME)]
+    assert len(staleness) == STEPS and max(staleness) <= SPEC["rollout"]["maxStaleness"], staleness
+    assert [p["name"] for p in st["pools"]] == ["trainer", "rollout"]  # the finished job still shows both
     out = world.kubectl("get", "rlhfjobs").stdout
     assert NAME in out and "Succeeded" in out
 

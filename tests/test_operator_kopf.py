@@ -183,6 +183,11 @@ def test_create_makes_children_and_runs(cluster):
     wait_for(lambda: _phase(kube, "j1") == "Running", 30, "phase Running")
     st = kube.status("j1")
     assert any(c["type"] == "Running" and c["status"] == "True" for c in st["conditions"])
+    # status.pools: the one pool, the job's roles on it (JobSpec.roles), its pod counted Ready once its kubelet says so
+    kube.core.patch_namespaced_pod_status("j1-default-0-g0", ns, {"status": {"conditions": [
+        {"type": "Ready", "status": "True"}]}})
+    assert wait_for(lambda: (p := kube.status("j1").get("pools")) and p[0]["ready"] and p, 30, "a Ready pool pod") == [
+        {"name": "default", "roles": ["actor", "rollout", "reference"], "pods": 1, "ready": 1}]
     head = next(p for p in pods if "head" in p.metadata.name)
     kube.set_pod_phase(head.metadata.name, "Succeeded", exit_code=0)
     wait_for(lambda: _phase(kube, "j1") == "Succeeded", 30, "phase Succeeded")

@@ -9,7 +9,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from hybridflow.api import SpecError, parse_job, pool_resource
+from hybridflow.api import ROLES, SpecError, parse_job, pool_resource
+from hybridflow.api.status import pool_status
 from hybridflow_operator import manifests as mf
 from hybridflow_operator.phases import STUCK_TERMINATING_SECONDS, PodView, decide, iso, set_condition
 from hybridflow_operator.progress import merge_progress, parse_progress
@@ -1074,3 +1075,142 @@ def test_egress_and_the_namespace_label_come_from_the_operators_environment():
     ]:
         with pytest.raises(PolicyError, match=re.escape(message)):
             Policy.from_env({key: value})
+
+
+# --- asynchronous RL: a rollout pool of its own (issue 26, item 7) -----------------------------------------------
+
+ASYNC = parse_job(_raw("tiny-async-k8s.yaml"))
+TRAINER_ROLES = ["actor", "reference"]  # the roles the job runs (JobSpec.roles) that are not placed elsewhere
+
+
+def _pool_pod(pool: str, gen: int = 0, phase: str = "Running", ready: bool = True, deleting: bool = False) -> PodView:
+    return PodView(f"tiny-async-k8s-{pool}-0-g{gen}", "worker", gen, phase, deleting, pool=pool, ready=ready)
+
+
+def test_pool_status_lists_every_pool_with_the_roles_placed_on_it_and_its_ready_pods():
+    """status.pools: spec.resourcePools' order, spec.placement's roles (the first pool takes the rest), pods counted
+    by pool and Ready; a pod of a pool the spec does not have counts nowhere."""
+    pods = [("rollout", False), ("trainer", True), ("rollout", True), ("gone", True)]
+    assert pool_status(ASYNC.spec, pods) == [
+        {"name": "trainer", "roles": TRAINER_ROLES, "pods": 1, "ready": 1},
+        {"name": "rollout", "roles": ["rollout"], "pods": 2, "ready": 1}]
+    assert pool_status(ASYNC.spec, []) == [
+        {"name": "trainer", "roles": TRAINER_ROLES, "pods": 0, "ready": 0},
+        {"name": "rollout", "roles": ["rollout"], "pods": 0, "ready": 0}]
+    colocated = parse_job(_raw("tiny-grpo-k8s.yaml")).spec
+    assert pool_status(colocated, [("default", True), ("default", True)]) == [
+        {"name": "default", "roles": ["actor", "rollout", "reference"], "pods": 2, "ready": 2}]
+    ppo = parse_job({"spec": {"algorithm": {"name": "ppo"}, "models": {"reference": False}}}).spec
+    assert pool_status(ppo, [])[0]["roles"] == ["actor", "rollout", "critic"]  # only what the job runs
+
+
+def test_the_status_write_shows_both_pools_of_the_current_generation_only():
+    """The status the handler writes (decide's plan) carries status.pools: the head is no pool's, pods of an older
+    generation or being deleted are not counted, and a gang restart shows the new generation's (none yet)."""
+    head = PodView("tiny-async-k8s-head-g0", "head", 0, "Running", ready=True)
+    starting = [head, _pool_pod("trainer"), _pool_pod("rollout", phase="Pending", ready=False)]
+    plan = decide(ASYNC, None, {"phase": "Initializing", "restarts": 0}, starting, NOW)
+    assert plan.status["pools"] == [{"name": "trainer", "roles": TRAINER_ROLES, "pods": 1, "ready": 1},
+                                    {"name": "rollout", "roles": ["rollout"], "pods": 1, "ready": 0}]
+    running = [head, _pool_pod("trainer"), _pool_pod("rollout"), _pool_pod("rollout", gen=1),
+               _pool_pod("trainer", deleting=True)]
+    plan = decide(ASYNC, None, {"phase": "Running", "restarts": 0}, running, NOW)
+    assert [(p["name"], p["pods"], p["ready"]) for p in plan.status["pools"]] == [("trainer", 1, 1), ("rollout", 1, 1)]
+    failed = [head, _pool_pod("trainer"), _pool_pod("rollout", phase="Failed", ready=False)]
+    plan = decide(ASYNC, None, {"phase": "Running", "restarts": 0}, failed, NOW)
+    assert plan.status["phase"] == "Restarting" and plan.status["restarts"] == 1
+    assert [(p["name"], p["pods"], p["ready"]) for p in plan.status["pools"]] == [("trainer", 0, 0), ("rollout", 0, 0)]
+    assert "pools" not in decide(None, "spec.x: bad", {}, [], NOW).status, "no spec, no pools to show"
+
+
+def test_pod_view_reads_the_pool_label_and_the_ready_condition():
+    from hybridflow_operator.handlers import _pod_view
+
+    pod = mf.worker_pod(ASYNC, "uid", ASYNC.spec.pool("rollout"), 0, 0)
+    assert (view := _pod_view(pod)).pool == "rollout" and not view.ready  # created, no status yet
+    pod["status"] = {"phase": "Running", "conditions": [{"type": "PodScheduled", "status": "True"},
+                                                        {"type": "Ready", "status": "True"}]}
+    assert _pod_view(pod).ready
+    pod["status"]["conditions"][1]["status"] = "False"
+    assert not _pod_view(pod).ready
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """A LabelSelector (matchLabels, matchExpressions In/NotIn/Exists/DoesNotExist) over labels, as the API does."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values") or []
+        if not {"In": lambda: labels.get(key) in values, "NotIn": lambda: labels.get(key) not in values,
+                "Exists": lambda: key in labels, "DoesNotExist": lambda: key not in labels}[op]():
+            return False
+    return True
+
+
+def _peer_matches(peer: dict, policy_ns: str, pod: dict) -> bool:
+    """A NetworkPolicyPeer against a pod {"ns", "ns_labels", "labels"}: podSelector alone means the policy's own
+    namespace; an ipBlock never names a pod of the cluster here (the job's policy has none towards pods)."""
+    if "ipBlock" in peer:
+        return False
+    in_ns = (_selects(peer["namespaceSelector"], pod["ns_labels"]) if "namespaceSelector" in peer
+             else pod["ns"] == policy_ns)
+    return in_ns and _selects(peer.get("podSelector") or {}, pod["labels"])
+
+
+def _rules_admit(rules: list[dict], side: str, policy_ns: str, peer_pod: dict, port: int) -> bool:
+    """Whether one of the rules admits peer_pod at `port` (peers or ports empty or absent: every one)."""
+    return any((not r.get(side) or any(_peer_matches(p, policy_ns, peer_pod) for p in r[side])) and
+               (not r.get("ports") or any(p.get("protocol", "TCP") == "TCP" and p.get("port") == port
+                                          for p in r["ports"]))
+               for r in rules)
+
+
+def _np_allows(np: dict, src: dict, dst: dict, port: int) -> bool:
+    """Whether the job's NetworkPolicy lets a TCP connection from pod src to pod dst's port through: egress where it
+    selects src, ingress where it selects dst (a pod it does not select is not fenced by it)."""
+    ns, spec = np["metadata"]["namespace"], np["spec"]
+
+    def fenced(pod: dict, kind: str) -> bool:
+        return pod["ns"] == ns and _selects(spec["podSelector"], pod["labels"]) and kind in spec["policyTypes"]
+
+    out_ok = not fenced(src, "Egress") or _rules_admit(spec.get("egress", []), "to", ns, dst, port)
+    in_ok = not fenced(dst, "Ingress") or _rules_admit(spec.get("ingress", []), "from", ns, src, port)
+    return out_ok and in_ok
+
+
+def test_the_network_policy_admits_the_weight_stream_between_the_pools_on_any_port_and_no_outsider():
+    """The weight stream's gloo group listens on a kernel-picked port at the trainer's rank 0 pod IP, and every
+    rollout rank connects to it (and back): the job's NetworkPolicy must let the trainer pool's pods and the rollout
+    pool's pods reach each other on any port, and nothing outside the job reach either on such a port."""
+    raw = _raw("tiny-async-k8s.yaml")
+    objs = _all_manifests(raw)
+    (np,) = [o for o in objs if o["kind"] == "NetworkPolicy"]
+
+    def pod(labels: dict, ns: str = "ml") -> dict:
+        return {"ns": ns, "ns_labels": {"kubernetes.io/metadata.name": ns}, "labels": labels}
+
+    job_pods = {o["metadata"]["labels"].get(mf.LABEL_POOL, "head"): pod(o["metadata"]["labels"])
+                for o in objs if o["kind"] == "Pod"}
+    assert set(job_pods) == {"head", "trainer", "rollout"}
+    trainer, rollout = job_pods["trainer"], job_pods["rollout"]
+    stream_ports = [1024, 29500, 45678, 65535]  # any: the kernel picks it
+    for port in stream_ports:
+        assert _np_allows(np, trainer, rollout, port) and _np_allows(np, rollout, trainer, port), port
+        assert _np_allows(np, job_pods["head"], rollout, port) and _np_allows(np, rollout, job_pods["head"], port)
+    outsiders = {
+        "a pod of the namespace": pod({"app": "x"}),
+        "another job's pod": pod({**trainer["labels"], mf.LABEL_JOB: "other"}),
+        "the job's labels in another namespace": pod(trainer["labels"], ns="evil"),
+        "a scraper's namespace": pod({"app": "prometheus"}, ns="monitoring"),
+        "the operator's namespace": pod({"app": "hybridflow-operator"}, ns="hybridflow-system"),
+        "kube-dns": {"ns": "kube-system", "ns_labels": {"kubernetes.io/metadata.name": "kube-system"},
+                     "labels": {"k8s-app": "kube-dns"}},
+    }
+    for what, outsider in outsiders.items():
+        for target in (trainer, rollout):
+            for port in stream_ports:
+                assert not _np_allows(np, outsider, target, port), (what, port)
+                assert not _np_allows(np, target, outsider, port), (what, port)  # nor does the stream leak out
+    # the one door from outside: the metrics port, from the scrapers' namespaces only
+    assert _np_allows(np, outsiders["a scraper's namespace"], job_pods["head"], 8000)
+    assert not _np_allows(np, outsiders["a pod of the namespace"], job_pods["head"], 8000)

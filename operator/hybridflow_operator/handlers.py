@@ -138,6 +138,8 @@ def _pod_view(pod: dict[str, Any]) -> PodView:
                          if c.get("type") == "DisruptionTarget" and c.get("status") == "True"), ""),
         deletion_deadline=_time(meta.get("deletionTimestamp")),
         pending_since=_time(meta.get("creationTimestamp")) if phase == PodPhase.PENDING else None,
+        pool=labels.get(mf.LABEL_POOL, ""),
+        ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or []),
     )
 
 

@@ -19,7 +19,7 @@ from enum import StrEnum
 from typing import NamedTuple, cast
 
 from hybridflow.api import EXIT_BAD_INPUT, RLHFJob
-from hybridflow.api.status import ACTIVE, TERMINAL, Condition, JobStatus, Phase
+from hybridflow.api.status import ACTIVE, TERMINAL, Condition, JobStatus, Phase, pool_status
 
 # A pod still Pending this long with no reason of its own is reported (not failed: a queue may be long).
 PENDING_TOO_LONG_SECONDS = 600
@@ -55,6 +55,8 @@ class PodView:
     disruption: str = ""  # the reason of its DisruptionTarget condition: evicted, preempted, drained
     deletion_deadline: dt.datetime | None = None  # its deletionTimestamp: the end of its grace period
     pending_since: dt.datetime | None = None  # creation time, while Pending
+    pool: str = ""  # a worker's resource pool (its pool label); "" for the head
+    ready: bool = False  # its Ready condition is True
 
 
 @dataclass
@@ -110,7 +112,18 @@ def decide(job: RLHFJob | None, error: str | None, status: JobStatus, pods: list
     The handler calls this without missing_inputs, and only when the plan creates pods looks the inputs up (API
     reads) and folds them in with `admit_gang`: the same plan as deciding with them, without deciding twice."""
     plan = _decide(job, error, status, pods, now, disrupted or {})
-    return plan if job is None else admit_gang(plan, status, pods, now, missing_inputs)
+    if job is None:
+        return plan
+    _observe_pools(plan.status, job, pods)
+    return admit_gang(plan, status, pods, now, missing_inputs)
+
+
+def _observe_pools(status: JobStatus, job: RLHFJob, pods: list[PodView]) -> None:
+    """status.pools from the pool pods of the generation the plan leaves current (after a gang restart: the new
+    one's, none yet), so a rollout pool of its own shows as up or not beside the trainer's."""
+    gen = int(status.get("restarts", 0))
+    status["pools"] = pool_status(job.spec, [(p.pool, p.ready) for p in pods
+                                             if p.role == "worker" and p.generation == gen and not p.deleting])
 
 
 def admit_gang(plan: Plan, status: JobStatus, pods: list[PodView], now: dt.datetime, missing_inputs: str | None,
