@@ -5,6 +5,7 @@
 #   summary.txt      the table              results.jsonl   one JSON line per check: verdict, facts, notes
 #   env.txt          versions, nvidia-smi   worker-logs.txt tails of the Ray workers' logs (NCCL, vLLM sleep lines)
 #   fsdp.log  megatron.log  throughput.log  each timed run's output    throughput.json  throughput.py's table
+#   (throughput.log also ends with bench/async.py's output: a ninth file would not come back)
 #
 # Checks (bench/gpu_check.py holds one function per check; models are built from config, nothing is downloaded):
 #   env          preflight: torch sees the GPU (else nothing else runs); versions, nvidia-smi
@@ -14,6 +15,12 @@
 #                then generates with the trainer's weights, non-degenerate tokens
 #   megatron     megatron actor (TP 1) + vLLM on 1 GPU: weights synced after every step
 #   throughput   python bench/throughput.py --gpu --steps 4 (baseline vs defaults, tokens/s)
+#   async        python bench/async.py --modes abcd --steps 12, last, informational (no PASS/FAIL row; its exit
+#                status counts): sync colocated vs sync / one_step_off / async on a trainer pool and a rollout pool
+#                of their own. Reduced form on the CPUs: every apart mode needs one device per pool and Ray gives one
+#                GPU per rank, so one GPU cannot hold it; the device machine's 16 cores can, each side on cores of
+#                its own, which shows whether the overlap gains hold when the sides do not share 2 cores (as they do
+#                on the 2-core dev machine). The 7B PROJECTION it prints is arithmetic.
 # vllm_sync, nccl and sleep_wake share one job (one timeout, "fsdp"): three vLLM start-ups would not fit the budget.
 #
 # Usage:
@@ -23,7 +30,8 @@
 #                                      fsdp and megatron on one CPU rank, 2 steps: this script's code paths on gloo
 #                                      (no sleep mode on CPU: sleep_wake is SKIP, throughput is not run)
 # Environment: OUT, PYTHON (default .venv/bin/python), GPU_CHECK_BUDGET_S (whole run, default 460),
-#   T_ENV, T_FSDP, T_MEGATRON, T_THROUGHPUT (each run's timeout, s), HYBRIDFLOW_MODEL_CACHE.
+#   T_ENV, T_FSDP, T_MEGATRON, T_THROUGHPUT, T_ASYNC (each run's timeout, s; T_ASYNC=0 skips it),
+#   HYBRIDFLOW_MODEL_CACHE.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -47,16 +55,19 @@ rm -f "$OUT"/{summary.txt,results.jsonl,env.txt,worker-logs.txt,fsdp.log,megatro
 
 if [[ $MODE == cpu ]]; then
   CPU=(--cpu); STEPS=(--steps 2); BUDGET=${GPU_CHECK_BUDGET_S:-1500}
-  T_ENV=${T_ENV:-60}; T_FSDP=${T_FSDP:-600}; T_MEGATRON=${T_MEGATRON:-600}; T_THROUGHPUT=0
+  T_ENV=${T_ENV:-60}; T_FSDP=${T_FSDP:-600}; T_MEGATRON=${T_MEGATRON:-600}; T_THROUGHPUT=0; T_ASYNC=0
 else
-  CPU=(); STEPS=(); BUDGET=${GPU_CHECK_BUDGET_S:-460}
+  # 460 s for the checks above + ~100 s for async (it gets what is left, at most T_ASYNC)
+  CPU=(); STEPS=(); BUDGET=${GPU_CHECK_BUDGET_S:-560}
   # estimates for an H200 (not measured yet): env ~10 s, fsdp ~60 s, megatron ~60-90 s (vLLM in fp32: Triton
   # attention, compiled on first use), throughput ~140 s (two jobs of a 0.5B-class model)
   T_ENV=${T_ENV:-25}; T_FSDP=${T_FSDP:-110}; T_MEGATRON=${T_MEGATRON:-115}; T_THROUGHPUT=${T_THROUGHPUT:-205}
+  # async: 4 CPU jobs of 12 steps, ~25-35 s each with 16 cores (estimate; ~60 s each on the 2-core dev machine)
+  T_ASYNC=${T_ASYNC:-150}
 fi
 
 echo "gpu_check: mode $MODE, python $PY, out $OUT, budget ${BUDGET}s (env ${T_ENV}s, fsdp ${T_FSDP}s," \
-     "megatron ${T_MEGATRON}s, throughput ${T_THROUGHPUT}s)"
+     "megatron ${T_MEGATRON}s, throughput ${T_THROUGHPUT}s, async ${T_ASYNC}s)"
 if [[ $MODE == dry ]]; then
   "$PY" bench/gpu_check.py plan || exit 1
   cat <<EOF
@@ -65,8 +76,10 @@ would run, each under timeout, in this order (a run gets at most what is left of
   $PY bench/gpu_check.py fsdp   (vllm_sync, nccl, sleep_wake)  ${T_FSDP}s
   $PY bench/gpu_check.py megatron                  ${T_MEGATRON}s
   $PY bench/gpu_check.py throughput  (bench/throughput.py --gpu --steps 4)  ${T_THROUGHPUT}s
+  $PY bench/async.py --modes abcd --steps 12 (CPU ranks; appended to throughput.log)  ${T_ASYNC}s
   $PY bench/gpu_check.py summary
 EOF
+  "$PY" bench/async.py --dry-run --modes abcd --steps 12 | grep '^ok ' || exit 1
   exit 0
 fi
 
@@ -111,6 +124,7 @@ run() {
 run env "$T_ENV" env "${CPU[@]}"
 if [[ $MODE == gpu && $LAST_RC != 0 ]]; then
   echo "== preflight failed (torch sees no GPU): the other checks are not run"
+  T_ASYNC=0
   EXPECT=env,vllm_sync,nccl,sleep_wake,megatron,throughput
 else
   run fsdp "$T_FSDP" vllm_sync,nccl,sleep_wake "${CPU[@]}" "${STEPS[@]}"
@@ -123,6 +137,32 @@ else
   fi
 fi
 
+# async: sync colocated vs sync apart / one_step_off / async (maxStaleness 2) on 1 trainer + 1 rollout CPU rank;
+# prints steps/s and tokens/s ratios, idle fractions, staleness, weight-sync s and bytes, held-out reward, then
+# the projection. Not through run(): bench/gpu_check.py has no such check (its summary lists its own); the jobs'
+# Ray dirs are under $raydir, so the cleanup finds what a timeout leaves.
+ASYNC_RC=0
+if ((T_ASYNC > 0)); then
+  left=$((START + BUDGET - $(date +%s)))
+  t=$((T_ASYNC < left ? T_ASYNC : left))
+  if ((t < 60)); then
+    echo "== async: skipped, ${left}s of the budget left"
+  else
+    raydir=$(mktemp -d /tmp/gcXXXXXX)
+    echo "== async (bench/async.py --modes abcd --steps 12): limit ${t}s" | tee -a "$OUT/throughput.log"
+    t0=$(date +%s)
+    timeout -k 8 "$t" "$PY" bench/async.py --modes abcd --steps 12 --keep "$raydir" 2>&1 | tee -a "$OUT/throughput.log"
+    ASYNC_RC=${PIPESTATUS[0]}
+    "$PY" bench/gpu_check.py cleanup --mention "$raydir" --grace 2 || true
+    rm -rf "$raydir"
+    echo "== async: exit $ASYNC_RC after $(($(date +%s) - t0))s (124/137: timed out)" | tee -a "$OUT/throughput.log"
+  fi
+fi
+
 TOTAL=$(($(date +%s) - START))
 echo
 "$PY" bench/gpu_check.py summary --expect "$EXPECT" --total "$TOTAL" "${GROUPS_ARGS[@]}"
+SUMMARY_RC=$?
+((ASYNC_RC != 0)) && echo "async: FAIL (exit $ASYNC_RC; see throughput.log)"
+((SUMMARY_RC != 0 || ASYNC_RC != 0)) && exit 1
+exit 0
