@@ -39,7 +39,9 @@ def _job(tmp_path: Path, mode: str):
         spec["rollout"].update(partialRolloutTokens=2, queuePrompts=128)
     else:
         del spec["rollout"]["maxStaleness"]
-    spec["trainer"].update(checkpointDir=str(tmp_path / "run"), rolloutLog=True, saveFreq=0)
+    # one_step_off saves at step 20 (test_one_step_off reads its data position)
+    spec["trainer"].update(checkpointDir=str(tmp_path / "run"), rolloutLog=True, saveFreq=20 if mode == "one_step_off"
+                           else 0)
     spec["metrics"]["port"] = 0
     return parse_job(doc)
 

@@ -4,6 +4,9 @@ at a time): it learns to the synchronous example's thresholds, and every batch a
 policy version old, token by token."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from test_async_rollout import _job, _log, _run, _steps, assert_learned
 
@@ -31,3 +34,10 @@ def test_every_batch_after_the_first_is_one_version_old(run):
     assert [r["step"] for r in steps] == list(range(1, 41))
     assert all(r["rollout_policy_version"] == r["step"] for r in steps)
     assert all(r["staleness_max"] == min(1, r["step"] - 1) for r in steps)
+
+
+def test_a_checkpoint_leaves_the_batch_generated_ahead_to_the_resumed_job(run):
+    """At step 20 the next step's prompts are already drawn (and generating): the checkpoint's data position is the
+    20 batches trained, so a job resumed from it trains the 21st instead of skipping it."""
+    state = json.loads((Path(run.job.spec.trainer.checkpoint_dir) / "step_00000020" / "trainer_state.json").read_text())
+    assert state["step"] == 20 and state["data_position"] == 20

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from hybridflow.api.schema import Rollout
-from hybridflow.trainer.rollouts import ROLLOUT_MODES
+from hybridflow.trainer.rollouts import ROLLOUT_MODES, _padded
 from hybridflow.trainer.trajectories import (
-    Trajectory, oldest_versions, pack_trajectories, staleness, too_stale, uniform_versions,
+    Trajectory, oldest_versions, pack_trajectories, staleness, too_stale,
 )
+from hybridflow.data.packing import versions_of
 
 
 def test_every_mode_the_spec_names_has_a_source():
@@ -54,6 +55,15 @@ def test_finished_trajectories_pack_like_a_generation_with_each_tokens_version()
 
 def test_a_batch_made_by_one_version_is_tagged_with_it_on_its_response_tokens():
     batch = pack_trajectories([Trajectory({"prompt_ids": [1]}, [2, 3], [0.0, 0.0], [0, 0], True)], 2, 3)
-    tagged = uniform_versions(batch, 7)
+    tagged = versions_of(batch["response_mask"], 7)
     assert tagged.tolist() == [[7, 7, -1]]
     assert oldest_versions(batch.with_columns(token_versions=torch.tensor([[-1, -1, -1]]))).tolist() == [0]
+
+
+@pytest.mark.parametrize("n,ranks,want", [(3, 2, 4), (1, 4, 4), (4, 4, 4), (5, 3, 6), (0, 2, 0)])
+def test_a_partial_rollout_call_is_padded_to_split_evenly_over_the_ranks(n, ranks, want):
+    """Unfinished responses fewer than (or not a multiple of) the rollout ranks still advance: the call repeats
+    rows up to a multiple, and the first n results are the rows' own."""
+    rows = list(range(n))
+    padded = _padded(rows, ranks)
+    assert len(padded) == want and padded[:n] == rows and set(padded) == set(rows)

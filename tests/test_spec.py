@@ -574,6 +574,10 @@ def test_a_rollout_pool_of_its_own_is_accepted_in_every_mode(rollout):
      "responses a step do not split evenly over the rollout pool's 3 replicas"),
     ({"spec": {**TWO_POOLS, "algorithm": {"name": "remax"}, "rollout": {"mode": "async"}}},
      "spec.rollout.mode = async: remax's baseline is a greedy response of the policy being trained"),
+    ({"spec": {**TWO_POOLS, "resourcePools": [{"name": "trainer", "devicesPerNode": 1},
+                                              {"name": "rollout", "devicesPerNode": 2}],
+               "algorithm": {"name": "remax"}, "rollout": {"responsesPerPrompt": 2}, "trainer": {"promptsPerStep": 1}}},
+     "spec.rollout.responsesPerPrompt (+1 greedy baseline per prompt: remax) = 3 responses a step do not split"),
 ])
 def test_what_a_rollout_pool_refuses_names_the_field_and_the_way_out(doc, message):
     with pytest.raises(SpecError) as err:

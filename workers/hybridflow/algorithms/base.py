@@ -32,6 +32,9 @@ class Algorithm:
     critic: bool = False  # a value model (GAE)
     cost: bool = False  # Safe-RLHF: a cost (rule or model, spec.models.cost) and a cost critic
     min_group: int = 1  # responses per prompt it needs (group baselines need 2)
+    # one greedy response per prompt made in the same engine call as the samples (remax's baseline): a step
+    # generates promptsPerStep more rows, and the baseline is only the trained policy's when generated with it
+    greedy_baseline: bool = False
     defaults: Mapping[str, Any] = field(default_factory=dict)  # spec.algorithm fields the user left unset
     # spec.algorithm -> its state across steps by name (checkpointed under that name, read by `Dataflow.carried`)
     carried: Callable[[Any], Mapping[str, Carried]] = _nothing_carried

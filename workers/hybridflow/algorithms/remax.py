@@ -23,4 +23,4 @@ def remax_iteration(c: Dataflow, prompts: Batch) -> None:
 
 register_algorithm(Algorithm(
     "remax", remax_iteration, "REINFORCE with a greedy response's reward as baseline (no critic)",
-    defaults={"advantage_estimator": "remax", "policy_loss": "ppo", "loss_agg": "token-mean"}))
+    greedy_baseline=True, defaults={"advantage_estimator": "remax", "policy_loss": "ppo", "loss_agg": "token-mean"}))

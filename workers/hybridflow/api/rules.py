@@ -135,9 +135,10 @@ def _algorithm_problems(spec: JobSpec) -> list[str]:
     if "values" in needs and not algorithm.critic:
         out.append(f"spec.algorithm.advantageEstimator: {a.advantage_estimator} needs a critic's values; "
                    f"{a.name} has no critic (use ppo or safe_rlhf, or another estimator)")
-    if "baseline" in needs and a.name != "remax":
+    if "baseline" in needs and not algorithm.greedy_baseline:
+        makers = ", ".join(name for name in ALGORITHMS.names() if ALGORITHMS[name].greedy_baseline)
         out.append(f"spec.algorithm.advantageEstimator: {a.advantage_estimator} needs the greedy-response baseline "
-                   "only the remax algorithm generates")
+                   f"only the {makers} algorithm generates")
     if algorithm.critic and "values" not in needs:
         out.append(f"spec.algorithm.advantageEstimator: {a.name} trains a critic on GAE returns; "
                    f"{a.advantage_estimator} gives none (use gae, or an algorithm without a critic)")
@@ -221,17 +222,21 @@ def _rollout_mode_problems(spec: JobSpec) -> list[str]:
         out.append(f"spec.rollout.tensorParallel = {r.tensor_parallel}: a rollout pool of its own holds one replica "
                    "per device for now (each receives whole tensors); set 1, and give the pool more devices for "
                    "more replicas")
-    rows, ranks = spec.trainer.prompts_per_step * r.responses_per_prompt, spec.pool("rollout").world_size
+    algorithm = ALGORITHMS[spec.algorithm.name]
+    rows = spec.trainer.prompts_per_step * (r.responses_per_prompt + int(algorithm.greedy_baseline))
+    ranks = spec.pool("rollout").world_size
     if own_pool and rows % ranks:
-        out.append(f"spec.trainer.promptsPerStep x spec.rollout.responsesPerPrompt = {rows} responses a step do not "
-                   f"split evenly over the rollout pool's {ranks} replicas; make it a multiple of {ranks}")
+        extra = f" (+1 greedy baseline per prompt: {spec.algorithm.name})" if algorithm.greedy_baseline else ""
+        out.append(f"spec.trainer.promptsPerStep x spec.rollout.responsesPerPrompt{extra} = {rows} responses a step "
+                   f"do not split evenly over the rollout pool's {ranks} replicas; make it a multiple of {ranks}")
     if r.mode != "sync" and not own_pool:
         out.append(f"spec.rollout.mode = {r.mode} generates while the actor trains, so rollout needs devices of "
                    "its own: add a resource pool and set spec.placement.rollout to it (or use mode sync)")
-    if r.mode == "async" and spec.algorithm.name == "remax":
-        out.append("spec.rollout.mode = async: remax's baseline is a greedy response of the policy being trained, "
-                   "made in the same engine call as its samples; queued samples come from older policies, and so "
-                   "would their baseline. Use one_step_off (one version old, baseline and samples alike) or sync")
+    if r.mode == "async" and algorithm.greedy_baseline:
+        out.append(f"spec.rollout.mode = async: {spec.algorithm.name}'s baseline is a greedy response of the policy "
+                   "being trained, made in the same engine call as its samples; queued samples come from older "
+                   "policies, and so would their baseline. Use one_step_off (one version old, baseline and samples "
+                   "alike) or sync")
     if r.mode != "async":
         for field in ("max_staleness", "partial_rollout_tokens", "queue_prompts"):
             if getattr(r, field) != type(r).model_fields[field].default:  # a dumped spec holds every field

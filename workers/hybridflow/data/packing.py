@@ -47,6 +47,14 @@ def pad_log_probs(log_probs: list[list[float]], response_width: int) -> torch.Te
     return out
 
 
+def versions_of(response_mask: torch.Tensor, version: int) -> torch.Tensor:
+    """Each response token's policy version for responses one version generated whole: (B, R) int64, -1 past a
+    response (the rollout log and the staleness rule read these; a partial rollout mixes versions)."""
+    real = response_mask.bool()
+    return torch.where(real, torch.full(real.shape, version, dtype=torch.int64),
+                       torch.full(real.shape, -1, dtype=torch.int64))
+
+
 def unpack_prompts(batch: Batch) -> list[list[int]]:
     P = batch["prompts"].shape[1]
     mask = batch["attention_mask"][:, :P]

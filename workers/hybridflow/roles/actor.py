@@ -22,7 +22,7 @@ from hybridflow.checkpoint.role import CheckpointMixin
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.protocol import Dispatch, DPRank, register
 from hybridflow.single_controller.context import WorkerContext
-from hybridflow.engines.bridge.stream import StreamRendezvous, WeightSender, stream_group
+from hybridflow.engines.bridge.stream import StreamRendezvous, WeightSender, pool_peers, stream_group
 from hybridflow.engines.bridge.transfer import full_tensor_checksums, train_dp_rank
 from hybridflow.engines.train.base import TrainEngine, TrainEngineFactory, TrainSettings
 from hybridflow.flops import matmul_peak_flops, training_flops
@@ -190,7 +190,7 @@ class WeightSending:
     def join(self, size: int, timeout_s: float) -> None:
         if self.ctx.rank == 0:
             assert self.rendezvous is not None, "open the stream first"
-            peers = ["trainer rank 0"] + [f"rollout rank {i}" for i in range(size - 1)]
+            peers = pool_peers(size)
             device = self.engine.device
             group = stream_group(self.rendezvous.store, 0, size, timeout_s, device)
             self.sender = WeightSender(group, device, timeout_s=timeout_s, peers=peers)

@@ -20,8 +20,10 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hybridflow.data.packing import pack_rollout, pad_log_probs
-from hybridflow.engines.bridge.stream import WeightReceiver, WeightStreamError, stream_group, stream_store
+from hybridflow.data.packing import pack_rollout, pad_log_probs, versions_of
+from hybridflow.engines.bridge.stream import (
+    WeightReceiver, WeightStreamError, pool_peers, stream_group, stream_store,
+)
 from hybridflow.engines.bridge.transfer import weight_transfer
 from hybridflow.engines.precision import compute_dtype, dtype_name
 from hybridflow.engines.rollout.base import (
@@ -69,6 +71,8 @@ class _Generator:
         packed = pack_rollout(prompts, [g.tokens for g in out], r.max_prompt_length, r.max_response_length)
         if want:
             packed["rollout_log_probs"] = pad_log_probs([g.log_probs for g in out], r.max_response_length)
+        # this rank's rows, tagged by the version it holds (ranks of one call may hold different versions)
+        packed["token_versions"] = versions_of(packed["response_mask"], self.version)
         result = Batch(packed, batch.non_tensors)
         result.meta.update(generate_seconds=time.perf_counter() - t0, policy_version=self.version)
         return result
@@ -175,7 +179,7 @@ class PooledRolloutWorker:
     def join_weight_stream(self, host: str, port: int, size: int, timeout_s: float) -> int:
         """Join the actor's stream as group rank 1 + this rank (collective with every member: blocks until all
         joined). Returns the version held."""
-        peers = ["trainer rank 0"] + [f"rollout rank {i}" for i in range(size - 1)]
+        peers = pool_peers(size)
         store = stream_store(host, port, size, timeout_s)
         device = torch_device(self.ctx)
         group = stream_group(store, 1 + self.ctx.rank, size, timeout_s, device)

@@ -185,6 +185,11 @@ def resolve(x: Any) -> Any:
     return x.get() if isinstance(x, PendingResult) else x
 
 
+def wait_done(pending: PendingResult) -> None:
+    """Until every rank's part of `pending` is done, without fetching it to the controller."""
+    ray.wait(pending.refs, num_returns=len(pending.refs), fetch_local=False)
+
+
 class RoleHandle:
     """The controller's view of one role in a WorkerGroup: calling a registered method runs it on every rank."""
 

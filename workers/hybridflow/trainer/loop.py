@@ -108,12 +108,12 @@ def fit(
                                on_sealed=metrics.checkpoint_step.labels(metrics.job).set)
     start_step, position = checkpoints.resume()
     stream = PromptStream(task.train, s.trainer.prompts_per_step, s.data.seed, position)
-    rollouts = w.rollouts(prompt_source(stream), task.stop_token_ids)
     _export_job_metrics(metrics, w, s.trainer.steps, start_step, checkpoints.has_own())
     run_eval = s.trainer.eval and start_step == 0
     eval_before = _evaluate_and_report(w, task, metrics, progress, "before") if run_eval else None
     t_start = time.perf_counter()
     records = []
+    rollouts = w.rollouts(prompt_source(stream), task.stop_token_ids)  # async: its producer starts generating
     try:
         for step in range(start_step + 1, s.trainer.steps + 1):
             records.append(_fit_step(job, w, task, metrics, progress, checkpoints, algorithm, rollouts, stream,
@@ -142,12 +142,19 @@ def _fit_step(job: RLHFJob, w: Workers, task: Task, metrics: JobMetrics, progres
                      rollout_idle_fraction=max(0.0, 1.0 - stats.get("rollout_busy_seconds", 0.0) / it))
     if trained:  # before the step's checkpoint: a step that is sealed has its samples written
         checkpoints.write_rollouts(step, rollout_records(trained[0], task.decode))
-    saved = checkpoints.save_step(step, stream, stats, stages)
+    saved = checkpoints.save_step(step, DataPosition(rollouts.data_position(stream)), stats, stages)
     rec = _step_record(step, stats, stages, saved, t0, (*started, s.trainer.steps), w.devices)
     checkpoints.log_step(rec)
     metrics.record_step(rec, stages)
     progress(progress_line(rec, s.trainer.steps))
     return rec
+
+
+@dataclass
+class DataPosition:
+    """A checkpoint's data position (checkpointer.Position): the prompts trained so far, not those drawn ahead."""
+
+    position: int
 
 
 def prompt_source(stream: PromptStream) -> Callable[[], Batch]:

@@ -23,10 +23,11 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from hybridflow.api import JobSpec
+from hybridflow.data.tasks import PromptStream
 from hybridflow.single_controller.batch import Batch
-from hybridflow.single_controller.worker_group import PendingResult, resolve
+from hybridflow.single_controller.worker_group import PendingResult, resolve, wait_done
 from hybridflow.trainer.trajectories import (
-    Trajectory, oldest_versions, pack_trajectories, staleness, too_stale, uniform_versions,
+    Trajectory, oldest_versions, pack_trajectories, staleness, too_stale,
 )
 
 Shape = Callable[[Batch], Batch]  # a step's prompts -> the rows generation gets (responsesPerPrompt each, greedy flags)
@@ -109,13 +110,15 @@ class Rollouts:
     def sync(self) -> dict[str, float]:
         return self.weights.sync(self.version + 1)
 
+    def data_position(self, stream: PromptStream) -> int:
+        """The stream's position less the batches drawn and not trained yet (generated ahead): what a checkpoint
+        records, so a resumed job trains them."""
+        return stream.position
+
     def trained(self, batch: Batch) -> None:
-        """The batch the actor is about to train on (the trainer's version is `self.version`): each token's
-        version (one version made a batch that carries none), its staleness into the step's statistics and the
-        batch's meta (the rollout log writes them)."""
-        if "token_versions" not in batch:
-            batch.tensors["token_versions"] = uniform_versions(batch, int(batch.meta.get("policy_version",
-                                                                                        self.version)))
+        """The batch the actor is about to train on (the trainer's version is `self.version`; each token carries
+        the version that made it, `token_versions`, tagged by the rank that generated it): its staleness into the
+        step's statistics and the batch's meta (the rollout log writes them)."""
         self.rollout_busy += float(batch.meta.get("generate_seconds", 0.0))
         ages = [staleness(self.version, int(v)) for v in oldest_versions(batch)]
         batch.meta.update(trainer_version=self.version, staleness=ages)
@@ -148,6 +151,18 @@ class OneStepOffRollouts(Rollouts):
             self.ahead = (following, self.rollout.generate(shape(following)))
         return out
 
+    def sync(self) -> dict[str, float]:
+        """After the generation in flight: the stream's timeout then bounds the transfer alone (a long generation
+        is not a stalled peer), and the trainer's wait for it is idle time."""
+        if self.ahead is not None:
+            t0 = time.perf_counter()
+            wait_done(self.ahead[1])
+            self.stats["trainer_wait_seconds"] = self.stats.get("trainer_wait_seconds", 0.0) + time.perf_counter() - t0
+        return super().sync()
+
+    def data_position(self, stream: PromptStream) -> int:
+        return stream.position - int(self.ahead is not None)
+
 
 class AsyncRollouts(Rollouts):
     """A producer thread generating into a bounded queue of finished groups; steps take them."""
@@ -167,6 +182,8 @@ class AsyncRollouts(Rollouts):
         self._error: BaseException | None = None
         self._busy_total = 0.0
         self._active: list[list[Trajectory]] = []  # partial rollouts: groups whose responses are in the making
+        self._calling = False  # an engine call of the producer's is in flight
+        self._syncing = False  # the trainer waits to sync: the producer starts no call meanwhile
         produce = self._produce_partial if r.partial_rollout_tokens else self._produce_whole
         self._thread = threading.Thread(target=self._run, args=(produce,), name="rollout-producer", daemon=True)
         self._thread.start()
@@ -202,10 +219,30 @@ class AsyncRollouts(Rollouts):
         self.dropped += len(self.ready) - len(kept)
         self.ready = kept
 
+    def sync(self) -> dict[str, float]:
+        """Between two engine calls of the producer (it starts none while the trainer waits here), so the stream's
+        timeout bounds the transfer alone and the new weights make the producer's next call."""
+        t0 = time.perf_counter()
+        with self._cond:
+            self._syncing = True
+            while self._calling and self._error is None:
+                self._cond.wait(0.5)
+        self.stats["trainer_wait_seconds"] = self.stats.get("trainer_wait_seconds", 0.0) + time.perf_counter() - t0
+        try:
+            return super().sync()
+        finally:
+            with self._cond:
+                self._syncing = False
+                self._cond.notify_all()
+
+    def data_position(self, stream: PromptStream) -> int:
+        with self._cond:  # the producer draws under it: position and what is held agree
+            return stream.position - (len(self.ready) + self.in_flight) // self.per_step
+
     def step_stats(self) -> dict[str, float]:
         with self._cond:
             depth = len(self.ready)
-        busy, self._busy_total = self._busy_total, 0.0
+            busy, self._busy_total = self._busy_total, 0.0
         dropped, self._dropped_reported = self.dropped - self._dropped_reported, self.dropped
         return {**self.stats, "queue_depth": float(depth), "dropped_stale": float(dropped),
                 "dropped_stale_total": float(self.dropped), "rollout_busy_seconds": busy}
@@ -234,6 +271,19 @@ class AsyncRollouts(Rollouts):
                 self._cond.wait(0.5)
             return 0 if self._stop.is_set() else self.capacity - len(self.ready) - self.in_flight
 
+    def _call(self, launch: Callable[[], PendingResult]) -> Any:
+        """One engine call, started only while the trainer is not waiting to sync (the call's result)."""
+        with self._cond:
+            while self._syncing and not self._stop.is_set():
+                self._cond.wait(0.5)
+            self._calling = True
+        try:
+            return resolve(launch())
+        finally:
+            with self._cond:
+                self._calling = False
+                self._cond.notify_all()
+
     def _finished(self, groups: list[Batch], seconds: float) -> None:
         with self._cond:
             self.ready.extend(groups)
@@ -242,8 +292,8 @@ class AsyncRollouts(Rollouts):
             self._cond.notify_all()
 
     def _draw(self) -> Batch:
-        prompts = self._prompts()
         with self._cond:
+            prompts = self._prompts()
             self.in_flight += len(prompts)
         return prompts
 
@@ -252,8 +302,7 @@ class AsyncRollouts(Rollouts):
         if not self._room():
             return
         prompts = self._draw()
-        out = resolve(self.rollout.generate(self.shape(prompts)))
-        out.tensors["token_versions"] = uniform_versions(out, int(out.meta["policy_version"]))
+        out = self._call(lambda: self.rollout.generate(self.shape(prompts)))
         self._finished(out.chunk(len(prompts)), float(out.meta.get("generate_seconds", 0.0)))
 
     def _produce_partial(self) -> None:
@@ -267,15 +316,16 @@ class AsyncRollouts(Rollouts):
                 active.append([Trajectory({k: rows.non_tensors[k][i] for k in rows.non_tensors})
                                for i in range(g * self.group_size, (g + 1) * self.group_size)])
         todo = [t for g in active for t in g if not t.done]
-        todo = todo[: len(todo) // self.ranks * self.ranks]
         if not todo:
             time.sleep(0.05)
             return
         asked = [min(r.partial_rollout_tokens, r.max_response_length - len(t.tokens)) for t in todo]
-        call = Batch(non_tensors={"prompt_ids": [t.row["prompt_ids"] for t in todo],
-                                  "response_ids": [t.tokens for t in todo],
-                                  "greedy": [bool(t.row.get("greedy", False)) for t in todo], "max_new": asked})
-        parts = resolve(self.rollout.continue_generation(call))
+        rows = _padded(list(zip(todo, asked)), self.ranks)  # every rank gets rows; the padding's output is unused
+        call = Batch(non_tensors={"prompt_ids": [t.row["prompt_ids"] for t, _ in rows],
+                                  "response_ids": [t.tokens for t, _ in rows],
+                                  "greedy": [bool(t.row.get("greedy", False)) for t, _ in rows],
+                                  "max_new": [n for _, n in rows]})
+        parts = self._call(lambda: self.rollout.continue_generation(call))
         tokens = [x for p in parts for x in p["tokens"]]
         log_probs = [x for p in parts for x in p["log_probs"]]
         versions = [p["policy_version"] for p in parts for _ in p["tokens"]]
@@ -286,6 +336,11 @@ class AsyncRollouts(Rollouts):
             active.remove(g)
         groups = [pack_trajectories(g, r.max_prompt_length, r.max_response_length) for g in done]
         self._finished(groups, max(float(p["seconds"]) for p in parts))
+
+
+def _padded(rows: list[Any], ranks: int) -> list[Any]:
+    """`rows` repeated up to a multiple of `ranks` (the generation call splits evenly over the ranks)."""
+    return (rows * ranks)[: len(rows) + (-len(rows) % ranks)]
 
 
 # spec.rollout.mode -> its source (the schema lists the same names; tests/test_rollouts.py checks they agree)

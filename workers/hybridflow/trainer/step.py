@@ -24,7 +24,7 @@ from hybridflow.algorithms.core import masked_mean, overlong_penalty, token_rewa
 from hybridflow.algorithms.dataflow import Carried
 from hybridflow.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from hybridflow.single_controller.batch import Batch
-from hybridflow.single_controller.worker_group import PendingResult, resolve
+from hybridflow.single_controller.worker_group import PendingResult, resolve, wait_done
 from hybridflow.roles.config import old_log_probs_from_update
 from hybridflow.trainer.rollouts import Rollouts
 from hybridflow.api import JobSpec
@@ -157,7 +157,7 @@ class Step:
         """Generation's seconds, from its launch to its last rank's result, taken by a thread while the program
         goes on: the same seconds the controller measured when it waited for generation itself."""
         def wait() -> None:
-            _wait(pending)
+            wait_done(pending)
             self.clock.add("generate", time.perf_counter() - t0)
 
         waiter = threading.Thread(target=wait, name="generate-clock", daemon=True)
@@ -401,8 +401,3 @@ def mean_stats(per_rank: list[dict[str, float]], prefix: str) -> dict[str, float
         out[f"{prefix or 'actor_'}peak_memory_bytes_total"] = float(sum(r["peak_memory_bytes"] for r in per_rank))
     return out
 
-
-def _wait(pending: Any) -> None:
-    import ray
-
-    ray.wait(pending.refs, num_returns=len(pending.refs), fetch_local=False)

@@ -58,13 +58,6 @@ def token_versions(batch: Batch, versions: Sequence[Sequence[int]], width: int) 
     return out
 
 
-def uniform_versions(batch: Batch, version: int) -> torch.Tensor:
-    """Token versions of a batch generated whole by one policy version."""
-    mask = batch["response_mask"].bool()
-    return torch.where(mask, torch.full_like(mask, version, dtype=torch.int64), torch.full_like(mask, -1,
-                                                                                                dtype=torch.int64))
-
-
 def oldest_versions(batch: Batch) -> torch.Tensor:
     """Each row's oldest token version (rows without a response token: the newest version there is)."""
     v = batch["token_versions"]
