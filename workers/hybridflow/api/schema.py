@@ -212,9 +212,9 @@ class Rollout(SpecModel):
         0, ge=0, le=MAX_COUNT, description="async: prompt groups the trajectory queue holds ahead of the trainer "
         "(generated or in flight); 0: twice trainer.promptsPerStep.")
     weight_sync_timeout_seconds: float = Field(
-        120.0, gt=0, le=86400, description="A rollout pool of its own: the longest any one wait of a weight sync may "
-        "take (a bucket, an ack, a rollout rank finishing the generation it is in) before the job fails naming "
-        "the rank that did not answer.")
+        120.0, gt=0, le=86400, description="A rollout pool of its own: the longest any one wait of a weight "
+        "transfer may take (a bucket, an ack; the generation in flight is waited for before it starts) before the "
+        "job fails naming the rank that did not answer.")
 
     @field_validator("engine")
     @classmethod
