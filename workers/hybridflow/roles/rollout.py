@@ -74,7 +74,7 @@ class _Generator:
         # this rank's rows, tagged by the version it holds (ranks of one call may hold different versions)
         packed["token_versions"] = versions_of(packed["response_mask"], self.version)
         result = Batch(packed, batch.non_tensors)
-        result.meta.update(generate_seconds=time.perf_counter() - t0, policy_version=self.version)
+        result.meta["generate_seconds"] = time.perf_counter() - t0
         return result
 
     def continued(self, batch: Batch) -> dict[str, Any]:
