@@ -7,6 +7,7 @@ generates what HF generates with them, and a killed trainer is a named error, no
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,6 +148,7 @@ def test_a_killed_trainer_is_a_named_error_within_the_timeout(async_run):
     with pytest.raises(Exception) as err:
         w.sync_weights(41)
     took = time.monotonic() - t0
-    assert "sender trainer rank 0 did not send bucket 0" in str(err.value), err.value
+    # Which bucket it names depends on whether the kill landed before or during the send (ray.kill is asynchronous).
+    assert re.search(r"sender trainer rank 0 did not send bucket \d+", str(err.value)), err.value
     assert "[waiting for policy version 41]" in str(err.value), err.value
     assert took < SYNC_TIMEOUT_S + 20, took

@@ -158,6 +158,7 @@ def _rule_cases(path: str, rule: str) -> tuple[list[tuple], list[tuple]]:
     if path == "$.spec" and "oldSelf" in rule:  # one field's immutability, judged on spec
         spec = dump_job(RLHFJob())["spec"]
         field = rule.removeprefix("has(self.").split(")")[0]
+        spec.setdefault(field, {"replicas": 1})  # an optional section the default job leaves out (environments)
         without = {k: v for k, v in spec.items() if k != field}
         changed = {**spec, field: _mutated(spec[field])}
         return ([(spec, spec), (copy.deepcopy(spec), spec), (without, without), (changed, changed)],

@@ -31,7 +31,7 @@ def test_arithmetic_exact_uses_the_decoder():
 
 
 def test_unknown_rule():
-    with pytest.raises(KeyError, match="registered rules: arithmetic_exact, increment"):
+    with pytest.raises(KeyError, match="registered rules: arithmetic_exact, final_number_exact, increment"):
         get_rule("nope")
 
 

@@ -48,12 +48,14 @@ def _within_groups(scores: Tensor, group: Tensor, fn: Callable[[Tensor], Tensor]
 
 
 def _discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
-    """sum_{k>=t} gamma^(k-t) r_k over each response's real tokens."""
+    """sum_{k>=t} gamma^(k-t) r_k over each response's real tokens: positions outside the mask (padding, and the
+    answers of tools between a multi-turn response's turns) are skipped, neither discounted nor a reset."""
     out = rewards.new_zeros(rewards.shape)
     running = rewards.new_zeros(rewards.shape[0])
     for t in reversed(range(rewards.shape[1])):
-        running = (rewards[:, t] + gamma * running) * mask[:, t]
-        out[:, t] = running
+        real = mask[:, t] > 0
+        running = (rewards[:, t] + gamma * running).where(real, running)
+        out[:, t] = running * mask[:, t]
     return out
 
 

@@ -51,12 +51,18 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 
 def token_rewards(scores: Tensor, mask: Tensor, kl: Tensor | None, kl_coef: float) -> Tensor:
-    """Per-token rewards: -kl_coef*KL on every token (KL in the reward), the sequence score on the last real token."""
+    """Per-token rewards: -kl_coef*KL on every token (KL in the reward), the sequence score on the last model token."""
     rewards = mask.new_zeros(mask.shape).to(scores.dtype if scores.is_floating_point() else mask.float().dtype)
     if kl is not None and kl_coef:
         rewards = rewards - kl_coef * kl * mask
-    last = mask.long().sum(1).clamp_min(1) - 1
-    return rewards.scatter_add(1, last[:, None], scores.to(rewards.dtype)[:, None])
+    return rewards.scatter_add(1, last_token(mask)[:, None], scores.to(rewards.dtype)[:, None])
+
+
+def last_token(mask: Tensor) -> Tensor:
+    """Each row's last position where `mask` is 1 (0 for an empty row): the end of a response, or of a multi-turn
+    response's last model turn (its loss mask has holes where tools answered)."""
+    positions = mask.new_ones(mask.shape).long().cumsum(1) - 1
+    return (positions * mask.bool().long()).max(1).values
 
 
 def overlong_penalty(lengths: Tensor, max_length: int, buffer: int, penalty: float) -> Tensor:

@@ -63,6 +63,7 @@ def _layout_and_pieces_problems(spec: JobSpec) -> list[str]:
     if out:
         return out
     out += _rollout_mode_problems(spec)
+    out += _agent_problems(spec)
     t = spec.training
     actor_pool = spec.pool("actor")
     mp = t.tensor_parallel * t.pipeline_parallel
@@ -189,7 +190,10 @@ def _data_problems(spec: JobSpec) -> list[str]:
             out.append("spec.data.train: source is 'files' but no file is given, e.g. train: [data/train.parquet]")
         if spec.models.actor.source == "tiny":
             out.append("spec.models.actor.source: prompts from files need a model with a tokenizer (smollm2 or path)")
-        if r.type == "rule" and r.sources_given() in ([], ["rule"]):  # else reward_source_problems says it
+        # An episode scored by its environment alone needs no job reward; any other reward source is checked by
+        # reward_source_problems.
+        env_scored = spec.rollout.agent is not None and spec.rollout.agent.episode_score == "environment"
+        if r.type == "rule" and r.sources_given() in ([], ["rule"]) and not env_scored:
             out.append("spec.models.reward.type: rule scores the token ids of a generated task; for prompts from "
                        "files use scorer (e.g. scorers: [{name: math}]), function or model")
     if k.data_pvc:
@@ -276,3 +280,32 @@ def _hybrid_engine_problems(spec: JobSpec) -> list[str]:
                            f"spec.training.tensorParallel = {t.tensor_parallel}")
     return out
 
+
+
+def _agent_problems(spec: JobSpec) -> list[str]:
+    """Multi-turn rollouts: what an episode needs that other sections decide."""
+    a, r = spec.rollout.agent, spec.rollout
+    if a is None:
+        return ["spec.environments: an environment pool runs spec.rollout.agent's tools and environment; set "
+                "rollout.agent or drop environments"] if spec.environments is not None else []
+    out = []
+    if spec.models.actor.source == "tiny" or (spec.data.source == "generated" and spec.data.task == "increment"):
+        out.append("spec.rollout.agent: multi-turn rollouts read the model's text and tokenize the answers of tools "
+                   "and environments, so they need a model with a tokenizer (models.actor.source smollm2 or path) "
+                   "and a text task (data.task arithmetic, or data.source files)")
+    if r.partial_rollout_tokens:
+        out.append("spec.rollout.partialRolloutTokens: partial rollouts continue a response token-wise, an episode "
+                   "turn-wise; with rollout.agent set it to 0 (episodes started before new weights arrive finish "
+                   "with the weights they began with)")
+    if not a.tools and not a.tools_file and not a.has_environment:
+        out.append("spec.rollout.agent: names no tools (tools, toolsFile) and no environment (environment, "
+                   "environmentFile): an episode would be a single turn; drop rollout.agent, or give it some")
+    if a.environment is not None and a.environment_file is not None:
+        out.append("spec.rollout.agent: environment and environmentFile are both set; keep one")
+    if a.episode_score != "reward" and not a.has_environment:
+        out.append(f"spec.rollout.agent.score: {a.episode_score} needs an environment (environment or "
+                   "environmentFile), whose rewards it adds")
+    if a.max_tokens_per_turn is not None and a.max_tokens_per_turn > r.max_response_length:
+        out.append(f"spec.rollout.agent.maxTokensPerTurn = {a.max_tokens_per_turn} exceeds rollout.maxResponseLength "
+                   f"= {r.max_response_length}, the whole episode's budget after its prompt")
+    return out

@@ -20,6 +20,7 @@ from hybridflow.api.fields import (
     MAX_TEXT, FilePath, LabelValue, ObjectName, PathOrPaths, PoolName, Quantity, SpecModel, matching, registered,
     short_keys,
 )
+from hybridflow.api.agents import Agent, EnvironmentPool
 from hybridflow.api.corrections import OffPolicyCorrection
 from hybridflow.api.engines import ROLLOUT_ENGINES, TRAIN_ENGINES
 from hybridflow.api.names import API_VERSION, DNS1123_LABEL, KIND, ROLES, job_name_problems
@@ -54,11 +55,8 @@ class Algorithm(SpecModel):
     kl_controller: str = Field("fixed", description="fixed: klCoef throughout; adaptive: moved toward targetKl.",
                                json_schema_extra={"enum": KL_CONTROLLERS.names()})
     target_kl: float | None = Field(None, gt=0, description="klController adaptive: the KL per token to track.")
-    kl_horizon: int = Field(
-        10000, gt=0, le=1_000_000_000,
-        description="klController adaptive: responses over which the coefficient "
-                    "may change by 20%."
-    )
+    kl_horizon: int = Field(10000, gt=0, le=1_000_000_000, description="klController adaptive: responses over "
+                            "which the coefficient may change by 20%.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight in the actor loss.")
     clip_ratio_low: float | None = Field(None, gt=0, description="Ratio clipped below at 1 - this; default "
                                          "training.clipRatio (policyLoss gspo: 3e-4).")
@@ -74,16 +72,10 @@ class Algorithm(SpecModel):
         None, description="How the policy loss corrects for tokens sampled by a policy other than the trainer's "
         "(the rollout engine's sampler; older weights under asynchronous rollout); unset: none (tisCap aside). "
         "Needs rollout.topP 1.")
-    max_sampling_rounds: int | None = Field(
-        None, ge=1, le=1024,
-        description="dapo: generations per step to fill the batch "
-                    "with groups whose rewards differ (default 3)."
-    )
-    overlong_buffer: int = Field(
-        0, ge=0, le=MAX_COUNT,
-        description="Overlong shaping: responses within this many tokens of "
-                    "rollout.maxResponseLength lose up to overlongPenalty, linearly; 0: off."
-    )
+    max_sampling_rounds: int | None = Field(None, ge=1, le=1024, description="dapo: generations per step to fill "
+                                            "the batch with groups whose rewards differ (default 3).")
+    overlong_buffer: int = Field(0, ge=0, le=MAX_COUNT, description="Overlong shaping: responses within this many "
+                                 "tokens of rollout.maxResponseLength lose up to overlongPenalty, linearly; 0: off.")
     overlong_penalty: float = Field(1.0, ge=0, description="The overlong shaping's largest penalty.")
     cost_limit: float = Field(0.0, description="safe_rlhf: the bound on the mean cost per response.")
     lambda_init: float = Field(1.0, ge=0, description="safe_rlhf: the Lagrangian multiplier's start value.")
@@ -123,10 +115,12 @@ class Data(SpecModel):
 
     source: Literal["generated", "files"] = Field(
         "generated", description="generated: a seeded synthetic task (task); files: the user's prompt files (train).")
-    task: Literal["increment", "arithmetic"] = Field(
+    task: Literal["increment", "arithmetic", "products"] = Field(
         "increment",
         description="For source=generated. increment: continue a sequence of token ids counting up (synthetic, tiny "
-        "models); arithmetic: 'a+b=' with an exact-answer reward (real tokenizer).",
+        "models); arithmetic: 'a+b=' with an exact-answer reward (real tokenizer); products: 'a * b' of 3 by 2 "
+        "digits, after one worked example of a calculator tool call, with an exact reward on the final number (for "
+        "rollout.agent with tools).",
     )
     train_prompts: int = Field(
         1024, gt=0, le=16 * MAX_COUNT, description="For source=generated: number of generated training prompts."
@@ -208,6 +202,9 @@ class Rollout(SpecModel):
         0, ge=0, le=MAX_COUNT, description="async: generations advance this many tokens per engine call, and new "
         "weights that arrive in between are used for the rest of a response (partial rollout; each token is tagged "
         "with the policy version that produced it). 0: a response finishes with the weights it began with.")
+    agent: Agent | None = Field(
+        None, description="Multi-turn rollouts with tools and environments (agentic RL); unset: one response per "
+        "prompt.")
     queue_prompts: int = Field(
         0, ge=0, le=MAX_COUNT, description="async: prompt groups the trajectory queue holds ahead of the trainer "
         "(generated or in flight); 0: twice trainer.promptsPerStep.")
@@ -403,6 +400,9 @@ class JobSpec(SpecModel):
     metrics: Metrics = Field(default_factory=Metrics, description="Prometheus exporter.")
     run_policy: RunPolicy = Field(default_factory=RunPolicy, description="Restarts, deadlines, suspension, scheduling.")
     kubernetes: Kubernetes = Field(default_factory=Kubernetes, description="Image, volumes and pod settings.")
+    environments: EnvironmentPool | None = Field(
+        None, description="On Kubernetes: run rollout.agent's tools and environments in a pool of sandbox pods of "
+        "their own (unset: in sandboxes inside the rollout's pods). Needs rollout.agent.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "JobSpec":

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence, overload
 
+from hybridflow.agents.toolcalls import plain_tools_text, template_renders_tools
 from hybridflow.data.tasks import Sample
 from hybridflow.api import Data, SpecError
 
@@ -164,9 +165,16 @@ def require_column(field: str, key: str, ds: Any, where: str) -> None:
 class PromptRenderer:
     """A prompt value (a string, or chat messages) -> token ids, through the chat template when there is one."""
 
-    def __init__(self, tokenizer: Any, chat_template: str | None, system_prompt: str | None) -> None:
-        self.tokenizer, self.system_prompt = tokenizer, system_prompt
+    def __init__(self, tokenizer: Any, chat_template: str | None, system_prompt: str | None,
+                 tools: Sequence[dict[str, Any]] = ()) -> None:
+        """tools: offered to the model (multi-turn rollouts), in the OpenAI/HF function form: through the template's
+        own `tools` rendering where it has one, else as the documented plain-text paragraph of the system message."""
         self.template = chat_template or getattr(tokenizer, "chat_template", None)
+        self.tools = list(tools)
+        self.template_tools = bool(self.tools) and template_renders_tools(self.template)
+        if self.tools and not self.template_tools:
+            system_prompt = "\n\n".join(x for x in (system_prompt, plain_tools_text(self.tools)) if x)
+        self.tokenizer, self.system_prompt = tokenizer, system_prompt
         self.template_field = "spec.data.chatTemplate" if chat_template else "the model's chat template"
         try:
             self.ids([{"role": "user", "content": "2 + 2?"}], "a test prompt")
@@ -193,8 +201,9 @@ class PromptRenderer:
     def ids(self, value: Any, where: str) -> list[int]:
         msgs = self.messages(value, where)
         if self.template:
+            extra = {"tools": self.tools} if self.template_tools else {}
             return list(self.tokenizer.apply_chat_template(msgs, chat_template=self.template, tokenize=True,
-                                                           add_generation_prompt=True, return_dict=False))
+                                                           add_generation_prompt=True, return_dict=False, **extra))
         return list(self.tokenizer("\n\n".join(m["content"] for m in msgs))["input_ids"])
 
     def digest(self) -> str:
@@ -204,6 +213,8 @@ class PromptRenderer:
         vocab = backend.to_str() if backend is not None else repr(sorted(self.tokenizer.get_vocab().items()))
         h.update(vocab.encode())
         h.update(repr((self.template, self.system_prompt, _CACHE_VERSION)).encode())
+        if self.tools:
+            h.update(repr(self.tools).encode())
         return h.hexdigest()
 
 
@@ -317,8 +328,8 @@ def _source_name(entry: str) -> str:
 
 
 def load_prompt_files(data: Data, tokenizer: Any, max_prompt_length: int, cache_dir: Path,
-                      batch_size: int) -> PromptFiles:
-    renderer = PromptRenderer(tokenizer, data.chat_template, data.system_prompt)
+                      batch_size: int, tools: Sequence[dict[str, Any]] = ()) -> PromptFiles:
+    renderer = PromptRenderer(tokenizer, data.chat_template, data.system_prompt, tools)
     train_ds, train_rows, source = _prepared("spec.data.train", data.train, data, renderer, cache_dir,
                                              max_prompt_length)
     if data.eval:

@@ -8,16 +8,21 @@ from hybridflow.single_controller.batch import Batch
 PAD = 0
 
 
-def pack_rollout(prompts: list[list[int]], responses: list[list[int]], prompt_width: int, response_width: int) -> dict:
+def pack_rollout(prompts: list[list[int]], responses: list[list[int]], prompt_width: int, response_width: int,
+                 loss_masks: list[list[int]] | None = None) -> dict:
     """Left-pad prompts to `prompt_width`, right-pad responses to `response_width`.
 
     Returns tensors: prompts (B,P), responses (B,R), input_ids (B,P+R), attention_mask (B,P+R), response_mask (B,R).
+    A multi-turn response holds tokens the model did not write (tools' and environments' answers): `loss_masks`
+    marks the model's own, and response_mask is that loss mask (what is trained, what log-probs and advantages are
+    taken over), while attention_mask covers every real token. Without `loss_masks` they are the same.
     """
     B = len(prompts)
     p_ids = torch.full((B, prompt_width), PAD, dtype=torch.long)
     p_mask = torch.zeros((B, prompt_width), dtype=torch.long)
     r_ids = torch.full((B, response_width), PAD, dtype=torch.long)
     r_mask = torch.zeros((B, response_width), dtype=torch.long)
+    r_loss = torch.zeros((B, response_width), dtype=torch.long) if loss_masks is not None else r_mask
     for i, (p, r) in enumerate(zip(prompts, responses)):
         if len(p) > prompt_width:
             raise ValueError(f"a prompt of {len(p)} tokens exceeds spec.rollout.maxPromptLength={prompt_width}")
@@ -28,12 +33,14 @@ def pack_rollout(prompts: list[list[int]], responses: list[list[int]], prompt_wi
         if r:
             r_ids[i, : len(r)] = torch.tensor(r)
             r_mask[i, : len(r)] = 1
+            if loss_masks is not None:
+                r_loss[i, : len(r)] = torch.tensor(loss_masks[i][: len(r)], dtype=torch.long)
     return {
         "prompts": p_ids,
         "responses": r_ids,
         "input_ids": torch.cat([p_ids, r_ids], 1),
         "attention_mask": torch.cat([p_mask, r_mask], 1),
-        "response_mask": r_mask,
+        "response_mask": r_loss,
     }
 
 
@@ -62,7 +69,20 @@ def unpack_prompts(batch: Batch) -> list[list[int]]:
 
 
 def unpack_responses(batch: Batch) -> list[list[int]]:
+    """Each response's own tokens, the model's only (a multi-turn one's turns, joined): what a reward scores."""
     return [row[m.bool()].tolist() for row, m in zip(batch["responses"], batch["response_mask"])]
+
+
+def response_lengths(batch: Batch) -> torch.Tensor:
+    """Each response's length in tokens, its tools' and environments' answers included: the position after its last
+    real token (a multi-turn response's loss mask has holes; its attention mask does not)."""
+    P = batch["prompts"].shape[1]
+    return batch["attention_mask"][:, P:].sum(1)
+
+
+def unpack_trajectories(batch: Batch) -> list[list[int]]:
+    """Each response's every token, the answers of tools and environments between its turns included."""
+    return [row[:n].tolist() for row, n in zip(batch["responses"], response_lengths(batch).tolist())]
 
 
 # --- micro-batches without padding waste ---------------------------------------------------------------------------
@@ -83,7 +103,7 @@ def trim_padding(batch: Batch) -> Batch:
     P = batch["prompts"].shape[1]
     mask = batch["attention_mask"]
     prompt_len = int(mask[:, :P].sum(1).max()) if len(batch) else 0
-    resp_len = max(1, int(batch["response_mask"].sum(1).max())) if len(batch) else 1
+    resp_len = max(1, int(response_lengths(batch).max())) if len(batch) else 1
     cut, keep_r = P - prompt_len, resp_len
     tensors = dict(batch.tensors)
     tensors["prompts"] = batch["prompts"][:, cut:]
@@ -123,7 +143,7 @@ def micro_batches(batch: Batch, rows: int, dynamic: bool) -> list[tuple[list[int
         return [(list(range(i, min(i + rows, n))), batch.index(slice(i, i + rows))) for i in range(0, n, rows)]
     P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
     prompt_lens = batch["attention_mask"][:, :P].sum(1).tolist()
-    response_lens = batch["response_mask"].sum(1).clamp_min(1).tolist()
+    response_lens = response_lengths(batch).clamp_min(1).tolist()
     groups = token_budget_groups(prompt_lens, response_lens, max_rows=n, budget=rows * (P + R))
     return [(g, trim_padding(batch.index(torch.tensor(g)))) for g in groups]
 

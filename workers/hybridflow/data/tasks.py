@@ -44,6 +44,32 @@ def arithmetic_samples(n: int, seed: int, encode: Callable[[str], list[int]], ma
     return out
 
 
+# Three worked examples before each question of the products task: how a tool is called and its answer read back.
+# A 135M model does not call tools from their description alone (its tool-call rate is ~0 with none and with one
+# example, ~0.7 with three: measured on SmolLM2-135M-Instruct, 24 samples at temperature 1).
+def _worked(a: int, b: int) -> list[dict[str, str]]:
+    call = '{"name": "calculator", "arguments": {"expression": "%d * %d"}}' % (a, b)
+    return [{"role": "user", "content": f"What is {a} * {b}?"},
+            {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+            {"role": "user", "content": f"<tool_response>\n{a * b}\n</tool_response>"},
+            {"role": "assistant", "content": f"{a * b}"}]
+
+
+TOOL_EXAMPLES = [*_worked(12, 34), *_worked(271, 45), *_worked(806, 17)]
+
+
+def products_samples(n: int, seed: int, encode: Callable[[Any], list[int]]) -> list[Sample]:
+    """'What is a * b?' with a of 3 digits and b of 2: a product a small model cannot do in its head, so it
+    learns to call a tool (after worked examples in the prompt); the truth is a * b."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(100, 999), rng.randint(10, 99)
+        out.append(Sample(encode([*TOOL_EXAMPLES, {"role": "user", "content": f"What is {a} * {b}?"}]), a * b,
+                          "products"))
+    return out
+
+
 def split_train_eval(samples: list[Sample], n_eval: int) -> tuple[list[Sample], list[Sample]]:
     """Held-out prompts are chosen so that none of them appears (as the same ids) in the training set."""
     eval_set = samples[:n_eval]

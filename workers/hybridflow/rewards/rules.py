@@ -46,6 +46,18 @@ def arithmetic_exact(prompt: Sequence[int], response: Sequence[int], truth: Any,
     return 1.0 if final_answer(decode(response)) == int(truth) else 0.0
 
 
+_TOOL_CALL = re.compile(r"<tool_call>.*?(</tool_call>|$)", re.DOTALL)
+
+
+def final_number_exact(prompt: Sequence[int], response: Sequence[int], truth: Any, decode: Any = None) -> float:
+    """1 when the last integer the model wrote outside its tool calls equals the truth (a multi-turn response is
+    the model's turns joined: the numbers in its calls are not its answer), else 0."""
+    if decode is None:
+        raise ValueError("the final_number_exact rule needs a tokenizer (a model with one, e.g. smollm2)")
+    found = _INT.findall(_TOOL_CALL.sub(" ", decode(response)).replace(",", ""))
+    return 1.0 if found and int(found[-1]) == int(truth) else 0.0
+
+
 def top_ids(prompt: Sequence[int], response: Sequence[int], truth: Any, decode: Any = None) -> float:
     """Fraction of response tokens among the vocabulary's three highest ids: a cost for the increment task (truth is
     the vocabulary size), which a correct count meets about one token in five; Safe-RLHF keeps it under a limit."""
@@ -53,8 +65,9 @@ def top_ids(prompt: Sequence[int], response: Sequence[int], truth: Any, decode: 
     return sum(tok >= vocab - 3 for tok in response) / len(response) if response else 0.0
 
 
-RULES: dict[str, RewardRule] = {"increment": increment, "arithmetic_exact": arithmetic_exact, "top_ids": top_ids}
-TASK_DEFAULT_RULE = {"increment": "increment", "arithmetic": "arithmetic_exact"}
+RULES: dict[str, RewardRule] = {"increment": increment, "arithmetic_exact": arithmetic_exact, "top_ids": top_ids,
+                                "final_number_exact": final_number_exact}
+TASK_DEFAULT_RULE = {"increment": "increment", "arithmetic": "arithmetic_exact", "products": "final_number_exact"}
 
 
 def get_rule(name: str) -> RewardRule:

@@ -32,6 +32,7 @@ class ActorConfig(_Section):
     seed: int
     train_engine: TrainEngineKind  # spec.training.engine, resolved
     rollout_engine: RolloutEngineKind  # spec.rollout.engine, resolved
+    chat_template: str | None = None  # spec.data.chatTemplate: multi-turn rollouts render answers as prompts are
 
     @property
     def old_log_probs_from_update(self) -> bool:
@@ -94,7 +95,8 @@ def actor_config(spec: JobSpec) -> ActorConfig:
     per_call = max(spec.trainer.prompts_per_step * (r.responses_per_prompt + 1), spec.data.eval_prompts)
     return ActorConfig(model=spec.models.actor, algorithm=spec.algorithm, rollout=r, training=spec.training,
                        prompts_per_step=spec.trainer.prompts_per_step, generation_batch=per_call, seed=spec.trainer.seed,
-                       train_engine=TRAIN_ENGINES[spec.training.engine], rollout_engine=ROLLOUT_ENGINES[r.engine])
+                       train_engine=TRAIN_ENGINES[spec.training.engine], rollout_engine=ROLLOUT_ENGINES[r.engine],
+                       chat_template=spec.data.chat_template)
 
 
 def critic_config(spec: JobSpec) -> CriticConfig:

@@ -32,6 +32,7 @@ from hybridflow.engines.rollout.base import (
 from hybridflow.models.builders import local_model_dir
 from hybridflow.roles.actor import ActorWorker
 from hybridflow.roles.config import ActorConfig, wants_rollout_log_probs
+from hybridflow.roles.episodes import EpisodeRunner
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.context import WorkerContext
 from hybridflow.single_controller.protocol import Dispatch, DPRank, register
@@ -45,6 +46,16 @@ class _Generator:
     config: ActorConfig
     stop_token_ids: tuple[int, ...]
     version: int = 0
+    episodes: EpisodeRunner | None = None  # multi-turn rollouts (spec.rollout.agent)
+
+    @classmethod
+    def of(cls, generator: RolloutEngine, config: ActorConfig, stop_token_ids: list[int],
+           model_dir: Any) -> "_Generator":
+        """The engine's generator, with its episode runner when the job's rollouts are multi-turn."""
+        agent = config.rollout.agent
+        runner = None if agent is None else EpisodeRunner.build(agent, model_dir, config.chat_template,
+                                                                stop_token_ids, config.rollout.max_response_length)
+        return cls(generator, config, tuple(stop_token_ids), episodes=runner)
 
     def sampling(self, greedy: bool, log_probs: bool, max_tokens: int | None = None) -> SamplingConfig:
         r = self.config.rollout
@@ -66,11 +77,14 @@ class _Generator:
         flags = batch["greedy"] if "greedy" in batch else [greedy] * len(batch)
         t0 = time.perf_counter()
         prompts = [list(p) for p in batch["prompt_ids"]]
-        greedy_cfg = replace(sampled, greedy=True)
-        out = self.generator.generate(prompts, [greedy_cfg if g else sampled for g in flags]) if prompts else []
-        packed = pack_rollout(prompts, [g.tokens for g in out], r.max_prompt_length, r.max_response_length)
-        if want:
-            packed["rollout_log_probs"] = pad_log_probs([g.log_probs for g in out], r.max_response_length)
+        if self.episodes is not None:
+            packed = self.episodes.run(self.generator, self.sampling, batch, list(flags), want, r.max_prompt_length)
+        else:
+            greedy_cfg = replace(sampled, greedy=True)
+            out = self.generator.generate(prompts, [greedy_cfg if g else sampled for g in flags]) if prompts else []
+            packed = pack_rollout(prompts, [g.tokens for g in out], r.max_prompt_length, r.max_response_length)
+            if want:
+                packed["rollout_log_probs"] = pad_log_probs([g.log_probs for g in out], r.max_response_length)
         # this rank's rows, tagged by the version it holds (ranks of one call may hold different versions)
         packed["token_versions"] = versions_of(packed["response_mask"], self.version)
         result = Batch(packed, batch.non_tensors)
@@ -106,7 +120,7 @@ class RolloutWorker:
             actor.model_dir, r, config.model.dtype, self.generation_dtype, seed,
             sequences=-(-config.generation_batch // self.transfer.generation_replicas), device=actor.engine.device,
             trainer=actor.engine, transfer=self.transfer))
-        self.gen = _Generator(generator, config, tuple(stop_token_ids))
+        self.gen = _Generator.of(generator, config, stop_token_ids, actor.model_dir)
         self.generator = generator
         actor.before_training(generator.release)
 
@@ -164,11 +178,12 @@ class PooledRolloutWorker:
         self.generation_dtype = compute_dtype(config.training.compute_dtype, ctx.device)
         device = torch_device(ctx)
         build_rollout: RolloutEngineFactory = config.rollout_engine.load()
+        here = local_model_dir(model_dir, config.model, config.seed)
         generator = build_rollout(ctx, RolloutSetup(
-            local_model_dir(model_dir, config.model, config.seed), r, config.model.dtype, self.generation_dtype,
+            here, r, config.model.dtype, self.generation_dtype,
             seed=config.seed + 1000 * ctx.rank, sequences=-(-config.generation_batch // ctx.world_size),
             device=device, trainer=None, transfer=None))
-        self.gen = _Generator(generator, config, tuple(stop_token_ids))
+        self.gen = _Generator.of(generator, config, stop_token_ids, here)
         self.generator = generator
         self.receiver: WeightReceiver | None = None
 

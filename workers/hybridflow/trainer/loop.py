@@ -48,7 +48,7 @@ def evaluate(w: Workers, task: Task, samples: Sequence[Sample]) -> Evaluation:
     dp = w.roles["rollout"].dp_sizes["rollout"]
     usable = samples[: len(samples) // dp * dp]
     out = resolve(w.roles["rollout"].generate(prompt_batch(usable), greedy=True))
-    if task.rule is None and task.text_reward is None:  # files scored by a reward model only: it judges
+    if task.rule is None and task.text_reward is None and task.episode_score in (None, "reward"):  # a model judges
         reward = float(resolve(w.roles["reward"].compute_rm_scores(out))["rm_scores"].mean())
     else:
         reward = float(reward_scores(out, task)[0].mean())

@@ -5,13 +5,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
+from hybridflow.agents.places import job_tools
 from hybridflow.api.storage import is_url
 from hybridflow.single_controller.batch import Batch
 from hybridflow.trainer.rollouts import ROLLOUT_MODES, ColocatedWeightSync, Rollouts, StreamedWeightSync, WeightSync
@@ -19,7 +20,7 @@ from hybridflow.trainer.step import Scorer, generation_rows
 from hybridflow.single_controller.worker_group import RayResourcePool, RoleSpec, WorkerGroup
 from hybridflow.data.files import PromptRenderer, load_prompt_files
 from hybridflow.data.packing import unpack_prompts, unpack_responses
-from hybridflow.data.tasks import Sample, arithmetic_samples, increment_samples, split_train_eval
+from hybridflow.data.tasks import Sample, arithmetic_samples, increment_samples, products_samples, split_train_eval
 from hybridflow.rewards.rules import TASK_DEFAULT_RULE, RewardRule, get_rule
 from hybridflow.rewards.text import TextReward
 from hybridflow.roles import config as rc
@@ -38,6 +39,7 @@ class Task:
     text_reward: TextReward | None = None  # reward types scorer/function: scored on decoded responses
     data_fingerprint: str | None = None  # prompts from files: a resumed job checks it reads the same rows
     cost_rule: RewardRule | None = None  # safe_rlhf with a cost rule
+    episode_score: str | None = None  # multi-turn rollouts: reward, environment or both (spec.rollout.agent.score)
 
     def close(self) -> None:
         if self.text_reward is not None:
@@ -70,16 +72,19 @@ def build_task(job: RLHFJob, model_dir: Path) -> Task:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model_dir)
+        tools = [t.offered() for t in job_tools(s.rollout.agent).values()] if s.rollout.agent else []
         decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
         stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
         if s.data.source == "files":
             cache = Path(s.data.cache_dir or data_cache_default(s.trainer.checkpoint_dir))
-            files = load_prompt_files(s.data, tok, s.rollout.max_prompt_length, cache, s.trainer.prompts_per_step)
+            files = load_prompt_files(s.data, tok, s.rollout.max_prompt_length, cache, s.trainer.prompts_per_step,
+                                      tools)
             train, held_out, fingerprint = files.train, files.eval, files.fingerprint
         else:
-            renderer = PromptRenderer(tok, None, None)  # the model's chat template, one user message
-            samples = arithmetic_samples(s.data.train_prompts + s.data.eval_prompts, s.data.seed,
-                                         lambda text: renderer.ids(text, "the arithmetic task"))
+            renderer = PromptRenderer(tok, None, None, tools)  # the model's chat template, one user message
+            make = products_samples if s.data.task == "products" else arithmetic_samples
+            samples = make(s.data.train_prompts + s.data.eval_prompts, s.data.seed,
+                           lambda text: renderer.ids(text, f"the {s.data.task} task"))
             too_long = max(len(x.prompt) for x in samples)
             if too_long > s.rollout.max_prompt_length:
                 raise ValueError(
@@ -90,7 +95,8 @@ def build_task(job: RLHFJob, model_dir: Path) -> Task:
     text_reward = TextReward(r) if r.type in ("scorer", "function") else None
     c = s.models.cost
     cost_rule = get_rule(c.rule) if c is not None and c.type == "rule" and c.rule else None
-    return Task(train, held_out, rule, decode, stop, text_reward, fingerprint, cost_rule)
+    score = s.rollout.agent.episode_score if s.rollout.agent else None
+    return Task(train, held_out, rule, decode, stop, text_reward, fingerprint, cost_rule, score)
 
 
 def _vocab_size(model_dir: Path) -> int:
@@ -221,6 +227,12 @@ def prompt_batch(samples: list[Sample], uid_offset: int = 0) -> Batch:
 def reward_scores(batch: Batch, task: Task) -> tuple[torch.Tensor, dict[str, float]]:
     """Scores of the batch's responses by the task's rule or text reward, and reward statistics for the step log
     (failed samples, and the means of a reward function's extra metrics)."""
+    if task.episode_score is not None and task.episode_score != "reward":  # the environment's rewards
+        env = batch["env_reward"].float()
+        if task.episode_score == "environment":
+            return env, {}
+        scores, stats = reward_scores(batch, replace(task, episode_score=None))
+        return scores + env, stats
     prompts, responses = unpack_prompts(batch), unpack_responses(batch)
     if task.text_reward is None:
         assert task.rule is not None
@@ -289,7 +301,7 @@ def cost_scores(batch: Batch, task: Task) -> tuple[torch.Tensor, dict[str, float
 def controller_scorers(task: Task) -> dict[str, Scorer]:
     """The stages scored on the controller rather than by a model: rules and reward functions."""
     out: dict[str, Scorer] = {}
-    if task.rule is not None or task.text_reward is not None:
+    if task.rule is not None or task.text_reward is not None or task.episode_score not in (None, "reward"):
         out["reward"] = lambda batch: reward_scores(batch, task)
     if task.cost_rule is not None:
         out["cost"] = lambda batch: cost_scores(batch, task)

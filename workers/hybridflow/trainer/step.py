@@ -23,6 +23,7 @@ from hybridflow.algorithms.base import ALGORITHMS
 from hybridflow.algorithms.core import masked_mean, overlong_penalty, token_rewards
 from hybridflow.algorithms.dataflow import Carried
 from hybridflow.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
+from hybridflow.data.packing import response_lengths
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.worker_group import PendingResult, resolve, wait_done
 from hybridflow.roles.config import old_log_probs_from_update
@@ -211,7 +212,7 @@ class Step:
         if "reward" in local:
             scores = local["reward"]
             if self.algo.overlong_buffer:
-                lengths = data["response_mask"].sum(1)
+                lengths = response_lengths(data)
                 scores = scores + overlong_penalty(lengths, self.spec.rollout.max_response_length,
                                                    self.algo.overlong_buffer, self.algo.overlong_penalty)
             data = data.with_columns(scores=scores.float())
@@ -325,10 +326,30 @@ class Step:
         for carried in self.state.carried.values():
             out.update(carried.metrics())
         out.update(self.rollouts.step_stats())
+        out.update(episode_stats(batch))
         if "rollout_log_probs" in batch and "old_log_probs" in batch:
             gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
             out["rollout_log_prob_gap"] = float(masked_mean(gap, mask))
         return out
+
+
+def episode_stats(batch: Batch) -> dict[str, float]:
+    """Multi-turn rollouts' metrics over the trained batch: turns and tool calls per episode, the tool calls' error
+    and timeout rates and seconds, the environment's reward, and episodes that failed or were retried."""
+    if "agent_turns" not in batch:
+        return {}
+    calls = float(batch["agent_tool_calls"].sum())
+    return {"agent_turns_mean": float(batch["agent_turns"].mean()),
+            "agent_tool_calls_mean": float(batch["agent_tool_calls"].mean()),
+            "agent_tool_call_rate": float((batch["agent_tool_calls"] > 0).float().mean()),
+            "agent_tool_error_rate": float(batch["agent_tool_errors"].sum()) / calls if calls else 0.0,
+            "agent_tool_timeout_rate": float(batch["agent_tool_timeouts"].sum()) / calls if calls else 0.0,
+            "agent_tool_seconds": float(batch["agent_tool_seconds"].sum()),
+            "agent_env_reward_mean": float(batch["env_reward"].mean()),
+            "agent_env_steps_mean": float(batch["agent_env_steps"].mean()),
+            "agent_episodes_failed": float(batch["agent_failed"].sum()),
+            "agent_episodes_retried": float((batch["agent_retries"] > 0).float().sum()),
+            "agent_episodes_truncated": float(batch["agent_truncated"].sum())}
 
 
 def generation_rows(prompts: Batch, n: int, greedy_baseline: bool = False) -> Batch:
@@ -362,9 +383,11 @@ def rollout_records(batch: Batch, decode: Callable[[list[int]], str] | None = No
     (trainer.rolloutLog): its group uid, prompt and response token ids, reward (and cost), and its per-token columns
     over its response tokens; with `decode` (a task with a tokenizer) also the prompt and response text. Reads the
     batch only."""
-    from hybridflow.data.packing import unpack_prompts, unpack_responses
+    from hybridflow.data.packing import unpack_prompts, unpack_responses, unpack_trajectories
 
     prompts, responses = unpack_prompts(batch), unpack_responses(batch)
+    multi_turn = "agent_turns" in batch
+    trajectories = unpack_trajectories(batch) if multi_turn else None
     real = batch["response_mask"].bool()  # the response's own tokens, as unpack_responses takes them
     columns = [c for c in ("advantages", *ROLLOUT_TOKEN_COLUMNS) if c in batch.tensors]
     scores = batch["scores"].tolist() if "scores" in batch else None
@@ -375,6 +398,13 @@ def rollout_records(batch: Batch, decode: Callable[[list[int]], str] | None = No
                                "response_ids": response}
         if decode is not None:
             rec.update(prompt=decode(prompt), response=decode(response))
+        if trajectories is not None:  # every token after the prompt, the answers of tools included, and which
+            n = len(trajectories[i])    # are the model's (loss mask 1)
+            rec.update(trajectory_ids=trajectories[i], loss_mask=batch["response_mask"][i][:n].tolist(),
+                       turns=int(batch["agent_turns"][i]), tool_calls=int(batch["agent_tool_calls"][i]),
+                       env_reward=float(batch["env_reward"][i]))
+            if decode is not None:
+                rec["trajectory"] = decode(trajectories[i])
         if scores is not None:
             rec["score"] = scores[i]
         if costs is not None:

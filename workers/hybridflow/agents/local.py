@@ -1,0 +1,209 @@
+"""Tools and environment sessions in OS sandboxes on this machine (hybridflow.sandbox: no network, no credentials,
+another uid, rlimits, a PID namespace that takes everything started in it along when it is killed).
+
+A tool call gets a fresh sandbox and a deadline: a call that hangs is killed at its deadline and answers "timed
+out", one that forks or fills memory meets the sandbox's limits and answers with its error; the episode goes on.
+An environment session is one sandbox for the episode's life (the environment object keeps its state between
+steps), each step with its deadline; a step that fails ends its episode, reported, never the rollout."""
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridflow import sandbox
+from hybridflow.agents import env_worker, tool_worker, wire
+from hybridflow.agents.protocol import Info, Observation, ToolResult
+from hybridflow.agents.registry import ToolSpec
+from hybridflow.sandbox import Limits
+
+TOOL_MODULE, ENV_MODULE = tool_worker.__name__, env_worker.__name__
+WORKER_CHECK = (sys.executable, "-c", f"import {TOOL_MODULE}, {ENV_MODULE}; print('ok')")
+
+
+@dataclass(frozen=True)
+class EnvironmentCode:
+    """Where an environment's class is: a built-in's "module:class", or a user's file (its source read once, so
+    every session runs the same code even if the file changes) and class name."""
+
+    target: str | None = None
+    path: str | None = None
+    source: str | None = None
+    class_name: str = "Environment"
+
+    @classmethod
+    def from_file(cls, path: str | Path, class_name: str) -> "EnvironmentCode":
+        p = Path(path).resolve()
+        return cls(path=str(p), source=p.read_text(), class_name=class_name)
+
+    def request(self) -> Info:
+        if self.target:
+            return {"target": self.target}
+        return {"path": self.path, "source": self.source, "class": self.class_name}
+
+
+def _binds(path: str | None) -> list[str]:
+    """The user file's directory, read-only (its data files), unless it holds what the sandbox hides."""
+    if not path:
+        return []
+    d = str(Path(path).parent)
+    special = [*sandbox.default_hidden(), *sandbox.PRIVATE_TMP, "/dev", "/proc"]
+    return [path] if any(sandbox.is_under(h, d) for h in special) else [d]
+
+
+class _Worker:
+    """A sandboxed worker process and the driver's end of its pipes."""
+
+    def __init__(self, module: str, limits: Limits, layers: sandbox.Layers, code_path: str | None) -> None:
+        self.box = sandbox.spawn([sys.executable, "-m", module], limits, layers, env=sandbox.clean_env(),
+                                 binds=_binds(code_path), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL)
+        assert self.box.popen.stdin is not None and self.box.popen.stdout is not None
+        self.reader = wire.LineReader(self.box.popen.stdout.fileno())
+
+    def call(self, message: Info, timeout: float) -> Info:
+        assert self.box.popen.stdin is not None
+        try:
+            wire.send(self.box.popen.stdin, message)
+        except OSError as err:
+            raise wire.WireError(f"the worker is gone ({err})") from None
+        return self.reader.receive(timeout)
+
+    def death(self) -> str:
+        """How the worker ended, for the report (bwrap exits 128 + the signal of what it ran)."""
+        rc = self.box.popen.poll()
+        if rc is None:
+            return "it stopped answering"
+        sig = -rc if rc < 0 else rc - 128 if self.box.layers.bwrap and rc > 128 else 0
+        return f"it was killed by signal {sig} (a sandbox limit)" if sig else f"it exited with status {rc}"
+
+    def kill(self) -> None:
+        self.box.kill(wait=2)
+        for stream in (self.box.popen.stdin, self.box.popen.stdout):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+
+
+def _probe(require: bool | None, what: str) -> sandbox.Layers:
+    layers = sandbox.probe(WORKER_CHECK)
+    sandbox.check_required(layers, what, require)
+    return layers
+
+
+class LocalTools:
+    """The job's tools, each call in a fresh sandbox with `timeout_seconds`."""
+
+    def __init__(self, tools: dict[str, ToolSpec], timeout_seconds: float = 10.0, limits: Limits | None = None,
+                 require_sandbox: bool | None = None, layers: sandbox.Layers | None = None) -> None:
+        self.tools, self.timeout = tools, timeout_seconds
+        self.limits = limits or Limits(cpu_seconds=max(2, int(2 * timeout_seconds)), memory_bytes=2 << 30,
+                                       processes=32)
+        self.layers = layers or _probe(require_sandbox, "the agent's tools")
+        self._sources = {n: Path(t.path).read_text() for n, t in tools.items() if t.path}
+
+    def call(self, name: str, arguments: Info, session: str | None = None) -> ToolResult:
+        t0 = time.monotonic()
+        tool = self.tools.get(name)
+        if tool is None:
+            return ToolResult(f"Error: no tool named {name!r}; the tools are {', '.join(sorted(self.tools))}.",
+                              error=f"unknown tool {name!r}")
+        request: Info = {"arguments": arguments}
+        request.update({"target": tool.target} if tool.target else
+                       {"path": tool.path, "source": self._sources[name], "function": name})
+        worker = _Worker(TOOL_MODULE, self.limits, self.layers, tool.path)
+        try:
+            reply = worker.call(request, self.timeout)
+        except wire.WireTimeout:
+            return ToolResult(f"Error: the {name} tool timed out after {self.timeout:g} s.", error="timed out",
+                              timed_out=True, seconds=time.monotonic() - t0)
+        except wire.WireError as err:
+            why = f"{err}; {worker.death()}"
+            return ToolResult(f"Error: the {name} tool failed: {why}.", error=why, seconds=time.monotonic() - t0)
+        finally:
+            worker.kill()
+        seconds = time.monotonic() - t0
+        if "ok" in reply:  # cut again: the tool's code may have written this reply itself
+            return ToolResult(tool_worker.cut(str(reply["ok"])), seconds=seconds)
+        error = tool_worker.cut(str(reply.get("error")))
+        return ToolResult(f"Error: {error}", error=error, seconds=seconds)
+
+    def close(self) -> None:
+        """Nothing lives between calls."""
+
+
+class LocalSessions:
+    """Environment sessions, each a sandbox of its own for its episode's life."""
+
+    def __init__(self, code: EnvironmentCode, step_timeout_seconds: float = 10.0, load_timeout_seconds: float = 60.0,
+                 limits: Limits | None = None, require_sandbox: bool | None = None,
+                 layers: sandbox.Layers | None = None) -> None:
+        self.code, self.timeout, self.load_timeout = code, step_timeout_seconds, load_timeout_seconds
+        self.limits = limits or Limits(cpu_seconds=600, memory_bytes=2 << 30, processes=32)
+        self.layers = layers or _probe(require_sandbox, "the agent's environment")
+        self._open: dict[str, _Worker] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    def open(self, sample: Info) -> tuple[str, Observation]:
+        worker = _Worker(ENV_MODULE, self.limits, self.layers, self.code.path)
+        with self._lock:
+            sid = f"s{next(self._ids)}"
+            self._open[sid] = worker
+        try:
+            loaded = worker.call(self.code.request(), self.load_timeout)
+            if "error" in loaded:
+                raise EnvironmentLoadError(f"the environment could not be loaded: {loaded['error']}")
+            first = self._call(sid, {"op": "reset", "sample": sample}, "reset")
+        except BaseException:
+            self.close(sid)
+            raise
+        if first.error:
+            self.close(sid)
+        return sid, first
+
+    def step(self, session: str, action: str) -> Observation:
+        out = self._call(session, {"op": "step", "action": action}, "step")
+        if out.done:
+            self.close(session)
+        return out
+
+    def _call(self, session: str, message: Info, what: str) -> Observation:
+        worker = self._open.get(session)
+        if worker is None:
+            return Observation("", done=True, error=f"session {session} is closed")
+        try:
+            reply = worker.call(message, self.timeout)
+        except wire.WireTimeout:
+            self.close(session)
+            return Observation("", done=True, error=f"the environment's {what} timed out after {self.timeout:g} s")
+        except wire.WireError as err:
+            why = worker.death()
+            self.close(session)
+            return Observation("", done=True, error=f"the environment's {what} failed: {err}; {why}")
+        if "error" in reply:
+            self.close(session)
+            return Observation("", done=True, error=f"the environment's {what} raised {reply['error']}")
+        return Observation.from_json(reply)
+
+    def close(self, session: str) -> None:
+        with self._lock:
+            worker = self._open.pop(session, None)
+        if worker is not None:
+            worker.kill()
+
+    def shutdown(self) -> None:
+        for sid in list(self._open):
+            self.close(sid)
+
+
+class EnvironmentLoadError(RuntimeError):
+    """The environment's code does not load (a syntax error, no such class, it raises at import): the job stops,
+    naming the file, since every episode would fail the same way."""

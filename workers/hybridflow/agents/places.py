@@ -1,0 +1,55 @@
+"""Where a job's tools and environment sessions run, from its spec: in sandboxes on this machine, or in the job's
+environment pool (spec.environments) when the operator handed its replicas' addresses to this process."""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from hybridflow.agents.local import EnvironmentCode, LocalSessions, LocalTools
+from hybridflow.agents.protocol import Sessions, Tools
+from hybridflow.agents.registry import ENVIRONMENTS, TOOLS, ToolSpec
+from hybridflow.agents.tool_file import read_tools_file
+
+if TYPE_CHECKING:
+    from hybridflow.api.agents import Agent
+
+URLS_ENV = "HYBRIDFLOW_ENVIRONMENT_URLS"  # comma-separated environment pool replicas (set by the operator)
+TOKEN_ENV = "RAY_AUTH_TOKEN"  # the job's token, which the pool's requests carry
+
+
+def job_tools(agent: "Agent") -> dict[str, ToolSpec]:
+    """The tools the model is offered: the named built-ins, then the user's file's."""
+    tools = {name: TOOLS[name] for name in agent.tools}
+    if agent.tools_file:
+        for name, spec in read_tools_file(agent.tools_file).items():
+            if name in tools:
+                raise ValueError(f"{agent.tools_file}: tool '{name}' is also a built-in in spec.rollout.agent.tools; "
+                                 "rename one")
+            tools[name] = spec
+    return tools
+
+
+def environment_code(agent: "Agent") -> EnvironmentCode | None:
+    if agent.environment_file:
+        return EnvironmentCode.from_file(agent.environment_file, agent.environment_class)
+    if agent.environment:
+        return EnvironmentCode(target=ENVIRONMENTS[agent.environment])
+    return None
+
+
+def local_places(agent: "Agent") -> tuple[Tools | None, Sessions | None]:
+    """This machine's sandboxes for the job's tools and environment."""
+    tools = job_tools(agent)
+    code = environment_code(agent)
+    return (LocalTools(tools, agent.tool_timeout_seconds) if tools else None,
+            LocalSessions(code, agent.step_timeout_seconds) if code is not None else None)
+
+
+def job_places(agent: "Agent") -> tuple[Tools | None, Sessions | None]:
+    """The environment pool's replicas when this process was given them, else this machine's sandboxes."""
+    urls = [u for u in os.environ.get(URLS_ENV, "").split(",") if u.strip()]
+    if not urls:
+        return local_places(agent)
+    from hybridflow.agents.remote import remote_places
+
+    return remote_places(agent, urls, os.environ.get(TOKEN_ENV, ""))

@@ -1,0 +1,83 @@
+"""What the multi-turn rollout needs of the places user code runs: tool calls and environment sessions, as data and
+two Protocols, the same whether they run in sandboxes on this machine (hybridflow.agents.local) or in the job's
+environment pool over HTTP (hybridflow.agents.remote). Plain values only cross them (str, float, bool, dicts of
+those), so that a reply can travel as JSON and the rollout never unpickles anything user code made."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+Info = dict[str, Any]  # JSON-able: str, int, float, bool, None, and lists and dicts of those
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What one tool call gave back: its text (an error's or a timeout's too: the model sees it as the tool's
+    answer), and how it went, for the metrics."""
+
+    text: str
+    error: str | None = None  # the tool raised, returned something unusable, or a sandbox limit stopped it
+    timed_out: bool = False
+    seconds: float = 0.0
+
+    def to_json(self) -> Info:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Info) -> "ToolResult":
+        return cls(str(d["text"]), d.get("error"), bool(d.get("timed_out", False)), float(d.get("seconds", 0.0)))
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What an environment says after `reset` (text only) or after a step: its text for the model, the step's
+    reward, whether the episode is over, and its info. `error`: the step failed (raised, timed out, its sandbox
+    died); the episode then ends with the rewards so far and the error is reported with its sample."""
+
+    text: str
+    reward: float = 0.0
+    done: bool = False
+    info: Info = field(default_factory=dict)
+    error: str | None = None
+
+    def to_json(self) -> Info:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Info) -> "Observation":
+        return cls(str(d["text"]), float(d.get("reward", 0.0)), bool(d.get("done", False)), dict(d.get("info") or {}),
+                   d.get("error"))
+
+
+class SessionLost(RuntimeError):
+    """The place holding a session is gone (an environment pod died or restarted): the episode cannot go on there
+    and is started again from its prompt elsewhere, not lost."""
+
+
+class Tools(Protocol):
+    """Runs the job's tools (built-in and the user's) in the sandbox, each call with its own deadline."""
+
+    def call(self, name: str, arguments: Info, session: str | None = None) -> ToolResult:
+        """One tool call. Never raises for what the tool does (an error or a timeout is a ToolResult); raises
+        SessionLost only when the place that runs it is gone. `session`: the episode's session, if any (a remote
+        pool keeps an episode's calls on one replica)."""
+
+    def close(self) -> None: ...
+
+
+class Sessions(Protocol):
+    """Environment sessions: one environment object per episode, living in the sandbox for the episode's life."""
+
+    def open(self, sample: Info) -> tuple[str, Observation]:
+        """A new episode for `sample` (its prompt text, ground truth, data source, extra info): its session id and
+        the environment's first observation (reset)."""
+
+    def step(self, session: str, action: str) -> Observation:
+        """The model's turn (its text) -> the environment's answer. A step past its deadline or whose sandbox died
+        is an Observation with `error` and done; SessionLost when the session's replica is gone."""
+
+    def close(self, session: str) -> None:
+        """The episode is over: its sandbox goes (idempotent; unknown ids are ignored)."""
+
+    def shutdown(self) -> None:
+        """Every session goes, and whatever runs them."""

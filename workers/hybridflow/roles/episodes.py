@@ -1,0 +1,111 @@
+"""The rollout's multi-turn side (spec.rollout.agent): one episode per row through hybridflow.agents.loop over
+this rank's generation engine, packed as the single-turn rollout packs its responses plus the loss mask and the
+episodes' own columns, so that every later stage (log-probs, advantages, every algorithm's loss) reads the same
+batch layout with the model's tokens marked."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from hybridflow.agents.codec import ObservationCodec
+from hybridflow.agents.loop import Episode, EpisodeSettings, run_episodes
+from hybridflow.agents.places import job_places
+from hybridflow.agents.protocol import Sessions, Tools
+from hybridflow.api.agents import Agent
+from hybridflow.data.packing import pack_rollout, pad_log_probs
+from hybridflow.engines.rollout.base import RolloutEngine, SamplingConfig
+
+log = logging.getLogger("hybridflow.roles.episodes")
+
+# Per-episode columns of the batch (float, one value per row); the step's summary turns them into metrics.
+EPISODE_COLUMNS = ("agent_turns", "agent_tool_calls", "agent_tool_errors", "agent_tool_timeouts",
+                   "agent_tool_seconds", "env_reward", "agent_env_steps", "agent_retries", "agent_truncated",
+                   "agent_failed")
+
+
+@dataclass
+class EpisodeRunner:
+    """What a rollout rank runs episodes with: the tokenizer's codec, and where tools and sessions run."""
+
+    agent: Agent
+    codec: ObservationCodec
+    tools: Tools | None
+    sessions: Sessions | None
+    max_tokens: int
+
+    @classmethod
+    def build(cls, agent: Agent, model_dir: Path, chat_template: str | None, stop_token_ids: Sequence[int],
+              max_tokens: int) -> "EpisodeRunner":
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        codec = ObservationCodec(tok, chat_template or getattr(tok, "chat_template", None), stop_token_ids)
+        tools, sessions = job_places(agent)
+        return cls(agent, codec, tools, sessions, max_tokens)
+
+    def run(self, engine: RolloutEngine, sampling: Callable[[bool, bool, int], SamplingConfig], batch: Any,
+            flags: Sequence[bool], want_log_probs: bool, prompt_width: int) -> dict[str, torch.Tensor]:
+        """The episodes of `batch`'s rows (non-tensor prompt_ids, truth, data_source, extra_info), packed."""
+        prompts = [list(p) for p in batch["prompt_ids"]]
+        samples = [{"prompt": self.codec.decode(p), "ground_truth": _plain(t), "data_source": str(s),
+                    "extra_info": _plain(dict(x))}
+                   for p, t, s, x in zip(prompts, batch["truth"], batch["data_source"], batch["extra_info"])]
+
+        class Turns:
+            @staticmethod
+            def generate(rows: Sequence[int], contexts: Sequence[list[int]],
+                         max_tokens: Sequence[int]) -> list[tuple[list[int], list[float]]]:
+                cfgs = [sampling(bool(flags[r]), want_log_probs and not flags[r], m) for r, m in zip(rows, max_tokens)]
+                return [(g.tokens, g.log_probs) for g in engine.generate(list(contexts), cfgs)]
+
+        a = self.agent
+        settings = EpisodeSettings(self.max_tokens, a.max_turns, a.max_tokens_per_turn, a.has_environment,
+                                   a.concurrent_episodes)
+        t0 = time.perf_counter()
+        episodes = run_episodes(prompts, samples, Turns(), self.codec, settings, self.tools, self.sessions)
+        failed = [(i, e) for i, e in enumerate(episodes) if e.error]
+        if failed:
+            i, e = failed[0]
+            log.warning("%d of %d episodes ended with an environment error; first: sample %d (ground truth %r): %s",
+                        len(failed), len(episodes), i, samples[i]["ground_truth"], e.error)
+        packed = pack_rollout(prompts, [e.tokens for e in episodes], prompt_width, self.max_tokens,
+                              loss_masks=[e.loss_mask for e in episodes])
+        if want_log_probs:
+            packed["rollout_log_probs"] = pad_log_probs([e.log_probs for e in episodes], self.max_tokens)
+        packed.update(episode_columns(episodes))
+        packed["agent_seconds"] = torch.full((len(episodes),), time.perf_counter() - t0)
+        return packed
+
+    def close(self) -> None:
+        if self.sessions is not None:
+            self.sessions.shutdown()
+        if self.tools is not None:
+            self.tools.close()
+
+
+def episode_columns(episodes: Sequence[Episode]) -> dict[str, torch.Tensor]:
+    values = {
+        "agent_turns": [e.turns for e in episodes], "agent_tool_calls": [e.tool_calls for e in episodes],
+        "agent_tool_errors": [e.tool_errors for e in episodes],
+        "agent_tool_timeouts": [e.tool_timeouts for e in episodes],
+        "agent_tool_seconds": [e.tool_seconds for e in episodes], "env_reward": [e.env_reward for e in episodes],
+        "agent_env_steps": [e.env_steps for e in episodes], "agent_retries": [e.retries for e in episodes],
+        "agent_truncated": [float(e.truncated) for e in episodes],
+        "agent_failed": [float(e.error is not None) for e in episodes]}
+    return {k: torch.tensor(v, dtype=torch.float32) for k, v in values.items()}
+
+
+def _plain(x: Any) -> Any:
+    """numpy scalars and arrays as the JSON values a sandboxed environment receives."""
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
