@@ -150,7 +150,33 @@ OPERATOR = Dashboard(
     ),
 )
 
-DASHBOARDS = (JOB_OVERVIEW, OPERATOR)
+AGENTS = Dashboard(
+    uid="hybridflow-agents",
+    title="HybridFlow / agents (multi-turn rollouts)",
+    panels=(
+        Panel("Turns and tool calls per episode", (f"avg by (rlhfjob) (hybridflow_agent_turns_mean{JOB})",
+                                                   f"avg by (rlhfjob) (hybridflow_agent_tool_calls_mean{JOB})"),
+              width=8, description="Model turns per episode and tool calls per episode (means over the trained "
+                                   "batch)."),
+        Panel("Tool-call rate", (f"avg by (rlhfjob) (hybridflow_agent_tool_call_ratio{JOB})",), unit="percentunit",
+              width=8, description="Fraction of episodes that called a tool at least once."),
+        Panel("Tool errors and timeouts", (f"avg by (rlhfjob) (hybridflow_agent_tool_error_ratio{JOB})",
+                                           f"avg by (rlhfjob) (hybridflow_agent_tool_timeout_ratio{JOB})"),
+              unit="percentunit", width=8, description="Fractions of tool calls that failed, and that ran past "
+                                                       "their deadline (the model reads either as the answer)."),
+        Panel("Tool seconds per step", (f"sum by (rlhfjob) (hybridflow_agent_tool_seconds{JOB})",), unit="s",
+              width=8),
+        Panel("Environment reward", (f"avg by (rlhfjob) (hybridflow_agent_environment_reward_mean{JOB})",
+                                     f"avg by (rlhfjob) (hybridflow_reward_mean{JOB})"), width=8,
+              description="The environment's reward per episode, and the score trained on."),
+        Panel("Episodes failed or retried", (f"sum by (rlhfjob) (hybridflow_agent_episodes_failed{JOB})",
+                                             f"sum by (rlhfjob) (hybridflow_agent_episodes_retried{JOB})"), width=8,
+              description="Episodes that ended on an environment error, and episodes started again after their "
+                          "environment replica was lost."),
+    ),
+)
+
+DASHBOARDS = (JOB_OVERVIEW, OPERATOR, AGENTS)
 
 
 def _variable(name: str) -> dict[str, Any]:

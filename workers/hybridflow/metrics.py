@@ -40,6 +40,21 @@ STEP_GAUGES = {
     "weight_sync_bytes": ("weight_sync_bytes", "Bytes the last cross-pool weight sync delivered (all rollout ranks)."),
     "rollout_policy_version": ("rollout_policy_version", "Policy version the rollout replicas hold (updates synced)."),
     "staleness_max": ("staleness_max", "Most policy versions a trained trajectory of the last step was behind."),
+    # Multi-turn rollouts (spec.rollout.agent), over the trained batch's episodes:
+    "agent_turns_mean": ("agent_turns_mean", "Model turns per episode (mean)."),
+    "agent_tool_calls_mean": ("agent_tool_calls_mean", "Tool calls per episode (mean)."),
+    "agent_tool_call_ratio": ("agent_tool_call_rate", "Fraction of episodes that called a tool."),
+    "agent_tool_error_ratio": ("agent_tool_error_rate", "Fraction of tool calls that failed (raised, unreadable, "
+                               "a sandbox limit)."),
+    "agent_tool_timeout_ratio": ("agent_tool_timeout_rate", "Fraction of tool calls past their deadline."),
+    "agent_tool_seconds": ("agent_tool_seconds", "Seconds the last step's tool calls took, summed."),
+    "agent_environment_reward_mean": ("agent_env_reward_mean", "Environment reward per episode (its steps summed)."),
+    "agent_episodes_failed": ("agent_episodes_failed", "Episodes of the last step that ended on an environment "
+                              "error (reported with their sample)."),
+    "agent_episodes_retried": ("agent_episodes_retried", "Episodes of the last step started again after their "
+                               "environment replica was lost."),
+    "agent_environment_requests": ("agent_environment_requests", "Requests the last step sent to the environment "
+                                   "pool (spec.environments), all replicas."),
     "cost_mean": ("cost_mean", "safe_rlhf: mean cost of the step's responses."),
     "lagrange_multiplier": ("lagrange_multiplier", "safe_rlhf: the Lagrangian multiplier weighing the cost."),
     "kept_groups": ("kept_groups", "dapo: groups with differing rewards found this step (dynamic sampling)."),

@@ -8,7 +8,7 @@ import math
 import numbers
 from typing import Any
 
-from hybridflow.agents import wire
+from hybridflow import wire
 from hybridflow.agents._user_code import describe, load, protocol_streams
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow import sandbox
-from hybridflow.agents import env_worker, tool_worker, wire
+from hybridflow import wire
+from hybridflow.agents import env_worker, tool_worker
 from hybridflow.agents.protocol import Info, Observation, ToolResult
 from hybridflow.agents.registry import ToolSpec
 from hybridflow.sandbox import Limits

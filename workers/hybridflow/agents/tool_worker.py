@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from hybridflow.agents import wire
+from hybridflow import wire
 from hybridflow.agents._user_code import describe, load, protocol_streams
 
 MAX_OUTPUT = 4000

@@ -1,7 +1,7 @@
-"""The protocol between the driver and a sandboxed worker: one JSON object per line, each way. JSON, not pickle:
-the worker runs user code, which can write anything onto the pipe, and the driver must only ever parse plain data
-from it (unpickling what user code wrote would run code in the driver). Standard library only: the workers import it
-inside the sandbox."""
+"""The protocol between the driver and a sandboxed worker (a reward, tool or environment worker): one JSON object
+per line, each way. JSON, not pickle: the worker runs user code, which can write anything onto the pipe, and the
+driver must only ever parse plain data from it (unpickling what user code wrote would run code in the driver).
+Standard library only: the workers import it inside the sandbox."""
 from __future__ import annotations
 
 import json
