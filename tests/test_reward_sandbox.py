@@ -630,3 +630,100 @@ def test_workers_started_from_a_thread_outlive_it(tmp_path):
         time.sleep(0.5)
         assert fn._procs[0].proc.poll() is None, "the worker died with the thread that started it"
         assert _score(fn, ["72"]).scores == [1.0]
+
+
+# --- The pipe back to the driver: the user's code runs in the worker process, so it can write onto the worker's
+# reply pipe (a dup of its stdout among its fds). What it writes there is parsed as JSON only, never unpickled, and
+# never taken for a reply: a crafted pickle runs nothing in the driver, a forged reply scores nothing.
+
+FORGER = """
+import os, pickle, struct, sys, time
+
+
+class _Escape:
+    '''Unpickled, creates the marker file: in the driver's /tmp, which no sandbox can see or write.'''
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _forged(n):
+    return b"".join(b'{"id": "%d", "kind": "ok", "value": [1.0, {"forged": 1.0}], "cpu": 0}\\n' % i for i in range(n))
+
+
+def _own_id():
+    # the id of the call being answered, from the worker's frames: a forgery the driver cannot tell from its reply
+    f = sys._getframe()
+    while f is not None:
+        for v in list(f.f_locals.values()):
+            if isinstance(v, dict) and v.get("op") == "call":
+                return v["id"].encode()
+        f = f.f_back
+
+
+def _writes(what, marker):
+    payload = pickle.dumps(_Escape(marker))
+    return {
+        # the pickle framed as multiprocessing.connection frames it (a 4-byte length first), then a forged reply
+        "pickle": lambda: struct.pack("!i", len(payload)) + payload + _forged(1),
+        "forge": lambda: _forged(3) + b'{"kind": "ok", "value": [1.0, {}], "cpu": 0}\\n',  # guessed ids, or none
+        "half": lambda: b'{"id": "',  # half a line, then it hangs
+        "deep": lambda: b"[" * 100000 + b"\\n",  # JSON nested past what the parser recurses into
+        "own-id": lambda: b'{"id": "%s", "kind": "ok", "value": [1%s, {}], "cpu": 0}\\n' % (_own_id(), b"0" * 400),
+    }.get(what, lambda: None)()
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info):
+    writes = _writes(solution_str, extra_info["marker"])
+    for fd in range(1, 31) if writes else ():
+        try:
+            os.write(fd, writes)
+        except OSError:  # not open, or not for writing
+            pass
+    while solution_str == "half":
+        time.sleep(1)
+    return 0.5 if writes else 1.0
+"""
+
+
+@pytest.mark.timeout(120)  # a reply the driver misreads must not hang it either (pickle framing did)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_what_the_reward_code_writes_onto_the_pipe_is_never_unpickled_nor_a_reply(tmp_path, workers):
+    marker = tmp_path / "unpickled-in-the-driver"
+    with RewardFunction(_file(tmp_path, FORGER, "forger.py"), workers=workers, timeout_seconds=5,
+                        error_score=-1.0) as fn:
+        first = _run(fn, ["ok", "pickle"], marker=str(marker))
+        assert not marker.exists(), "the driver unpickled what the reward code wrote"
+        out = _run(fn, ["ok", "forge", "ok", "pickle", "ok"], marker=str(marker))
+        errors = {e.index: e.error for e in first.errors + out.errors}
+        # not JSON: that sample's error (its worker is replaced); JSON with another id: skipped, the function's own
+        assert first.scores == [1.0, -1.0] and out.scores == [1.0, 0.5, 1.0, -1.0, 1.0], errors
+        assert set(errors) == {1, 3} and all("the reward code wrote onto it" in e for e in errors.values()), errors
+        assert "forged" not in out.extras
+        assert _run(fn, ["ok"] * 4, marker=str(marker)).scores == [1.0] * 4  # the pool goes on
+    assert not marker.exists()
+
+
+def test_a_reply_forged_with_the_calls_own_id_still_scores_only_a_finite_number(tmp_path):
+    """Code that finds its call's id in the worker's frames can forge that call's reply (its own sample, which it
+    scores anyway): what it sends is checked again, and the worker's real reply, read later, is skipped. JSON too
+    deep to parse is that sample's error."""
+    with RewardFunction(_file(tmp_path, FORGER, "forger.py"), workers=1, timeout_seconds=5, error_score=-1.0) as fn:
+        out = _run(fn, ["ok", "own-id", "ok", "deep", "ok"], marker=str(tmp_path / "marker"))
+    errors = {e.index: e.error for e in out.errors}
+    assert out.scores == [1.0, -1.0, 1.0, -1.0, 1.0], errors
+    assert "the reward worker's reply is not a score: [1000" in errors[1], errors
+    assert "the reward code wrote onto it" in errors[3], errors
+
+
+def test_half_a_line_on_the_pipe_costs_one_deadline(tmp_path):
+    """The driver reads whole lines with a deadline: half of one, then silence, is that sample's timeout."""
+    with RewardFunction(_file(tmp_path, FORGER, "forger.py"), workers=2, timeout_seconds=1.5) as fn:
+        t0 = time.monotonic()
+        out = _run(fn, ["half", "ok", "ok", "ok"], marker=str(tmp_path / "marker"))
+        took = time.monotonic() - t0
+    assert out.scores == [0.0, 1.0, 1.0, 1.0] and [e.index for e in out.errors] == [0], out.errors
+    assert "timed out after 1.5 s" in out.errors[0].error
+    assert took < 1.5 + 10, took
