@@ -52,12 +52,23 @@ def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
-def cluster_names(pods: dict[tuple[str, str], tuple[str, dict]], services: list[dict]) -> dict[str, str]:
-    """DNS names -> addresses, as kube-dns would answer: pods by name, headless Services by their FQDNs."""
+def cluster_names(pods: dict[tuple[str, str], tuple[str, dict]], services: list[dict],
+                  hostnames: dict[tuple[str, str], tuple[str, str]] | None = None) -> dict[str, str]:
+    """DNS names -> addresses, as kube-dns would answer: pods by name, headless Services by their FQDNs, and a pod
+    with spec.hostname and spec.subdomain as `<hostname>.<subdomain>.<namespace>.svc` when a headless Service of
+    that name selects it."""
     names = {}
     for (ns, name), (ip, _) in sorted(pods.items()):
         names[name] = ip
         names[f"{ip.replace('.', '-')}.{ns}.pod.cluster.local"] = ip
+    for (ns, name), (host, sub) in sorted((hostnames or {}).items()):
+        ip, labels = pods.get((ns, name), ("", {}))
+        if ip and any(svc["metadata"]["name"] == sub and svc["metadata"].get("namespace", "default") == ns
+                      and (svc.get("spec") or {}).get("clusterIP") == "None"
+                      and labels_match((svc.get("spec") or {}).get("selector") or {"-": "-"}, labels)
+                      for svc in services):
+            for fqdn in (f"{host}.{sub}.{ns}.svc.cluster.local", f"{host}.{sub}.{ns}.svc"):
+                names[fqdn] = ip
     for svc in services:
         meta, spec = svc["metadata"], svc.get("spec") or {}
         sel = spec.get("selector") or {}
@@ -83,6 +94,7 @@ class RunningPod:
     netns: str
     ip: str = ""
     labels: dict = field(default_factory=dict)
+    hostname: tuple[str, str] = ("", "")  # spec.hostname, spec.subdomain
     procs: list = field(default_factory=list)
     main_started: bool = False
     deleted: bool = False
@@ -172,7 +184,8 @@ class KubeletDouble:
 
     def _write_hosts(self) -> None:
         pods = {(p.namespace, p.name): (p.ip, p.labels) for p in list(self.pods.values()) if p.ip and not p.deleted}
-        self.names = cluster_names(pods, self._list("service"))
+        hostnames = {(p.namespace, p.name): p.hostname for p in list(self.pods.values()) if all(p.hostname)}
+        self.names = cluster_names(pods, self._list("service"), hostnames)
         text = hosts_file(self.names)
         if text != self._hosts:
             with open(self.hosts_path, "r+") as f:  # in place: the bind mount follows the inode
@@ -184,7 +197,9 @@ class KubeletDouble:
     def _admit(self, pod: dict) -> None:
         meta = pod["metadata"]
         ns, name = meta.get("namespace", "default"), meta["name"]
-        rp = RunningPod(ns, name, meta["uid"], f"{ns}.{name}", labels=dict(meta.get("labels") or {}))
+        spec = pod.get("spec") or {}
+        rp = RunningPod(ns, name, meta["uid"], f"{ns}.{name}", labels=dict(meta.get("labels") or {}),
+                        hostname=(spec.get("hostname") or "", spec.get("subdomain") or ""))
         with self._lock:
             self.pods[rp.uid] = rp
         rp.thread = threading.Thread(target=self._run_pod, args=(rp, pod), daemon=True, name=f"pod-{name}")

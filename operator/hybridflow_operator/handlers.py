@@ -34,6 +34,8 @@ from hybridflow.api import PLURAL, VERSION, RLHFJob, SpecError, parse_job
 from hybridflow.api.storage import is_url
 from hybridflow.api.status import TERMINAL, JobStatus, Phase
 from hybridflow_operator import manifests as mf
+from hybridflow_operator.environments import (PoolPlan, environment_children, environment_policy_name,
+                                              environment_pod, plan_pool)
 from hybridflow_operator.kube import API_TIMEOUT, Kube, controllers, ignore
 from hybridflow_operator.metrics import OperatorMetrics
 from hybridflow_operator.phases import (Plan, PodPhase, PodView, admit_gang, backoff, decide, invalid, iso,
@@ -521,7 +523,9 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     except SpecError as err:
         error, changed, job = str(err), False, None
     pods = _observed_pods(index, namespace, name, uid, memo)
-    views = [p["view"] for p in pods]
+    # The environment pool's pods live beside the gang, not in it: decided on apart (environments.plan_pool).
+    pool_views = [p["view"] for p in pods if p["view"].role == mf.ENVIRONMENT_ROLE]
+    views = [p["view"] for p in pods if p["view"].role != mf.ENVIRONMENT_ROLE]
     gen = int(status.get("restarts", 0))
     disrupted = {pod: why for pod, (g, why) in shared.disrupted.get((namespace, name), {}).items() if g == gen}
     plan = decide(job, error, status, views, now, disrupted=disrupted)
@@ -534,6 +538,8 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
         plan.status["acceptedSpecDigest"] = mf.content_digest(mf.spec_text(job))
     if reward is not None and plan.create_gang is not None:
         plan.status["rewardDigest"] = mf.content_digest(reward)  # likewise, before its copy is created
+
+    pool = _plan_pool(job, plan, pool_views)
 
     if changed and status.get("phase") not in TERMINAL:
         msg = "spec changed while the job exists; only runPolicy can change: the job keeps its original spec"
@@ -557,7 +563,7 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
                 if plan.status.get("phase") not in (*TERMINAL, Phase.SUSPENDED) else set())
         try:
             _create_children(shared, job, uid, plan, pods, memo, first_start=not status.get("phase"), reward=reward,
-                             lost=lost)
+                             lost=lost, pool=pool)
         except SpecError as err:  # a child that exists but is not this job's: fail now, before any pod runs it
             planned = plan
             plan = invalid(planned.status, str(err), now, views)
@@ -592,33 +598,50 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     _rest_after(body, memo, job, status, plan, now)
 
 
+def _plan_pool(job: RLHFJob | None, plan: Plan, pool_views: list[PodView]) -> PoolPlan:
+    """The environment pool's part of the tick, folded into the plan: its pods to delete and status.environments;
+    the replicas to create are returned, for `_create_children`."""
+    if job is None:  # a spec that does not parse: the job fails, its pool goes
+        pool = PoolPlan(delete=[v.name for v in pool_views if not v.deleting])
+    else:
+        pool = plan_pool(job, plan.status.get("phase"), pool_views, plan.create_gang is not None)
+    plan.delete_pods += [n for n in pool.delete if n not in plan.delete_pods]
+    if pool.status is not None:
+        plan.status["environments"] = pool.status
+    return pool
+
+
 def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, pods: list[dict[str, Any]],
                      memo: kopf.Memo, first_start: bool, reward: str | None,
-                     lost: set[tuple[str, str]] | None = None) -> None:
+                     lost: set[tuple[str, str]] | None = None, pool: PoolPlan | None = None) -> None:
     """The static children, the job's copy of its reward file and the missing pods of the planned generation; a
     refused create raises, naming the object it was about. The pods may use only what the accepted spec names
     (`foreign_references`). A child that already exists must be this job's (`_check_existing`).
 
     Static children are POSTed once per gang start (a new generation, or a resume: the key is the generation and
     status.startTime), then remembered (`memo["children"]`), not re-POSTed at every tick; `lost` (kind, name), the
-    followed children deleted since (`_lost_children`), are made again at any tick, with a Warning event."""
+    followed children deleted since (`_lost_children`), are made again at any tick, with a Warning event. `pool`:
+    the environment pool's replicas to create (environments.plan_pool), at any tick."""
     lost = lost or set()
     objs: list[dict[str, Any]] = []
     if plan.create_static or lost:
         policy, own = shared.policy, shared.operator_namespace
         scrapers = [*policy.metrics_namespaces, *([own] if own else [])]
         static = mf.static_children(job, uid, secrets.token_hex(32), scrapers, policy.egress)
+        static += environment_children(job, uid)
         objs += static if plan.create_static else [o for o in static if (o["kind"], o["metadata"]["name"]) in lost]
+    new_pods: list[dict[str, Any]] = [environment_pod(job, uid, i) for i in (pool.create if pool else [])]
     if plan.create_gang is not None:
         if job.spec.kubernetes.reward_config_map and (
                 text := _reward_to_copy(shared.kube, shared.policy, job, uid, plan.status, reward)):
             objs.append(mf.reward_configmap(job, uid, text))
-        gang = mf.gang_pods(job, uid, plan.create_gang)
-        if foreign := mf.foreign_references(gang, memo.get("accepted") or job):
+        new_pods += mf.gang_pods(job, uid, plan.create_gang)
+    if new_pods:
+        if foreign := mf.foreign_references(new_pods, memo.get("accepted") or job):
             raise SpecError(f"the job's pods would use {', '.join(foreign)}, which the spec it was accepted with "
                             "does not name; they are not created")
         existing = {p["view"].name for p in pods}
-        objs += [p for p in gang if p["metadata"]["name"] not in existing]
+        objs += [p for p in new_pods if p["metadata"]["name"] not in existing]
     created = memo.setdefault("created", {})
     start = (int(plan.status.get("restarts", 0)), plan.status.get("startTime"))
     known = memo.get("children")
@@ -768,6 +791,8 @@ async def cleanup(name: str, namespace: str, body: kopf.Body, memo: kopf.Memo, *
     calls = [functools.partial(kube.delete, "Pod", namespace, p["metadata"]["name"], p["metadata"]["uid"],
                                grace_period_seconds=0) for p in pods if uid and controllers(p) == [uid]]
     calls += [functools.partial(kube.delete_owned, kind, namespace, names[key], uid) for kind, key in NAMED_CHILDREN]
+    calls += [functools.partial(kube.delete_owned, kind, namespace, child, uid) for kind, child in
+              (("Service", mf.environment_service_name(name)), ("NetworkPolicy", environment_policy_name(name)))]
     if token := (body.get("status") or {}).get("rayTokenSecretUid"):
         calls.append(functools.partial(kube.delete, "Secret", namespace, names["ray_token"], token))
     await asyncio.gather(*(asyncio.to_thread(c) for c in calls))

@@ -47,6 +47,13 @@ SCRATCH_MOUNT = "/tmp"
 SCRATCH_SIZE = "16Gi"
 MODEL_CACHE_SIZE = "64Gi"
 FS_GROUP = 1000  # group of what pods write to volumes (the images' users are 1000 and 1001: their own USER runs)
+# spec.environments: the environment pool's pods (role ENVIRONMENT_ROLE, no gang generation: they outlive gang
+# restarts), each reachable as env-<index>.<job>-env.<namespace>.svc (hostname + subdomain of a headless Service)
+# on ENVIRONMENT_PORT; the head and pool pods get the replicas' URLs in ENVIRONMENT_URLS_ENV (hybridflow.agents.remote
+# reads that variable; the operator cannot import it, test_environment_manifests checks the two agree).
+ENVIRONMENT_ROLE = "environment"
+ENVIRONMENT_PORT = 8100
+ENVIRONMENT_URLS_ENV = "HYBRIDFLOW_ENVIRONMENT_URLS"
 
 
 def job_labels(name: str) -> dict[str, str]:
@@ -111,6 +118,11 @@ def resolved_job(job: RLHFJob) -> RLHFJob:
         s.data.eval = [_inside(DATA_MOUNT, p) for p in s.data.eval]
     if k8s.reward_config_map and s.models.reward.function is not None:
         s.models.reward.function.path = _inside(REWARD_MOUNT, s.models.reward.function.path)
+    if k8s.data_pvc and (agent := s.rollout.agent) is not None:  # a user's environment and tools: on the data claim
+        if agent.environment_file:
+            agent.environment_file = _inside(DATA_MOUNT, agent.environment_file)
+        if agent.tools_file:
+            agent.tools_file = _inside(DATA_MOUNT, agent.tools_file)
     return run
 
 
@@ -278,6 +290,25 @@ def reward_copy_problem(key: str, text: str) -> str:
             f"at most {MAX_CONFIGMAP_BYTES} (1 MiB); make the file smaller")
 
 
+def environment_service_name(job_name: str) -> str:
+    """The environment pool's headless Service, the subdomain of its pods (<= 63 characters: job names are <= 58)."""
+    return f"{job_name}-env"
+
+
+def environment_pod_name(job_name: str, index: int) -> str:
+    return f"{job_name}-env-{index}"
+
+
+def environment_urls(job: RLHFJob) -> list[str]:
+    """Where the rollout reaches each replica of spec.environments: its pod's stable DNS name (hostname env-<i> in
+    the pool's Service), the same across the pod's replacements; [] without spec.environments."""
+    pool = job.spec.environments
+    if pool is None:
+        return []
+    svc, ns = environment_service_name(job.metadata.name), job_namespace(job)
+    return [f"http://env-{i}.{svc}.{ns}.svc:{ENVIRONMENT_PORT}" for i in range(pool.replicas)]
+
+
 def head_service(job: RLHFJob, uid: str) -> dict[str, Any]:
     name = job.metadata.name
     return {
@@ -408,20 +439,27 @@ def _pod(
     init_containers: list[dict[str, Any]],
     pool: ResourcePool | None,
     shm: str,
+    volumes_and_mounts: tuple[list[dict], list[dict]] | None = None,
+    gang: bool = True,
 ) -> dict[str, Any]:
+    """A pod of the job. `gang`: one of the gang (head and pool pods: object-storage credentials, the Volcano gang,
+    the environment pool's URLs); an environment pod is not (it runs user code, and outlives gang restarts)."""
     k8s, policy = job.spec.kubernetes, job.spec.run_policy
-    volumes, mounts = _volumes(job, shm, head=pool is None)
+    volumes, mounts = volumes_and_mounts or _volumes(job, shm, head=pool is None)
+    urls = environment_urls(job) if gang else []
     for c in [*containers, *init_containers]:
         c.setdefault("image", k8s.image)
         c.setdefault("imagePullPolicy", k8s.image_pull_policy)
         c["volumeMounts"] = mounts
         c["env"] = _ray_env(job) + c.get("env", [])
+        if urls:
+            c["env"].append({"name": ENVIRONMENT_URLS_ENV, "value": ",".join(urls)})
         c["securityContext"] = copy.deepcopy(CONTAINER_SECURITY)
         c["workingDir"] = SCRATCH_MOUNT  # the root filesystem is read-only: relative paths (./checkpoints) land here
         resources = c.setdefault("resources", {})
         resources.setdefault("limits", {}).setdefault("ephemeral-storage", EPHEMERAL_LIMIT)
         resources.setdefault("requests", {}).setdefault("ephemeral-storage", EPHEMERAL_REQUEST)
-    if k8s.checkpoint_secret:  # object-storage credentials for the head's and the pools' main containers
+    if k8s.checkpoint_secret and gang:  # object-storage credentials for the head's and the pools' main containers
         for c in containers:
             # by reference (the kubelet reads the Secret, never the operator), and only the credential variables:
             # a whole-Secret envFrom would let its author set anything (PYTHONPATH, LD_PRELOAD) in the job's pods
@@ -444,7 +482,7 @@ def _pod(
     if policy.priority_class_name:
         spec["priorityClassName"] = policy.priority_class_name
     annotations: dict[str, str] = {}
-    if policy.gang_scheduling:
+    if policy.gang_scheduling and gang:
         spec["schedulerName"] = policy.scheduler_name or "volcano"
         annotations["scheduling.k8s.io/group-name"] = names(job.metadata.name)["podgroup"]
     elif policy.scheduler_name:
@@ -570,11 +608,16 @@ def network_policy(job: RLHFJob, uid: str, metrics_namespaces: list[str],
     trainer = job.spec.trainer
     object_storage = is_url(trainer.checkpoint_dir) or bool(trainer.resume_from and is_url(trainer.resume_from))
     out_rules = [{"to": [own]}, *(egress or Egress()).rules(object_storage)]
+    selected: dict[str, Any] = {"matchLabels": {LABEL_JOB: name}}
+    if job.spec.environments is not None:
+        # Policies add up: selecting the environment pods here too would grant them this policy's egress. Theirs
+        # (environments.environment_policy) denies all of it.
+        selected["matchExpressions"] = [{"key": LABEL_ROLE, "operator": "NotIn", "values": [ENVIRONMENT_ROLE]}]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _meta(job, uid, names(name)["network_policy"]),
-        "spec": {"podSelector": {"matchLabels": {LABEL_JOB: name}}, "policyTypes": ["Ingress", "Egress"],
+        "spec": {"podSelector": selected, "policyTypes": ["Ingress", "Egress"],
                  "ingress": rules, "egress": out_rules},
     }
 

@@ -1,4 +1,5 @@
-"""`hybridflow run|driver|validate|export|crd|rules|algorithms`: the same job YAML on a laptop (local Ray) or inside a pod.
+"""`hybridflow run|driver|validate|export|crd|rules|algorithms|environments serve`: the same job YAML on a laptop
+(local Ray) or inside a pod.
 
 Exit codes: 0 success, 1 the job failed while running, 2 bad input (manifest, paths), 130 interrupted.
 """
@@ -227,6 +228,39 @@ def cmd_rules(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_environments_serve(args: argparse.Namespace) -> int:
+    """One replica of the job's environment pool (an environment pod): its tools and environment sessions over
+    HTTP, each request authenticated with the job's token (RAY_AUTH_TOKEN), until SIGTERM or SIGINT."""
+    import signal
+    import threading
+
+    from hybridflow.agents.server import PoolServer, PoolService
+
+    token = os.environ.get("RAY_AUTH_TOKEN", "")
+    if not token:
+        raise SpecError("RAY_AUTH_TOKEN: the environment pool serves only callers holding the job's token; set it")
+    job = load_job(args.spec)
+    agent = job.spec.rollout.agent
+    if agent is None:
+        raise SpecError(f"{args.spec}: spec.rollout.agent: the environment pool serves a job's agent; this spec "
+                        "has none")
+    if agent.environment_file and not Path(agent.environment_file).is_file():
+        raise SpecError(f"spec.rollout.agent.environmentFile: {agent.environment_file}: no such file here (on "
+                        "Kubernetes give a path on kubernetes.dataPvc)")
+    from hybridflow.agents.places import local_places
+
+    places = local_places(agent)
+    server = PoolServer(PoolService(places.tools, places.sessions), token, args.address, args.port)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    print(f"environment pool replica serving on {server.url}", flush=True)
+    stop.wait()
+    server.stop()
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridflow", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs from hybridflow")
@@ -267,6 +301,13 @@ def parser() -> argparse.ArgumentParser:
     dash.set_defaults(fn=cmd_dashboards)
     rules = sub.add_parser("rules", help="list registered reward rules")
     rules.set_defaults(fn=cmd_rules)
+    envs = sub.add_parser("environments", help="the job's environment pool (spec.environments)")
+    env_sub = envs.add_subparsers(dest="environments_cmd", required=True)
+    serve = env_sub.add_parser("serve", help="serve the job's tools and environment sessions over HTTP (one replica)")
+    serve.add_argument("--spec", required=True, help="the job's (resolved) spec file")
+    serve.add_argument("--port", type=int, default=8100, help="port (default 8100)")
+    serve.add_argument("--address", default="127.0.0.1", help="address to bind (default 127.0.0.1; a pod: 0.0.0.0)")
+    serve.set_defaults(fn=cmd_environments_serve)
     algorithms = sub.add_parser("algorithms", help="list registered algorithms, estimators, losses and KL pieces")
     algorithms.set_defaults(fn=cmd_algorithms)
     return p

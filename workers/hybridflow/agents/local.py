@@ -192,7 +192,11 @@ class LocalSessions:
         if "error" in reply:
             self.close(session)
             return Observation("", done=True, error=f"the environment's {what} raised {reply['error']}")
-        return Observation.from_json(reply)
+        try:
+            return Observation.from_json(reply)
+        except (KeyError, TypeError, ValueError) as err:
+            self.close(session)
+            return Observation("", done=True, error=f"the environment's {what} answered something unusable: {err}")
 
     def close(self, session: str) -> None:
         with self._lock:

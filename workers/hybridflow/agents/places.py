@@ -6,7 +6,7 @@ import os
 from typing import TYPE_CHECKING
 
 from hybridflow.agents.local import EnvironmentCode, LocalSessions, LocalTools
-from hybridflow.agents.protocol import Sessions, Tools
+from hybridflow.agents.protocol import Places
 from hybridflow.agents.registry import ENVIRONMENTS, TOOLS, ToolSpec
 from hybridflow.agents.tool_file import read_tools_file
 
@@ -37,15 +37,15 @@ def environment_code(agent: "Agent") -> EnvironmentCode | None:
     return None
 
 
-def local_places(agent: "Agent") -> tuple[Tools | None, Sessions | None]:
+def local_places(agent: "Agent") -> Places:
     """This machine's sandboxes for the job's tools and environment."""
     tools = job_tools(agent)
     code = environment_code(agent)
-    return (LocalTools(tools, agent.tool_timeout_seconds) if tools else None,
-            LocalSessions(code, agent.step_timeout_seconds) if code is not None else None)
+    return Places(LocalTools(tools, agent.tool_timeout_seconds) if tools else None,
+                  LocalSessions(code, agent.step_timeout_seconds) if code is not None else None)
 
 
-def job_places(agent: "Agent") -> tuple[Tools | None, Sessions | None]:
+def job_places(agent: "Agent") -> Places:
     """The environment pool's replicas when this process was given them, else this machine's sandboxes."""
     urls = [u for u in os.environ.get(URLS_ENV, "").split(",") if u.strip()]
     if not urls:

@@ -4,8 +4,9 @@ environment pool over HTTP (hybridflow.agents.remote). Plain values only cross t
 those), so that a reply can travel as JSON and the rollout never unpickles anything user code made."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 Info = dict[str, Any]  # JSON-able: str, int, float, bool, None, and lists and dicts of those
 
@@ -45,8 +46,11 @@ class Observation:
 
     @classmethod
     def from_json(cls, d: Info) -> "Observation":
-        return cls(str(d["text"]), float(d.get("reward", 0.0)), bool(d.get("done", False)), dict(d.get("info") or {}),
-                   d.get("error"))
+        """Raises ValueError for what no environment may answer (JSON allows NaN; a forged reply can hold anything)."""
+        reward = float(d.get("reward", 0.0))
+        if not math.isfinite(reward):
+            raise ValueError(f"the reward {reward} is not a finite number")
+        return cls(str(d["text"]), reward, bool(d.get("done", False)), dict(d.get("info") or {}), d.get("error"))
 
 
 class SessionLost(RuntimeError):
@@ -81,3 +85,17 @@ class Sessions(Protocol):
 
     def shutdown(self) -> None:
         """Every session goes, and whatever runs them."""
+
+
+def _no_requests() -> dict[str, int]:
+    return {}
+
+
+@dataclass
+class Places:
+    """Where a job's tools and environment sessions run (None: the job has none), and the requests sent so far to
+    each replica of its environment pool (none when they run on this machine)."""
+
+    tools: Tools | None = None
+    sessions: Sessions | None = None
+    request_counts: Callable[[], dict[str, int]] = _no_requests

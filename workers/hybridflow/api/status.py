@@ -93,6 +93,7 @@ class JobStatus(TypedDict, total=False):
     lastCheckpoint: str
     lastCheckpointTime: str
     pools: list[PoolStatus]  # per resource pool: its roles, pods and Ready pods (pool_status), seen at every tick
+    environments: dict[str, int]  # spec.environments: {replicas, pods (serving, not ended), ready}, every tick
     # digests recorded before the job's ConfigMaps are created, and the uid of the Ray token Secret it made
     acceptedSpecDigest: str
     rewardDigest: str

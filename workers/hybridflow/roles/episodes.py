@@ -5,7 +5,6 @@ batch layout with the model's tokens marked."""
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -15,7 +14,7 @@ import torch
 from hybridflow.agents.codec import ObservationCodec
 from hybridflow.agents.loop import Episode, EpisodeSettings, run_episodes
 from hybridflow.agents.places import job_places
-from hybridflow.agents.protocol import Sessions, Tools
+from hybridflow.agents.protocol import Places
 from hybridflow.api.agents import Agent
 from hybridflow.data.packing import pack_rollout, pad_log_probs
 from hybridflow.engines.rollout.base import RolloutEngine, SamplingConfig
@@ -34,8 +33,7 @@ class EpisodeRunner:
 
     agent: Agent
     codec: ObservationCodec
-    tools: Tools | None
-    sessions: Sessions | None
+    places: Places
     max_tokens: int
 
     @classmethod
@@ -45,10 +43,9 @@ class EpisodeRunner:
 
         tok = AutoTokenizer.from_pretrained(model_dir)
         codec = ObservationCodec(tok, chat_template or getattr(tok, "chat_template", None), stop_token_ids)
-        tools, sessions = job_places(agent)
-        return cls(agent, codec, tools, sessions, max_tokens)
+        return cls(agent, codec, job_places(agent), max_tokens)
 
-    def run(self, engine: RolloutEngine, sampling: Callable[[bool, bool, int], SamplingConfig], batch: Any,
+    def run(self, generator: RolloutEngine, sampling: Callable[[bool, bool, int], SamplingConfig], batch: Any,
             flags: Sequence[bool], want_log_probs: bool, prompt_width: int) -> dict[str, torch.Tensor]:
         """The episodes of `batch`'s rows (non-tensor prompt_ids, truth, data_source, extra_info), packed."""
         prompts = [list(p) for p in batch["prompt_ids"]]
@@ -61,13 +58,14 @@ class EpisodeRunner:
             def generate(rows: Sequence[int], contexts: Sequence[list[int]],
                          max_tokens: Sequence[int]) -> list[tuple[list[int], list[float]]]:
                 cfgs = [sampling(bool(flags[r]), want_log_probs and not flags[r], m) for r, m in zip(rows, max_tokens)]
-                return [(g.tokens, g.log_probs) for g in engine.generate(list(contexts), cfgs)]
+                return [(g.tokens, g.log_probs) for g in generator.generate(list(contexts), cfgs)]
 
         a = self.agent
         settings = EpisodeSettings(self.max_tokens, a.max_turns, a.max_tokens_per_turn, a.has_environment,
                                    a.concurrent_episodes)
-        t0 = time.perf_counter()
-        episodes = run_episodes(prompts, samples, Turns(), self.codec, settings, self.tools, self.sessions)
+        sent = sum(self.places.request_counts().values())
+        episodes = run_episodes(prompts, samples, Turns(), self.codec, settings, self.places.tools,
+                                self.places.sessions)
         failed = [(i, e) for i, e in enumerate(episodes) if e.error]
         if failed:
             i, e = failed[0]
@@ -78,14 +76,17 @@ class EpisodeRunner:
         if want_log_probs:
             packed["rollout_log_probs"] = pad_log_probs([e.log_probs for e in episodes], self.max_tokens)
         packed.update(episode_columns(episodes))
-        packed["agent_seconds"] = torch.full((len(episodes),), time.perf_counter() - t0)
+        # this call's requests to the environment pool, on its first row (the step's summary sums the column)
+        packed["agent_environment_requests"] = torch.zeros(len(episodes))
+        if episodes:
+            packed["agent_environment_requests"][0] = sum(self.places.request_counts().values()) - sent
         return packed
 
     def close(self) -> None:
-        if self.sessions is not None:
-            self.sessions.shutdown()
-        if self.tools is not None:
-            self.tools.close()
+        if self.places.sessions is not None:
+            self.places.sessions.shutdown()
+        if self.places.tools is not None:
+            self.places.tools.close()
 
 
 def episode_columns(episodes: Sequence[Episode]) -> dict[str, torch.Tensor]:

@@ -349,7 +349,8 @@ def episode_stats(batch: Batch) -> dict[str, float]:
             "agent_env_steps_mean": float(batch["agent_env_steps"].mean()),
             "agent_episodes_failed": float(batch["agent_failed"].sum()),
             "agent_episodes_retried": float((batch["agent_retries"] > 0).float().sum()),
-            "agent_episodes_truncated": float(batch["agent_truncated"].sum())}
+            "agent_episodes_truncated": float(batch["agent_truncated"].sum()),
+            "agent_environment_requests": float(batch["agent_environment_requests"].sum())}
 
 
 def generation_rows(prompts: Batch, n: int, greedy_baseline: bool = False) -> Batch:

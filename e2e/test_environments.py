@@ -1,0 +1,98 @@
+"""Scenario: a multi-turn job with its environment pool (examples/tiny-agent-k8s.yaml, spec.environments). The
+operator creates the two environment pods with the job (and their Service and NetworkPolicy); the rollout's episodes
+reach them by their stable names and use them (the servers' request counts); one of them is killed mid-run and
+replaced under its name without a gang restart, its episodes retried, and the job Succeeds; the pool goes when the
+job finishes, and its Service and NetworkPolicy with the job."""
+from __future__ import annotations
+
+import urllib.request
+
+import yaml
+from hybridflow_operator import manifests as mf
+from kube.harness import wait_for
+from kubernetes import client
+
+from e2e.helpers import PVC, ROOT, live_pod_names, phase
+from e2e.worlds import _pod_ip
+
+EXAMPLE = ROOT / "examples" / "tiny-agent-k8s.yaml"
+NAME = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
+STEPS = 3  # the example's own 4, less one, and no held-out evaluation: what is asserted needs a running job only
+POOL = [f"{NAME}-env-0", f"{NAME}-env-1"]
+
+
+def _requests(world, pod: str) -> float:
+    """Authenticated requests the replica served (its /metrics, from its pod address on the bridge)."""
+    ip = _pod_ip(world.kube, pod, "default")
+    try:
+        text = urllib.request.urlopen(f"http://{ip}:{mf.ENVIRONMENT_PORT}/metrics", timeout=5).read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("hybridflow_environment_requests_total{"))
+
+
+def _uid(world, pod: str) -> str | None:
+    found = [p for p in world.kube.pods(NAME) if p.metadata.name == pod and not p.metadata.deletion_timestamp]
+    return found[0].metadata.uid if found else None
+
+
+def test_environment_pool_serves_the_rollout_and_survives_a_killed_replica(world, tmp_path):
+    kube = world.kube
+    claim = yaml.safe_load(PVC.read_text())
+    claim["metadata"]["name"] = f"{NAME}-checkpoints"
+    manifest = tmp_path / "job.yaml"
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["trainer"].update(steps=STEPS, eval=False)
+    manifest.write_text(yaml.safe_dump_all([claim, doc], sort_keys=False))
+    world.bake_models()  # SmolLM2 as the worker image holds it
+    world.kubectl("apply", "--validate=false", "-f", str(manifest))
+    head = f"{NAME}-head-g0"
+
+    def logs() -> str:
+        return "\n".join(f"{p} log:\n{world.logs(p)[-2500:]}" for p in live_pod_names(kube, NAME))
+
+    expected = sorted([head, f"{NAME}-default-0-g0", *POOL])
+    wait_for(lambda: live_pod_names(kube, NAME) == expected, 60,
+             lambda: f"gang + pool pods; {live_pod_names(kube, NAME)}")
+    networking = client.NetworkingV1Api(kube.core.api_client)
+    policy = networking.read_namespaced_network_policy(f"{NAME}-env", "default").spec
+    assert policy.egress in (None, []) and policy.policy_types == ["Ingress", "Egress"]  # no egress at all
+    assert kube.core.read_namespaced_service(f"{NAME}-env", "default").spec.cluster_ip == "None"
+    head_env = {e.name: e.value for e in kube.core.read_namespaced_pod(head, "default").spec.containers[0].env}
+    assert head_env[mf.ENVIRONMENT_URLS_ENV] == ",".join(
+        f"http://env-{i}.{NAME}-env.default.svc:{mf.ENVIRONMENT_PORT}" for i in range(2))
+    wait_for(lambda: phase(world, NAME) == "Running", 300, lambda: f"Running; {logs()}")
+
+    # used: the rollout's episodes open sessions and step them on both replicas
+    if world.local:
+        wait_for(lambda: all(_requests(world, p) > 0 for p in POOL), 300,
+                 lambda: f"requests on both replicas ({[_requests(world, p) for p in POOL]}); {logs()}")
+    wait_for(lambda: (kube.status(NAME).get("environments") or {}).get("ready") == 2, 60, "pool Ready in status")
+
+    # a replica killed mid-run: replaced under its name, no gang restart, its episodes retried elsewhere
+    victim, before = POOL[0], _uid(world, POOL[0])
+    assert kube.status(NAME).get("step", 0) < STEPS, "the job finished before the kill"
+    world.kill_pod_processes(victim)
+    wait_for(lambda: (u := _uid(world, victim)) and u != before and world.pod_running(victim), 120,
+             lambda: f"{victim} replaced; {logs()}")
+
+    wait_for(lambda: phase(world, NAME) in ("Succeeded", "Failed"), 900, lambda: f"the end; {logs()}")
+    st = kube.status(NAME)
+    assert st["phase"] == "Succeeded", (st, world.logs(head)[-3000:])
+    assert st["restarts"] == 0, "a dead environment pod restarted the gang"
+    assert world.step_log(NAME) == list(range(1, STEPS + 1))
+    records = world.step_records(NAME)
+    assert all(r.get("agent_episodes_failed", 0) == 0 for r in records), records  # retried, not lost
+    assert sum(r.get("agent_env_steps_mean", 0) for r in records) > 0, records
+
+    # the pool goes with the finished job (its head stays for its logs); its Service and policy with the job
+    wait_for(lambda: not [p for p in live_pod_names(kube, NAME) if p in POOL], 120, "the pool's pods gone")
+    world.kubectl("delete", "rlhfjob", NAME, "--wait=false")
+    wait_for(lambda: kube.job(NAME) is None and not kube.pods(NAME), 120, "the job and its pods gone")
+    services = [s.metadata.name for s in kube.core.list_namespaced_service("default").items]
+    assert f"{NAME}-env" not in services and f"{NAME}-head" not in services, services
+    policies = [p.metadata.name for p in networking.list_namespaced_network_policy("default").items]
+    assert not [p for p in policies if p.startswith(f"{NAME}-")], policies
+    if world.local:
+        wait_for(lambda: not world.leftovers(NAME), 60, "every process of the job gone")

@@ -1,0 +1,155 @@
+"""spec.environments on Kubernetes, the operator's pure side: the environment pods, their Service and their
+NetworkPolicy (validated with the official schemas), the URLs handed to the gang, and the plan that keeps the pool
+at its size apart from the gang."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import kubernetes_validate
+import yaml
+
+from hybridflow.agents.places import URLS_ENV
+from hybridflow.agents.remote import parse_urls
+from hybridflow.api import parse_job
+from hybridflow_operator import environments as envs
+from hybridflow_operator import manifests as mf
+from hybridflow_operator.phases import PodView
+
+ROOT = Path(__file__).resolve().parents[1]
+UID = "1234-abcd"
+TOKEN = "ab" * 32
+
+
+def _job(**kubernetes):
+    doc = yaml.safe_load((ROOT / "examples" / "smollm2-arithmetic.yaml").read_text())
+    doc["metadata"] = {"name": "agent", "namespace": "ml"}
+    s = doc["spec"]
+    s["rollout"]["agent"] = {"environmentFile": "envs/game.py", "tools": ["calculator"]}
+    s["environments"] = {"replicas": 3, "cpu": "500m", "memory": "1Gi"}
+    s["resourcePools"] = [{"name": "default", "nodes": 2, "devicesPerNode": 1}]
+    s["kubernetes"] = {"image": "hybridflow/worker-cpu:0.1.0", "checkpointPvc": "ckpt", "dataPvc": "data",
+                       "checkpointSecret": "s3", **kubernetes}
+    s["trainer"]["checkpointDir"] = "s3://bucket/runs"
+    return parse_job(doc)
+
+
+def _children(job):
+    return (mf.static_children(job, UID, TOKEN, ["monitoring"]) + envs.environment_children(job, UID)
+            + mf.gang_pods(job, UID, 0) + [envs.environment_pod(job, UID, i) for i in range(3)])
+
+
+def _env(container: dict) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_the_manifests_validate_strictly():
+    for obj in _children(_job()):
+        if obj["kind"] != "PodGroup":
+            kubernetes_validate.validate(obj, "1.33", strict=True)
+
+
+def test_environment_pods_deny_all_egress_and_admit_only_the_jobs_pods():
+    job = _job()
+    objs = _children(job)
+    policies = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "NetworkPolicy"}
+    pool = policies["agent-env"]
+    assert pool["podSelector"] == {"matchLabels": {mf.LABEL_JOB: "agent", mf.LABEL_ROLE: "environment"}}
+    assert pool["policyTypes"] == ["Ingress", "Egress"] and pool["egress"] == []
+    assert pool["ingress"] == [{"from": [{"podSelector": {"matchLabels": {mf.LABEL_JOB: "agent"}}}],
+                                "ports": [{"protocol": "TCP", "port": mf.ENVIRONMENT_PORT}]}]
+    # Policies add up: the job's own policy (egress to DNS, its pods, object storage) must not select them
+    job_policy = policies["agent-ingress"]["podSelector"]
+    env_labels = next(o for o in objs if o["metadata"]["name"] == "agent-env-0")["metadata"]["labels"]
+    assert not _selects(job_policy, env_labels)
+    head_labels = next(o for o in objs if o["metadata"]["name"] == "agent-head-g0")["metadata"]["labels"]
+    assert _selects(job_policy, head_labels) and _selects(pool["ingress"][0]["from"][0]["podSelector"], head_labels)
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    ok = all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+    for e in selector.get("matchExpressions", []):
+        assert e["operator"] == "NotIn"
+        ok = ok and labels.get(e["key"]) not in e["values"]
+    return ok
+
+
+def test_without_environments_the_job_policy_is_as_before():
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-grpo-k8s.yaml").read_text())
+    job = parse_job(doc)
+    policy = mf.network_policy(job, UID, [])
+    assert policy["spec"]["podSelector"] == {"matchLabels": {mf.LABEL_JOB: "tiny-grpo-k8s"}}
+    assert envs.environment_children(job, UID) == [] and mf.environment_urls(job) == []
+    assert all(mf.ENVIRONMENT_URLS_ENV not in _env(c) for p in mf.gang_pods(job, UID, 0)
+               for c in p["spec"]["containers"])
+
+
+def test_the_gang_gets_the_replicas_urls_and_the_pods_are_reachable_there():
+    job = _job()
+    objs = _children(job)
+    urls = [f"http://env-{i}.agent-env.ml.svc:{mf.ENVIRONMENT_PORT}" for i in range(3)]
+    assert mf.ENVIRONMENT_URLS_ENV == URLS_ENV  # the variable hybridflow.agents.places reads
+    for pod in (o for o in objs if o["kind"] == "Pod" and o["metadata"]["labels"][mf.LABEL_ROLE] != "environment"):
+        for c in pod["spec"]["containers"]:
+            assert parse_urls(_env(c)[URLS_ENV]) == urls, pod["metadata"]["name"]
+    service = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "agent-env")
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == {mf.LABEL_JOB: "agent", mf.LABEL_ROLE: "environment"}
+    for i in range(3):
+        pod = next(o for o in objs if o["metadata"]["name"] == f"agent-env-{i}")
+        assert (pod["spec"]["hostname"], pod["spec"]["subdomain"]) == (f"env-{i}", "agent-env")  # = urls[i]
+
+
+def test_an_environment_pod_runs_the_server_with_the_token_and_nothing_more():
+    job = _job(headMemory="4Gi")
+    pod = envs.environment_pod(job, UID, 1)
+    (c,) = pod["spec"]["containers"]
+    assert c["command"][:3] == ["hybridflow", "environments", "serve"]
+    assert c["command"][c["command"].index("--spec") + 1] == f"{mf.SPEC_MOUNT}/{mf.SPEC_KEY}"
+    assert c["resources"]["limits"]["cpu"] == "500m" and c["resources"]["limits"]["memory"] == "1Gi"
+    env = _env(c)
+    assert env["RAY_AUTH_TOKEN"] == {"secretKeyRef": {"name": "agent-ray-token", "key": "token"}}
+    assert not any(k.startswith("AWS_") and k != "AWS_EC2_METADATA_DISABLED" for k in env), env  # no credentials
+    assert URLS_ENV not in env
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v}
+    assert claims == {"data"}  # the environment file's claim, read-only; never the checkpoints
+    mounts = {m["mountPath"]: m.get("readOnly", False) for m in c["volumeMounts"]}
+    assert mounts["/data"] is True and mounts[mf.SPEC_MOUNT] is True
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert "schedulerName" not in pod["spec"]  # not in the gang
+    assert pod["metadata"]["labels"] == {**mf.job_labels("agent"), mf.LABEL_ROLE: "environment", mf.LABEL_INDEX: "1"}
+    assert mf.GROUP + "/generation" not in pod["metadata"]["labels"]
+    # the resolved spec the pod reads names the file inside the data claim
+    assert mf.resolved_job(job).spec.rollout.agent.environment_file == "/data/envs/game.py"
+    image = envs.environment_pod(_job(), UID, 0)["spec"]["containers"][0]["image"]
+    assert image == "hybridflow/worker-cpu:0.1.0"
+    job.spec.environments.image = "my/sandbox:1"
+    assert envs.environment_pod(job, UID, 0)["spec"]["containers"][0]["image"] == "my/sandbox:1"
+
+
+def _view(name: str, phase: str = "Running", deleting: bool = False, ready: bool = True) -> PodView:
+    return PodView(name=name, role="environment", generation=0, phase=phase, deleting=deleting, ready=ready)
+
+
+def test_the_pool_is_kept_at_its_size_apart_from_the_gang():
+    job = _job()
+    # Pending: made along with the gang, not while the job waits for its inputs
+    assert envs.plan_pool(job, "Pending", [], creating_gang=True).create == [0, 1, 2]
+    assert envs.plan_pool(job, "Pending", [], creating_gang=False).create == []
+    # Running: a failed replica is deleted, then made again under its name once gone; the rest are left alone
+    pods = [_view("agent-env-0"), _view("agent-env-1", "Failed"), _view("agent-env-2", "Pending", ready=False)]
+    plan = envs.plan_pool(job, "Running", pods, creating_gang=False)
+    assert (plan.create, plan.delete) == ([], ["agent-env-1"])
+    assert plan.status == {"replicas": 3, "pods": 2, "ready": 1}
+    plan = envs.plan_pool(job, "Running", [pods[0], _view("agent-env-1", "Failed", deleting=True), pods[2]], False)
+    assert (plan.create, plan.delete) == ([], [])  # still terminating: its name is not free yet
+    plan = envs.plan_pool(job, "Running", [pods[0], pods[2]], False)
+    assert plan.create == [1]
+    # a gang restart leaves the pool running
+    assert envs.plan_pool(job, "Restarting", pods[:1] + pods[2:], False).delete == []
+    # suspended or finished: every replica goes
+    for phase in ("Suspending", "Suspended", "Succeeded", "Failed"):
+        plan = envs.plan_pool(job, phase, pods, False)
+        assert (sorted(plan.delete), plan.create) == (["agent-env-0", "agent-env-1", "agent-env-2"], []), phase
+    # a replica beyond spec.environments.replicas is not the pool's
+    assert envs.plan_pool(job, "Running", pods + [_view("agent-env-7")], False).delete == ["agent-env-1",
+                                                                                          "agent-env-7"]

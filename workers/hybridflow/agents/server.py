@@ -1,0 +1,280 @@
+"""The environment pool's HTTP server: one replica's tools and environment sessions (hybridflow.agents.local's
+sandboxes) offered to the job's rollout over the network, as `hybridflow environments serve` runs it in an
+environment pod.
+
+Every request but GET /healthz and GET /metrics carries the job's token (`Authorization: Bearer <token>`, compared
+in constant time); without it the answer is 401 and nothing runs. /metrics says how many requests of each kind came
+and how many sessions are open, nothing a caller sent: it stays unauthenticated so that a scraper needs no job's
+token, and the job's NetworkPolicy admits only the job's own pods to these pods anyway.
+
+Session ids carry this process's random boot id, so an id handed out before a restart is unknown afterwards (404:
+the client's SessionLost) instead of naming a new session that happens to reuse its number.
+
+    POST   /v1/tools/call             {name, arguments, session?}  -> ToolResult
+    POST   /v1/sessions               {sample}                     -> {session, observation}
+    POST   /v1/sessions/<id>/step     {action}                     -> Observation
+    DELETE /v1/sessions/<id>                                       -> {}
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import secrets
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from hybridflow.agents.local import EnvironmentLoadError
+from hybridflow.agents.protocol import Info, Sessions, Tools
+
+log = logging.getLogger("hybridflow.agents.server")
+
+MAX_BODY = 8 << 20  # a request larger than this is refused (413): samples and actions are text of a few KiB
+SESSION_PATH = re.compile(r"^/v1/sessions/([A-Za-z0-9._-]{1,128})(/step)?$")
+
+
+class BadRequest(ValueError):
+    """The request's JSON lacks a field or has one of the wrong type; the message names it."""
+
+    code = 400
+
+
+class TooLarge(BadRequest):
+    code = 413
+
+
+class NotServed(LookupError):
+    """The job has no tools, or no environment, for this request."""
+
+
+def _field(body: Info, name: str, kind: type | tuple[type, ...]) -> Any:
+    if name not in body:
+        raise BadRequest(f"the request has no field '{name}'")
+    value = body[name]
+    if not isinstance(value, kind):
+        raise BadRequest(f"field '{name}' must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    return value
+
+
+class PoolMetrics:
+    """Requests by kind and open sessions, in a registry of this server's own (a test may run several in one
+    process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("hybridflow_environment_requests", "Authenticated requests served, by kind "
+                                "(tool, open, step, close) and outcome code.", ["kind", "code"],
+                                registry=self.registry)
+        self.refused = Counter("hybridflow_environment_refused_requests", "Requests refused for a missing or "
+                               "wrong token.", registry=self.registry)
+        self.open_sessions = Gauge("hybridflow_environment_open_sessions", "Environment sessions open now.",
+                                   registry=self.registry)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class PoolService:
+    """What the endpoints do, apart from HTTP: the boot-scoped session ids over one Tools and one Sessions."""
+
+    def __init__(self, tools: Tools | None, sessions: Sessions | None) -> None:
+        """None: the job has no tools, or no environment (its requests answer 404, naming which)."""
+        self.tools, self.sessions = tools, sessions
+        self.boot = secrets.token_hex(6)
+        self._local: dict[str, str] = {}  # our session id -> the Sessions' own
+        self._lock = threading.Lock()
+        self.metrics = PoolMetrics()
+
+    def call_tool(self, body: Info) -> Info:
+        name = _field(body, "name", str)
+        arguments = _field(body, "arguments", dict)
+        session = body.get("session")
+        if self.tools is None:
+            raise NotServed("this job offers no tools (spec.rollout.agent.tools and toolsFile are unset)")
+        return self.tools.call(name, arguments, session if isinstance(session, str) else None).to_json()
+
+    def open(self, body: Info) -> Info:
+        sample = _field(body, "sample", dict)
+        if self.sessions is None:
+            raise NotServed("this job has no environment (spec.rollout.agent.environment and environmentFile are "
+                            "unset)")
+        local, first = self.sessions.open(sample)
+        sid = f"{self.boot}.{local}"
+        if first.error or first.done:
+            self.sessions.close(local)  # over before its first step (idempotent: a failed reset is closed already)
+        else:
+            with self._lock:
+                self._local[sid] = local
+        self._count_open()
+        return {"session": sid, "observation": first.to_json()}
+
+    def known(self, sid: str) -> bool:
+        with self._lock:
+            return sid in self._local
+
+    def step(self, sid: str, body: Info) -> Info | None:
+        """None: no such session (closed, ended, or from before a restart)."""
+        action = _field(body, "action", str)
+        with self._lock:
+            local = self._local.get(sid)
+        if local is None:
+            return None
+        out = self.sessions.step(local, action)
+        if out.done:  # LocalSessions closed it
+            with self._lock:
+                self._local.pop(sid, None)
+            self._count_open()
+        return out.to_json()
+
+    def close(self, sid: str) -> bool:
+        with self._lock:
+            local = self._local.pop(sid, None)
+        if local is None:
+            return False
+        self.sessions.close(local)
+        self._count_open()
+        return True
+
+    def _count_open(self) -> None:
+        with self._lock:
+            self.metrics.open_sessions.set(len(self._local))
+
+    def shutdown(self) -> None:
+        if self.sessions is not None:
+            self.sessions.shutdown()
+        if self.tools is not None:
+            self.tools.close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: "PoolServer"
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def _reply(self, code: int, body: Info | bytes, content_type: str = "application/json") -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _authorized(self) -> bool:
+        given = self.headers.get("Authorization", "")
+        expected = f"Bearer {self.server.token}"
+        return hmac.compare_digest(given.encode(), expected.encode())
+
+    def _body(self) -> Info:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY:
+            raise TooLarge(f"the request body is {length} bytes; at most {MAX_BODY}")
+        raw = self.rfile.read(length) if length else b"{}"
+        try:
+            body = json.loads(raw)
+        except ValueError as err:
+            raise BadRequest(f"the request body is not JSON: {err}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        return body
+
+    def do_GET(self) -> None:
+        if self.path == "/healthz":
+            self._reply(200, b"ok\n", "text/plain")
+        elif self.path == "/metrics":
+            self._reply(200, self.server.service.metrics.text(), CONTENT_TYPE_LATEST)
+        else:
+            self._reply(404, {"error": f"no such endpoint: GET {self.path}"})
+
+    def do_POST(self) -> None:
+        self._serve("POST")
+
+    def do_DELETE(self) -> None:
+        self._serve("DELETE")
+
+    def _serve(self, method: str) -> None:
+        if not self._authorized():
+            self.server.service.metrics.refused.inc()
+            self.close_connection = True  # the body is not read: the connection cannot carry another request
+            self._reply(401, {"error": "missing or wrong token (Authorization: Bearer <the job's token>)"})
+            return
+        try:
+            body = self._body()
+        except BadRequest as err:
+            self.close_connection = True  # what is left of the body cannot be told from the next request
+            self._reply(err.code, {"error": str(err)})
+            return
+        route = self._route(method)
+        if route is None:
+            self._reply(404, {"error": f"no such endpoint: {method} {self.path}"})
+            return
+        kind, run = route
+        try:
+            code, out = run(body)
+        except BadRequest as err:
+            code, out = 400, {"error": str(err)}
+        except NotServed as err:
+            code, out = 404, {"error": str(err)}
+        except EnvironmentLoadError as err:
+            code, out = 422, {"error": str(err)}
+        except Exception as err:  # noqa: BLE001 - one request's failure is its answer, never the server's end
+            log.exception("%s %s failed", method, self.path)
+            code, out = 500, {"error": f"{type(err).__name__}: {err}"}
+        self.server.service.metrics.requests.labels(kind, str(code)).inc()
+        self._reply(code, out)
+
+    def _route(self, method: str) -> tuple[str, Callable[[Info], tuple[int, Info]]] | None:
+        service = self.server.service
+        if method == "POST" and self.path == "/v1/tools/call":
+            return "tool", lambda body: (200, service.call_tool(body))
+        if method == "POST" and self.path == "/v1/sessions":
+            return "open", lambda body: (200, service.open(body))
+        found = SESSION_PATH.match(self.path)
+        if found is None:
+            return None
+        sid, step = found.group(1), bool(found.group(2))
+        gone = {"error": f"no session {sid} here (closed, ended, or opened before this replica restarted)"}
+        if method == "POST" and step:
+            def run_step(body: Info) -> tuple[int, Info]:
+                out = service.step(sid, body)
+                return (404, gone) if out is None else (200, out)
+            return "step", run_step
+        if method == "DELETE" and not step:
+            return "close", lambda body: (200, {"closed": service.close(sid)})
+        return None
+
+
+class PoolServer(ThreadingHTTPServer):
+    """One replica of the environment pool: a thread per request, so a slow tool or step holds only its caller."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, service: PoolService, token: str, address: str = "127.0.0.1", port: int = 0) -> None:
+        if not token:
+            raise ValueError("the environment pool needs the job's token (RAY_AUTH_TOKEN); none was given")
+        self.service, self.token = service, token
+        super().__init__((address, port), _Handler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> threading.Thread:
+        """Serve in a background thread (tests, and a process that also waits on signals)."""
+        thread = threading.Thread(target=self.serve_forever, name="environment-pool", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        """Stop answering, then end every session's sandbox."""
+        self.shutdown()
+        self.server_close()
+        self.service.shutdown()
