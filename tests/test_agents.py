@@ -390,3 +390,20 @@ class _FixedTurn:
 
     def generate(self, rows, contexts, max_tokens):
         return [(list(self.ids), []) for _ in rows]
+
+
+def test_validate_names_a_missing_or_broken_environment_or_tools_file(tmp_path):
+    from hybridflow.api import RLHFJob
+    from hybridflow.trainer.preflight import check_runtime_paths
+
+    def problems(**agent):
+        job = RLHFJob.model_validate({"spec": {"models": {"actor": {"source": "smollm2"}}, "data": {
+            "task": "products"}, "rollout": {"agent": agent}, "trainer": {"checkpointDir": str(tmp_path / "c")}}})
+        return check_runtime_paths(job)
+
+    assert problems(environmentFile=str(tmp_path / "nope.py")) == [
+        f"spec.rollout.agent.environmentFile: '{tmp_path / 'nope.py'}' is not a file; fix the path"]
+    broken = _write(tmp_path / "env.py", "class Environment:\n    def reset(self\n")
+    assert "env.py:2: syntax error" in problems(environmentFile=str(broken))[0]
+    assert "no tool found" in problems(toolsFile=str(_write(tmp_path / "t.py", "x = 1\n")))[0]
+    assert problems(environmentFile=str(_write(tmp_path / "ok.py", "class Environment: pass\n"))) == []

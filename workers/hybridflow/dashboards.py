@@ -161,7 +161,7 @@ AGENTS = Dashboard(
         Panel("Tool-call rate", (f"avg by (rlhfjob) (hybridflow_agent_tool_call_ratio{JOB})",), unit="percentunit",
               width=8, description="Fraction of episodes that called a tool at least once."),
         Panel("Tool errors and timeouts", (f"avg by (rlhfjob) (hybridflow_agent_tool_error_ratio{JOB})",
-                                           f"avg by (rlhfjob) (hybridflow_agent_tool_timeout_ratio{JOB})"),
+                                           f"avg by (rlhfjob) (hybridflow_agent_tool_deadline_exceeded_ratio{JOB})"),
               unit="percentunit", width=8, description="Fractions of tool calls that failed, and that ran past "
                                                        "their deadline (the model reads either as the answer)."),
         Panel("Tool seconds per step", (f"sum by (rlhfjob) (hybridflow_agent_tool_seconds{JOB})",), unit="s",

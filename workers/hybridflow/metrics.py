@@ -46,7 +46,7 @@ STEP_GAUGES = {
     "agent_tool_call_ratio": ("agent_tool_call_rate", "Fraction of episodes that called a tool."),
     "agent_tool_error_ratio": ("agent_tool_error_rate", "Fraction of tool calls that failed (raised, unreadable, "
                                "a sandbox limit)."),
-    "agent_tool_timeout_ratio": ("agent_tool_timeout_rate", "Fraction of tool calls past their deadline."),
+    "agent_tool_deadline_exceeded_ratio": ("agent_tool_timeout_rate", "Fraction of tool calls past their deadline."),
     "agent_tool_seconds": ("agent_tool_seconds", "Seconds the last step's tool calls took, summed."),
     "agent_environment_reward_mean": ("agent_env_reward_mean", "Environment reward per episode (its steps summed)."),
     "agent_episodes_failed": ("agent_episodes_failed", "Episodes of the last step that ended on an environment "

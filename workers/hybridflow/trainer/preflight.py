@@ -38,6 +38,7 @@ def check_runtime_paths(job: RLHFJob) -> list[str]:
             check_reward_file(fn.path, fn.name, fn.batched)
         except RewardFileError as err:
             out.append(f"spec.models.reward.function: {err}")
+    out += _agent_file_problems(job)
     if job.spec.data.source == "files":
         for field, entries in (("spec.data.train", job.spec.data.train), ("spec.data.eval", job.spec.data.eval)):
             try:
@@ -57,6 +58,31 @@ def check_runtime_paths(job: RLHFJob) -> list[str]:
             problem = unwritable_dir_problem(Path(where))
             if problem:
                 out.append(f"{field}: '{where}' is not writable ({problem}); choose a directory you can write")
+    return out
+
+
+def _agent_file_problems(job: RLHFJob) -> list[str]:
+    """A multi-turn job's environment and tools files: there, Python, and (the tools file) holding tools."""
+    from hybridflow.agents.tool_file import ToolFileError, read_tools_file
+
+    a = job.spec.rollout.agent
+    if a is None:
+        return []
+    out = []
+    if a.environment_file:
+        p = Path(a.environment_file)
+        if not p.is_file():
+            out.append(f"spec.rollout.agent.environmentFile: '{p}' is not a file; fix the path")
+        else:
+            try:
+                compile(p.read_text(), str(p), "exec")
+            except SyntaxError as err:
+                out.append(f"spec.rollout.agent.environmentFile: {p}:{err.lineno}: syntax error: {err.msg}")
+    if a.tools_file:
+        try:
+            read_tools_file(a.tools_file)
+        except ToolFileError as err:
+            out.append(f"spec.rollout.agent.toolsFile: {err}")
     return out
 
 
