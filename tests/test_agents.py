@@ -407,3 +407,14 @@ def test_validate_names_a_missing_or_broken_environment_or_tools_file(tmp_path):
     assert "env.py:2: syntax error" in problems(environmentFile=str(broken))[0]
     assert "no tool found" in problems(toolsFile=str(_write(tmp_path / "t.py", "x = 1\n")))[0]
     assert problems(environmentFile=str(_write(tmp_path / "ok.py", "class Environment: pass\n"))) == []
+
+
+def test_the_wire_carries_numpy_values_as_python_ones_and_refuses_what_is_not_one_json_object():
+    import numpy as np
+
+    from hybridflow import wire
+
+    assert wire.decode(wire.encode({"truth": np.int64(42), "ids": np.array([1, 2])})) == {"truth": 42, "ids": [1, 2]}
+    for bad in (b"[" * 100_000, b"[1]", b"not json", b'{"a": 1'):
+        with pytest.raises(wire.WireError):
+            wire.decode(bad)

@@ -21,15 +21,21 @@ class WireTimeout(WireError):
     """No whole reply before the deadline."""
 
 
+def _plain(value: Any) -> Any:
+    """numpy scalars and arrays (a data set's ground truth) as the Python values they hold; anything else as text."""
+    to_list = getattr(value, "tolist", None)
+    return to_list() if callable(to_list) else str(value)
+
+
 def encode(message: dict[str, Any]) -> bytes:
-    return json.dumps(message, separators=(",", ":"), default=str).encode() + b"\n"
+    return json.dumps(message, separators=(",", ":"), default=_plain).encode() + b"\n"
 
 
 def decode(line: bytes) -> dict[str, Any]:
     try:
         out = json.loads(line)
-    except ValueError as err:
-        raise WireError(f"the worker sent something that is not JSON: {err}") from None
+    except (ValueError, RecursionError) as err:  # RecursionError: JSON nested deeper than the parser goes
+        raise WireError(f"the worker sent something that is not JSON: {type(err).__name__}: {err}") from None
     if not isinstance(out, dict):
         raise WireError(f"the worker sent {type(out).__name__}, not an object")
     return out

@@ -48,21 +48,12 @@ class EnvironmentCode:
         return {"path": self.path, "source": self.source, "class": self.class_name}
 
 
-def _binds(path: str | None) -> list[str]:
-    """The user file's directory, read-only (its data files), unless it holds what the sandbox hides."""
-    if not path:
-        return []
-    d = str(Path(path).parent)
-    special = [*sandbox.default_hidden(), *sandbox.PRIVATE_TMP, "/dev", "/proc"]
-    return [path] if any(sandbox.is_under(h, d) for h in special) else [d]
-
-
 class _Worker:
     """A sandboxed worker process and the driver's end of its pipes."""
 
     def __init__(self, module: str, limits: Limits, layers: sandbox.Layers, code_path: str | None) -> None:
         self.box = sandbox.spawn([sys.executable, "-m", module], limits, layers, env=sandbox.clean_env(),
-                                 binds=_binds(code_path), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 binds=sandbox.code_binds(code_path) if code_path else [], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.DEVNULL)
         assert self.box.popen.stdin is not None and self.box.popen.stdout is not None
         self.reader = wire.LineReader(self.box.popen.stdout.fileno())

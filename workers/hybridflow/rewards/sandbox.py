@@ -29,7 +29,6 @@ sandbox is hybridflow.rewards.worker, and the checks made before any worker star
 from __future__ import annotations
 
 import math
-import os
 import secrets
 import signal
 import subprocess
@@ -91,7 +90,7 @@ class _Proc:
 
     def __init__(self, path: str, name: str, source: str, limits: Limits, layers: sandbox.Layers) -> None:
         argv = [sys.executable, "-m", WORKER_MODULE, path, name]
-        self.box = sandbox.spawn(argv, limits, layers, env=sandbox.clean_env(SAFE_ENV), binds=_code_binds(path),
+        self.box = sandbox.spawn(argv, limits, layers, env=sandbox.clean_env(SAFE_ENV), binds=sandbox.code_binds(path),
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.proc = self.box.popen
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -185,14 +184,6 @@ def _score_pair(value: Any) -> tuple[float, dict[str, float]] | str:
         if score is not None and math.isfinite(score) and None not in extras.values():
             return score, {k: v for k, v in extras.items() if v is not None}
     return f"the reward worker's reply is not a score: {value!r:.80}"
-
-
-def _code_binds(path: str) -> list[str]:
-    """What of the machine a worker sees beside the read-only root: the reward file's directory (its data files, by
-    `__file__`), or the file alone where that directory holds the driver's home or the sandbox's own mounts."""
-    d = os.path.dirname(path)
-    special = [*sandbox.default_hidden(), *sandbox.PRIVATE_TMP, "/dev", "/proc"]
-    return [path] if any(sandbox.is_under(h, d) for h in special) else [d]
 
 
 class RewardFunction:

@@ -48,7 +48,8 @@ sandboxes), policy (refusing or warning once where a layer is missing). This pac
 """
 from __future__ import annotations
 
-from hybridflow.sandbox.launcher import clean_env, command, default_hidden, default_needed, fresh_uid, is_under
+from hybridflow.sandbox.launcher import (clean_env, code_binds, command, default_hidden, default_needed, fresh_uid,
+                                         is_under)
 from hybridflow.sandbox.limits import (FRESH_UIDS, INSIDE_UID, LAYERS, PRIVATE_TMP, REQUIRE_ENV, SECRET_DIRS,
                                        THREADS_ENV, WORKDIR, Layers, Limits, SandboxUnavailable)
 from hybridflow.sandbox.policy import LAYER_TEXT, check_required, required, warn_once
@@ -56,5 +57,5 @@ from hybridflow.sandbox.process import Sandboxed, candidates, missing_layers, pr
 
 __all__ = ["FRESH_UIDS", "INSIDE_UID", "LAYERS", "LAYER_TEXT", "PRIVATE_TMP", "REQUIRE_ENV", "SECRET_DIRS",
            "THREADS_ENV", "WORKDIR", "Layers", "Limits", "SandboxUnavailable", "Sandboxed", "candidates",
-           "check_required", "clean_env", "command", "default_hidden", "default_needed", "fresh_uid", "is_under",
-           "missing_layers", "probe", "required", "spawn", "try_layers", "warn_once"]
+           "check_required", "clean_env", "code_binds", "command", "default_hidden", "default_needed", "fresh_uid",
+           "is_under", "missing_layers", "probe", "required", "spawn", "try_layers", "warn_once"]

@@ -159,5 +159,14 @@ def default_needed(hidden: Sequence[str] = ()) -> list[str]:
     return [p for p in paths if not any(q != p and is_under(p, q) for q in paths)]  # outermost only
 
 
+def code_binds(path: str) -> list[str]:
+    """What of the machine a sandbox running a user's file sees beside the read-only root: the file's directory (its
+    data files, by `__file__`), or the file alone where that directory holds the driver's home or the sandbox's own
+    mounts."""
+    d = os.path.dirname(path)
+    special = [*default_hidden(), *PRIVATE_TMP, "/dev", "/proc"]
+    return [path] if any(is_under(h, d) for h in special) else [d]
+
+
 def fresh_uid() -> int:
     return FRESH_UIDS[0] + secrets.randbelow(FRESH_UIDS[1] - FRESH_UIDS[0])
