@@ -77,8 +77,10 @@ def test_suspend_resume_delete_and_resize_mid_run(world, tmp_path):
     assert ran_to < STEPS, "the job finished before the delete landed"
 
     # resize: a job's spec is immutable but for runPolicy, so a new job with the new pool names the old one's
-    # checkpoints (`trainer.resumeFrom: <old job>`, on the same claim); what two pods wrote re-shards onto one
-    pvc, doc = yaml.safe_load_all(job_variant(tmp_path, new, trainer={"steps": STEPS, "saveFreq": 3,
+    # checkpoints (`trainer.resumeFrom: <old job>`, on the same claim); what two pods wrote re-shards onto one. It
+    # runs a few steps past the old job's last, not on to STEPS: those steps would only repeat what it shows.
+    resized_steps = ran_to + 3
+    pvc, doc = yaml.safe_load_all(job_variant(tmp_path, new, trainer={"steps": resized_steps, "saveFreq": 3,
                                                                       "resumeFrom": old},
                                               metrics={"port": 8000, "lingerSeconds": 0}).read_text())
     doc["spec"]["resourcePools"] = [{"name": "default", "nodes": 1, "devicesPerNode": 1}]
@@ -102,4 +104,4 @@ def test_suspend_resume_delete_and_resize_mid_run(world, tmp_path):
     steps = world.step_log(new, claim=f"{old}-checkpoints")
     resumed_at = steps[0] - 1
     assert sealed <= resumed_at <= ran_to and resumed_at % 3 == 0, (sealed, resumed_at, ran_to)
-    assert steps == list(range(resumed_at + 1, STEPS + 1)), "each step after the checkpoint exactly once"
+    assert steps == list(range(resumed_at + 1, resized_steps + 1)), "each step after the checkpoint exactly once"

@@ -122,12 +122,15 @@ def test_kill_9_during_a_save_loses_nothing_sealed_and_repeats_no_step(tmp_path,
     sealed; while it ran, its Prometheus endpoint reported progress. The newest sealed checkpoint is then corrupted
     too (a rank's actor shard overwritten): the resume says it skips that one, discards the torn save, goes on from
     the one before, and the step log lists every step exactly once. A wider model than the example's makes each
-    write last long enough to be caught in the middle; a save every step gives several chances to catch one."""
+    write last long enough to be caught in the middle; a save every step gives several chances to catch one.
+    The synchronous save's runs generate with vLLM (its processes too must not outlive the kill); the asynchronous
+    one's with plain HF, which starts ~10 s sooner: how a save is written and resumed does not depend on the engine."""
     ckpt = tmp_path / "run"
     steps = 6
     job = _variant(tmp_path, TINY, trainer__steps=steps, trainer__saveFreq=1, trainer__promptsPerStep=16,
                    trainer__asyncSave=async_save, trainer__checkpointDir=str(ckpt), data__evalPrompts=8,
-                   models__actor__tiny__hiddenSize=256, models__actor__tiny__numLayers=4)
+                   models__actor__tiny__hiddenSize=256, models__actor__tiny__numLayers=4,
+                   rollout__engine="hf" if async_save else "vllm")
     port = _free_port()
     # unbuffered: what it printed before the kill is in the file
     env = {**os.environ, "HYBRIDFLOW_MODEL_CACHE": str(model_cache), "PYTHONUNBUFFERED": "1"}
@@ -279,7 +282,9 @@ def test_failure_exits_non_zero_and_keeps_checkpoints(tmp_path, model_cache, ray
 
 
 def test_driver_joins_an_existing_ray_cluster(tmp_path, model_cache, ray_tmp):
-    """What the head pod runs: a Ray head started apart from the driver, then `hybridflow driver --address`."""
+    """What the head pod runs: a Ray head started apart from the driver, then `hybridflow driver --address`.
+    Generation is plain HF (~10 s sooner a start): joining a cluster does not depend on the engine, and the e2e
+    scenarios run vLLM in the pods' own Ray cluster."""
     import secrets
 
     port = _free_port()
@@ -297,7 +302,8 @@ def test_driver_joins_an_existing_ray_cluster(tmp_path, model_cache, ray_tmp):
     try:
         ckpt = tmp_path / "run"
         # one step: the driver's workers started on that cluster and ran the whole dataflow once
-        job = _variant(tmp_path, TINY, trainer__steps=1, trainer__checkpointDir=str(ckpt), trainer__eval=False)
+        job = _variant(tmp_path, TINY, trainer__steps=1, trainer__checkpointDir=str(ckpt), trainer__eval=False,
+                       rollout__engine="hf")
         out = run_cli(["driver", str(job), "--address", f"127.0.0.1:{port}", "--metrics-port", "0"], cwd=tmp_path,
                       env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache), **env}, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
