@@ -418,3 +418,46 @@ def test_the_wire_carries_numpy_values_as_python_ones_and_refuses_what_is_not_on
     for bad in (b"[" * 100_000, b"[1]", b"not json", b'{"a": 1'):
         with pytest.raises(wire.WireError):
             wire.decode(bad)
+
+
+@pytest.mark.parametrize("change, refused", [
+    ({"rollout": {"engine": "megatron"}}, "spec.rollout.engine: megatron generation takes one sampling setting"),
+    ({"rollout": {"partialRolloutTokens": 4}}, "spec.rollout.partialRolloutTokens"),
+    ({"models": {"actor": {"source": "tiny"}}}, "need a model with a tokenizer"),
+    ({"rollout": {"agent": {"score": "environment"}}}, "score: environment needs an environment"),
+    ({"rollout": {"agent": {"tools": []}}}, "names no tools"),
+])
+def test_the_spec_refuses_what_multi_turn_rollouts_cannot_do_saying_why(change, refused):
+    from hybridflow.api import RLHFJob
+
+    doc = {"models": {"actor": {"source": "smollm2"}}, "data": {"task": "products"},
+           "rollout": {"agent": {"tools": ["calculator"]}}, "training": {"engine": "megatron"}}
+    for section, values in change.items():
+        for k, v in values.items():
+            doc[section][k] = {**doc[section].get(k, {}), **v} if isinstance(v, dict) else v
+    if "engine" not in change.get("rollout", {}):
+        doc.pop("training")
+    with pytest.raises(ValueError, match=refused):
+        RLHFJob.model_validate({"spec": doc})
+
+
+def test_a_silent_step_still_hands_the_turn_back_and_a_session_that_cannot_start_ends_only_its_episode(tmp_path):
+    env = _write(tmp_path / "quiet.py", "class Environment:\n    def reset(self, sample):\n        self.n = 0\n"
+                 "        return ''\n    def step(self, action):\n        self.n += 1\n"
+                 "        return '', float(self.n == 2), self.n == 2, {}\n")
+    sessions = LocalSessions(EnvironmentCode.from_file(env, "Environment"))
+    try:
+        (e,) = run_episodes([[1]], [{}], ScriptedPolicyDouble({0: ["a", "b"]}), CharCodec(),
+                            EpisodeSettings(50, has_environment=True), sessions=sessions)
+        assert CharCodec().decode(e.tokens) == "a[]b" and e.env_reward == 1.0  # the empty answer is still a turn
+    finally:
+        sessions.shutdown()
+
+    class NoSandboxLeft(LocalSessions):
+        def open(self, sample):
+            raise OSError(11, "Resource temporarily unavailable")
+
+    broken = NoSandboxLeft(EnvironmentCode.from_file(env, "Environment"))
+    episodes = run_episodes([[1], [1]], [{}, {}], ScriptedPolicyDouble({0: ["a"], 1: ["b"]}), CharCodec(),
+                            EpisodeSettings(50, has_environment=True), sessions=broken)
+    assert all("Resource temporarily unavailable" in e.error and e.turns == 0 for e in episodes)

@@ -150,6 +150,16 @@ def test_the_pool_is_kept_at_its_size_apart_from_the_gang():
     for phase in ("Suspending", "Suspended", "Succeeded", "Failed"):
         plan = envs.plan_pool(job, phase, pods, False)
         assert (sorted(plan.delete), plan.create) == (["agent-env-0", "agent-env-1", "agent-env-2"], []), phase
+        assert plan.status == {"replicas": 3, "pods": 0, "ready": 0}, phase  # not the count of the last tick
     # a replica beyond spec.environments.replicas is not the pool's
     assert envs.plan_pool(job, "Running", pods + [_view("agent-env-7")], False).delete == ["agent-env-1",
                                                                                           "agent-env-7"]
+
+
+def test_environment_pods_refuse_to_run_user_code_without_the_whole_sandbox():
+    from hybridflow.sandbox import REQUIRE_ENV
+
+    assert (mf.SANDBOX_ENV, mf.SANDBOX_REQUIRED) == (REQUIRE_ENV, "require")  # what hybridflow.sandbox reads
+    for i in range(3):
+        env = {e["name"]: e.get("value") for e in envs.environment_pod(_job(), UID, i)["spec"]["containers"][0]["env"]}
+        assert env[REQUIRE_ENV] == "require", env

@@ -232,6 +232,11 @@ def test_a_killed_replica_process_loses_its_sessions_the_other_goes_on(servers, 
         assert tools.call("calculator", {"expression": "1+2"}).text == "3"  # on to the live replica
         assert sessions.step(on_thread, "6").done
         assert sessions.open_counts() == {url: 0, in_thread.url: 0}
+        # the episode lost on the dead replica starts again on the live one, though the dead one now holds fewer
+        # sessions: a replica that just failed gets no new session (its cool-down)
+        retried = [sessions.open(_sample(6))[0] for _ in range(3)]
+        assert [sid[0] for sid in retried] == ["1"] * 3, retried
+        assert all(sessions.step(sid, "6").done for sid in retried)
         counts, failures = client.request_counts(), client.failure_counts()
         assert counts[url] >= 4 and failures[url] >= 2 and failures[in_thread.url] == 0
     finally:

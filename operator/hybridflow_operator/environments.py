@@ -18,8 +18,8 @@ from hybridflow.api.names import LABEL_INDEX, LABEL_JOB, LABEL_ROLE, names
 from hybridflow.api.status import Phase
 
 from hybridflow_operator.manifests import (
-    ENVIRONMENT_PORT, ENVIRONMENT_ROLE, SCRATCH_MOUNT, SCRATCH_SIZE, SPEC_KEY, SPEC_MOUNT, _meta, _pod,
-    environment_pod_name, environment_service_name,
+    ENVIRONMENT_PORT, ENVIRONMENT_ROLE, SANDBOX_ENV, SANDBOX_REQUIRED, SCRATCH_MOUNT, SCRATCH_SIZE, SPEC_KEY,
+    SPEC_MOUNT, _meta, _pod, environment_pod_name, environment_service_name,
 )
 from hybridflow_operator.phases import PodPhase, PodView
 
@@ -62,6 +62,7 @@ def environment_pod(job: RLHFJob, uid: str, index: int) -> dict[str, Any]:
         "command": ["hybridflow", "environments", "serve", "--spec", f"{SPEC_MOUNT}/{SPEC_KEY}",
                     "--port", str(ENVIRONMENT_PORT), "--address", "0.0.0.0"],
         "ports": [{"name": "environments", "containerPort": ENVIRONMENT_PORT}],
+        "env": [{"name": SANDBOX_ENV, "value": SANDBOX_REQUIRED}],
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": ENVIRONMENT_PORT}, "periodSeconds": 5},
         "resources": {"requests": {"cpu": pool.cpu, "memory": pool.memory},
                       "limits": {"cpu": pool.cpu, "memory": pool.memory}},
@@ -138,8 +139,9 @@ def plan_pool(job: RLHFJob, phase: str | None, pods: list[PodView], creating_gan
     pod goes. `pods`: the job's environment pods."""
     pool = job.spec.environments
     live = [p for p in pods if not p.deleting]
-    if pool is None or phase not in POOL_PHASES:
-        return PoolPlan(delete=[p.name for p in live])
+    if pool is None or phase not in POOL_PHASES:  # every pod goes, and the status says so (not the last count)
+        return PoolPlan(delete=[p.name for p in live],
+                        status=None if pool is None else {"replicas": pool.replicas, "pods": 0, "ready": 0})
     wanted = {environment_pod_name(job.metadata.name, i): i for i in range(pool.replicas)}
     plan = PoolPlan(delete=[p.name for p in live if p.phase in ENDED or p.name not in wanted])
     present = {p.name for p in pods}  # a deleting pod still holds its name: made again once it is gone

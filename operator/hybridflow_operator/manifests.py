@@ -54,6 +54,10 @@ FS_GROUP = 1000  # group of what pods write to volumes (the images' users are 10
 ENVIRONMENT_ROLE = "environment"
 ENVIRONMENT_PORT = 8100
 ENVIRONMENT_URLS_ENV = "HYBRIDFLOW_ENVIRONMENT_URLS"
+# hybridflow.sandbox's switch: "require" refuses to run user code without every layer of the sandbox. The
+# environment pods exist to run untrusted code; a pod whose runtime refuses user namespaces fails, saying so, instead
+# of serving tools as the server's own uid.
+SANDBOX_ENV, SANDBOX_REQUIRED = "HYBRIDFLOW_SANDBOX", "require"
 
 
 def job_labels(name: str) -> dict[str, str]:

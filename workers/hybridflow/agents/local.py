@@ -19,7 +19,7 @@ from typing import Any
 from hybridflow import sandbox
 from hybridflow import wire
 from hybridflow.agents import env_worker, tool_worker
-from hybridflow.agents.protocol import Info, Observation, ToolResult
+from hybridflow.agents.protocol import EnvironmentLoadError, Info, Observation, ToolResult
 from hybridflow.agents.registry import ToolSpec
 from hybridflow.sandbox import Limits
 
@@ -110,7 +110,11 @@ class LocalTools:
         request: Info = {"arguments": arguments}
         request.update({"target": tool.target} if tool.target else
                        {"path": tool.path, "source": self._sources[name], "function": name})
-        worker = _Worker(TOOL_MODULE, self.limits, self.layers, tool.path)
+        try:
+            worker = _Worker(TOOL_MODULE, self.limits, self.layers, tool.path)
+        except OSError as err:  # the machine could not start a sandbox (no processes or files left): the answer
+            return ToolResult(f"Error: the {name} tool could not start: {err}.", error=f"could not start: {err}",
+                              seconds=time.monotonic() - t0)
         try:
             reply = worker.call(request, self.timeout)
         except wire.WireTimeout:
@@ -185,7 +189,7 @@ class LocalSessions:
             return Observation("", done=True, error=f"the environment's {what} raised {reply['error']}")
         try:
             return Observation.from_json(reply)
-        except (KeyError, TypeError, ValueError) as err:
+        except Exception as err:  # noqa: BLE001 - whatever the worker answered, it ends that episode only
             self.close(session)
             return Observation("", done=True, error=f"the environment's {what} answered something unusable: {err}")
 
@@ -198,8 +202,3 @@ class LocalSessions:
     def shutdown(self) -> None:
         for sid in list(self._open):
             self.close(sid)
-
-
-class EnvironmentLoadError(RuntimeError):
-    """The environment's code does not load (a syntax error, no such class, it raises at import): the job stops,
-    naming the file, since every episode would fail the same way."""

@@ -18,7 +18,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
-from hybridflow.agents.protocol import Info, Observation, SessionLost, Sessions, ToolResult, Tools
+from hybridflow.agents.protocol import (EnvironmentLoadError, Info, Observation, SessionLost, Sessions, ToolResult,
+                                       Tools)
 from hybridflow.agents.toolcalls import parse_tool_calls
 
 GATHER_SECONDS = 0.05  # after the first answer, how long the loop waits for more before the next engine call
@@ -115,6 +116,8 @@ def run_episodes(prompts: Sequence[list[int]], samples: Sequence[Info], model: M
 
         def lost(i: int, why: str) -> None:
             state = live.pop(i)
+            if sessions is not None and state.session is not None:
+                sessions.close(state.session)  # what is left of it on its replica, if anything
             if state.episode.retries >= RETRIES:
                 state.episode.error = f"its environment replica was lost {RETRIES + 1} times ({why})"
                 finished[i] = state.episode
@@ -148,6 +151,10 @@ def run_episodes(prompts: Sequence[list[int]], samples: Sequence[Info], model: M
                     except SessionLost as err:
                         lost(i, str(err))
                         continue
+                    except EnvironmentLoadError:
+                        raise
+                    except Exception as err:  # noqa: BLE001 - e.g. no sandbox could start: this episode ends, reported
+                        result = _Answer([], done=True, error=f"{type(err).__name__}: {err}")
                     _apply(live[i], result, settings, codec)
                     if live[i].done:
                         finish(i)
@@ -211,8 +218,7 @@ def _after_turn(state: _Live, tokens: list[int], log_probs: list[float], setting
         def step() -> _Answer:
             obs: Observation = sessions.step(session, text)
             over = obs.done or bool(obs.error) or last_turn
-            return _Answer([] if over or not obs.text else [("user", obs.text)], closed, obs.reward, over, obs.error,
-                           env_step=True)
+            return _Answer([] if over else [("user", obs.text)], closed, obs.reward, over, obs.error, env_step=True)
 
         return step
     return None

@@ -47,10 +47,18 @@ class Observation:
     @classmethod
     def from_json(cls, d: Info) -> "Observation":
         """Raises ValueError for what no environment may answer (JSON allows NaN; a forged reply can hold anything)."""
-        reward = float(d.get("reward", 0.0))
+        try:
+            reward = float(d.get("reward", 0.0))
+        except OverflowError:  # a JSON integer of hundreds of digits
+            raise ValueError("the reward is too large for a float") from None
         if not math.isfinite(reward):
             raise ValueError(f"the reward {reward} is not a finite number")
         return cls(str(d["text"]), reward, bool(d.get("done", False)), dict(d.get("info") or {}), d.get("error"))
+
+
+class EnvironmentLoadError(RuntimeError):
+    """The environment's code does not load (a syntax error, no such class, it raises at import): the job stops,
+    naming the file, since every episode would fail the same way."""
 
 
 class SessionLost(RuntimeError):

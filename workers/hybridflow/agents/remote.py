@@ -16,6 +16,7 @@ import http.client
 import itertools
 import json
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 MARGIN_SECONDS = 10.0  # the network, the sandbox's start and a busy replica, on top of the server's deadline
 # POST /v1/sessions loads the environment (the server's load deadline) and resets it (its step deadline).
 LOAD_SECONDS = 60.0
+
+
+COOL_DOWN_SECONDS = 30.0  # a replica that did not answer gets no new session for this long (it is being replaced)
 
 
 class PoolError(RuntimeError):
@@ -76,8 +80,15 @@ class PoolClient:
         self.token = token
         self._counts: Counter[str] = Counter()
         self._failures: Counter[str] = Counter()
+        self._failed_at: dict[int, float] = {}  # replica index -> when it last did not answer
         self._lock = threading.Lock()
         self._turn = itertools.count()
+
+    def cooling(self, index: int) -> bool:
+        """Whether the replica failed to answer within the last COOL_DOWN_SECONDS (an episode lost on it is started
+        again elsewhere, not on the replica that just went away)."""
+        with self._lock:
+            return time.monotonic() - self._failed_at.get(index, -COOL_DOWN_SECONDS) < COOL_DOWN_SECONDS
 
     def next_index(self) -> int:
         return next(self._turn) % len(self.replicas)
@@ -99,6 +110,7 @@ class PoolClient:
         except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out, cut short
             with self._lock:
                 self._failures[replica.url] += 1
+                self._failed_at[index] = time.monotonic()
             raise _Unreachable(f"environment replica {replica.url} did not answer {method} {path}: "
                                f"{type(err).__name__}: {err}") from None
         finally:
@@ -161,8 +173,9 @@ class RemoteTools:
             except _Unreachable as err:
                 errors.append(str(err))
                 continue
-            if code != 200:
-                raise _unexpected(self.client.replicas[index].url, f"tool call {name!r}", code, out)
+            if code != 200:  # the replica could not run it (a sandbox that did not start): the call's answer
+                why = str(_unexpected(self.client.replicas[index].url, f"tool call {name!r}", code, out))
+                return ToolResult(f"Error: the {name} tool could not run: {why}.", error=why)
             return ToolResult.from_json(out)
         raise SessionLost("; ".join(errors))
 
@@ -191,7 +204,8 @@ class RemoteSessions:
         start = self.client.next_index()
         with self._lock:
             load = Counter(self._open.values())
-        return min(((start + i) % n for i in range(n)), key=lambda i: load[i])
+        order = [(start + i) % n for i in range(n)]
+        return min(order, key=lambda i: (self.client.cooling(i), load[i]))
 
     def open(self, sample: Info) -> tuple[str, Observation]:
         index = self._pick()
@@ -221,13 +235,14 @@ class RemoteSessions:
             code, out = self.client.request(index, "POST", f"/v1/sessions/{quote(server_id, safe='')}/step",
                                             {"action": action}, self.step_timeout)
         except _Unreachable as err:
-            self._forget(session)
+            self.close(session)  # a timed-out step's session may live on: its replica is told to end it
             raise SessionLost(str(err)) from None
         if code == 404:
             self._forget(session)
             raise SessionLost(f"environment replica {url} no longer knows session {session} (it restarted)")
-        if code != 200:
-            raise _unexpected(url, f"a step of session {session}", code, out)
+        if code != 200:  # the replica could not step it: the episode ends on that error, reported
+            self.close(session)
+            return Observation("", done=True, error=str(_unexpected(url, f"a step of session {session}", code, out)))
         obs = Observation.from_json(out)
         if obs.done:
             self._forget(session)
@@ -243,7 +258,7 @@ class RemoteSessions:
         index, server_id = split_session(session)
         try:
             self.client.request(index, "DELETE", f"/v1/sessions/{quote(server_id, safe='')}", None,
-                                self.step_timeout)
+                                min(self.step_timeout, 5.0))  # best effort: a replica gone must not hold the loop
         except (_Unreachable, PoolError):
             pass  # gone with its replica, or refused: nothing of it is left for this client to end
 

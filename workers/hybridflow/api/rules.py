@@ -305,6 +305,13 @@ def _agent_problems(spec: JobSpec) -> list[str]:
     if a.episode_score != "reward" and not a.has_environment:
         out.append(f"spec.rollout.agent.score: {a.episode_score} needs an environment (environment or "
                    "environmentFile), whose rewards it adds")
+    if r.engine == "megatron":
+        out.append("spec.rollout.engine: megatron generation takes one sampling setting per call, and an episode's "
+                   "turns each have their own token budget; use engine vllm or hf with rollout.agent")
+    if a.episode_score != "reward" and spec.models.reward.type == "model":
+        out.append(f"spec.rollout.agent.score: {a.episode_score} adds the environment's rewards, which a reward model "
+                   "(models.reward.type model) does not see; score with the environment (no reward model), or set "
+                   "score: reward")
     if a.max_tokens_per_turn is not None and a.max_tokens_per_turn > r.max_response_length:
         out.append(f"spec.rollout.agent.maxTokensPerTurn = {a.max_tokens_per_turn} exceeds rollout.maxResponseLength "
                    f"= {r.max_response_length}, the whole episode's budget after its prompt")
