@@ -43,7 +43,7 @@ def test_environment_pool_serves_the_rollout_and_survives_a_killed_replica(world
     claim["metadata"]["name"] = f"{NAME}-checkpoints"
     manifest = tmp_path / "job.yaml"
     doc = yaml.safe_load(EXAMPLE.read_text())
-    doc["spec"]["trainer"].update(steps=STEPS, eval=False)
+    doc["spec"]["trainer"].update(steps=STEPS, eval=False, promptsPerStep=2)  # 4 episodes a step: 2 per replica
     manifest.write_text(yaml.safe_dump_all([claim, doc], sort_keys=False))
     world.bake_models()  # SmolLM2 as the worker image holds it
     world.kubectl("apply", "--validate=false", "-f", str(manifest))
