@@ -46,6 +46,7 @@ class RolloutEngineKind:
     fed_by: frozenset[str] | None = None  # the training engines whose shards it takes; None: any (full tensors)
     head_sizes: tuple[int, ...] | None = None  # attention head sizes its kernels support; None: any
     kv_cache: bool = False  # preallocates a KV cache (counted by capacity)
+    per_row_sampling: bool = True  # one call may give each row its own sampling settings (multi-turn budgets)
 
     def load(self) -> Any:
         return _load(self.factory)
@@ -90,4 +91,5 @@ register_rollout_engine(RolloutEngineKind(
 register_rollout_engine(RolloutEngineKind("hf", "hybridflow.engines.rollout.hf:build", "plain torch generation"))
 register_rollout_engine(RolloutEngineKind(
     "megatron", "hybridflow.engines.rollout.megatron:build", "tensor-parallel generation with megatron-core layers "
-    "on the 3D-HybridEngine's generation groups", tensor_parallel=True, fed_by=frozenset({"megatron"})))
+    "on the 3D-HybridEngine's generation groups", tensor_parallel=True, fed_by=frozenset({"megatron"}),
+    per_row_sampling=False))

@@ -305,9 +305,9 @@ def _agent_problems(spec: JobSpec) -> list[str]:
     if a.episode_score != "reward" and not a.has_environment:
         out.append(f"spec.rollout.agent.score: {a.episode_score} needs an environment (environment or "
                    "environmentFile), whose rewards it adds")
-    if r.engine == "megatron":
-        out.append("spec.rollout.engine: megatron generation takes one sampling setting per call, and an episode's "
-                   "turns each have their own token budget; use engine vllm or hf with rollout.agent")
+    if not ROLLOUT_ENGINES[r.engine].per_row_sampling:
+        out.append(f"spec.rollout.engine: {r.engine} generation takes one sampling setting per call, and an episode's "
+                   "turns each have their own token budget; use an engine that takes one per row (vllm, hf)")
     if a.episode_score != "reward" and spec.models.reward.type == "model":
         out.append(f"spec.rollout.agent.score: {a.episode_score} adds the environment's rewards, which a reward model "
                    "(models.reward.type model) does not see; score with the environment (no reward model), or set "
