@@ -67,11 +67,11 @@ class _Worker:
         return self.reader.receive(timeout)
 
     def death(self) -> str:
-        """How the worker ended, for the report (bwrap exits 128 + the signal of what it ran)."""
+        """How the worker ended, for the report."""
         rc = self.box.popen.poll()
         if rc is None:
             return "it stopped answering"
-        sig = -rc if rc < 0 else rc - 128 if self.box.layers.bwrap and rc > 128 else 0
+        sig = self.box.signal_of(rc)
         return f"it was killed by signal {sig} (a sandbox limit)" if sig else f"it exited with status {rc}"
 
     def kill(self) -> None:

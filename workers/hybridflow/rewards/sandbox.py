@@ -145,7 +145,7 @@ class _Proc:
         except subprocess.TimeoutExpired:
             return (f"the reward worker's pipe carried something that is not a reply ({err}): the reward code "
                     "wrote onto it")
-        sig = -rc if rc < 0 else rc - 128 if self.box.layers.bwrap and rc > 128 else 0
+        sig = self.box.signal_of(rc)
         if not sig:
             return f"{WORKER_DIED} (exit status {rc})"
         name = signal.Signals(sig).name if sig in signal.valid_signals() else str(sig)

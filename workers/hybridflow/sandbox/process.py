@@ -28,6 +28,13 @@ class Sandboxed:
     host_dir: str | None = None
     layers: Layers = field(default_factory=Layers)
 
+    def signal_of(self, returncode: int) -> int:
+        """The signal that ended the sandboxed program (0: it exited): bwrap exits 128 + the signal of what it ran,
+        Popen reports a signal of its own child as a negative status."""
+        if returncode < 0:
+            return -returncode
+        return returncode - 128 if self.layers.bwrap is not None and returncode > 128 else 0
+
     def kill(self, wait: float = 10.0) -> None:
         """SIGKILL it and everything it started. With bwrap: its PID namespace's init, which takes every process
         in the namespace along, and bwrap then exits by itself (so nothing is left to the machine's init to reap);
