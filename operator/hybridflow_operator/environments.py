@@ -93,8 +93,8 @@ def environment_service(job: RLHFJob, uid: str) -> dict[str, Any]:
     }
 
 
-def environment_policy_name(job_name: str) -> str:
-    return f"{job_name}-env"
+# The pool's NetworkPolicy shares its Service's name (<job>-env): one name for the pool's static children.
+environment_policy_name = environment_service_name
 
 
 def environment_policy(job: RLHFJob, uid: str) -> dict[str, Any]:
