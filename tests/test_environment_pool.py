@@ -40,9 +40,9 @@ class RecordingTools(LocalTools):
         return super().call(name, arguments, session)
 
 
-def _server(tools: LocalTools | None = None, port: int = 0) -> PoolServer:
+def _server(tools: LocalTools | None = None, port: int = 0, **limits) -> PoolServer:
     sessions = LocalSessions(EnvironmentCode(target=ENVIRONMENTS["guess_number"]), step_timeout_seconds=10)
-    server = PoolServer(PoolService(tools or RecordingTools(), sessions), TOKEN, "127.0.0.1", port)
+    server = PoolServer(PoolService(tools or RecordingTools(), sessions, **limits), TOKEN, "127.0.0.1", port)
     server.start()
     return server
 
@@ -162,6 +162,35 @@ def test_sessions_spread_over_replicas_and_stay_on_theirs(servers):
     assert sessions.open_counts() == {a.url: 0, b.url: 0}
     for server in (a, b):
         assert "hybridflow_environment_open_sessions 0.0" in _metrics(server.url)
+
+
+def test_a_session_nobody_steps_is_closed_and_a_full_replica_passes_new_ones_on(servers):
+    """The rollout that opened a session can die without closing it: the replica ends it once it has been idle
+    for its limit (a session stepped in time lives on). A replica at its most sessions answers 503 and the client
+    opens the session on the next one; with every replica full, the error says so."""
+    a = servers(idle_seconds=1.0, max_sessions=1)
+    b = servers(max_sessions=1)
+    sessions = RemoteSessions(PoolClient([a.url, b.url], TOKEN), 10)
+    first, _ = sessions.open(_sample(50))
+    second, _ = sessions.open(_sample(60))
+    assert {first.split(":")[0], second.split(":")[0]} == {"0", "1"}  # one on each: the full one passed it on
+    with pytest.raises(PoolError, match="every environment replica holds its most sessions"):
+        sessions.open(_sample(70))
+    on_a = first if first.startswith("0:") else second
+    deadline = time.monotonic() + 10
+    while "hybridflow_environment_reaped_sessions_total 1.0" not in _metrics(a.url):
+        assert time.monotonic() < deadline, _metrics(a.url)
+        time.sleep(0.1)
+    assert "hybridflow_environment_open_sessions 0.0" in _metrics(a.url)
+    with pytest.raises(SessionLost, match="no longer knows"):
+        sessions.step(on_a, "10")
+    again, _ = sessions.open(_sample(80))  # room again on the replica that reaped
+    assert again.startswith("0:")
+    for _ in range(3):  # stepped more often than its idle limit: never reaped
+        assert sessions.step(again, "10").text == "Higher."
+        time.sleep(0.4)
+    assert "hybridflow_environment_reaped_sessions_total 1.0" in _metrics(a.url)
+    sessions.shutdown()
 
 
 def test_a_restarted_replica_answers_404_and_the_client_raises_session_lost(servers):

@@ -250,7 +250,9 @@ def cmd_environments_serve(args: argparse.Namespace) -> int:
     from hybridflow.agents.places import local_places
 
     places = local_places(agent)
-    server = PoolServer(PoolService(places.tools, places.sessions), token, args.address, args.port)
+    service = PoolService(places.tools, places.sessions, idle_seconds=args.idle_session_seconds,
+                          max_sessions=args.max_sessions)
+    server = PoolServer(service, token, args.address, args.port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -307,6 +309,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--spec", required=True, help="the job's (resolved) spec file")
     serve.add_argument("--port", type=int, default=8100, help="port (default 8100)")
     serve.add_argument("--address", default="127.0.0.1", help="address to bind (default 127.0.0.1; a pod: 0.0.0.0)")
+    serve.add_argument("--idle-session-seconds", type=float, default=1800.0,
+                       help="close a session nobody has stepped for this long (default 1800)")
+    serve.add_argument("--max-sessions", type=int, default=1024,
+                       help="sessions open at once; more are refused (503) and opened on another replica")
     serve.set_defaults(fn=cmd_environments_serve)
     algorithms = sub.add_parser("algorithms", help="list registered algorithms, estimators, losses and KL pieces")
     algorithms.set_defaults(fn=cmd_algorithms)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import http.client
 import itertools
-import json
 import threading
 import time
 from collections import Counter
@@ -24,6 +23,7 @@ from urllib.parse import quote, urlsplit
 
 from hybridflow.agents.local import EnvironmentLoadError
 from hybridflow.agents.protocol import Info, Observation, Places, SessionLost, ToolResult
+from hybridflow import wire
 
 if TYPE_CHECKING:
     from hybridflow.api.agents import Agent
@@ -100,7 +100,7 @@ class PoolClient:
             self._counts[replica.url] += 1
         host, port = replica.host_port
         conn = http.client.HTTPConnection(host, port, timeout=timeout)
-        data = json.dumps(body).encode() if body is not None else b""
+        data = wire.encode(body) if body is not None else b""
         try:
             conn.request(method, path, body=data, headers={
                 "Authorization": f"Bearer {self.token}", "Content-Type": "application/json",
@@ -116,13 +116,13 @@ class PoolClient:
         finally:
             conn.close()
         try:
-            out = json.loads(raw) if raw else {}
-        except ValueError:
+            out = wire.decode(raw) if raw else {}
+        except wire.WireError:
             out = {"error": raw[:200].decode(errors="replace")}
         if resp.status == 401:
             raise PoolError(f"environment replica {replica.url} refused the job's token (401): the pool and the "
                             "rollout must share the job's RAY_AUTH_TOKEN")
-        return resp.status, out if isinstance(out, dict) else {"error": str(out)[:200]}
+        return resp.status, out
 
     def request_counts(self) -> dict[str, int]:
         """Requests sent to each replica (by URL) since this client was made, answered or not."""
@@ -198,22 +198,30 @@ class RemoteSessions:
         self._open: dict[str, int] = {}  # session -> replica index
         self._lock = threading.Lock()
 
-    def _pick(self) -> int:
-        """The replica with the fewest of this client's open sessions; ties go round in turn."""
+    def _preference(self) -> list[int]:
+        """The replicas, fewest of this client's open sessions first (cooling ones last); ties go round in turn."""
         n = len(self.client.replicas)
         start = self.client.next_index()
         with self._lock:
             load = Counter(self._open.values())
         order = [(start + i) % n for i in range(n)]
-        return min(order, key=lambda i: (self.client.cooling(i), load[i]))
+        return sorted(order, key=lambda i: (self.client.cooling(i), load[i]))
 
     def open(self, sample: Info) -> tuple[str, Observation]:
-        index = self._pick()
-        url = self.client.replicas[index].url
-        try:
-            code, out = self.client.request(index, "POST", "/v1/sessions", {"sample": sample}, self.open_timeout)
-        except _Unreachable as err:
-            raise SessionLost(str(err)) from None
+        """On the preferred replica; one that holds its most sessions (503) passes it to the next."""
+        full = []
+        for index in self._preference():
+            url = self.client.replicas[index].url
+            try:
+                code, out = self.client.request(index, "POST", "/v1/sessions", {"sample": sample},
+                                                self.open_timeout)
+            except _Unreachable as err:
+                raise SessionLost(str(err)) from None
+            if code != 503:
+                break
+            full.append(str(_unexpected(url, "a new session", code, out)))
+        else:
+            raise PoolError("every environment replica holds its most sessions: " + "; ".join(full))
         if code == 422:
             raise EnvironmentLoadError(str(out.get("error")))
         if code != 200:

@@ -7,6 +7,11 @@ in constant time); without it the answer is 401 and nothing runs. /metrics says 
 and how many sessions are open, nothing a caller sent: it stays unauthenticated so that a scraper needs no job's
 token, and the job's NetworkPolicy admits only the job's own pods to these pods anyway.
 
+A session the rollout stops stepping (its rollout worker was killed, its episode's driver crashed) is closed once
+it has been idle for `idle_seconds` (default 30 min: longer than any wait for the model's next turn), so that a
+long job's lost episodes do not keep sandboxes alive until the pod ends; at most `max_sessions` are open at once
+(503 above that: the client tries another replica).
+
 Session ids carry this process's random boot id, so an id handed out before a restart is unknown afterwards (404:
 the client's SessionLost) instead of naming a new session that happens to reuse its number.
 
@@ -18,11 +23,11 @@ the client's SessionLost) instead of naming a new session that happens to reuse 
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import re
 import secrets
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
@@ -31,9 +36,12 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from hybridflow.agents.local import EnvironmentLoadError
 from hybridflow.agents.protocol import Info, Sessions, Tools
+from hybridflow import wire
 
 log = logging.getLogger("hybridflow.agents.server")
 
+IDLE_SESSION_SECONDS = 1800.0
+MAX_SESSIONS = 1024
 MAX_BODY = 8 << 20  # a request larger than this is refused (413): samples and actions are text of a few KiB
 SESSION_PATH = re.compile(r"^/v1/sessions/([A-Za-z0-9._-]{1,128})(/step)?$")
 
@@ -50,6 +58,10 @@ class TooLarge(BadRequest):
 
 class NotServed(LookupError):
     """The job has no tools, or no environment, for this request."""
+
+
+class Full(RuntimeError):
+    """This replica holds its most sessions: the client opens the session on another replica."""
 
 
 def _field(body: Info, name: str, kind: type | tuple[type, ...]) -> Any:
@@ -72,6 +84,9 @@ class PoolMetrics:
                                 registry=self.registry)
         self.refused = Counter("hybridflow_environment_refused_requests", "Requests refused for a missing or "
                                "wrong token.", registry=self.registry)
+        self.reaped = Counter("hybridflow_environment_reaped_sessions", "Sessions closed for being idle longer "
+                              "than the server's idle limit (their rollout stopped stepping them).",
+                              registry=self.registry)
         self.open_sessions = Gauge("hybridflow_environment_open_sessions", "Environment sessions open now.",
                                    registry=self.registry)
 
@@ -82,11 +97,15 @@ class PoolMetrics:
 class PoolService:
     """What the endpoints do, apart from HTTP: the boot-scoped session ids over one Tools and one Sessions."""
 
-    def __init__(self, tools: Tools | None, sessions: Sessions | None) -> None:
+    def __init__(self, tools: Tools | None, sessions: Sessions | None,
+                 idle_seconds: float = IDLE_SESSION_SECONDS, max_sessions: int = MAX_SESSIONS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """None: the job has no tools, or no environment (its requests answer 404, naming which)."""
         self.tools, self.sessions = tools, sessions
+        self.idle_seconds, self.max_sessions, self.clock = idle_seconds, max_sessions, clock
         self.boot = secrets.token_hex(6)
         self._local: dict[str, str] = {}  # our session id -> the Sessions' own
+        self._used: dict[str, float] = {}  # our session id -> when it was opened or last stepped
         self._lock = threading.Lock()
         self.metrics = PoolMetrics()
 
@@ -103,13 +122,16 @@ class PoolService:
         if self.sessions is None:
             raise NotServed("this job has no environment (spec.rollout.agent.environment and environmentFile are "
                             "unset)")
+        with self._lock:
+            if len(self._local) >= self.max_sessions:
+                raise Full(f"this replica holds {len(self._local)} open sessions, its most; open it on another")
         local, first = self.sessions.open(sample)
         sid = f"{self.boot}.{local}"
         if first.error or first.done:
             self.sessions.close(local)  # over before its first step (idempotent: a failed reset is closed already)
         else:
             with self._lock:
-                self._local[sid] = local
+                self._local[sid], self._used[sid] = local, self.clock()
         self._count_open()
         return {"session": sid, "observation": first.to_json()}
 
@@ -122,23 +144,44 @@ class PoolService:
         action = _field(body, "action", str)
         with self._lock:
             local = self._local.get(sid)
+            if local is not None:
+                self._used[sid] = self.clock()
         if local is None:
             return None
         out = self.sessions.step(local, action)
+        with self._lock:
+            if sid in self._used:
+                self._used[sid] = self.clock()  # idle from the end of its step, however long the step took
         if out.done:  # LocalSessions closed it
             with self._lock:
                 self._local.pop(sid, None)
+                self._used.pop(sid, None)
             self._count_open()
         return out.to_json()
 
     def close(self, sid: str) -> bool:
         with self._lock:
             local = self._local.pop(sid, None)
+            self._used.pop(sid, None)
         if local is None:
             return False
         self.sessions.close(local)
         self._count_open()
         return True
+
+    def idle_sessions(self) -> list[str]:
+        """The sessions nobody has stepped for longer than the idle limit."""
+        now = self.clock()
+        with self._lock:
+            return [sid for sid, used in self._used.items() if now - used > self.idle_seconds]
+
+    def reap(self) -> int:
+        """Close the idle sessions; how many were closed (a step racing the close finds its session gone: 404)."""
+        closed = sum(self.close(sid) for sid in self.idle_sessions())
+        if closed:
+            self.metrics.reaped.inc(closed)
+            log.info("closed %d environment session(s) idle for more than %.0f s", closed, self.idle_seconds)
+        return closed
 
     def _count_open(self) -> None:
         with self._lock:
@@ -159,7 +202,7 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s " + format, self.address_string(), *args)
 
     def _reply(self, code: int, body: Info | bytes, content_type: str = "application/json") -> None:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        data = body if isinstance(body, bytes) else wire.encode(body)
         self.send_response(code)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
@@ -177,12 +220,9 @@ class _Handler(BaseHTTPRequestHandler):
             raise TooLarge(f"the request body is {length} bytes; at most {MAX_BODY}")
         raw = self.rfile.read(length) if length else b"{}"
         try:
-            body = json.loads(raw)
-        except ValueError as err:
-            raise BadRequest(f"the request body is not JSON: {err}") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        return body
+            return wire.decode(raw)
+        except wire.WireError as err:
+            raise BadRequest(f"the request body must be one JSON object: {err}") from None
 
     def do_GET(self) -> None:
         if self.path == "/healthz":
@@ -221,6 +261,8 @@ class _Handler(BaseHTTPRequestHandler):
             code, out = 400, {"error": str(err)}
         except NotServed as err:
             code, out = 404, {"error": str(err)}
+        except Full as err:
+            code, out = 503, {"error": str(err)}
         except EnvironmentLoadError as err:
             code, out = 422, {"error": str(err)}
         except Exception as err:  # noqa: BLE001 - one request's failure is its answer, never the server's end
@@ -260,6 +302,7 @@ class PoolServer(ThreadingHTTPServer):
         if not token:
             raise ValueError("the environment pool needs the job's token (RAY_AUTH_TOKEN); none was given")
         self.service, self.token = service, token
+        self._stopped = threading.Event()
         super().__init__((address, port), _Handler)
 
     @property
@@ -271,10 +314,20 @@ class PoolServer(ThreadingHTTPServer):
         """Serve in a background thread (tests, and a process that also waits on signals)."""
         thread = threading.Thread(target=self.serve_forever, name="environment-pool", daemon=True)
         thread.start()
+        threading.Thread(target=self._reap_idle, name="environment-pool-reaper", daemon=True).start()
         return thread
+
+    def _reap_idle(self) -> None:
+        every = max(0.05, min(60.0, self.service.idle_seconds / 4))
+        while not self._stopped.wait(every):
+            try:
+                self.service.reap()
+            except Exception:  # noqa: BLE001 - a failed close is logged; the reaper goes on with the rest next time
+                log.exception("closing idle sessions failed")
 
     def stop(self) -> None:
         """Stop answering, then end every session's sandbox."""
+        self._stopped.set()
         self.shutdown()
         self.server_close()
         self.service.shutdown()

@@ -81,10 +81,10 @@ def _write_atomically(target: Path, build: Any) -> Path:
 
 
 def build_tiny(t: TinyModel, out_dir: Path, seed: int) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM
-
     def build(tmp: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM  # only when building: importing it costs seconds
+
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(tiny_config(t), dtype=torch.float32)
         from transformers.utils import logging as hf_logging

@@ -49,8 +49,8 @@ class EpisodeRunner:
             flags: Sequence[bool], want_log_probs: bool, prompt_width: int) -> dict[str, torch.Tensor]:
         """The episodes of `batch`'s rows (non-tensor prompt_ids, truth, data_source, extra_info), packed."""
         prompts = [list(p) for p in batch["prompt_ids"]]
-        samples = [{"prompt": self.codec.decode(p), "ground_truth": _plain(t), "data_source": str(s),
-                    "extra_info": _plain(dict(x))}
+        # numpy values (a Parquet row's) stay as they are: hybridflow.wire encodes them for every place
+        samples = [{"prompt": self.codec.decode(p), "ground_truth": t, "data_source": str(s), "extra_info": dict(x)}
                    for p, t, s, x in zip(prompts, batch["truth"], batch["data_source"], batch["extra_info"])]
 
         class Turns:
@@ -100,13 +100,3 @@ def episode_columns(episodes: Sequence[Episode]) -> dict[str, torch.Tensor]:
         "agent_failed": [float(e.error is not None) for e in episodes]}
     return {k: torch.tensor(v, dtype=torch.float32) for k, v in values.items()}
 
-
-def _plain(x: Any) -> Any:
-    """numpy scalars and arrays as the JSON values a sandboxed environment receives."""
-    if hasattr(x, "tolist"):
-        return x.tolist()
-    if isinstance(x, dict):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x
