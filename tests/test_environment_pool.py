@@ -190,6 +190,10 @@ def test_a_session_nobody_steps_is_closed_and_a_full_replica_passes_new_ones_on(
         assert sessions.step(again, "10").text == "Higher."
         time.sleep(0.4)
     assert "hybridflow_environment_reaped_sessions_total 1.0" in _metrics(a.url)
+    deadline = time.monotonic() + 10  # left alone after its steps: idle from the last one, then reaped too
+    while "hybridflow_environment_reaped_sessions_total 2.0" not in _metrics(a.url):
+        assert time.monotonic() < deadline, _metrics(a.url)
+        time.sleep(0.1)
     sessions.shutdown()
 
 

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 from hybridflow.capacity import local_capacity_problems, machine_facts
 from hybridflow.api import EXIT_BAD_INPUT, EXIT_FAILED, RLHFJob, SpecError, load_job
 from hybridflow.api.engines import standalone_rollout_engines
+from hybridflow.agents.server import IDLE_SESSION_SECONDS, MAX_SESSIONS
 from hybridflow.trainer.preflight import check_runtime_paths
 
 log = logging.getLogger("hybridflow")
@@ -309,9 +310,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--spec", required=True, help="the job's (resolved) spec file")
     serve.add_argument("--port", type=int, default=8100, help="port (default 8100)")
     serve.add_argument("--address", default="127.0.0.1", help="address to bind (default 127.0.0.1; a pod: 0.0.0.0)")
-    serve.add_argument("--idle-session-seconds", type=float, default=1800.0,
-                       help="close a session nobody has stepped for this long (default 1800)")
-    serve.add_argument("--max-sessions", type=int, default=1024,
+    serve.add_argument("--idle-session-seconds", type=float, default=IDLE_SESSION_SECONDS,
+                       help=f"close a session nobody has stepped for this long (default {IDLE_SESSION_SECONDS:.0f})")
+    serve.add_argument("--max-sessions", type=int, default=MAX_SESSIONS,
                        help="sessions open at once; more are refused (503) and opened on another replica")
     serve.set_defaults(fn=cmd_environments_serve)
     algorithms = sub.add_parser("algorithms", help="list registered algorithms, estimators, losses and KL pieces")

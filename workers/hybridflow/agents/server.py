@@ -98,14 +98,14 @@ class PoolService:
     """What the endpoints do, apart from HTTP: the boot-scoped session ids over one Tools and one Sessions."""
 
     def __init__(self, tools: Tools | None, sessions: Sessions | None,
-                 idle_seconds: float = IDLE_SESSION_SECONDS, max_sessions: int = MAX_SESSIONS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 idle_seconds: float = IDLE_SESSION_SECONDS, max_sessions: int = MAX_SESSIONS) -> None:
         """None: the job has no tools, or no environment (its requests answer 404, naming which)."""
         self.tools, self.sessions = tools, sessions
-        self.idle_seconds, self.max_sessions, self.clock = idle_seconds, max_sessions, clock
+        self.idle_seconds, self.max_sessions = idle_seconds, max_sessions
         self.boot = secrets.token_hex(6)
         self._local: dict[str, str] = {}  # our session id -> the Sessions' own
-        self._used: dict[str, float] = {}  # our session id -> when it was opened or last stepped
+        # our session id -> when it was opened or its last step ended; a session in a step is not in it (not idle)
+        self._used: dict[str, float] = {}
         self._lock = threading.Lock()
         self.metrics = PoolMetrics()
 
@@ -131,7 +131,7 @@ class PoolService:
             self.sessions.close(local)  # over before its first step (idempotent: a failed reset is closed already)
         else:
             with self._lock:
-                self._local[sid], self._used[sid] = local, self.clock()
+                self._local[sid], self._used[sid] = local, time.monotonic()
         self._count_open()
         return {"session": sid, "observation": first.to_json()}
 
@@ -144,18 +144,16 @@ class PoolService:
         action = _field(body, "action", str)
         with self._lock:
             local = self._local.get(sid)
-            if local is not None:
-                self._used[sid] = self.clock()
+            self._used.pop(sid, None)  # however long the step takes, the reaper leaves it alone
         if local is None:
             return None
         out = self.sessions.step(local, action)
         with self._lock:
-            if sid in self._used:
-                self._used[sid] = self.clock()  # idle from the end of its step, however long the step took
-        if out.done:  # LocalSessions closed it
-            with self._lock:
+            if out.done:  # LocalSessions closed it
                 self._local.pop(sid, None)
-                self._used.pop(sid, None)
+            elif sid in self._local:  # not closed meanwhile: idle from the end of this step
+                self._used[sid] = time.monotonic()
+        if out.done:
             self._count_open()
         return out.to_json()
 
@@ -171,7 +169,7 @@ class PoolService:
 
     def idle_sessions(self) -> list[str]:
         """The sessions nobody has stepped for longer than the idle limit."""
-        now = self.clock()
+        now = time.monotonic()
         with self._lock:
             return [sid for sid, used in self._used.items() if now - used > self.idle_seconds]
 
