@@ -254,6 +254,96 @@ def test_no_writes_to_the_repo_or_the_drivers_files_and_a_private_tmp(tools, tmp
             t.unlink(missing_ok=True)
 
 
+READ_TOOLS = '''
+def read(path: str):
+    """Reads a file (the model picks the path)."""
+    with open(path) as f:
+        return f"[{f.read()}]"
+
+
+class Environment:
+    """Answers each action, a path, with what that file holds."""
+
+    def reset(self, sample):
+        return ""
+
+    def step(self, action):
+        try:
+            with open(action) as f:
+                return f"[{f.read()}]", 0.0, False, {}
+        except OSError as e:
+            return type(e).__name__, 0.0, False, {}
+'''
+
+
+def test_the_jobs_data_and_checkpoints_are_out_of_its_tools_and_environments_sight():
+    """The answers a tool could read instead of working the problem out: the job's prompt files (one beside the
+    tools file, in the directory the sandbox binds for it; others under a glob) and its checkpoint directory (the
+    step and rollout logs), all world-readable. Through the python tool, a user tool and an environment step the
+    files cannot be opened and the directory is empty; a file beside them that is not the job's reads as it is."""
+    needs("filesystem")
+    from hybridflow.api import JobSpec
+    from hybridflow.data.files import job_private_paths
+
+    tag = uuid.uuid4().hex
+    root = Path(f"/var/tmp/hf-agent-job-{tag}")  # outside /tmp, which a sandbox does not see anyway
+    answer = f"answer-{tag}"
+    files = {"tools.py": READ_TOOLS, "eval.jsonl": answer, "notes.txt": "kept", "data/train-0.jsonl": answer,
+             "data/train-1.jsonl": answer, "runs/steps.jsonl": answer, "runs/rollouts/step_00000001.jsonl": answer}
+    try:
+        for name, text in files.items():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(text)
+        for d in [p for p in root.rglob("*") if p.is_dir()] + [root]:
+            d.chmod(0o755)
+        for f in (p for p in root.rglob("*") if p.is_file()):
+            f.chmod(0o644)
+        spec = JobSpec.model_validate({
+            "models": {"actor": {"source": "smollm2"}, "reward": {"type": "scorer", "scorers": [{"name": "math"}]}},
+            "data": {"source": "files", "train": [str(root / "data" / "train-*.jsonl")],
+                     "eval": str(root / "eval.jsonl")},
+            "trainer": {"checkpointDir": str(root / "runs")}})
+        private = job_private_paths(spec)
+        assert set(private) == {str(root / "data" / "train-0.jsonl"), str(root / "data" / "train-1.jsonl"),
+                                str(root / "eval.jsonl"), str(root / "runs")}
+        targets = [root / n for n in ("eval.jsonl", "data/train-0.jsonl", "runs/steps.jsonl",
+                                      "runs/rollouts/step_00000001.jsonl", "notes.txt")]
+        python = LocalTools({"python": TOOLS["python"]}, timeout_seconds=10, private=private)
+        own = _call(python, f"""
+            import os
+            for t in {[str(t) for t in targets]!r}:
+                try:
+                    print(t, repr(open(t).read()))
+                except OSError as e:
+                    print(t, type(e).__name__)
+            print("runs", os.listdir({str(root / "runs")!r}))
+            """)
+        seen = _lines(own)
+        assert answer not in own.text, own.text
+        # a private file is /dev/null, which bwrap's nodev bind will not open
+        assert [seen[str(t)] for t in targets] == [
+            "PermissionError", "PermissionError", "FileNotFoundError", "FileNotFoundError", "'kept'"], own.text
+        assert seen["runs"] == "[]", own.text
+
+        user = LocalTools(read_tools_file(root / "tools.py"), timeout_seconds=10, private=private)
+        answers = [_call(user, "", "read", path=str(t)).text for t in targets]
+        assert all("Permission denied" in a for a in answers[:2]) and answers[4] == "[kept]", answers
+        assert all("No such file or directory" in a for a in answers[2:4]), answers
+
+        sessions = LocalSessions(EnvironmentCode.from_file(root / "tools.py", "Environment"), step_timeout_seconds=10,
+                                 private=private)
+        try:
+            sid, _ = sessions.open({"prompt": "p"})
+            steps = [sessions.step(sid, str(t)).text for t in targets]
+        finally:
+            sessions.shutdown()
+        assert steps == ["PermissionError", "PermissionError", "FileNotFoundError", "FileNotFoundError", "[kept]"], steps
+    finally:
+        for f in sorted(root.rglob("*"), reverse=True):
+            f.rmdir() if f.is_dir() else f.unlink()
+        root.rmdir()
+
+
 def test_it_cannot_see_or_signal_the_driver(tools):
     needs("processes")
     me = os.getpid()

@@ -250,7 +250,9 @@ def cmd_environments_serve(args: argparse.Namespace) -> int:
                         "Kubernetes give a path on kubernetes.dataPvc)")
     from hybridflow.agents.places import local_places
 
-    places = local_places(agent)
+    from hybridflow.data.files import job_private_paths
+
+    places = local_places(agent, job_private_paths(job.spec))
     service = PoolService(places.tools, places.sessions, idle_seconds=args.idle_session_seconds,
                           max_sessions=args.max_sessions)
     server = PoolServer(service, token, args.address, args.port)

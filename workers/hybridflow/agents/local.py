@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from hybridflow import sandbox
 from hybridflow import wire
@@ -51,10 +51,11 @@ class EnvironmentCode:
 class _Worker:
     """A sandboxed worker process and the driver's end of its pipes."""
 
-    def __init__(self, module: str, limits: Limits, layers: sandbox.Layers, code_path: str | None) -> None:
+    def __init__(self, module: str, limits: Limits, layers: sandbox.Layers, code_path: str | None,
+                 private: Sequence[str]) -> None:
         self.box = sandbox.spawn([sys.executable, "-m", module], limits, layers, env=sandbox.clean_env(),
-                                 binds=sandbox.code_binds(code_path) if code_path else [], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=subprocess.DEVNULL)
+                                 binds=sandbox.code_binds(code_path) if code_path else [], private=private,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         assert self.box.popen.stdin is not None and self.box.popen.stdout is not None
         self.reader = wire.LineReader(self.box.popen.stdout.fileno())
 
@@ -91,11 +92,13 @@ def _probe(require: bool | None, what: str) -> sandbox.Layers:
 
 
 class LocalTools:
-    """The job's tools, each call in a fresh sandbox with `timeout_seconds`."""
+    """The job's tools, each call in a fresh sandbox with `timeout_seconds`; `private`: the job's paths the tools
+    must not read (data_files.job_private_paths: its prompt files and checkpoints)."""
 
     def __init__(self, tools: dict[str, ToolSpec], timeout_seconds: float = 10.0, limits: Limits | None = None,
-                 require_sandbox: bool | None = None, layers: sandbox.Layers | None = None) -> None:
-        self.tools, self.timeout = tools, timeout_seconds
+                 require_sandbox: bool | None = None, layers: sandbox.Layers | None = None,
+                 private: Sequence[str] = ()) -> None:
+        self.tools, self.timeout, self.private = tools, timeout_seconds, tuple(private)
         self.limits = limits or Limits(cpu_seconds=max(2, int(2 * timeout_seconds)), memory_bytes=2 << 30,
                                        processes=32)
         self.layers = layers or _probe(require_sandbox, "the agent's tools")
@@ -111,7 +114,7 @@ class LocalTools:
         request.update({"target": tool.target} if tool.target else
                        {"path": tool.path, "source": self._sources[name], "function": name})
         try:
-            worker = _Worker(TOOL_MODULE, self.limits, self.layers, tool.path)
+            worker = _Worker(TOOL_MODULE, self.limits, self.layers, tool.path, self.private)
         except OSError as err:  # the machine could not start a sandbox (no processes or files left): the answer
             return ToolResult(f"Error: the {name} tool could not start: {err}.", error=f"could not start: {err}",
                               seconds=time.monotonic() - t0)
@@ -140,8 +143,9 @@ class LocalSessions:
 
     def __init__(self, code: EnvironmentCode, step_timeout_seconds: float = 10.0, load_timeout_seconds: float = 60.0,
                  limits: Limits | None = None, require_sandbox: bool | None = None,
-                 layers: sandbox.Layers | None = None) -> None:
+                 layers: sandbox.Layers | None = None, private: Sequence[str] = ()) -> None:
         self.code, self.timeout, self.load_timeout = code, step_timeout_seconds, load_timeout_seconds
+        self.private = tuple(private)
         self.limits = limits or Limits(cpu_seconds=600, memory_bytes=2 << 30, processes=32)
         self.layers = layers or _probe(require_sandbox, "the agent's environment")
         self._open: dict[str, _Worker] = {}
@@ -149,7 +153,7 @@ class LocalSessions:
         self._lock = threading.Lock()
 
     def open(self, sample: Info) -> tuple[str, Observation]:
-        worker = _Worker(ENV_MODULE, self.limits, self.layers, self.code.path)
+        worker = _Worker(ENV_MODULE, self.limits, self.layers, self.code.path, self.private)
         with self._lock:
             sid = f"s{next(self._ids)}"
             self._open[sid] = worker

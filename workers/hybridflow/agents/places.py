@@ -3,7 +3,7 @@ environment pool (spec.environments) when the operator handed its replicas' addr
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from hybridflow.agents.local import EnvironmentCode, LocalSessions, LocalTools
 from hybridflow.agents.protocol import Places
@@ -37,19 +37,19 @@ def environment_code(agent: "Agent") -> EnvironmentCode | None:
     return None
 
 
-def local_places(agent: "Agent") -> Places:
-    """This machine's sandboxes for the job's tools and environment."""
+def local_places(agent: "Agent", private: Sequence[str] = ()) -> Places:
+    """This machine's sandboxes for the job's tools and environment, none of which can read the `private` paths."""
     tools = job_tools(agent)
     code = environment_code(agent)
-    return Places(LocalTools(tools, agent.tool_timeout_seconds) if tools else None,
-                  LocalSessions(code, agent.step_timeout_seconds) if code is not None else None)
+    return Places(LocalTools(tools, agent.tool_timeout_seconds, private=private) if tools else None,
+                  LocalSessions(code, agent.step_timeout_seconds, private=private) if code is not None else None)
 
 
-def job_places(agent: "Agent") -> Places:
+def job_places(agent: "Agent", private: Sequence[str] = ()) -> Places:
     """The environment pool's replicas when this process was given them, else this machine's sandboxes."""
     urls = [u for u in os.environ.get(URLS_ENV, "").split(",") if u.strip()]
     if not urls:
-        return local_places(agent)
+        return local_places(agent, private)
     from hybridflow.agents.remote import remote_places
 
     return remote_places(agent, urls, os.environ.get(TOKEN_ENV, ""))

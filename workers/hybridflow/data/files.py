@@ -11,15 +11,20 @@ from __future__ import annotations
 import glob
 import hashlib
 import logging
+import os
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence, overload
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, overload
 
 from hybridflow.agents.toolcalls import plain_tools_text, template_renders_tools
 from hybridflow.data.tasks import Sample
-from hybridflow.api import Data, SpecError
+from hybridflow.api import DATA_MOUNT, Data, SpecError
+from hybridflow.api.storage import is_url
+
+if TYPE_CHECKING:
+    from hybridflow.api import JobSpec
 
 log = logging.getLogger("hybridflow.data")
 
@@ -40,6 +45,21 @@ class DataError(SpecError):
 
 def _saved_dataset(d: Path) -> bool:
     return (d / "state.json").is_file() or (d / "dataset_dict.json").is_file()
+
+
+def job_private_paths(spec: "JobSpec") -> tuple[str, ...]:
+    """What an agent's tools and environments must not read of the job's own: its prompt files (a glob as the files
+    it matches: its directory may hold the user's tool code), the volume they are on in a pod, and its checkpoints
+    (step log, rollout log). A tool the model calls would find there the answers it is scored on. Absolute paths
+    of this process's view; object storage is out of a sandbox's reach already (no network)."""
+    d = spec.data
+    out: list[str] = []
+    for entry in (*d.train, *d.eval):
+        out += glob.glob(entry, recursive=True) if _GLOB.search(entry) else [entry]
+    if spec.kubernetes.data_pvc:
+        out.append(DATA_MOUNT)
+    out += [p for p in (spec.trainer.checkpoint_dir, spec.trainer.resume_from) if p and not is_url(p)]
+    return tuple(sorted({os.path.abspath(p) for p in out}))
 
 
 def resolve_paths(field: str, entries: Sequence[str]) -> tuple[str, list[Path]]:

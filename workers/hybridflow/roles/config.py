@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict
 from hybridflow.algorithms.corrections import CorrectionSettings, JobCorrection
 from hybridflow.api import Algorithm, JobSpec, ModelSource, Rollout, Training
 from hybridflow.api.engines import ROLLOUT_ENGINES, TRAIN_ENGINES, RolloutEngineKind, TrainEngineKind
+from hybridflow.data.files import job_private_paths
 
 # Critics, the reference and reward/cost models run on this training engine whatever the actor's is: they hold HF
 # heads (values, scores) that only it builds.
@@ -33,6 +34,7 @@ class ActorConfig(_Section):
     train_engine: TrainEngineKind  # spec.training.engine, resolved
     rollout_engine: RolloutEngineKind  # spec.rollout.engine, resolved
     chat_template: str | None = None  # spec.data.chatTemplate: multi-turn rollouts render answers as prompts are
+    private_paths: tuple[str, ...] = ()  # the job's data and checkpoints: out of its tools' and environments' sight
 
     @property
     def old_log_probs_from_update(self) -> bool:
@@ -96,7 +98,8 @@ def actor_config(spec: JobSpec) -> ActorConfig:
     return ActorConfig(model=spec.models.actor, algorithm=spec.algorithm, rollout=r, training=spec.training,
                        prompts_per_step=spec.trainer.prompts_per_step, generation_batch=per_call, seed=spec.trainer.seed,
                        train_engine=TRAIN_ENGINES[spec.training.engine], rollout_engine=ROLLOUT_ENGINES[r.engine],
-                       chat_template=spec.data.chat_template)
+                       chat_template=spec.data.chat_template,
+                       private_paths=job_private_paths(spec) if r.agent is not None else ())
 
 
 def critic_config(spec: JobSpec) -> CriticConfig:

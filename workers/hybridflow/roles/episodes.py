@@ -38,12 +38,12 @@ class EpisodeRunner:
 
     @classmethod
     def build(cls, agent: Agent, model_dir: Path, chat_template: str | None, stop_token_ids: Sequence[int],
-              max_tokens: int) -> "EpisodeRunner":
+              max_tokens: int, private: Sequence[str] = ()) -> "EpisodeRunner":
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model_dir)
         codec = ObservationCodec(tok, chat_template or getattr(tok, "chat_template", None), stop_token_ids)
-        return cls(agent, codec, job_places(agent), max_tokens)
+        return cls(agent, codec, job_places(agent, private), max_tokens)
 
     def run(self, generator: RolloutEngine, sampling: Callable[[bool, bool, int], SamplingConfig], batch: Any,
             flags: Sequence[bool], want_log_probs: bool, prompt_width: int) -> dict[str, torch.Tensor]:

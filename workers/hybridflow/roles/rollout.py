@@ -54,7 +54,8 @@ class _Generator:
         """The engine's generator, with its episode runner when the job's rollouts are multi-turn."""
         agent = config.rollout.agent
         runner = None if agent is None else EpisodeRunner.build(agent, model_dir, config.chat_template,
-                                                                stop_token_ids, config.rollout.max_response_length)
+                                                                stop_token_ids, config.rollout.max_response_length,
+                                                                config.private_paths)
         return cls(generator, config, tuple(stop_token_ids), episodes=runner)
 
     def sampling(self, greedy: bool, log_probs: bool, max_tokens: int | None = None) -> SamplingConfig:

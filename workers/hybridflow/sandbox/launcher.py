@@ -11,7 +11,7 @@ from typing import Sequence
 
 import hybridflow
 from hybridflow.sandbox.limits import (FRESH_UIDS, INSIDE_UID, PRIVATE_TMP, SECRET_DIRS, THREADS_ENV, WORKDIR, Layers,
-                                       Limits)
+                                       Limits, Private)
 
 # The launcher: runs first inside the sandbox, sets the rlimits (soft = hard), drops to the sandbox's uid when it
 # starts as root, arms the parent-death signal when there is no bwrap to do it, makes the working directory and
@@ -58,12 +58,15 @@ def _ancestors(path: str, below: str) -> list[str]:
 
 def command(argv: Sequence[str], limits: Limits, layers: Layers, *, env: dict[str, str], workdir: str,
             uid: int | None = None, parent: int | None = None, binds: Sequence[str] = (),
-            hidden: Sequence[str] = (), needed: Sequence[str] = (), python: str = sys.executable) -> list[str]:
+            hidden: Sequence[str] = (), needed: Sequence[str] = (), private: Private = Private(),
+            python: str = sys.executable) -> list[str]:
     """The command line that runs `argv` sandboxed with `layers`. A pure function of its arguments.
 
     binds: host paths the program sees read-only (the user's code); hidden: directories replaced by an empty tmpfs
     (the driver's home, secrets), except for the `needed` paths under them (the interpreter and its packages),
-    which are bound back read-only; workdir: where the program runs (made by the launcher); uid: the uid the
+    which are bound back read-only; private: the job's own files (its data, its checkpoints), hidden wherever they
+    are, even inside a bound directory: a directory by an empty tmpfs (the user's code under it bound back), a file
+    by /dev/null (on bwrap's nodev bind it cannot even be opened); workdir: where the program runs (made by the launcher); uid: the uid the
     launcher drops to (started as root); parent: the pid whose death kills the program (without bwrap)."""
     opts = [f"{k}={v}" for k, v in limits.rlimits(count_processes=layers.userns or layers.other_uid)]
     if uid is not None:
@@ -97,10 +100,18 @@ def command(argv: Sequence[str], limits: Limits, layers: Layers, *, env: dict[st
         for root in PRIVATE_TMP:
             if is_under(root, e):
                 raise ValueError(f"cannot bind {e} into a sandbox: it holds its private {root}")
+    for d in sorted({os.path.normpath(p) for p in private.dirs}):
+        if not any(is_under(d, t) for t in PRIVATE_TMP) and (d, "hide") not in mounts:
+            mounts.append((d, "hide"))
     covered = [p for p, _ in mounts]
-    for e in exposed:
-        if e in binds or any(is_under(e, c) for c in covered):  # needed paths elsewhere are in the read-only root
-            mounts.append((e, "bind"))
+    bound = [e for e in exposed if e in binds or any(is_under(e, c) for c in covered)]
+    for e in bound:  # needed paths elsewhere are in the read-only root
+        mounts.append((e, "bind"))
+    for f in sorted({os.path.normpath(p) for p in private.files}):
+        # one under a hidden directory is gone with it, unless what is bound back into that directory holds it
+        gone = any(is_under(f, c) for c in covered) and not any(is_under(f, e) for e in bound)
+        if not gone and not any(is_under(f, t) for t in PRIVATE_TMP):
+            mounts.append((f, "mask"))
     mounts.sort(key=lambda m: (len(PurePosixPath(m[0]).parts), m[1] != "tmp"))
     made: set[str] = set()
     rebound: set[str] = set()
@@ -110,6 +121,8 @@ def command(argv: Sequence[str], limits: Limits, layers: Layers, *, env: dict[st
         elif kind == "hide":
             out += ["--perms", "0755", "--size", "65536", "--tmpfs", path]
             rebound.add(path)
+        elif kind == "mask":  # opening it fails: a device node on a nodev mount
+            out += ["--ro-bind", "/dev/null", path]
         else:
             for tmpfs in covered:  # bwrap would make its mount point's parents 0700: make them 0755
                 if is_under(path, tmpfs) and path != tmpfs:

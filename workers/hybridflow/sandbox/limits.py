@@ -27,6 +27,16 @@ class SandboxUnavailable(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Private:
+    """What of the job's own a sandbox must not read although the machine's files are readable: its data and
+    checkpoints, where a tool the model calls would find the answers it is scored on. Directories and files apart,
+    because each is hidden its own way (process.private_paths sorts a job's paths)."""
+
+    dirs: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Limits:
     """Per-process rlimits of a sandbox (soft = hard: the program cannot raise them), and the size of its /tmp.
     The wall-clock deadline is the caller's (it kills the sandbox)."""

@@ -16,7 +16,7 @@ from functools import lru_cache
 from typing import Any, Sequence
 
 from hybridflow.sandbox import launcher
-from hybridflow.sandbox.limits import WORKDIR, Layers, Limits
+from hybridflow.sandbox.limits import WORKDIR, Layers, Limits, Private
 
 
 @dataclass
@@ -72,9 +72,11 @@ def _children(pid: int) -> list[int]:
 
 def spawn(argv: Sequence[str], limits: Limits, layers: Layers | None = None, *, env: dict[str, str] | None = None,
           binds: Sequence[str] = (), hidden: Sequence[str] | None = None, needed: Sequence[str] | None = None,
-          **popen: Any) -> Sandboxed:
+          private: Sequence[str] = (), **popen: Any) -> Sandboxed:
     """Start `argv` in a sandbox (`probe()`'s layers unless given); `popen` goes to subprocess.Popen (stdin,
-    stdout, ...). The caller kills it (`Sandboxed.kill`) at its deadline."""
+    stdout, ...). The caller kills it (`Sandboxed.kill`) at its deadline. `private`: the job's paths (data,
+    checkpoints) the program must not read; they need bwrap's mounts (without bwrap only its uid's permissions
+    hold, and the policy's warning says the filesystem layer is missing)."""
     if layers is None:
         layers = probe()
     uid = launcher.fresh_uid() if layers.other_uid else None
@@ -89,8 +91,11 @@ def spawn(argv: Sequence[str], limits: Limits, layers: Layers | None = None, *, 
     if layers.bwrap is None:
         env.update({"HOME": workdir, "TMPDIR": workdir})
     hidden = launcher.default_hidden() if hidden is None else hidden
+    mine = private_paths(private)
+    if needed is None:
+        needed = launcher.default_needed([*hidden, *mine.dirs])
     cmd = launcher.command(argv, limits, layers, env=env, workdir=workdir, uid=uid, parent=os.getpid(), binds=binds,
-                           hidden=hidden, needed=launcher.default_needed(hidden) if needed is None else needed)
+                           hidden=hidden, needed=needed, private=mine)
     try:
         proc = _popen(cmd, env=env, cwd="/", start_new_session=True, close_fds=True, **popen)
     except BaseException:
@@ -98,6 +103,19 @@ def spawn(argv: Sequence[str], limits: Limits, layers: Layers | None = None, *, 
             shutil.rmtree(host_dir, ignore_errors=True)
         raise
     return Sandboxed(proc, host_dir, layers)
+
+
+def private_paths(paths: Sequence[str]) -> Private:
+    """The job's paths as the launcher hides them: real paths (a symlink's target is what a program would open),
+    directories apart from files; what does not exist here (a glob's pattern, a path of another machine) is left."""
+    dirs, files = set(), set()
+    for p in paths:
+        real = os.path.realpath(p)
+        if os.path.isdir(real):
+            dirs.add(real)
+        elif os.path.isfile(real):
+            files.add(real)
+    return Private(tuple(sorted(dirs)), tuple(sorted(files)))
 
 
 _spawner: tuple[int, ThreadPoolExecutor] | None = None
