@@ -74,7 +74,8 @@ def run_cli(args, cwd, env_extra=None, timeout=900):
 # as the next test does not need it, so it never idles beside unrelated tests. A pool's "devices" are only counters
 # (`hybridflow_pool_<name>`, hybridflow.api.pool_resource) that placement groups reserve, so one Ray with room for
 # the largest job of each pool name serves them all; a job needing more fails clearly (raise the numbers here).
-SHARED_RAY_POOLS = {"default": 8, "ref": 2, "p1": 2, "p2": 4, "trainer": 1, "rollout": 1}  # pool name -> devices
+SHARED_RAY_POOLS = {"default": 8, "ref": 2, "p1": 2, "p2": 4, "trainer": 1, "rollout": 1,
+                    "judges": 1}  # pool name -> devices
 # CPUs reserved at once (devices x cpusPerDevice): the megatron TP=4 job needs 4. Like start_local_ray, never fewer
 # than the machine has; Ray starts that many idle workers when the driver connects.
 SHARED_RAY_CPUS = max(4, os.cpu_count() or 1)
@@ -281,6 +282,36 @@ def local_ray(shared_ray):
         shared_ray.check_fits(job)
 
     return start
+
+
+@pytest.fixture
+def run_here(local_ray, model_cache, monkeypatch):
+    """`run_here(JOB, overrides, cwd)`: `hybridflow run JOB` in this process on the shared Ray, with `overrides`
+    dotted like the CLI's flags ({"spec.trainer.steps": 2}) and relative paths from `cwd`: the CLI's own load,
+    prepare and execute, without the ~10-15 s of a new process and its `ray.init`. Returns the exit code and what
+    the job printed. The tests of the CLI itself (its flags, exit codes, signals) run `hybridflow run` (run_cli)."""
+    import contextlib
+    import io
+
+    from hybridflow.cli import _load
+    from hybridflow.trainer.loop import execute
+    from hybridflow.trainer.setup import prepare
+
+    monkeypatch.setenv("HYBRIDFLOW_MODEL_CACHE", str(model_cache))
+
+    def run(job_path, overrides=None, cwd=None) -> tuple[int, str]:
+        out = io.StringIO()
+        with contextlib.chdir(cwd or os.getcwd()), contextlib.redirect_stdout(out):
+            job = _load(str(job_path), {"spec.metrics.port": 0, **(overrides or {})})
+            prepared = prepare(job)
+            try:
+                local_ray(job)
+                rc = execute(job, prepared)
+            finally:
+                prepared.close()
+        return rc, out.getvalue()
+
+    return run
 
 
 @pytest.fixture

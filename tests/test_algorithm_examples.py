@@ -1,4 +1,6 @@
-"""Every algorithm's example, run as a user runs it (`hybridflow run`, real Ray, FSDP2 on two CPU ranks).
+"""Every algorithm's example, run as a user runs it: `hybridflow run`'s own load, prepare and execute (in this process
+on the suite's shared Ray: conftest's run_here, ~10-15 s a run less than a process of its own), real Ray, FSDP2 on two
+CPU ranks.
 
 Learning is tested once per algorithm family: GRPO's outcome-advantage family in tests/test_end_to_end.py
 (test_tiny_example_learns), REINFORCE with a baseline by remax, critics with GAE and the Lagrangian constraint by
@@ -20,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import ROOT, run_cli
+from conftest import ROOT
 from test_algorithms import AGG_REFERENCES, ESTIMATOR_REFERENCES, LOSS_REFERENCES, Rows, ref_gae, ref_kl
 
 from hybridflow import checkpoint as ck
@@ -40,25 +42,24 @@ DP = 2  # the examples' actor: FSDP2 on one pool of two CPU ranks
 TOL = 1e-5  # float32 on the ranks against float64 here (measured: under 1e-6), over a few hundred tokens
 
 
-def _run(tmp_path, model_cache, ray_tmp, stem):
+def _run(tmp_path, run_here, stem):
     """The example as it is, with the rollout log on (it changes nothing the job computes)."""
     ckpt = tmp_path / "run"
     doc = yaml.safe_load((ROOT / "examples" / f"tiny-{stem}.yaml").read_text())
     doc["spec"]["trainer"]["rolloutLog"] = True
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(doc))
-    out = run_cli(["run", str(job), "--checkpoint-dir", str(ckpt), "--metrics-port", "0", "--ray-temp-dir", ray_tmp],
-                  cwd=tmp_path, env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
-    assert out.returncode == 0, out.stderr[-3000:]
-    return ckpt, json.loads((ckpt / "summary.json").read_text()), read_step_log(ckpt), out
+    rc, printed = run_here(job, {"spec.trainer.checkpointDir": str(ckpt)}, cwd=tmp_path)
+    assert rc == 0, printed[-3000:]
+    return ckpt, json.loads((ckpt / "summary.json").read_text()), read_step_log(ckpt), printed
 
 
-def _check_stages(job, spec, records, out, stem):
+def _check_stages(job, spec, records, printed, stem):
     """What every example's run shows, learning or not: its steps, its stages, where old log-probs came from."""
     algo = job["spec"]["algorithm"]
     assert [r["step"] for r in records] == list(range(1, job["spec"]["trainer"]["steps"] + 1))
     last = records[-1]
-    assert f"job tiny-{stem}: {algo['name']}" in out.stdout
+    assert f"job tiny-{stem}: {algo['name']}" in printed
     for stage in ("generate", "reward", "advantages", "actor_update", "reshard"):
         assert last["stages"][stage] > 0, stage
     on_policy = old_log_probs_from_update(spec.training, spec.algorithm, spec.trainer.prompts_per_step)
@@ -73,14 +74,14 @@ def _check_stages(job, spec, records, out, stem):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stem", LEARNING)
-def test_algorithm_example_learns(tmp_path, model_cache, ray_tmp, stem):
+def test_algorithm_example_learns(tmp_path, run_here, stem):
     job = yaml.safe_load((ROOT / "examples" / f"tiny-{stem}.yaml").read_text())
     algo = job["spec"]["algorithm"]
-    ckpt, summary, records, out = _run(tmp_path, model_cache, ray_tmp, stem)
+    ckpt, summary, records, printed = _run(tmp_path, run_here, stem)
     assert summary["eval_after"] >= LEARNED_MIN, summary
     assert summary["eval_after"] - summary["eval_before"] >= LEARNED_GAIN, summary
     spec = load_job(ROOT / "examples" / f"tiny-{stem}.yaml").spec
-    on_policy = _check_stages(job, spec, records, out, stem)
+    on_policy = _check_stages(job, spec, records, printed, stem)
     last = records[-1]
     assert ck.rollout_steps(ckpt) == [r["step"] for r in records]
     if algo["name"] == "safe_rlhf":
@@ -93,7 +94,7 @@ def test_algorithm_example_learns(tmp_path, model_cache, ray_tmp, stem):
         assert state["algorithm"]["lagrangian"]["value"] == pytest.approx(last["lagrange_multiplier"])
         assert last["stages"]["cost"] > 0 and last["stages"]["cost_critic_update"] > 0
         assert (ckpt / f"step_{len(records):08d}" / "cost_critic" / ".metadata").is_file()  # its own shards
-        assert "cost" in out.stdout and "lambda" in out.stdout
+        assert "cost" in printed and "lambda" in printed
         for r in records:  # what each step trained on: rule costs, (A_r - lambda A_c) / (1 + lambda) of two GAEs
             samples = ck.read_rollouts(ckpt, r["step"])
             _check_scores(samples, spec)
@@ -225,19 +226,19 @@ def _groups(samples):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stem", SHORT)
-def test_algorithm_example_computes_its_advantages_and_loss(tmp_path, model_cache, ray_tmp, stem):
+def test_algorithm_example_computes_its_advantages_and_loss(tmp_path, run_here, stem):
     job, path = _short_job(tmp_path, stem)
     algo = job["spec"]["algorithm"]
     # Generation is plain HF (its engine starts ~10 s sooner) unless the algorithm reads the rollout engine's own
-    # log-probs (tisCap: dapo's); the learning runs and GRPO's generate with vLLM.
-    engine = [] if "tisCap" in algo else ["--engine", "hf"]
-    out = run_cli(["run", str(path), "--metrics-port", "0", "--ray-temp-dir", ray_tmp, *engine], cwd=tmp_path,
-                  env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
-    assert out.returncode == 0, out.stderr[-3000:]
+    # log-probs (tisCap: dapo's); the learning runs and GRPO's generate with vLLM. The job runs in this process on
+    # the suite's Ray (the CLI's own code after its argument parsing: run_here); the learning runs are `hybridflow run`.
+    engine = {} if "tisCap" in algo else {"spec.rollout.engine": "hf"}
+    rc, printed = run_here(path, engine)
+    assert rc == 0, printed[-3000:]
     ckpt = tmp_path / "run"
     records = read_step_log(ckpt)
     spec = load_job(path).spec
-    on_policy = _check_stages(job, spec, records, out, stem)
+    on_policy = _check_stages(job, spec, records, printed, stem)
     n = spec.rollout.responses_per_prompt
     assert ck.rollout_steps(ckpt) == list(range(1, SHORT_STEPS + 1))
     kl_effect = 0.0
@@ -297,7 +298,7 @@ def test_algorithm_example_computes_its_advantages_and_loss(tmp_path, model_cach
 
 
 @pytest.mark.slow
-def test_safe_rlhf_with_a_cost_model_on_its_own_pool(tmp_path, model_cache, ray_tmp):
+def test_safe_rlhf_with_a_cost_model_on_its_own_pool(tmp_path, run_here):
     """The cost judged by a (random, tiny) model instead of a rule, the cost model and cost critic placed on a second
     resource pool: their stages run beside the actor pool's, and the multiplier moves with real-valued costs. The
     rollout log shows the advantage as (A_r - lambda A_c) / (1 + lambda) of two unwhitened GAEs, and a resumed job
@@ -310,9 +311,8 @@ def test_safe_rlhf_with_a_cost_model_on_its_own_pool(tmp_path, model_cache, ray_
     s["trainer"].update(steps=2, checkpointDir=str(tmp_path / "run"), rolloutLog=True)
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(doc))
-    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp, "--engine", "hf"],
-                  cwd=tmp_path, env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
-    assert out.returncode == 0, out.stderr[-3000:]
+    rc, printed = run_here(job, {"spec.rollout.engine": "hf"}, cwd=tmp_path)
+    assert rc == 0, printed[-3000:]
     records = read_step_log(tmp_path / "run")
     assert len(records) == 2
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -337,9 +337,8 @@ def test_safe_rlhf_with_a_cost_model_on_its_own_pool(tmp_path, model_cache, ray_
     # steps after the checkpoint (as a run killed after it would leave) are dropped; step 3 writes its own.
     for step in (3, 4):
         ck.write_rollouts(root, step, [{"left": "by a run killed after step 2's checkpoint"}])
-    out = run_cli(["run", str(job), "--steps", "3", "--metrics-port", "0", "--ray-temp-dir", ray_tmp, "--engine",
-                   "hf"], cwd=tmp_path, env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
-    assert out.returncode == 0, out.stderr[-3000:]
+    rc, printed = run_here(job, {"spec.trainer.steps": 3, "spec.rollout.engine": "hf"}, cwd=tmp_path)
+    assert rc == 0, printed[-3000:]
     third = read_step_log(tmp_path / "run")[2]
     saved = records[1]["lagrange_multiplier"]
     assert saved != pytest.approx(a["lambdaInit"])

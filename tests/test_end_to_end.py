@@ -75,17 +75,16 @@ def test_tiny_example_learns(tiny_example_run):
     assert not noise, f"logs should be quiet by default; {len(noise)} line(s) of noise:\n" + "\n".join(noise[:40])
 
 
-def test_ppo_with_hf_generation_and_a_reward_model(tmp_path, model_cache, ray_tmp):
+def test_ppo_with_hf_generation_and_a_reward_model(tmp_path, run_here):
     """examples/tiny-ppo.yaml with plain torch/HF generation (`--engine hf`) and its responses scored by a (random)
     tiny reward model: the critic computes values and trains, writes its own shards, and the rewards are the model's
     real-valued scores."""
     ckpt = tmp_path / "run"
     job = _variant(tmp_path, ROOT / "examples" / "tiny-ppo.yaml", models__reward={"type": "model", "model": {
         "source": "tiny", "tiny": {"vocabSize": 16, "hiddenSize": 64, "numHeads": 2, "numKvHeads": 1}}})
-    out = run_cli(["run", str(job), "--engine", "hf", "--steps", "2", "--checkpoint-dir", str(ckpt),
-                   "--metrics-port", "0", "--ray-temp-dir", ray_tmp],
-                  cwd=tmp_path, env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
-    assert out.returncode == 0, out.stderr[-3000:]
+    rc, printed = run_here(job, {"spec.rollout.engine": "hf", "spec.trainer.steps": 2,
+                                 "spec.trainer.checkpointDir": str(ckpt)}, cwd=tmp_path)
+    assert rc == 0, printed[-3000:]
     records = _steps(ckpt)
     assert len(records) == 2
     for r in records:
@@ -187,7 +186,7 @@ def test_kill_9_during_a_save_loses_nothing_sealed_and_repeats_no_step(tmp_path,
     assert "held-out reward before" not in out.stdout  # a resumed job does not pretend to start over
 
 
-def test_smollm2_with_a_users_reward_function(tmp_path, model_cache, ray_tmp):
+def test_smollm2_with_a_users_reward_function(tmp_path, run_here):
     """examples/smollm2-arithmetic-reward.yaml for one step, with the held-out evaluation: SmolLM2 generates in vLLM
     and trains, the user's file scores every response (and the held-out ones) in its sandboxed workers, and the extra
     key it returns reaches the step log. The example's twin with the built-in rule (examples/smollm2-arithmetic.yaml)
@@ -197,9 +196,8 @@ def test_smollm2_with_a_users_reward_function(tmp_path, model_cache, ray_tmp):
     job = _variant(tmp_path, ROOT / "examples" / "smollm2-arithmetic-reward.yaml", trainer__steps=1,
                    trainer__promptsPerStep=4, data__evalPrompts=8, trainer__eval=True,
                    trainer__checkpointDir=str(ckpt), models__reward__function={"path": str(reward)})
-    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp], cwd=tmp_path,
-                  env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
-    assert out.returncode == 0, out.stderr[-3000:]
+    rc, printed = run_here(job, cwd=tmp_path)
+    assert rc == 0, printed[-3000:]
     (rec,) = _steps(ckpt)
     assert 0 < rec["response_length_mean"] <= 12
     assert 0.0 <= rec["reward_mean"] <= 1.0 and rec["grad_norm"] > 0
@@ -216,11 +214,12 @@ def test_smollm2_with_a_users_reward_function(tmp_path, model_cache, ray_tmp):
 
 
 @pytest.mark.parametrize("example", ["word-problems.yaml", "README.md"])
-def test_smollm2_on_prompt_files(tmp_path, model_cache, ray_tmp, word_problems, example):
+def test_smollm2_on_prompt_files(tmp_path, model_cache, ray_tmp, run_here, word_problems, example):
     """Two file jobs for two steps, with relative paths as a user runs them: examples/word-problems.yaml (JSONL in
     the user's own columns, a user's reward file whose extra key reaches the step log), and README.md's own-data job
     exactly as printed (verl's Parquet layout with its nested ground truth, one path for train and eval, the reward
-    type following from `function`). The `math` scorer is covered by tests/test_reward_scorers.py."""
+    type following from `function`), the one by `hybridflow run` in a process of its own, the other by its code here
+    (run_here). The `math` scorer is covered by tests/test_reward_scorers.py."""
     if example == "README.md":
         cwd = tmp_path / "repo"
         (cwd / "examples").mkdir(parents=True)
@@ -233,11 +232,16 @@ def test_smollm2_on_prompt_files(tmp_path, model_cache, ray_tmp, word_problems, 
                        data__evalPrompts=8, trainer__steps=2, trainer__promptsPerStep=4,
                        trainer__checkpointDir=str(ckpt), rollout__maxResponseLength=24,
                        models__reward__function={"path": str(reward)})
-    out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp], cwd=cwd,
-                  env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
-    assert out.returncode == 0, out.stderr[-3000:]
+    if example == "README.md":
+        out = run_cli(["run", str(job), "--metrics-port", "0", "--ray-temp-dir", ray_tmp], cwd=cwd,
+                      env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
+        assert out.returncode == 0, out.stderr[-3000:]
+        printed = out.stdout
+    else:
+        rc, printed = run_here(job, cwd=cwd)
+        assert rc == 0, printed[-3000:]
     # an eval file (README): all 200 rows train; none: 8 of them are held out
-    assert f"prompts: {200 if example == 'README.md' else 192} for training, 8 held out" in out.stdout, out.stdout
+    assert f"prompts: {200 if example == 'README.md' else 192} for training, 8 held out" in printed, printed
     records = _steps(ckpt)
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["reward_errors"] == 0 for r in records)
