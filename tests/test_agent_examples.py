@@ -2,9 +2,11 @@
 FSDP2 on two CPU ranks, the calculator in real bubblewrap sandboxes), shortened to two small steps (~70-90 s here).
 What a short run shows stably, and is asserted: the job exits 0; the model called the calculator; every episode
 that called it has more than one turn; the tool's answer is in the trajectory, with the product of the expression
-the model wrote, and is masked out of the loss (0) while the model's own tokens are trained (1); rewards are finite.
-Not asserted: that the reward rises. Over two steps of 8 samples GRPO moves the sampled tool-call rate by less than
-its sampling noise, and the greedy held-out reward starts at 1.000 (README "Agentic RL": 12 steps, measured).
+the model wrote, and is masked out of the loss (0) while the model's own tokens are trained (1); rewards are finite;
+and a step's update made the episodes it rewarded likelier against the others (its batch's objective rose, measured
+with HF before and after the step). Not asserted: that the reward rises. Over two steps of 8 samples GRPO moves the
+sampled tool-call rate by less than its sampling noise, and the greedy held-out reward starts at 1.000 (README
+"Agentic RL": 12 steps, measured); a run long enough to show it costs ~60 s a step here.
 
 examples/guess-the-number.yaml: a `hybridflow run` of it costs 42-52 s here even at one step of 8 episodes
 (start-up and the final checkpoint), over this file's budget, so its run is the README's measurement; here, in
@@ -66,7 +68,7 @@ def test_calculator_example_calls_the_tool_in_multi_turn_episodes(tmp_path, mode
     ckpt = tmp_path / "run"
     driver_port, prom_port = free_port(), free_port()
     job = _variant(tmp_path, CALCULATOR, trainer__steps=2, trainer__promptsPerStep=2, rollout__responsesPerPrompt=4,
-                   data__evalPrompts=2, trainer__eval=False, trainer__rolloutLog=True,
+                   data__evalPrompts=2, trainer__eval=False, trainer__rolloutLog=True, trainer__saveFreq=1,
                    trainer__checkpointDir=str(ckpt), rollout__mode="async", rollout__maxStaleness=1,
                    resourcePools=[{"name": "trainer", "devicesPerNode": 1}, {"name": "rollout", "devicesPerNode": 1}],
                    placement={"actor": "trainer", "rollout": "rollout"})
@@ -95,6 +97,51 @@ def test_calculator_example_calls_the_tool_in_multi_turn_episodes(tmp_path, mode
     records = _rollouts(ckpt)
     assert len(records) == 2 * 2 * 4
     check_calculator_episodes(records, decode)
+    check_updates_favour_the_rewarded_episodes(ckpt, model_cache / SMOLLM2_DIR)
+
+
+def _surrogate(model, records):
+    """GRPO's objective on a logged batch: the sum over its trained tokens (the model's own, loss mask 1) of
+    advantage x log pi(token | trajectory so far), in float32 with HF on the whole prompt + trajectory."""
+    import torch
+
+    total = 0.0
+    with torch.no_grad():
+        for r in records:
+            ids = torch.tensor([r["prompt_ids"] + r["trajectory_ids"]])
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+            own = logp[len(r["prompt_ids"]) - 1:][torch.tensor(r["loss_mask"]) == 1]
+            assert len(own) == len(r["advantages"]), r  # the trainer's tokens are the engine's, tool answers out
+            total += float((own * torch.tensor(r["advantages"])).sum())
+    return total
+
+
+def check_updates_favour_the_rewarded_episodes(ckpt, model_dir):
+    """What a short run can show of learning, stably: a step's update raises its own batch's objective, so the
+    episodes it rewarded (here: those that called the calculator and copied its answer) became likelier relative
+    to the others, over the model's own tokens of multi-turn trajectories. Measured with the weights before the
+    step (the initial model, or the previous step's checkpoint) and after it (its checkpoint). The first step whose
+    batch has an advantage that is not 0 is checked (all groups of a batch can score alike: ~2% of step-1 batches).
+    That the sampled tool-call rate and the held-out reward rise over a full run is the README's measurement."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.export import role_weights
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for step in (1, 2):
+        batch = [json.loads(line) for line in (ckpt / "rollouts" / f"step_{step:08d}.jsonl").open()]
+        if not any(a for r in batch for a in r["advantages"]):
+            continue
+        if step > 1:
+            model.load_state_dict(role_weights(ckpt / f"step_{step - 1:08d}", "actor"), strict=False)
+        before = _surrogate(model, batch)
+        missing, _ = model.load_state_dict(role_weights(ckpt / f"step_{step:08d}", "actor"), strict=False)
+        assert set(missing) <= {"lm_head.weight"}, missing  # tied to the embeddings
+        after = _surrogate(model, batch)
+        assert after > before, (step, before, after)
+        return
+    raise AssertionError("no step's batch had an advantage that is not 0: every group scored alike")
 
 
 def check_calculator_episodes(records, decode):
