@@ -20,6 +20,7 @@ from hybridflow.agents.tool_file import ToolFileError, read_tools_file
 from hybridflow.agents.toolcalls import parse_tool_calls, plain_tools_text
 from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from hybridflow.algorithms.core import token_rewards
+from hybridflow.roles.episodes import placed_rewards
 from hybridflow.algorithms.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, ClipConfig
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
@@ -265,6 +266,35 @@ def test_environment_episodes_get_per_turn_feedback_and_rewards():
         assert (won1.turns, won1.env_reward) == (1, 1.0)
         assert (lost.turns, lost.env_reward) == (4, 0.0)
         assert not sessions._open  # every session's sandbox is gone
+        # Each step's reward sits on the model's last token of the turn it answered (the token before that
+        # answer's own), so token-level estimators credit that turn; the row sums to the episode's reward.
+        ends = [t for t in range(len(won3.tokens)) if won3.loss_mask[t] == 1
+                and (t + 1 == len(won3.tokens) or won3.loss_mask[t + 1] == 0)]
+        assert won3.turn_rewards == [(ends[-1], pytest.approx(0.6))], (won3.turn_rewards, ends)  # paid at the end
+    finally:
+        sessions.shutdown()
+
+
+def test_each_environment_steps_reward_is_placed_on_the_turn_that_earned_it():
+    """examples/agents/guess_the_number.py pays each informative guess as it is made: those rewards sit on the
+    model's last token of their turns (the token before the environment's answer), and each row of the placed
+    rewards sums to its episode's reward, so token-level estimators credit each turn and outcome ones see the sum."""
+    env = Path(__file__).resolve().parents[1] / "examples" / "agents" / "guess_the_number.py"
+    sessions = LocalSessions(EnvironmentCode.from_file(env, "Environment"), step_timeout_seconds=5)
+    try:
+        sample = {"prompt": "p", "ground_truth": 60, "data_source": "d", "extra_info": {"low": 1, "high": 100}}
+        policy = ScriptedPolicyDouble({0: ["50", "75", "60"], 1: ["60"]})
+        episodes = run_episodes([[1]] * 2, [sample, sample], policy, CharCodec(),
+                                EpisodeSettings(300, max_turns=4, has_environment=True), sessions=sessions)
+        e = episodes[0]
+        ends = [t for t in range(len(e.tokens)) if e.loss_mask[t] == 1
+                and (t + 1 == len(e.tokens) or e.loss_mask[t + 1] == 0)]
+        assert [p for p, _ in e.turn_rewards] == ends and len(ends) == 3, (e.turn_rewards, ends)
+        assert all(r > 0 for _, r in e.turn_rewards) and sum(r for _, r in e.turn_rewards) == pytest.approx(
+            e.env_reward)
+        placed = placed_rewards(episodes, 300)
+        assert placed.sum(1).tolist() == pytest.approx([x.env_reward for x in episodes])
+        assert [float(placed[0, p]) for p in ends] == pytest.approx([r for _, r in e.turn_rewards])
     finally:
         sessions.shutdown()
 

@@ -193,6 +193,28 @@ def test_token_rewards_put_score_on_last_token_and_kl_everywhere():
             assert r[i, t].item() == pytest.approx(expect, abs=1e-6)
 
 
+def test_per_turn_rewards_stay_on_their_turns_and_the_rest_of_the_score_goes_last():
+    """A multi-turn environment's per-turn rewards (`placed`) stay where they were earned; the rest of the score
+    (a job reward, the KL) as without them; each row still sums to its score, so outcome estimators see the same
+    score, while discounted returns credit the early turn for its early reward."""
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 1, 1, 0, 0, 0]], dtype=torch.float32)
+    placed = torch.zeros(2, 6)
+    placed[0, 1], placed[0, 5] = 0.25, 0.5  # two environment steps of row 0 (turn ends at 1 and 5)
+    scores = torch.tensor([1.75, 1.0])  # row 0: 0.75 from the environment + 1.0 from the job's reward
+    kl = _rand(2, 6, seed=3)
+    r = core.token_rewards(scores, mask, kl, 0.1, placed)
+    plain = core.token_rewards(scores - placed.sum(1), mask, kl, 0.1)
+    torch.testing.assert_close(r, plain + placed)
+    assert float(r[0, 5] + 0.1 * kl[0, 5]) == pytest.approx(1.5) and float(r[0, 1] + 0.1 * kl[0, 1]) == pytest.approx(
+        0.25)
+    torch.testing.assert_close((core.token_rewards(scores, mask, None, 0.0, placed) * mask).sum(1), scores)
+    early = ADVANTAGE_ESTIMATORS["reinforce_plus_plus"](AdvantageInputs(
+        core.token_rewards(scores, mask, None, 0.0, placed), mask, torch.tensor([0, 1]), gamma=0.5, whiten=False))[1]
+    late = ADVANTAGE_ESTIMATORS["reinforce_plus_plus"](AdvantageInputs(
+        core.token_rewards(scores, mask, None, 0.0), mask, torch.tensor([0, 1]), gamma=0.5, whiten=False))[1]
+    assert float(early[0, 0]) > float(late[0, 0])  # the first turn's return holds its own reward, less discounted
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Every registered estimator, loss and aggregation against a plain float64 reference. A name registered without a
 # reference here fails `test_every_registered_piece_has_a_reference`.

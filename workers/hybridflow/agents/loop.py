@@ -61,6 +61,9 @@ class Episode:
     loss_mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     env_reward: float = 0.0
+    # each environment step's reward at the position of the model's last token of the turn it answered, so that
+    # token-level estimators (GAE, discounted returns) credit the turn that earned it; env_reward is their sum
+    turn_rewards: list[tuple[int, float]] = field(default_factory=list)
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -229,6 +232,8 @@ def _apply(state: _Live, answer: _Answer, settings: EpisodeSettings, codec: Code
     if answer.session is not None:
         state.session = answer.session
     e.env_reward += answer.reward
+    if answer.env_step and answer.reward and e.tokens:
+        e.turn_rewards.append((len(e.tokens) - 1, answer.reward))  # before the answer's own tokens are added
     e.env_steps += int(answer.env_step)
     for r in answer.tools:
         e.tool_calls += 1

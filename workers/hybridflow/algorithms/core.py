@@ -50,12 +50,20 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def token_rewards(scores: Tensor, mask: Tensor, kl: Tensor | None, kl_coef: float) -> Tensor:
-    """Per-token rewards: -kl_coef*KL on every token (KL in the reward), the sequence score on the last model token."""
+def token_rewards(scores: Tensor, mask: Tensor, kl: Tensor | None, kl_coef: float,
+                  placed: Tensor | None = None) -> Tensor:
+    """Per-token rewards: -kl_coef*KL on every token (KL in the reward), the sequence score on the last model token.
+    `placed` (B, R): the part of each score already on its tokens (a multi-turn environment's per-turn rewards, on
+    the turns that earned them); only the rest of the score goes on the last token, so each row still sums to it."""
     rewards = mask.new_zeros(mask.shape).to(scores.dtype if scores.is_floating_point() else mask.float().dtype)
     if kl is not None and kl_coef:
         rewards = rewards - kl_coef * kl * mask
-    return rewards.scatter_add(1, last_token(mask)[:, None], scores.to(rewards.dtype)[:, None])
+    rest = scores.to(rewards.dtype)
+    if placed is not None:
+        placed = placed.to(rewards.dtype)
+        rewards = rewards + placed
+        rest = rest - placed.sum(1)
+    return rewards.scatter_add(1, last_token(mask)[:, None], rest[:, None])
 
 
 def last_token(mask: Tensor) -> Tensor:

@@ -76,6 +76,7 @@ class EpisodeRunner:
         if want_log_probs:
             packed["rollout_log_probs"] = pad_log_probs([e.log_probs for e in episodes], self.max_tokens)
         packed.update(episode_columns(episodes))
+        packed["env_turn_rewards"] = placed_rewards(episodes, self.max_tokens)
         # this call's requests to the environment pool, on its first row (the step's summary sums the column)
         packed["agent_environment_requests"] = torch.zeros(len(episodes))
         if episodes:
@@ -87,6 +88,16 @@ class EpisodeRunner:
             self.places.sessions.shutdown()
         if self.places.tools is not None:
             self.places.tools.close()
+
+
+def placed_rewards(episodes: Sequence[Episode], width: int) -> torch.Tensor:
+    """(B, width): each environment step's reward on the response position of the turn it answered (0 elsewhere);
+    a row sums to its episode's env_reward."""
+    out = torch.zeros(len(episodes), width)
+    for i, e in enumerate(episodes):
+        for position, reward in e.turn_rewards:
+            out[i, min(position, width - 1)] += reward
+    return out
 
 
 def episode_columns(episodes: Sequence[Episode]) -> dict[str, torch.Tensor]:

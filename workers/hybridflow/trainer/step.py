@@ -249,8 +249,12 @@ class Step:
             mask = batch["response_mask"]
             kl = self._kl(batch)
             coef = kl_weight * self.state.kl.value if a.kl_in == "reward" else 0.0
+            # an environment's per-turn rewards, on their turns, where the score holds them (costs never do)
+            agent = self.spec.rollout.agent
+            in_scores = agent is not None and agent.episode_score != "reward" and "env_turn_rewards" in batch
+            placed = batch["env_turn_rewards"] if scores == "scores" and in_scores else None
             inputs = AdvantageInputs(
-                token_rewards(batch[scores], mask, kl, coef), mask,
+                token_rewards(batch[scores], mask, kl, coef, placed), mask,
                 torch.as_tensor(batch["uid"].astype(np.int64)),
                 batch[values] if values in batch else None, baseline, a.gamma, a.lam, bool(a.norm_adv_by_std), whiten)
             return ADVANTAGE_ESTIMATORS[a.advantage_estimator or ""](inputs)
