@@ -284,3 +284,55 @@ def test_serve_refuses_to_start_without_the_token(tmp_path):
                           str(_spec_file(tmp_path)), "--port", "0"], env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "RAY_AUTH_TOKEN" in out.stderr
+
+
+class SlowStartingSessionsDouble:
+    """Stands for sandboxed sessions whose start takes a while (a sandbox's start-up): every open waits for
+    `release`, so the opens a replica's request threads run at once overlap."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release, self.started, self.ids = threading.Event(), threading.Semaphore(0), iter(range(100))
+
+    def open(self, sample):
+        from hybridflow.agents.protocol import Observation
+
+        self.started.release()
+        self.release.wait(10)
+        return f"s{next(self.ids)}", Observation("ready")
+
+    def close(self, session):
+        pass
+
+
+def test_concurrent_opens_never_pass_the_replicas_session_cap():
+    """The cap counts sessions whose sandbox is still starting: of five opens at once on a replica holding at most
+    two, two open and three are refused (Full: the client passes them on), however the starts interleave."""
+    import threading
+
+    from hybridflow.agents.server import Full
+
+    sessions = SlowStartingSessionsDouble()
+    service = PoolService(None, sessions, max_sessions=2)
+    results: list = []
+
+    def open_one():
+        try:
+            results.append(service.open({"sample": {"prompt": "p"}})["session"])
+        except Full as err:
+            results.append(err)
+
+    threads = [threading.Thread(target=open_one) for _ in range(5)]
+    for t in threads:
+        t.start()
+    for _ in range(2):
+        assert sessions.started.acquire(timeout=5)  # two starts under way...
+    time.sleep(0.2)  # ...while the other three ask
+    sessions.release.set()
+    for t in threads:
+        t.join(10)
+    opened = [r for r in results if isinstance(r, str)]
+    assert len(opened) == 2 and len(results) == 5, results
+    assert all("holds 2 open sessions, its most" in str(r) for r in results if not isinstance(r, str)), results
+    assert service._opening == 0 and len(service._local) == 2

@@ -106,6 +106,7 @@ class PoolService:
         self._local: dict[str, str] = {}  # our session id -> the Sessions' own
         # our session id -> when it was opened or its last step ended; a session in a step is not in it (not idle)
         self._used: dict[str, float] = {}
+        self._opening = 0  # sessions whose sandbox is starting: they count against max_sessions already
         self._lock = threading.Lock()
         self.metrics = PoolMetrics()
 
@@ -122,15 +123,23 @@ class PoolService:
         if self.sessions is None:
             raise NotServed("this job has no environment (spec.rollout.agent.environment and environmentFile are "
                             "unset)")
-        with self._lock:
-            if len(self._local) >= self.max_sessions:
-                raise Full(f"this replica holds {len(self._local)} open sessions, its most; open it on another")
-        local, first = self.sessions.open(sample)
+        with self._lock:  # a slot is taken before the sandbox starts, so concurrent opens never pass the cap
+            held = len(self._local) + self._opening
+            if held >= self.max_sessions:
+                raise Full(f"this replica holds {held} open sessions, its most; open it on another")
+            self._opening += 1
+        try:
+            local, first = self.sessions.open(sample)
+        except BaseException:
+            with self._lock:
+                self._opening -= 1
+            raise
         sid = f"{self.boot}.{local}"
         if first.error or first.done:
             self.sessions.close(local)  # over before its first step (idempotent: a failed reset is closed already)
-        else:
-            with self._lock:
+        with self._lock:
+            self._opening -= 1
+            if not (first.error or first.done):
                 self._local[sid], self._used[sid] = local, time.monotonic()
         self._count_open()
         return {"session": sid, "observation": first.to_json()}
