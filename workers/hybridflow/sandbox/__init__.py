@@ -13,8 +13,9 @@ processes that the operating system contains, each layer stopping something of i
 - filesystem: bwrap --ro-bind / /, a fresh --dev, tmpfs (sized) over /tmp and /dev/shm, an empty tmpfs over the
   driver's home, /root and the secrets directories. Stops writing anything of the machine's (checkpoints, the code,
   the user's own files, /var/tmp); reading what the driver keeps in /tmp (Ray's session and sockets) or in its home
-  (~/.ray, ~/.aws, tokens) and a Kubernetes service-account token. Everything else stays readable, read-only: it is
-  what a program needs (Python, its packages).
+  (~/.ray, ~/.aws, tokens) and a Kubernetes service-account token. The caller's `private` paths (an agent's job:
+  its prompt files and checkpoints) are hidden too, even inside a bound directory. Everything else stays readable,
+  read-only: it is what a program needs (Python, its packages).
 - user: started as root, a uid of its own (a fresh one per sandbox, no capability left); not root, a user namespace
   (uid 65534 inside, the caller's uid outside). Stops, as root: reading root's files (/root, 0600 keys), signalling
   or tracing the driver, any capability; everywhere: gaining privileges (no_new_privs).
