@@ -55,7 +55,9 @@ def test_a_users_tools_file_becomes_schemas_without_running_it(tmp_path):
     with pytest.raises(ToolFileError, match=r"bad.py:1: tool 'f': parameter 'x' is annotated Path"):
         read_tools_file(tmp_path / "bad.py")
     with pytest.raises(ToolFileError, match="no tool found"):
-        read_tools_file(tmp_path / "tools.py.missing") if False else read_tools_file(_write(tmp_path / "e.py", "x=1"))
+        read_tools_file(_write(tmp_path / "e.py", "x=1"))
+    with pytest.raises(ToolFileError, match=r"tools.py.missing: tools file not found \(spec.rollout.agent.toolsFile\)"):
+        read_tools_file(tmp_path / "tools.py.missing")
 
 
 def _write(path: Path, text: str) -> Path:
@@ -432,7 +434,13 @@ def test_validate_names_a_missing_or_broken_environment_or_tools_file(tmp_path):
         return check_runtime_paths(job)
 
     assert problems(environmentFile=str(tmp_path / "nope.py")) == [
-        f"spec.rollout.agent.environmentFile: '{tmp_path / 'nope.py'}' is not a file; fix the path"]
+        f"spec.rollout.agent.environmentFile: {tmp_path / 'nope.py'}: environment file not found; fix the path"]
+    binary = tmp_path / "env.bin"
+    binary.write_bytes(b"\xff\xfe\x00 not text")
+    assert "env.bin: not a text file" in problems(environmentFile=str(binary))[0]
+    binary_tools = tmp_path / "tools.bin"
+    binary_tools.write_bytes(b"\xff\xfe\x00 not text")
+    assert "tools.bin: not a text file" in problems(toolsFile=str(binary_tools))[0]
     broken = _write(tmp_path / "env.py", "class Environment:\n    def reset(self\n")
     assert "env.py:2: syntax error" in problems(environmentFile=str(broken))[0]
     assert "no tool found" in problems(toolsFile=str(_write(tmp_path / "t.py", "x = 1\n")))[0]

@@ -8,23 +8,19 @@ import ast
 from pathlib import Path
 
 from hybridflow.agents.registry import ToolSpec
+from hybridflow.user_files import UserFileError, parse_user_file
 
 JSON_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "list": "array",
               "dict": "object"}
 
 
-class ToolFileError(ValueError):
+class ToolFileError(UserFileError):
     """The tools file cannot be used: missing, not Python, or no tool in it."""
 
 
 def read_tools_file(path: str | Path) -> dict[str, ToolSpec]:
     p = Path(path)
-    if not p.is_file():
-        raise ToolFileError(f"{p}: tools file not found (spec.rollout.agent.toolsFile)")
-    try:
-        tree = ast.parse(p.read_text(), filename=str(p))
-    except SyntaxError as err:
-        raise ToolFileError(f"{p}:{err.lineno}: syntax error: {err.msg}") from None
+    tree = parse_user_file(p, "tools file not found (spec.rollout.agent.toolsFile)", ToolFileError)
     tools: dict[str, ToolSpec] = {}
     for fn in tree.body:
         if not isinstance(fn, ast.FunctionDef) or fn.name.startswith("_"):

@@ -6,10 +6,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from hybridflow.user_files import UserFileError, parse_user_file
+
 SIGNATURE = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
-class RewardFileError(ValueError):
+class RewardFileError(UserFileError):
     """The reward file cannot be used: missing, not Python, no such function, or the wrong signature."""
 
 
@@ -19,14 +21,7 @@ def check_reward_file(path: str | Path, name: str, batched: bool = False) -> Non
     ground_truth, extra_info). Anything else (a decorated, assigned or imported function) is checked when a worker
     loads the file. Raises RewardFileError naming the file (and line)."""
     p = Path(path)
-    if not p.is_file():
-        raise RewardFileError(f"{p}: reward file not found")
-    try:
-        tree = ast.parse(p.read_text(), filename=str(p))
-    except SyntaxError as err:
-        raise RewardFileError(f"{p}:{err.lineno}: syntax error: {err.msg}") from None
-    except UnicodeDecodeError as err:
-        raise RewardFileError(f"{p}: not a text file ({err})") from None
+    tree = parse_user_file(p, "reward file not found", RewardFileError)
     fns = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     if name not in fns:
         if name in _other_top_level_names(tree):

@@ -64,6 +64,7 @@ def check_runtime_paths(job: RLHFJob) -> list[str]:
 def _agent_file_problems(job: RLHFJob) -> list[str]:
     """A multi-turn job's environment and tools files: there, Python, and (the tools file) holding tools."""
     from hybridflow.agents.tool_file import ToolFileError, read_tools_file
+    from hybridflow.user_files import UserFileError, parse_user_file
 
     a = job.spec.rollout.agent
     if a is None:
@@ -71,13 +72,10 @@ def _agent_file_problems(job: RLHFJob) -> list[str]:
     out = []
     if a.environment_file:
         p = Path(a.environment_file)
-        if not p.is_file():
-            out.append(f"spec.rollout.agent.environmentFile: '{p}' is not a file; fix the path")
-        else:
-            try:
-                compile(p.read_text(), str(p), "exec")
-            except SyntaxError as err:
-                out.append(f"spec.rollout.agent.environmentFile: {p}:{err.lineno}: syntax error: {err.msg}")
+        try:
+            parse_user_file(p, "environment file not found; fix the path")
+        except UserFileError as err:
+            out.append(f"spec.rollout.agent.environmentFile: {err}")
     if a.tools_file:
         try:
             read_tools_file(a.tools_file)
