@@ -3,8 +3,9 @@
 The job (issue 14): SmolLM2-135M-Instruct, GRPO on the arithmetic task, 16 prompts x 4 responses, ~44-token
 prompts, responses up to 32 tokens, no KL (no reference), one epoch over one mini-batch, two CPU ranks.
 "baseline" switches every throughput optimisation off through spec fields (fp32 compute, fixed-width micro-batches,
-a separate old-log-prob pass, a fixed 1 GiB KV cache); "defaults" leaves them on. With --each, every optimisation is
-also measured alone on top of the baseline.
+a separate old-log-prob pass, a fixed 1 GiB KV cache, every prompt's rows run unshared); "defaults" leaves them on. With --each, every
+optimisation is also measured alone on top of the baseline; with --ablate, the defaults without each one in turn
+(`--ablate "shared prompt"`: only that one), which is what each is worth where the others already run.
 
 Prints per run: tokens/s (prompt + response tokens of the batch / iteration seconds, the paper's definition), seconds
 per stage, peak memory per rank (max) and summed over ranks, and the achieved FLOP/s of the actor update and of the
@@ -14,7 +15,9 @@ as the job's ranks run, in the dtype each run computes in). Then the ratio defau
 With --gpu (bench/gpu_check.sh): one GPU rank, a 0.5B-class Qwen2-style model built from its config (random
 weights, the synthetic increment task), 64 prompts x 4 responses.
 
-Usage: python bench/throughput.py [--steps 4] [--each] [--gpu] [--json OUT]
+Prints first what the CPU can do (AVX-512, native bf16) and the compute dtype `auto` chose on it.
+
+Usage: python bench/throughput.py [--steps 4] [--each] [--ablate [NAME ...]] [--gpu] [--json OUT]
 """
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ OPTIMISATIONS = {
     "dynamic batch size": {"training": {"dynamicBatchSize": False}},
     "bf16 compute": {"training": {"computeDtype": "float32"}},
     "job-sized KV cache": {"rollout": {"kvCacheGib": 1}},
+    "shared prompt": {"training": {"sharedPrompt": False}},
 }
 STAGES = ("generate", "old_log_prob", "actor_update", "reshard")
 # Qwen2-0.5B's shape (494M parameters with its 151k vocabulary; 360M with this 32k one), built from config on the GPU.
@@ -84,8 +88,15 @@ def merged(base: dict, *patches: dict) -> dict:
     return out
 
 
-def variants(each: bool, gpu: bool) -> dict[str, dict]:
+def variants(each: bool, gpu: bool, ablate: list[str] | None = None) -> dict[str, dict]:
+    """The runs: the baseline and the defaults, or with `ablate` the defaults and the defaults without each named
+    optimisation (all of them when the list is empty)."""
     job = merged(JOB, GPU_PATCH) if gpu else JOB
+    if ablate is not None:
+        unknown = sorted(set(ablate) - set(OPTIMISATIONS))
+        if unknown:
+            raise SystemExit(f"--ablate: no optimisation {unknown}; there are {sorted(OPTIMISATIONS)}")
+        return {"defaults": job} | {f"without {n}": merged(job, OPTIMISATIONS[n]) for n in ablate or OPTIMISATIONS}
     off = list(OPTIMISATIONS.values())
     runs = {"baseline": merged(job, *off), "defaults": job}
     if each:
@@ -129,32 +140,56 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=4, help="steps per run; the first is left out of the medians")
     ap.add_argument("--each", action="store_true", help="also each optimisation alone on top of the baseline")
+    ap.add_argument("--ablate", nargs="*", metavar="NAME", help="the defaults against the defaults without each "
+                    f"named optimisation (none named: every one); names: {', '.join(OPTIMISATIONS)}")
     ap.add_argument("--gpu", action="store_true", help="one GPU rank and a 0.5B-class model built from config")
     ap.add_argument("--json", help="write the table here as JSON too")
     args = ap.parse_args()
     device, ranks = ("gpu", 1) if args.gpu else ("cpu", RANKS)
     torch.set_num_threads(1)  # one thread per rank, as the job's ranks compute
+    print(_capabilities(device))
     peaks = {d: matmul_peak_flops(getattr(torch, d), device, seconds=1.0) for d in ("float32", "bfloat16")}
     print(f"matmul peak ({'one GPU' if args.gpu else 'one thread'}): "
           + ", ".join(f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in peaks.items()))
     results = {}
     with tempfile.TemporaryDirectory(prefix="throughput") as tmp:
-        for name, doc in variants(args.each, args.gpu).items():
+        for name, doc in variants(args.each, args.gpu, args.ablate).items():
             dtype = doc["spec"]["training"].get("computeDtype", "bfloat16" if _bf16_native(device) else "float32")
             params = tiny_params(TinyModel(**_snake(GPU_MODEL))) if args.gpu else SMOLLM2_PARAMS
             results[name] = summarise(run_job(doc, args.steps, Path(tmp), name), dtype, peaks, params, ranks)
     names = list(results)
-    base, new = results["baseline"], results["defaults"]
+    base_name = "baseline" if "baseline" in results else names[-1]
+    base, new = results[base_name], results["defaults"]
     width = max(len(k) for k in base) + 2
     what = ("0.5B-class model, 64 prompts x 4, responses <= 128 tokens, 1 GPU" if args.gpu else
             f"SmolLM2-135M GRPO, 16 prompts x 4, responses <= 32 tokens, {RANKS} CPU ranks")
     print(f"\n{what}; medians of steps 2..{args.steps}")
-    print(f"{'':<{width}}" + "".join(f"{n:>26}" for n in names) + f"{'defaults/baseline':>20}")
+    col = max(26, *(len(n) + 2 for n in names))
+    ratio_name = f"defaults/{base_name}"
+    print(f"{'':<{width}}" + "".join(f"{n:>{col}}" for n in names) + f"{ratio_name:>{len(ratio_name) + 2}}")
     for key in base:
-        ratio = new[key] / base[key] if base[key] else float("nan")
-        print(f"{key:<{width}}" + "".join(f"{results[n][key]:>26.3f}" for n in names) + f"{ratio:>19.2f}x")
+        ratio = f"{new[key] / base[key]:.2f}x" if base[key] else "-"
+        print(f"{key:<{width}}" + "".join(f"{results[n][key]:>{col}.3f}" for n in names)
+              + f"{ratio:>{len(ratio_name) + 2}}")
     if args.json:
         Path(args.json).write_text(json.dumps({"matmul_peak": peaks, "runs": results}, indent=1))
+
+
+def _capabilities(device: str) -> str:
+    """What this machine computes natively, and so what `computeDtype: auto` picks (the job's own rule)."""
+    if device == "gpu":
+        return f"device: {torch.cuda.get_device_name()}; auto computes in " + (
+            "bfloat16" if _bf16_native(device) else "float32")
+    flags = set()
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        pass
+    return (f"CPU: torch capability {torch.backends.cpu.get_cpu_capability()}, AVX-512 "
+            f"{'yes' if 'avx512f' in flags else 'no'}, native bf16 (AVX512-BF16 or AMX) "
+            f"{'yes' if _bf16_native(device) else 'no'}; auto computes in "
+            f"{'bfloat16' if _bf16_native(device) else 'float32'}")
 
 
 def _bf16_native(device: str) -> bool:

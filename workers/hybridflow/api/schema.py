@@ -22,11 +22,12 @@ from hybridflow.api.fields import (
 )
 from hybridflow.api.agents import Agent, EnvironmentPool
 from hybridflow.api.corrections import OffPolicyCorrection
-from hybridflow.api.engines import ROLLOUT_ENGINES, TRAIN_ENGINES
+from hybridflow.api.engines import ROLLOUT_ENGINES
 from hybridflow.api.names import API_VERSION, DNS1123_LABEL, KIND, ROLES, job_name_problems
 from hybridflow.api.rules import cross_field_problems
 from hybridflow.api.sources import Models
 from hybridflow.api.storage import is_url, location_problem
+from hybridflow.api.training import Training
 
 
 class Algorithm(SpecModel):
@@ -217,43 +218,6 @@ class Rollout(SpecModel):
     @classmethod
     def _engine_registered(cls, value: str) -> str:
         return registered(ROLLOUT_ENGINES, value)
-
-
-class Training(SpecModel):
-    engine: str = Field("fsdp", description="fsdp: torch FSDP2; megatron: megatron-core 3D.",
-                        json_schema_extra={"enum": TRAIN_ENGINES.names()})
-    micro_batch_size: int = Field(16, gt=0, le=MAX_COUNT, description="Sequences per forward/backward on one device.")
-    mini_batch_size: int = Field(
-        0, ge=0, le=MAX_COUNT, description="Prompts per optimizer step (0: the whole batch, one step)."
-    )
-    ppo_epochs: int = Field(1, gt=0, le=1024, description="Passes over each batch.")
-    actor_lr: float = Field(1e-3, gt=0, description="Actor learning rate.")
-    critic_lr: float = Field(1e-3, gt=0, description="Critic learning rate.")
-    clip_ratio: float = Field(0.2, gt=0, description="PPO-clip epsilon.")
-    value_clip: float = Field(0.5, gt=0, description="Clipped value loss range.")
-    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
-    tensor_parallel: int = Field(1, gt=0, le=1024, description="Training TP size (megatron).")
-    pipeline_parallel: int = Field(1, gt=0, le=1024, description="Training PP size (megatron).")
-    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="Dtype of forward and backward passes and of generation; weights and optimizer state stay "
-        "in the model's dtype (fp32 masters). auto: bfloat16 where the device computes it natively (GPUs with bf16, "
-        "CPUs with AVX512-BF16 or AMX), else float32. The megatron engine computes in the model's dtype (auto "
-        "means that there; set spec.models.actor.dtype to train it in bfloat16)."
-    )
-    dynamic_batch_size: bool = Field(
-        True, description="Micro-batches of length-sorted rows, each cut to its own longest prompt and response and "
-        "filled up to microBatchSize x (maxPromptLength + maxResponseLength) tokens, instead of microBatchSize rows "
-        "padded to the maximum lengths."
-    )
-    on_policy_old_log_probs: bool = Field(
-        True, description="When the update is on-policy (one epoch over one mini-batch, no KL in the reward), the old "
-        "log-probs are the update's own forward pass, detached, instead of a separate forward over the batch."
-    )
-
-    @field_validator("engine")
-    @classmethod
-    def _engine_registered(cls, value: str) -> str:
-        return registered(TRAIN_ENGINES, value)
 
 
 class ResourcePool(SpecModel):

@@ -115,36 +115,66 @@ def trim_padding(batch: Batch) -> Batch:
 
 
 def token_budget_groups(prompt_lens: list[int], response_lens: list[int], max_rows: int,
-                        budget: int) -> list[list[int]]:
-    """Rows grouped into micro-batches, longest first: a group grows while its rows x (longest prompt + longest
-    response) stays within `budget` padded tokens, and up to `max_rows` rows. The budget, not a row count, bounds
-    memory, so short rows travel in larger micro-batches and long ones in smaller."""
-    order = sorted(range(len(prompt_lens)), key=lambda i: -(prompt_lens[i] + response_lens[i]))
+                        budget: int, slots: list[int] | None = None) -> list[list[int]]:
+    """Items grouped into micro-batches, longest first: a group grows while its items x (longest prompt + most
+    slots x longest response) stays within `budget` padded tokens, and up to `max_rows` items. An item is a row
+    (one slot), or the rows of one prompt packed as one sequence (`slots[i]` responses after the prompt). The
+    budget, not a row count, bounds memory, so short rows travel in larger micro-batches and long ones in smaller."""
+    slots = slots or [1] * len(prompt_lens)
+    order = sorted(range(len(prompt_lens)), key=lambda i: -(prompt_lens[i] + slots[i] * response_lens[i]))
     groups: list[list[int]] = []
     group: list[int] = []
-    p_max = r_max = 0
+    p_max = r_max = n_max = 0
     for i in order:
-        p, r = max(p_max, prompt_lens[i]), max(r_max, response_lens[i])
-        if group and ((len(group) + 1) * (p + r) > budget or len(group) >= max_rows):
+        p, r, n = max(p_max, prompt_lens[i]), max(r_max, response_lens[i]), max(n_max, slots[i])
+        if group and ((len(group) + 1) * (p + n * r) > budget or len(group) >= max_rows):
             groups.append(group)
-            group, p, r = [], prompt_lens[i], response_lens[i]
+            group, p, r, n = [], prompt_lens[i], response_lens[i], slots[i]
         group.append(i)
-        p_max, r_max = p, r
+        p_max, r_max, n_max = p, r, n
     if group:
         groups.append(group)
     return groups
 
 
-def micro_batches(batch: Batch, rows: int, dynamic: bool) -> list[tuple[list[int], Batch]]:
+def slots_per_sequence(prompt_len: int, response_len: int) -> int:
+    """How many responses one shared-prompt sequence holds: the most k whose sequence's attention, (p + k r)^2
+    query-key pairs, stays within twice that of the k rows unshared, k (p + r)^2. Sharing saves most where the
+    prompt is long against the responses; past this the quadratic attention costs more than the prompt saves."""
+    p, r = max(prompt_len, 0), max(response_len, 1)
+    k = 1
+    while (p + (k + 1) * r) ** 2 <= 2 * (k + 1) * (p + r) ** 2:
+        k += 1
+    return k
+
+
+def prompt_groups(batch: Batch) -> list[list[int]]:
+    """Row indices grouped by identical prompt (tokens and padding), groups in order of first appearance, each cut
+    into runs of at most `slots_per_sequence` rows: the rows that share one forward of their prompt
+    (engines.train.shared_prompt)."""
+    P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
+    key = torch.cat([batch["prompts"], batch["attention_mask"][:, :P]], 1)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, row in enumerate(key.tolist()):
+        groups.setdefault(tuple(row), []).append(i)
+    k = slots_per_sequence(P, R)
+    return [g[i: i + k] for g in groups.values() for i in range(0, len(g), k)]
+
+
+def micro_batches(batch: Batch, rows: int, dynamic: bool, shared: bool = False) -> list[tuple[list[int], Batch]]:
     """(row indices, micro-batch) pairs covering the batch. Fixed: `rows` rows each, full width. Dynamic: the same
-    token budget (rows x full width), filled with length-sorted rows, each micro-batch cut to its own lengths."""
+    token budget (rows x full width), filled with length-sorted rows, each micro-batch cut to its own lengths;
+    `shared`: filled with whole prompt groups instead, a group costing its prompt once and each response."""
     n = len(batch)
     if not dynamic or "responses" not in batch:
         return [(list(range(i, min(i + rows, n))), batch.index(slice(i, i + rows))) for i in range(0, n, rows)]
     P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
     prompt_lens = batch["attention_mask"][:, :P].sum(1).tolist()
     response_lens = response_lengths(batch).clamp_min(1).tolist()
-    groups = token_budget_groups(prompt_lens, response_lens, max_rows=n, budget=rows * (P + R))
+    units = prompt_groups(batch) if shared else [[i] for i in range(n)]
+    packed = token_budget_groups([prompt_lens[u[0]] for u in units], [max(response_lens[i] for i in u) for u in units],
+                                 max_rows=n, budget=rows * (P + R), slots=[len(u) for u in units])
+    groups = [[i for unit in g for i in units[unit]] for g in packed]
     return [(g, trim_padding(batch.index(torch.tensor(g)))) for g in groups]
 
 

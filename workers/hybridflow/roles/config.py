@@ -90,6 +90,7 @@ class ScoringConfig(_Section):
     dynamic_batch_size: bool
     seed: int
     train_engine: TrainEngineKind
+    shared_prompt: bool = False  # a reward model scores whole sequences, one per row
 
 
 def actor_config(spec: JobSpec) -> ActorConfig:
@@ -113,7 +114,7 @@ def reference_config(spec: JobSpec) -> ScoringConfig:
     return ScoringConfig(model=spec.models.actor, temperature=spec.rollout.temperature,
                          micro_batch_size=t.micro_batch_size, compute_dtype=t.compute_dtype,
                          dynamic_batch_size=t.dynamic_batch_size, seed=spec.trainer.seed,
-                         train_engine=TRAIN_ENGINES[SCORING_TRAIN_ENGINE])
+                         train_engine=TRAIN_ENGINES[SCORING_TRAIN_ENGINE], shared_prompt=t.shared_prompt)
 
 
 def judge_config(spec: JobSpec, judges: str) -> ScoringConfig:

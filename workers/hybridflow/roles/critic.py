@@ -11,16 +11,14 @@ from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.protocol import Dispatch, register
 from hybridflow.single_controller.context import WorkerContext
 from hybridflow.engines.train.base import TrainEngine, TrainEngineFactory, TrainSettings
-from hybridflow.engines.train.fsdp import sequence_inputs
+from hybridflow.engines.train.fsdp import response_outputs
 from hybridflow.models.builders import local_model_dir
 from hybridflow.roles.config import CriticConfig
 
 
-def response_values(model: nn.Module, batch: Batch) -> torch.Tensor:
+def response_values(model: nn.Module, batch: Batch, shared: bool = False) -> torch.Tensor:
     """V(s_t) for each response position t, read where the token that precedes it sits: (B, R)."""
-    out = model(**sequence_inputs(batch), use_cache=False)
-    R = batch["responses"].shape[1]
-    return out.logits[:, -R - 1 : -1, 0].float()
+    return response_outputs(model, batch, shared, lm=False)[..., 0].float()
 
 
 class CriticWorker(CheckpointMixin):
@@ -36,11 +34,14 @@ class CriticWorker(CheckpointMixin):
         build: TrainEngineFactory = config.train_engine.load()
         self.engine: TrainEngine = build(ctx, TrainSettings(
             self.model_dir, config.dtype, head="value", lr=t.critic_lr, grad_clip=t.grad_clip,
-            compute_dtype=t.compute_dtype, dynamic_batch_size=t.dynamic_batch_size, seed=config.seed))
+            compute_dtype=t.compute_dtype, dynamic_batch_size=t.dynamic_batch_size, shared_prompt=t.shared_prompt,
+            seed=config.seed))
 
     @register(Dispatch.DP_COMPUTE, blocking=False)
     def compute_values(self, batch: Batch) -> Batch:
-        values = self.engine.forward_micro(batch, self.config.training.micro_batch_size, response_values)
+        shared = self.engine.shared_prompt
+        values = self.engine.forward_micro(batch, self.config.training.micro_batch_size,
+                                           lambda model, mb: response_values(model, mb, shared))
         return Batch({f"{self.prefix}values": values.cpu() * batch["response_mask"]})
 
     @register(Dispatch.DP_COMPUTE)
@@ -48,7 +49,7 @@ class CriticWorker(CheckpointMixin):
         t = self.config.training
 
         def loss_fn(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-            v = response_values(model, mb)
+            v = response_values(model, mb, self.engine.shared_prompt)
             p = self.prefix
             loss, clip_frac = value_loss(v, mb[f"{p}values"], mb[f"{p}returns"], mb["response_mask"], t.value_clip)
             return loss, {"vf_loss": loss.item(), "vf_clip_frac": clip_frac.item()}

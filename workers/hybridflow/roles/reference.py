@@ -18,7 +18,8 @@ class ReferenceWorker:
         build: TrainEngineFactory = config.train_engine.load()
         self.engine: TrainEngine = build(ctx, TrainSettings(
             local_model_dir(model_dir, config.model, config.seed), config.model.dtype, trainable=False,
-            compute_dtype=config.compute_dtype, dynamic_batch_size=config.dynamic_batch_size, seed=config.seed))
+            compute_dtype=config.compute_dtype, dynamic_batch_size=config.dynamic_batch_size,
+            shared_prompt=config.shared_prompt, seed=config.seed))
 
     @register(Dispatch.DP_COMPUTE, blocking=False)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:

@@ -48,6 +48,7 @@ class TrainSettings:
     trainable: bool = True
     compute_dtype: str = "auto"  # spec.training.computeDtype
     dynamic_batch_size: bool = False
+    shared_prompt: bool = False  # spec.training.sharedPrompt
     tensor_parallel: int = 1
     seed: int = 0
 
@@ -61,6 +62,7 @@ class TrainEngine(Protocol):
     device: torch.device
     compute_dtype: torch.dtype  # forward, backward and generation run in it
     dynamic_batch_size: bool
+    shared_prompt: bool  # rows with the same prompt run as one sequence (engines.train.shared_prompt)
 
     def forward_micro(self, batch: Batch, micro_batch_size: int, fn: Callable[[nn.Module, Batch], Any]) -> Any:
         """`fn` over micro-batches, outputs merged back in the batch's row order (no gradients)."""
@@ -130,6 +132,7 @@ class TrainLoop:
     optimizer: torch.optim.Optimizer | None
     device: torch.device
     dynamic_batch_size: bool = False  # token-budget micro-batches cut to their own lengths (data/packing.py)
+    shared_prompt: bool = False  # micro-batches keep a prompt's rows together, and forwards pack them
 
     def clip_grad_norm(self) -> torch.Tensor:
         raise NotImplementedError
@@ -140,7 +143,7 @@ class TrainLoop:
         back as one, in the batch's row order and at its full response width."""
         self.module.eval()
         rows, outs = [], []
-        for idx, mb in micro_batches(batch, micro_batch_size, self.dynamic_batch_size):
+        for idx, mb in micro_batches(batch, micro_batch_size, self.dynamic_batch_size, self.shared_prompt):
             rows.append(idx)
             outs.append(fn(self.module, mb.to(self.device)))
         return merge_rows(outs, rows, batch["responses"].shape[1] if "responses" in batch else None)
@@ -156,7 +159,7 @@ class TrainLoop:
         stats: dict[str, float] = {}
         size = (lambda b: float(b["response_mask"].sum())) if per == "tokens" else len  # noqa: E731
         total = size(batch)
-        for _, mb in micro_batches(batch, micro_batch_size, self.dynamic_batch_size):
+        for _, mb in micro_batches(batch, micro_batch_size, self.dynamic_batch_size, self.shared_prompt):
             share = size(mb) / total if total else 0.0
             loss, mstats = loss_fn(self.module, mb.to(self.device))
             (loss * share).backward()

@@ -16,6 +16,7 @@ from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.context import WorkerContext
 from hybridflow.engines.precision import compute_dtype
 from hybridflow.engines.train.base import TrainLoop, TrainSettings, optimizer_settings, restore_optimizer_settings
+from hybridflow.engines.train.shared_prompt import can_share, packed_outputs, shared_layout
 
 
 def sequence_inputs(batch: Batch) -> dict[str, torch.Tensor]:
@@ -25,12 +26,22 @@ def sequence_inputs(batch: Batch) -> dict[str, torch.Tensor]:
     return {"input_ids": batch["input_ids"], "attention_mask": mask, "position_ids": pos}
 
 
-def response_logits(model: nn.Module, batch: Batch, temperature: float) -> torch.Tensor:
-    """Logits that predict each response token: (B, R, V), in the compute dtype. Only those positions go through
-    the LM head (a vocabulary-sized matmul, and the largest activation, that prompt positions do not need)."""
+def response_outputs(model: nn.Module, batch: Batch, shared: bool = False, lm: bool = True) -> torch.Tensor:
+    """The model's outputs that predict each response token, (B, R, V) logits of a causal LM (`lm`) or (B, R, 1) of
+    a value head. Only those positions go through an LM's head (a vocabulary-sized matmul, and the largest
+    activation, that prompt positions do not need). `shared`: rows with the same prompt run as one sequence
+    (engines.train.shared_prompt), the same outputs for less compute."""
+    packed = shared_layout(batch) if shared and can_share(model) else None
+    if packed is not None:
+        return packed_outputs(model, packed, keep_arg=lm)
     R = batch["responses"].shape[1]
-    out = model(**sequence_inputs(batch), use_cache=False, logits_to_keep=R + 1)
-    logits = out.logits[:, -R - 1 : -1, :]
+    keep = {"logits_to_keep": R + 1} if lm else {}
+    return model(**sequence_inputs(batch), use_cache=False, **keep).logits[:, -R - 1: -1]
+
+
+def response_logits(model: nn.Module, batch: Batch, temperature: float, shared: bool = False) -> torch.Tensor:
+    """Logits that predict each response token: (B, R, V), in the compute dtype."""
+    logits = response_outputs(model, batch, shared)
     return logits.float() / temperature if temperature != 1.0 else logits  # no (B, R, V) copy at temperature 1
 
 
@@ -61,7 +72,7 @@ def build(ctx: WorkerContext, settings: TrainSettings) -> FSDPEngine:
     model = load_hf_model(s.model_dir, s.dtype, s.head)
     return FSDPEngine(model, s.lr, s.grad_clip, ctx.device, trainable=s.trainable,
                       compute_dtype=compute_dtype(s.compute_dtype, ctx.device),
-                      dynamic_batch_size=s.dynamic_batch_size)
+                      dynamic_batch_size=s.dynamic_batch_size, shared_prompt=s.shared_prompt)
 
 
 class FSDPEngine(TrainLoop):
@@ -70,12 +81,14 @@ class FSDPEngine(TrainLoop):
     fp32) and the optimizer state keep the weights' dtype."""
 
     def __init__(self, module: nn.Module, lr: float, grad_clip: float, device: str, trainable: bool = True,
-                 compute_dtype: torch.dtype | None = None, dynamic_batch_size: bool = False) -> None:
+                 compute_dtype: torch.dtype | None = None, dynamic_batch_size: bool = False,
+                 shared_prompt: bool = False) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.device = torch.device("cuda" if device == "gpu" else "cpu")
         self.dynamic_batch_size = dynamic_batch_size
+        self.shared_prompt = shared_prompt
         module.to(self.device)
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         param_dtype = next(module.parameters()).dtype
@@ -100,7 +113,7 @@ class FSDPEngine(TrainLoop):
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def log_probs(self, model: nn.Module, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = response_logits(model, batch, temperature)
+        logits = response_logits(model, batch, temperature, self.shared_prompt)
         return token_log_probs(logits, batch["responses"]), logits
 
     def entropy(self, logits: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch import nn
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.context import WorkerContext
 from hybridflow.engines.train import megatron_model as mm
+from hybridflow.engines.train.shared_prompt import say_once
 from hybridflow.engines.train.base import TrainLoop, TrainSettings
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,10 @@ def build(ctx: WorkerContext, settings: TrainSettings) -> MegatronEngine:
         raise ValueError("the megatron engine trains causal LMs (the actor) in a given dtype")
     engine = MegatronEngine(s.model_dir, s.dtype, s.tensor_parallel, s.lr, s.grad_clip, ctx.device, s.seed)
     engine.dynamic_batch_size = s.dynamic_batch_size
+    if s.shared_prompt:
+        say_once("shared-prompt packing is off for the megatron engine: its rotary embeddings follow each token's "
+                 "place in the sequence, not position ids, so a response after another's slot would see the prompt "
+                 "at the wrong distance; rows of a group run unshared")
     return engine
 
 

@@ -1,0 +1,54 @@
+"""The spec's training section (`spec.training`): the training engine, batch sizes, learning rates, clipping,
+parallelism, and the throughput switches (compute dtype, padding-free and shared-prompt micro-batches, on-policy
+old log-probs), each of which changes how the work is done and never its result."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from hybridflow.api.engines import TRAIN_ENGINES
+from hybridflow.api.fields import MAX_COUNT, SpecModel, registered
+
+
+class Training(SpecModel):
+    engine: str = Field("fsdp", description="fsdp: torch FSDP2; megatron: megatron-core 3D.",
+                        json_schema_extra={"enum": TRAIN_ENGINES.names()})
+    micro_batch_size: int = Field(16, gt=0, le=MAX_COUNT, description="Sequences per forward/backward on one device.")
+    mini_batch_size: int = Field(
+        0, ge=0, le=MAX_COUNT, description="Prompts per optimizer step (0: the whole batch, one step)."
+    )
+    ppo_epochs: int = Field(1, gt=0, le=1024, description="Passes over each batch.")
+    actor_lr: float = Field(1e-3, gt=0, description="Actor learning rate.")
+    critic_lr: float = Field(1e-3, gt=0, description="Critic learning rate.")
+    clip_ratio: float = Field(0.2, gt=0, description="PPO-clip epsilon.")
+    value_clip: float = Field(0.5, gt=0, description="Clipped value loss range.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
+    tensor_parallel: int = Field(1, gt=0, le=1024, description="Training TP size (megatron).")
+    pipeline_parallel: int = Field(1, gt=0, le=1024, description="Training PP size (megatron).")
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Dtype of forward and backward passes and of generation; weights and optimizer state stay "
+        "in the model's dtype (fp32 masters). auto: bfloat16 where the device computes it natively (GPUs with bf16, "
+        "CPUs with AVX512-BF16 or AMX), else float32. The megatron engine computes in the model's dtype (auto "
+        "means that there; set spec.models.actor.dtype to train it in bfloat16)."
+    )
+    dynamic_batch_size: bool = Field(
+        True, description="Micro-batches of length-sorted rows, each cut to its own longest prompt and response and "
+        "filled up to microBatchSize x (maxPromptLength + maxResponseLength) tokens, instead of microBatchSize rows "
+        "padded to the maximum lengths."
+    )
+    shared_prompt: bool = Field(
+        True, description="Rows of a micro-batch with the same prompt (a group of responsesPerPrompt samples) run "
+        "as one sequence, the prompt once and then each response, with an attention mask in which each response sees "
+        "the prompt and itself only: the same log-probs, values and gradients for fewer tokens. For the FSDP engine's "
+        "update, old log-probs, reference and critic; the megatron engine runs rows unshared."
+    )
+    on_policy_old_log_probs: bool = Field(
+        True, description="When the update is on-policy (one epoch over one mini-batch, no KL in the reward), the old "
+        "log-probs are the update's own forward pass, detached, instead of a separate forward over the batch."
+    )
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_registered(cls, value: str) -> str:
+        return registered(TRAIN_ENGINES, value)
