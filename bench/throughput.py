@@ -128,12 +128,18 @@ def summarise(records: list[dict], dtype: str, peaks: dict[str, float], paramete
     out["peak GB/rank (max)"] = max(r["actor_peak_memory_bytes"] for r in records) / 1e9
     out["peak GB (sum of ranks)"] = max(r["actor_peak_memory_bytes_total"] for r in records) / 1e9
     peak = ranks * peaks[dtype]
-    out["update MFU"] = med(lambda r: training_flops(parameters, r["tokens"]) / r["stages"]["actor_update"]) / peak
+    update_flops = lambda r: training_flops(parameters, r["tokens"]) / r["stages"]["actor_update"]  # noqa: E731
+    out["update MFU (batch tokens)"] = med(update_flops) / peak
     logp = med(lambda r: r["stages"].get("old_log_prob", 0.0))
     out["log-prob MFU"] = med(lambda r: forward_flops(parameters, r["tokens"])) / logp / peak if logp else 0.0
     out["update MFU (job's metric)"] = med(lambda r: r["mfu"])
     out["reward (last step)"] = records[-1]["reward_mean"]
     return out
+
+
+def peaks_by_step(records: list[dict]) -> list[float]:
+    """The summed peak after each step: flat from step 2 on when nothing grows (ru_maxrss never falls)."""
+    return [r["actor_peak_memory_bytes_total"] / 1e9 for r in records]
 
 
 def main() -> None:
@@ -151,12 +157,14 @@ def main() -> None:
     peaks = {d: matmul_peak_flops(getattr(torch, d), device, seconds=1.0) for d in ("float32", "bfloat16")}
     print(f"matmul peak ({'one GPU' if args.gpu else 'one thread'}): "
           + ", ".join(f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in peaks.items()))
-    results = {}
+    results, by_step = {}, {}
     with tempfile.TemporaryDirectory(prefix="throughput") as tmp:
         for name, doc in variants(args.each, args.gpu, args.ablate).items():
             dtype = doc["spec"]["training"].get("computeDtype", "bfloat16" if _bf16_native(device) else "float32")
             params = tiny_params(TinyModel(**_snake(GPU_MODEL))) if args.gpu else SMOLLM2_PARAMS
-            results[name] = summarise(run_job(doc, args.steps, Path(tmp), name), dtype, peaks, params, ranks)
+            records = run_job(doc, args.steps, Path(tmp), name)
+            results[name] = summarise(records, dtype, peaks, params, ranks)
+            by_step[name] = peaks_by_step(records)
     names = list(results)
     base_name = "baseline" if "baseline" in results else names[-1]
     base, new = results[base_name], results["defaults"]
@@ -171,8 +179,11 @@ def main() -> None:
         ratio = f"{new[key] / base[key]:.2f}x" if base[key] else "-"
         print(f"{key:<{width}}" + "".join(f"{results[n][key]:>{col}.3f}" for n in names)
               + f"{ratio:>{len(ratio_name) + 2}}")
+    print("peak GB (sum of ranks) after each step, a high-water mark: "
+          + "; ".join(f"{n} " + " ".join(f"{g:.2f}" for g in by_step[n]) for n in names))
     if args.json:
-        Path(args.json).write_text(json.dumps({"matmul_peak": peaks, "runs": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"matmul_peak": peaks, "runs": results, "peak_gb_by_step": by_step},
+                                              indent=1))
 
 
 def _capabilities(device: str) -> str:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybridflow.api import TinyModel
-from hybridflow.data.packing import micro_batches, pack_rollout, prompt_groups, slots_per_sequence
+from hybridflow.data.packing import computed_tokens, micro_batches, pack_rollout, prompt_groups, slots_per_sequence
 from hybridflow.engines.train import shared_prompt
 from hybridflow.engines.train.fsdp import FSDPEngine, response_outputs
 from hybridflow.engines.train.shared_prompt import can_share, packed_outputs, shared_layout
@@ -157,6 +157,13 @@ def test_shared_micro_batches_keep_a_prompts_rows_together_within_the_token_budg
     tokens = sum(p.input_ids.numel() if (p := shared_layout(mb)) is not None else mb["input_ids"].numel()
                  for _, mb in parts)
     assert tokens < sum(mb["input_ids"].numel() for _, mb in micro_batches(batch, 2, dynamic=True, shared=False))
+
+
+def test_flops_count_a_shared_prompt_once():
+    batch = _batch()
+    responses = sum(len(r) for r in RESPONSES)
+    assert computed_tokens(batch, shared=False) == sum(len(p) for p in PROMPTS) + responses
+    assert computed_tokens(batch, shared=True) == len(A) + len(B) + len(C) + responses
 
 
 def test_a_prompt_with_many_long_responses_is_cut_into_sequences_whose_attention_stays_bounded():

@@ -161,6 +161,16 @@ def prompt_groups(batch: Batch) -> list[list[int]]:
     return [g[i: i + k] for g in groups.values() for i in range(0, len(g), k)]
 
 
+def computed_tokens(batch: Batch, shared: bool) -> int:
+    """The tokens a forward over `batch` computes: every row's prompt and response, or with `shared` each group's
+    prompt once (what FLOP/s and MFU count, so that sharing shows as less work rather than as faster hardware)."""
+    P = batch["prompts"].shape[1]
+    if not shared:
+        return int(batch["attention_mask"].sum())
+    prompt_lens = batch["attention_mask"][:, :P].sum(1)
+    return int(sum(int(prompt_lens[g[0]]) for g in prompt_groups(batch)) + response_lengths(batch).sum())
+
+
 def micro_batches(batch: Batch, rows: int, dynamic: bool, shared: bool = False) -> list[tuple[list[int], Batch]]:
     """(row indices, micro-batch) pairs covering the batch. Fixed: `rows` rows each, full width. Dynamic: the same
     token budget (rows x full width), filled with length-sorted rows, each micro-batch cut to its own lengths;

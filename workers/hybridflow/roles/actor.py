@@ -19,6 +19,7 @@ from hybridflow.algorithms.core import masked_mean
 from hybridflow.algorithms.kl import KL_ESTIMATORS
 from hybridflow.algorithms.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, ClipConfig
 from hybridflow.checkpoint.role import CheckpointMixin
+from hybridflow.data.packing import computed_tokens
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.protocol import Dispatch, DPRank, register
 from hybridflow.single_controller.context import WorkerContext
@@ -124,7 +125,7 @@ class ActorWorker(CheckpointMixin):
         out = self.engine.ppo_update(batch, t, c.prompts_per_step, loss_fn, per)
         release_free_memory()  # activations: generation comes next
         out["peak_memory_bytes"] = float(peak_memory_bytes())
-        tokens = float(batch["attention_mask"].sum()) * t.ppo_epochs
+        tokens = float(computed_tokens(batch, self.engine.shared_prompt)) * t.ppo_epochs
         out["update_flops_per_s"] = training_flops(self.parameters, tokens) / max(out["update_seconds"], 1e-9)
         out["mfu"] = out["update_flops_per_s"] / self.peak_flops
         return out
