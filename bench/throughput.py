@@ -137,6 +137,23 @@ def summarise(records: list[dict], dtype: str, peaks: dict[str, float], paramete
     return out
 
 
+def rank_memory_parts(doc: dict, dtype: str, params: int, ranks: int) -> dict[str, float]:
+    """What one rank holds by design, in GB, from the job's spec: the FSDP shards (fp32 masters, their gradients,
+    AdamW's two moments) and what the colocated generation engine keeps (its whole weights in the compute dtype and
+    its KV cache, as the job sizes them). Peak minus these is the runtime (Python, torch, vLLM, Ray) and the
+    activations and allocator slack of the largest micro-batch."""
+    from hybridflow.api import parse_job
+    from hybridflow.capacity import machine_facts, rank_floor
+
+    job = parse_job(doc)
+    shard = params * 4 / ranks / 1e9
+    pool = job.spec.resource_pools[0]
+    generation = {k: v / 1e9 for k, v in rank_floor(job.spec, pool, machine_facts(job)).items() if k != "process"}
+    if dtype == "float32":  # rank_floor halves the weights wherever auto may compute in bf16
+        generation = {k: v * (2 if "weights" in k else 1) for k, v in generation.items()}
+    return {"fp32 weight shard": shard, "gradient shard": shard, "AdamW moments": 2 * shard} | generation
+
+
 def peaks_by_step(records: list[dict]) -> list[float]:
     """The summed peak after each step: flat from step 2 on when nothing grows (ru_maxrss never falls)."""
     return [r["actor_peak_memory_bytes_total"] / 1e9 for r in records]
@@ -157,7 +174,7 @@ def main() -> None:
     peaks = {d: matmul_peak_flops(getattr(torch, d), device, seconds=1.0) for d in ("float32", "bfloat16")}
     print(f"matmul peak ({'one GPU' if args.gpu else 'one thread'}): "
           + ", ".join(f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in peaks.items()))
-    results, by_step = {}, {}
+    results, by_step, parts = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="throughput") as tmp:
         for name, doc in variants(args.each, args.gpu, args.ablate).items():
             dtype = doc["spec"]["training"].get("computeDtype", "bfloat16" if _bf16_native(device) else "float32")
@@ -165,6 +182,7 @@ def main() -> None:
             records = run_job(doc, args.steps, Path(tmp), name)
             results[name] = summarise(records, dtype, peaks, params, ranks)
             by_step[name] = peaks_by_step(records)
+            parts[name] = rank_memory_parts(doc, dtype, params, ranks)
     names = list(results)
     base_name = "baseline" if "baseline" in results else names[-1]
     base, new = results[base_name], results["defaults"]
@@ -181,6 +199,12 @@ def main() -> None:
               + f"{ratio:>{len(ratio_name) + 2}}")
     print("peak GB (sum of ranks) after each step, a high-water mark: "
           + "; ".join(f"{n} " + " ".join(f"{g:.2f}" for g in by_step[n]) for n in names))
+    for n in names:
+        held = parts[n]
+        rest = results[n]["peak GB/rank (max)"] - sum(held.values())
+        print(f"{n}, one rank's peak {results[n]['peak GB/rank (max)']:.2f} GB: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in held.items())
+              + f"; the rest (runtime, activations, allocator slack) {rest:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"matmul_peak": peaks, "runs": results, "peak_gb_by_step": by_step},
                                               indent=1))
