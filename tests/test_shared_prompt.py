@@ -1,7 +1,8 @@
 """Shared-prompt packing (issue 28) changes how a group's rows are computed, never what: the log-probs, entropy, a
 policy loss and its gradients of rows that share a prompt run as one sequence equal those of the rows run one by
 one, in float64 on a real tiny HF model, including the prompt's last logit that predicts each response's first
-token; a mask loosened by one position breaks the equality. Real FSDP2 on a one-rank gloo group for the engine."""
+token; a mask loosened by one position breaks the equality. Real FSDP2 on a one-rank gloo group for the engine.
+Also here: a critic's value head computes the same values in training as when it scored the batch (no dropout)."""
 from __future__ import annotations
 
 import dataclasses
@@ -140,6 +141,19 @@ def test_a_critics_values_over_packed_groups_equal_the_unshared_ones():
     real = _real(batch)
     torch.testing.assert_close(response_values(model, batch, shared=True)[real],
                                response_values(model, batch, shared=False)[real], rtol=0, atol=1e-12)
+
+
+def test_a_value_head_has_no_dropout_so_training_sees_the_values_it_computed(tmp_path):
+    from hybridflow.engines.train.fsdp import load_hf_model
+    from hybridflow.models.builders import build_tiny
+
+    critic = load_hf_model(build_tiny(TinyModel(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
+                                                num_heads=2, num_kv_heads=1), tmp_path, 0), "float32", "value")
+    batch = _batch()
+    with torch.no_grad():
+        computed = response_values(critic.eval(), batch)
+        training = response_values(critic.train(), batch)
+    assert torch.equal(training, computed)
 
 
 def test_shared_micro_batches_keep_a_prompts_rows_together_within_the_token_budget():

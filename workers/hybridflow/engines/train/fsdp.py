@@ -54,11 +54,15 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def load_hf_model(model_dir: Path, dtype: str | None, head: str = "lm") -> nn.Module:
     """The HF model a role trains or scores with: a causal LM, or a one-label token classifier (a value or score
     head). `dtype` None leaves the loader's default."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     kwargs: dict = {} if dtype is None else {"dtype": getattr(torch, dtype)}
     if head == "value":
-        return AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1, **kwargs)
+        # no dropout before the head (HF's token classifiers default to 0.1): a critic's values while it trains must
+        # be the values it computed for the batch, or the value clip compares noise (verl sets the same)
+        config = AutoConfig.from_pretrained(model_dir, num_labels=1)
+        config.classifier_dropout = 0.0  # set after loading: from_pretrained drops keys its config class lacks
+        return AutoModelForTokenClassification.from_pretrained(model_dir, config=config, **kwargs)
     return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
 
 
