@@ -44,6 +44,11 @@ def pack_rollout(prompts: list[list[int]], responses: list[list[int]], prompt_wi
     }
 
 
+def padded_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip left padding: each real token's index among the real tokens of its row (0 on pads)."""
+    return (mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
 def pad_log_probs(log_probs: list[list[float]], response_width: int) -> torch.Tensor:
     """Per-token log-probs right-padded with 0 to (B, response_width), aligned with `responses`."""
     out = torch.zeros((len(log_probs), response_width), dtype=torch.float32)

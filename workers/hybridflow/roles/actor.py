@@ -44,7 +44,8 @@ class ActorWorker(CheckpointMixin):
         build_trainer: TrainEngineFactory = config.train_engine.load()
         self.engine: TrainEngine = build_trainer(ctx, TrainSettings(
             self.model_dir, config.model.dtype, lr=t.actor_lr, grad_clip=t.grad_clip, compute_dtype=t.compute_dtype,
-            dynamic_batch_size=t.dynamic_batch_size, shared_prompt=t.shared_prompt, tensor_parallel=t.tensor_parallel, seed=config.seed))
+            dynamic_batch_size=t.dynamic_batch_size, shared_prompt=t.shared_prompt, tensor_parallel=t.tensor_parallel,
+            seed=config.seed))
         self._dp_rank = train_dp_rank(ctx, config.train_engine, t.tensor_parallel)
         release_free_memory()  # the whole model it loaded before sharding
         self.parameters = self.engine.num_parameters()  # collective where the engine gathers to count

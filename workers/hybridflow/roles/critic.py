@@ -39,9 +39,8 @@ class CriticWorker(CheckpointMixin):
 
     @register(Dispatch.DP_COMPUTE, blocking=False)
     def compute_values(self, batch: Batch) -> Batch:
-        shared = self.engine.shared_prompt
         values = self.engine.forward_micro(batch, self.config.training.micro_batch_size,
-                                           lambda model, mb: response_values(model, mb, shared))
+                                           lambda model, mb: response_values(model, mb, self.engine.shared_prompt))
         return Batch({f"{self.prefix}values": values.cpu() * batch["response_mask"]})
 
     @register(Dispatch.DP_COMPUTE)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow.algorithms.core import entropy_from_logits
+from hybridflow.data.packing import padded_positions
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.context import WorkerContext
 from hybridflow.engines.precision import compute_dtype
@@ -22,8 +23,7 @@ from hybridflow.engines.train.shared_prompt import can_share, packed_outputs, sh
 def sequence_inputs(batch: Batch) -> dict[str, torch.Tensor]:
     """Model inputs for left-padded prompt + right-padded response rows; positions skip the left padding."""
     mask = batch["attention_mask"]
-    pos = (mask.long().cumsum(-1) - 1).clamp_min(0)
-    return {"input_ids": batch["input_ids"], "attention_mask": mask, "position_ids": pos}
+    return {"input_ids": batch["input_ids"], "attention_mask": mask, "position_ids": padded_positions(mask)}
 
 
 def response_outputs(model: nn.Module, batch: Batch, shared: bool = False, lm: bool = True) -> torch.Tensor:

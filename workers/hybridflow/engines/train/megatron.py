@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridflow.data.packing import padded_positions
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.context import WorkerContext
 from hybridflow.engines.train import megatron_model as mm
@@ -63,8 +64,7 @@ def attention_inputs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     S = ids.shape[1]
     future = torch.triu(torch.ones(S, S, dtype=torch.bool, device=ids.device), diagonal=1)
     mask = future[None, None] | ~keep[:, None, None, :]
-    pos = (keep.long().cumsum(-1) - 1).clamp_min(0)
-    return ids, pos, mask
+    return ids, padded_positions(keep), mask
 
 
 def vocab_parallel_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

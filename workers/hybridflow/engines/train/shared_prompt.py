@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybridflow.data.packing import prompt_groups
+from hybridflow.data.packing import padded_positions, prompt_groups
 from hybridflow.single_controller.batch import Batch
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def pack_groups(batch: Batch, groups: list[list[int]]) -> PackedGroups:
     ids[:, :P] = batch["prompts"][first]
     real[:, :P] = mask[first, :P].bool()
     prompt_len = mask[first, :P].sum(1)
-    pos[:, :P] = (mask[first, :P].long().cumsum(-1) - 1).clamp_min(0)
+    pos[:, :P] = padded_positions(mask[first, :P])
     steps = torch.arange(R, device=dev)
     keep = torch.cat([torch.tensor([P - 1], device=dev),
                       (P + torch.arange(slots, device=dev)[:, None] * R + steps[None, 1:] - 1).flatten()])
