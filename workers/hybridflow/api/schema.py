@@ -191,6 +191,9 @@ class Rollout(SpecModel):
         "one generation call, prompt + response, at once)."
     )
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory fraction (GPU only).")
+    prefix_caching: bool = Field(True, description="vLLM reuses the KV cache of a prompt across its responses "
+                                 "(and of an agent's earlier turns), in blocks of 32 tokens on CPU; new weights "
+                                 "clear it.")
     mode: Literal["sync", "one_step_off", "async"] = Field(
         "sync", description="sync: generate, then train, then sync the weights (colocated or not). one_step_off: "
         "batch k+1 is generated while batch k trains (one policy version old). async: rollout generates "
@@ -228,6 +231,10 @@ class ResourcePool(SpecModel):
                                   "per node.")
     device: Literal["cpu", "gpu"] = Field("cpu", description="Device type.")
     cpus_per_device: float = Field(1.0, gt=0, le=1024, description="CPU cores reserved per device process.")
+    allocator: Literal["auto", "tcmalloc", "system"] = Field(
+        "auto", description="The C heap allocator of the pool's worker processes: auto takes tcmalloc where the node "
+        "has it (the worker images do; apt-get install libtcmalloc-minimal4), else the C library's malloc; "
+        "tcmalloc fails the job where it is missing.")
     memory_per_node: Quantity = Field("4Gi", description="Memory request and limit of each pool pod (Kubernetes "
                                       "quantity, e.g. 16Gi).")
     node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=64, description="Pod nodeSelector "

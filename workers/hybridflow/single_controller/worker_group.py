@@ -14,6 +14,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from hybridflow.single_controller.allocator import own_allocator
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.protocol import (
     Dispatch,
@@ -168,6 +169,10 @@ class WorkerHost:
     def execute(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.roles[role], method)(*args, **kwargs)
 
+    def allocator(self) -> str:
+        """The C heap allocator this process runs on (the pool's `allocator`, if its library was found)."""
+        return own_allocator()
+
 
 class PendingResult:
     """Futures of one call, plus how to combine them. Passing it to another call hands over the futures."""
@@ -259,7 +264,9 @@ class WorkerGroup:
     """One WorkerHost per device of a pool, hosting the given roles side by side (colocation)."""
 
     def __init__(self, pool: RayResourcePool, roles: dict[str, RoleSpec],
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, process_env: dict[str, str] | None = None) -> None:
+        """`env` is set in each worker once it runs; `process_env` is the environment its process starts with (what
+        must be there before Python is: the allocator's LD_PRELOAD, single_controller.allocator)."""
         self.pool = pool
         placements = pool.acquire()
         gpu = 1 if pool.device == "gpu" else 0
@@ -270,6 +277,7 @@ class WorkerGroup:
                 resources={pool_resource(pool.name): 1.0},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=idx),
                 name=None,
+                runtime_env={"env_vars": process_env} if process_env else None,
             ).remote(rank, pool.world_size, idx, pool.device, env or {})
             for rank, (pg, idx) in enumerate(placements)
         ]
@@ -281,6 +289,10 @@ class WorkerGroup:
             meshes = {"train"} | {p.mesh for p in registered_methods(spec.cls).values()}
             layouts = {m: ray.get([h.dp_rank.remote(role, m) for h in self.hosts]) for m in sorted(meshes)}
             self._roles[role] = RoleHandle(self, role, spec.cls, layouts)
+
+    def allocators(self) -> list[str]:
+        """Each rank's C heap allocator, as its process reports it."""
+        return ray.get([h.allocator.remote() for h in self.hosts])
 
     def __getitem__(self, role: str) -> RoleHandle:
         return self._roles[role]

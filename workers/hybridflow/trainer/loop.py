@@ -244,7 +244,8 @@ def execute(job: RLHFJob, prepared: Prepared, progress: bool = True) -> int:
     workers = build_workers(job, prepared.model_dir, prepared.task, prepared.critic_dir, prepared.rm_dir,
                             prepared.cost_dir)
     say(f"workers ready in {time.perf_counter() - t0:.1f}s: {workers.devices} devices, "
-        + "; ".join(f"pool {g.pool.name}: {', '.join(g.roles)}" for g in workers.groups))
+        + "; ".join(f"pool {g.pool.name}: {', '.join(g.roles)} ({'/'.join(sorted(set(g.allocators())))} malloc)"
+                    for g in workers.groups))
     try:
         summary = fit(job, workers, prepared.task, metrics, progress=say)
     finally:

@@ -1,5 +1,5 @@
 """Checks only the machine that runs the job can make: model directories, the reward file, prompt files, a
-resumeFrom checkpoint, writable directories. `hybridflow validate` and `run` call them; the operator cannot."""
+resumeFrom checkpoint, writable directories, the pools' allocator. `hybridflow validate` and `run` call them; the operator cannot."""
 from __future__ import annotations
 
 import shutil
@@ -10,6 +10,7 @@ from hybridflow.api import RLHFJob
 from hybridflow.api.storage import is_url
 from hybridflow.data.files import DataError, resolve_paths
 from hybridflow.rewards.reward_file import RewardFileError, check_reward_file
+from hybridflow.single_controller.allocator import ALLOCATORS, AllocatorMissing, choose_allocator, find_allocator
 
 
 def _has_checkpoints(job: RLHFJob) -> bool:
@@ -39,6 +40,7 @@ def check_runtime_paths(job: RLHFJob) -> list[str]:
         except RewardFileError as err:
             out.append(f"spec.models.reward.function: {err}")
     out += _agent_file_problems(job)
+    out += _allocator_problems(job)
     if job.spec.data.source == "files":
         for field, entries in (("spec.data.train", job.spec.data.train), ("spec.data.eval", job.spec.data.eval)):
             try:
@@ -81,6 +83,19 @@ def _agent_file_problems(job: RLHFJob) -> list[str]:
             read_tools_file(a.tools_file)
         except ToolFileError as err:
             out.append(f"spec.rollout.agent.toolsFile: {err}")
+    return out
+
+
+def _allocator_problems(job: RLHFJob) -> list[str]:
+    """A pool that asks for an allocator by name needs it on this machine (the driver's: on Kubernetes the head pod
+    runs the pools' image)."""
+    found = {name: find_allocator(name) for name in ALLOCATORS}
+    out = []
+    for i, pool in enumerate(job.spec.resource_pools):
+        try:
+            choose_allocator(pool.allocator, found, f"spec.resourcePools[{i}].allocator")
+        except AllocatorMissing as err:
+            out.append(str(err))
     return out
 
 

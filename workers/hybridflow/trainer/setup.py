@@ -17,6 +17,7 @@ from hybridflow.api.storage import is_url
 from hybridflow.single_controller.batch import Batch
 from hybridflow.trainer.rollouts import ROLLOUT_MODES, ColocatedWeightSync, Rollouts, StreamedWeightSync, WeightSync
 from hybridflow.trainer.step import Scorer, generation_rows
+from hybridflow.single_controller.allocator import worker_allocator_env
 from hybridflow.single_controller.worker_group import RayResourcePool, RoleSpec, WorkerGroup
 from hybridflow.data.files import PromptRenderer, load_prompt_files
 from hybridflow.data.packing import unpack_prompts, unpack_responses
@@ -188,14 +189,16 @@ def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | 
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     }
     groups, roles = [], {}
-    for pool_spec in s.resource_pools:
+    for index, pool_spec in enumerate(s.resource_pools):
         if pool_spec.name not in by_pool:
             continue
         threads = max(1, int(pool_spec.cpus_per_device))
         pool = RayResourcePool(
             pool_spec.name, pool_spec.nodes, pool_spec.devices_per_node, pool_spec.device, pool_spec.cpus_per_device
         )
-        group = WorkerGroup(pool, by_pool[pool_spec.name], env={**env, "OMP_NUM_THREADS": str(threads)})
+        allocator = worker_allocator_env(pool_spec.allocator, f"spec.resourcePools[{index}].allocator")
+        group = WorkerGroup(pool, by_pool[pool_spec.name], env={**env, "OMP_NUM_THREADS": str(threads)},
+                            process_env=allocator)
         groups.append(group)
         roles.update({r: group[r] for r in group.roles})
     devices = sum(g.pool.world_size for g in groups)

@@ -9,7 +9,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from hybridflow.capacity import GIB
+from hybridflow.capacity import GIB, KV_BLOCK_TOKENS
 from hybridflow.single_controller.context import WorkerContext
 from hybridflow.engines.precision import dtype_name
 from hybridflow.engines.rollout.base import Generation, RolloutSetup, SamplingConfig, model_kv_cache_bytes
@@ -23,12 +23,12 @@ def build(ctx: WorkerContext, setup: RolloutSetup) -> VLLMRollout:
                                                                   setup.sequences, max_len)
     return VLLMRollout(setup.model_dir, max_model_len=max_len, dtype=dtype_name(setup.generation_dtype),
                        seed=setup.seed, kv_cache_bytes=kv_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
-                       on_gpu=ctx.device == "gpu")
+                       on_gpu=ctx.device == "gpu", prefix_caching=r.prefix_caching)
 
 
 class VLLMRollout:
     def __init__(self, model_dir: Path, max_model_len: int, dtype: str, seed: int, kv_cache_bytes: int,
-                 gpu_memory_utilization: float, on_gpu: bool) -> None:
+                 gpu_memory_utilization: float, on_gpu: bool, prefix_caching: bool = True) -> None:
         """`kv_cache_bytes` sizes the KV cache on CPU; on GPU `gpu_memory_utilization` does (and sleep mode frees
         weights and cache during training)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -40,7 +40,10 @@ class VLLMRollout:
 
         gc.freeze()  # vLLM's modules (~300k objects) live as long as the process: its start-up collections skip them
         self.instance_id = uuid.uuid4().hex
-        kwargs: dict = {"enable_sleep_mode": True} if on_gpu else {"kv_cache_memory_bytes": kv_cache_bytes}
+        # prefix caching: the n responses of a prompt (and an agent's next turn) reuse its KV blocks; on CPU in
+        # blocks of KV_BLOCK_TOKENS. load_weights resets the cache: KV computed by older weights is never reused.
+        kwargs: dict = {"enable_sleep_mode": True} if on_gpu else {"kv_cache_memory_bytes": kv_cache_bytes,
+                                                                    "block_size": KV_BLOCK_TOKENS}
         if dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
         self.on_gpu = on_gpu
@@ -56,6 +59,7 @@ class VLLMRollout:
             tensor_parallel_size=1,
             gpu_memory_utilization=gpu_memory_utilization if on_gpu else 0.9,
             logprobs_mode="processed_logprobs",  # after temperature, as the trainer computes them
+            enable_prefix_caching=prefix_caching,
             **kwargs,
         )
 
@@ -108,11 +112,12 @@ class VLLMRollout:
 
     def release(self) -> None:
         """Free the generation weights during training (the transition brings new ones anyway). On GPU: sleep mode
-        level 2, weights and KV cache. On CPU vLLM has no sleep mode. Where the CPU has the kernels for it
-        (AVX-512), vLLM keeps its weights only as packed GEMMs (oneDNN / sgl handles; the parameters are emptied);
-        elsewhere (AVX2) its GEMMs are plain `linear` calls on the parameters. Either way reload_weights rebuilds
-        both from its own record of the layers, so dropping the GEMMs and emptying the parameters frees the
-        weights (SmolLM2 in bf16: 0.27 GB of resident memory per rank); the KV cache, sized from the job, stays."""
+        level 2, weights and KV cache. On CPU vLLM has no sleep mode. Where its build has the kernels (oneDNN, on
+        the AVX-512 and the AVX2 machines seen here; sgl with AMX), vLLM keeps its weights only as packed GEMMs (the
+        handles; the parameters are emptied); elsewhere its GEMMs are plain `linear` calls on the parameters.
+        Either way reload_weights rebuilds both from its own record of the layers, so dropping the GEMMs and
+        emptying the parameters frees the weights (SmolLM2 in bf16: 0.27 GB of resident memory per rank); the KV
+        cache, sized from the job, stays."""
         if self.asleep:
             return
         if self.on_gpu:
