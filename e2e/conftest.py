@@ -39,3 +39,11 @@ def world(tmp_path_factory):
         yield w
     finally:
         w.close()
+
+
+def pytest_terminal_summary(terminalreporter):
+    from e2e.helpers import RECOVERY_SECONDS
+
+    if RECOVERY_SECONDS:
+        terminalreporter.write_line("recovery, a kill -> the next step logged: " + "; ".join(
+            f"{policy} {seconds:.1f}s" for policy, seconds in RECOVERY_SECONDS.items()))

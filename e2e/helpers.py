@@ -8,6 +8,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny-grpo-k8s.yaml"
 PVC = ROOT / "e2e" / "manifests" / "pvc.yaml"
+# What the fault scenarios measured: a kill -> the next step logged, in seconds, by restart policy (conftest prints
+# them at the end of the run, so every CI log shows them).
+RECOVERY_SECONDS: dict[str, float] = {}
 
 
 def live_pod_names(kube, job: str) -> list[str]:

@@ -137,6 +137,11 @@ class KubeletDouble:
         self.net.kill(pod.netns, grace=0)
         return len(pids)
 
+    def stop_processes(self, namespace: str, name: str) -> int:
+        """Fault injection: SIGSTOP everything in a pod (a hung node: the pod stays Running and answers nothing)."""
+        pod = next(p for p in self.pods.values() if (p.namespace, p.name) == (namespace, name))
+        return self.net.stop(pod.netns)
+
     def running(self, name: str, namespace: str = "default") -> bool:
         """Whether the pod's main containers have started (init containers done) and have processes."""
         pod = next((p for p in list(self.pods.values()) if (p.namespace, p.name) == (namespace, name)), None)

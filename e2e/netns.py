@@ -77,6 +77,17 @@ class PodNetwork:
             if not self.pids(netns):
                 return
 
+    def stop(self, netns: str) -> int:
+        """SIGSTOP every process in the pod's network namespace (a hung pod: alive, its sockets open, silent);
+        returns how many. A later `kill` (SIGKILL) ends stopped processes too."""
+        pids = self.pids(netns)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        return len(pids)
+
     def remove(self, netns: str) -> None:
         """The pod's processes, its interface and its namespace; only then is its address free for another pod. A
         namespace outlives `ip netns del` while a process in it is still exiting (slowly, on a loaded machine), and

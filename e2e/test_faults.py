@@ -1,6 +1,10 @@
-"""Scenario: faults. One job meets them in turn: the operator killed mid-run (the new one adopts the pods), a worker
-pod killed (gang restart, resume from the checkpoint), then random pods killed at random times (chaos); no step is
-lost or repeated. Another: an evicted pod (restart, backoff not used) and backoffLimit exhausted (Failed, with why)."""
+"""Scenario: faults. One job meets them in turn (restartPolicy failedPod, the default): the operator killed mid-run
+(the new one adopts the pods), a pool pod killed (replaced alone: the head and the other pod keep running, the
+controller recovers in place from the checkpoint), the head killed at a random moment (the gang restarts: it holds
+the controller), a pool pod frozen with SIGSTOP (no step within the progress deadline: Stalled, the gang restarts);
+no step is lost or repeated. Another (restartPolicy gang): a kill, an eviction (restart, backoff not used) and a
+kill that exhausts backoffLimit (Failed, with why). Each records how long its first kill took to the next step
+logged (printed at the end of the run)."""
 from __future__ import annotations
 
 import random
@@ -8,13 +12,11 @@ import time
 
 from kube.harness import wait_for
 
-from e2e.helpers import job_variant, live_pod_names, phase
+from e2e.helpers import RECOVERY_SECONDS, job_variant, live_pod_names, phase
 from e2e.worlds import current_head
 
-STEPS = 30
-# Seed 13 kills the head, then a worker: chaos of both kinds of pod (a third kill, the head again, added ~35 s
-# and nothing the first two do not show).
-CHAOS_KILLS = 2
+STEPS = 36
+STALL_DEADLINE = 90  # runPolicy.progressDeadlineSeconds of the first job: above its start-up, far below the default
 LONG = {"trainer": {"steps": STEPS, "saveFreq": 3}, "metrics": {"port": 8000, "lingerSeconds": 0}}
 
 
@@ -28,11 +30,16 @@ def _finish(world, name, head):
     return world.kube.status(name)
 
 
+def _reasons(world, name: str) -> list[str]:
+    return [e.reason for e in world.kube.events() if e.involved_object.name == name]
+
+
 def _restart_reasons(world, name: str) -> str:
-    """Why each gang restart happened, and the newest head's log: what a failed scenario needs to be read."""
-    why = [e.message for e in world.kube.events() if e.involved_object.name == name and e.reason == "GangRestart"]
+    """Why each gang restart or replacement happened, and the newest head's log: what a failed scenario needs."""
+    why = [f"{e.reason}: {e.message}" for e in world.kube.events() if e.involved_object.name == name
+           and e.reason in ("GangRestart", "PodReplaced", "Stalled")]
     head = current_head(world.kube, name)
-    return f"restarts: {why}; {head}: {world.logs(head)[-3000:]}"
+    return f"events: {why}; {head}: {world.logs(head)[-3000:]}"
 
 
 def _first_step_logged(log: str) -> int | None:
@@ -43,59 +50,79 @@ def _first_step_logged(log: str) -> int | None:
     return None
 
 
-def test_killed_operator_and_killed_pods_lose_and_repeat_no_step(world, tmp_path):
-    """One job through the faults a running gang meets. The operator is SIGKILLed mid-run: the new one adopts the
-    running pods (same names and UIDs, nothing created) and goes on managing the job. Then a worker pod is killed
-    after a checkpoint: the gang restarts and the new driver resumes from that checkpoint, not from scratch. Then
-    chaos: a fixed seed picks which pod of the running gang dies and when (head or worker, any moment of training,
-    a checkpoint save included). The job ends Succeeded, one restart per kill, each step in the step log once."""
+def _uids(world, name: str) -> dict[str, str]:
+    return {p.metadata.name: p.metadata.uid for p in world.kube.pods(name) if not p.metadata.deletion_timestamp}
+
+
+def _next_step_after(world, name: str, t: float) -> float:
+    """Seconds from `t` (a kill) to the first step the job logged after it, from the step log's wall times."""
+    def logged() -> float | None:
+        later = [r["time"] for r in world.step_records(name) if r.get("time", 0) > t]
+        return min(later) - t if later else None
+    return wait_for(logged, 300, "a step logged after the kill")
+
+
+def test_a_killed_pool_pod_is_replaced_alone_a_killed_head_and_a_hung_pod_restart_the_gang(world, tmp_path):
+    """The operator is SIGKILLed mid-run: the new one adopts the running pods (same names and UIDs, nothing created).
+    A pool pod is killed after a checkpoint: only it is replaced (the head and the other pool pod keep their UIDs, no
+    gang generation is used), the controller rebuilds its worker groups and resumes from the checkpoint. The head
+    is killed at a moment a fixed seed picks: the gang restarts. A pool pod is frozen (SIGSTOP): it stays Running,
+    no step completes, the operator finds the job Stalled after runPolicy.progressDeadlineSeconds and restarts the
+    gang. The job ends Succeeded with each step in the step log once."""
     rng = random.Random(13)
     name = "fault-kills"
-    _start(world, tmp_path, name, runPolicy={"backoffLimit": 1 + CHAOS_KILLS})
+    _start(world, tmp_path, name, runPolicy={"backoffLimit": 2, "progressDeadlineSeconds": STALL_DEADLINE})
 
-    before = {p.metadata.name: p.metadata.uid for p in world.kube.pods(name)}
+    before = _uids(world, name)
     world.restart_operator()
     seen = world.kube.status(name).get("lastCheckpointStep", 0)
-    ck = wait_for(lambda: (c := world.kube.status(name).get("lastCheckpointStep", 0)) > seen and c >= 3 and c, 300,
-                  "a checkpoint, polled into status by the new operator")
-    after = {p.metadata.name: p.metadata.uid for p in world.kube.pods(name)}
-    assert after == before, "the new operator replaced or added pods instead of adopting them"
+    wait_for(lambda: (c := world.kube.status(name).get("lastCheckpointStep", 0)) > seen and c >= 3 and c, 300,
+             "a checkpoint, polled into status by the new operator")
+    assert _uids(world, name) == before, "the new operator replaced or added pods instead of adopting them"
     assert world.kube.status(name).get("restarts", 0) == 0
 
-    kills = [f"{name}-default-1-g0"]
-    world.kill_pod_processes(kills[0])
-    wait_for(lambda: world.kube.status(name).get("restarts") == 1, 120, "the gang restart")
-    resumed_at = wait_for(lambda: _first_step_logged(world.logs(f"{name}-head-g1")), 300,
-                          lambda: f"generation 1 training; {_restart_reasons(world, name)}") - 1
-    assert resumed_at >= ck and resumed_at % 3 == 0, (ck, resumed_at)  # from a checkpoint, not from scratch
-    wait_for(lambda: "GangRestart" in [e.reason for e in world.kube.events() if e.involved_object.name == name], 30,
-             "the GangRestart event (kopf posts events after the status)")
+    killed = time.time()
+    world.kill_pod_processes(f"{name}-default-1-g0")
+    wait_for(lambda: world.kube.status(name).get("podReplacements") == 1, 120, "the pool pod replaced alone")
+    RECOVERY_SECONDS["failedPod (pool pod replaced alone)"] = _next_step_after(world, name, killed)
+    after = _uids(world, name)
+    kept = [f"{name}-head-g0", f"{name}-default-0-g0"]
+    assert {p: after.get(p) for p in kept} == {p: before[p] for p in kept}, "a healthy pod was replaced"
+    assert after.get(f"{name}-default-1-g0") not in (None, before[f"{name}-default-1-g0"]), after
+    assert world.kube.status(name).get("restarts", 0) == 0, _restart_reasons(world, name)
+    assert "worker lost (1/3 in-place recoveries)" in world.logs(f"{name}-head-g0"), _restart_reasons(world, name)
+    wait_for(lambda: "PodReplaced" in _reasons(world, name), 30, "the PodReplaced event")
 
-    while len(kills) < 1 + CHAOS_KILLS:
-        gen = len(kills)
-        wait_for(lambda: phase(world, name) in ("Running", "Succeeded") and world.kube.status(name)["restarts"] == gen,
-                 300, f"generation {gen} running; {world.kube.status(name)}")
-        time.sleep(rng.uniform(0.0, 6.0))
-        pod = rng.choice([p for p in live_pod_names(world.kube, name) if p.endswith(f"-g{gen}")])
-        if phase(world, name) != "Running" or not world.pod_running(pod):
-            break  # finished before this kill: the kills so far are the scenario
-        world.kill_pod_processes(pod)
-        kills.append(pod)
-        wait_for(lambda: world.kube.status(name).get("restarts") == gen + 1, 120, f"the restart after killing {pod}")
+    time.sleep(rng.uniform(0.0, 6.0))
+    world.kill_pod_processes(f"{name}-head-g0")  # the controller's pod: the gang restarts, whatever the policy
+    wait_for(lambda: world.kube.status(name).get("restarts") == 1, 120, "the gang restart after the head's kill")
+    wait_for(lambda: _first_step_logged(world.logs(f"{name}-head-g1")), 300,
+             lambda: f"generation 1 training; {_restart_reasons(world, name)}")
+
+    world.freeze_pod(f"{name}-default-0-g1")
+    wait_for(lambda: world.kube.status(name).get("restarts") == 2, STALL_DEADLINE + 180,
+             lambda: f"the Stalled restart; {_restart_reasons(world, name)}")
+    wait_for(lambda: "Stalled" in _reasons(world, name), 30, "the Stalled event")
     st = _finish(world, name, current_head(world.kube, name))
-    assert st["phase"] == "Succeeded" and st["restarts"] == len(kills), (kills, _restart_reasons(world, name))
-    assert world.step_log(name) == list(range(1, STEPS + 1)), f"a step was lost or repeated; killed {kills}"
+    assert st["phase"] == "Succeeded" and st["restarts"] == 2 and st["podReplacements"] == 1, (
+        st, _restart_reasons(world, name))
+    assert world.step_log(name) == list(range(1, STEPS + 1)), "a step was lost or repeated"
 
 
 def test_an_eviction_does_not_use_the_backoff_limit_and_exhausting_it_fails_the_job(world, tmp_path):
-    """backoffLimit 1: a killed pod uses the one restart; an evicted pod (a drain) restarts the gang without using
-    any; the next killed pod fails the job, with which pod and why."""
+    """restartPolicy gang, backoffLimit 1: a killed pod uses the one restart; an evicted pod (a drain) restarts the
+    gang without using any; the next killed pod fails the job, with which pod and why."""
     name = "fault-backoff"
-    _start(world, tmp_path, name, runPolicy={"backoffLimit": 1})
+    _start(world, tmp_path, name, runPolicy={"backoffLimit": 1, "restartPolicy": "gang"})
     for gen, fault in ((0, world.kill_pod_processes), (1, world.evict_pod), (2, world.kill_pod_processes)):
         pod = f"{name}-default-0-g{gen}"
         wait_for(lambda: pod in live_pod_names(world.kube, name) and world.pod_running(pod), 300, f"{pod} running")
+        if gen == 0:  # as the failedPod job's kill: after a checkpoint, timed to the next step logged
+            wait_for(lambda: world.kube.status(name).get("lastCheckpointStep", 0) >= 3, 300, "a checkpoint")
+            killed = time.time()
         fault(pod)
+        if gen == 0:
+            RECOVERY_SECONDS["gang (every pod restarted)"] = _next_step_after(world, name, killed)
         if gen < 2:
             wait_for(lambda: phase(world, name) == "Running" and world.kube.status(name).get("restarts") == gen + 1,
                      300, f"generation {gen + 1} running; {world.kube.status(name)}")

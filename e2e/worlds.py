@@ -107,6 +107,9 @@ class LocalWorld(_Kubectl):
     def kill_pod_processes(self, pod: str, namespace: str = "default") -> None:
         assert self.kubelet.kill_processes(namespace, pod) > 0, f"{pod} had no processes"
 
+    def freeze_pod(self, pod: str, namespace: str = "default") -> None:
+        assert self.kubelet.stop_processes(namespace, pod) > 0, f"{pod} had no processes"
+
     def pod_running(self, pod: str, namespace: str = "default") -> bool:
         return self.kubelet.running(pod, namespace)
 
@@ -192,6 +195,10 @@ class RealCluster(_Kubectl):
 
     def kill_pod_processes(self, pod: str, namespace: str = "default") -> None:
         self.kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", "kill -9 -1", check=False)
+
+    def freeze_pod(self, pod: str, namespace: str = "default") -> None:
+        # every process but the exec'd shell, the container's PID 1 last
+        self.kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", "kill -STOP -1; kill -STOP 1", check=False)
 
     def pod_running(self, pod: str, namespace: str = "default") -> bool:
         out = self.kubectl("-n", namespace, "get", "pod", pod, "-o", "jsonpath={.status.phase}", check=False)

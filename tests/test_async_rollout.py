@@ -38,6 +38,10 @@ def _job(tmp_path: Path, mode: str):
     spec["rollout"].update(mode=mode, weightSyncTimeoutSeconds=SYNC_TIMEOUT_S)
     if mode == "async":  # partial rollouts of 2 tokens (responses are 6), and a queue of 4 steps' prompts
         spec["rollout"].update(partialRolloutTokens=2, queuePrompts=128)
+        # one prompt group per micro-batch: the same update (micro-batches are weighed), done slower than the
+        # rollout rank generates on any machine, so the queue fills and the staleness bound binds (with one
+        # micro-batch a step, an AVX2 machine trained as fast as it generated and the bound was never reached)
+        spec["training"]["microBatchSize"] = 1
     else:
         del spec["rollout"]["maxStaleness"]
     # one_step_off saves at step 20 (test_one_step_off reads its data position)

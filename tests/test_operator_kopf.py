@@ -212,9 +212,30 @@ def _start_running(kube, name, **run_policy):
     wait_for(lambda: _phase(kube, name) == "Running", 30, "Running")
 
 
+def test_a_failed_pool_pod_is_replaced_alone_and_the_head_keeps_running(cluster):
+    """restartPolicy failedPod (the default): the failed pool pod is deleted and made again under its name; the
+    head is never deleted (its uid stays), no gang generation is used, the event says which pod and what was kept."""
+    _, kube, _ = cluster
+    _start_running(kube, "jr", replacementLimit=1)
+    uids = {p.metadata.name: p.metadata.uid for p in kube.pods("jr")}
+    kube.set_pod_phase("jr-default-0-g0", "Failed", exit_code=137)
+    wait_for(lambda: kube.status("jr").get("podReplacements") == 1, 30, "the replacement counted")
+    wait_for(lambda: (new := {p.metadata.name: p.metadata.uid for p in kube.pods("jr")}).keys() == uids.keys()
+             and new["jr-default-0-g0"] != uids["jr-default-0-g0"], 30, "a new pod under the failed pod's name")
+    assert {p.metadata.name: p.metadata.uid for p in kube.pods("jr")}["jr-head-g0"] == uids["jr-head-g0"]
+    st = kube.status("jr")
+    assert st["restarts"] == 0 and st["phase"] == "Running", st
+    wait_for(lambda: "PodReplaced" in _reasons(kube, "jr"), 30, lambda: f"events: {_reasons(kube, 'jr')}")
+    assert "GangRestart" not in _reasons(kube, "jr")
+    _run_all(kube, "jr")
+    wait_for(lambda: "replacing" not in kube.status("jr"), 30, "the new pod seen")
+    kube.set_pod_phase("jr-default-0-g0", "Failed", exit_code=137)  # replacementLimit 1 used: the gang restarts
+    wait_for(lambda: kube.status("jr").get("restarts") == 1, 30, "a gang restart past the replacement limit")
+
+
 def test_failed_worker_restarts_the_gang_then_backoff_fails_the_job(cluster):
     _, kube, op = cluster
-    _start_running(kube, "j2", backoffLimit=1)
+    _start_running(kube, "j2", backoffLimit=1, restartPolicy="gang")
     kube.set_pod_phase("j2-default-0-g0", "Failed", exit_code=137)
     wait_for(lambda: kube.status("j2").get("restarts") == 1, 30, "restart counted")
     wait_for(lambda: _pod_names(kube, "j2") == ["j2-default-0-g1", "j2-head-g1"], 30, "generation-1 gang")
@@ -237,7 +258,7 @@ def test_failed_worker_restarts_the_gang_then_backoff_fails_the_job(cluster):
 def test_suspend_keeps_status_and_resume_recreates_the_gang(cluster):
     """Status that a fresh job could not have (a restart, a GangRestart condition) survives suspend and resume."""
     _, kube, _ = cluster
-    _start_running(kube, "j3")
+    _start_running(kube, "j3", restartPolicy="gang")
     kube.set_pod_phase("j3-default-0-g0", "Failed", exit_code=137)
     wait_for(lambda: _pod_names(kube, "j3") == ["j3-default-0-g1", "j3-head-g1"], 30, "generation-1 gang")
     _run_all(kube, "j3")

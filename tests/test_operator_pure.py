@@ -203,7 +203,9 @@ def test_generations_never_collide():
 
 # --- the phase machine -------------------------------------------------------------------------------------------
 
-JOB = parse_job(_raw("tiny-grpo.yaml", runPolicy={"backoffLimit": 1}))
+JOB = parse_job(_raw("tiny-grpo.yaml", runPolicy={"backoffLimit": 1, "restartPolicy": "gang"}))
+# The default restart policy: a failed pool pod is replaced alone (restartPolicy failedPod). Two pool pods.
+REPLACING = parse_job(_raw("tiny-grpo-k8s.yaml", runPolicy={"backoffLimit": 1, "replacementLimit": 2}))
 
 
 def pods(gen=0, head="Running", worker="Running", deleting=False):
@@ -1117,7 +1119,9 @@ def test_the_status_write_shows_both_pools_of_the_current_generation_only():
     plan = decide(ASYNC, None, {"phase": "Running", "restarts": 0}, running, NOW)
     assert [(p["name"], p["pods"], p["ready"]) for p in plan.status["pools"]] == [("trainer", 1, 1), ("rollout", 1, 1)]
     failed = [head, _pool_pod("trainer"), _pool_pod("rollout", phase="Failed", ready=False)]
-    plan = decide(ASYNC, None, {"phase": "Running", "restarts": 0}, failed, NOW)
+    gang = ASYNC.model_copy(update={"spec": ASYNC.spec.model_copy(update={
+        "run_policy": ASYNC.spec.run_policy.model_copy(update={"restart_policy": "gang"})})})
+    plan = decide(gang, None, {"phase": "Running", "restarts": 0}, failed, NOW)
     assert plan.status["phase"] == "Restarting" and plan.status["restarts"] == 1
     assert [(p["name"], p["pods"], p["ready"]) for p in plan.status["pools"]] == [("trainer", 0, 0), ("rollout", 0, 0)]
     assert "pools" not in decide(None, "spec.x: bad", {}, [], NOW).status, "no spec, no pools to show"
@@ -1214,3 +1218,77 @@ def test_the_network_policy_admits_the_weight_stream_between_the_pools_on_any_po
     # the one door from outside: the metrics port, from the scrapers' namespaces only
     assert _np_allows(np, outsiders["a scraper's namespace"], job_pods["head"], 8000)
     assert not _np_allows(np, outsiders["a pod of the namespace"], job_pods["head"], 8000)
+
+
+def gang3(head="Running", w1="Running", **w1_view) -> list[PodView]:
+    """The head and two pool pods (tiny-grpo-k8s.yaml's gang), the second in phase `w1`."""
+    return [PodView("h-g0", "head", 0, head), PodView("w0-g0", "worker", 0, "Running"),
+            PodView("w1-g0", "worker", 0, w1, **w1_view)]
+
+
+def _events(plan, reason: str) -> list[str]:
+    return [m for _, r, m in plan.events if r == reason]
+
+
+def test_a_failed_pool_pod_is_replaced_alone_while_the_head_and_the_other_pods_run():
+    """restartPolicy failedPod (the default): the failed pod is deleted and made again under its name once gone;
+    the head and the healthy pod are never touched, the phase stays Running, no gang generation is used."""
+    three = gang3(w1="Failed", message="OOMKilled (exit 137)")
+    plan = decide(REPLACING, None, {"phase": "Running", "restarts": 0}, three, NOW)
+    st = plan.status
+    assert st["phase"] == "Running" and st["restarts"] == 0 and plan.delete_pods == ["w1-g0"]
+    assert st["podReplacements"] == 1 and st["replacing"] == ["w1-g0"] and plan.create_gang == 0
+    (event,) = _events(plan, "PodReplaced")
+    assert event.startswith("pod w1-g0 failed: OOMKilled (exit 137); replacing it alone: the head and 2 other pod(s) "
+                            "keep running (h-g0, w0-g0)"), event
+    assert st["lastReplacement"]["message"] == event
+    # the old pod terminating, then gone: made again (the handler skips a name still taken), counted once
+    for left in ([*three[:2], PodView("w1-g0", "worker", 0, "Failed", deleting=True)], three[:2]):
+        plan = decide(REPLACING, None, st, left, NOW)
+        assert plan.status["phase"] == "Running" and plan.create_gang == 0 and not plan.delete_pods
+        assert plan.status["podReplacements"] == 1 and not _events(plan, "PodReplaced")
+        st = plan.status
+    plan = decide(REPLACING, None, st, [*three[:2], PodView("w1-g0", "worker", 0, "Running")], NOW)
+    assert "replacing" not in plan.status and plan.create_gang is None and plan.status["phase"] == "Running"
+
+
+def test_past_the_replacement_limit_or_when_the_head_fails_the_gang_restarts():
+    st = {"phase": "Running", "restarts": 0, "podReplacements": 2}  # replacementLimit 2 used up
+    plan = decide(REPLACING, None, st, gang3(w1="Failed"), NOW)
+    assert plan.status["phase"] == "Restarting" and plan.status["restarts"] == 1 and "replacing" not in plan.status
+    plan = decide(REPLACING, None, {"phase": "Running", "restarts": 0}, gang3(head="Failed"), NOW)
+    assert plan.status["phase"] == "Restarting" and plan.status["restarts"] == 1, "the head holds the controller"
+    plan = decide(JOB, None, {"phase": "Running", "restarts": 0}, pods(worker="Failed"), NOW)
+    assert plan.status["phase"] == "Restarting", "restartPolicy gang: every failure restarts the gang"
+
+
+def test_a_pool_pod_that_disappeared_is_made_again_and_an_evicted_one_is_not_counted():
+    plan = decide(REPLACING, None, {"phase": "Running", "restarts": 0}, gang3()[:2], NOW)
+    assert plan.status["phase"] == "Running" and plan.create_gang == 0 and plan.status["podReplacements"] == 1
+    assert _events(plan, "PodReplaced")[0].startswith("1 pool pod(s) disappeared; replacing it alone")
+    evicted = gang3(w1="Failed", disruption="EvictionByEvictionAPI")
+    plan = decide(REPLACING, None, {"phase": "Running", "restarts": 0}, evicted, NOW)
+    assert plan.status["phase"] == "Running" and plan.delete_pods == ["w1-g0"]
+    assert plan.status["podReplacements"] == 0 and "not counted" in _events(plan, "PodReplaced")[0]
+
+
+def test_a_job_that_completes_no_step_within_its_progress_deadline_is_stalled_and_its_gang_restarts():
+    quiet = {"phase": "Running", "restarts": 0, "step": 7, "lastProgressTime": iso(NOW - dt.timedelta(seconds=1000))}
+    plan = decide(REPLACING, None, quiet, gang3(), NOW)  # the default deadline's floor is 900 s
+    assert plan.status["phase"] == "Restarting" and plan.status["reason"] == "Stalled"
+    assert plan.status["restarts"] == 1 and sorted(plan.delete_pods) == ["h-g0", "w0-g0", "w1-g0"]
+    assert "no step completed for 1000s after step 7 (progress deadline 900s" in plan.status["message"]
+    assert _events(plan, "Stalled")
+    slow = {**quiet, "slowestStepSeconds": 120.0}  # ten times the slowest step: 1200 s
+    assert decide(REPLACING, None, slow, gang3(), NOW).status["phase"] == "Running"
+    own = parse_job(_raw("tiny-grpo-k8s.yaml", runPolicy={"progressDeadlineSeconds": 60}))
+    plan = decide(own, None, {**slow, "lastProgressTime": iso(NOW - dt.timedelta(seconds=61))}, gang3(), NOW)
+    assert plan.status["reason"] == "Stalled" and "runPolicy.progressDeadlineSeconds" in plan.status["message"]
+    # the clock starts when the job starts Running, and moves with every step the operator polls
+    started = decide(REPLACING, None, {"phase": "Initializing", "restarts": 0}, gang3(), NOW).status
+    assert started["phase"] == "Running" and started["lastProgressTime"] == iso(NOW)
+    st = {"step": 7, "lastProgressTime": "then", "slowestStepSeconds": 30.0}
+    merge_progress(st, {"step": 7, "lastStepSeconds": 12.5}, "/ck", "now")
+    assert st["lastProgressTime"] == "then" and st["slowestStepSeconds"] == 30.0
+    merge_progress(st, {"step": 8, "lastStepSeconds": 42.0, "recoveries": 1, "lastRecoverySeconds": 31.5}, "/ck", "now")
+    assert st["lastProgressTime"] == "now" and st["slowestStepSeconds"] == 42.0 and st["recoveries"] == 1

@@ -587,6 +587,8 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     metrics = shared.metrics
     if plan.status.get("restarts", 0) > status.get("restarts", 0):
         metrics.restarts.labels(namespace).inc()
+    if (more := plan.status.get("podReplacements", 0) - status.get("podReplacements", 0)) > 0:
+        metrics.replacements.labels(namespace).inc(more)
     if plan.status.get("phase") in TERMINAL and status.get("phase") not in TERMINAL:
         started = parse_time(plan.status.get("startTime"))
         if started:

@@ -17,6 +17,9 @@ class OperatorMetrics:
         self.reconcile_errors = Counter("hybridflow_operator_reconcile_errors", "Reconciles that raised.",
                                         registry=r)
         self.restarts = Counter("hybridflow_operator_gang_restarts", "Gang restarts.", ["namespace"], registry=r)
+        self.replacements = Counter("hybridflow_operator_pod_replacements", "Pool pods replaced alone "
+                                    "(runPolicy.restartPolicy failedPod), the rest of the gang kept.", ["namespace"],
+                                    registry=r)
         self.duration = Histogram("hybridflow_operator_job_duration_seconds", "Start to Succeeded or Failed.",
                                   ["phase"], registry=r, buckets=(60, 300, 900, 1800, 3600, 7200, 21600, 86400))
         self.job_info = Gauge("hybridflow_operator_job_info", "1 for each job, labelled with its phase.",

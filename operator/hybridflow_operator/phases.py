@@ -1,9 +1,12 @@
 """The RLHFJob state machine: one pure function from (spec, status, observed pods, now) to a plan.
 
     NEW -> Pending -> Initializing -> Running -> Succeeded
-                  \\________________________/ -> Restarting -> Pending ...  (a pod failed, restarts < backoffLimit)
+                  \\________________________/ -> Restarting -> Pending ...  (a pod failed, restarts < backoffLimit;
+                                                                             Stalled: no step within the deadline)
                                               -> Failed                     (backoff exhausted, deadline, invalid spec)
     any active phase -> Suspending -> Suspended -> Pending                  (runPolicy.suspend true, then false)
+    Initializing/Running -> (same phase)                                    (restartPolicy failedPod: a failed pool
+                                                                             pod replaced alone, the head kept)
 
 The handler reads the world, calls `decide` once per tick, holds a plan that creates pods to what it looks up only
 then (`admit_gang`: missing inputs, the cluster's job policy), and carries the plan out; nothing here performs I/O,
@@ -19,6 +22,7 @@ from enum import StrEnum
 from typing import NamedTuple, cast
 
 from hybridflow.api import EXIT_BAD_INPUT, RLHFJob
+from hybridflow.api.run_policy import progress_deadline
 from hybridflow.api.status import ACTIVE, TERMINAL, Condition, JobStatus, Phase, pool_status
 
 # A pod still Pending this long with no reason of its own is reported (not failed: a queue may be long).
@@ -246,6 +250,9 @@ def _decide(job: RLHFJob | None, error: str | None, status: JobStatus, pods: lis
         _fail(plan, "InvalidInput", f"the driver rejected the job's input (not retried): {head.message}", now, pods)
         return plan
     missing = expected_pods(job) - len(current)
+    _replaced_pods_back(st, current)
+    if _replaces_alone(job, phase, head, failed, missing, st, disrupted):
+        return _replace(plan, job, current, failed, missing, now, disrupted)
     if failed or (missing and phase in (Phase.INITIALIZING, Phase.RUNNING)):
         what = (f"pod {failed[0].name} {failed[0].phase.lower()}" + (f": {failed[0].message}" if failed[0].message else "")
                 if failed else f"{missing} pod(s) disappeared")
@@ -259,10 +266,13 @@ def _decide(job: RLHFJob | None, error: str | None, status: JobStatus, pods: lis
         plan.create_static = True
         return plan
     _report_pods_not_starting(plan, current, now)
+    if phase == Phase.RUNNING and (stalled := _stalled(job, st, now)):
+        return _restart(plan, job, gen, stalled, now, pods, reason="Stalled")
     if all(p.phase == PodPhase.RUNNING for p in current):
         if phase != Phase.RUNNING:
             _to(plan, Phase.RUNNING, "AllPodsRunning", f"{len(current)} pods running; training", now)
             set_condition(st, "Running", True, "AllPodsRunning", "the Ray cluster formed and the controller runs", now)
+            st["lastProgressTime"] = iso(now)  # the progress deadline counts from here until the first step
     elif any(p.phase != PodPhase.PENDING for p in current) and phase == Phase.PENDING:
         _to(plan, Phase.INITIALIZING, "PodsStarting", "pods scheduled; waiting for the Ray cluster", now)
     return plan
@@ -350,9 +360,10 @@ def _start(plan: Plan, job: RLHFJob, gen: int, now: dt.datetime, reason: str, me
 
 
 def _restart(plan: Plan, job: RLHFJob, gen: int, what: str, now: dt.datetime, pods: list[PodView],
-             counts: bool = True) -> Plan:
+             counts: bool = True, reason: str = "GangRestart") -> Plan:
     """A new gang generation. `restarts` counts generations; a disruption (eviction, preemption) restarts the gang
-    without using up runPolicy.backoffLimit, as a Job's podFailurePolicy Ignore does."""
+    without using up runPolicy.backoffLimit, as a Job's podFailurePolicy Ignore does. `reason`: GangRestart, or
+    Stalled for a job that completed no step within its progress deadline."""
     limit = job.spec.run_policy.backoff_limit
     disruptions = int(plan.status.get("disruptions", 0)) + (0 if counts else 1)
     used = gen - int(plan.status.get("disruptions", 0))
@@ -364,10 +375,99 @@ def _restart(plan: Plan, job: RLHFJob, gen: int, what: str, now: dt.datetime, po
     if disruptions:
         plan.status["disruptions"] = disruptions
     count = f"({used + 1}/{limit})" if counts else "(a disruption: not counted against runPolicy.backoffLimit)"
-    _to(plan, Phase.RESTARTING, "GangRestart", f"{what}; restarting the whole gang {count}", now, "Warning")
-    set_condition(plan.status, "Running", False, "GangRestart", what, now)
+    _to(plan, Phase.RESTARTING, reason, f"{what}; restarting the whole gang {count}", now, "Warning")
+    set_condition(plan.status, "Running", False, reason, what, now)
+    plan.status.pop("replacing", None)  # a new generation makes every pod afresh
     plan.delete_pods = [p.name for p in pods if not p.deleting]
     return plan
+
+
+def _replaces_alone(job: RLHFJob, phase: str, head: PodView | None, failed: list[PodView], missing: int,
+                    st: JobStatus, disrupted: dict[str, str]) -> bool:
+    """Whether this tick's lost pool pods are replaced alone (runPolicy.restartPolicy failedPod): the head runs (it
+    holds the Ray head and the controller, which rebuilds its worker groups), only pool pods failed or went, and
+    the replacements stay within runPolicy.replacementLimit; anything else restarts the gang."""
+    if job.spec.run_policy.restart_policy != "failedPod" or phase not in (Phase.INITIALIZING, Phase.RUNNING):
+        return False
+    if head is None or head.phase != PodPhase.RUNNING or any(p.role != "worker" for p in failed):
+        return False
+    if not failed and not missing:
+        return False
+    return int(st.get("podReplacements", 0)) + _counted(failed, missing, st, disrupted) <= \
+        job.spec.run_policy.replacement_limit
+
+
+def _counted(failed: list[PodView], missing: int, st: JobStatus, disrupted: dict[str, str]) -> int:
+    """The replacements this tick counts: failed pods that were not evicted or preempted, and pods gone that this
+    operator did not delete."""
+    gone = missing - len(_being_replaced(st))
+    return sum(1 for p in failed if not (p.disruption or disrupted.get(p.name))) + max(gone, 0)
+
+
+def _being_replaced(st: JobStatus) -> list[str]:
+    """Pods this operator deleted to replace them, not yet seen again."""
+    return list(st.get("replacing", []))
+
+
+def _replace(plan: Plan, job: RLHFJob, current: list[PodView], failed: list[PodView], missing: int,
+             now: dt.datetime, disrupted: dict[str, str]) -> Plan:
+    """Delete the failed pool pods and create them again under the same names (the next ticks, once the old ones
+    are gone: `create_gang` makes the current generation's missing pods), while the head and the healthy pods keep
+    running; pods that went without this operator (a lost node) are made again too. Each counts against
+    runPolicy.replacementLimit, an eviction or preemption does not. The controller in the head rebuilds its worker
+    groups once the new pod's Ray node joins, and resumes from the last checkpoint."""
+    st = plan.status
+    replacing = set(_being_replaced(st))
+    gone = missing - len(replacing)
+    kept = [p.name for p in current if p not in failed]
+    st["podReplacements"] = int(st.get("podReplacements", 0)) + _counted(failed, missing, st, disrupted)
+    for p in failed:
+        why = p.disruption or disrupted.get(p.name, "")
+        what = (f"pod {p.name} was disrupted ({why}; not counted against runPolicy.replacementLimit)" if why else
+                f"pod {p.name} {p.phase.lower()}" + (f": {p.message}" if p.message else ""))
+        _note_replacement(plan, what, kept, now)
+        replacing.add(p.name)
+    if gone > 0:
+        _note_replacement(plan, f"{gone} pool pod(s) disappeared", kept, now)
+    st["replacing"] = sorted(replacing)
+    plan.delete_pods += [p.name for p in failed]
+    plan.create_gang = int(st.get("restarts", 0))  # the missing ones, by name, once their old objects are gone
+    return plan
+
+
+def _note_replacement(plan: Plan, what: str, kept: list[str], now: dt.datetime) -> None:
+    message = capped(f"{what}; replacing it alone: the head and {len(kept)} other pod(s) keep running "
+                     f"({', '.join(kept)}), the controller rebuilds its worker groups from the last checkpoint")
+    plan.events.append(("Warning", "PodReplaced", message))
+    plan.status["lastReplacement"] = {"time": iso(now), "message": message}
+
+
+def _replaced_pods_back(st: JobStatus, current: list[PodView]) -> None:
+    """Forget the replacements whose new pods exist."""
+    if "replacing" in st:
+        names = {p.name for p in current}
+        left = [n for n in st["replacing"] if n not in names]
+        if left:
+            st["replacing"] = left
+        else:
+            st.pop("replacing")
+
+
+def _stalled(job: RLHFJob, st: JobStatus, now: dt.datetime) -> str | None:
+    """Why a running job counts as stuck: no step completed within its progress deadline (api.run_policy), counted
+    from the last step the operator saw, or from Running until the first."""
+    since = parse_time(st.get("lastProgressTime"))
+    if since is None:
+        st["lastProgressTime"] = iso(now)  # a job running before the operator knew the field: counted from now
+        return None
+    deadline = progress_deadline(job.spec.run_policy, st.get("slowestStepSeconds"))
+    quiet = (now - since).total_seconds()
+    if quiet <= deadline:
+        return None
+    last = f"after step {st['step']}" if st.get("step") else "since the job started running"
+    return (f"no step completed for {quiet:.0f}s {last} (progress deadline {deadline:.0f}s: "
+            + ("runPolicy.progressDeadlineSeconds" if job.spec.run_policy.progress_deadline_seconds else
+               "the default, from the slowest step seen") + ")")
 
 
 def _stuck_terminating(p: PodView, now: dt.datetime) -> bool:

@@ -28,7 +28,11 @@ WANTED = {
     "hybridflow_throughput_tokens_per_second": "tokensPerSecond",
     "hybridflow_last_checkpoint_step": "lastCheckpointStep",
     "hybridflow_eta_seconds": "etaSeconds",
+    "hybridflow_recoveries_total": "recoveries",
+    "hybridflow_recovery_seconds": "lastRecoverySeconds",
+    "hybridflow_last_iteration_seconds": "lastStepSeconds",  # folded into slowestStepSeconds
 }
+ROUNDED = {"tokensPerSecond", "lastRecoverySeconds", "lastStepSeconds"}  # floats, to 0.1; the rest are counts
 
 
 def parse_progress(text: str, job_name: str) -> dict[str, Any]:
@@ -43,15 +47,21 @@ def parse_progress(text: str, job_name: str) -> dict[str, Any]:
                     continue
                 if not math.isfinite(s.value) or s.value < 0 or s.value > MAX_VALUE:
                     continue
-                out[key] = round(s.value, 1) if key == "tokensPerSecond" else int(s.value)
+                out[key] = round(s.value, 1) if key in ROUNDED else int(s.value)
     except (ValueError, TypeError, IndexError, KeyError):  # the parser's ways of saying "not an exposition"
         return out
     return out
 
 
 def merge_progress(status: dict[str, Any], progress: dict[str, Any], checkpoint_dir: str, now_iso: str) -> None:
-    """Fold progress into status; the checkpoint time moves only when a newer checkpoint appears."""
+    """Fold progress into status; the checkpoint time moves only when a newer checkpoint appears, the progress time
+    (the stall clock, phases._stalled) when the step moves, and the slowest step only up."""
     ck = progress.pop("lastCheckpointStep", None)
+    step_seconds = progress.pop("lastStepSeconds", None)
+    if step_seconds is not None:
+        status["slowestStepSeconds"] = max(step_seconds, status.get("slowestStepSeconds", 0.0))
+    if "step" in progress and progress["step"] != status.get("step"):
+        status["lastProgressTime"] = now_iso
     status.update(progress)
     if ck and ck != status.get("lastCheckpointStep"):
         status["lastCheckpointStep"] = ck

@@ -64,6 +64,10 @@ STEP_GAUGES = {
                               "seconds training waited for it are the `checkpoint` stage."),
     "checkpoint_write_seconds": ("checkpoint_write_seconds", "Seconds from the start of the last sealed checkpoint's "
                                  "save to its seal (with trainer.asyncSave, mostly overlapped with training)."),
+    "recovery_seconds": ("recovery_seconds", "Seconds from losing a worker to the next step logged, of the last "
+                         "in-place recovery (runPolicy.restartPolicy failedPod)."),
+    "last_iteration_seconds": ("iteration_seconds", "Wall time of the last RLHF iteration (what the operator's "
+                               "default progress deadline scales with)."),
     "actor_update_mfu": ("mfu", "Actor update FLOP/s over the rank's own measured matmul peak in the compute "
                          "dtype (model FLOPs utilisation), mean over ranks."),
 }
@@ -112,11 +116,14 @@ class JobMetrics:
             "(its mean over trajectories; oldest token of each).", lbl, buckets=(0, 1, 2, 3, 4, 6, 8, 16), registry=r)
         self.dropped_stale = Counter("hybridflow_trajectories_dropped_stale", "async: prompt groups dropped for "
                                      "being more than maxStaleness versions old.", lbl, registry=r)
+        self.recoveries = Counter("hybridflow_recoveries", "In-place recoveries: the controller rebuilt its worker "
+                                  "groups after losing a worker (runPolicy.restartPolicy failedPod).", lbl, registry=r)
         self.gauges = {
             key: Gauge(f"hybridflow_{name}", doc, lbl, registry=r) for name, (key, doc) in STEP_GAUGES.items()
         }
         self.total_steps.labels(self.job)
         self.dropped_stale.labels(self.job)  # 0 until a group is dropped: increase() has a series from the start
+        self.recoveries.labels(self.job)
 
     def serve(self, port: int, address: str) -> int:
         """Start the HTTP exporter; returns the bound port (useful with port 0 in tests)."""

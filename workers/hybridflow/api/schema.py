@@ -25,6 +25,7 @@ from hybridflow.api.corrections import OffPolicyCorrection
 from hybridflow.api.engines import ROLLOUT_ENGINES
 from hybridflow.api.names import API_VERSION, DNS1123_LABEL, KIND, ROLES, job_name_problems
 from hybridflow.api.rules import cross_field_problems
+from hybridflow.api.run_policy import RunPolicy
 from hybridflow.api.sources import Models
 from hybridflow.api.storage import is_url, location_problem
 from hybridflow.api.training import Training
@@ -295,22 +296,6 @@ class Metrics(SpecModel):
         0, ge=0, le=3600, description="Keep serving /metrics this long after the last step, so Prometheus scrapes "
         "the final values (set it to at least the scrape interval)."
     )
-
-
-class RunPolicy(SpecModel):
-    """How the operator runs the job on Kubernetes (ignored by `hybridflow run`)."""
-
-    backoff_limit: int = Field(3, ge=0, le=MAX_BACKOFF, description="Gang restarts allowed before the job is Failed "
-                               "(each restart is a new pod generation, g<n> in the pod names).")
-    active_deadline_seconds: int | None = Field(None, gt=0, le=2**31 - 1, description="Fail the job after this many "
-                                                "seconds.")
-    ttl_seconds_after_finished: int | None = Field(
-        None, ge=0, le=2**31 - 1, description="Delete the finished job (and its pods) this many seconds after it ends."
-    )
-    suspend: bool = Field(False, description="Delete the pods but keep the job; false again resumes from the checkpoint.")
-    scheduler_name: ObjectName | None = Field(None, description="Pod schedulerName (e.g. volcano).")
-    gang_scheduling: bool = Field(False, description="Create a Volcano PodGroup with minMember = all pods.")
-    priority_class_name: ObjectName | None = Field(None, description="Pod priorityClassName.")
 
 
 class Kubernetes(SpecModel):

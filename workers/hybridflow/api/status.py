@@ -82,6 +82,13 @@ class JobStatus(TypedDict, total=False):
     conditions: list[Condition]
     restarts: int  # gang generations started after the first; pods carry it as their generation
     disruptions: int  # those of the restarts that evictions and preemptions caused (not counted as failures)
+    # restartPolicy failedPod: pool pods replaced alone (counted against runPolicy.replacementLimit), the ones
+    # deleted and not yet made again, and the last replacement's time and message
+    podReplacements: int
+    replacing: list[str]
+    lastReplacement: dict[str, str]
+    lastProgressTime: str  # when the operator last saw the step move (or the job start Running): the stall clock
+    slowestStepSeconds: float  # the slowest step polled so far: the default progress deadline scales with it
     startTime: str
     completionTime: str
     totalSteps: int
@@ -92,6 +99,8 @@ class JobStatus(TypedDict, total=False):
     lastCheckpointStep: int
     lastCheckpoint: str
     lastCheckpointTime: str
+    recoveries: int  # the controller's in-place recoveries (its worker groups rebuilt after a lost worker)
+    lastRecoverySeconds: float  # the last one's seconds from the loss to the next step logged
     pools: list[PoolStatus]  # per resource pool: its roles, pods and Ready pods (pool_status), seen at every tick
     environments: dict[str, int]  # spec.environments: {replicas, pods (serving, not ended), ready}, every tick
     # digests recorded before the job's ConfigMaps are created, and the uid of the Ray token Secret it made

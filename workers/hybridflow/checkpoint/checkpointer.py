@@ -163,7 +163,9 @@ def restore(w: HasRoles, root: Path, algorithm: CarriedState, data_fingerprint: 
     another job or of an incompatible model is refused (CheckpointError) before any weights are read; a
     `trainer.resumeFrom` checkpoint may be another job's, but its model must fit."""
     found = resume_point(job, root)
-    if found is None:
+    if found is None:  # from scratch: what an earlier attempt logged before its first checkpoint is redone too
+        rewind_step_log(root, 0)
+        rewind_rollouts(root, 0)
         return 0, 0
     path, state, other_job = found
     if job is not None:

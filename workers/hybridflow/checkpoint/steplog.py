@@ -95,6 +95,8 @@ def rewind_step_log(root: StoragePath, step: int) -> int:
         return len(later) - len(kept_later)
     records = read_step_log(root)
     kept = [r for r in records if r.get("step", 0) <= step]
+    if len(kept) == len(records):  # nothing to drop (a fresh job has no log yet: none is made)
+        return 0
     tmp = root / (STEP_LOG + ".tmp")
     tmp.write_text(_lines(kept))
     os.replace(tmp, root / STEP_LOG)

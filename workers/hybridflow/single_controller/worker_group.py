@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.single_controller.allocator import own_allocator
+from hybridflow.single_controller.failures import rank_failure
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.protocol import (
     Dispatch,
@@ -27,7 +28,11 @@ from hybridflow.single_controller.protocol import (
     validate_dp_layout,
 )
 from hybridflow.api import pool_resource
+from hybridflow.api.run_policy import COLLECTIVE_TIMEOUT_SECONDS
 from hybridflow.single_controller.context import WorkerContext
+
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = float(COLLECTIVE_TIMEOUT_SECONDS)  # jobs pass runPolicy's (api.run_policy)
 
 
 @dataclass
@@ -128,7 +133,12 @@ class WorkerHost:
         self._store = dist.TCPStore(ip, 0, self.ctx.world_size, is_master=True, wait_for_workers=False)
         return ip, int(self._store.port)
 
-    def init_distributed(self, master_addr: str, master_port: int) -> None:
+    def init_distributed(self, master_addr: str, master_port: int,
+                         timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> str:
+        """Join the group's torch.distributed world; returns this rank's node address. A collective that waits
+        longer than `timeout_s` for a rank fails instead of hanging (a stopped pod never answers)."""
+        import datetime
+
         import torch.distributed as dist
 
         os.environ.update(
@@ -149,7 +159,9 @@ class WorkerHost:
             torch.cuda.set_device(0)  # Ray exposes exactly the bundle's GPU
         backend = "nccl" if self.ctx.device == "gpu" else "gloo"
         store = self._store or dist.TCPStore(master_addr, master_port, self.ctx.world_size, is_master=False)
-        dist.init_process_group(backend, store=store, rank=self.ctx.rank, world_size=self.ctx.world_size)
+        dist.init_process_group(backend, store=store, rank=self.ctx.rank, world_size=self.ctx.world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        return ray.util.get_node_ip_address()
 
     def build(self, role: str, spec: RoleSpec) -> None:
         missing = [name for name in spec.colocated if name not in self.roles]
@@ -177,13 +189,23 @@ class WorkerHost:
 class PendingResult:
     """Futures of one call, plus how to combine them. Passing it to another call hands over the futures."""
 
-    def __init__(self, refs: list[ray.ObjectRef], combine: Callable[[list[Any]], Any], dp_refs: list | None) -> None:
+    def __init__(self, refs: list[ray.ObjectRef], combine: Callable[[list[Any]], Any], dp_refs: list | None,
+                 method: str = "", where: Sequence[str] = (), timeout_s: float | None = None) -> None:
         self.refs = refs
         self._combine = combine
         self.dp_refs = dp_refs  # per DP rank, when produced by DP_COMPUTE
+        self.method, self.where = method, list(where) or [f"rank {i}" for i in range(len(refs))]
+        self.timeout_s = timeout_s  # a rank that has not answered by then is stuck (its group's collective timeout)
 
     def get(self) -> Any:
-        return self._combine(ray.get(self.refs))
+        try:
+            outs = ray.get(self.refs, timeout=self.timeout_s)
+        except ray.exceptions.RayError as err:  # a lost worker is named (RankFailure); other errors pass as they are
+            failure = rank_failure(self.method, self.refs, self.where, err)
+            if failure is err:
+                raise
+            raise failure from err
+        return self._combine(outs)
 
 
 def resolve(x: Any) -> Any:
@@ -191,8 +213,19 @@ def resolve(x: Any) -> Any:
 
 
 def wait_done(pending: PendingResult) -> None:
-    """Until every rank's part of `pending` is done, without fetching it to the controller."""
-    ray.wait(pending.refs, num_returns=len(pending.refs), fetch_local=False)
+    """Until every rank's part of `pending` is done, without fetching it to the controller; a rank that has not
+    answered within the call's timeout is named as stuck (single_controller.failures)."""
+    done, _ = ray.wait(pending.refs, num_returns=len(pending.refs), fetch_local=False, timeout=pending.timeout_s)
+    if len(done) < len(pending.refs):
+        raise stuck(pending)
+
+
+def stuck(pending: PendingResult) -> BaseException:
+    """The error for a call whose ranks did not all answer within its timeout: a RankFailure naming them."""
+    err = ray.exceptions.GetTimeoutError(f"{pending.method}: no answer within {pending.timeout_s or 0:.0f} s")
+    failure = rank_failure(pending.method, pending.refs, pending.where, err)
+    failure.__cause__ = err
+    return failure
 
 
 class RoleHandle:
@@ -222,6 +255,7 @@ class RoleHandle:
     def _dispatch(self, method: str, dispatch: Dispatch, mesh: str, args: tuple, kwargs: dict) -> PendingResult:
         hosts = self._group.hosts
         n = len(hosts)
+        named = (f"{self._role}.{method}", self._group.where, self._group.collective_timeout_s)
         if dispatch == Dispatch.DP_COMPUTE:
             layout = self.layouts[mesh]
             per_rank = [self._dp_args(a, layout) for a in args]
@@ -231,7 +265,7 @@ class RoleHandle:
                 for i, h in enumerate(hosts)
             ]
             dp_refs = collect_dp(refs, layout)
-            return PendingResult(refs, lambda outs: concat_results(collect_dp(outs, layout)), dp_refs)
+            return PendingResult(refs, lambda outs: concat_results(collect_dp(outs, layout)), dp_refs, *named)
         if dispatch == Dispatch.ALL_TO_ALL:
             for a in [*args, *kwargs.values()]:
                 if not isinstance(a, (list, tuple)) or len(a) != n:
@@ -240,13 +274,13 @@ class RoleHandle:
                 h.execute.remote(self._role, method, *[a[i] for a in args], **{k: v[i] for k, v in kwargs.items()})
                 for i, h in enumerate(hosts)
             ]
-            return PendingResult(refs, list, None)
+            return PendingResult(refs, list, None, *named)
         args = tuple(resolve(a) for a in args)
         kwargs = {k: resolve(v) for k, v in kwargs.items()}
         refs = [h.execute.remote(self._role, method, *args, **kwargs) for h in hosts]
         if dispatch == Dispatch.RANK_ZERO:
-            return PendingResult(refs, lambda outs: outs[0], None)
-        return PendingResult(refs, list, None)
+            return PendingResult(refs, lambda outs: outs[0], None, *named)
+        return PendingResult(refs, list, None, *named)
 
     @staticmethod
     def _dp_args(a: Any, layout: list[DPRank]) -> list[Any]:
@@ -264,9 +298,11 @@ class WorkerGroup:
     """One WorkerHost per device of a pool, hosting the given roles side by side (colocation)."""
 
     def __init__(self, pool: RayResourcePool, roles: dict[str, RoleSpec],
-                 env: dict[str, str] | None = None, process_env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, process_env: dict[str, str] | None = None,
+                 collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> None:
         """`env` is set in each worker once it runs; `process_env` is the environment its process starts with (what
-        must be there before Python is: the allocator's LD_PRELOAD, single_controller.allocator)."""
+        must be there before Python is: the allocator's LD_PRELOAD, single_controller.allocator). A collective
+        waits at most `collective_timeout_s` for its slowest rank, then fails (single_controller.failures)."""
         self.pool = pool
         placements = pool.acquire()
         gpu = 1 if pool.device == "gpu" else 0
@@ -282,7 +318,10 @@ class WorkerGroup:
             for rank, (pg, idx) in enumerate(placements)
         ]
         addr, port = ray.get(self.hosts[0].open_rendezvous.remote())
-        ray.get([h.init_distributed.remote(addr, port) for h in self.hosts])
+        nodes = ray.get([h.init_distributed.remote(addr, port, collective_timeout_s) for h in self.hosts])
+        # how a failure names each rank: its pool, rank and node (a pod's address on Kubernetes)
+        self.where = [f"pool {pool.name} rank {rank} ({node})" for rank, node in enumerate(nodes)]
+        self.collective_timeout_s = collective_timeout_s
         self._roles: dict[str, RoleHandle] = {}
         for role, spec in roles.items():
             ray.get([h.build.remote(role, spec) for h in self.hosts])

@@ -17,6 +17,7 @@ import numpy as np
 from hybridflow.checkpoint.checkpointer import Checkpointer
 from hybridflow.checkpoint.store import storage_path
 from hybridflow.single_controller.batch import Batch
+from hybridflow.trainer.recovery import Recoveries
 from hybridflow.trainer.rollouts import Rollouts
 from hybridflow.trainer.step import AlgorithmState, Step, generation_rows, rollout_records, run_program
 from hybridflow.single_controller.worker_group import resolve
@@ -98,6 +99,7 @@ def fit(
     task: Task,
     metrics: JobMetrics,
     progress: Callable[[str], None] = print,
+    recoveries: Recoveries | None = None,
 ) -> RunSummary:
     """Resume (or start), evaluate, run the steps left, evaluate again. Each step runs the algorithm's program on
     fresh prompts, writes the samples it trained on (trainer.rolloutLog), lets the checkpointer save when it is
@@ -117,7 +119,7 @@ def fit(
     try:
         for step in range(start_step + 1, s.trainer.steps + 1):
             records.append(_fit_step(job, w, task, metrics, progress, checkpoints, algorithm, rollouts, stream,
-                                     step, (t_start, start_step)))
+                                     step, (t_start, start_step), recoveries))
     finally:
         rollouts.close()
     eval_after = _evaluate_and_report(w, task, metrics, progress, "after") if s.trainer.eval else None
@@ -128,8 +130,9 @@ def fit(
 
 def _fit_step(job: RLHFJob, w: Workers, task: Task, metrics: JobMetrics, progress: Callable[[str], None],
               checkpoints: Checkpointer, algorithm: AlgorithmState, rollouts: Rollouts, stream: PromptStream,
-              step: int, started: tuple[float, int]) -> dict[str, Any]:
-    """One step of `fit`: the program, its rollout log, the checkpointer, the step record everywhere."""
+              step: int, started: tuple[float, int], recoveries: Recoveries | None = None) -> dict[str, Any]:
+    """One step of `fit`: the program, its rollout log, the checkpointer, the step record everywhere (the first
+    after an in-place recovery carries how long the recovery took)."""
     s = job.spec
     t0 = time.perf_counter()
     trained: list[Batch] = []
@@ -144,6 +147,9 @@ def _fit_step(job: RLHFJob, w: Workers, task: Task, metrics: JobMetrics, progres
         checkpoints.write_rollouts(step, rollout_records(trained[0], task.decode))
     saved = checkpoints.save_step(step, DataPosition(rollouts.data_position(stream)), stats, stages)
     rec = _step_record(step, stats, stages, saved, t0, (*started, s.trainer.steps), w.devices)
+    recovered = recoveries.step_logged() if recoveries is not None else None
+    if recovered is not None:
+        rec["recovery_seconds"] = recovered
     checkpoints.log_step(rec)
     metrics.record_step(rec, stages)
     progress(progress_line(rec, s.trainer.steps))
@@ -240,16 +246,27 @@ def execute(job: RLHFJob, prepared: Prepared, progress: bool = True) -> int:
     if s.metrics.port:
         port = metrics.serve(s.metrics.port, s.metrics.address)
         say(f"metrics: http://{s.metrics.address}:{port}/metrics")
-    t0 = time.perf_counter()
-    workers = build_workers(job, prepared.model_dir, prepared.task, prepared.critic_dir, prepared.rm_dir,
-                            prepared.cost_dir)
-    say(f"workers ready in {time.perf_counter() - t0:.1f}s: {workers.devices} devices, "
-        + "; ".join(f"pool {g.pool.name}: {', '.join(g.roles)} ({'/'.join(sorted(set(g.allocators())))} malloc)"
-                    for g in workers.groups))
-    try:
-        summary = fit(job, workers, prepared.task, metrics, progress=say)
-    finally:
-        workers.shutdown()
+    recoveries = Recoveries(s.run_policy)
+    while True:  # once, and again after each in-place recovery from a lost worker (trainer.recovery)
+        workers = None
+        try:
+            t0 = time.perf_counter()
+            workers = build_workers(job, prepared.model_dir, prepared.task, prepared.critic_dir, prepared.rm_dir,
+                                    prepared.cost_dir)
+            say(f"workers ready in {time.perf_counter() - t0:.1f}s: {workers.devices} devices, "
+                + "; ".join(f"pool {g.pool.name}: {', '.join(g.roles)} "
+                            f"({'/'.join(sorted(set(g.allocators())))} malloc)" for g in workers.groups))
+            summary = fit(job, workers, prepared.task, metrics, progress=say, recoveries=recoveries)
+            break
+        except Exception as err:
+            if not recoveries.recoverable(err):
+                raise
+            metrics.recoveries.labels(metrics.job).inc()
+            say(f"worker lost ({recoveries.done}/{s.run_policy.replacement_limit} in-place recoveries): {err}; "
+                "rebuilding the worker groups, resuming from the last checkpoint")
+        finally:
+            if workers is not None:
+                workers.shutdown()
     say(
         f"done: {summary.steps_done} steps (from step {summary.start_step}) in {summary.seconds:.1f}s, "
         f"mean {summary.mean_throughput:.0f} tokens/s"

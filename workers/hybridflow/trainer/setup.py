@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from hybridflow.agents.places import job_tools
+from hybridflow.api.run_policy import collective_timeout
 from hybridflow.api.storage import is_url
 from hybridflow.single_controller.batch import Batch
 from hybridflow.trainer.rollouts import ROLLOUT_MODES, ColocatedWeightSync, Rollouts, StreamedWeightSync, WeightSync
@@ -198,7 +199,7 @@ def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | 
         )
         allocator = worker_allocator_env(pool_spec.allocator, f"spec.resourcePools[{index}].allocator")
         group = WorkerGroup(pool, by_pool[pool_spec.name], env={**env, "OMP_NUM_THREADS": str(threads)},
-                            process_env=allocator)
+                            process_env=allocator, collective_timeout_s=collective_timeout(s.run_policy))
         groups.append(group)
         roles.update({r: group[r] for r in group.roles})
     devices = sum(g.pool.world_size for g in groups)

@@ -25,7 +25,7 @@ from hybridflow.algorithms.dataflow import Carried
 from hybridflow.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from hybridflow.data.packing import response_lengths
 from hybridflow.single_controller.batch import Batch
-from hybridflow.single_controller.worker_group import PendingResult, resolve, wait_done
+from hybridflow.single_controller.worker_group import PendingResult, resolve, stuck, wait_done
 from hybridflow.roles.config import old_log_probs_from_update
 from hybridflow.trainer.rollouts import Rollouts
 from hybridflow.api import JobSpec
@@ -151,14 +151,18 @@ class Step:
             return out
         k = n * len(prompts)
         both = functools.cache(lambda: resolve(out))  # one fetch for the two parts
-        return (PendingResult(out.refs, lambda _: both().index(slice(0, k)), None),
-                PendingResult(out.refs, lambda _: both().index(slice(k, None)), None))
+        named = (out.method, out.where, out.timeout_s)
+        return (PendingResult(out.refs, lambda _: both().index(slice(0, k)), None, *named),
+                PendingResult(out.refs, lambda _: both().index(slice(k, None)), None, *named))
 
     def _clock_generation(self, pending: PendingResult, t0: float) -> None:
         """Generation's seconds, from its launch to its last rank's result, taken by a thread while the program
         goes on: the same seconds the controller measured when it waited for generation itself."""
         def wait() -> None:
-            wait_done(pending)
+            try:
+                wait_done(pending)
+            except Exception:  # noqa: BLE001 - a lost or stuck rank: the program's own fetch of the result raises it
+                return
             self.clock.add("generate", time.perf_counter() - t0)
 
         waiter = threading.Thread(target=wait, name="generate-clock", daemon=True)
@@ -229,7 +233,11 @@ class Step:
         done_at: dict[str, float] = {}
         while pending:
             refs = [r for rs in pending.values() for r in rs]
-            ready, _ = ray.wait(refs, num_returns=1, fetch_local=False)
+            waiting = [launched[s] for s in pending]
+            timeout = max((p.timeout_s for p in waiting if p.timeout_s), default=None)
+            ready, _ = ray.wait(refs, num_returns=1, fetch_local=False, timeout=timeout)
+            if not ready:  # nothing answered within the calls' timeout: a rank is stuck
+                raise stuck(waiting[0])
             now = time.perf_counter()
             for stage in list(pending):
                 pending[stage] -= set(ready)

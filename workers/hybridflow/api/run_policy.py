@@ -1,0 +1,65 @@
+"""The spec's runPolicy: how the operator runs, restarts, replaces, queues and ends a job on Kubernetes (`hybridflow
+run` reads only what applies to one machine: the in-place recoveries of restartPolicy failedPod and the collective
+timeout). The only section a live job's spec may change, so each field is read afresh at every tick.
+
+Also the recovery facts both sides share, so the operator and the controller never disagree: when a job counts as
+Stalled (`progress_deadline`), how long a collective waits (`collective_timeout`)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from hybridflow.api.fields import MAX_BACKOFF, ObjectName, SpecModel
+
+STALL_FLOOR_SECONDS = 900  # the default progress deadline's floor, and all of it before the first step
+STALL_STEP_FACTOR = 10  # the default deadline: this many times the slowest step seen
+
+
+class RunPolicy(SpecModel):
+    """How the operator runs the job on Kubernetes; `hybridflow run` reads restartPolicy, replacementLimit and the
+    collective timeout (a lost worker process is recovered in place there too)."""
+
+    backoff_limit: int = Field(3, ge=0, le=MAX_BACKOFF, description="Gang restarts allowed before the job is Failed "
+                               "(each restart is a new pod generation, g<n> in the pod names).")
+    restart_policy: Literal["failedPod", "gang"] = Field(
+        "failedPod", description="failedPod: a failed or lost pool pod is replaced alone while the head and the "
+        "healthy pods keep running, and the controller rebuilds its worker groups from the last checkpoint; gang: "
+        "every failure restarts the whole gang. A failed head, a failed in-place recovery and a stalled job restart "
+        "the gang either way.")
+    replacement_limit: int = Field(3, ge=0, le=MAX_BACKOFF, description="restartPolicy failedPod: pods replaced alone "
+                                   "(and in-place recoveries of the controller) before the next failure restarts the "
+                                   "gang instead; evictions and preemptions are not counted.")
+    progress_deadline_seconds: int | None = Field(
+        None, gt=0, le=2**31 - 1, description="A running job that completes no step for this long is Stalled: its "
+        f"gang restarts (counted against backoffLimit). Default: {STALL_STEP_FACTOR} times its slowest step so far, at "
+        f"least {STALL_FLOOR_SECONDS} s (all of it before the first step). Collectives inside the job time out after it "
+        "too, naming the rank that did not answer.")
+    active_deadline_seconds: int | None = Field(None, gt=0, le=2**31 - 1, description="Fail the job after this many "
+                                                "seconds.")
+    ttl_seconds_after_finished: int | None = Field(
+        None, ge=0, le=2**31 - 1, description="Delete the finished job (and its pods) this many seconds after it ends."
+    )
+    suspend: bool = Field(False, description="Delete the pods but keep the job; false again resumes from the checkpoint.")
+    scheduler_name: ObjectName | None = Field(None, description="Pod schedulerName (e.g. volcano).")
+    gang_scheduling: bool = Field(False, description="Create a Volcano PodGroup with minMember = all pods.")
+    priority_class_name: ObjectName | None = Field(None, description="Pod priorityClassName.")
+
+
+def progress_deadline(policy: RunPolicy, slowest_step_seconds: float | None) -> float:
+    """Seconds without a completed step after which a running job is Stalled: runPolicy.progressDeadlineSeconds,
+    else STALL_STEP_FACTOR times its slowest step so far, never under STALL_FLOOR_SECONDS (all of it before the
+    first step: start-up, evaluation and the first step's one-off costs count against the floor)."""
+    if policy.progress_deadline_seconds is not None:
+        return float(policy.progress_deadline_seconds)
+    return max(float(STALL_FLOOR_SECONDS), STALL_STEP_FACTOR * (slowest_step_seconds or 0.0))
+
+
+COLLECTIVE_TIMEOUT_SECONDS = 1800  # torch.distributed's own default for gloo and NCCL
+
+
+def collective_timeout(policy: RunPolicy) -> float:
+    """How long a collective (an all-reduce, a weight sync) inside the job, and the controller's wait for a worker's
+    answer, last before they fail naming the rank that did not answer: the progress deadline when one is set (no
+    single call may outlast it), else torch's default of 30 minutes (a stage of a large model may take long)."""
+    return float(policy.progress_deadline_seconds or COLLECTIVE_TIMEOUT_SECONDS)
