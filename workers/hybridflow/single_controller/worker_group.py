@@ -63,8 +63,11 @@ class RayResourcePool:
                 placement_group([self.bundle()] * self.devices_per_node, strategy="STRICT_PACK", name=f"{self.name}-{i}")
                 for i in range(self.nodes)
             ]
-            ready = ray.get([pg.ready() for pg in self.placement_groups], timeout=timeout_s)
-            assert len(ready) == self.nodes
+            try:
+                ray.get([pg.ready() for pg in self.placement_groups], timeout=timeout_s)
+            except BaseException:  # not placed in time (a replacement pod still starting): none is left pending
+                self.release()
+                raise
         return [(pg, i) for pg in self.placement_groups for i in range(self.devices_per_node)]
 
     def release(self) -> None:
@@ -304,6 +307,16 @@ class WorkerGroup:
         must be there before Python is: the allocator's LD_PRELOAD, single_controller.allocator). A collective
         waits at most `collective_timeout_s` for its slowest rank, then fails (single_controller.failures)."""
         self.pool = pool
+        self.hosts: list[Any] = []
+        try:
+            self._start(pool, roles, env or {}, process_env, collective_timeout_s)
+        except BaseException:  # a worker lost while the group forms: nothing of it is left holding the devices
+            self.shutdown()
+            pool.release()
+            raise
+
+    def _start(self, pool: RayResourcePool, roles: dict[str, RoleSpec], env: dict[str, str],
+               process_env: dict[str, str] | None, collective_timeout_s: float) -> None:
         placements = pool.acquire()
         gpu = 1 if pool.device == "gpu" else 0
         self.hosts = [
@@ -314,7 +327,7 @@ class WorkerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=idx),
                 name=None,
                 runtime_env={"env_vars": process_env} if process_env else None,
-            ).remote(rank, pool.world_size, idx, pool.device, env or {})
+            ).remote(rank, pool.world_size, idx, pool.device, env)
             for rank, (pg, idx) in enumerate(placements)
         ]
         addr, port = ray.get(self.hosts[0].open_rendezvous.remote())

@@ -189,25 +189,24 @@ def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | 
         "HF_HUB_OFFLINE": "1",
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     }
-    groups, roles = [], {}
-    for index, pool_spec in enumerate(s.resource_pools):
-        if pool_spec.name not in by_pool:
-            continue
-        threads = max(1, int(pool_spec.cpus_per_device))
-        pool = RayResourcePool(
-            pool_spec.name, pool_spec.nodes, pool_spec.devices_per_node, pool_spec.device, pool_spec.cpus_per_device
-        )
-        allocator = worker_allocator_env(pool_spec.allocator, f"spec.resourcePools[{index}].allocator")
-        group = WorkerGroup(pool, by_pool[pool_spec.name], env={**env, "OMP_NUM_THREADS": str(threads)},
-                            process_env=allocator, collective_timeout_s=collective_timeout(s.run_policy))
-        groups.append(group)
-        roles.update({r: group[r] for r in group.roles})
-    devices = sum(g.pool.world_size for g in groups)
-    if not apart:
-        return Workers(roles, groups, devices, ColocatedWeightSync(roles["rollout"]), s)
-    try:
-        weights = StreamedWeightSync(roles["actor"], roles["rollout"], s.pool("rollout").world_size,
-                                     s.rollout.weight_sync_timeout_seconds)
+    groups: list[WorkerGroup] = []
+    roles = {}
+    try:  # whatever fails half-way (a worker lost while the groups form) leaves no group holding devices
+        for index, pool_spec in enumerate(s.resource_pools):
+            if pool_spec.name not in by_pool:
+                continue
+            threads = max(1, int(pool_spec.cpus_per_device))
+            pool = RayResourcePool(pool_spec.name, pool_spec.nodes, pool_spec.devices_per_node, pool_spec.device,
+                                   pool_spec.cpus_per_device)
+            allocator = worker_allocator_env(pool_spec.allocator, f"spec.resourcePools[{index}].allocator")
+            group = WorkerGroup(pool, by_pool[pool_spec.name], env={**env, "OMP_NUM_THREADS": str(threads)},
+                                process_env=allocator, collective_timeout_s=collective_timeout(s.run_policy))
+            groups.append(group)
+            roles.update({r: group[r] for r in group.roles})
+        devices = sum(g.pool.world_size for g in groups)
+        weights: WeightSync = (StreamedWeightSync(roles["actor"], roles["rollout"], s.pool("rollout").world_size,
+                                                  s.rollout.weight_sync_timeout_seconds)
+                               if apart else ColocatedWeightSync(roles["rollout"]))
     except BaseException:
         for g in groups:
             g.shutdown()
