@@ -52,7 +52,7 @@ def _masked_text(record, decode, masked):
 
 def _product(expression):
     """What the calculator must have answered for the model's expression (a * b, as the worked examples write)."""
-    tree = ast.parse(expression, mode="eval").body
+    tree = ast.parse(str(expression), mode="eval").body  # the model may write a bare number: {"expression": 99}
     assert isinstance(tree, ast.BinOp) and isinstance(tree.op, ast.Mult), expression
     value = ast.literal_eval(tree.left) * ast.literal_eval(tree.right)
     return int(value) if float(value).is_integer() else value  # as the calculator writes 674.0 * 98
