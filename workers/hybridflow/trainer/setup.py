@@ -140,9 +140,14 @@ class Workers:
         return {role: g.pool.name for g in self.groups for role in g.roles}
 
     def shutdown(self) -> None:
-        for g in self.groups:
-            g.shutdown()
-            g.pool.release()
+        close_groups(self.groups)
+
+
+def close_groups(groups: list[WorkerGroup]) -> None:
+    """Ends each group's worker processes and hands its placement groups back to Ray."""
+    for g in groups:
+        g.shutdown()
+        g.pool.release()
 
 
 def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | None, rm_dir: Path | None,
@@ -208,9 +213,7 @@ def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | 
                                                   s.rollout.weight_sync_timeout_seconds)
                                if apart else ColocatedWeightSync(roles["rollout"]))
     except BaseException:
-        for g in groups:
-            g.shutdown()
-            g.pool.release()
+        close_groups(groups)
         raise
     return Workers(roles, groups, devices, weights, s)
 
