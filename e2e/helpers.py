@@ -23,7 +23,10 @@ def job_variant(tmp: Path, name: str, **changes) -> Path:
     doc["metadata"]["name"] = name
     doc["spec"]["kubernetes"]["checkpointPvc"] = f"{name}-checkpoints"
     for section, values in changes.items():
-        doc["spec"].setdefault(section, {}).update(values)
+        if isinstance(values, list):  # resourcePools: the list replaced whole
+            doc["spec"][section] = values
+        else:
+            doc["spec"].setdefault(section, {}).update(values)
     pvc = yaml.safe_load(PVC.read_text())
     pvc["metadata"]["name"] = f"{name}-checkpoints"
     path = tmp / f"{name}.yaml"

@@ -1,7 +1,8 @@
-"""Scenario: faults. One job meets them in turn (restartPolicy failedPod, the default): the operator killed mid-run
-(the new one adopts the pods), a pool pod killed (replaced alone: the head and the other pod keep running, the
-controller recovers in place from the checkpoint), the other pool pod frozen with SIGSTOP (no step within the
-progress deadline: Stalled, the gang restarts); no step is lost or repeated. Another (restartPolicy gang): a kill, an eviction (restart, backoff not used) and a
+"""Scenario: faults. One async job (a trainer pod, two rollout pods) meets them in turn (restartPolicy failedPod, the
+default): the operator killed mid-run (the new one adopts the pods), a rollout pod killed (replaced alone, its
+replica rebuilt in it while the other one keeps generating and training goes on: no recovery, no restart), the
+trainer pod killed (replaced alone: the controller recovers in place from the checkpoint), the new trainer pod frozen
+with SIGSTOP (no step within the progress deadline: Stalled, the gang restarts); no step is lost or repeated. Another (restartPolicy gang): a kill, an eviction (restart, backoff not used) and a
 kill that exhausts backoffLimit (Failed, with why). Each records how long its first kill took to the next step
 logged (printed at the end of the run)."""
 from __future__ import annotations
@@ -16,6 +17,9 @@ from e2e.worlds import current_head
 STEPS = 36
 STALL_DEADLINE = 90  # runPolicy.progressDeadlineSeconds of the first job: above its start-up, far below the default
 LONG = {"trainer": {"steps": STEPS, "saveFreq": 3}, "metrics": {"port": 8000, "lingerSeconds": 0}}
+# the first job: rollout apart from the trainer, on two replicas of its own, generating asynchronously
+ASYNC = {"resourcePools": [{"name": "trainer", "devicesPerNode": 1}, {"name": "rollout", "nodes": 2, "devicesPerNode": 1}],
+         "placement": {"actor": "trainer", "rollout": "rollout"}, "rollout": {"mode": "async"}}
 
 
 def _start(world, tmp_path, name, **changes):
@@ -63,16 +67,19 @@ def _next_step_after(world, name: str, t: float, recovered_in_place: bool = Fals
     return wait_for(logged, 300, "a step logged after the kill")
 
 
-def test_a_killed_pool_pod_is_replaced_alone_and_a_hung_pod_restarts_the_gang(world, tmp_path):
+def test_killed_pods_are_replaced_alone_and_a_hung_pod_restarts_the_gang(world, tmp_path):
     """The operator is SIGKILLed mid-run: the new one adopts the running pods (same names and UIDs, nothing created).
-    A pool pod is killed after a checkpoint: only it is replaced (the head and the other pool pod keep their UIDs, no
-    gang generation is used), the controller rebuilds its worker groups and resumes from the checkpoint. The other
-    pool pod is frozen (SIGSTOP): it stays Running, no step completes, the operator finds the job Stalled after
-    runPolicy.progressDeadlineSeconds and restarts the gang. The job ends Succeeded with each step in the step log
-    once. (A failed head restarts the gang whatever the policy: tests/test_operator_pure.py; a killed pod under
-    restartPolicy gang: the next test.)"""
+    A rollout pod is killed: only it is replaced, the controller rebuilds its replica there (trainer.replicas) and
+    the trainer goes on meanwhile: steps are logged between the kill and the replica's return, no in-place recovery
+    and no restart. The trainer pod is killed after a checkpoint: only it is replaced (the head and the rollout pods
+    keep their UIDs, no gang generation is used), the controller rebuilds its worker groups and resumes from the
+    checkpoint. The new trainer pod is frozen (SIGSTOP): it stays Running, no step completes, the operator finds the
+    job Stalled after runPolicy.progressDeadlineSeconds and restarts the gang. The job ends Succeeded with each step in
+    the step log once. (A failed head restarts the gang whatever the policy: tests/test_operator_pure.py; a killed
+    pod under restartPolicy gang: the next test.)"""
     name = "fault-kills"
-    _start(world, tmp_path, name, runPolicy={"backoffLimit": 2, "progressDeadlineSeconds": STALL_DEADLINE})
+    _start(world, tmp_path, name, runPolicy={"backoffLimit": 2, "progressDeadlineSeconds": STALL_DEADLINE}, **ASYNC)
+    head, trainer, rollout = f"{name}-head-g0", f"{name}-trainer-0-g0", [f"{name}-rollout-{i}-g0" for i in (0, 1)]
 
     before = _uids(world, name)
     world.restart_operator()
@@ -82,26 +89,44 @@ def test_a_killed_pool_pod_is_replaced_alone_and_a_hung_pod_restarts_the_gang(wo
     assert _uids(world, name) == before, "the new operator replaced or added pods instead of adopting them"
     assert world.kube.status(name).get("restarts", 0) == 0
 
-    killed = time.time()
-    world.kill_pod_processes(f"{name}-default-1-g0")
-    wait_for(lambda: world.kube.status(name).get("podReplacements") == 1, 120, "the pool pod replaced alone")
-    RECOVERY_SECONDS["failedPod (pool pod replaced alone)"] = _next_step_after(world, name, killed, True)
-    replaced = f"{name}-default-1-g0"
-    wait_for(lambda: _uids(world, name).get(replaced) not in (None, before[replaced]), 60,
-             lambda: f"{replaced} created again under its name; pods: {_uids(world, name)}")
+    killed = time.time()  # a rollout pod: its replica is rebuilt in the replacement, training goes on
+    world.kill_pod_processes(rollout[1])
+    wait_for(lambda: world.kube.status(name).get("podReplacements") == 1, 120, "the rollout pod replaced alone")
+    back = wait_for(lambda: next((r for r in world.step_records(name) if "replica_recovery_seconds" in r), None),
+                    300, lambda: f"the rebuilt replica taking work; {_restart_reasons(world, name)}")
+    during = [r["step"] for r in world.step_records(name) if killed < r["time"] < back["time"]]
+    assert during, f"no step was logged while the replica was rebuilt: {_restart_reasons(world, name)}"
+    RECOVERY_SECONDS["failedPod, a rollout pod (replica rebuilt; steps went on meanwhile)"] = back["time"] - killed
     after = _uids(world, name)
-    kept = [f"{name}-head-g0", f"{name}-default-0-g0"]
+    kept = [head, trainer, rollout[0]]
+    assert {p: after.get(p) for p in kept} == {p: before[p] for p in kept}, "a healthy pod was replaced"
+    assert after.get(rollout[1]) not in (None, before[rollout[1]])
+    assert world.kube.status(name).get("restarts", 0) == 0, _restart_reasons(world, name)
+    log = world.logs(head)
+    assert "rollout replica 1 lost" in log and "worker lost" not in log, _restart_reasons(world, name)
+
+    before = after
+    seen = world.kube.status(name).get("lastCheckpointStep", 0)
+    wait_for(lambda: world.kube.status(name).get("lastCheckpointStep", 0) > seen, 300, "a checkpoint since")
+    killed = time.time()  # the trainer pod: replaced alone, the controller recovers in place from the checkpoint
+    world.kill_pod_processes(trainer)
+    wait_for(lambda: world.kube.status(name).get("podReplacements") == 2, 120, "the trainer pod replaced alone")
+    RECOVERY_SECONDS["failedPod (pool pod replaced alone)"] = _next_step_after(world, name, killed, True)
+    wait_for(lambda: _uids(world, name).get(trainer) not in (None, before[trainer]), 60,
+             lambda: f"{trainer} created again under its name; pods: {_uids(world, name)}")
+    after = _uids(world, name)
+    kept = [head, *rollout]
     assert {p: after.get(p) for p in kept} == {p: before[p] for p in kept}, "a healthy pod was replaced"
     assert world.kube.status(name).get("restarts", 0) == 0, _restart_reasons(world, name)
-    assert "worker lost (1/3 in-place recoveries)" in world.logs(f"{name}-head-g0"), _restart_reasons(world, name)
+    assert "worker lost (1/3 in-place recoveries)" in world.logs(head), _restart_reasons(world, name)
     wait_for(lambda: "PodReplaced" in _reasons(world, name), 30, "the PodReplaced event")
 
-    world.freeze_pod(f"{name}-default-0-g0")  # the pod that was kept: Running, and no step completes any more
+    world.freeze_pod(trainer)  # the trainer's new pod: Running, and no step completes any more
     wait_for(lambda: world.kube.status(name).get("restarts") == 1, STALL_DEADLINE + 180,
              lambda: f"the Stalled restart; {_restart_reasons(world, name)}")
     wait_for(lambda: "Stalled" in _reasons(world, name), 30, "the Stalled event")
     st = _finish(world, name, current_head(world.kube, name))
-    assert st["phase"] == "Succeeded" and st["restarts"] == 1 and st["podReplacements"] == 1, (
+    assert st["phase"] == "Succeeded" and st["restarts"] == 1 and st["podReplacements"] == 2, (
         st, _restart_reasons(world, name))
     assert world.step_log(name) == list(range(1, STEPS + 1)), "a step was lost or repeated"
 

@@ -40,6 +40,12 @@ STEP_GAUGES = {
     "weight_sync_bytes": ("weight_sync_bytes", "Bytes the last cross-pool weight sync delivered (all rollout ranks)."),
     "rollout_policy_version": ("rollout_policy_version", "Policy version the rollout replicas hold (updates synced)."),
     "staleness_max": ("staleness_max", "Most policy versions a trained trajectory of the last step was behind."),
+    "rollout_replicas_working": ("rollout_replicas_working", "async: rollout replicas taking work (a lost one is "
+                                 "rebuilt alone and takes work again once it holds the current weights)."),
+    "rollout_replicas_replaced": ("rollout_replicas_replaced_total", "async: rollout replicas lost and rebuilt alone "
+                                  "since the driver started."),
+    "replica_recovery_seconds": ("replica_recovery_seconds", "Seconds from a rollout replica's loss until its "
+                                 "rebuilt replacement took work (set at the step it joined)."),
     # Multi-turn rollouts (spec.rollout.agent), over the trained batch's episodes:
     "agent_turns_mean": ("agent_turns_mean", "Model turns per episode (mean)."),
     "agent_tool_calls_mean": ("agent_tool_calls_mean", "Tool calls per episode (mean)."),

@@ -138,13 +138,13 @@ class ActorWorker(CheckpointMixin):
     @register(Dispatch.RANK_ZERO)
     def open_weight_stream(self, size: int, timeout_s: float) -> tuple[str, int]:
         """A rollout pool of its own: rank 0 serves the stream's rendezvous for `size` members (itself and every
-        rollout rank); returns where."""
+        rollout replica in the group); returns where. Again for every new group (a replica lost or replaced)."""
         return self.stream.open(size, timeout_s)
 
     @register(Dispatch.ONE_TO_ALL, blocking=False)
-    def join_weight_stream(self, size: int, timeout_s: float) -> None:
-        """Rank 0 joins as the sender (blocks until every rollout rank joined too)."""
-        self.stream.join(size, timeout_s)
+    def join_weight_stream(self, members: list[int], timeout_s: float) -> None:
+        """Rank 0 joins as the sender to the rollout ranks `members` (blocks until every one of them joined)."""
+        self.stream.join(members, timeout_s)
 
     @register(Dispatch.ONE_TO_ALL, blocking=False)
     def send_weights(self, version: int, dtype: str) -> dict[str, float]:
@@ -189,12 +189,13 @@ class WeightSending:
         self.rendezvous = StreamRendezvous(os.environ.get("MASTER_ADDR", "127.0.0.1"), size, timeout_s)
         return self.rendezvous.host, self.rendezvous.port
 
-    def join(self, size: int, timeout_s: float) -> None:
+    def join(self, members: list[int], timeout_s: float) -> None:
         if self.ctx.rank == 0:
             assert self.rendezvous is not None, "open the stream first"
-            peers = pool_peers(size)
+            peers = pool_peers(members)
             device = self.engine.device
-            group = stream_group(self.rendezvous.store, 0, size, timeout_s, device)
+            self.sender = None  # a group formed before (other members) is left
+            group = stream_group(self.rendezvous.store, 0, len(peers), timeout_s, device)
             self.sender = WeightSender(group, device, timeout_s=timeout_s, peers=peers)
 
     def send(self, version: int, dtype: torch.dtype) -> dict[str, float]:

@@ -192,13 +192,16 @@ class PooledRolloutWorker:
         return DPRank(self.ctx.rank, self.ctx.world_size, True)
 
     @register(Dispatch.ONE_TO_ALL, blocking=False)
-    def join_weight_stream(self, host: str, port: int, size: int, timeout_s: float) -> int:
-        """Join the actor's stream as group rank 1 + this rank (collective with every member: blocks until all
-        joined). Returns the version held."""
-        peers = pool_peers(size)
+    def join_weight_stream(self, host: str, port: int, members: list[int], timeout_s: float) -> int:
+        """Join the actor's stream, whose receivers are the rollout ranks `members`, as group rank 1 + this rank's
+        place among them (collective with every member: blocks until all joined; a group this rank was in before
+        is left). Returns the version held."""
+        peers = pool_peers(members)
+        size = len(peers)
+        self.receiver = None
         store = stream_store(host, port, size, timeout_s)
         device = torch_device(self.ctx)
-        group = stream_group(store, 1 + self.ctx.rank, size, timeout_s, device)
+        group = stream_group(store, 1 + members.index(self.ctx.rank), size, timeout_s, device)
         self.receiver = WeightReceiver(group, 0, device, timeout_s, peers)
         return self.gen.version
 

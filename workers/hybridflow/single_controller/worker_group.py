@@ -87,6 +87,9 @@ class RoleSpec:
     cls: type
     kwargs: dict[str, Any] = field(default_factory=dict)
     colocated: tuple[str, ...] = ()
+    # Each rank stands alone (a generation replica on a pool of its own): no torch.distributed world among the
+    # ranks, so one lost rank can be replaced alone (WorkerGroup.replace) while the others go on.
+    independent: bool = False
 
 
 def interface_for(ip: str) -> str | None:
@@ -188,6 +191,9 @@ class WorkerHost:
         """The C heap allocator this process runs on (the pool's `allocator`, if its library was found)."""
         return own_allocator()
 
+    def node_address(self) -> str:
+        return ray.util.get_node_ip_address()
+
 
 class PendingResult:
     """Futures of one call, plus how to combine them. Passing it to another call hands over the futures."""
@@ -234,9 +240,22 @@ def stuck(pending: PendingResult) -> BaseException:
 class RoleHandle:
     """The controller's view of one role in a WorkerGroup: calling a registered method runs it on every rank."""
 
-    def __init__(self, group: "WorkerGroup", role: str, cls: type, layouts: dict[str, list[DPRank]]) -> None:
+    def __init__(self, group: "WorkerGroup", role: str, cls: type, layouts: dict[str, list[DPRank]],
+                 ranks: Sequence[int] | None = None) -> None:
         self._group, self._role, self._cls, self.layouts = group, role, cls, layouts
         self.dp_sizes = {mesh: validate_dp_layout(layout) for mesh, layout in layouts.items()}
+        self._ranks = None if ranks is None else list(ranks)  # None: every rank of the group
+
+    def on(self, ranks: Sequence[int]) -> "RoleHandle":
+        """This role on some of its group's ranks only (a group of independent replicas: each rank its own data
+        shard), e.g. the rollout replicas still alive while another is being replaced."""
+        if not self._group.independent:
+            raise ValueError(f"role {self._role}: only a group of independent ranks can be called on some of them")
+        if not ranks:
+            raise ValueError(f"role {self._role}: no ranks to call")
+        k = len(ranks)
+        layouts = {mesh: [DPRank(j, k, True) for j in range(k)] for mesh in self.layouts}
+        return RoleHandle(self._group, self._role, self._cls, layouts, ranks)
 
     @property
     def dp_size(self) -> int:
@@ -256,9 +275,10 @@ class RoleHandle:
         return call
 
     def _dispatch(self, method: str, dispatch: Dispatch, mesh: str, args: tuple, kwargs: dict) -> PendingResult:
-        hosts = self._group.hosts
+        ranks = self._ranks if self._ranks is not None else range(len(self._group.hosts))
+        hosts = [self._group.hosts[i] for i in ranks]
         n = len(hosts)
-        named = (f"{self._role}.{method}", self._group.where, self._group.collective_timeout_s)
+        named = (f"{self._role}.{method}", [self._group.where[i] for i in ranks], self._group.collective_timeout_s)
         if dispatch == Dispatch.DP_COMPUTE:
             layout = self.layouts[mesh]
             per_rank = [self._dp_args(a, layout) for a in args]
@@ -298,7 +318,9 @@ class RoleHandle:
 
 
 class WorkerGroup:
-    """One WorkerHost per device of a pool, hosting the given roles side by side (colocation)."""
+    """One WorkerHost per device of a pool, hosting the given roles side by side (colocation). When every role's
+    ranks are independent (RoleSpec.independent) the ranks form no torch.distributed world and a lost one can be
+    replaced alone (`replace`)."""
 
     def __init__(self, pool: RayResourcePool, roles: dict[str, RoleSpec],
                  env: dict[str, str] | None = None, process_env: dict[str, str] | None = None,
@@ -308,6 +330,9 @@ class WorkerGroup:
         waits at most `collective_timeout_s` for its slowest rank, then fails (single_controller.failures)."""
         self.pool = pool
         self.hosts: list[Any] = []
+        self.independent = all(spec.independent for spec in roles.values())
+        self._specs, self._env, self._process_env = dict(roles), env or {}, process_env
+        self._placements: list[tuple[PlacementGroup, int]] = []
         try:
             self._start(pool, roles, env or {}, process_env, collective_timeout_s)
         except BaseException:  # a worker lost while the group forms: nothing of it is left holding the devices
@@ -317,21 +342,13 @@ class WorkerGroup:
 
     def _start(self, pool: RayResourcePool, roles: dict[str, RoleSpec], env: dict[str, str],
                process_env: dict[str, str] | None, collective_timeout_s: float) -> None:
-        placements = pool.acquire()
-        gpu = 1 if pool.device == "gpu" else 0
-        self.hosts = [
-            WorkerHost.options(
-                num_cpus=pool.cpus_per_device,
-                num_gpus=gpu,
-                resources={pool_resource(pool.name): 1.0},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=idx),
-                name=None,
-                runtime_env={"env_vars": process_env} if process_env else None,
-            ).remote(rank, pool.world_size, idx, pool.device, env)
-            for rank, (pg, idx) in enumerate(placements)
-        ]
-        addr, port = ray.get(self.hosts[0].open_rendezvous.remote())
-        nodes = ray.get([h.init_distributed.remote(addr, port, collective_timeout_s) for h in self.hosts])
+        self._placements = pool.acquire()
+        self.hosts = [self._host(rank) for rank in range(len(self._placements))]
+        if self.independent:
+            nodes = ray.get([h.node_address.remote() for h in self.hosts])
+        else:
+            addr, port = ray.get(self.hosts[0].open_rendezvous.remote())
+            nodes = ray.get([h.init_distributed.remote(addr, port, collective_timeout_s) for h in self.hosts])
         # how a failure names each rank: its pool, rank and node (a pod's address on Kubernetes)
         self.where = [f"pool {pool.name} rank {rank} ({node})" for rank, node in enumerate(nodes)]
         self.collective_timeout_s = collective_timeout_s
@@ -341,6 +358,51 @@ class WorkerGroup:
             meshes = {"train"} | {p.mesh for p in registered_methods(spec.cls).values()}
             layouts = {m: ray.get([h.dp_rank.remote(role, m) for h in self.hosts]) for m in sorted(meshes)}
             self._roles[role] = RoleHandle(self, role, spec.cls, layouts)
+
+    def _host(self, rank: int) -> Any:
+        """A worker process for `rank`, in its device's bundle of the pool's placement groups."""
+        pg, idx = self._placements[rank]
+        pool = self.pool
+        return WorkerHost.options(
+            num_cpus=pool.cpus_per_device,
+            num_gpus=1 if pool.device == "gpu" else 0,
+            resources={pool_resource(pool.name): 1.0},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=idx),
+            name=None,
+            runtime_env={"env_vars": self._process_env} if self._process_env else None,
+        ).remote(rank, pool.world_size, idx, pool.device, self._env)
+
+    def replace(self, rank: int, timeout_s: float) -> str:
+        """A new worker process for `rank` (its old one is gone), with every role built again, in the rank's
+        bundle: Ray places it once the bundle has a node again (on Kubernetes, the pod the operator created in
+        place of the lost one). Returns how failures name the new rank. The other ranks are not touched."""
+        if not self.independent:
+            raise RuntimeError(f"pool {self.pool.name}: its ranks form a torch.distributed world; a lost rank is "
+                               "mended by rebuilding the whole group")
+        ray.kill(self.hosts[rank], no_restart=True)  # what is left of it, if anything
+        host = self._host(rank)
+        try:
+            node = ray.get(host.node_address.remote(), timeout=timeout_s)
+            for role, spec in self._specs.items():
+                ray.get(host.build.remote(role, spec), timeout=timeout_s)
+        except BaseException:
+            ray.kill(host, no_restart=True)
+            raise
+        self.hosts[rank] = host
+        self.where[rank] = f"pool {self.pool.name} rank {rank} ({node})"
+        return self.where[rank]
+
+    def alive(self, ranks: Sequence[int], timeout_s: float = 5.0) -> list[bool]:
+        """Whether each of `ranks` answers within `timeout_s` (a dead process or node does not)."""
+        refs = [self.hosts[r].node_address.remote() for r in ranks]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        out = []
+        for ref in refs:
+            try:
+                out.append(ref in ready and bool(ray.get(ref, timeout=0)))
+            except ray.exceptions.RayError:
+                out.append(False)
+        return out
 
     def allocators(self) -> list[str]:
         """Each rank's C heap allocator, as its process reports it."""

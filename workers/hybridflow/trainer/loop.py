@@ -122,6 +122,7 @@ def fit(
                                      step, (t_start, start_step), recoveries))
     finally:
         rollouts.close()
+    w.weights.settle()  # a replica rebuilt after the last sync takes the final weights before it is evaluated with
     eval_after = _evaluate_and_report(w, task, metrics, progress, "after") if s.trainer.eval else None
     secs = time.perf_counter() - t_start
     tput = float(np.mean([r["throughput_tokens_per_s"] for r in records])) if records else 0.0
@@ -232,6 +233,8 @@ def progress_line(rec: dict[str, Any], total: int) -> str:
         parts.insert(2, f"cost {rec['cost_mean']:.3f} (lambda {rec['lagrange_multiplier']:.2f})")
     if "trainer_idle_fraction" in rec:  # rollout on a pool of its own: how far behind, and who waited
         queued = f", queue {rec['queue_depth']:.0f}" if "queue_depth" in rec else ""
+        if rec.get("rollout_replicas_working", 0) < rec.get("rollout_replicas", 0):  # one lost, being rebuilt
+            queued += f", replicas {rec['rollout_replicas_working']:.0f}/{rec['rollout_replicas']:.0f}"
         parts.insert(-1, f"stale {rec.get('staleness_max', 0):.0f}{queued} | idle trainer "
                          f"{rec['trainer_idle_fraction']:.0%} rollout {rec['rollout_idle_fraction']:.0%}")
     if rec.get("checkpoint"):  # sealed this step; an asynchronous save seals a step it began earlier

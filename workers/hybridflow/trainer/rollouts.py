@@ -21,11 +21,13 @@ import time
 from typing import Any, Callable, Protocol
 
 import numpy as np
+import ray
 
 from hybridflow.api import JobSpec
 from hybridflow.data.tasks import PromptStream
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.worker_group import PendingResult, resolve, wait_done
+from hybridflow.trainer.replicas import Replacement, RolloutReplicas
 from hybridflow.trainer.trajectories import (
     Trajectory, oldest_versions, pack_trajectories, staleness, too_stale,
 )
@@ -38,6 +40,10 @@ class WeightSync(Protocol):
 
     def sync(self, version: int) -> dict[str, float]:
         """The trainer's weights, as policy `version`, into every generation engine; the step's statistics."""
+
+    def settle(self) -> None:
+        """Every generation engine holds the trainer's latest weights (replicas rebuilt since the last sync take
+        them now): before an evaluation that uses them all."""
 
 
 class ColocatedWeightSync:
@@ -53,43 +59,80 @@ class ColocatedWeightSync:
                 "reshard_peak_bytes": float(max(x["peak_bytes"] for x in per_rank)),
                 "generation_weight_bytes": float(max(x["generation_bytes"] for x in per_rank))}
 
+    def settle(self) -> None:
+        pass
+
 
 class StreamedWeightSync:
-    """The actor's rank 0 streams whole tensors, in the generation dtype, to every rank of the rollout pool over
-    a group of their own (engines.bridge.stream), joined here once."""
+    """The actor's rank 0 streams whole tensors, in the generation dtype, to every rollout replica over a group of
+    their own (engines.bridge.stream). The group is formed over the replicas present (trainer.replicas), and formed
+    again when that set changed since the last sync: a replica lost leaves it, a rebuilt one joins it, and the
+    rebuilt one's weights are checked against the trainer's before it takes work."""
 
-    def __init__(self, actor: Any, rollout: Any, rollout_ranks: int, timeout_s: float) -> None:
-        self.actor, self.rollout, self.version = actor, rollout, 0
-        self.dtype = rollout.generation_dtype_name()
-        size = 1 + rollout_ranks
-        host, port = actor.open_weight_stream(size, timeout_s)
-        joining = [actor.join_weight_stream(size, timeout_s), rollout.join_weight_stream(host, port, size, timeout_s)]
+    def __init__(self, actor: Any, replicas: RolloutReplicas, timeout_s: float) -> None:
+        self.actor, self.replicas, self.rollout, self.version = actor, replicas, replicas.role, 0
+        self.timeout_s = timeout_s
+        self.dtype = self.rollout.generation_dtype_name()
+        self.members: list[int] = []
+        self._form(replicas.members())
+
+    def _form(self, members: list[int]) -> None:
+        t = self.timeout_s
+        host, port = self.actor.open_weight_stream(1 + len(members), t)
+        joining = [self.actor.join_weight_stream(members, t),
+                   self.replicas.handle(members).join_weight_stream(host, port, members, t)]
         for pending in reversed(joining):
             resolve(pending)
+        self.members = members
 
     def sync(self, version: int) -> dict[str, float]:
+        members = self.replicas.members()
+        if members != self.members:
+            self._form(members)
         sending = self.actor.send_weights(version, self.dtype)
-        receiving = self.rollout.sync_weights(version)
+        receiving = self.replicas.handle(members).sync_weights(version)
         got = resolve(receiving)  # first: a receiver's error names the peer that did not answer
         sent = resolve(sending)
         self.version = version
-        return {"reshard_bytes": float(np.mean([x["bytes"] for x in got])),
-                "reshard_peak_bytes": float(max(x["peak_bytes"] for x in [*got, *sent])),
-                "generation_weight_bytes": float(max(x["generation_bytes"] for x in got)),
-                "weight_sync_bytes": float(sum(x["bytes"] for x in got)),
-                "weight_sync_seconds": float(max(x["seconds"] for x in [*got, *sent])),
-                "rollout_policy_version": float(version)}
+        stats = {"reshard_bytes": float(np.mean([x["bytes"] for x in got])),
+                 "reshard_peak_bytes": float(max(x["peak_bytes"] for x in [*got, *sent])),
+                 "generation_weight_bytes": float(max(x["generation_bytes"] for x in got)),
+                 "weight_sync_bytes": float(sum(x["bytes"] for x in got)),
+                 "weight_sync_seconds": float(max(x["seconds"] for x in [*got, *sent])),
+                 "rollout_policy_version": float(version)}
+        joined = self._admit(members)
+        if joined:
+            stats["replica_recovery_seconds"] = max(e.joined_after or 0.0 for e in joined)
+        return stats
+
+    def _admit(self, members: list[int]) -> list[Replacement]:
+        """The rebuilt replicas among `members`, which just received the weights: each takes work once its engine
+        sums to the trainer's weights (cast to its dtype)."""
+        new = [r for r in members if r in self.replicas.joining_now()]
+        if not new:
+            return []
+        trainer = self.actor.weight_checksums_as(self.dtype)[0]
+        sums = self.replicas.handle(new).weight_checksums()
+        return self.replicas.joined({r: got == trainer for r, got in zip(new, sums)})
+
+    def settle(self) -> None:
+        self.replicas.settle(self.timeout_s + self.replicas.build_timeout_s)
+        if self.replicas.members() != self.members:  # the version they lack, over the group formed anew (its
+            self.sync(self.version)                  # sender and receivers start fresh: the same version is new)
 
 
 class Rollouts:
     """sync mode, and what the other modes share: the weight sync (which keeps the trainer's policy version) and
     the step's staleness statistics. `shape` makes a step's generation rows from its prompts (used by a source
-    that generates before the program asks); `rollout_ranks` is the rollout pool's size."""
+    that generates before the program asks); `rollout_ranks` is the rollout pool's size; `replicas`, for a rollout
+    pool of its own, which of its replicas take work (async replaces a lost one alone: trainer.replicas)."""
 
     def __init__(self, spec: JobSpec, rollout: Any, weights: WeightSync, prompts: Callable[[], Batch],
-                 shape: Shape, rollout_ranks: int = 1, stop_token_ids: tuple[int, ...] = ()) -> None:
+                 shape: Shape, rollout_ranks: int = 1, stop_token_ids: tuple[int, ...] = (),
+                 replicas: RolloutReplicas | None = None) -> None:
         self.spec, self.rollout, self.weights, self._prompts = spec, rollout, weights, prompts
         self.shape, self.ranks, self.stop_ids = shape, rollout_ranks, stop_token_ids
+        self.replicas = replicas
         self.stats: dict[str, float] = {}
         self.last_step = False
         self.rollout_busy = 0.0
@@ -182,6 +225,8 @@ class AsyncRollouts(Rollouts):
         self._error: BaseException | None = None
         self._busy_total = 0.0
         self._active: list[list[Trajectory]] = []  # partial rollouts: groups whose responses are in the making
+        self._returned: collections.deque[Batch] = collections.deque()  # drawn, their replica lost: generate again
+        self.regenerated = 0  # prompt groups handed back by a lost replica
         self._calling = False  # an engine call of the producer's is in flight
         self._syncing = False  # the trainer waits to sync: the producer starts no call meanwhile
         produce = self._produce_partial if r.partial_rollout_tokens else self._produce_whole
@@ -229,6 +274,8 @@ class AsyncRollouts(Rollouts):
                 self._cond.wait(0.5)
         self.stats["trainer_wait_seconds"] = self.stats.get("trainer_wait_seconds", 0.0) + time.perf_counter() - t0
         try:
+            if self.replicas is not None:  # one that died idle leaves the set before the stream is formed over it
+                self.replicas.check()
             return super().sync()
         finally:
             with self._cond:
@@ -244,8 +291,10 @@ class AsyncRollouts(Rollouts):
             depth = len(self.ready)
             busy, self._busy_total = self._busy_total, 0.0
         dropped, self._dropped_reported = self.dropped - self._dropped_reported, self.dropped
+        replicas = self.replicas.stats() if self.replicas is not None else {}
         return {**self.stats, "queue_depth": float(depth), "dropped_stale": float(dropped),
-                "dropped_stale_total": float(self.dropped), "rollout_busy_seconds": busy}
+                "dropped_stale_total": float(self.dropped), "rollout_busy_seconds": busy,
+                "regenerated_prompts_total": float(self.regenerated), **replicas}
 
     def close(self) -> None:
         self._stop.set()
@@ -271,14 +320,33 @@ class AsyncRollouts(Rollouts):
                 self._cond.wait(0.5)
             return 0 if self._stop.is_set() else self.capacity - len(self.ready) - self.in_flight
 
-    def _call(self, launch: Callable[[], PendingResult]) -> Any:
-        """One engine call, started only while the trainer is not waiting to sync (the call's result)."""
-        with self._cond:
-            while self._syncing and not self._stop.is_set():
-                self._cond.wait(0.5)
-            self._calling = True
+    def _call(self, launch: Callable[[Any, int], PendingResult]) -> Any | None:
+        """One engine call on the replicas taking work, `launch(role on them, how many)`, started only while the
+        trainer is not waiting to sync: the call's result, or None when it was not made (stopping) or a replica
+        was lost during it (trainer.replicas rebuilds it; the caller hands back what the call was for)."""
+        while True:
+            if self.replicas is not None:
+                self.replicas.wait_working(self._stop)
+            with self._cond:
+                while self._syncing and not self._stop.is_set():
+                    self._cond.wait(0.5)
+                if self._stop.is_set():
+                    return None
+                ranks = self.replicas.working() if self.replicas is not None else list(range(self.ranks))
+                if ranks:
+                    self._calling = True
+                    break
+        pending: PendingResult | None = None
         try:
-            return resolve(launch())
+            role = self.replicas.handle(ranks) if self.replicas is not None else self.rollout
+            pending = launch(role, len(ranks))
+            return resolve(pending)
+        except Exception as err:
+            if self.replicas is None or not self.replicas.lose(err, ranks):
+                raise
+            if pending is not None:  # the others finish their part first: they are idle when the trainer syncs
+                ray.wait(pending.refs, num_returns=len(pending.refs), timeout=pending.timeout_s, fetch_local=False)
+            return None
         finally:
             with self._cond:
                 self._calling = False
@@ -292,17 +360,30 @@ class AsyncRollouts(Rollouts):
             self._cond.notify_all()
 
     def _draw(self) -> Batch:
+        """The next prompts: those a lost replica handed back first (still counted in flight), else the stream's."""
         with self._cond:
+            if self._returned:
+                return self._returned.popleft()
             prompts = self._prompts()
             self.in_flight += len(prompts)
         return prompts
+
+    def _hand_back(self, prompts: Batch) -> None:
+        with self._cond:
+            self._returned.append(prompts)
+            self.regenerated += len(prompts)
 
     def _produce_whole(self) -> None:
         """A batch of prompts per engine call, each response generated whole by the weights it began with."""
         if not self._room():
             return
         prompts = self._draw()
-        out = self._call(lambda: self.rollout.generate(self.shape(prompts)))
+        rows = self.shape(prompts)
+        out = self._call(lambda role, k: role.generate(_padded_batch(rows, k)))
+        if out is None:
+            self._hand_back(prompts)
+            return
+        out = out.index(slice(0, len(rows)))
         self._finished(out.chunk(len(prompts)), float(out.meta.get("generate_seconds", 0.0)))
 
     def _produce_partial(self) -> None:
@@ -320,12 +401,16 @@ class AsyncRollouts(Rollouts):
             time.sleep(0.05)
             return
         asked = [min(r.partial_rollout_tokens, r.max_response_length - len(t.tokens)) for t in todo]
-        rows = _padded(list(zip(todo, asked)), self.ranks)  # every rank gets rows; the padding's output is unused
-        call = Batch(non_tensors={"prompt_ids": [t.row["prompt_ids"] for t, _ in rows],
-                                  "response_ids": [t.tokens for t, _ in rows],
-                                  "greedy": [bool(t.row.get("greedy", False)) for t, _ in rows],
-                                  "max_new": [n for _, n in rows]})
-        parts = self._call(lambda: self.rollout.continue_generation(call))
+
+        def launch(role: Any, ranks: int) -> PendingResult:
+            rows = _padded(list(zip(todo, asked)), ranks)  # every rank gets rows; the padding's output is unused
+            return role.continue_generation(Batch(non_tensors={
+                "prompt_ids": [t.row["prompt_ids"] for t, _ in rows], "response_ids": [t.tokens for t, _ in rows],
+                "greedy": [bool(t.row.get("greedy", False)) for t, _ in rows], "max_new": [n for _, n in rows]}))
+
+        parts = self._call(launch)
+        if parts is None:  # a replica was lost: nothing advanced, the next call goes to the others
+            return
         tokens = [x for p in parts for x in p["tokens"]]
         log_probs = [x for p in parts for x in p["log_probs"]]
         versions = [p["policy_version"] for p in parts for _ in p["tokens"]]
@@ -341,6 +426,13 @@ class AsyncRollouts(Rollouts):
 def _padded(rows: list[Any], ranks: int) -> list[Any]:
     """`rows` repeated up to a multiple of `ranks` (the generation call splits evenly over the ranks)."""
     return (rows * ranks)[: len(rows) + (-len(rows) % ranks)]
+
+
+def _padded_batch(rows: Batch, ranks: int) -> Batch:
+    """`rows` with its first rows repeated up to a multiple of `ranks` (fewer replicas than the pool has: the
+    prompts need not divide); the padding's output is cut off by the caller."""
+    short = -len(rows) % ranks
+    return rows if not short else Batch.concat([rows, rows.index(slice(0, short))])
 
 
 # spec.rollout.mode -> its source (the schema lists the same names; tests/test_rollouts.py checks they agree)

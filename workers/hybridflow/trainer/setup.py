@@ -16,6 +16,7 @@ from hybridflow.agents.places import job_tools
 from hybridflow.api.run_policy import collective_timeout
 from hybridflow.api.storage import is_url
 from hybridflow.single_controller.batch import Batch
+from hybridflow.trainer.replicas import REPLICA_BUILD_TIMEOUT_S, RolloutReplicas
 from hybridflow.trainer.rollouts import ROLLOUT_MODES, ColocatedWeightSync, Rollouts, StreamedWeightSync, WeightSync
 from hybridflow.trainer.step import Scorer, generation_rows
 from hybridflow.single_controller.allocator import worker_allocator_env
@@ -117,6 +118,7 @@ class Workers:
     devices: int
     weights: WeightSync
     spec: JobSpec
+    replicas: RolloutReplicas | None = None  # a rollout pool of its own: which replicas take work
 
     def sync_weights(self, version: int) -> dict[str, float]:
         return self.weights.sync(version)
@@ -132,7 +134,7 @@ class Workers:
         ranks = self.roles["rollout"].dp_sizes["rollout"]
         shape = functools.partial(generation_rows, n=s.rollout.responses_per_prompt)
         return ROLLOUT_MODES[s.rollout.mode](s, self.roles["rollout"], self.weights, prompts, shape, ranks,
-                                             tuple(stop_token_ids))
+                                             tuple(stop_token_ids), self.replicas)
 
     @property
     def pools(self) -> dict[str, str]:
@@ -168,7 +170,7 @@ def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | 
     wanted: dict[str, RoleSpec] = {
         "actor": RoleSpec(ActorWorker, {"config": actor, "model_dir": str(model_dir)}),
         "rollout": RoleSpec(PooledRolloutWorker, {"config": actor, "stop_token_ids": task.stop_token_ids,
-                                                  "model_dir": str(model_dir)}) if apart else
+                                                  "model_dir": str(model_dir)}, independent=True) if apart else
         RoleSpec(RolloutWorker, {"config": actor, "stop_token_ids": task.stop_token_ids}, colocated=("actor",)),
     }
     runs = set(s.roles())  # the one list of the job's roles (status.pools shows the same)
@@ -209,13 +211,18 @@ def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | 
             groups.append(group)
             roles.update({r: group[r] for r in group.roles})
         devices = sum(g.pool.world_size for g in groups)
-        weights: WeightSync = (StreamedWeightSync(roles["actor"], roles["rollout"], s.pool("rollout").world_size,
-                                                  s.rollout.weight_sync_timeout_seconds)
-                               if apart else ColocatedWeightSync(roles["rollout"]))
+        replicas = None
+        weights: WeightSync = ColocatedWeightSync(roles["rollout"])
+        if apart:
+            rollout_group = next(g for g in groups if "rollout" in g.roles)
+            # async replaces a lost replica alone; the other modes wait on its generation and recover as a whole
+            policy = s.run_policy if s.rollout.mode == "async" else None
+            replicas = RolloutReplicas(rollout_group, roles["rollout"], policy, REPLICA_BUILD_TIMEOUT_S)
+            weights = StreamedWeightSync(roles["actor"], replicas, s.rollout.weight_sync_timeout_seconds)
     except BaseException:
         close_groups(groups)
         raise
-    return Workers(roles, groups, devices, weights, s)
+    return Workers(roles, groups, devices, weights, s, replicas)
 
 
 def prompt_batch(samples: list[Sample], uid_offset: int = 0) -> Batch:

@@ -87,10 +87,11 @@ def stream_group(store: dist.Store, rank: int, size: int, timeout_s: float = STR
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-def pool_peers(size: int) -> list[str]:
+def pool_peers(members: Sequence[int]) -> list[str]:
     """Names of a trainer -> rollout pool stream's group ranks, as its errors say them: the sender is the actor's
-    rank 0, group rank 1 + i is the rollout pool's rank i."""
-    return ["trainer rank 0"] + [f"rollout rank {i}" for i in range(size - 1)]
+    rank 0, group rank 1 + i is the rollout pool's rank members[i] (the replicas in the group when it was formed:
+    a group is formed again when a replica is lost or replaced)."""
+    return ["trainer rank 0"] + [f"rollout rank {r}" for r in members]
 
 
 def stream_store(host: str, port: int, size: int, timeout_s: float = STREAM_TIMEOUT_S) -> dist.Store:

@@ -1,0 +1,189 @@
+"""Rollout replicas replaced alone (issue 29, item 1, for a rollout pool of its own).
+
+When a replica's process or pod is lost, the controller drops it from the replicas that take work, hands what it
+was generating back to the queue, and rebuilds it in the background (WorkerGroup.replace: on Kubernetes, in the
+pod the operator created in place of the lost one). The rebuilt replica joins the weight stream at the next sync
+(the stream's group is formed again over the replicas then present), its weights are checked against the
+trainer's, and only then does it take work. Training goes on meanwhile: the other replicas keep generating, and
+with none left the trainer waits on the queue; the actor is never rebuilt and no step runs twice.
+
+Only rollout mode async does this (sync and one_step_off wait on the very generation a lost replica was making:
+they recover as before, by rebuilding the workers and resuming from the last checkpoint), and only under
+runPolicy.restartPolicy failedPod. Replacements count against runPolicy.replacementLimit; past it, a loss fails
+the step as before. A replica lost in the middle of a weight sync breaks that sync, and the whole-group recovery
+mends it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from hybridflow.api.run_policy import RunPolicy
+from hybridflow.single_controller.failures import RankFailure
+from hybridflow.single_controller.worker_group import RoleHandle, WorkerGroup
+
+log = logging.getLogger("hybridflow.trainer.replicas")
+
+REPLICA_BUILD_TIMEOUT_S = 600.0
+"""How long a lost replica's rebuild may take: on Kubernetes the operator's replacement pod must be scheduled, pull
+its image, join Ray and build its engine. Past it the rebuild is an error (the job recovers as a whole)."""
+
+
+@dataclass
+class Replacement:
+    """One lost replica and its replacement: who, why, and how long until it took work again."""
+
+    rank: int
+    lost: str  # how the failure named it (pool, rank, node)
+    reason: str
+    lost_at: float  # perf_counter
+    built: str = ""  # how the new replica is named (its node) once built
+    joined_after: float | None = None  # seconds from the loss until it held the current weights and took work
+
+
+class RolloutReplicas:
+    """The replicas of a rollout pool of its own, as the controller sees them: `live` take work; `joining` were
+    rebuilt and take the current weights at the next sync before they take work; the rest are being rebuilt.
+    Thread-safe: the async producer loses replicas, the trainer's sync lets them join."""
+
+    def __init__(self, group: WorkerGroup, role: RoleHandle, policy: RunPolicy | None, build_timeout_s: float) -> None:
+        self.group, self.role, self.build_timeout_s = group, role, build_timeout_s
+        self.replaceable = policy is not None and policy.restart_policy == "failedPod" and group.independent
+        self.limit = policy.replacement_limit if policy is not None else 0
+        self.live: list[int] = list(range(len(group.hosts)))
+        self.joining: list[int] = []
+        self.replacements: list[Replacement] = []
+        self.error: BaseException | None = None  # a rebuild that failed: the producer raises it
+        self._cond = threading.Condition()
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def size(self) -> int:
+        return len(self.group.hosts)
+
+    def members(self) -> list[int]:
+        """The replicas the weight stream serves: those taking work and those about to."""
+        with self._cond:
+            return sorted(self.live + self.joining)
+
+    def working(self) -> list[int]:
+        with self._cond:
+            return list(self.live)
+
+    def joining_now(self) -> list[int]:
+        with self._cond:
+            return list(self.joining)
+
+    def handle(self, ranks: Sequence[int]) -> RoleHandle:
+        """The rollout role on `ranks` (all of them: the role as built)."""
+        return self.role if list(ranks) == list(range(self.size)) else self.role.on(ranks)
+
+    def lose(self, err: BaseException, ranks: Sequence[int]) -> bool:
+        """A call on `ranks` failed with `err`: whether its lost replicas are being replaced (the call can be made
+        again on the others), or the error stands (not a replica loss, not replaceable, or past the limit)."""
+        if not self.replaceable or not isinstance(err, RankFailure) or not err.lost or err.failed:
+            return False
+        lost = [ranks[i] for i in err.lost]
+        with self._cond:
+            if len(self.replacements) + len(lost) > self.limit:
+                log.warning("rollout replica(s) %s lost, past runPolicy.replacementLimit %d: the step fails",
+                            lost, self.limit)
+                return False
+            for rank in lost:
+                self._replace(rank, self.group.where[rank], str(err))
+        return True
+
+    def check(self) -> None:
+        """Before a sync, with no generation in flight: a member that does not answer is lost (it died idle)."""
+        members = self.members()
+        if not self.replaceable or not members:
+            return
+        lost = [r for r, ok in zip(members, self.group.alive(members)) if not ok]
+        if not lost:
+            return
+        with self._cond:
+            if len(self.replacements) + len(lost) > self.limit:
+                raise RuntimeError(f"rollout replica(s) {lost} do not answer, past runPolicy.replacementLimit "
+                                   f"{self.limit}")
+            for rank in lost:
+                self._replace(rank, self.group.where[rank], "did not answer before a weight sync")
+
+    def _replace(self, rank: int, where: str, reason: str) -> None:
+        """Holding the lock: `rank` leaves the replicas and is rebuilt in the background."""
+        if rank in self.live:
+            self.live.remove(rank)
+        if rank in self.joining:
+            self.joining.remove(rank)
+        event = Replacement(rank, where, reason.splitlines()[0][:300], time.perf_counter())
+        self.replacements.append(event)
+        log.warning("rollout replica %d lost (%s): rebuilding it while the other replicas (%s) go on",
+                    rank, event.reason, self.live or "none")
+        thread = threading.Thread(target=self._rebuild, args=(event,), name=f"rebuild-rollout-{rank}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _rebuild(self, event: Replacement) -> None:
+        try:
+            event.built = self.group.replace(event.rank, self.build_timeout_s)
+        except BaseException as e:  # noqa: BLE001 - handed to the producer, which raises it
+            with self._cond:
+                self.error = RuntimeError(f"rollout replica {event.rank} could not be rebuilt within "
+                                          f"{self.build_timeout_s:.0f} s: {e}")
+                self._cond.notify_all()
+            return
+        with self._cond:
+            self.joining.append(event.rank)
+            self._cond.notify_all()
+        log.warning("rollout replica %d rebuilt on %s: it takes the current weights at the next sync",
+                    event.rank, event.built)
+
+    def joined(self, checked: dict[int, bool]) -> list[Replacement]:
+        """After a sync that reached every member: the joining replicas whose weights `checked` true take work.
+        Returns their replacements (with how long each took)."""
+        done = []
+        with self._cond:
+            for rank in list(self.joining):
+                if rank not in checked:
+                    continue
+                if not checked[rank]:
+                    raise RuntimeError(f"rollout replica {rank} rebuilt on {self.group.where[rank]} does not hold "
+                                       "the trainer's weights after the sync")
+                self.joining.remove(rank)
+                self.live.append(rank)
+                self.live.sort()
+                event = next(e for e in reversed(self.replacements) if e.rank == rank)
+                event.joined_after = time.perf_counter() - event.lost_at
+                done.append(event)
+            self._cond.notify_all()
+        for e in done:
+            log.warning("rollout replica %d takes work again, %.1f s after it was lost", e.rank, e.joined_after)
+        return done
+
+    def wait_working(self, stop: threading.Event) -> list[int]:
+        """The replicas taking work, waiting while there are none (all lost: the next sync lets rebuilt ones in)."""
+        with self._cond:
+            while not self.live and self.error is None and not stop.is_set():
+                self._cond.wait(0.5)
+            if self.error is not None:
+                raise self.error
+            return list(self.live)
+
+    def rebuilding(self) -> bool:
+        with self._cond:
+            return len(self.live) + len(self.joining) < self.size
+
+    def settle(self, timeout_s: float) -> None:
+        """Until every rebuild started has ended (a job ending waits for them: its evaluation uses every replica)."""
+        deadline = time.monotonic() + timeout_s
+        for t in list(self._threads):
+            t.join(max(0.0, deadline - time.monotonic()))
+        if self.error is not None:
+            raise self.error
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            return {"rollout_replicas": float(self.size), "rollout_replicas_working": float(len(self.live)),
+                    "rollout_replicas_replaced_total": float(len(self.replacements))}
