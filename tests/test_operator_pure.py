@@ -1089,6 +1089,24 @@ def _pool_pod(pool: str, gen: int = 0, phase: str = "Running", ready: bool = Tru
     return PodView(f"tiny-async-k8s-{pool}-0-g{gen}", "worker", gen, phase, deleting, pool=pool, ready=ready)
 
 
+def test_a_lost_rollout_pod_of_an_async_job_is_replaced_with_its_replica_rebuilt_and_no_checkpoint_resume():
+    """The PodReplaced event says how the controller mends each pool: an async job's rollout pod gets its replica
+    rebuilt while training goes on (trainer/replicas.py); its trainer pod, and any pod of a sync or one_step_off
+    job, a rebuild of the worker groups from the last checkpoint."""
+    head = PodView("tiny-async-k8s-head-g0", "head", 0, "Running", ready=True)
+    for pool, mode, expected in [("rollout", "async", "rebuilds the rollout replica in it while training goes on"),
+                                 ("trainer", "async", "rebuilds its worker groups from the last checkpoint"),
+                                 ("rollout", "one_step_off", "rebuilds its worker groups from the last checkpoint")]:
+        job = parse_job(_raw("tiny-async-k8s.yaml", rollout={"mode": mode}))
+        other = "trainer" if pool == "rollout" else "rollout"
+        plan = decide(job, None, {"phase": "Running", "restarts": 0},
+                      [head, _pool_pod(other), _pool_pod(pool, phase="Failed")], NOW)
+        assert plan.status["phase"] == "Running" and plan.delete_pods == [f"tiny-async-k8s-{pool}-0-g0"]
+        (event,) = _events(plan, "PodReplaced")
+        assert event.endswith(expected), (pool, mode, event)
+    assert ASYNC.spec.replica_pool("rollout") and not ASYNC.spec.replica_pool("trainer")
+
+
 def test_pool_status_lists_every_pool_with_the_roles_placed_on_it_and_its_ready_pods():
     """status.pools: spec.resourcePools' order, spec.placement's roles (the first pool takes the rest), pods counted
     by pool and Ready; a pod of a pool the spec does not have counts nowhere."""

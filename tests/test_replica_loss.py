@@ -4,7 +4,8 @@ pod looks to the controller) once step 2 is logged. Training goes on: fit() runs
 recovery (it would raise: no Recoveries is given), the trainer's process is the one it started with, every step
 runs once, every prompt group drawn is trained exactly once (what the lost replica was generating is generated again),
 the replacement takes work only after its weights were checked, and the job ends with both replicas holding the
-trainer's weights."""
+trainer's weights. Then a replica is lost during a weight sync: the sync reaches the other one, and the lost one is
+rebuilt and given the version it missed."""
 from __future__ import annotations
 
 import collections
@@ -104,5 +105,17 @@ def test_a_lost_rollout_replica_is_replaced_while_training_goes_on(tmp_path, mod
         assert rollout.policy_version() == [STEPS, STEPS]
         trainer = actor.weight_checksums_as(rollout.generation_dtype_name())[0]
         assert rollout.weight_checksums() == [trainer, trainer]
+
+        # a replica lost during a sync: the sync goes to the other one, the lost one is rebuilt and takes the
+        # version it missed before the job evaluates with it (settle); the trainer is the same process throughout
+        first = rollout_group.hosts[0]
+        ray.kill(first, no_restart=True)
+        stats = w.sync_weights(STEPS + 1)
+        assert stats["rollout_policy_version"] == STEPS + 1 and w.replicas.working() == [1]
+        w.weights.settle()
+        assert rollout_group.hosts[0] is not first and w.replicas.working() == [0, 1]
+        assert rollout.policy_version() == [STEPS + 1, STEPS + 1]
+        assert rollout.weight_checksums() == [trainer, trainer]  # no update since: the same weights, version + 1
+        assert trainer_group.hosts[0] is trainer_host
     finally:
         w.shutdown()

@@ -425,7 +425,7 @@ def _replace(plan: Plan, job: RLHFJob, current: list[PodView], failed: list[PodV
         why = p.disruption or disrupted.get(p.name, "")
         what = (f"pod {p.name} was disrupted ({why}; not counted against runPolicy.replacementLimit)" if why else
                 f"pod {p.name} {p.phase.lower()}" + (f": {p.message}" if p.message else ""))
-        _note_replacement(plan, what, kept, now)
+        _note_replacement(plan, what, kept, now, job.spec.replica_pool(p.pool))
         replacing.add(p.name)
     if gone > 0:
         _note_replacement(plan, f"{gone} pool pod(s) disappeared", kept, now)
@@ -435,9 +435,11 @@ def _replace(plan: Plan, job: RLHFJob, current: list[PodView], failed: list[PodV
     return plan
 
 
-def _note_replacement(plan: Plan, what: str, kept: list[str], now: dt.datetime) -> None:
+def _note_replacement(plan: Plan, what: str, kept: list[str], now: dt.datetime, replica: bool = False) -> None:
+    mends = ("the controller rebuilds the rollout replica in it while training goes on" if replica else
+             "the controller rebuilds its worker groups from the last checkpoint")
     message = capped(f"{what}; replacing it alone: the head and {len(kept)} other pod(s) keep running "
-                     f"({', '.join(kept)}), the controller rebuilds its worker groups from the last checkpoint")
+                     f"({', '.join(kept)}), {mends}")
     plan.events.append(("Warning", "PodReplaced", message))
     plan.status["lastReplacement"] = {"time": iso(now), "message": message}
 

@@ -24,7 +24,8 @@ class RunPolicy(SpecModel):
                                "(each restart is a new pod generation, g<n> in the pod names).")
     restart_policy: Literal["failedPod", "gang"] = Field(
         "failedPod", description="failedPod: a failed or lost pool pod is replaced alone while the head and the "
-        "healthy pods keep running, and the controller rebuilds its worker groups from the last checkpoint; gang: "
+        "healthy pods keep running, and the controller rebuilds its worker groups from the last checkpoint (an "
+        "async job's rollout pod: only its replica, while training goes on); gang: "
         "every failure restarts the whole gang. A failed head, a failed in-place recovery and a stalled job restart "
         "the gang either way.")
     replacement_limit: int = Field(3, ge=0, le=MAX_BACKOFF, description="restartPolicy failedPod: pods replaced alone "

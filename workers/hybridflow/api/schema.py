@@ -379,6 +379,13 @@ class JobSpec(SpecModel):
                 "cost": m.cost is not None and m.cost.model is not None}
         return [r for r in ROLES if runs.get(r, False)]
 
+    def replica_pool(self, pool: str) -> bool:
+        """Whether `pool` holds async rollout replicas alone: a pod of it that is lost is rebuilt in its replacement
+        while training goes on (trainer/replicas.py), with no recovery from a checkpoint."""
+        rollout = self.pool("rollout").name
+        return (self.rollout.mode == "async" and pool == rollout and rollout != self.pool("actor").name
+                and all(self.pool(r).name != pool for r in self.roles() if r != "rollout"))
+
 
 class Metadata(SpecModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)

@@ -8,6 +8,7 @@ through the bridge's weight transfer; before training, the actor frees the memor
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Callable
@@ -23,7 +24,9 @@ from hybridflow.data.packing import computed_tokens
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.protocol import Dispatch, DPRank, register
 from hybridflow.single_controller.context import WorkerContext
-from hybridflow.engines.bridge.stream import StreamRendezvous, WeightSender, pool_peers, stream_group
+from hybridflow.engines.bridge.stream import (
+    StreamRendezvous, WeightSender, WeightStreamError, pool_peers, stream_group,
+)
 from hybridflow.engines.bridge.transfer import full_tensor_checksums, train_dp_rank
 from hybridflow.engines.train.base import TrainEngine, TrainEngineFactory, TrainSettings
 from hybridflow.flops import matmul_peak_flops, training_flops
@@ -206,5 +209,15 @@ class WeightSending:
                 pass
             return {"seconds": time.perf_counter() - t0, "bytes": 0.0, "peak_bytes": 0.0}
         assert self.sender is not None, "join the stream first"
-        stats = self.sender.send(version, whole)
+        failed = None
+        try:
+            stats = self.sender.send(version, whole)
+        except WeightStreamError as e:
+            failed = str(e)
+        if failed is not None:  # out of the except block: nothing holds the broken group any more but the sender
+            for _ in whole:  # the other ranks' gathers run to the end: the actor's own world stays usable
+                pass
+            self.sender = None  # its group closes its connections: receivers still waiting fail now, not at the
+            gc.collect()        # stream's timeout (gloo's abort and shutdown leave them waiting)
+            raise WeightStreamError(failed)
         return {"seconds": stats.seconds, "bytes": float(stats.bytes), "peak_bytes": float(stats.peak_transient_bytes)}

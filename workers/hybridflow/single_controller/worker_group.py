@@ -7,6 +7,7 @@ which is what lets the actor train and generate on the same devices (HybridFlow 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -375,19 +376,30 @@ class WorkerGroup:
     def replace(self, rank: int, timeout_s: float) -> str:
         """A new worker process for `rank` (its old one is gone), with every role built again, in the rank's
         bundle: Ray places it once the bundle has a node again (on Kubernetes, the pod the operator created in
-        place of the lost one). Returns how failures name the new rank. The other ranks are not touched."""
+        place of the lost one). Returns how failures name the new rank. The other ranks are not touched.
+
+        Ray may not know yet that the lost rank's node is dead (it takes missed heartbeats): a process placed there
+        dies with the node, and is placed again, until `timeout_s` runs out."""
         if not self.independent:
             raise RuntimeError(f"pool {self.pool.name}: its ranks form a torch.distributed world; a lost rank is "
                                "mended by rebuilding the whole group")
         ray.kill(self.hosts[rank], no_restart=True)  # what is left of it, if anything
-        host = self._host(rank)
-        try:
-            node = ray.get(host.node_address.remote(), timeout=timeout_s)
-            for role, spec in self._specs.items():
-                ray.get(host.build.remote(role, spec), timeout=timeout_s)
-        except BaseException:
-            ray.kill(host, no_restart=True)
-            raise
+        deadline = time.monotonic() + timeout_s
+        while True:
+            host = self._host(rank)
+            try:
+                node = ray.get(host.node_address.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                for role, spec in self._specs.items():
+                    ray.get(host.build.remote(role, spec), timeout=max(1.0, deadline - time.monotonic()))
+                break
+            except ray.exceptions.RayActorError:  # placed on the dying node: again, once Ray moved the bundle
+                ray.kill(host, no_restart=True)
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+            except BaseException:
+                ray.kill(host, no_restart=True)
+                raise
         self.hosts[rank] = host
         self.where[rank] = f"pool {self.pool.name} rank {rank} ({node})"
         return self.where[rank]

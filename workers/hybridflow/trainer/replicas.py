@@ -10,8 +10,8 @@ with none left the trainer waits on the queue; the actor is never rebuilt and no
 Only rollout mode async does this (sync and one_step_off wait on the very generation a lost replica was making:
 they recover as before, by rebuilding the workers and resuming from the last checkpoint), and only under
 runPolicy.restartPolicy failedPod. Replacements count against runPolicy.replacementLimit; past it, a loss fails
-the step as before. A replica lost in the middle of a weight sync breaks that sync, and the whole-group recovery
-mends it.
+the step as before. A replica lost in the middle of a weight sync breaks that sync for every replica; the sync is
+made again to the others (the actor's rank 0 closes the broken group, so they stop waiting at once).
 """
 from __future__ import annotations
 
@@ -96,20 +96,22 @@ class RolloutReplicas:
                 self._replace(rank, self.group.where[rank], str(err))
         return True
 
-    def check(self) -> None:
-        """Before a sync, with no generation in flight: a member that does not answer is lost (it died idle)."""
+    def check(self) -> list[int]:
+        """With no call of ours in flight (before a sync, or after one failed): a member that does not answer is
+        lost (it died idle, or during the sync). Returns the ranks lost."""
         members = self.members()
         if not self.replaceable or not members:
-            return
+            return []
         lost = [r for r, ok in zip(members, self.group.alive(members)) if not ok]
         if not lost:
-            return
+            return []
         with self._cond:
             if len(self.replacements) + len(lost) > self.limit:
                 raise RuntimeError(f"rollout replica(s) {lost} do not answer, past runPolicy.replacementLimit "
                                    f"{self.limit}")
             for rank in lost:
-                self._replace(rank, self.group.where[rank], "did not answer before a weight sync")
+                self._replace(rank, self.group.where[rank], "did not answer (between generations)")
+        return lost
 
     def _replace(self, rank: int, where: str, reason: str) -> None:
         """Holding the lock: `rank` leaves the replicas and is rebuilt in the background."""
@@ -130,8 +132,8 @@ class RolloutReplicas:
             event.built = self.group.replace(event.rank, self.build_timeout_s)
         except BaseException as e:  # noqa: BLE001 - handed to the producer, which raises it
             with self._cond:
-                self.error = RuntimeError(f"rollout replica {event.rank} could not be rebuilt within "
-                                          f"{self.build_timeout_s:.0f} s: {e}")
+                self.error = RuntimeError(f"rollout replica {event.rank} could not be rebuilt (the limit is "
+                                          f"{self.build_timeout_s:.0f} s): {e}")
                 self._cond.notify_all()
             return
         with self._cond:

@@ -9,6 +9,8 @@ generation (`WeightSync`: in memory beside the actor, or streamed to a rollout p
   step takes promptsPerStep groups once they are ready, dropping (and counting) those whose oldest token is more
   than maxStaleness versions behind the trainer. With partialRolloutTokens, generations advance a chunk per engine
   call, so new weights land between chunks and the rest of a response comes from them (each token tagged).
+  The producer calls only the replicas taking work: one that is lost is rebuilt alone while the others go on, and
+  what it was generating is generated again (trainer.replicas).
 
 Every generated batch carries `token_versions` (the policy version of each response token), which the step's
 staleness statistics, the metrics and the rollout log (trainer.rolloutLog) read.
@@ -86,13 +88,19 @@ class StreamedWeightSync:
         self.members = members
 
     def sync(self, version: int) -> dict[str, float]:
-        members = self.replicas.members()
-        if members != self.members:
-            self._form(members)
-        sending = self.actor.send_weights(version, self.dtype)
-        receiving = self.replicas.handle(members).sync_weights(version)
-        got = resolve(receiving)  # first: a receiver's error names the peer that did not answer
-        sent = resolve(sending)
+        while True:
+            members = self.replicas.members()
+            if members != self.members:
+                self._form(members)
+            sending = self.actor.send_weights(version, self.dtype)
+            receiving = self.replicas.handle(members).sync_weights(version)
+            try:
+                got = resolve(receiving)  # first: a receiver's error names the peer that did not answer
+                sent = resolve(sending)
+                break
+            except Exception:
+                if not self._replica_lost(sending, receiving):
+                    raise
         self.version = version
         stats = {"reshard_bytes": float(np.mean([x["bytes"] for x in got])),
                  "reshard_peak_bytes": float(max(x["peak_bytes"] for x in [*got, *sent])),
@@ -104,6 +112,19 @@ class StreamedWeightSync:
         if joined:
             stats["replica_recovery_seconds"] = max(e.joined_after or 0.0 for e in joined)
         return stats
+
+    def _replica_lost(self, sending: PendingResult, receiving: PendingResult) -> bool:
+        """A sync failed: whether it was for a replica lost during it (it leaves the replicas and is rebuilt; the
+        sync is made again to the others, over a group formed anew), once every rank's part of it has ended (the
+        sender closed the broken group, so receivers still waiting fail at once)."""
+        if not self.replicas.replaceable:
+            return False
+        refs = [*sending.refs, *receiving.refs]
+        ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s + 10, fetch_local=False)
+        if not self.replicas.check():
+            return False
+        self.members = []
+        return True
 
     def _admit(self, members: list[int]) -> list[Replacement]:
         """The rebuilt replicas among `members`, which just received the weights: each takes work once its engine
