@@ -571,7 +571,7 @@ def check_vllm_sync(c: Check, s: Session, args: argparse.Namespace) -> tuple[lis
     engine's weights are the trainer's: element-wise in the worker (embedding, cast to the engine's dtype), and the
     public checksums within that dtype's rounding."""
     from hybridflow.trainer import loop, setup
-    from hybridflow.trainer.rollouts import ColocatedWeightSync
+    from hybridflow.trainer.weight_sync import ColocatedWeightSync
 
     job, w, task = s.job, s.w, s.task
     actor, rollout = w.roles["actor"], w.roles["rollout"]
@@ -830,7 +830,7 @@ def post_wake_generation(rollout, task, job, resolve, unpack_responses, setup) -
 
 def run_megatron(args: argparse.Namespace) -> int:
     from hybridflow.trainer import loop, setup
-    from hybridflow.trainer.rollouts import ColocatedWeightSync
+    from hybridflow.trainer.weight_sync import ColocatedWeightSync
 
     out = out_dir(args)
     c = Check("megatron", out)

@@ -4,8 +4,8 @@ pod looks to the controller) once step 2 is logged. Training goes on: fit() runs
 recovery (it would raise: no Recoveries is given), the trainer's process is the one it started with, every step
 runs once, every prompt group drawn is trained exactly once (what the lost replica was generating is generated again),
 the replacement takes work only after its weights were checked, and the job ends with both replicas holding the
-trainer's weights. Then a replica is lost during a weight sync: the sync reaches the other one, and the lost one is
-rebuilt and given the version it missed."""
+trainer's weights. Then a replica is lost during a weight sync: the sync reaches the other one; then that one too: the
+sync is kept for the rebuilt ones, which are given the version they missed."""
 from __future__ import annotations
 
 import collections
@@ -112,10 +112,15 @@ def test_a_lost_rollout_replica_is_replaced_while_training_goes_on(tmp_path, mod
         ray.kill(first, no_restart=True)
         stats = w.sync_weights(STEPS + 1)
         assert stats["rollout_policy_version"] == STEPS + 1 and w.replicas.working() == [1]
+        # and the other one too, before the first is back: no replica left, the sync is kept for the rebuilt ones
+        second = rollout_group.hosts[1]
+        ray.kill(second, no_restart=True)
+        assert w.sync_weights(STEPS + 2)["rollout_policy_version"] == STEPS + 2 and w.replicas.working() == []
         w.weights.settle()
-        assert rollout_group.hosts[0] is not first and w.replicas.working() == [0, 1]
-        assert rollout.policy_version() == [STEPS + 1, STEPS + 1]
-        assert rollout.weight_checksums() == [trainer, trainer]  # no update since: the same weights, version + 1
+        assert rollout_group.hosts[0] is not first and rollout_group.hosts[1] is not second
+        assert w.replicas.working() == [0, 1]
+        assert rollout.policy_version() == [STEPS + 2, STEPS + 2]
+        assert rollout.weight_checksums() == [trainer, trainer]  # no update since: the same weights, new versions
         assert trainer_group.hosts[0] is trainer_host
     finally:
         w.shutdown()

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from hybridflow.single_controller.batch import Batch
-from hybridflow.trainer.rollouts import ColocatedWeightSync, Rollouts
+from hybridflow.trainer.rollouts import Rollouts
+from hybridflow.trainer.weight_sync import ColocatedWeightSync
 from hybridflow.trainer.step import AlgorithmState, Step, generation_rows, stage_seconds
 from hybridflow.api import JobSpec
 

@@ -59,9 +59,8 @@ class RankFailure(RuntimeError):
     """A call's ranks that died, did not answer or failed with them, each named by `where` (pool, rank, node)."""
 
     def __init__(self, method: str, dead: Sequence[str], silent: Sequence[str], failed: Sequence[str],
-                 first: BaseException, lost: Sequence[int] = ()) -> None:
+                 first: BaseException) -> None:
         self.method, self.dead, self.silent, self.failed = method, list(dead), list(silent), list(failed)
-        self.lost = list(lost)  # the positions, among the call's ranks, of those that died or did not answer
         parts = [f"{', '.join(dead)} died" if dead else "",
                  f"{', '.join(silent)} did not answer" if silent else "",
                  f"{', '.join(failed)} failed with them" if failed else ""]
@@ -77,11 +76,10 @@ def rank_failure(method: str, refs: Sequence[ray.ObjectRef], where: Sequence[str
         return err
     done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=settle_s, fetch_local=False)
     finished = set(done)
-    dead, silent, failed, lost = [], [], [], []
-    for i, (ref, name) in enumerate(zip(refs, where)):
+    dead, silent, failed = [], [], []
+    for ref, name in zip(refs, where):
         if ref not in finished:
             silent.append(name)
-            lost.append(i)
             continue
         try:
             ray.get(ref, timeout=settle_s)
@@ -89,10 +87,8 @@ def rank_failure(method: str, refs: Sequence[ray.ObjectRef], where: Sequence[str
             kinds = list(causes(e))
             if any(isinstance(c, SILENT_TYPES) for c in kinds):
                 silent.append(name)
-                lost.append(i)
             elif any(isinstance(c, LOST_TYPES) for c in kinds):
                 dead.append(name)
-                lost.append(i)
             else:
                 failed.append(name)
-    return RankFailure(method, dead, silent, failed, err, lost)
+    return RankFailure(method, dead, silent, failed, err)

@@ -334,6 +334,7 @@ class WorkerGroup:
         self.independent = all(spec.independent for spec in roles.values())
         self._specs, self._env, self._process_env = dict(roles), env or {}, process_env
         self._placements: list[tuple[PlacementGroup, int]] = []
+        self._closed = False  # shut down: a replacement under way stops
         try:
             self._start(pool, roles, env or {}, process_env, collective_timeout_s)
         except BaseException:  # a worker lost while the group forms: nothing of it is left holding the devices
@@ -386,6 +387,8 @@ class WorkerGroup:
         ray.kill(self.hosts[rank], no_restart=True)  # what is left of it, if anything
         deadline = time.monotonic() + timeout_s
         while True:
+            if self._closed:
+                raise RuntimeError(f"pool {self.pool.name} was shut down while its rank {rank} was being replaced")
             host = self._host(rank)
             try:
                 node = ray.get(host.node_address.remote(), timeout=max(1.0, deadline - time.monotonic()))
@@ -400,6 +403,9 @@ class WorkerGroup:
             except BaseException:
                 ray.kill(host, no_restart=True)
                 raise
+        if self._closed:  # shut down while this one was built: it goes too
+            ray.kill(host, no_restart=True)
+            raise RuntimeError(f"pool {self.pool.name} was shut down while its rank {rank} was being replaced")
         self.hosts[rank] = host
         self.where[rank] = f"pool {self.pool.name} rank {rank} ({node})"
         return self.where[rank]
@@ -428,6 +434,7 @@ class WorkerGroup:
         return list(self._roles)
 
     def shutdown(self) -> None:
+        self._closed = True
         for h in self.hosts:
             ray.kill(h)
         self.hosts = []

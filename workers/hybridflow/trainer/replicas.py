@@ -2,15 +2,17 @@
 
 When a replica's process or pod is lost, the controller drops it from the replicas that take work, hands what it
 was generating back to the queue, and rebuilds it in the background (WorkerGroup.replace: on Kubernetes, in the
-pod the operator created in place of the lost one). The rebuilt replica joins the weight stream at the next sync
-(the stream's group is formed again over the replicas then present), its weights are checked against the
-trainer's, and only then does it take work. Training goes on meanwhile: the other replicas keep generating, and
-with none left the trainer waits on the queue; the actor is never rebuilt and no step runs twice.
+pod the operator created in place of the lost one). The rebuilt replica joins the weight stream at the next sync,
+or at once when the trainer is waiting for trajectories (the stream's group is formed again over the replicas then
+present); its engine's checksums are compared with the trainer's weights (vLLM and HF: the embedding), and only
+then does it take work. Training goes on meanwhile: the other replicas keep generating, and with none left the
+trainer waits on the queue; the actor is never rebuilt and no step runs twice.
 
 Only rollout mode async does this (sync and one_step_off wait on the very generation a lost replica was making:
 they recover as before, by rebuilding the workers and resuming from the last checkpoint), and only under
 runPolicy.restartPolicy failedPod. Replacements count against runPolicy.replacementLimit; past it, a loss fails
-the step as before. A replica lost in the middle of a weight sync breaks that sync for every replica; the sync is
+the step as before (counted per set of workers: the operator counts the pods it replaces against the same limit).
+A replica lost in the middle of a weight sync breaks that sync for every replica; the sync is
 made again to the others (the actor's rank 0 closes the broken group, so they stop waiting at once).
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from hybridflow.api.run_policy import RunPolicy
-from hybridflow.single_controller.failures import RankFailure
+from hybridflow.single_controller.failures import is_worker_loss
 from hybridflow.single_controller.worker_group import RoleHandle, WorkerGroup
 
 log = logging.getLogger("hybridflow.trainer.replicas")
@@ -81,24 +83,22 @@ class RolloutReplicas:
         """The rollout role on `ranks` (all of them: the role as built)."""
         return self.role if list(ranks) == list(range(self.size)) else self.role.on(ranks)
 
-    def lose(self, err: BaseException, ranks: Sequence[int]) -> bool:
-        """A call on `ranks` failed with `err`: whether its lost replicas are being replaced (the call can be made
-        again on the others), or the error stands (not a replica loss, not replaceable, or past the limit)."""
-        if not self.replaceable or not isinstance(err, RankFailure) or not err.lost or err.failed:
-            return False
-        lost = [ranks[i] for i in err.lost]
-        with self._cond:
-            if len(self.replacements) + len(lost) > self.limit:
-                log.warning("rollout replica(s) %s lost, past runPolicy.replacementLimit %d: the step fails",
-                            lost, self.limit)
-                return False
-            for rank in lost:
-                self._replace(rank, self.group.where[rank], str(err))
-        return True
+    def lost_in(self, err: BaseException, refs: Sequence[Any], timeout_s: float) -> list[int]:
+        """A call of ours failed with `err`: the replicas lost, which leave and are rebuilt (the call can be made
+        again on the others); none when the error stands (not a worker loss, not replaceable, past the limit).
+        The call's other ranks finish their part first (`refs`, at most `timeout_s`), so a replica still working
+        is never taken for a lost one."""
+        if not self.replaceable or not is_worker_loss(err):
+            return []
+        import ray
 
-    def check(self) -> list[int]:
-        """With no call of ours in flight (before a sync, or after one failed): a member that does not answer is
-        lost (it died idle, or during the sync). Returns the ranks lost."""
+        ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s, fetch_local=False)
+        return self.check(str(err))
+
+    def check(self, reason: str = "did not answer between generations") -> list[int]:
+        """With no call of ours in flight: a member that does not answer is lost (it died idle, or during a call
+        that failed), and is rebuilt. Returns the ranks lost; none past runPolicy.replacementLimit (the caller's
+        error then stands: the whole job recovers, or fails)."""
         members = self.members()
         if not self.replaceable or not members:
             return []
@@ -107,10 +107,11 @@ class RolloutReplicas:
             return []
         with self._cond:
             if len(self.replacements) + len(lost) > self.limit:
-                raise RuntimeError(f"rollout replica(s) {lost} do not answer, past runPolicy.replacementLimit "
-                                   f"{self.limit}")
+                log.warning("rollout replica(s) %s lost, past runPolicy.replacementLimit %d: not rebuilt alone",
+                            lost, self.limit)
+                return []
             for rank in lost:
-                self._replace(rank, self.group.where[rank], "did not answer (between generations)")
+                self._replace(rank, self.group.where[rank], reason)
         return lost
 
     def _replace(self, rank: int, where: str, reason: str) -> None:
@@ -131,9 +132,11 @@ class RolloutReplicas:
         try:
             event.built = self.group.replace(event.rank, self.build_timeout_s)
         except BaseException as e:  # noqa: BLE001 - handed to the producer, which raises it
+            error = RuntimeError(f"rollout replica {event.rank} could not be rebuilt (the limit is "
+                                 f"{self.build_timeout_s:.0f} s): {e}")
+            error.__cause__ = e  # a lost node stays a worker loss: the driver recovers the whole job in place
             with self._cond:
-                self.error = RuntimeError(f"rollout replica {event.rank} could not be rebuilt (the limit is "
-                                          f"{self.build_timeout_s:.0f} s): {e}")
+                self.error = error
                 self._cond.notify_all()
             return
         with self._cond:
@@ -184,6 +187,8 @@ class RolloutReplicas:
             t.join(max(0.0, deadline - time.monotonic()))
         if self.error is not None:
             raise self.error
+        if any(t.is_alive() for t in self._threads):
+            raise RuntimeError(f"rollout replicas still being rebuilt after {timeout_s:.0f} s")
 
     def stats(self) -> dict[str, Any]:
         with self._cond:

@@ -1,5 +1,5 @@
-"""Where a step's generations come from, one source per spec.rollout.mode, and how the trainer's new weights reach
-generation (`WeightSync`: in memory beside the actor, or streamed to a rollout pool of its own).
+"""Where a step's generations come from, one source per spec.rollout.mode (how the trainer's new weights reach
+generation: trainer.weight_sync).
 
 * sync: the program's generate runs when it is called; the weights follow every update (HybridFlow as published).
 * one_step_off: when a step's prompts are generated, the next step's are launched at once on the rollout pool, so
@@ -20,126 +20,21 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
-import ray
 
 from hybridflow.api import JobSpec
 from hybridflow.data.tasks import PromptStream
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.worker_group import PendingResult, resolve, wait_done
-from hybridflow.trainer.replicas import Replacement, RolloutReplicas
+from hybridflow.trainer.replicas import RolloutReplicas
+from hybridflow.trainer.weight_sync import WeightSync
 from hybridflow.trainer.trajectories import (
     Trajectory, oldest_versions, pack_trajectories, staleness, too_stale,
 )
 
 Shape = Callable[[Batch], Batch]  # a step's prompts -> the rows generation gets (responsesPerPrompt each, greedy flags)
-
-
-class WeightSync(Protocol):
-    version: int  # updates the trainer has made and generation holds (0: the initial weights)
-
-    def sync(self, version: int) -> dict[str, float]:
-        """The trainer's weights, as policy `version`, into every generation engine; the step's statistics."""
-
-    def settle(self) -> None:
-        """Every generation engine holds the trainer's latest weights (replicas rebuilt since the last sync take
-        them now): before an evaluation that uses them all."""
-
-
-class ColocatedWeightSync:
-    """The rollout role beside the actor takes the weights in memory through the bridge (3D-HybridEngine)."""
-
-    def __init__(self, rollout: Any) -> None:
-        self.rollout, self.version = rollout, 0
-
-    def sync(self, version: int) -> dict[str, float]:
-        per_rank = self.rollout.sync_weights(version)
-        self.version = version
-        return {"reshard_bytes": float(np.mean([x["bytes"] for x in per_rank])),
-                "reshard_peak_bytes": float(max(x["peak_bytes"] for x in per_rank)),
-                "generation_weight_bytes": float(max(x["generation_bytes"] for x in per_rank))}
-
-    def settle(self) -> None:
-        pass
-
-
-class StreamedWeightSync:
-    """The actor's rank 0 streams whole tensors, in the generation dtype, to every rollout replica over a group of
-    their own (engines.bridge.stream). The group is formed over the replicas present (trainer.replicas), and formed
-    again when that set changed since the last sync: a replica lost leaves it, a rebuilt one joins it, and the
-    rebuilt one's weights are checked against the trainer's before it takes work."""
-
-    def __init__(self, actor: Any, replicas: RolloutReplicas, timeout_s: float) -> None:
-        self.actor, self.replicas, self.rollout, self.version = actor, replicas, replicas.role, 0
-        self.timeout_s = timeout_s
-        self.dtype = self.rollout.generation_dtype_name()
-        self.members: list[int] = []
-        self._form(replicas.members())
-
-    def _form(self, members: list[int]) -> None:
-        t = self.timeout_s
-        host, port = self.actor.open_weight_stream(1 + len(members), t)
-        joining = [self.actor.join_weight_stream(members, t),
-                   self.replicas.handle(members).join_weight_stream(host, port, members, t)]
-        for pending in reversed(joining):
-            resolve(pending)
-        self.members = members
-
-    def sync(self, version: int) -> dict[str, float]:
-        while True:
-            members = self.replicas.members()
-            if members != self.members:
-                self._form(members)
-            sending = self.actor.send_weights(version, self.dtype)
-            receiving = self.replicas.handle(members).sync_weights(version)
-            try:
-                got = resolve(receiving)  # first: a receiver's error names the peer that did not answer
-                sent = resolve(sending)
-                break
-            except Exception:
-                if not self._replica_lost(sending, receiving):
-                    raise
-        self.version = version
-        stats = {"reshard_bytes": float(np.mean([x["bytes"] for x in got])),
-                 "reshard_peak_bytes": float(max(x["peak_bytes"] for x in [*got, *sent])),
-                 "generation_weight_bytes": float(max(x["generation_bytes"] for x in got)),
-                 "weight_sync_bytes": float(sum(x["bytes"] for x in got)),
-                 "weight_sync_seconds": float(max(x["seconds"] for x in [*got, *sent])),
-                 "rollout_policy_version": float(version)}
-        joined = self._admit(members)
-        if joined:
-            stats["replica_recovery_seconds"] = max(e.joined_after or 0.0 for e in joined)
-        return stats
-
-    def _replica_lost(self, sending: PendingResult, receiving: PendingResult) -> bool:
-        """A sync failed: whether it was for a replica lost during it (it leaves the replicas and is rebuilt; the
-        sync is made again to the others, over a group formed anew), once every rank's part of it has ended (the
-        sender closed the broken group, so receivers still waiting fail at once)."""
-        if not self.replicas.replaceable:
-            return False
-        refs = [*sending.refs, *receiving.refs]
-        ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s + 10, fetch_local=False)
-        if not self.replicas.check():
-            return False
-        self.members = []
-        return True
-
-    def _admit(self, members: list[int]) -> list[Replacement]:
-        """The rebuilt replicas among `members`, which just received the weights: each takes work once its engine
-        sums to the trainer's weights (cast to its dtype)."""
-        new = [r for r in members if r in self.replicas.joining_now()]
-        if not new:
-            return []
-        trainer = self.actor.weight_checksums_as(self.dtype)[0]
-        sums = self.replicas.handle(new).weight_checksums()
-        return self.replicas.joined({r: got == trainer for r, got in zip(new, sums)})
-
-    def settle(self) -> None:
-        self.replicas.settle(self.timeout_s + self.replicas.build_timeout_s)
-        if self.replicas.members() != self.members:  # the version they lack, over the group formed anew (its
-            self.sync(self.version)                  # sender and receivers start fresh: the same version is new)
 
 
 class Rollouts:
@@ -258,21 +153,27 @@ class AsyncRollouts(Rollouts):
 
     def next_prompts(self) -> Batch:
         t0 = time.perf_counter()
+        while (groups := self._take()) is None:  # short of a step: rebuilt replicas join now, not at the sync
+            self._between_calls(self.weights.admit)
+        waited = time.perf_counter() - t0
+        self.stats["trainer_wait_seconds"] = self.stats.get("trainer_wait_seconds", 0.0) + waited
+        self._taken = Batch.concat(groups)
+        self._taken.meta["generate_seconds"] = waited
+        return self._taken
+
+    def _take(self) -> list[Batch] | None:
+        """A step's groups once the queue has them; None after a while without (the trainer may act meanwhile)."""
         with self._cond:
-            while True:
+            for _ in range(10):
                 if self._error is not None:
                     raise RuntimeError(f"rollout generation failed: {self._error}") from self._error
                 self._drop_stale()
                 if len(self.ready) >= self.per_step:
                     groups = [self.ready.popleft() for _ in range(self.per_step)]
                     self._cond.notify_all()
-                    break
+                    return groups
                 self._cond.wait(0.5)
-        waited = time.perf_counter() - t0
-        self.stats["trainer_wait_seconds"] = self.stats.get("trainer_wait_seconds", 0.0) + waited
-        self._taken = Batch.concat(groups)
-        self._taken.meta["generate_seconds"] = waited
-        return self._taken
+        return None
 
     def generate(self, prompts: Batch, shape: Shape) -> Any:
         if prompts is not self._taken:
@@ -288,16 +189,24 @@ class AsyncRollouts(Rollouts):
     def sync(self) -> dict[str, float]:
         """Between two engine calls of the producer (it starts none while the trainer waits here), so the stream's
         timeout bounds the transfer alone and the new weights make the producer's next call."""
+        return self._between_calls(super().sync, waiting_counts=True)
+
+    def _between_calls(self, act: Callable[[], dict[str, float]], waiting_counts: bool = False) -> dict[str, float]:
+        """`act` (a weight sync) once the producer's engine call in flight has ended, none starting meanwhile."""
         t0 = time.perf_counter()
         with self._cond:
             self._syncing = True
             while self._calling and self._error is None:
                 self._cond.wait(0.5)
-        self.stats["trainer_wait_seconds"] = self.stats.get("trainer_wait_seconds", 0.0) + time.perf_counter() - t0
+        if waiting_counts:  # (next_prompts counts its own wait, this one included)
+            self.stats["trainer_wait_seconds"] = self.stats.get("trainer_wait_seconds", 0.0) + time.perf_counter() - t0
         try:
             if self.replicas is not None:  # one that died idle leaves the set before the stream is formed over it
                 self.replicas.check()
-            return super().sync()
+            out = act()
+            if "replica_recovery_seconds" in out:
+                self.stats["replica_recovery_seconds"] = out["replica_recovery_seconds"]
+            return out
         finally:
             with self._cond:
                 self._syncing = False
@@ -363,10 +272,9 @@ class AsyncRollouts(Rollouts):
             pending = launch(role, len(ranks))
             return resolve(pending)
         except Exception as err:
-            if self.replicas is None or not self.replicas.lose(err, ranks):
+            if self.replicas is None or pending is None or not self.replicas.lost_in(
+                    err, pending.refs, pending.timeout_s or self.spec.rollout.weight_sync_timeout_seconds):
                 raise
-            if pending is not None:  # the others finish their part first: they are idle when the trainer syncs
-                ray.wait(pending.refs, num_returns=len(pending.refs), timeout=pending.timeout_s, fetch_local=False)
             return None
         finally:
             with self._cond:
@@ -402,7 +310,8 @@ class AsyncRollouts(Rollouts):
         rows = self.shape(prompts)
         out = self._call(lambda role, k: role.generate(_padded_batch(rows, k)))
         if out is None:
-            self._hand_back(prompts)
+            if not self._stop.is_set():  # a replica was lost: they are generated again
+                self._hand_back(prompts)
             return
         out = out.index(slice(0, len(rows)))
         self._finished(out.chunk(len(prompts)), float(out.meta.get("generate_seconds", 0.0)))
@@ -453,7 +362,7 @@ def _padded_batch(rows: Batch, ranks: int) -> Batch:
     """`rows` with its first rows repeated up to a multiple of `ranks` (fewer replicas than the pool has: the
     prompts need not divide); the padding's output is cut off by the caller."""
     short = -len(rows) % ranks
-    return rows if not short else Batch.concat([rows, rows.index(slice(0, short))])
+    return rows if not short else Batch.concat([rows] * ranks).index(slice(0, len(rows) + short))
 
 
 # spec.rollout.mode -> its source (the schema lists the same names; tests/test_rollouts.py checks they agree)

@@ -17,7 +17,8 @@ from hybridflow.api.run_policy import collective_timeout
 from hybridflow.api.storage import is_url
 from hybridflow.single_controller.batch import Batch
 from hybridflow.trainer.replicas import REPLICA_BUILD_TIMEOUT_S, RolloutReplicas
-from hybridflow.trainer.rollouts import ROLLOUT_MODES, ColocatedWeightSync, Rollouts, StreamedWeightSync, WeightSync
+from hybridflow.trainer.rollouts import ROLLOUT_MODES, Rollouts
+from hybridflow.trainer.weight_sync import ColocatedWeightSync, StreamedWeightSync, WeightSync
 from hybridflow.trainer.step import Scorer, generation_rows
 from hybridflow.single_controller.allocator import worker_allocator_env
 from hybridflow.single_controller.worker_group import RayResourcePool, RoleSpec, WorkerGroup

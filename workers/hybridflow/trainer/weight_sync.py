@@ -1,0 +1,129 @@
+"""How the trainer's new weights reach generation, one `WeightSync` per placement: in memory beside the actor
+(`ColocatedWeightSync`, the 3D-HybridEngine), or streamed to a rollout pool of its own (`StreamedWeightSync`, over
+a group formed anew whenever its replicas change: trainer.replicas)."""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from hybridflow.single_controller.worker_group import PendingResult, resolve
+from hybridflow.trainer.replicas import Replacement, RolloutReplicas
+
+
+class WeightSync(Protocol):
+    version: int  # updates the trainer has made and generation holds (0: the initial weights)
+
+    def sync(self, version: int) -> dict[str, float]:
+        """The trainer's weights, as policy `version`, into every generation engine; the step's statistics."""
+
+    def settle(self) -> None:
+        """Every generation engine holds the trainer's latest weights (replicas rebuilt since the last sync take
+        them now): before an evaluation that uses them all."""
+
+    def admit(self) -> dict[str, float]:
+        """Replicas rebuilt since the last sync take the current weights now (and then work); their statistics."""
+
+
+class ColocatedWeightSync:
+    """The rollout role beside the actor takes the weights in memory through the bridge (3D-HybridEngine)."""
+
+    def __init__(self, rollout: Any) -> None:
+        self.rollout, self.version = rollout, 0
+
+    def sync(self, version: int) -> dict[str, float]:
+        per_rank = self.rollout.sync_weights(version)
+        self.version = version
+        return {"reshard_bytes": float(np.mean([x["bytes"] for x in per_rank])),
+                "reshard_peak_bytes": float(max(x["peak_bytes"] for x in per_rank)),
+                "generation_weight_bytes": float(max(x["generation_bytes"] for x in per_rank))}
+
+    def settle(self) -> None:
+        pass
+
+    def admit(self) -> dict[str, float]:
+        return {}  # beside the actor: nothing is rebuilt alone
+
+
+class StreamedWeightSync:
+    """The actor's rank 0 streams whole tensors, in the generation dtype, to every rollout replica over a group of
+    their own (engines.bridge.stream). The group is formed over the replicas present (trainer.replicas), and formed
+    again when that set changed since the last sync: a replica lost leaves it, a rebuilt one joins it, and the
+    rebuilt one's weights are checked against the trainer's before it takes work."""
+
+    def __init__(self, actor: Any, replicas: RolloutReplicas, timeout_s: float) -> None:
+        self.actor, self.replicas, self.rollout, self.version = actor, replicas, replicas.role, 0
+        self.timeout_s = timeout_s
+        self.dtype = self.rollout.generation_dtype_name()
+        self.members: list[int] = []
+        self._form(replicas.members())
+
+    def _form(self, members: list[int]) -> None:
+        t = self.timeout_s
+        host, port = self.actor.open_weight_stream(1 + len(members), t)
+        joining = [self.actor.join_weight_stream(members, t),
+                   self.replicas.handle(members).join_weight_stream(host, port, members, t)]
+        for pending in reversed(joining):
+            resolve(pending)
+        self.members = members
+
+    def sync(self, version: int) -> dict[str, float]:
+        while True:
+            members = self.replicas.members()
+            if not members:  # every replica lost: the rebuilt ones get this version when they join
+                self.version = version
+                return {"rollout_policy_version": float(version)}
+            calls: list[PendingResult] = []
+            try:
+                if members != self.members:
+                    self._form(members)
+                calls = [self.actor.send_weights(version, self.dtype),
+                         self.replicas.handle(members).sync_weights(version)]
+                got = resolve(calls[1])  # first: a receiver's error names the peer that did not answer
+                sent = resolve(calls[0])
+                break
+            except Exception as err:
+                if not self._replica_lost(err, calls):
+                    raise
+        self.version = version
+        stats = {"reshard_bytes": float(np.mean([x["bytes"] for x in got])),
+                 "reshard_peak_bytes": float(max(x["peak_bytes"] for x in [*got, *sent])),
+                 "generation_weight_bytes": float(max(x["generation_bytes"] for x in got)),
+                 "weight_sync_bytes": float(sum(x["bytes"] for x in got)),
+                 "weight_sync_seconds": float(max(x["seconds"] for x in [*got, *sent])),
+                 "rollout_policy_version": float(version)}
+        joined = self._admit(members)
+        if joined:
+            stats["replica_recovery_seconds"] = max(e.joined_after or 0.0 for e in joined)
+        return stats
+
+    def _replica_lost(self, err: BaseException, calls: list[PendingResult]) -> bool:
+        """A sync (or the forming of its group) failed: whether it was for a replica lost during it (it leaves the
+        replicas and is rebuilt; the sync is made again to the others, over a group formed anew), once every
+        rank's part of it has ended (the sender closed the broken group, so receivers still waiting fail at once)."""
+        refs = [ref for call in calls for ref in call.refs]
+        if not self.replicas.lost_in(err, refs, self.timeout_s + 10):
+            return False
+        self.members = []
+        return True
+
+    def admit(self) -> dict[str, float]:
+        """Rebuilt replicas take the current weights now, not at the next sync (the trainer waits for
+        trajectories and no generation is in flight: with no replica left working, none would come)."""
+        return self.sync(self.version) if self.replicas.joining_now() else {}
+
+    def _admit(self, members: list[int]) -> list[Replacement]:
+        """The rebuilt replicas among `members`, which just received the weights: each takes work once its engine
+        sums to the trainer's weights (cast to its dtype)."""
+        new = [r for r in members if r in self.replicas.joining_now()]
+        if not new:
+            return []
+        trainer = self.actor.weight_checksums_as(self.dtype)[0]
+        sums = self.replicas.handle(new).weight_checksums()
+        return self.replicas.joined({r: got == trainer for r, got in zip(new, sums)})
+
+    def settle(self) -> None:
+        self.replicas.check()  # one that died idle since the last sync is rebuilt too
+        self.replicas.settle(self.timeout_s + self.replicas.build_timeout_s)
+        if self.replicas.members() != self.members:  # the version they lack, over the group formed anew (its
+            self.sync(self.version)                  # sender and receivers start fresh: the same version is new)
