@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import ray
+
 from hybridflow.api.run_policy import RunPolicy
 from hybridflow.single_controller.failures import is_worker_loss
 from hybridflow.single_controller.worker_group import RoleHandle, WorkerGroup
@@ -39,7 +41,6 @@ class Replacement:
     """One lost replica and its replacement: who, why, and how long until it took work again."""
 
     rank: int
-    lost: str  # how the failure named it (pool, rank, node)
     reason: str
     lost_at: float  # perf_counter
     built: str = ""  # how the new replica is named (its node) once built
@@ -90,8 +91,6 @@ class RolloutReplicas:
         is never taken for a lost one."""
         if not self.replaceable or not is_worker_loss(err):
             return []
-        import ray
-
         ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s, fetch_local=False)
         return self.check(str(err))
 
@@ -111,16 +110,16 @@ class RolloutReplicas:
                             lost, self.limit)
                 return []
             for rank in lost:
-                self._replace(rank, self.group.where[rank], reason)
+                self._replace(rank, reason)
         return lost
 
-    def _replace(self, rank: int, where: str, reason: str) -> None:
+    def _replace(self, rank: int, reason: str) -> None:
         """Holding the lock: `rank` leaves the replicas and is rebuilt in the background."""
         if rank in self.live:
             self.live.remove(rank)
         if rank in self.joining:
             self.joining.remove(rank)
-        event = Replacement(rank, where, reason.splitlines()[0][:300], time.perf_counter())
+        event = Replacement(rank, reason.splitlines()[0][:300], time.perf_counter())
         self.replacements.append(event)
         log.warning("rollout replica %d lost (%s): rebuilding it while the other replicas (%s) go on",
                     rank, event.reason, self.live or "none")
@@ -167,18 +166,14 @@ class RolloutReplicas:
             log.warning("rollout replica %d takes work again, %.1f s after it was lost", e.rank, e.joined_after)
         return done
 
-    def wait_working(self, stop: threading.Event) -> list[int]:
-        """The replicas taking work, waiting while there are none (all lost: the next sync lets rebuilt ones in)."""
+    def wait_working(self, stop: threading.Event) -> None:
+        """Until a replica takes work (all lost: the trainer admits rebuilt ones while it waits for trajectories,
+        or at its next sync), a rebuild failed (raised here) or `stop` is set."""
         with self._cond:
             while not self.live and self.error is None and not stop.is_set():
                 self._cond.wait(0.5)
             if self.error is not None:
                 raise self.error
-            return list(self.live)
-
-    def rebuilding(self) -> bool:
-        with self._cond:
-            return len(self.live) + len(self.joining) < self.size
 
     def settle(self, timeout_s: float) -> None:
         """Until every rebuild started has ended (a job ending waits for them: its evaluation uses every replica)."""

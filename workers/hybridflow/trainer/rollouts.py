@@ -361,8 +361,7 @@ def _padded(rows: list[Any], ranks: int) -> list[Any]:
 def _padded_batch(rows: Batch, ranks: int) -> Batch:
     """`rows` with its first rows repeated up to a multiple of `ranks` (fewer replicas than the pool has: the
     prompts need not divide); the padding's output is cut off by the caller."""
-    short = -len(rows) % ranks
-    return rows if not short else Batch.concat([rows] * ranks).index(slice(0, len(rows) + short))
+    return rows if not len(rows) % ranks else rows.index(np.array(_padded(list(range(len(rows))), ranks)))
 
 
 # spec.rollout.mode -> its source (the schema lists the same names; tests/test_rollouts.py checks they agree)

@@ -115,7 +115,8 @@ class StreamedWeightSync:
     def _admit(self, members: list[int]) -> list[Replacement]:
         """The rebuilt replicas among `members`, which just received the weights: each takes work once its engine
         sums to the trainer's weights (cast to its dtype)."""
-        new = [r for r in members if r in self.replicas.joining_now()]
+        joining = self.replicas.joining_now()
+        new = [r for r in members if r in joining]
         if not new:
             return []
         trainer = self.actor.weight_checksums_as(self.dtype)[0]
