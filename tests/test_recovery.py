@@ -15,6 +15,7 @@ import ray
 
 from hybridflow.api import RunPolicy
 from hybridflow.api.run_policy import STALL_FLOOR_SECONDS, collective_timeout, progress_deadline
+from hybridflow.engines.bridge.stream import WeightStreamBroken, WeightStreamError
 from hybridflow.single_controller.failures import RankFailure, is_worker_loss
 from hybridflow.trainer.recovery import Recoveries
 
@@ -42,7 +43,11 @@ def test_a_lost_worker_is_told_from_the_jobs_own_errors():
             raise ValueError("while reading results") from e
     except ValueError as chained:
         assert is_worker_loss(chained)
+    # a survivor of a weight stream whose peer is gone: its own error type says so (Ray carries no cause across)
+    assert is_worker_loss(_task_error(WeightStreamBroken(
+        "rollout rank 0: sender trainer rank 0 did not send bucket 0 of policy version 7: Connection closed by peer")))
     # the job's own failures are not retried by rebuilding workers
+    assert not is_worker_loss(_task_error(WeightStreamError("rollout rank 0: unknown dtype 'fp7' in a header")))
     assert not is_worker_loss(_task_error(ValueError("reward function returned a string")))
     assert not is_worker_loss(_task_error(RuntimeError("shape mismatch: timed out is not in here")))
     assert not is_worker_loss(RuntimeError("CUDA error: device-side assert triggered"))

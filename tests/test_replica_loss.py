@@ -108,16 +108,16 @@ def test_a_lost_rollout_replica_is_replaced_while_training_goes_on(tmp_path, mod
 
         # a replica lost during a sync: the sync goes to the other one, the lost one is rebuilt and takes the
         # version it missed before the job evaluates with it (settle); the trainer is the same process throughout
-        first = rollout_group.hosts[0]
+        first = rollout_group.hosts[1]
         ray.kill(first, no_restart=True)
         stats = w.sync_weights(STEPS + 1)
-        assert stats["rollout_policy_version"] == STEPS + 1 and w.replicas.working() == [1]
+        assert stats["rollout_policy_version"] == STEPS + 1 and w.replicas.working() == [0]
         # and the other one too, before the first is back: no replica left, the sync is kept for the rebuilt ones
-        second = rollout_group.hosts[1]
+        second = rollout_group.hosts[0]
         ray.kill(second, no_restart=True)
         assert w.sync_weights(STEPS + 2)["rollout_policy_version"] == STEPS + 2 and w.replicas.working() == []
         w.weights.settle()
-        assert rollout_group.hosts[0] is not first and rollout_group.hosts[1] is not second
+        assert rollout_group.hosts[1] is not first and rollout_group.hosts[0] is not second
         assert w.replicas.working() == [0, 1]
         assert rollout.policy_version() == [STEPS + 2, STEPS + 2]
         assert rollout.weight_checksums() == [trainer, trainer]  # no update since: the same weights, new versions

@@ -297,6 +297,32 @@ def test_unwritable_checkpoint_dir_is_bad_input_before_anything_starts(tmp_path,
         assert "choose a directory you can write" in err and "job failed" not in err
 
 
+def test_a_failure_carrying_a_remote_traceback_still_names_itself_in_the_pods_termination_message(
+        tmp_path, capsys, monkeypatch):
+    """A job that fails with a Ray task's error (its message carries the remote traceback, tens of lines): the
+    error printed last is bounded, so the tail of the log a pod's termination message keeps (FallbackToLogsOnError:
+    the last 2048 bytes, 80 lines) holds the line that says the job failed and what failed at the bottom, and the
+    operator's reading of it (handlers.last_error) is not empty."""
+    import hybridflow.cli as cli
+    from hybridflow_operator.handlers import last_error
+
+    frames = [f'  File "/opt/venv/lib/python3.12/site-packages/hybridflow/roles/m{i}.py", line {i}, in call_{i}\n'
+              f"    return self.step_{i}(batch, version, deadline)" for i in range(40)]
+    remote = "\n".join(["rollout generation failed: ray::WorkerHost.execute() (pid=4242, ip=10.244.0.5)", *frames,
+                        "WeightStreamError: rollout rank 0: unknown dtype 'fp7' in a weight stream header"])
+
+    def failing_ray(*args, **kwargs):
+        raise RuntimeError(remote)
+
+    monkeypatch.setattr(cli, "start_local_ray", failing_ray)
+    assert main(["run", str(_write(tmp_path, {"trainer": {"checkpointDir": str(tmp_path / "run")}}))]) == 1
+    err = capsys.readouterr().err
+    tail = "\n".join(err.encode()[-2048:].decode(errors="ignore").splitlines()[-80:])
+    reported = last_error(tail)
+    assert reported.startswith("job failed: RuntimeError: rollout generation failed: ray::WorkerHost.execute()"), tail
+    assert "unknown dtype 'fp7'" in reported, reported
+
+
 def test_an_unwritable_data_cache_dir_is_bad_input(tmp_path, capsys):
     spec = _files_job(tmp_path, {"cacheDir": "/proc/hybridflow-cache"})
     assert main(["validate", str(_write(tmp_path, spec))]) == 2

@@ -106,7 +106,7 @@ def _stall(rank: int, group, ws, out: dict) -> None:
             ws.WeightReceiver(group, src=0, timeout_s=STALL_TIMEOUT_S).sync(lambda s: [t.clone() for _, t in s])
         out["stalled"] = "no error"
     except ws.WeightStreamError as e:
-        out["stalled"] = str(e)
+        out["stalled"], out["stalled_type"] = str(e), type(e).__name__
     out["stalled_s"] = time.monotonic() - t0
 
 
@@ -157,7 +157,7 @@ def _rank(rank: int, store: str, outdir: str) -> None:
         receiver.sync(lambda stream: [t.clone() for _, t in stream])
         out["killed"] = "no error"
     except ws.WeightStreamError as e:
-        out["killed"] = str(e)
+        out["killed"], out["killed_type"] = str(e), type(e).__name__
     out["killed_s"] = time.monotonic() - t0
     path.write_text(json.dumps(out))
     # out at once: tearing down gloo groups whose peer died can abort in gloo's own threads (SIGABRT, seen once in
@@ -246,6 +246,7 @@ def test_a_killed_sender_is_a_named_error_within_the_timeout(ranks):
         assert f"sender rank 0 did not send bucket {KILLED_AFTER_BUCKET + 1} of policy version {KILLED_VERSION}" \
             in got["killed"], got["killed"]
         assert got["killed"].startswith(f"rank {r}: "), got["killed"]
+        assert got["killed_type"] == "WeightStreamBroken", got  # a peer lost: the controller's worker loss
         assert got["killed_s"] < TIMEOUT_S + 27, got
 
 
@@ -258,6 +259,7 @@ def test_a_stalled_sender_is_a_named_error_after_the_timeout(ranks):
         assert got["stalled"].startswith(f"rank {r}: sender rank 0 did not send bucket 1 of policy version "
                                          f"{STALLED_VERSION} (stream timeout {STALL_TIMEOUT_S:g} s)"), got["stalled"]
         assert 0.9 * STALL_TIMEOUT_S <= got["stalled_s"] < STALL_TIMEOUT_S + 27, got
+        assert got["stalled_type"] == "WeightStreamBroken", got  # a peer that stopped: a worker loss too
     sender = ranks["reports"][0]
     assert sender["stalled"].startswith("rank 0: receiver"), sender["stalled"]
     assert f"policy version {STALLED_VERSION}" in sender["stalled"], sender["stalled"]

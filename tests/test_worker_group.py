@@ -1,5 +1,6 @@
 """WorkerGroups on a real local Ray: transfer protocols, futures passed between groups, colocation, torch.distributed."""
 import os
+import time
 
 import pytest
 import ray
@@ -8,6 +9,7 @@ import torch.distributed as dist
 
 from hybridflow.single_controller.allocator import worker_allocator_env
 from hybridflow.single_controller.batch import Batch
+from hybridflow.single_controller.failures import RankFailure, rank_failure
 from hybridflow.single_controller.protocol import Dispatch, DPRank, register
 from hybridflow.single_controller.worker_group import PendingResult, RayResourcePool, RoleSpec, WorkerGroup
 
@@ -186,3 +188,38 @@ def test_rollout_mesh_splits_wider_and_train_mesh_resplits(groups):
     assert gen.get()["generator"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     assert out["x"].tolist() == list(range(8))
     assert out["consumer"].tolist() == [0, 0, 0, 0, 2, 2, 2, 2]
+
+
+@ray.remote(num_cpus=0)
+class _Rank:
+    """One rank of a call, as far as failures go: its part fails with an error of its own, or waits."""
+
+    def fail(self):
+        raise RuntimeError("rank 0: the stream broke off")  # a plain error: no cause comes with it across Ray
+
+    def wait(self):
+        time.sleep(600)
+
+
+def test_a_call_is_a_worker_loss_when_a_later_rank_died_though_an_earlier_one_failed_first(pools):
+    """Ray raises a call's errors in rank order, so a survivor's own error (its part could not finish without the
+    lost rank) may be the one raised, before the lost rank's death is even known (a lost pod: its node's heartbeats
+    must run out first). The call is still a worker loss that names both; a job's own error, the other ranks still
+    busy, stays what it was (a busy rank is not taken for a silent one)."""
+    survivor, lost, busy = _Rank.remote(), _Rank.remote(), _Rank.remote()
+    try:
+        refs = [survivor.fail.remote(), lost.wait.remote()]
+        with pytest.raises(RuntimeError) as first:
+            ray.get(refs[0])
+        ray.kill(lost, no_restart=True)
+        failure = rank_failure("rollout.sync_weights", refs, ["rank 0", "rank 1"], first.value, settle_s=30)
+        assert isinstance(failure, RankFailure), failure
+        assert (failure.dead, failure.silent, failure.failed) == (["rank 1"], [], ["rank 0"]), str(failure)
+
+        refs = [survivor.fail.remote(), busy.wait.remote()]
+        with pytest.raises(RuntimeError) as own:
+            ray.get(refs[0])
+        assert rank_failure("actor.update_actor", refs, ["rank 0", "rank 1"], own.value, settle_s=1) is own.value
+    finally:
+        for a in (survivor, lost, busy):
+            ray.kill(a, no_restart=True)

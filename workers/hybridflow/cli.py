@@ -335,9 +335,27 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as err:  # noqa: BLE001 - the one place that turns any failure into an exit code
         log.debug("failure", exc_info=True)
-        print(f"error: job failed: {type(err).__name__}: {err}\n(rerun with -v for the traceback; checkpoints in "
-              f"spec.trainer.checkpointDir are kept)", file=sys.stderr)
+        print(f"error: job failed: {type(err).__name__}: {bounded_message(err)}\n(rerun with -v for the whole "
+              f"error and its traceback; checkpoints in spec.trainer.checkpointDir are kept)", file=sys.stderr)
         return EXIT_FAILED
+
+
+def bounded_message(err: BaseException, max_lines: int = 12, max_chars: int = 1500) -> str:
+    """`err`'s message, whole when it is short; else its first line and as many of its last lines as fit. A pod's
+    termination message is its log's last 2 KiB: an error carrying a remote traceback (a Ray task's) would push
+    out the line that says the job failed, and the operator would report nothing; the bottom of a traceback
+    names what failed."""
+    lines = [ln.rstrip() for ln in str(err).strip().splitlines() if ln.strip()] or [type(err).__name__]
+    if len(lines) <= max_lines and sum(len(ln) + 1 for ln in lines) <= max_chars:
+        return "\n".join(lines)
+    head, tail = lines[0][:300], []
+    budget = max_chars - len(head) - 4
+    for ln in reversed(lines[1:]):
+        if len(tail) == max_lines - 2 or len(ln) + 1 > budget:
+            break
+        tail.insert(0, ln)
+        budget -= len(ln) + 1
+    return "\n".join([head, "...", *(tail or [lines[-1][:budget]])])
 
 
 if __name__ == "__main__":

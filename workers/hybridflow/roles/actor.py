@@ -209,15 +209,15 @@ class WeightSending:
                 pass
             return {"seconds": time.perf_counter() - t0, "bytes": 0.0, "peak_bytes": 0.0}
         assert self.sender is not None, "join the stream first"
-        failed = None
+        failed: tuple[type[WeightStreamError], str] | None = None
         try:
             stats = self.sender.send(version, whole)
         except WeightStreamError as e:
-            failed = str(e)
+            failed = (type(e), str(e))  # its kind kept: a broken stream is a worker loss (Broken), the rest not
         if failed is not None:  # out of the except block: nothing holds the broken group any more but the sender
             for _ in whole:  # the other ranks' gathers run to the end: the actor's own world stays usable
                 pass
             self.sender = None  # its group closes its connections: receivers still waiting fail now, not at the
             gc.collect()        # stream's timeout (gloo's abort and shutdown leave them waiting)
-            raise WeightStreamError(failed)
+            raise failed[0](failed[1])
         return {"seconds": stats.seconds, "bytes": float(stats.bytes), "peak_bytes": float(stats.peak_transient_bytes)}

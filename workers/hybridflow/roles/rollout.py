@@ -214,7 +214,7 @@ class PooledRolloutWorker:
         try:
             stats = self.receiver.sync(self.generator.load_weights)
         except WeightStreamError as e:  # the stream's group is unusable now: the job fails (a restart rebuilds it)
-            raise WeightStreamError(f"{e} [waiting for policy version {version}]") from e
+            raise type(e)(f"{e} [waiting for policy version {version}]") from e
         if stats.version != version:
             raise WeightStreamError(f"rollout rank {self.ctx.rank}: received policy version {stats.version}, the "
                                     f"controller announced {version}")

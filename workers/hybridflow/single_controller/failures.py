@@ -39,10 +39,16 @@ def causes(err: BaseException) -> Iterator[BaseException]:
         todo += [c for c in (getattr(e, "cause", None), e.__cause__, e.__context__) if isinstance(c, BaseException)]
 
 
+class PeerLost(RuntimeError):
+    """A collective of our own broke off because a peer is gone or stopped answering: what a survivor of a worker
+    loss sees (engines.bridge.stream raises it). A type of its own because Ray carries a remote exception's type
+    and message to the controller, not its cause: the gloo error underneath does not arrive."""
+
+
 def is_worker_loss(err: BaseException) -> bool:
     """Whether `err` says a worker process or its node is gone, or that a collective broke with one that is."""
     for e in causes(err):
-        if isinstance(e, (*LOST_TYPES, *SILENT_TYPES, RankFailure)):
+        if isinstance(e, (*LOST_TYPES, *SILENT_TYPES, RankFailure, PeerLost)):
             return True
         if _distributed_error(e) and any(p in str(e).lower() for p in PEER_LOST):
             return True
@@ -64,19 +70,21 @@ class RankFailure(RuntimeError):
         parts = [f"{', '.join(dead)} died" if dead else "",
                  f"{', '.join(silent)} did not answer" if silent else "",
                  f"{', '.join(failed)} failed with them" if failed else ""]
-        detail = str(first).strip().splitlines()[0][:300] if str(first).strip() else type(first).__name__
+        said = getattr(first, "cause", None) or first  # a worker's own error, not Ray's line naming the task
+        detail = str(said).strip().splitlines()[0][:500] if str(said).strip() else type(said).__name__
         super().__init__(f"{method}: {'; '.join(p for p in parts if p)} ({detail})")
 
 
 def rank_failure(method: str, refs: Sequence[ray.ObjectRef], where: Sequence[str], err: BaseException,
                  settle_s: float = SETTLE_SECONDS) -> BaseException:
     """The error to raise for a failed call of `refs` (one per rank, `where` naming each): a RankFailure when a
-    worker was lost, `err` itself otherwise."""
-    if not is_worker_loss(err):
-        return err
+    worker was lost, `err` itself otherwise. Ray raises the first failed rank's error in the call's order, which
+    may be a survivor's own error (its part could not finish without the lost rank): the call is a worker loss
+    too when another of its ranks has failed as lost within `settle_s`."""
     done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=settle_s, fetch_local=False)
     finished = set(done)
     dead, silent, failed = [], [], []
+    lost = is_worker_loss(err)  # else ranks still busy are not taken for silent ones: only a rank seen lost counts
     for ref, name in zip(refs, where):
         if ref not in finished:
             silent.append(name)
@@ -91,4 +99,8 @@ def rank_failure(method: str, refs: Sequence[ray.ObjectRef], where: Sequence[str
                 dead.append(name)
             else:
                 failed.append(name)
+                continue
+            lost = True
+    if not lost:
+        return err
     return RankFailure(method, dead, silent, failed, err)

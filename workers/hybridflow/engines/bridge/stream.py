@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.engines.bridge.reshard import BUCKET_BYTES, byte_buckets, flat_input, tensor_bytes, views_of
+from hybridflow.single_controller.failures import PeerLost
 
 STREAM_TIMEOUT_S = 60.0
 """Default bound, in seconds, on any one wait of a stream: a bucket's broadcast (which includes the sender
@@ -57,6 +58,11 @@ _PREFIX = "hybridflow/weight-stream"
 class WeightStreamError(RuntimeError):
     """A weight stream that stalled, broke or did not carry what its sender meant. The message names this rank,
     the peer, the policy version and the bucket, so the log says who to look at."""
+
+
+class WeightStreamBroken(WeightStreamError, PeerLost):
+    """The stream's group broke off or timed out waiting: a peer is gone or stopped (the controller takes it for a
+    worker loss, single_controller.failures), not a stream that carried the wrong thing."""
 
 
 @dataclass
@@ -142,12 +148,12 @@ class _Bounded:
 
     def _bounded(self, start: Callable[[], dist.Work], what: Callable[[], str]) -> None:
         """Start one operation and wait for it at most the timeout; a timeout or a lost peer (gloo and NCCL raise
-        RuntimeError, DistBackendError, for both, at the start or at the wait) becomes a WeightStreamError that
+        RuntimeError, DistBackendError, for both, at the start or at the wait) becomes a WeightStreamBroken that
         says `what` did not happen."""
         try:
             start().wait(timeout=self.timeout)
         except RuntimeError as e:
-            raise WeightStreamError(f"{self.peers[self.rank]}: {what()} (stream timeout "
+            raise WeightStreamBroken(f"{self.peers[self.rank]}: {what()} (stream timeout "
                                     f"{self.timeout.total_seconds():g} s): {str(e).strip().splitlines()[0]}") from e
 
     def _broadcast(self, t: torch.Tensor, what: Callable[[], str]) -> None:
