@@ -213,7 +213,7 @@ class WeightSending:
         try:
             stats = self.sender.send(version, whole)
         except WeightStreamError as e:
-            failed = (type(e), str(e))  # its kind kept: a broken stream is a worker loss (Broken), the rest not
+            failed = (type(e), str(e))  # its kind kept: WeightStreamBroken is a worker loss, the others not
         if failed is not None:  # out of the except block: nothing holds the broken group any more but the sender
             for _ in whole:  # the other ranks' gathers run to the end: the actor's own world stays usable
                 pass

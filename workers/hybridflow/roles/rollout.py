@@ -213,7 +213,7 @@ class PooledRolloutWorker:
             raise RuntimeError("sync_weights before join_weight_stream")
         try:
             stats = self.receiver.sync(self.generator.load_weights)
-        except WeightStreamError as e:  # the stream's group is unusable now: the job fails (a restart rebuilds it)
+        except WeightStreamError as e:  # the group is unusable now: the controller forms a new one, or recovers
             raise type(e)(f"{e} [waiting for policy version {version}]") from e
         if stats.version != version:
             raise WeightStreamError(f"rollout rank {self.ctx.rank}: received policy version {stats.version}, the "

@@ -153,8 +153,9 @@ class _Bounded:
         try:
             start().wait(timeout=self.timeout)
         except RuntimeError as e:
+            cause = str(e).strip().splitlines()[0]
             raise WeightStreamBroken(f"{self.peers[self.rank]}: {what()} (stream timeout "
-                                    f"{self.timeout.total_seconds():g} s): {str(e).strip().splitlines()[0]}") from e
+                                     f"{self.timeout.total_seconds():g} s): {cause}") from e
 
     def _broadcast(self, t: torch.Tensor, what: Callable[[], str]) -> None:
         opts = dist.BroadcastOptions()
