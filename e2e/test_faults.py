@@ -59,12 +59,19 @@ def _uids(world, name: str) -> dict[str, str]:
     return {p.metadata.name: p.metadata.uid for p in world.kube.pods(name) if not p.metadata.deletion_timestamp}
 
 
-def _next_step_after(world, name: str, t: float, recovered_in_place: bool = False) -> float:
-    """Seconds from `t` (a kill) to the first step the job logged after it, from the step log's wall times. In place,
-    the first step after the recovery is the one that carries `recovery_seconds`: a step already in flight when the
-    pod died may be logged just after the kill, before anything noticed it."""
+def _next_step_after(world, name: str, t: float, recovered_in_place: bool = False, new_head: str = "") -> float:
+    """Seconds from `t` (a kill) to the first step the job logged after it, from the step log's wall times. A step
+    already in flight when the pod died may be logged just after the kill, before anything noticed it: in place,
+    the first step after the recovery is the one that carries `recovery_seconds`; after a gang restart, the first
+    one logged once `new_head` (the new generation's head pod) was created."""
     def logged() -> float | None:
-        later = [r["time"] for r in world.step_records(name) if r.get("time", 0) > t
+        since = t
+        if new_head:
+            pod = next((p for p in world.kube.pods(name) if p.metadata.name == new_head), None)
+            if pod is None:
+                return None
+            since = max(t, pod.metadata.creation_timestamp.timestamp())
+        later = [r["time"] for r in world.step_records(name) if r.get("time", 0) > since
                  and (not recovered_in_place or "recovery_seconds" in r)]
         return min(later) - t if later else None
     return wait_for(logged, 300, "a step logged after the kill")
@@ -148,7 +155,8 @@ def test_an_eviction_does_not_use_the_backoff_limit_and_exhausting_it_fails_the_
             killed = time.time()
         fault(pod)
         if gen == 0:
-            RECOVERY_SECONDS["gang (every pod restarted)"] = _next_step_after(world, name, killed)
+            RECOVERY_SECONDS["gang (every pod restarted)"] = _next_step_after(world, name, killed,
+                                                                              new_head=f"{name}-head-g1")
         if gen < 2:
             wait_for(lambda: phase(world, name) == "Running" and world.kube.status(name).get("restarts") == gen + 1,
                      300, f"generation {gen + 1} running; {world.kube.status(name)}")
