@@ -95,12 +95,10 @@ def rank_failure(method: str, refs: Sequence[ray.ObjectRef], where: Sequence[str
             kinds = list(causes(e))
             if any(isinstance(c, SILENT_TYPES) for c in kinds):
                 silent.append(name)
+                lost = True
             elif any(isinstance(c, LOST_TYPES) for c in kinds):
                 dead.append(name)
+                lost = True
             else:
                 failed.append(name)
-                continue
-            lost = True
-    if not lost:
-        return err
-    return RankFailure(method, dead, silent, failed, err)
+    return RankFailure(method, dead, silent, failed, err) if lost else err
