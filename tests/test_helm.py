@@ -147,6 +147,29 @@ def test_chart_crd_is_the_generated_crd():
     assert crd == yaml.safe_load((ROOT / "crds" / "rlhfjob.yaml").read_text())
 
 
+def test_every_shipped_panel_fits_the_grid_and_queries_its_expressions():
+    """The JSON Grafana loads (built by the foundation SDK): panels inside 24 columns, none overlapping another,
+    each querying exactly its panel's PromQL in order on the picked Prometheus, stacked where asked."""
+    for d in DASHBOARDS:
+        shipped = json.loads((CHART / "files" / "dashboards" / f"{d.uid}.json").read_text())
+        cells = set()
+        assert [p["title"] for p in shipped["panels"]] == [p.title for p in d.panels]
+        for panel, want in zip(shipped["panels"], d.panels):
+            g = panel["gridPos"]
+            assert g["w"] == want.width and 0 <= g["x"] and g["x"] + g["w"] <= 24, (d.uid, panel["title"], g)
+            mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+            assert not cells & mine, (d.uid, panel["title"], "overlaps a panel before it")
+            cells |= mine
+            assert [t["expr"] for t in panel["targets"]] == list(want.exprs), (d.uid, panel["title"])
+            assert {t["datasource"]["uid"] for t in panel["targets"]} == {"${datasource}"}
+            assert panel["type"] == want.kind and panel["fieldConfig"]["defaults"]["unit"] == want.unit
+            if want.kind == "timeseries":
+                stacking = panel["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"]
+                assert stacking == ("normal" if want.stacked else "none"), (d.uid, panel["title"])
+        names = [v["name"] for v in shipped["templating"]["list"]]
+        assert names == ["datasource", *d.variables], (d.uid, names)
+
+
 def test_dashboards_in_the_chart_are_the_generated_ones():
     for d in DASHBOARDS:
         shipped = json.loads((CHART / "files" / "dashboards" / f"{d.uid}.json").read_text())

@@ -1,5 +1,6 @@
 """Grafana dashboards as data: each panel is a title, a unit and PromQL. `hybridflow dashboards` writes the JSON the
-Helm chart ships (Grafana's sidecar loads it); a test runs every expression against a real Prometheus.
+Helm chart ships (Grafana's sidecar loads it), built with Grafana's foundation SDK; a test runs every expression of
+the shipped JSON against a real Prometheus.
 
 Template variables: $namespace and $rlhfjob select a job; $peak_flops_per_device is the accelerator's peak
 (bf16 dense FLOP/s, default: H100 SXM) for the MFU estimate.
@@ -179,49 +180,67 @@ AGENTS = Dashboard(
 DASHBOARDS = (JOB_OVERVIEW, OPERATOR, AGENTS)
 
 
-def _variable(name: str) -> dict[str, Any]:
+PROMETHEUS = ("prometheus", "${datasource}")  # every panel's and query variable's data source: the one picked
+
+
+def _variable(name: str) -> Any:
+    """A template variable, built with Grafana's foundation SDK."""
+    from grafana_foundation_sdk.builders import dashboard as db
+    from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableOption, VariableRefresh
+
     if name == "peak_flops_per_device":
-        return {"name": name, "type": "constant", "query": "989e12", "hide": 2,
-                "label": "Peak FLOP/s per device"}
+        return db.ConstantVariable(name).label("Peak FLOP/s per device").value("989e12")
     if name == "namespace":
         query = "label_values(hybridflow_step, namespace)"
     else:
         query = 'label_values(hybridflow_step{namespace=~"$namespace"}, rlhfjob)'
-    return {"name": name, "type": "query", "datasource": {"type": "prometheus", "uid": "${datasource}"},
-            "query": {"query": query, "refId": "vars"}, "refresh": 2, "includeAll": True, "multi": True,
-            "allValue": ".*", "current": {"text": "All", "value": "$__all"}}
+    return (db.QueryVariable(name).datasource(DataSourceRef(*PROMETHEUS)).query({"query": query, "refId": "vars"})
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).include_all(True).multi(True).all_value(".*")
+            .current(VariableOption(text="All", value="$__all")))
+
+
+def _panel(i: int, p: Panel, x: int, y: int, h: int) -> Any:
+    """One panel at (x, y): stat or timeseries, its PromQL targets A, B, ... on the picked data source."""
+    from grafana_foundation_sdk.builders import common, prometheus, stat, timeseries
+    from grafana_foundation_sdk.models.common import StackingMode
+    from grafana_foundation_sdk.models.dashboard import DataSourceRef, GridPos
+
+    panel = stat.Panel() if p.kind == "stat" else timeseries.Panel()
+    panel.id(i + 1).title(p.title).description(p.description).unit(p.unit).datasource(DataSourceRef(*PROMETHEUS))
+    panel.grid_pos(GridPos(h=h, w=p.width, x=x, y=y))
+    for j, e in enumerate(p.exprs):
+        panel.with_target(prometheus.Dataquery().expr(e).legend_format(p.legend or "__auto").ref_id(chr(65 + j))
+                          .datasource(DataSourceRef(*PROMETHEUS)))
+    if isinstance(panel, timeseries.Panel):
+        panel.fill_opacity(30 if p.stacked else 0).stacking(
+            common.StackingConfig().mode(StackingMode.NORMAL if p.stacked else StackingMode.NONE).group("A"))
+    return panel
 
 
 def render(d: Dashboard) -> dict[str, Any]:
-    """Grafana dashboard JSON (schemaVersion 39)."""
-    panels, x, y, row_h = [], 0, 0, 0
+    """Grafana dashboard JSON, built with Grafana's foundation SDK (grafana-foundation-sdk, the schema of Grafana
+    11.6). Panels flow left to right in rows of 24 columns; a panel that does not fit starts the next row (the
+    SDK's own layout would let it overflow)."""
+    try:
+        from grafana_foundation_sdk.builders import dashboard as db
+        from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    except ImportError as e:
+        raise ImportError("the dashboards are built with Grafana's foundation SDK: pip install -c constraints/cpu.txt "
+                          "grafana-foundation-sdk (make install does)") from e
+
+    out = (db.Dashboard(d.title).uid(d.uid).tags(list(d.tags)).editable().refresh("30s").time("now-6h", "now")
+           .with_variable(db.DatasourceVariable("datasource").label("Prometheus").type("prometheus")))
+    for v in d.variables:
+        out.with_variable(_variable(v))
+    x = y = row_h = 0
     for i, p in enumerate(d.panels):
         h = 4 if p.kind == "stat" else 8
         if x + p.width > 24:
-            x, y = 0, y + row_h
-            row_h = 0
-        targets = [{"datasource": {"type": "prometheus", "uid": "${datasource}"}, "expr": e,
-                    "legendFormat": p.legend or "__auto", "refId": chr(65 + j)} for j, e in enumerate(p.exprs)]
-        custom: dict[str, Any] = {}
-        if p.kind == "timeseries":
-            custom = {"drawStyle": "line", "fillOpacity": 30 if p.stacked else 0,
-                      "stacking": {"mode": "normal" if p.stacked else "none", "group": "A"}}
-        panels.append({
-            "id": i + 1, "type": p.kind, "title": p.title, "description": p.description,
-            "datasource": {"type": "prometheus", "uid": "${datasource}"},
-            "gridPos": {"x": x, "y": y, "w": p.width, "h": h},
-            "fieldConfig": {"defaults": {"unit": p.unit, "custom": custom}, "overrides": []},
-            "options": {}, "targets": targets,
-        })
+            x, y, row_h = 0, y + row_h, 0
+        out.with_panel(_panel(i, p, x, y, h))
         x += p.width
         row_h = max(row_h, h)
-    ds_var = {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Prometheus"}
-    return {
-        "uid": d.uid, "title": d.title, "tags": list(d.tags), "schemaVersion": 39, "version": 1,
-        "editable": True, "refresh": "30s", "time": {"from": "now-6h", "to": "now"},
-        "templating": {"list": [ds_var] + [_variable(v) for v in d.variables]},
-        "panels": panels, "annotations": {"list": []},
-    }
+    return json.loads(json.dumps(out.build(), cls=JSONEncoder))
 
 
 def write_all(out_dir: Path) -> list[Path]:
