@@ -129,7 +129,8 @@ def test_kill_9_during_a_save_loses_nothing_sealed_and_repeats_no_step(tmp_path,
     steps = 6
     job = _variant(tmp_path, TINY, trainer__steps=steps, trainer__saveFreq=1, trainer__promptsPerStep=16,
                    trainer__asyncSave=True, trainer__checkpointDir=str(ckpt), data__evalPrompts=8,
-                   models__actor__tiny__hiddenSize=256, models__actor__tiny__numLayers=4, rollout__engine="vllm")
+                   models__actor__tiny__hiddenSize=256, models__actor__tiny__numLayers=4, rollout__engine="vllm",
+                   tracking__tensorboard=True)
     port = _free_port()
     # unbuffered: what it printed before the kill is in the file
     env = {**os.environ, "HYBRIDFLOW_MODEL_CACHE": str(model_cache), "PYTHONUNBUFFERED": "1"}
@@ -184,6 +185,29 @@ def test_kill_9_during_a_save_loses_nothing_sealed_and_repeats_no_step(tmp_path,
     assert not list(ckpt.glob(".step_*.tmp")), "the torn save is cleaned up"
     assert verify(ckpt / f"step_{steps:08d}") is None
     assert "held-out reward before" not in out.stdout  # a resumed job does not pretend to start over
+    before = float(re.search(r"held-out reward before training: ([0-9.]+)",
+                             (tmp_path / "killed-run.out").read_text()).group(1))
+    _check_one_tensorboard_run(ckpt, steps, before, summary["eval_after"])
+
+
+def _check_one_tensorboard_run(ckpt, steps, eval_before, eval_after):
+    """spec.tracking.tensorboard across the kill: one run in <checkpointDir>/tensorboard where every step has one
+    point, the resumed run's (the killed run's points of the steps done again are purged), under the Prometheus
+    names, equal to the step log; the held-out reward before training at step 0 and after it at the last step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(ckpt / "tensorboard"), size_guidance={"scalars": 0})
+    board.Reload()
+    points = {tag: [(e.step, e.value) for e in board.Scalars(tag)] for tag in board.Tags()["scalars"]}
+    assert points["hybridflow_step"] == [(s, float(s)) for s in range(1, steps + 1)], points["hybridflow_step"]
+    records = _steps(ckpt)
+    assert [s for s, _ in points["hybridflow_reward_mean"]] == list(range(1, steps + 1))
+    for (step, value), rec in zip(points["hybridflow_reward_mean"], records):
+        assert value == pytest.approx(rec["reward_mean"], rel=1e-6, abs=1e-7), (step, value, rec["reward_mean"])
+    assert {"hybridflow_throughput_tokens_per_second", "hybridflow_stage_duration_seconds/generate",
+            "hybridflow_grad_norm"} <= set(points), sorted(points)
+    assert points["hybridflow_eval_reward_mean/before"][0] == (0, pytest.approx(eval_before, abs=5e-4))  # printed
+    assert points["hybridflow_eval_reward_mean/after"][-1] == (steps, pytest.approx(eval_after))
 
 
 def test_smollm2_with_a_users_reward_function(tmp_path, run_here):

@@ -155,6 +155,10 @@ BAD = [
      "spec.models.cost.type is 'rule' but spec.models.cost.model is given"),
     ({"algorithm": {"name": "safe_rlhf"}, "models": {"cost": {"function": {"path": "c.py"}}}},
      "spec.models.cost.type: a cost is a rule or a model, got function"),  # inferred for a cost too
+    ({"tracking": {"tensorboard": True}, "trainer": {"checkpointDir": "s3://bucket/runs"}},
+     "spec.tracking.tensorboard: event files are written beside the checkpoints on a file system, and "
+     "spec.trainer.checkpointDir is object storage (s3://bucket/runs)"),
+    ({"tracking": {"wandb": True}}, "spec.tracking.wandb: unknown field"),
 ]
 
 
@@ -628,3 +632,11 @@ def test_every_algorithm_runs_in_every_mode_or_is_refused_saying_why(mode):
             refused[name] = str(e)
     assert all("spec.rollout.mode" in msg for msg in refused.values()), refused
     assert set(refused) == ({"remax"} if mode == "async" else set())
+
+
+def test_every_tracking_field_is_a_registered_tracker():
+    """spec.tracking's fields name TRACKERS' entries: a field without a tracker would be accepted and do nothing."""
+    from hybridflow.api.schema import Tracking
+    from hybridflow.trainer.tracking import TRACKERS
+
+    assert sorted(Tracking.model_fields) == TRACKERS.names()

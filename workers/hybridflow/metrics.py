@@ -79,6 +79,9 @@ STEP_GAUGES = {
 }
 
 
+EVAL_REWARD = "hybridflow_eval_reward_mean"  # labelled phase=before|after
+
+
 class JobMetrics:
     def __init__(self, job_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -108,7 +111,7 @@ class JobMetrics:
                                    registry=r)
         self.peak_memory = Gauge("hybridflow_peak_memory_bytes", "Peak memory of a role's processes (max over ranks).",
                                  [*lbl, "role"], registry=r)
-        self.eval_reward = Gauge("hybridflow_eval_reward_mean", "Mean reward on held-out prompts (greedy).",
+        self.eval_reward = Gauge(EVAL_REWARD, "Mean reward on held-out prompts (greedy).",
                                  [*lbl, "phase"], registry=r)
         self.checkpoint_step = Gauge("hybridflow_last_checkpoint_step", "Step of the newest checkpoint.", lbl,
                                      registry=r)
@@ -135,6 +138,19 @@ class JobMetrics:
         """Start the HTTP exporter; returns the bound port (useful with port 0 in tests)."""
         server, _ = start_http_server(port, addr=address, registry=self.registry)
         return server.server_port
+
+    def scalars(self) -> dict[str, float]:
+        """This job's series as the endpoint serves them now, one value each: what experiment trackers log, under
+        the same names (another label's value after a slash: hybridflow_stage_duration_seconds/generate).
+        Histograms give their _sum and _count, not their buckets."""
+        out = {}
+        for metric in self.registry.collect():
+            for sample in metric.samples:
+                labels = dict(sample.labels)
+                if labels.pop("rlhfjob", None) != self.job or sample.name.endswith(("_bucket", "_created")):
+                    continue
+                out["/".join([sample.name, *labels.values()])] = float(sample.value)
+        return out
 
     def record_step(self, rec: Mapping[str, float], stages: Mapping[str, float]) -> None:
         j = self.job

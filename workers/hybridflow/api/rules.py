@@ -18,6 +18,7 @@ from hybridflow.api.engines import (
 )
 from hybridflow.api.names import DATA_MOUNT, ROLES, reward_configmap_key
 from hybridflow.api.sources import REWARD_SOURCES, RewardSpec
+from hybridflow.api.storage import is_url
 from hybridflow.rewards.rules import RULES, TASK_DEFAULT_RULE
 from hybridflow.rewards.scorers import SCORERS
 
@@ -46,6 +47,10 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
     out = reward_source_problems("spec.models.reward", spec.models.reward)
     if spec.models.cost is not None:
         out += reward_source_problems("spec.models.cost", spec.models.cost)
+    if spec.tracking.tensorboard and is_url(spec.trainer.checkpoint_dir):
+        out.append(f"spec.tracking.tensorboard: event files are written beside the checkpoints on a file system, "
+                   f"and spec.trainer.checkpointDir is object storage ({spec.trainer.checkpoint_dir}); use a PVC or "
+                   f"a local checkpointDir, or turn tracking.tensorboard off")
     return out + _layout_and_pieces_problems(spec)
 
 

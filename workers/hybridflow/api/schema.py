@@ -298,6 +298,20 @@ class Metrics(SpecModel):
     )
 
 
+class Tracking(SpecModel):
+    """Experiment trackers the driver writes the job's metrics to, each a field named after its entry in
+    hybridflow.trainer.tracking.TRACKERS."""
+
+    tensorboard: bool = Field(
+        False, description="Write the job's metrics as TensorBoard event files to <checkpointDir>/tensorboard after "
+        "every step: the series the driver's Prometheus endpoint serves, under the same names (a label's value "
+        "after a slash: hybridflow_stage_duration_seconds/generate), at the step's number, and the held-out reward "
+        "before and after training. One run per job: a resumed or restarted job writes to the same directory and "
+        "the steps it does again replace their earlier points. Needs a checkpointDir on a file system (a PVC or a "
+        "local path), not object storage."
+    )
+
+
 class Kubernetes(SpecModel):
     """Pod-level settings of the job's head and pool pods."""
 
@@ -354,6 +368,7 @@ class JobSpec(SpecModel):
     )
     trainer: Trainer = Field(default_factory=Trainer, description="Loop, checkpoints, resume.")
     metrics: Metrics = Field(default_factory=Metrics, description="Prometheus exporter.")
+    tracking: Tracking = Field(default_factory=Tracking, description="Experiment tracking (TensorBoard).")
     run_policy: RunPolicy = Field(default_factory=RunPolicy, description="Restarts, deadlines, suspension, scheduling.")
     kubernetes: Kubernetes = Field(default_factory=Kubernetes, description="Image, volumes and pod settings.")
     environments: EnvironmentPool | None = Field(
