@@ -28,10 +28,14 @@ else
   e2e_log="$(mktemp -t e2e-log.XXXXXX)"
   PYTHON="$PYTHON" e2e/run.sh >"$e2e_log" 2>&1 &
   e2e_pid=$!  # run.sh execs unshare, whose --kill-child ends everything in the scenarios' namespaces
-  trap 'kill "$e2e_pid" 2>/dev/null; rm -f "$e2e_log"' EXIT
+  # Interrupted (Ctrl-C, a CI cancel): unshare ignores SIGTERM while it waits for its child, so SIGKILL it, and
+  # show where e2e was.
+  trap 'exit 130' INT TERM
+  trap 'kill -KILL "$e2e_pid" 2>/dev/null; echo "(interrupted; e2e log so far:)"; tail -n 40 "$e2e_log"; rm -f "$e2e_log"' EXIT
   "$PYTHON" -m pytest -ra --durations=15 -m "not slow" || rc=$?
   t1=$(date +%s)
   wait "$e2e_pid" || e2e_rc=$?
+  trap 'rm -f "$e2e_log"' EXIT
   e2e_end="$(stat -c %Y "$e2e_log")"  # its last line was written as it ended
   echo "---------------- e2e scenarios (ran beside the tests not marked slow) ----------------"
   cat "$e2e_log"

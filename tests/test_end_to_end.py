@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 import yaml
 from conftest import ROOT, kill_processes_mentioning, run_cli, save_readme_own_data_job
+from mlflow_server import mlflow_server
 
 from hybridflow.checkpoint import list_checkpoints, read_step_log, verify
 
@@ -116,6 +117,12 @@ def _metric(body, name, job):
 
 
 def test_kill_9_during_a_save_loses_nothing_sealed_and_repeats_no_step(tmp_path, model_cache, ray_tmp):
+    """The job logs to TensorBoard and to a real MLflow server too: both keep one run across the kill."""
+    with mlflow_server(tmp_path / "mlflow") as tracking_uri:
+        _kill_9_during_a_save(tmp_path, model_cache, ray_tmp, tracking_uri)
+
+
+def _kill_9_during_a_save(tmp_path, model_cache, ray_tmp, tracking_uri):
     """The run is killed while a checkpoint is being written (its staging directory holds shards) once two are
     sealed; while it ran, its Prometheus endpoint reported progress. The newest sealed checkpoint is then corrupted
     too (a rank's actor shard overwritten): the resume says it skips that one, discards the torn save, goes on from
@@ -130,7 +137,7 @@ def test_kill_9_during_a_save_loses_nothing_sealed_and_repeats_no_step(tmp_path,
     job = _variant(tmp_path, TINY, trainer__steps=steps, trainer__saveFreq=1, trainer__promptsPerStep=16,
                    trainer__asyncSave=True, trainer__checkpointDir=str(ckpt), data__evalPrompts=8,
                    models__actor__tiny__hiddenSize=256, models__actor__tiny__numLayers=4, rollout__engine="vllm",
-                   tracking__tensorboard=True)
+                   tracking__tensorboard=True, tracking__mlflow={"trackingUri": tracking_uri})
     port = _free_port()
     # unbuffered: what it printed before the kill is in the file
     env = {**os.environ, "HYBRIDFLOW_MODEL_CACHE": str(model_cache), "PYTHONUNBUFFERED": "1"}
@@ -188,6 +195,7 @@ def test_kill_9_during_a_save_loses_nothing_sealed_and_repeats_no_step(tmp_path,
     before = float(re.search(r"held-out reward before training: ([0-9.]+)",
                              (tmp_path / "killed-run.out").read_text()).group(1))
     _check_one_tensorboard_run(ckpt, steps, before, summary["eval_after"])
+    _check_one_mlflow_run(tracking_uri, ckpt, steps)
 
 
 def _check_one_tensorboard_run(ckpt, steps, eval_before, eval_after):
@@ -206,8 +214,10 @@ def _check_one_tensorboard_run(ckpt, steps, eval_before, eval_after):
         assert value == pytest.approx(rec["reward_mean"], rel=1e-6, abs=1e-7), (step, value, rec["reward_mean"])
     assert {"hybridflow_throughput_tokens_per_second", "hybridflow_stage_duration_seconds/generate",
             "hybridflow_grad_norm"} <= set(points), sorted(points)
-    assert points["hybridflow_eval_reward_mean/before"][0] == (0, pytest.approx(eval_before, abs=5e-4))  # printed
-    assert points["hybridflow_eval_reward_mean/after"][-1] == (steps, pytest.approx(eval_after))
+    assert points["hybridflow_eval_reward_mean/before"] == [(0, pytest.approx(eval_before, abs=5e-4))]  # printed
+    assert points["hybridflow_eval_reward_mean/after"] == [(steps, pytest.approx(eval_after))]
+    for tag, series in points.items():  # one point per step: none repeated, none left from the killed run
+        assert [s for s, _ in series] == sorted({s for s, _ in series}), (tag, series)
 
 
 def test_smollm2_with_a_users_reward_function(tmp_path, run_here):
@@ -339,3 +349,26 @@ def test_driver_joins_an_existing_ray_cluster(tmp_path, model_cache, ray_tmp):
         assert [r["step"] for r in _steps(ckpt)] == [1]
     finally:
         kill_processes_mentioning(ray_tmp, grace=0)
+
+
+def _check_one_mlflow_run(tracking_uri, ckpt, steps):
+    """spec.tracking.mlflow across the kill, read back through MLflow's client: one run in the job's experiment,
+    FINISHED, the spec as its parameters; the latest point of each step equals the step log (the steps done again
+    have a second point: MLflow keeps both)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    experiment = client.get_experiment_by_name("tiny-grpo")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert json.loads((ckpt / "mlflow-run.json").read_text())["run_id"] == run.info.run_id
+    assert run.info.status == "FINISHED" and run.info.run_name == "tiny-grpo"
+    assert run.data.params["spec.algorithm.name"] == "grpo" and run.data.params["spec.trainer.steps"] == "6"
+    latest = {}
+    for m in sorted(client.get_metric_history(run.info.run_id, "hybridflow_reward_mean"), key=lambda m: m.timestamp):
+        latest[m.step] = m.value
+    records = _steps(ckpt)
+    assert sorted(latest) == list(range(1, steps + 1)), sorted(latest)
+    for rec in records:
+        assert latest[rec["step"]] == pytest.approx(rec["reward_mean"], rel=1e-9), rec["step"]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "hybridflow_eval_reward_mean/after")] == [steps]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "hybridflow_eval_reward_mean/before")] == [0]

@@ -2,7 +2,7 @@
 (stage and role come from fixed lists); the job's name is the `rlhfjob` label, never `job` (Prometheus owns it)."""
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -83,7 +83,9 @@ EVAL_REWARD = "hybridflow_eval_reward_mean"  # labelled phase=before|after
 
 
 class JobMetrics:
-    def __init__(self, job_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, job_name: str, registry: CollectorRegistry | None = None, primed: bool = True) -> None:
+        """`primed`: the counters the dashboards rate() start at 0 before their first event (the served endpoint);
+        off for step_scalars, which must hold only what one step set."""
         self.registry = registry or CollectorRegistry()
         r, lbl = self.registry, ["rlhfjob"]
         self.job = job_name
@@ -130,9 +132,10 @@ class JobMetrics:
         self.gauges = {
             key: Gauge(f"hybridflow_{name}", doc, lbl, registry=r) for name, (key, doc) in STEP_GAUGES.items()
         }
-        self.total_steps.labels(self.job)
-        self.dropped_stale.labels(self.job)  # 0 until a group is dropped: increase() has a series from the start
-        self.recoveries.labels(self.job)
+        if primed:
+            self.total_steps.labels(self.job)
+            self.dropped_stale.labels(self.job)  # 0 until a group is dropped: increase() has a series from the start
+            self.recoveries.labels(self.job)
 
     def serve(self, port: int, address: str) -> int:
         """Start the HTTP exporter; returns the bound port (useful with port 0 in tests)."""
@@ -140,14 +143,13 @@ class JobMetrics:
         return server.server_port
 
     def scalars(self) -> dict[str, float]:
-        """This job's series as the endpoint serves them now, one value each: what experiment trackers log, under
-        the same names (another label's value after a slash: hybridflow_stage_duration_seconds/generate).
-        Histograms give their _sum and _count, not their buckets."""
+        """This job's series as the endpoint serves them now, one value each, under their names (another label's
+        value after a slash: hybridflow_stage_duration_seconds/generate). A histogram gives its _sum."""
         out = {}
         for metric in self.registry.collect():
             for sample in metric.samples:
                 labels = dict(sample.labels)
-                if labels.pop("rlhfjob", None) != self.job or sample.name.endswith(("_bucket", "_created")):
+                if labels.pop("rlhfjob", None) != self.job or sample.name.endswith(("_bucket", "_count", "_created")):
                     continue
                 out["/".join([sample.name, *labels.values()])] = float(sample.value)
         return out
@@ -176,3 +178,17 @@ class JobMetrics:
         for role in ("actor", "critic", "cost_critic"):
             if f"{role}_peak_memory_bytes" in rec:
                 self.peak_memory.labels(j, role).set(rec[f"{role}_peak_memory_bytes"])
+
+
+def step_scalars(job_name: str, rec: Mapping[str, Any]) -> dict[str, float]:
+    """What one step record sets on the endpoint, under the endpoint's names: what experiment trackers log at the
+    step. Through a registry of its own, so a gauge another step set is not repeated here and a counter gives
+    this step's increment (a resumed driver's endpoint starts its counters at 0 again; a step's own do not)."""
+    one = JobMetrics(job_name, primed=False)
+    one.record_step(rec, rec["stages"])
+    return one.scalars()
+
+
+def eval_scalars(metrics: JobMetrics, phase: str) -> dict[str, float]:
+    """The held-out reward `phase` ("before" or "after" training) as the endpoint serves it."""
+    return {k: v for k, v in metrics.scalars().items() if k == f"{EVAL_REWARD}/{phase}"}

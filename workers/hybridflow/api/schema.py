@@ -298,17 +298,36 @@ class Metrics(SpecModel):
     )
 
 
+class MlflowTracking(SpecModel):
+    tracking_uri: str = Field(
+        ..., min_length=1, max_length=2048, pattern=r"^https?://",
+        description="The MLflow tracking server, e.g. http://mlflow.mlflow.svc:5000. The client reads credentials "
+        "from the driver's environment (MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and "
+        "MLFLOW_TRACKING_PASSWORD)."
+    )
+    experiment: str | None = Field(
+        None, min_length=1, max_length=500, description="The experiment the job's run goes to (created if "
+        "missing). Default: the job's name."
+    )
+
+
 class Tracking(SpecModel):
     """Experiment trackers the driver writes the job's metrics to, each a field named after its entry in
     hybridflow.trainer.tracking.TRACKERS."""
 
     tensorboard: bool = Field(
         False, description="Write the job's metrics as TensorBoard event files to <checkpointDir>/tensorboard after "
-        "every step: the series the driver's Prometheus endpoint serves, under the same names (a label's value "
-        "after a slash: hybridflow_stage_duration_seconds/generate), at the step's number, and the held-out reward "
-        "before and after training. One run per job: a resumed or restarted job writes to the same directory and "
-        "the steps it does again replace their earlier points. Needs a checkpointDir on a file system (a PVC or a "
-        "local path), not object storage."
+        "every step: what the step set on the driver's Prometheus endpoint, under the same names (a label's value "
+        "after a slash: hybridflow_stage_duration_seconds/generate; a counter gives the step's increment), at the "
+        "step's number, and the held-out reward before (step 0) and after training (the last step). One run per "
+        "job: a resumed or restarted job writes to the same directory and the steps it does again replace their "
+        "earlier points. Needs a checkpointDir on a file system (a PVC or a local path), not object storage."
+    )
+    mlflow: MlflowTracking | None = Field(
+        None, description="Log the job to an MLflow run: the same series and names as tensorboard, at each step's "
+        "number, and the resolved spec once as the run's parameters (spec.<field path>). One run per job: its id "
+        "is kept in <checkpointDir>/mlflow-run.json, so a resumed or restarted job logs to the same run (the steps "
+        "it does again get a second, later point); the run ends FINISHED when the job does."
     )
 
 
@@ -368,7 +387,7 @@ class JobSpec(SpecModel):
     )
     trainer: Trainer = Field(default_factory=Trainer, description="Loop, checkpoints, resume.")
     metrics: Metrics = Field(default_factory=Metrics, description="Prometheus exporter.")
-    tracking: Tracking = Field(default_factory=Tracking, description="Experiment tracking (TensorBoard).")
+    tracking: Tracking = Field(default_factory=Tracking, description="Experiment tracking (TensorBoard, MLflow).")
     run_policy: RunPolicy = Field(default_factory=RunPolicy, description="Restarts, deadlines, suspension, scheduling.")
     kubernetes: Kubernetes = Field(default_factory=Kubernetes, description="Image, volumes and pod settings.")
     environments: EnvironmentPool | None = Field(

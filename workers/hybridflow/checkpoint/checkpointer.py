@@ -226,6 +226,10 @@ class Checkpointer:
         """`step`'s trained samples (trainer.rolloutLog); before the step's checkpoint, so a sealed step has them."""
         write_rollouts(self.root, step, records)
 
+    def step_log(self) -> list[dict[str, Any]]:
+        """The step records logged so far (after resume(): repaired, each step once)."""
+        return read_step_log(self.root)
+
     def log_step(self, record: dict[str, Any]) -> None:
         """Append the step's record to the step log (after its checkpoint, which carries it in case of a crash)."""
         append_step_log(self.root, record)

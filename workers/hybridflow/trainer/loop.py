@@ -19,11 +19,11 @@ from hybridflow.checkpoint.store import storage_path
 from hybridflow.single_controller.batch import Batch
 from hybridflow.trainer.recovery import Recoveries
 from hybridflow.trainer.rollouts import Rollouts
-from hybridflow.trainer.tracking import Tracker, open_trackers
+from hybridflow.trainer.tracking import Tracker, close_trackers, open_trackers
 from hybridflow.trainer.step import AlgorithmState, Step, generation_rows, rollout_records, run_program
 from hybridflow.single_controller.worker_group import resolve
 from hybridflow.data.tasks import PromptStream, Sample
-from hybridflow.metrics import EVAL_REWARD, JobMetrics
+from hybridflow.metrics import JobMetrics, eval_scalars, step_scalars
 from hybridflow.trainer.setup import (
     Prepared,
     Task,
@@ -113,11 +113,14 @@ def fit(
     stream = PromptStream(task.train, s.trainer.prompts_per_step, s.data.seed, position)
     _export_job_metrics(metrics, w, s.trainer.steps, start_step, checkpoints.has_own())
     run_eval = s.trainer.eval and start_step == 0
-    trackers = open_trackers(job, start_step)
+    trackers, finished = open_trackers(job, start_step), False
     try:
+        if start_step:  # the resumed step again: a tracker opened here dropped what came from it on (see tracking)
+            resumed = [r for r in checkpoints.step_log() if r["step"] == start_step]
+            _track(trackers, start_step, step_scalars(metrics.job, resumed[-1]) if resumed else {})
         eval_before = _evaluate_and_report(w, task, metrics, progress, "before") if run_eval else None
         if eval_before is not None:
-            _track(trackers, 0, _eval_scalars(metrics))
+            _track(trackers, 0, eval_scalars(metrics, "before"))
         t_start = time.perf_counter()
         records = []
         rollouts = w.rollouts(prompt_source(stream), task.stop_token_ids)  # async: its producer starts generating
@@ -125,16 +128,16 @@ def fit(
             for step in range(start_step + 1, s.trainer.steps + 1):
                 records.append(_fit_step(job, w, task, metrics, progress, checkpoints, algorithm, rollouts, stream,
                                          step, (t_start, start_step), recoveries))
-                _track(trackers, step, metrics.scalars())
+                _track(trackers, step, step_scalars(metrics.job, records[-1]))
         finally:
             rollouts.close()
         w.weights.settle()  # a replica rebuilt after the last sync takes the final weights before it is evaluated
         eval_after = _evaluate_and_report(w, task, metrics, progress, "after") if s.trainer.eval else None
         if eval_after is not None:
-            _track(trackers, s.trainer.steps, _eval_scalars(metrics))
+            _track(trackers, s.trainer.steps, eval_scalars(metrics, "after"))
+        finished = True
     finally:
-        for tracker in trackers:
-            tracker.close()
+        close_trackers(trackers, finished)
     secs = time.perf_counter() - t_start
     tput = float(np.mean([r["throughput_tokens_per_s"] for r in records])) if records else 0.0
     return RunSummary(len(records), start_step, eval_before, eval_after, secs, tput, records)
@@ -143,11 +146,6 @@ def fit(
 def _track(trackers: Sequence[Tracker], step: int, scalars: dict[str, float]) -> None:
     for tracker in trackers:
         tracker.log(step, scalars)
-
-
-def _eval_scalars(metrics: JobMetrics) -> dict[str, float]:
-    """The held-out rewards alone: logged at step 0 (before) and at the last step (after)."""
-    return {k: v for k, v in metrics.scalars().items() if k.startswith(EVAL_REWARD)}
 
 
 def _fit_step(job: RLHFJob, w: Workers, task: Task, metrics: JobMetrics, progress: Callable[[str], None],
