@@ -1,5 +1,5 @@
-"""Experiment trackers: after every step the driver hands each tracker the job's metrics as its Prometheus endpoint
-serves them (JobMetrics.scalars), so a curve has one name in Grafana and in the tracker.
+"""Experiment trackers: after every step the driver hands each tracker what that step set on its Prometheus endpoint
+(metrics.step_scalars), under the endpoint's names, so a curve has one name in Grafana and in the tracker.
 
 A tracker is one entry of TRACKERS, named after its field of spec.tracking, built once the job knows the step it
 resumed from: a tracker keeps one run per job across restarts, and a resumed job redoes the steps after its
@@ -55,7 +55,7 @@ class TensorBoardTracker:
 
 
 @TRACKERS.register("tensorboard")
-def tensorboard(job: RLHFJob, resumed_step: int) -> Tracker:
+def tensorboard_tracker(job: RLHFJob, resumed_step: int) -> Tracker:
     return TensorBoardTracker(Path(job.spec.trainer.checkpoint_dir) / "tensorboard", resumed_step)
 
 
@@ -103,7 +103,7 @@ def spec_params(job: RLHFJob) -> dict[str, str]:
 
 
 @TRACKERS.register("mlflow")
-def mlflow(job: RLHFJob, resumed_step: int) -> Tracker:
+def mlflow_tracker(job: RLHFJob, resumed_step: int) -> Tracker:
     """The run kept in <checkpointDir>/mlflow-run.json when it is on the same tracking server (set RUNNING again),
     else a new run in the experiment, its parameters the resolved spec."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # an unreachable server: an error in seconds
@@ -137,9 +137,16 @@ def mlflow(job: RLHFJob, resumed_step: int) -> Tracker:
 
 
 def open_trackers(job: RLHFJob, resumed_step: int) -> list[Tracker]:
-    """The trackers spec.tracking turns on."""
-    wanted = job.spec.tracking.model_dump()
-    return [TRACKERS[name](job, resumed_step) for name in TRACKERS.names() if wanted.get(name)]
+    """The trackers spec.tracking turns on; if one cannot open, those opened before it are closed."""
+    wanted, opened = job.spec.tracking.model_dump(), []
+    try:
+        for name in TRACKERS.names():
+            if wanted.get(name):
+                opened.append(TRACKERS[name](job, resumed_step))
+    except BaseException:
+        close_trackers(opened, finished=False)
+        raise
+    return opened
 
 
 def close_trackers(trackers: list[Tracker], finished: bool) -> None:
