@@ -151,9 +151,11 @@ class KubeletDouble:
         return [pid for p in list(self.pods.values()) for pid in self.net.pids(p.netns)]
 
     def logs(self, namespace: str, name: str) -> str:
+        """Every container's whole log, as `kubectl logs --all-containers` gives it (a scenario that looks for a
+        line must not miss it because Ray printed a dead raylet's log after it); failure messages take the tail."""
         out = []
         for f in sorted((self.workdir / "pods").glob(f"{namespace}.{name}.*/*.log")):
-            out.append(f"--- {f.parent.name}/{f.name}\n{f.read_text(errors='replace')[-4000:]}")
+            out.append(f"--- {f.parent.name}/{f.name}\n{f.read_text(errors='replace')}")
         return "\n".join(out)
 
     # --- the sync loop ---

@@ -31,7 +31,7 @@ def _start(world, tmp_path, name, **changes):
 
 
 def _finish(world, name, head):
-    wait_for(lambda: phase(world, name) in ("Succeeded", "Failed"), 600, lambda: f"the end; {world.logs(head)}")
+    wait_for(lambda: phase(world, name) in ("Succeeded", "Failed"), 600, lambda: f"the end; {world.logs(head)[-4000:]}")
     return world.kube.status(name)
 
 

@@ -111,7 +111,8 @@ def test_data_on_a_pvc_and_reward_in_a_configmap(world, tmp_path):
     world.kubectl("apply", "--validate=false", "-f", str(cm))
 
     head = f"{name}-head-g0"
-    wait_for(lambda: phase(world, name) in ("Succeeded", "Failed"), 900, lambda: f"the end; {world.logs(head)}")
+    wait_for(lambda: phase(world, name) in ("Succeeded", "Failed"), 900,
+             lambda: f"the end; {world.logs(head)[-4000:]}")
     st = world.kube.status(name)
     assert st["phase"] == "Succeeded", (st, world.logs(head)[-3000:])
     assert st["restarts"] == 0 and _condition(world, name, "InputsReady")["status"] == "True"
@@ -141,7 +142,7 @@ def test_a_data_file_missing_from_the_volume_fails_once_with_the_drivers_message
     world.bake_models()  # the driver prepares SmolLM2 before it reads the data
     world.kubectl("apply", "--validate=false", "-f", str(_job(tmp_path, name, ["word_problems/missing.jsonl"])))
     wait_for(lambda: phase(world, name) in ("Succeeded", "Failed"), 300,
-             f"the end; {world.logs(f'{name}-head-g0')}")
+             f"the end; {world.logs(f'{name}-head-g0')[-4000:]}")
     st = world.kube.status(name)
     assert st["phase"] == "Failed" and st["reason"] == "InvalidInput", st
     assert "spec.data.train: '/data/word_problems/missing.jsonl' does not exist" in st["message"], st

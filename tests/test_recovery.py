@@ -16,7 +16,7 @@ import ray
 from hybridflow.api import RunPolicy
 from hybridflow.api.run_policy import STALL_FLOOR_SECONDS, collective_timeout, progress_deadline
 from hybridflow.engines.bridge.stream import WeightStreamBroken, WeightStreamError
-from hybridflow.single_controller.failures import RankFailure, is_worker_loss
+from hybridflow.single_controller.failures import RankFailure, is_worker_loss, one_line
 from hybridflow.trainer.recovery import Recoveries
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +28,17 @@ GLOO_TIMEOUT = "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:
 def _task_error(cause: BaseException) -> ray.exceptions.RayTaskError:
     """What ray.get raises for a worker method that raised `cause`."""
     return ray.exceptions.RayTaskError("execute", "Traceback ...", cause)
+
+
+def test_an_error_is_told_in_one_bounded_line():
+    """What the driver prints of a lost worker: a lost node's error from Ray carries the dead raylet's log after its
+    first line (thousands of characters), which pushed the "worker lost" line out of a pod log's tail."""
+    raylet_dump = "The node was marked dead.\n" + "\n".join(f"[state-dump] stats line {i}" for i in range(300))
+    assert one_line(RuntimeError(raylet_dump)) == "The node was marked dead."
+    assert one_line(RuntimeError("x" * 5000)) == "x" * 500
+    assert one_line(TimeoutError()) == "TimeoutError"
+    err = RankFailure("generate", ["rollout rank 1 (node a)"], [], [], RuntimeError(raylet_dump))
+    assert "\n" not in str(err) and str(err).endswith("(The node was marked dead.)"), str(err)
 
 
 def test_a_lost_worker_is_told_from_the_jobs_own_errors():

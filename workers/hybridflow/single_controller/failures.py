@@ -61,6 +61,13 @@ def _distributed_error(e: BaseException) -> bool:
     return isinstance(e, getattr(dist, "DistError", ())) or (type(e) is RuntimeError and "gloo" in str(e).lower())
 
 
+def one_line(err: BaseException, limit: int = 500) -> str:
+    """An error as one bounded line (its message's first line, else its type): what a log line or a status says of
+    it. A lost node's error from Ray carries the dead raylet's log, thousands of characters, after its first line."""
+    text = str(err).strip()
+    return text.splitlines()[0][:limit] if text else type(err).__name__
+
+
 class RankFailure(RuntimeError):
     """A call's ranks that died, did not answer or failed with them, each named by `where` (pool, rank, node)."""
 
@@ -71,8 +78,7 @@ class RankFailure(RuntimeError):
                  f"{', '.join(silent)} did not answer" if silent else "",
                  f"{', '.join(failed)} failed with them" if failed else ""]
         said = getattr(first, "cause", None) or first  # a worker's own error, not Ray's line naming the task
-        detail = str(said).strip().splitlines()[0][:500] if str(said).strip() else type(said).__name__
-        super().__init__(f"{method}: {'; '.join(p for p in parts if p)} ({detail})")
+        super().__init__(f"{method}: {'; '.join(p for p in parts if p)} ({one_line(said)})")
 
 
 def rank_failure(method: str, refs: Sequence[ray.ObjectRef], where: Sequence[str], err: BaseException,

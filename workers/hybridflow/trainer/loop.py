@@ -21,6 +21,7 @@ from hybridflow.trainer.recovery import Recoveries
 from hybridflow.trainer.rollouts import Rollouts
 from hybridflow.trainer.tracking import Tracker, close_trackers, open_trackers
 from hybridflow.trainer.step import AlgorithmState, Step, generation_rows, rollout_records, run_program
+from hybridflow.single_controller.failures import one_line
 from hybridflow.single_controller.worker_group import resolve
 from hybridflow.data.tasks import PromptStream, Sample
 from hybridflow.metrics import JobMetrics, eval_scalars, step_scalars
@@ -284,8 +285,9 @@ def execute(job: RLHFJob, prepared: Prepared, progress: bool = True) -> int:
             if not recoveries.recoverable(err):
                 raise
             metrics.recoveries.labels(metrics.job).inc()
-            say(f"worker lost ({recoveries.done}/{s.run_policy.replacement_limit} in-place recoveries): {err}; "
-                "rebuilding the worker groups, resuming from the last checkpoint")
+            say(f"worker lost ({recoveries.done}/{s.run_policy.replacement_limit} in-place recoveries): "
+                f"{type(err).__name__}: {one_line(err)}; rebuilding the worker groups, resuming from the last "
+                "checkpoint")
         finally:
             if workers is not None:
                 workers.shutdown()
