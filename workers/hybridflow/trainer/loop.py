@@ -116,12 +116,12 @@ def fit(
     run_eval = s.trainer.eval and start_step == 0
     trackers, finished = open_trackers(job, start_step), False
     try:
-        if start_step:  # the resumed step again: a tracker opened here dropped what came from it on (see tracking)
+        if start_step and trackers:  # the resumed step again: a tracker opened here dropped what came from it on
             resumed = [r for r in checkpoints.step_log() if r["step"] == start_step]
-            _track(trackers, start_step, step_scalars(metrics.job, resumed[-1]) if resumed else {})
+            _track(trackers, start_step, lambda: step_scalars(metrics.job, resumed[-1]) if resumed else {})
         eval_before = _evaluate_and_report(w, task, metrics, progress, "before") if run_eval else None
         if eval_before is not None:
-            _track(trackers, 0, eval_scalars(metrics, "before"))
+            _track(trackers, 0, lambda: eval_scalars(metrics, "before"))
         t_start = time.perf_counter()
         records = []
         rollouts = w.rollouts(prompt_source(stream), task.stop_token_ids)  # async: its producer starts generating
@@ -129,13 +129,13 @@ def fit(
             for step in range(start_step + 1, s.trainer.steps + 1):
                 records.append(_fit_step(job, w, task, metrics, progress, checkpoints, algorithm, rollouts, stream,
                                          step, (t_start, start_step), recoveries))
-                _track(trackers, step, step_scalars(metrics.job, records[-1]))
+                _track(trackers, step, lambda: step_scalars(metrics.job, records[-1]))
         finally:
             rollouts.close()
         w.weights.settle()  # a replica rebuilt after the last sync takes the final weights before it is evaluated
         eval_after = _evaluate_and_report(w, task, metrics, progress, "after") if s.trainer.eval else None
         if eval_after is not None:
-            _track(trackers, s.trainer.steps, eval_scalars(metrics, "after"))
+            _track(trackers, s.trainer.steps, lambda: eval_scalars(metrics, "after"))
         finished = True
     finally:
         close_trackers(trackers, finished)
@@ -144,9 +144,12 @@ def fit(
     return RunSummary(len(records), start_step, eval_before, eval_after, secs, tput, records)
 
 
-def _track(trackers: Sequence[Tracker], step: int, scalars: dict[str, float]) -> None:
-    for tracker in trackers:
-        tracker.log(step, scalars)
+def _track(trackers: Sequence[Tracker], step: int, scalars: Callable[[], dict[str, float]]) -> None:
+    """`scalars` is computed only when a tracker is on (a job without one builds no per-step registry)."""
+    if trackers:
+        values = scalars()
+        for tracker in trackers:
+            tracker.log(step, values)
 
 
 def _fit_step(job: RLHFJob, w: Workers, task: Task, metrics: JobMetrics, progress: Callable[[str], None],
