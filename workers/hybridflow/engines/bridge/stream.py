@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.engines.bridge.reshard import BUCKET_BYTES, byte_buckets, flat_input, tensor_bytes, views_of
-from hybridflow.single_controller.failures import PeerLost
+from hybridflow.single_controller.failures import PeerLost, one_line
 
 STREAM_TIMEOUT_S = 60.0
 """Default bound, in seconds, on any one wait of a stream: a bucket's broadcast (which includes the sender
@@ -153,9 +153,8 @@ class _Bounded:
         try:
             start().wait(timeout=self.timeout)
         except RuntimeError as e:
-            cause = str(e).strip().splitlines()[0]
             raise WeightStreamBroken(f"{self.peers[self.rank]}: {what()} (stream timeout "
-                                     f"{self.timeout.total_seconds():g} s): {cause}") from e
+                                     f"{self.timeout.total_seconds():g} s): {one_line(e)}") from e
 
     def _broadcast(self, t: torch.Tensor, what: Callable[[], str]) -> None:
         opts = dist.BroadcastOptions()
