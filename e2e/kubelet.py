@@ -24,6 +24,7 @@ import shlex
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,9 @@ class RunningPod:
     main_started: bool = False
     deleted: bool = False
     thread: threading.Thread | None = None
+    pod: dict = field(default_factory=dict)  # its spec, as admitted
+    mounts: tuple = ()  # (volumes, poddir) once its volumes are made: what a preStop hook runs with
+    main_procs: list = field(default_factory=list)  # its containers' processes (not its init containers' or hooks')
 
 
 class KubeletDouble:
@@ -213,9 +217,37 @@ class KubeletDouble:
         rp.thread.start()
 
     def _stop_pod(self, rp: RunningPod) -> None:
-        """The pod was deleted from the API: nothing more is reported for it."""
+        """The pod was deleted from the API: nothing more is reported for it. As the kubelet does, each running
+        container's preStop hook (exec) runs first, within the pod's terminationGracePeriodSeconds (in a thread:
+        the other pods are looked after meanwhile); then its processes are ended."""
+        if rp.deleted:
+            return  # being stopped already (its hook still running)
         rp.deleted = True
-        self._release(rp)
+        hooks = [c for c in rp.pod.get("spec", {}).get("containers", [])
+                 if ((c.get("lifecycle") or {}).get("preStop") or {}).get("exec")]
+        if hooks and rp.mounts and any(proc.poll() is None for proc in rp.main_procs):  # (a dead one runs none)
+            grace = float(rp.pod["spec"].get("terminationGracePeriodSeconds", 30))
+            threading.Thread(target=self._pre_stop, args=(rp, hooks, grace), daemon=True,
+                             name=f"prestop-{rp.name}").start()
+        else:
+            self._release(rp)
+
+    def _pre_stop(self, rp: RunningPod, containers: list[dict], grace: float) -> None:
+        deadline = time.monotonic() + grace
+        try:
+            volumes, poddir = rp.mounts
+            for c in containers:
+                hook = {**c, "name": f"{c['name']}-prestop", "command": c["lifecycle"]["preStop"]["exec"]["command"],
+                        "args": []}
+                proc = self._spawn(rp, rp.pod, hook, volumes, poddir)
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.info("pod %s/%s: preStop of %s ran past the grace period", rp.namespace, rp.name, c["name"])
+        except Exception:  # a hook that cannot start does not keep the pod alive
+            log.exception("pod %s/%s: preStop hook failed", rp.namespace, rp.name)
+        finally:
+            self._release(rp)
 
     def _release(self, rp: RunningPod) -> None:
         """Kill what is left of the pod, drop its sandbox and forget it; a finished pod's object stays in the API."""
@@ -266,6 +298,7 @@ class KubeletDouble:
         except Exception as err:
             self._status(rp, {**base, "phase": "Failed", "reason": "VolumeError", "message": str(err)})
             return
+        rp.pod, rp.mounts = pod, (volumes, poddir)
         for c in spec.get("initContainers") or []:
             proc = self._spawn(rp, pod, c, volumes, poddir)
             rc = exit_code(proc.wait())
@@ -276,6 +309,7 @@ class KubeletDouble:
                     _terminated(c, rc)]})
                 return
         procs = [(c, self._spawn(rp, pod, c, volumes, poddir)) for c in spec["containers"]]
+        rp.main_procs = [p for _, p in procs]
         rp.main_started = True
         self._status(rp, {**base, "phase": "Running",
                           "conditions": [{"type": "Ready", "status": "True"}],

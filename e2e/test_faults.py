@@ -7,6 +7,7 @@ kill that exhausts backoffLimit (Failed, with why). Each records how long its fi
 logged (printed at the end of the run)."""
 from __future__ import annotations
 
+import json
 import time
 
 from kube.harness import wait_for
@@ -17,12 +18,14 @@ from e2e.worlds import current_head
 STEPS = 36
 STALL_DEADLINE = 90  # runPolicy.progressDeadlineSeconds of the first job: above its start-up, far below the default
 LONG = {"trainer": {"steps": STEPS, "saveFreq": 3}, "metrics": {"port": 8000, "lingerSeconds": 0}}
-# The first job: rollout apart from the trainer, on two replicas of its own, generating asynchronously. Its steps
-# are made slower (one sample per micro-batch) so that its run outlasts a replica's rebuild and an in-place recovery.
-ASYNC_STEPS = 120
-ASYNC = {"resourcePools": [{"name": "trainer", "devicesPerNode": 1}, {"name": "rollout", "nodes": 2, "devicesPerNode": 1}],
+# The first job: rollout apart from the trainer, on an elastic pool of replicas of its own (one pod to start with,
+# two at most), generating asynchronously. Its steps are made slower (one sample per micro-batch) so that its run
+# outlasts the pool's growth, a replica's rebuild, an in-place recovery and the pool's shrinking.
+ASYNC_STEPS = 170
+ASYNC = {"resourcePools": [{"name": "trainer", "devicesPerNode": 1}, {"name": "rollout", "devicesPerNode": 1}],
          "placement": {"actor": "trainer", "rollout": "rollout"}, "rollout": {"mode": "async"},
-         "training": {"microBatchSize": 1}, "trainer": {"steps": ASYNC_STEPS, "saveFreq": 3}}
+         "rolloutPool": {"replicas": 1, "maxReplicas": 2}, "training": {"microBatchSize": 1},
+         "trainer": {"steps": ASYNC_STEPS, "saveFreq": 3}}
 
 
 def _start(world, tmp_path, name, **changes):
@@ -39,12 +42,15 @@ def _reasons(world, name: str) -> list[str]:
     return [e.reason for e in world.kube.events() if e.involved_object.name == name]
 
 
-def _restart_reasons(world, name: str) -> str:
-    """Why each gang restart or replacement happened, and the newest head's log: what a failed scenario needs."""
+def _restart_reasons(world, name: str, head: str = "") -> str:
+    """Why each gang restart or replacement happened, and the head's log (default: the newest head's): what a
+    failed scenario needs."""
     why = [f"{e.reason}: {e.message}" for e in world.kube.events() if e.involved_object.name == name
-           and e.reason in ("GangRestart", "PodReplaced", "Stalled")]
-    head = current_head(world.kube, name)
-    return f"events: {why}; {head}: {world.logs(head)[-3000:]}"
+           and e.reason in ("GangRestart", "PodReplaced", "Stalled", "RolloutScaled")]
+    head = head or current_head(world.kube, name)
+    log = world.logs(head)
+    said = [line for line in log.splitlines() if " warning hybridflow" in line or " error " in line][-40:]
+    return f"events: {why}; {head}'s warnings: {said}; its log's end: {log[-3000:]}"
 
 
 def _first_step_logged(log: str) -> int | None:
@@ -77,19 +83,52 @@ def _next_step_after(world, name: str, t: float, recovered_in_place: bool = Fals
     return wait_for(logged, 300, "a step logged after the kill")
 
 
+def _scale(world, name: str, replicas: int) -> None:
+    """Through the CRD's scale subresource (spec.rolloutPool.replicas), as a user or an HPA does."""
+    world.kubectl("scale", f"rlhfjob/{name}", f"--replicas={replicas}")
+    scale = json.loads(world.kubectl("get", "--raw", f"/apis/hybridflow.io/v1alpha1/namespaces/default/rlhfjobs/"
+                                     f"{name}/scale").stdout)
+    assert scale["spec"]["replicas"] == replicas and scale["status"]["selector"].endswith("pool=rollout"), scale
+
+
+def _last(world, name: str) -> dict:
+    records = world.step_records(name)
+    return records[-1] if records else {}
+
+
 def test_killed_pods_are_replaced_alone_and_a_hung_pod_restarts_the_gang(world, tmp_path):
-    """The operator is SIGKILLed mid-run: the new one adopts the running pods (same names and UIDs, nothing created).
+    """The elastic rollout pool is scaled from one pod to two on the live job: the head and the other pods are kept,
+    the new pod's replica joins once its weights were checked, and steps go on meanwhile.
+    The operator is SIGKILLed mid-run: the new one adopts the running pods (same names and UIDs, nothing created).
     A rollout pod is killed: only it is replaced, the controller rebuilds its replica there (trainer.replicas) and
     the trainer goes on meanwhile: steps are logged between the kill and the replica's return, no in-place recovery
-    and no restart. The trainer pod is killed after a checkpoint: only it is replaced (the head and the rollout pods
+    and no restart. The pool is scaled back to one pod: the pod leaving is given notice, its preStop hands its
+    replica back (it finishes the call it is in, nothing is generated again), and no pod is replaced for it. The
+    trainer pod is killed after a checkpoint: only it is replaced (the head and the rollout pods
     keep their UIDs, no gang generation is used), the controller rebuilds its worker groups and resumes from the
     checkpoint. The new trainer pod is frozen (SIGSTOP): it stays Running, no step completes, the operator finds the
     job Stalled after runPolicy.progressDeadlineSeconds and restarts the gang. The job ends Succeeded with each step in
-    the step log once. (A failed head restarts the gang whatever the policy: tests/test_operator_pure.py; a killed
-    pod under restartPolicy gang: the next test.)"""
+    the step log once; the gang's next generation has one rollout pod.
+    (A failed head restarts the gang whatever the policy: tests/test_operator_pure.py; a killed pod under
+    restartPolicy gang: the next test.)"""
     name = "fault-kills"
     _start(world, tmp_path, name, runPolicy={"backoffLimit": 2, "progressDeadlineSeconds": STALL_DEADLINE}, **ASYNC)
     head, trainer, rollout = f"{name}-head-g0", f"{name}-trainer-0-g0", [f"{name}-rollout-{i}-g0" for i in (0, 1)]
+
+    before = _uids(world, name)  # scaled 1 -> 2 on the live job: one pod added, none replaced, no restart
+    assert rollout[1] not in before and world.kube.status(name).get("rolloutReplicas") == 1
+    scaled = time.time()
+    _scale(world, name, 2)
+    grown = wait_for(lambda: next((r for r in world.step_records(name) if "replica_join_seconds" in r), None), 300,
+                     lambda: f"the new pod's replica taking work; {_restart_reasons(world, name)}")
+    RECOVERY_SECONDS["elastic pool scaled 1 -> 2 (scale -> the new replica's first step)"] = grown["time"] - scaled
+    assert grown["rollout_replicas_added_total"] == 1 and grown["rollout_replicas_working"] == 2, grown
+    after = _uids(world, name)
+    assert {p: after.get(p) for p in before} == before and rollout[1] in after, (before, after)
+    st = world.kube.status(name)
+    assert st["rolloutReplicas"] == 2 and st["lastRolloutScale"]["to"] == 2 and st.get("restarts", 0) == 0, st
+    assert "podReplacements" not in st or st["podReplacements"] == 0, st
+    wait_for(lambda: "RolloutScaled" in _reasons(world, name), 30, "the RolloutScaled event")
 
     before = _uids(world, name)
     world.restart_operator()
@@ -116,7 +155,21 @@ def test_killed_pods_are_replaced_alone_and_a_hung_pod_restarts_the_gang(world, 
     assert not any("recovery_seconds" in r for r in world.step_records(name)), "the workers were rebuilt"
     assert "rebuilds the rollout replica in it" in world.kube.status(name)["lastReplacement"]["message"]
 
-    before = after
+    # scaled 2 -> 1: the pod leaving hands its replica back through its preStop; nothing is replaced or regenerated
+    regenerated = _last(world, name)["regenerated_prompts_total"]  # (the lost replica's, above)
+    _scale(world, name, 1)
+    shrunk = wait_for(lambda: (r := _last(world, name)).get("rollout_replicas_left_total") == 1 and r, 300,
+                      lambda: f"the replica leaving; pods {sorted(_uids(world, name))}; {rollout[1]}'s log: "
+                              f"{world.logs(rollout[1])[-3000:]}; {_restart_reasons(world, name, head)}")
+    assert shrunk["rollout_replicas_working"] == 1 and shrunk["regenerated_prompts_total"] == regenerated, shrunk
+    wait_for(lambda: rollout[1] not in _uids(world, name), 120, f"{rollout[1]} gone")
+    wait_for(lambda: "left pool rollout: the controller released its replicas" in world.logs(rollout[1]), 60,
+             lambda: f"its preStop's word; {world.logs(rollout[1])[-3000:]}")
+    st = world.kube.status(name)
+    assert st["rolloutReplicas"] == 1 and st["podReplacements"] == 1 and st.get("restarts", 0) == 0, st
+    rollout = rollout[:1]
+
+    before = _uids(world, name)
     seen = world.kube.status(name).get("lastCheckpointStep", 0)
     wait_for(lambda: world.kube.status(name).get("lastCheckpointStep", 0) > seen, 300, "a checkpoint since")
     killed = time.time()  # the trainer pod: replaced alone, the controller recovers in place from the checkpoint
@@ -140,6 +193,7 @@ def test_killed_pods_are_replaced_alone_and_a_hung_pod_restarts_the_gang(world, 
     assert st["phase"] == "Succeeded" and st["restarts"] == 1 and st["podReplacements"] == 2, (
         st, _restart_reasons(world, name))
     assert world.step_log(name) == list(range(1, ASYNC_STEPS + 1)), "a step was lost or repeated"
+    wait_for(lambda: not [p for p in _uids(world, name) if "-rollout-" in p], 60, "the rollout pods gone at the end")
 
 
 def test_an_eviction_does_not_use_the_backoff_limit_and_exhausting_it_fails_the_job(world, tmp_path):

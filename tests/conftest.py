@@ -104,7 +104,7 @@ class SharedRay:
 
         import ray
 
-        from hybridflow.api import pool_resource
+        from hybridflow.api import pool_resource, pool_slot_resource
 
         if self.running:
             return
@@ -115,7 +115,10 @@ class SharedRay:
         os.environ.setdefault("RAY_DEDUP_LOGS", "1")
         self.temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths are limited
         try:
-            ray.init(num_cpus=SHARED_RAY_CPUS, resources={pool_resource(n): d for n, d in SHARED_RAY_POOLS.items()},
+            # and a slot per device (api.pool_slot_resource): a rollout pool of replicas asks for its pods' slots
+            slots = {pool_slot_resource(n, i): d for n, d in SHARED_RAY_POOLS.items() for i in range(d)}
+            ray.init(num_cpus=SHARED_RAY_CPUS,
+                     resources={**{pool_resource(n): d for n, d in SHARED_RAY_POOLS.items()}, **slots},
                      include_dashboard=False, object_store_memory=256 << 20, log_to_driver=False,
                      logging_level=logging.ERROR, _temp_dir=self.temp_dir,
                      runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "1"}})

@@ -78,3 +78,32 @@ def test_a_request_costs_the_same_among_many_objects_and_after_many_requests(tmp
             assert err.status == 404
         else:
             raise AssertionError("a pod that was never created was found")
+
+
+def test_kubectl_scale_writes_the_rollout_pool_size_through_the_scale_subresource(tmp_path):
+    """`kubectl scale rlhfjob/j --replicas=N` (and an HPA) go through the CRD's scale subresource: N lands at its
+    specReplicasPath (spec.rolloutPool.replicas, the rest of the spec untouched, the generation bumped as for any
+    spec change), and the Scale read back carries the status paths (status.rolloutReplicas, rolloutSelector)."""
+    import json
+    import os
+    import subprocess
+
+    with RunningApiServer(str(tmp_path / "kubeconfig")) as api:
+        kube = Kube(api.kubeconfig_path)
+        kube.create_job({"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "j"},
+                         "spec": {"rolloutPool": {"replicas": 1, "maxReplicas": 3}, "trainer": {"steps": 5}}})
+        kube.custom.patch_namespaced_custom_object_status(
+            "hybridflow.io", "v1alpha1", "default", "rlhfjobs", "j",
+            {"status": {"rolloutReplicas": 1, "rolloutSelector": "hybridflow.io/job=j,hybridflow.io/pool=rollout"}})
+        env = {**os.environ, "KUBECONFIG": api.kubeconfig_path}
+        out = subprocess.run(["kubectl", "scale", "rlhfjob/j", "--replicas=2"], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0 and "scaled" in out.stdout, out.stderr
+        job = kube.job("j")
+        assert job["spec"] == {"rolloutPool": {"replicas": 2, "maxReplicas": 3}, "trainer": {"steps": 5}}
+        assert job["metadata"]["generation"] == 2
+        got = subprocess.run(["kubectl", "get", "--raw", "/apis/hybridflow.io/v1alpha1/namespaces/default/"
+                              "rlhfjobs/j/scale"], env=env, capture_output=True, text=True, timeout=60)
+        scale = json.loads(got.stdout)
+        assert scale["kind"] == "Scale" and scale["spec"] == {"replicas": 2}
+        assert scale["status"] == {"replicas": 1, "selector": "hybridflow.io/job=j,hybridflow.io/pool=rollout"}

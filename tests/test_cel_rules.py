@@ -155,6 +155,16 @@ def _mutated(value):
 
 def _rule_cases(path: str, rule: str) -> tuple[list[tuple], list[tuple]]:
     """(accepted, refused) activations (self, oldSelf) for a rule; a rule without cases fails the test below."""
+    if path == "$.spec" and "rolloutPool" in rule:  # an elastic pool's size changes; the pool does not come or go
+        spec = {**dump_job(RLHFJob())["spec"], "rolloutPool": {"replicas": 1, "maxReplicas": 2}}
+        resized = {**spec, "rolloutPool": {"replicas": 2, "maxReplicas": 3}}
+        without = {k: v for k, v in spec.items() if k != "rolloutPool"}
+        return ([(spec, spec), (resized, spec), (without, without)], [(spec, without), (without, spec)])
+    if path == "$.spec.rolloutPool":
+        ok = [{"maxReplicas": 2}, {"replicas": 2, "maxReplicas": 2}, {"replicas": 1, "minReplicas": 1, "maxReplicas": 3}]
+        bad = [{"replicas": 3, "maxReplicas": 2}, {"replicas": 1, "minReplicas": 2, "maxReplicas": 3},
+               {"minReplicas": 3, "maxReplicas": 2}]
+        return ([(x, _ABSENT) for x in ok], [(x, _ABSENT) for x in bad if not _holds(rule, x)])
     if path == "$.spec" and "oldSelf" in rule:  # one field's immutability, judged on spec
         spec = dump_job(RLHFJob())["spec"]
         field = rule.removeprefix("has(self.").split(")")[0]
@@ -202,7 +212,7 @@ def test_only_run_policy_may_change_on_update():
     assert cel_problems(_schema(), moved, old) == []
     moved["spec"]["trainer"]["steps"] += 1
     assert cel_problems(_schema(), moved, old) == [
-        "spec: spec.trainer cannot be added, changed or removed once the job exists; only spec.runPolicy can (delete "
+        "spec: spec.trainer cannot be added, changed or removed once the job exists; only spec.runPolicy and spec.rolloutPool can (delete "
         "and re-create the job to change it)"]
 
 

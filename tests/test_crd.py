@@ -1,11 +1,12 @@
 """The CRD is generated from the spec: the committed file must match, and every example must fit its schema."""
+from unittest.mock import ANY
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
 
-from hybridflow.api.crd import build_crd, immutable_field_rule, render_crd
+from hybridflow.api.crd import ELASTIC_RULES, build_crd, immutable_field_rule, render_crd
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_FILE = ROOT / "crds" / "rlhfjob.yaml"
@@ -60,11 +61,16 @@ def test_crd_schema_rejects_what_the_spec_rejects():
         jsonschema.Draft4Validator(_schema()).validate(doc)
 
 
-def test_only_run_policy_may_change_after_creation():
-    """One transition rule per field but runPolicy, on spec itself: a rule on the field would be evaluated only
-    where the old value exists, and so never see the field added. No transition rule below spec."""
+def test_only_run_policy_and_the_rollout_pool_size_may_change_after_creation():
+    """One transition rule per field but runPolicy and rolloutPool, on spec itself: a rule on the field would be
+    evaluated only where the old value exists, and so never see the field added; rolloutPool's rule holds only its
+    presence (an elastic pool's size and bounds change, a job does not become elastic). No transition rule below
+    spec."""
     spec = _schema()["properties"]["spec"]
-    assert spec["x-kubernetes-validations"] == [immutable_field_rule(f) for f in spec["properties"] if f != "runPolicy"]
+    mutable = ("runPolicy", "rolloutPool")
+    assert spec["x-kubernetes-validations"] == [immutable_field_rule(f) for f in spec["properties"]
+                                                if f not in mutable] + ELASTIC_RULES
+    assert ELASTIC_RULES == [{"rule": "has(self.rolloutPool) == has(oldSelf.rolloutPool)", "message": ANY}]
     assert [f for f in spec["properties"] if f"has(self.{f})" in str(spec["x-kubernetes-validations"])] == \
         [f for f in spec["properties"] if f != "runPolicy"]
     below = [p for p, n in _walk(spec, "spec") if p != "spec" and "oldSelf" in str(n.get("x-kubernetes-validations"))]

@@ -11,7 +11,9 @@ import datetime as dt
 import hashlib
 import itertools
 import json
+import os
 import re
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -1078,3 +1080,39 @@ def test_a_cluster_wide_operator_acts_only_in_labelled_namespaces(labelled_clust
         if k is not on:
             k.delete_job(name)
         wait_for(lambda: k.job(name) is None, 30, f"{k.namespace}/{name} gone")
+
+
+def test_an_elastic_rollout_pool_is_scaled_on_a_live_job_without_a_restart(cluster, shared_cluster):
+    """`kubectl scale` on a running async job with spec.rolloutPool: the operator adds the rollout pod past the old
+    size, then deletes the one past the new size, keeping the head and every other pod (same UIDs): no restart, no
+    replacement, no SpecChangeIgnored; status.rolloutReplicas follows and a RolloutScaled event says each change."""
+    _, kube, _ = cluster
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-async-k8s.yaml").read_text())
+    doc["metadata"] = {"name": "je"}
+    doc["spec"]["rolloutPool"] = {"replicas": 1, "maxReplicas": 2}
+    del doc["spec"]["kubernetes"]["checkpointPvc"]
+    kube.create_job(doc)
+    wait_for(lambda: len(kube.pods("je")) == 3, 30, "pods")
+    _run_all(kube, "je")
+    wait_for(lambda: _phase(kube, "je") == "Running", 30, "Running")
+    uids = {p.metadata.name: p.metadata.uid for p in kube.pods("je")}
+
+    def scale(n: int) -> None:
+        out = subprocess.run(["kubectl", "scale", "rlhfjob/je", f"--replicas={n}", "-n", kube.namespace],
+                             env={**os.environ, "KUBECONFIG": shared_cluster[1]}, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+
+    scale(2)
+    wait_for(lambda: "je-rollout-1-g0" in _pod_names(kube, "je"), 30, lambda: f"the pod added; {_pod_names(kube, 'je')}")
+    _run_all(kube, "je")
+    wait_for(lambda: kube.status("je").get("rolloutReplicas") == 2, 30, lambda: f"status: {kube.status('je')}")
+    scale(1)
+    wait_for(lambda: "je-rollout-1-g0" not in _pod_names(kube, "je"), 30,
+             lambda: f"the pod past the size deleted; {_pod_names(kube, 'je')}")
+    st = wait_for(lambda: (s := kube.status("je")).get("rolloutReplicas") == 1 and s, 30, "rolloutReplicas 1")
+    assert {p.metadata.name: p.metadata.uid for p in kube.pods("je")} == uids, "a pod of the job was replaced"
+    assert st["phase"] == "Running" and st["restarts"] == 0 and not st.get("podReplacements"), st
+    assert not any(c["type"] == "SpecChangeIgnored" for c in st.get("conditions", [])), st
+    assert st["lastRolloutScale"]["from"] == 2 and st["lastRolloutScale"]["to"] == 1, st
+    wait_for(lambda: _reasons(kube, "je").count("RolloutScaled") == 2, 30, lambda: f"events {_reasons(kube, 'je')}")

@@ -8,7 +8,6 @@ trainer's weights. Then a replica is lost during a weight sync: the sync reaches
 sync is kept for the rebuilt ones, which are given the version they missed."""
 from __future__ import annotations
 
-import collections
 import json
 import threading
 import time
@@ -19,9 +18,9 @@ import ray
 import yaml
 
 from hybridflow.api import parse_job
-from hybridflow.metrics import JobMetrics
 from hybridflow.models.builders import materialize
-from hybridflow.trainer import loop, setup
+from hybridflow.trainer import setup
+from support.live_jobs import assert_each_draw_trained_once, fit_while
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,20 +57,14 @@ def test_a_lost_rollout_replica_is_replaced_while_training_goes_on(tmp_path, mod
     task = setup.build_task(job, model_dir)
     shared_ray.check_fits(job)
     w = setup.build_workers(job, model_dir, task, None, None)
-    done, killed = threading.Event(), []
+    killed = []
     try:
         rollout_group = next(g for g in w.groups if "rollout" in g.roles)
         trainer_group = next(g for g in w.groups if "actor" in g.roles)
         trainer_host, lost_host = trainer_group.hosts[0], rollout_group.hosts[1]
         engines = w.roles["rollout"].instance_id()
         steps_log = Path(job.spec.trainer.checkpoint_dir) / "steps.jsonl"
-        killer = threading.Thread(target=_kill_after, args=(steps_log, KILL_AFTER_STEP, lost_host, done, killed))
-        killer.start()
-        try:
-            summary = loop.fit(job, w, task, JobMetrics(job.metadata.name), progress=print)
-        finally:
-            done.set()
-            killer.join()
+        summary = fit_while(job, w, task, lambda done: _kill_after(steps_log, KILL_AFTER_STEP, lost_host, done, killed))
         assert killed, "the replica was never killed"
         assert summary.steps_done == STEPS
         steps = [json.loads(line) for line in steps_log.read_text().splitlines()]
@@ -93,12 +86,7 @@ def test_a_lost_rollout_replica_is_replaced_while_training_goes_on(tmp_path, mod
               f"{rejoined[0]['replica_recovery_seconds']:.1f} s after the loss; prompts generated again: "
               f"{steps[-1]['regenerated_prompts_total']:.0f}")
 
-        # no trajectory lost: the groups trained are the first STEPS draws (their uids), each with all its responses
-        log_dir = Path(job.spec.trainer.checkpoint_dir) / "rollouts"
-        uids = collections.Counter(json.loads(line)["uid"] for f in sorted(log_dir.glob("step_*.jsonl"))
-                                   for line in f.read_text().splitlines())
-        per_step, n = job.spec.trainer.prompts_per_step, job.spec.rollout.responses_per_prompt
-        assert uids == {uid: n for uid in range(STEPS * per_step)}
+        assert_each_draw_trained_once(job, STEPS)  # no trajectory lost or trained twice
 
         # both replicas hold the trainer's final weights
         rollout, actor = w.roles["rollout"], w.roles["actor"]

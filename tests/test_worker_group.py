@@ -11,7 +11,8 @@ from hybridflow.single_controller.allocator import worker_allocator_env
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.failures import RankFailure, rank_failure
 from hybridflow.single_controller.protocol import Dispatch, DPRank, register
-from hybridflow.single_controller.worker_group import PendingResult, RayResourcePool, RoleSpec, WorkerGroup
+from hybridflow.single_controller.resource_pool import RayResourcePool
+from hybridflow.single_controller.worker_group import PendingResult, RoleSpec, WorkerGroup
 
 pytestmark = pytest.mark.slow
 

@@ -141,6 +141,7 @@ def _pod_view(pod: dict[str, Any]) -> PodView:
         deletion_deadline=_time(meta.get("deletionTimestamp")),
         pending_since=_time(meta.get("creationTimestamp")) if phase == PodPhase.PENDING else None,
         pool=labels.get(mf.LABEL_POOL, ""),
+        index=int(labels.get(mf.LABEL_INDEX, "-1")),
         ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or []),
     )
 
@@ -326,6 +327,8 @@ def _accepted_job(kube: Kube, live: RLHFJob, uid: str | None, status: JobStatus,
             memo["accepted_fields"] = None
     accepted = memo["accepted"].model_copy(deep=True)
     accepted.spec.run_policy = live.spec.run_policy
+    if accepted.spec.rollout_pool is not None and live.spec.rollout_pool is not None:  # (the CRD keeps it there)
+        accepted.spec.rollout_pool = live.spec.rollout_pool
     try:
         changed = memo["accepted_fields"] is None or _spec_fields(mf.resolved_job(live)) != memo["accepted_fields"]
     except SpecError:  # an edit naming what the pods may not have: they never get it (the accepted spec runs)
@@ -334,10 +337,10 @@ def _accepted_job(kube: Kube, live: RLHFJob, uid: str | None, status: JobStatus,
 
 
 def _spec_fields(job: RLHFJob) -> dict[str, Any]:
-    """What may not change on a live job: all but runPolicy. A checkpoint directory on the claim is the operator's
+    """What may not change on a live job: all but runPolicy and an elastic rollout pool's size and bounds. A checkpoint directory on the claim is the operator's
     choice (jobs started before it was per-job keep theirs), so it is left out; an object-storage URL is the
     author's and counts (editing it must not pass unnoticed while the job goes on writing to the old bucket)."""
-    spec = job.spec.model_dump(exclude={"run_policy"})
+    spec = job.spec.model_dump(exclude={"run_policy", "rollout_pool"})
     if not is_url(job.spec.trainer.checkpoint_dir):
         spec["trainer"].pop("checkpoint_dir", None)
     return spec
@@ -579,9 +582,9 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
             plan.delete_pods = sorted(set(plan.delete_pods) | set(planned.delete_pods))
             if plan.status != planned.status:
                 _write_status(shared.kube, namespace, name, planned.status, plan.status, memo)
-    for pod_name in plan.delete_pods:
-        memo.setdefault("created", {}).pop(pod_name, None)
-        ignore(404, shared.kube.core.delete_namespaced_pod, pod_name, namespace, grace_period_seconds=30)
+    for pod_name in plan.delete_pods:  # each with its own terminationGracePeriodSeconds: a rollout pod's preStop
+        memo.setdefault("created", {}).pop(pod_name, None)  # hands its replicas back within it (manifests)
+        ignore(404, shared.kube.core.delete_namespaced_pod, pod_name, namespace)
     for etype, reason, message in plan.events:
         kopf.event(body, type=etype, reason=reason, message=message)
     metrics = shared.metrics

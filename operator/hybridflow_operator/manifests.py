@@ -17,11 +17,12 @@ from typing import Any
 from hybridflow.api import API_GROUP as GROUP
 from hybridflow.api import (
     DATA_MOUNT, REWARD_MOUNT, JobSpec, ModelSource, RLHFJob, ResourcePool, SpecError, dump_job, pool_resource,
-    reward_configmap_key,
+    pool_slot_resource, reward_configmap_key,
 )
 from hybridflow.api.names import (
     LABEL_GENERATION, LABEL_INDEX, LABEL_JOB, LABEL_POOL, LABEL_ROLE, head_pod_name, names, worker_pod_name,
 )
+from hybridflow.api.scaling import sized
 from hybridflow.api.storage import (
     STORAGE_CREDENTIAL_KEYS, is_url, job_checkpoint_dir, job_checkpoint_url, namespace_url, resume_source,
 )
@@ -332,12 +333,15 @@ def head_service(job: RLHFJob, uid: str) -> dict[str, Any]:
 
 
 def podgroup(job: RLHFJob, uid: str) -> dict[str, Any]:
-    """Volcano gang: nothing starts until the head and every pool pod can be placed."""
+    """Volcano gang: nothing starts until the head and every pool pod can be placed (an elastic rollout pool's
+    minReplicas of them: pods past it join when they can)."""
+    rp = job.spec.rollout_pool
+    least = sized(job, rp.min_replicas if rp else None)
     return {
         "apiVersion": "scheduling.volcano.sh/v1beta1",
         "kind": "PodGroup",
         "metadata": _meta(job, uid, names(job.metadata.name)["podgroup"]),
-        "spec": {"minMember": 1 + sum(p.nodes for p in job.spec.resource_pools)},
+        "spec": {"minMember": 1 + sum(p.nodes for p in least.spec.resource_pools)},
     }
 
 
@@ -538,7 +542,10 @@ def worker_pod(job: RLHFJob, uid: str, pool: ResourcePool, index: int, generatio
     """A Ray worker node advertising the pool's devices as the custom resource the controller asks for."""
     name = job.metadata.name
     head = f"{names(name)['service']}.{job_namespace(job)}.svc"
-    resources = json.dumps({pool_resource(pool.name): pool.devices_per_node})
+    advertised = {pool_resource(pool.name): pool.devices_per_node}
+    if job.spec.replica_pool(pool.name):  # this pod's own slot: its replicas' placement group asks for it
+        advertised[pool_slot_resource(pool.name, index)] = pool.devices_per_node
+    resources = json.dumps(advertised)
     gpus = pool.devices_per_node if pool.device == "gpu" else 0
     cpus = max(1, int(round(pool.devices_per_node * pool.cpus_per_device)))
     start = (
@@ -563,16 +570,36 @@ def worker_pod(job: RLHFJob, uid: str, pool: ResourcePool, index: int, generatio
         resources_req["limits"]["nvidia.com/gpu"] = str(gpus)
         resources_req["requests"]["nvidia.com/gpu"] = str(gpus)
     container = {"name": "ray-worker", "command": ["bash", "-c", start], "resources": resources_req}
+    grace = None
+    if job.spec.replica_pool(pool.name):
+        # A termination notice (scale-down, eviction, drain, preemption) first hands the pod's rollout replicas
+        # back to the controller, which lets them finish the call they are in (trainer.membership); a pod killed
+        # outright is a lost replica instead, rebuilt in its replacement.
+        grace = leave_grace_seconds(job)
+        container["lifecycle"] = {"preStop": {"exec": {"command": [
+            "hybridflow", "leave-pool", f"--address={head}:{RAY_PORT}", f"--pool={pool.name}", f"--index={index}",
+            f"--timeout={grace - 10}"]}}}
     init = {"name": "wait-for-head", "command": ["python3", "-c", wait],
             "resources": {"requests": {"cpu": "10m", "memory": "32Mi"},
                           "limits": {"memory": "64Mi", "ephemeral-storage": "1Gi"}}}
     labels = {LABEL_ROLE: "worker", LABEL_POOL: pool.name, LABEL_INDEX: str(index), LABEL_GENERATION: str(generation)}
     shm = "2Gi" if pool.device == "cpu" else "16Gi"
-    return _pod(job, uid, worker_pod_name(name, pool.name, index, generation), labels, [container], [init], pool,
-                shm)
+    pod = _pod(job, uid, worker_pod_name(name, pool.name, index, generation), labels, [container], [init], pool,
+               shm)
+    if grace is not None:
+        pod["spec"]["terminationGracePeriodSeconds"] = grace
+    return pod
+
+
+def leave_grace_seconds(job: RLHFJob) -> int:
+    """How long a rollout pod given notice may take to hand its replicas back: the generation call in flight and a
+    weight sync may each take up to rollout.weightSyncTimeoutSeconds, plus a margin to connect."""
+    return int(job.spec.rollout.weight_sync_timeout_seconds) + 40
 
 
 def gang_pods(job: RLHFJob, uid: str, generation: int) -> list[dict[str, Any]]:
+    """The head and every pool pod of a generation, an elastic rollout pool at its size now."""
+    job = sized(job)
     pods = [head_pod(job, uid, generation)]
     for pool in job.spec.resource_pools:
         pods += [worker_pod(job, uid, pool, i, generation) for i in range(pool.nodes)]

@@ -22,7 +22,9 @@ from enum import StrEnum
 from typing import NamedTuple, cast
 
 from hybridflow.api import EXIT_BAD_INPUT, RLHFJob
+from hybridflow.api.names import LABEL_JOB, LABEL_POOL
 from hybridflow.api.run_policy import progress_deadline
+from hybridflow.api.scaling import replicas_now, sized
 from hybridflow.api.status import ACTIVE, TERMINAL, Condition, JobStatus, Phase, pool_status
 
 # A pod still Pending this long with no reason of its own is reported (not failed: a queue may be long).
@@ -60,6 +62,7 @@ class PodView:
     deletion_deadline: dt.datetime | None = None  # its deletionTimestamp: the end of its grace period
     pending_since: dt.datetime | None = None  # creation time, while Pending
     pool: str = ""  # a worker's resource pool (its pool label); "" for the head
+    index: int = -1  # a worker's index in its pool (its index label); -1 for the head
     ready: bool = False  # its Ready condition is True
 
 
@@ -104,7 +107,8 @@ def set_condition(status: JobStatus, ctype: str, value: bool, reason: str, messa
 
 
 def expected_pods(job: RLHFJob) -> int:
-    return 1 + sum(p.nodes for p in job.spec.resource_pools)
+    """The head and every pool pod, an elastic rollout pool at its size now."""
+    return 1 + sum(p.nodes for p in sized(job).spec.resource_pools)
 
 
 def decide(job: RLHFJob | None, error: str | None, status: JobStatus, pods: list[PodView],
@@ -245,11 +249,12 @@ def _decide(job: RLHFJob | None, error: str | None, status: JobStatus, pods: lis
             st["step"] = st["totalSteps"]
         plan.delete_pods += [p.name for p in current if p.role != "head"]
         return plan
+    current, coming = _rescale(plan, job, current, now)
     failed = [p for p in current if p.phase in (PodPhase.FAILED, PodPhase.UNKNOWN)]
     if head is not None and head in failed and head.exit_code == EXIT_BAD_INPUT:
         _fail(plan, "InvalidInput", f"the driver rejected the job's input (not retried): {head.message}", now, pods)
         return plan
-    missing = expected_pods(job) - len(current)
+    missing = expected_pods(job) - len(current) - coming
     _replaced_pods_back(st, current)
     if _replaces_alone(job, phase, head, failed, missing, st, disrupted):
         return _replace(plan, job, current, failed, missing, now, disrupted)
@@ -380,6 +385,36 @@ def _restart(plan: Plan, job: RLHFJob, gen: int, what: str, now: dt.datetime, po
     plan.status.pop("replacing", None)  # a new generation makes every pod afresh
     plan.delete_pods = [p.name for p in pods if not p.deleting]
     return plan
+
+
+def _rescale(plan: Plan, job: RLHFJob, current: list[PodView], now: dt.datetime) -> tuple[list[PodView], int]:
+    """An elastic rollout pool's size changed (spec.rolloutPool.replicas, read live): the pods past the new size
+    are deleted (their preStop hands their replicas' work back to the controller first) and the new ones created,
+    while the head and every other pod keep running; neither is a failure, nor counted. Returns the pods that stay
+    current, and how many of those being added are not seen yet (not missing: on their way)."""
+    want = replicas_now(job.spec)
+    if want is None:
+        return current, 0
+    st, pool = plan.status, job.spec.pool("rollout").name
+    st["rolloutSelector"] = f"{LABEL_JOB}={job.metadata.name},{LABEL_POOL}={pool}"  # the scale subresource's
+    have = int(st.get("rolloutReplicas", want))
+    last = st.get("lastRolloutScale") or {}
+    if want != last.get("to", have):
+        mends = ("the new pods' replicas take the current weights before they take work" if want > have else
+                 "the replicas leaving finish the generation they are in first; the rest go on")
+        message = (f"rollout pool {pool}: {have} -> {want} pods (spec.rolloutPool.replicas); the head and the other "
+                   f"pods keep running, {mends}")
+        plan.events.append(("Normal", "RolloutScaled", message))
+        st["lastRolloutScale"] = {"from": have, "to": want, "time": iso(now), "message": message}
+    ours = [p for p in current if p.role == "worker" and p.pool == pool]
+    surplus = [p for p in ours if p.index >= want]
+    plan.delete_pods += [p.name for p in surplus if p.name not in plan.delete_pods]
+    there = {p.index for p in ours}
+    coming = [i for i in range(have, want) if i not in there]
+    if coming:
+        plan.create_gang = int(st.get("restarts", 0))  # made by name, as missing pods are
+    st["rolloutReplicas"] = want if not coming else have
+    return [p for p in current if p not in surplus], len(coming)
 
 
 def _replaces_alone(job: RLHFJob, phase: str, head: PodView | None, failed: list[PodView], missing: int,

@@ -1,8 +1,8 @@
 """A test double of the kube-apiserver: kmock's stateful Kubernetes emulator served over real HTTP, plus what a
 real API server does and kmock 0.8 does not (see STACK.md): resourceVersion/uid/creationTimestamp/generation,
 `generateName`, 422 on a failed JSON-patch `test`, a delete's preconditions (uid, resourceVersion: 409 Conflict when
-the object is another), label selectors on lists, `kind` on lists, Table rendering of our printer columns, the
-discovery of our CRD, and the core group's discovery spelled as kubectl expects ("v1", not "/v1").
+the object is another), label selectors on lists, `kind` on lists, Table rendering of our printer columns, our CRD's scale
+subresource (`kubectl scale`), the discovery of our CRD, and the core group's discovery spelled as kubectl expects ("v1", not "/v1").
 
 It stands in for the API server only; kopf, kubectl and our operator talk to it as they would to a cluster."""
 from __future__ import annotations
@@ -25,7 +25,7 @@ from kmock._internal import apps, enums, k8s, k8s_views, rendering
 RESOURCES = {
     "hybridflow.io/v1alpha1/rlhfjobs": kmock.ResourceInfo(
         kind="RLHFJob", singular="rlhfjob", namespaced=True, shortnames={"rlhf"},
-        verbs={"get", "list", "watch", "create", "update", "patch", "delete"}, subresources={"status"}),
+        verbs={"get", "list", "watch", "create", "update", "patch", "delete"}, subresources={"status", "scale"}),
     "v1/pods": kmock.ResourceInfo(kind="Pod", singular="pod", namespaced=True,
                                   verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status"}),
     "v1/services": kmock.ResourceInfo(kind="Service", singular="service", namespaced=True,
@@ -204,6 +204,9 @@ class KubeApiServerDouble(kmock.KubernetesEmulator, MatchedAlone):  # kmock's em
         return aiohttp.web.json_response(self.namespaces[name])
 
     async def _answer(self, request: rendering.Request) -> Any:
+        if request.subresource == "scale" and request.resource is not None \
+                and _resource_key(request.resource) in SCALE_PATHS:
+            return await self._serve_scale(request)
         refusal = self.refusals.get(request.resource.plural) if request.resource is not None else None
         if refusal and request.action == enums.action.CREATE:
             status, message = refusal
@@ -225,6 +228,36 @@ class KubeApiServerDouble(kmock.KubernetesEmulator, MatchedAlone):  # kmock's em
         elif request.resource is not None and request.action == enums.action.DELETE and request.name:
             self._check_preconditions(request)
         return await super()._handle(request)
+
+    async def _serve_scale(self, request: rendering.Request) -> Any:
+        """The CRD's scale subresource (`kubectl scale`, an HPA): an autoscaling/v1 Scale read from the paths the
+        CRD names; a write of spec.replicas is a merge patch of the object at specReplicasPath (a change of its
+        spec, with the resourceVersion and generation such a patch gets)."""
+        paths = SCALE_PATHS[_resource_key(request.resource)]
+        if request.action not in (enums.action.FETCH, enums.action.UPDATE):
+            raise kmock.KubernetesError(status=405, reason="MethodNotAllowed", message="scale: get, update, patch")
+        if request.action == enums.action.UPDATE:
+            replicas = ((request.data or {}).get("spec") or {}).get("replicas") if isinstance(request.data, dict) \
+                else None
+            if not isinstance(replicas, int) or replicas < 0:
+                raise KubeUnprocessable(message="Scale.spec.replicas: Invalid value: must be a non-negative integer")
+            patch: dict[str, Any] = {"replicas": replicas}
+            for part in reversed(paths["specReplicasPath"].strip(".").split(".")[:-1]):
+                patch = {part: patch}
+            await self._answer(attrs.evolve(request, subresource=None, data=patch))
+        key = (request.resource, request.namespace, request.name)
+        obj = self._objects.get(key)
+        if obj is None or obj.deleted:
+            raise kmock.KubernetesError(status=404, reason="NotFound",
+                                        message=f'{request.resource.plural} "{request.name}" not found')
+        raw, meta = obj.raw, obj.raw.get("metadata", {})
+        return aiohttp.web.json_response({
+            "apiVersion": "autoscaling/v1", "kind": "Scale",
+            "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
+                         if k in meta},
+            "spec": {"replicas": _json_path(raw, paths["specReplicasPath"]) or 0},
+            "status": {"replicas": _json_path(raw, paths["statusReplicasPath"]) or 0,
+                       "selector": _json_path(raw, paths.get("labelSelectorPath", "")) or ""}})
 
     def _check_preconditions(self, request: rendering.Request) -> None:
         """DeleteOptions.preconditions, as the API server checks them (apiserver's storage Preconditions.Check): an
@@ -297,6 +330,17 @@ def _load_printer_columns() -> dict[str, list[dict[str, Any]]]:
 
 
 PRINTER_COLUMNS = _load_printer_columns()
+
+
+def _load_scale_paths() -> dict[str, dict[str, str]]:
+    """The scale subresource's paths of our CRD, as the API server reads them to answer `kubectl scale`."""
+    crd = yaml.safe_load((Path(__file__).resolve().parents[2] / "crds" / "rlhfjob.yaml").read_text())
+    version = crd["spec"]["versions"][0]
+    key = f"{crd['spec']['group']}/{version['name']}/{crd['spec']['names']['plural']}"
+    return {key: version["subresources"]["scale"]}
+
+
+SCALE_PATHS = _load_scale_paths()
 
 
 def _json_path(obj: dict[str, Any], path: str) -> Any:

@@ -78,7 +78,7 @@ def start_local_ray(job: RLHFJob, temp_dir: str | None, verbose: bool = False) -
     """A private single-node Ray that listens on loopback only and advertises each pool's devices."""
     import ray
 
-    from hybridflow.api import pool_resource
+    from hybridflow.api import pool_resource, pool_slot_resource
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keeps Ray on 127.0.0.1
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
@@ -92,7 +92,8 @@ def start_local_ray(job: RLHFJob, temp_dir: str | None, verbose: bool = False) -
     ray.init(
         num_cpus=max(int(need_cpus + 0.999), os.cpu_count() or 1),
         num_gpus=gpus or None,
-        resources={pool_resource(p.name): p.world_size for p in pools},
+        resources={**{pool_resource(p.name): p.world_size for p in pools},  # (and the one node's slot: a pool of
+                   **{pool_slot_resource(p.name, 0): p.devices_per_node for p in pools}},  # replicas asks for it)
         include_dashboard=False,
         object_store_memory=256 << 20,
         log_to_driver=verbose,  # worker errors still arrive as exceptions; their chatter only with -v
@@ -266,6 +267,13 @@ def cmd_environments_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_leave_pool(args: argparse.Namespace) -> int:
+    from hybridflow.single_controller.membership import leave
+
+    print(leave(args.address, args.pool, args.index, args.timeout), flush=True)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridflow", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs from hybridflow")
@@ -287,6 +295,13 @@ def parser() -> argparse.ArgumentParser:
     drv = job_cmd("driver", "run a job's controller on an existing Ray cluster (inside the head pod)")
     drv.add_argument("--address", required=True, help="Ray cluster address, e.g. head-svc:6379")
     drv.set_defaults(fn=cmd_driver)
+    leave = sub.add_parser("leave-pool", help="a pod given notice hands its rollout replicas back to the controller "
+                           "and waits until it let them go (the preStop hook of an async job's rollout pods)")
+    leave.add_argument("--address", required=True, help="the job's Ray head, e.g. head-svc:6379")
+    leave.add_argument("--pool", required=True, help="the pod's resource pool")
+    leave.add_argument("--index", type=int, required=True, help="the pod's index in its pool")
+    leave.add_argument("--timeout", type=float, default=60.0, help="the longest wait, in seconds (default 60)")
+    leave.set_defaults(fn=cmd_leave_pool)
     val = sub.add_parser("validate", help="check a manifest and the paths it names")
     val.add_argument("job")
     val.set_defaults(fn=cmd_validate)

@@ -46,6 +46,14 @@ STEP_GAUGES = {
                                   "since the driver started."),
     "replica_recovery_seconds": ("replica_recovery_seconds", "Seconds from a rollout replica's loss until its "
                                  "rebuilt replacement took work (set at the step it joined)."),
+    "rollout_replicas": ("rollout_replicas", "async: rollout replicas the pool holds (working, joining, being "
+                         "rebuilt); an elastic pool's follows spec.rolloutPool.replicas."),
+    "rollout_replicas_added": ("rollout_replicas_added_total", "async: rollout replicas built for pods added to the "
+                               "pool since the driver started (an elastic pool scaled up, a pod back after one left)."),
+    "rollout_replicas_left": ("rollout_replicas_left_total", "async: rollout replicas whose pods left the pool given "
+                              "notice (scale-down, eviction, drain), each after the call it was in."),
+    "replica_join_seconds": ("replica_join_seconds", "Seconds from a pod joining the rollout pool until its replica "
+                             "took work (set at the step it joined)."),
     # Multi-turn rollouts (spec.rollout.agent), over the trained batch's episodes:
     "agent_turns_mean": ("agent_turns_mean", "Model turns per episode (mean)."),
     "agent_tool_calls_mean": ("agent_tool_calls_mean", "Tool calls per episode (mean)."),

@@ -7,7 +7,7 @@ from hybridflow.api.manifest_io import MAX_MANIFEST_BYTES, MAX_YAML_DEPTH, dump_
 from hybridflow.api.names import (
     API_GROUP, API_VERSION, DATA_MOUNT, DNS1035_LABEL, DNS1123_LABEL, DNS1123_SUBDOMAIN, EXIT_BAD_INPUT, EXIT_FAILED,
     JOB_NAME_NOT_DNS1035, JOB_NAME_TOO_LONG, KIND, MAX_JOB_NAME, PLURAL, POOL_NAME, REWARD_MOUNT, ROLES, VERSION,
-    job_name_problems, pool_resource, reward_configmap_key,
+    job_name_problems, pool_resource, pool_slot_resource, reward_configmap_key,
 )
 from hybridflow.api.schema import (
     Algorithm, Data, JobSpec, Kubernetes, Metadata, Metrics, ResourcePool, RLHFJob, Rollout, RunPolicy, Trainer,
@@ -23,5 +23,5 @@ __all__ = [
     "VERSION", "ACTIVE", "TERMINAL", "JobStatus", "Phase", "Algorithm", "Data", "JobSpec", "Kubernetes", "Metadata", "Metrics", "ModelSource", "Models",
     "RLHFJob", "ResourcePool", "RewardFunctionSpec", "RewardSpec", "Rollout", "RunPolicy", "ScorerPart", "SpecError",
     "TinyModel", "Trainer", "Training", "dump_job", "format_validation_error", "job_name_problems", "load_job",
-    "parse_job", "pool_resource", "reward_configmap_key",
+    "parse_job", "pool_resource", "pool_slot_resource", "reward_configmap_key",
 ]

@@ -87,10 +87,25 @@ def _union(options: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-# Only runPolicy (suspend, deadlines, backoff) may change once a job exists: the running gang, its checkpoints and
-# its ConfigMap all assume the rest. The API server enforces this with CEL transition rules; the operator also
-# ignores such changes (with a Warning) where no API server enforces them.
-MUTABLE_SPEC_FIELDS = {"runPolicy"}
+# Only runPolicy (suspend, deadlines, backoff) and an elastic rollout pool's bounds and size may change once a job
+# exists: the running gang, its checkpoints and its ConfigMap all assume the rest. The API server enforces this with
+# CEL transition rules; the operator also ignores such changes (with a Warning) where no API server enforces them.
+MUTABLE_SPEC_FIELDS = {"runPolicy", "rolloutPool"}
+
+# spec.rolloutPool may change, but not come or go: a job is made elastic (or not) when it is created. Its size is
+# held within its bounds here too, so that `kubectl scale` past them is refused by the API server, not failed later.
+ELASTIC_RULES: list[dict[str, str]] = [
+    {"rule": "has(self.rolloutPool) == has(oldSelf.rolloutPool)",
+     "message": "spec.rolloutPool cannot be added or removed once the job exists; only its replicas, minReplicas "
+                "and maxReplicas can change (delete and re-create the job to make it elastic)"},
+]
+ROLLOUT_POOL_RULES: list[dict[str, str]] = [
+    {"rule": "!has(self.replicas) || (self.replicas <= self.maxReplicas && "
+             "self.replicas >= (has(self.minReplicas) ? self.minReplicas : 1))",
+     "message": "replicas must lie within minReplicas..maxReplicas"},
+    {"rule": "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
+     "message": "minReplicas must not be above maxReplicas"},
+]
 
 
 def immutable_field_rule(field: str) -> dict[str, str]:
@@ -99,8 +114,8 @@ def immutable_field_rule(field: str) -> dict[str, str]:
     field added to a job that had none (a Secret patched into a job created without spec.kubernetes)."""
     return {
         "rule": f"has(self.{field}) == has(oldSelf.{field}) && (!has(self.{field}) || self.{field} == oldSelf.{field})",
-        "message": f"spec.{field} cannot be added, changed or removed once the job exists; only spec.runPolicy can "
-                   "(delete and re-create the job to change it)",
+        "message": f"spec.{field} cannot be added, changed or removed once the job exists; only spec.runPolicy and "
+                   "spec.rolloutPool can (delete and re-create the job to change it)",
     }
 
 
@@ -108,7 +123,9 @@ def spec_schema() -> dict[str, Any]:
     raw = JobSpec.model_json_schema(by_alias=True)
     schema = _structural(raw, raw.get("$defs", {}))
     schema["x-kubernetes-validations"] = [immutable_field_rule(f) for f in schema["properties"]
-                                          if f not in MUTABLE_SPEC_FIELDS]
+                                          if f not in MUTABLE_SPEC_FIELDS] + ELASTIC_RULES
+    schema["properties"]["rolloutPool"]["required"] = ["maxReplicas"]
+    schema["properties"]["rolloutPool"]["x-kubernetes-validations"] = ROLLOUT_POOL_RULES
     schema["description"] = "What to train and how: algorithm, models, data, rollout, training, pools, trainer."
     return schema
 
@@ -147,6 +164,12 @@ STATUS_SCHEMA: dict[str, Any] = {
             "description": "metav1.Condition list.",
             "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
         },
+        "rolloutReplicas": {"type": "integer", "description": "An elastic rollout pool: the pods it has been given "
+                            "(the scale subresource's status.replicas)."},
+        "rolloutSelector": {"type": "string", "description": "An elastic rollout pool: the label selector of its "
+                            "pods (the scale subresource's selector, for an HorizontalPodAutoscaler)."},
+        "lastRolloutScale": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                             "description": "The last change of the elastic rollout pool's size: from, to, time."},
         "pools": {
             "type": "array",
             "description": "One entry per resource pool, in spec.resourcePools' order: the roles spec.placement puts "
@@ -182,7 +205,10 @@ def build_crd() -> dict[str, Any]:
                     "name": VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    "subresources": {"status": {}, "scale": {
+                        "specReplicasPath": ".spec.rolloutPool.replicas",
+                        "statusReplicasPath": ".status.rolloutReplicas",
+                        "labelSelectorPath": ".status.rolloutSelector"}},
                     "additionalPrinterColumns": [
                         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
                         {"name": "Step", "type": "integer", "jsonPath": ".status.step"},

@@ -35,6 +35,14 @@ def pool_resource(name: str) -> str:
     return f"hybridflow_pool_{name}"
 
 
+def pool_slot_resource(name: str, index: int) -> str:
+    """The Ray custom resource the pod of index `index` in a pool of independent replicas (an async job's rollout
+    pool) advertises beside its pool's, a unit per device. The controller's placement group for that pod asks for
+    it, so Ray places a lost pod's replicas again only in its replacement (same index), and a pod added to an
+    elastic pool (a new index) is told apart from one replacing another (trainer.replicas)."""
+    return f"{pool_resource(name)}_slot{index}"
+
+
 # Kubernetes' own grammars (k8s.io/apimachinery's validation and resource.Quantity). Each is both a pydantic check
 # and the CRD's `pattern`, so `hybridflow validate` and the API server give the same verdict. Anchored: pydantic and
 # JSON Schema search, Kubernetes' Go regexp does too.

@@ -17,6 +17,7 @@ from hybridflow.api.engines import (
     tensor_parallel_rollout_engines,
 )
 from hybridflow.api.names import DATA_MOUNT, ROLES, reward_configmap_key
+from hybridflow.api.scaling import elastic_problems
 from hybridflow.api.sources import REWARD_SOURCES, RewardSpec
 from hybridflow.api.storage import is_url
 from hybridflow.rewards.rules import RULES, TASK_DEFAULT_RULE
@@ -51,7 +52,7 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
         out.append(f"spec.tracking.tensorboard: event files are written beside the checkpoints on a file system, "
                    f"and spec.trainer.checkpointDir is object storage ({spec.trainer.checkpoint_dir}); use a PVC or "
                    f"a local checkpointDir, or turn tracking.tensorboard off")
-    return out + _layout_and_pieces_problems(spec)
+    return out + _layout_and_pieces_problems(spec) + elastic_problems(spec)
 
 
 def _layout_and_pieces_problems(spec: JobSpec) -> list[str]:
@@ -234,7 +235,7 @@ def _rollout_mode_problems(spec: JobSpec) -> list[str]:
     algorithm = ALGORITHMS[spec.algorithm.name]
     rows = spec.trainer.prompts_per_step * (r.responses_per_prompt + int(algorithm.greedy_baseline))
     ranks = spec.pool("rollout").world_size
-    if own_pool and rows % ranks:
+    if own_pool and rows % ranks and spec.rollout_pool is None:  # (elastic: async pads a call to its replicas)
         extra = f" (+1 greedy baseline per prompt: {spec.algorithm.name})" if algorithm.greedy_baseline else ""
         out.append(f"spec.trainer.promptsPerStep x spec.rollout.responsesPerPrompt{extra} = {rows} responses a step "
                    f"do not split evenly over the rollout pool's {ranks} replicas; make it a multiple of {ranks}")

@@ -26,6 +26,7 @@ from hybridflow.api.engines import ROLLOUT_ENGINES
 from hybridflow.api.names import API_VERSION, DNS1123_LABEL, KIND, ROLES, job_name_problems
 from hybridflow.api.rules import cross_field_problems
 from hybridflow.api.run_policy import RunPolicy
+from hybridflow.api.scaling import RolloutPool
 from hybridflow.api.sources import Models
 from hybridflow.api.storage import is_url, location_problem
 from hybridflow.api.training import Training
@@ -380,6 +381,10 @@ class JobSpec(SpecModel):
     resource_pools: list[ResourcePool] = Field(
         default_factory=lambda: [ResourcePool()], min_length=1, max_length=MAX_POOLS, description="Device pools."
     )
+    rollout_pool: RolloutPool | None = Field(
+        None, description="An elastic rollout pool (async, rollout on a pool of its own): its size may change while "
+        "the job runs, within bounds. The one field besides runPolicy that a live job's spec may change (its "
+        "replicas, minReplicas, maxReplicas; not whether it is there).")
     placement: Annotated[dict[Annotated[str, Field(max_length=MAX_ROLE_KEY)], Annotated[str, Field(max_length=63)]],
                          short_keys(MAX_ROLE_KEY, f"role names ({', '.join(ROLES)})")] = Field(
         default_factory=dict, max_length=len(ROLES),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from enum import StrEnum
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 if TYPE_CHECKING:
     from hybridflow.api.schema import JobSpec
@@ -103,6 +103,11 @@ class JobStatus(TypedDict, total=False):
     lastRecoverySeconds: float  # the last one's seconds from the loss to the next step logged
     pools: list[PoolStatus]  # per resource pool: its roles, pods and Ready pods (pool_status), seen at every tick
     environments: dict[str, int]  # spec.environments: {replicas, pods (serving, not ended), ready}, every tick
+    # an elastic rollout pool (spec.rolloutPool): the pods it was given, its pods' selector (both for the scale
+    # subresource), and its last change of size (from, to, time, message)
+    rolloutReplicas: int
+    rolloutSelector: str
+    lastRolloutScale: dict[str, Any]
     # digests recorded before the job's ConfigMaps are created, and the uid of the Ray token Secret it made
     acceptedSpecDigest: str
     rewardDigest: str

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.single_controller.allocator import own_allocator
@@ -31,50 +31,10 @@ from hybridflow.single_controller.protocol import (
 from hybridflow.api import pool_resource
 from hybridflow.api.run_policy import COLLECTIVE_TIMEOUT_SECONDS
 from hybridflow.single_controller.context import WorkerContext
+from hybridflow.single_controller.resource_pool import RayResourcePool
 
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = float(COLLECTIVE_TIMEOUT_SECONDS)  # jobs pass runPolicy's (api.run_policy)
-
-
-@dataclass
-class RayResourcePool:
-    """A virtualised set of devices: one placement group per node, one bundle per device."""
-
-    name: str
-    nodes: int
-    devices_per_node: int
-    device: str = "cpu"
-    cpus_per_device: float = 1.0
-    placement_groups: list[PlacementGroup] = field(default_factory=list)
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.devices_per_node
-
-    def bundle(self) -> dict[str, float]:
-        b = {"CPU": self.cpus_per_device, pool_resource(self.name): 1.0}
-        if self.device == "gpu":
-            b["GPU"] = 1.0
-        return b
-
-    def acquire(self, timeout_s: float = 300) -> list[tuple[PlacementGroup, int]]:
-        """Reserve the devices; returns (placement group, bundle index) per rank, ranks packed node by node."""
-        if not self.placement_groups:
-            self.placement_groups = [
-                placement_group([self.bundle()] * self.devices_per_node, strategy="STRICT_PACK", name=f"{self.name}-{i}")
-                for i in range(self.nodes)
-            ]
-            try:
-                ray.get([pg.ready() for pg in self.placement_groups], timeout=timeout_s)
-            except BaseException:  # not placed in time (a replacement pod still starting): none is left pending
-                self.release()
-                raise
-        return [(pg, i) for pg in self.placement_groups for i in range(self.devices_per_node)]
-
-    def release(self) -> None:
-        for pg in self.placement_groups:
-            remove_placement_group(pg)
-        self.placement_groups = []
 
 
 @dataclass(frozen=True)
@@ -335,6 +295,7 @@ class WorkerGroup:
         self._specs, self._env, self._process_env = dict(roles), env or {}, process_env
         self._placements: list[tuple[PlacementGroup, int]] = []
         self._closed = False  # shut down: a replacement under way stops
+        self._retired: set[int] = set()  # ranks ended for good (retire); ranks are never renumbered
         try:
             self._start(pool, roles, env or {}, process_env, collective_timeout_s)
         except BaseException:  # a worker lost while the group forms: nothing of it is left holding the devices
@@ -409,6 +370,50 @@ class WorkerGroup:
         self.hosts[rank] = host
         self.where[rank] = f"pool {self.pool.name} rank {rank} ({node})"
         return self.where[rank]
+
+    def grow(self, slot: int, timeout_s: float) -> list[int]:
+        """The ranks of one more node, pod index `slot` (a slotted group of independent ranks only), each with
+        every role built (on Kubernetes: a pod the operator added to the pool). Returns the new ranks."""
+        if not self.independent:
+            raise RuntimeError(f"pool {self.pool.name}: its ranks form a torch.distributed world of a fixed size")
+        deadline = time.monotonic() + timeout_s
+        placements = self.pool.add_node(slot, timeout_s)
+        ranks = list(range(len(self.hosts), len(self.hosts) + len(placements)))
+        hosts = []
+        try:
+            self._placements += placements
+            hosts = [self._host(r) for r in ranks]
+            nodes = ray.get([h.node_address.remote() for h in hosts], timeout=max(1.0, deadline - time.monotonic()))
+            for role, spec in self._specs.items():
+                ray.get([h.build.remote(role, spec) for h in hosts], timeout=max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            for h in hosts:
+                ray.kill(h, no_restart=True)
+            del self._placements[len(self.hosts):]
+            self.pool.remove_node(placements[0][0])
+            raise
+        if self._closed:
+            for h in hosts:
+                ray.kill(h, no_restart=True)
+            raise RuntimeError(f"pool {self.pool.name} was shut down while it grew")
+        self.hosts += hosts
+        self.where += [f"pool {self.pool.name} rank {r} ({node})" for r, node in zip(ranks, nodes)]
+        return ranks
+
+    def slot_of(self, rank: int) -> int | None:
+        """The pod index whose node holds `rank` (slotted pools; None otherwise, or once retired)."""
+        return None if rank in self._retired else self.pool.slot_of(self._placements[rank][0])
+
+    def retire(self, ranks: Sequence[int]) -> None:
+        """End `ranks` for good (independent ranks whose node is leaving); a node all of whose ranks are retired is
+        given back to Ray. Ranks are never renumbered: theirs are never called again."""
+        for r in ranks:
+            ray.kill(self.hosts[r], no_restart=True)
+            self.where[r] = f"pool {self.pool.name} rank {r} (retired)"
+        self._retired.update(ranks)
+        for pg in {self._placements[r][0] for r in ranks}:
+            if all(i in self._retired for i, (g, _) in enumerate(self._placements) if g == pg):
+                self.pool.remove_node(pg)
 
     def alive(self, ranks: Sequence[int], timeout_s: float = 5.0) -> list[bool]:
         """Whether each of `ranks` answers within `timeout_s` (a dead process or node does not)."""

@@ -48,9 +48,10 @@ class Evaluation:
 
 def evaluate(w: Workers, task: Task, samples: Sequence[Sample]) -> Evaluation:
     """Mean reward (and cost) of greedy responses to held-out prompts."""
-    dp = w.roles["rollout"].dp_sizes["rollout"]
+    rollout = w.rollout
+    dp = rollout.dp_sizes["rollout"]
     usable = samples[: len(samples) // dp * dp]
-    out = resolve(w.roles["rollout"].generate(prompt_batch(usable), greedy=True))
+    out = resolve(rollout.generate(prompt_batch(usable), greedy=True))
     if task.rule is None and task.text_reward is None and task.episode_score in (None, "reward"):  # a model judges
         reward = float(resolve(w.roles["reward"].compute_rm_scores(out))["rm_scores"].mean())
     else:

@@ -10,7 +10,8 @@ generation: trainer.weight_sync).
   than maxStaleness versions behind the trainer. With partialRolloutTokens, generations advance a chunk per engine
   call, so new weights land between chunks and the rest of a response comes from them (each token tagged).
   The producer calls only the replicas taking work: one that is lost is rebuilt alone while the others go on, and
-  what it was generating is generated again (trainer.replicas).
+  what it was generating is generated again; the pool grows and shrinks meanwhile, a replica leaving only once the
+  call it is in has ended (trainer.replicas).
 
 Every generated batch carries `token_versions` (the policy version of each response token), which the step's
 staleness statistics, the metrics and the rollout log (trainer.rolloutLog) read.
@@ -148,6 +149,8 @@ class AsyncRollouts(Rollouts):
         produce = self._produce_partial if r.partial_rollout_tokens else self._produce_whole
         self._thread = threading.Thread(target=self._run, args=(produce,), name="rollout-producer", daemon=True)
         self._thread.start()
+        if self.replicas is not None:  # the pool grows and shrinks while the job runs (trainer.replicas)
+            self.replicas.follow()
 
     # -- the trainer's side ----------------------------------------------------------------------------------
 
@@ -204,8 +207,9 @@ class AsyncRollouts(Rollouts):
             if self.replicas is not None:  # one that died idle leaves the set before the stream is formed over it
                 self.replicas.check()
             out = act()
-            if "replica_recovery_seconds" in out:
-                self.stats["replica_recovery_seconds"] = out["replica_recovery_seconds"]
+            for key in ("replica_recovery_seconds", "replica_join_seconds"):
+                if key in out:
+                    self.stats[key] = out[key]
             return out
         finally:
             with self._cond:
@@ -227,6 +231,8 @@ class AsyncRollouts(Rollouts):
                 "regenerated_prompts_total": float(self.regenerated), **replicas}
 
     def close(self) -> None:
+        if self.replicas is not None:
+            self.replicas.stop_following()
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
@@ -262,7 +268,7 @@ class AsyncRollouts(Rollouts):
                     self._cond.wait(0.5)
                 if self._stop.is_set():
                     return None
-                ranks = self.replicas.working() if self.replicas is not None else list(range(self.ranks))
+                ranks = self.replicas.claim() if self.replicas is not None else list(range(self.ranks))
                 if ranks:
                     self._calling = True
                     break
@@ -277,6 +283,8 @@ class AsyncRollouts(Rollouts):
                 raise
             return None
         finally:
+            if self.replicas is not None:
+                self.replicas.unclaim(ranks)
             with self._cond:
                 self._calling = False
                 self._cond.notify_all()

@@ -21,7 +21,9 @@ from hybridflow.trainer.rollouts import ROLLOUT_MODES, Rollouts
 from hybridflow.trainer.weight_sync import ColocatedWeightSync, StreamedWeightSync, WeightSync
 from hybridflow.trainer.step import Scorer, generation_rows
 from hybridflow.single_controller.allocator import worker_allocator_env
-from hybridflow.single_controller.worker_group import RayResourcePool, RoleSpec, WorkerGroup
+from hybridflow.single_controller.membership import open_membership
+from hybridflow.single_controller.resource_pool import RayResourcePool
+from hybridflow.single_controller.worker_group import RoleSpec, WorkerGroup
 from hybridflow.data.files import PromptRenderer, load_prompt_files
 from hybridflow.data.packing import unpack_prompts, unpack_responses
 from hybridflow.data.tasks import Sample, arithmetic_samples, increment_samples, products_samples, split_train_eval
@@ -125,6 +127,13 @@ class Workers:
         return self.weights.sync(version)
 
     @property
+    def rollout(self) -> Any:
+        """The rollout role on its replicas there now (a pool of replicas grows and shrinks: trainer.replicas)."""
+        if self.replicas is None:
+            return self.roles["rollout"]
+        return self.replicas.handle(self.replicas.members())
+
+    @property
     def rollout_apart(self) -> bool:
         """Whether rollout has a pool of its own (generation and training can overlap)."""
         return self.pools["rollout"] != self.pools["actor"]
@@ -143,7 +152,18 @@ class Workers:
         return {role: g.pool.name for g in self.groups for role in g.roles}
 
     def shutdown(self) -> None:
+        if self.replicas is not None:
+            self.replicas.close()
         close_groups(self.groups)
+
+
+def _slots(s: JobSpec, pool: ResourcePool) -> list[int] | None:
+    """The pod indices a pool of independent replicas (an async job's rollout pool of its own) starts with, each
+    node's placement group held to its pod (api.pool_slot_resource): an elastic one its minReplicas (it grows into
+    the pods there once running: trainer.replicas), any other all of them. None for every other pool."""
+    if not s.replica_pool(pool.name):
+        return None
+    return list(range(s.rollout_pool.min_replicas if s.rollout_pool is not None else pool.nodes))
 
 
 def close_groups(groups: list[WorkerGroup]) -> None:
@@ -204,8 +224,10 @@ def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | 
             if pool_spec.name not in by_pool:
                 continue
             threads = max(1, int(pool_spec.cpus_per_device))
-            pool = RayResourcePool(pool_spec.name, pool_spec.nodes, pool_spec.devices_per_node, pool_spec.device,
-                                   pool_spec.cpus_per_device)
+            slots = _slots(s, pool_spec)
+            pool = RayResourcePool(pool_spec.name, len(slots) if slots is not None else pool_spec.nodes,
+                                   pool_spec.devices_per_node, pool_spec.device, pool_spec.cpus_per_device,
+                                   slots=slots)
             allocator = worker_allocator_env(pool_spec.allocator, f"spec.resourcePools[{index}].allocator")
             group = WorkerGroup(pool, by_pool[pool_spec.name], env={**env, "OMP_NUM_THREADS": str(threads)},
                                 process_env=allocator, collective_timeout_s=collective_timeout(s.run_policy))
@@ -218,7 +240,10 @@ def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | 
             rollout_group = next(g for g in groups if "rollout" in g.roles)
             # async replaces a lost replica alone; the other modes wait on its generation and recover as a whole
             policy = s.run_policy if s.rollout.mode == "async" else None
-            replicas = RolloutReplicas(rollout_group, roles["rollout"], policy, REPLICA_BUILD_TIMEOUT_S)
+            most = s.pool("rollout").nodes if s.rollout_pool is None else s.rollout_pool.max_replicas
+            membership = open_membership() if rollout_group.pool.slots is not None else None
+            replicas = RolloutReplicas(rollout_group, roles["rollout"], policy, REPLICA_BUILD_TIMEOUT_S, most,
+                                       membership)
             weights = StreamedWeightSync(roles["actor"], replicas, s.rollout.weight_sync_timeout_seconds)
     except BaseException:
         close_groups(groups)

@@ -69,22 +69,23 @@ class StreamedWeightSync:
 
     def sync(self, version: int) -> dict[str, float]:
         while True:
-            members = self.replicas.members()
-            if not members:  # every replica lost: the rebuilt ones get this version when they join
-                self.version = version
-                return {"rollout_policy_version": float(version)}
-            calls: list[PendingResult] = []
-            try:
-                if members != self.members:
-                    self._form(members)
-                calls = [self.actor.send_weights(version, self.dtype),
-                         self.replicas.handle(members).sync_weights(version)]
-                got = resolve(calls[1])  # first: a receiver's error names the peer that did not answer
-                sent = resolve(calls[0])
-                break
-            except Exception as err:
-                if not self._replica_lost(err, calls):
-                    raise
+            with self.replicas.claimed(joining_too=True) as members:  # (a pod leaving waits for this sync to end)
+                if not members:  # every replica lost: the rebuilt ones get this version when they join
+                    self.version = version
+                    return {"rollout_policy_version": float(version)}
+                calls: list[PendingResult] = []
+                try:
+                    if members != self.members:
+                        self._form(members)
+                    calls = [self.actor.send_weights(version, self.dtype),
+                             self.replicas.handle(members).sync_weights(version)]
+                    got = resolve(calls[1])  # first: a receiver's error names the peer that did not answer
+                    sent = resolve(calls[0])
+                    joined = self._admit(members)
+                    break
+                except Exception as err:
+                    if not self._replica_lost(err, calls):
+                        raise
         self.version = version
         stats = {"reshard_bytes": float(np.mean([x["bytes"] for x in got])),
                  "reshard_peak_bytes": float(max(x["peak_bytes"] for x in [*got, *sent])),
@@ -92,9 +93,10 @@ class StreamedWeightSync:
                  "weight_sync_bytes": float(sum(x["bytes"] for x in got)),
                  "weight_sync_seconds": float(max(x["seconds"] for x in [*got, *sent])),
                  "rollout_policy_version": float(version)}
-        joined = self._admit(members)
-        if joined:
-            stats["replica_recovery_seconds"] = max(e.joined_after or 0.0 for e in joined)
+        for key, events in (("replica_recovery_seconds", [e for e in joined if not e.added]),
+                            ("replica_join_seconds", [e for e in joined if e.added])):
+            if events:
+                stats[key] = max(e.joined_after or 0.0 for e in events)
         return stats
 
     def _replica_lost(self, err: BaseException, calls: list[PendingResult]) -> bool:
