@@ -141,7 +141,9 @@ class SharedRay:
             self.temp_dir = None
 
     def check_fits(self, job) -> None:
-        """Fail the test, naming what is missing, when `job`'s pools need more than the shared Ray has."""
+        """Start the shared Ray if it is not running (the session's fixture starts it once; a test that needs no Ray
+        stops it), then fail the test, naming what is missing, when `job`'s pools need more than it has."""
+        self.ensure_running()
         if any(p.nodes > 1 for p in job.spec.resource_pools):
             pytest.fail("spec.resourcePools[].nodes > 1 needs a Ray cluster, not the tests' local Ray")
         self.check_room(job.spec.resource_pools)

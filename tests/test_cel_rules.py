@@ -161,7 +161,8 @@ def _rule_cases(path: str, rule: str) -> tuple[list[tuple], list[tuple]]:
         without = {k: v for k, v in spec.items() if k != "rolloutPool"}
         return ([(spec, spec), (resized, spec), (without, without)], [(spec, without), (without, spec)])
     if path == "$.spec.rolloutPool":
-        ok = [{"maxReplicas": 2}, {"replicas": 2, "maxReplicas": 2}, {"replicas": 1, "minReplicas": 1, "maxReplicas": 3}]
+        ok = [{"maxReplicas": 2}, {"replicas": 2, "maxReplicas": 2},
+              {"replicas": 1, "minReplicas": 1, "maxReplicas": 3}]
         bad = [{"replicas": 3, "maxReplicas": 2}, {"replicas": 1, "minReplicas": 2, "maxReplicas": 3},
                {"minReplicas": 3, "maxReplicas": 2}]
         return ([(x, _ABSENT) for x in ok], [(x, _ABSENT) for x in bad if not _holds(rule, x)])

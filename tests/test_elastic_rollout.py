@@ -79,6 +79,7 @@ def test_the_pool_grows_into_a_new_pod_and_a_pod_given_notice_leaves_while_train
     job = _job(tmp_path)
     model_dir = materialize(job.spec.models.actor, model_cache, job.spec.trainer.seed)
     task = setup.build_task(job, model_dir)
+    shared_ray.check_fits(job)
     w = setup.build_workers(job, model_dir, task, None, None)
     left = {}
     try:

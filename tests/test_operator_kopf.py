@@ -1104,7 +1104,8 @@ def test_an_elastic_rollout_pool_is_scaled_on_a_live_job_without_a_restart(clust
         assert out.returncode == 0, out.stderr
 
     scale(2)
-    wait_for(lambda: "je-rollout-1-g0" in _pod_names(kube, "je"), 30, lambda: f"the pod added; {_pod_names(kube, 'je')}")
+    wait_for(lambda: "je-rollout-1-g0" in _pod_names(kube, "je"), 30,
+             lambda: f"the pod added; {_pod_names(kube, 'je')}")
     _run_all(kube, "je")
     wait_for(lambda: kube.status("je").get("rolloutReplicas") == 2, 30, lambda: f"status: {kube.status('je')}")
     scale(1)

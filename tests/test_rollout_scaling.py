@@ -1,8 +1,8 @@
 """An elastic rollout pool on the operator's side (issue 29, item 3): spec.rolloutPool is validated, read live like
 runPolicy (not a spec change), and `decide` adds or removes only the rollout pods past the new size, with the head
 and every other pod kept and nothing counted as a failure; the pods are built at the size now, each rollout pod
-advertising its slot and handing its replicas back in its preStop hook. The driver's side: tests/test_elastic_rollout.py;
-both on a live job: e2e/test_faults.py."""
+advertising its slot and handing its replicas back in its preStop hook. The driver's side:
+tests/test_elastic_rollout.py; both on a live job: e2e/test_faults.py."""
 from __future__ import annotations
 
 import datetime as dt

@@ -337,9 +337,10 @@ def _accepted_job(kube: Kube, live: RLHFJob, uid: str | None, status: JobStatus,
 
 
 def _spec_fields(job: RLHFJob) -> dict[str, Any]:
-    """What may not change on a live job: all but runPolicy and an elastic rollout pool's size and bounds. A checkpoint directory on the claim is the operator's
-    choice (jobs started before it was per-job keep theirs), so it is left out; an object-storage URL is the
-    author's and counts (editing it must not pass unnoticed while the job goes on writing to the old bucket)."""
+    """What may not change on a live job: all but runPolicy and an elastic rollout pool's size and bounds. A
+    checkpoint directory on the claim is the operator's choice (jobs started before it was per-job keep theirs), so
+    it is left out; an object-storage URL is the author's and counts (editing it must not pass unnoticed while the
+    job goes on writing to the old bucket)."""
     spec = job.spec.model_dump(exclude={"run_policy", "rollout_pool"})
     if not is_url(job.spec.trainer.checkpoint_dir):
         spec["trainer"].pop("checkpoint_dir", None)

@@ -573,8 +573,8 @@ def worker_pod(job: RLHFJob, uid: str, pool: ResourcePool, index: int, generatio
     grace = None
     if job.spec.replica_pool(pool.name):
         # A termination notice (scale-down, eviction, drain, preemption) first hands the pod's rollout replicas
-        # back to the controller, which lets them finish the call they are in (trainer.membership); a pod killed
-        # outright is a lost replica instead, rebuilt in its replacement.
+        # back to the controller, which lets them finish the call they are in (single_controller.membership); a pod
+        # killed outright is a lost replica instead, rebuilt in its replacement.
         grace = leave_grace_seconds(job)
         container["lifecycle"] = {"preStop": {"exec": {"command": [
             "hybridflow", "leave-pool", f"--address={head}:{RAY_PORT}", f"--pool={pool.name}", f"--index={index}",

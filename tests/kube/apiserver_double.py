@@ -1,8 +1,9 @@
 """A test double of the kube-apiserver: kmock's stateful Kubernetes emulator served over real HTTP, plus what a
 real API server does and kmock 0.8 does not (see STACK.md): resourceVersion/uid/creationTimestamp/generation,
 `generateName`, 422 on a failed JSON-patch `test`, a delete's preconditions (uid, resourceVersion: 409 Conflict when
-the object is another), label selectors on lists, `kind` on lists, Table rendering of our printer columns, our CRD's scale
-subresource (`kubectl scale`), the discovery of our CRD, and the core group's discovery spelled as kubectl expects ("v1", not "/v1").
+the object is another), label selectors on lists, `kind` on lists, Table rendering of our printer columns, our CRD's
+scale subresource (`kubectl scale`), the discovery of our CRD, and the core group's discovery spelled as kubectl
+expects ("v1", not "/v1").
 
 It stands in for the API server only; kopf, kubectl and our operator talk to it as they would to a cluster."""
 from __future__ import annotations
