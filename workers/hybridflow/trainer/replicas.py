@@ -173,9 +173,7 @@ class RolloutReplicas:
         self._joining_for[rank] = event
         log.warning("rollout replica %d lost (%s): rebuilding it while the other replicas (%s) go on",
                     rank, event.reason, self.live or "none")
-        thread = threading.Thread(target=self._rebuild, args=(event,), name=f"rebuild-rollout-{rank}", daemon=True)
-        self._threads.append(thread)
-        thread.start()
+        self._start(self._rebuild, (event,), f"rebuild-rollout-{rank}")
 
     def _rebuild(self, event: Replacement) -> None:
         try:
@@ -324,17 +322,19 @@ class RolloutReplicas:
         there = {int(m.group(1)) for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in gone
                  for key in n.get("Resources", {}) if (m := pattern.match(key))}
         with self._cond:
-            held = {self.group.slot_of(r) for r in self.live + self.joining + sorted(self._rebuilding)}
-        return sorted(there - held - self._growing)
+            return sorted(there - self._held_slots() - self._growing)
 
     def _grow_into(self, slots: list[int]) -> None:
         for slot in slots:
             with self._cond:
-                held = len({self.group.slot_of(r) for r in self.live + self.joining + sorted(self._rebuilding)})
-                if held + len(self._growing) >= self.most:
+                if len(self._held_slots()) + len(self._growing) >= self.most:
                     return
                 self._growing.add(slot)
             self._start(self._grow, (slot, time.perf_counter()), f"grow-rollout-{slot}")
+
+    def _held_slots(self) -> set[int | None]:
+        """Holding the lock: the slots our replicas are in (working, joining, being rebuilt)."""
+        return {self.group.slot_of(r) for r in [*self.live, *self.joining, *self._rebuilding]}
 
     def _grow(self, slot: int, seen_at: float) -> None:
         try:
@@ -357,6 +357,7 @@ class RolloutReplicas:
                     self.group.pool.name, slot, ranks)
 
     def _start(self, target: Any, args: tuple, name: str) -> None:
+        """A background thread of ours (a rebuild, a growth, a retirement), which `settle` waits for."""
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         with self._cond:
             self._threads.append(thread)
