@@ -22,10 +22,10 @@ from enum import StrEnum
 from typing import NamedTuple, cast
 
 from hybridflow.api import EXIT_BAD_INPUT, RLHFJob
-from hybridflow.api.names import LABEL_JOB, LABEL_POOL
 from hybridflow.api.run_policy import progress_deadline
 from hybridflow.api.scaling import replicas_now, sized
 from hybridflow.api.status import ACTIVE, TERMINAL, Condition, JobStatus, Phase, pool_status
+from hybridflow_operator.manifests import selector
 
 # A pod still Pending this long with no reason of its own is reported (not failed: a queue may be long).
 PENDING_TOO_LONG_SECONDS = 600
@@ -396,7 +396,7 @@ def _rescale(plan: Plan, job: RLHFJob, current: list[PodView], now: dt.datetime)
     if want is None:
         return current, 0
     st, pool = plan.status, job.spec.pool("rollout").name
-    st["rolloutSelector"] = f"{LABEL_JOB}={job.metadata.name},{LABEL_POOL}={pool}"  # the scale subresource's
+    st["rolloutSelector"] = selector(job.metadata.name, pool=pool)  # the scale subresource's
     have = int(st.get("rolloutReplicas", want))
     last = st.get("lastRolloutScale") or {}
     if want != last.get("to", have):
