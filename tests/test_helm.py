@@ -26,6 +26,8 @@ COMBOS = {
                              "--set", "image.tag=0.2.0", "--set", "nodeSelector.pool=system"],
     "cluster-wide": ["--set", "clusterWide=true", "--set", "resourceQuota.enabled=true",
                      "--set", "resourceQuota.namespaces={team-a}"],
+    "cluster-wide-kueue": ["--set", "clusterWide=true", "--set", "kueue.enabled=true"],
+    "namespaced-kueue": ["--set", "watchNamespaces={team-a,team-b}", "--set", "kueue.enabled=true"],
     # every egress value set, the quota on, no scrapers: the operator's policy then admits no ingress at all
     "egress-quota": ["--set", "watchNamespaces={team-a,team-b}", "--set", "resourceQuota.enabled=true",
                      "--set-json", 'networkPolicy.objectStore={"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], '
@@ -126,6 +128,33 @@ def test_volcano_rule_follows_values():
     custom = render_chart("no-volcano-custom-sa")
     assert "Role" in _kinds(custom)  # the rule is absent, not the whole role
     assert "scheduling.volcano.sh" not in groups(custom)
+
+
+def test_kueue_rights_and_switch_follow_values():
+    """kueue.enabled: the Workload rules where the jobs are (Roles, or the ClusterRole), the cluster-scoped reads
+    (ResourceFlavors, PriorityClasses) in a ClusterRole in both modes, and the operator told; off, none of it."""
+    def rules(docs, kind):
+        return {(g, r, v) for d in docs if d["kind"] == kind for rule in d["rules"] for g in rule["apiGroups"]
+                for r in rule["resources"] for v in rule["verbs"]}
+
+    def switch(docs):
+        dep = next(d for d in docs if d["kind"] == "Deployment")
+        return {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}[
+            "HYBRIDFLOW_KUEUE"]
+
+    reads = {("kueue.x-k8s.io", "resourceflavors", "get"), ("scheduling.k8s.io", "priorityclasses", "get")}
+    workloads = {("kueue.x-k8s.io", "workloads", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
+    namespaced = render_chart("namespaced-kueue")
+    assert workloads | {("kueue.x-k8s.io", "workloads/status", "patch")} <= rules(namespaced, "Role")
+    assert rules(namespaced, "ClusterRole") == reads and switch(namespaced) == "true"
+    binding = next(d for d in namespaced if d["kind"] == "ClusterRoleBinding")
+    assert binding["roleRef"]["name"].endswith("-kueue")
+    wide = render_chart("cluster-wide-kueue")
+    assert workloads | reads <= rules(wide, "ClusterRole")
+    for combo in ("default", "cluster-wide"):
+        docs = render_chart(combo)
+        assert not {g for g, _, _ in rules(docs, "Role") | rules(docs, "ClusterRole")} & {"kueue.x-k8s.io"}
+        assert switch(docs) == "false"
 
 
 def test_operator_deployment_is_locked_down():

@@ -1117,3 +1117,111 @@ def test_an_elastic_rollout_pool_is_scaled_on_a_live_job_without_a_restart(clust
     assert not any(c["type"] == "SpecChangeIgnored" for c in st.get("conditions", [])), st
     assert st["lastRolloutScale"]["from"] == 2 and st["lastRolloutScale"]["to"] == 1, st
     wait_for(lambda: _reasons(kube, "je").count("RolloutScaled") == 2, 30, lambda: f"events {_reasons(kube, 'je')}")
+
+
+def _granted_with(combo: str) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) every Role and ClusterRole of the chart rendered with `combo` grants."""
+    from test_helm import render_chart
+
+    return {(g, r, v) for d in render_chart(combo) if d["kind"] in ("Role", "ClusterRole") for rule in d["rules"]
+            for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+
+
+KUEUE_GROUPS = {"workloads": "kueue.x-k8s.io", "resourceflavors": "kueue.x-k8s.io",
+                "priorityclasses": "scheduling.k8s.io"}
+
+
+def test_a_job_queued_through_kueue_waits_for_admission_is_evicted_and_resumes(tmp_path):
+    """Issue 30 item 1, the real operator over HTTP with Kueue on (the chart's kueue.enabled), Kueue's controller
+    played by the test (kube/kueue_double.py, writing what Kueue writes): a job labelled with a LocalQueue gets a
+    Workload and no pod while it is not admitted; admitted, its pods carry the assigned flavors' node labels and
+    tolerations; evicted (preempted), its pods go, the quota is given back, and it waits again; re-admitted, it
+    resumes (same gang generation); finished, the Workload says Finished. Every request the operator made for it is
+    one the chart (kueue.enabled) grants, and each Kueue right granted was used."""
+    from kube.kueue_double import KueueDouble, condition
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HYBRIDFLOW_KUEUE", "true")
+        env.setenv("HYBRIDFLOW_ALLOWED_PRIORITY_CLASSES", "research")
+        with _started_cluster(tmp_path) as (api, kubeconfig, op):
+            env.undo()
+            kube = Kube(kubeconfig)
+            kueue = KueueDouble(kube.api, "default")
+            kueue.flavor("general", {"pool": "general"})
+            kueue.flavor("spot", {"pool": "spot"}, [{"key": "spot", "operator": "Exists", "effect": "NoSchedule"}])
+            kube.custom.create_cluster_custom_object("scheduling.k8s.io", "v1", "priorityclasses", {
+                "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": "research"},
+                "value": 1000})
+            refused = job_doc("jqbad", priorityClassName="forbidden")
+            refused["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+            kube.create_job(refused)  # judged before it queues: no Workload holds quota for a job never to run
+            st = wait_for(lambda: (s := kube.status("jqbad")).get("phase") == "Failed" and s, 30, "Failed")
+            assert "priorityClassName 'forbidden' is not allowed" in st["message"]
+            assert kueue.workload("jqbad-workload") is None
+            doc = job_doc("jq", priorityClassName="research")
+            doc["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+            kube.create_job(doc)
+            wl = wait_for(lambda: kueue.workload("jq-workload"), 30, "the job's Workload")
+            assert wl["spec"]["queueName"] == "team-a" and wl["metadata"]["ownerReferences"][0]["name"] == "jq"
+            assert [(p["name"], p["count"]) for p in wl["spec"]["podSets"]] == [("head", 1), ("default", 1)]
+            assert (wl["spec"]["priorityClassName"], wl["spec"]["priority"]) == ("research", 1000)
+            wait_for(lambda: _phase(kube, "jq") == "Queued", 30, "Queued")
+            kueue.pend("jq-workload", "couldn't assign flavors to pod set default: insufficient quota for cpu")
+            wait_for(lambda: "insufficient quota" in _message(kube, "jq"), 30, "Kueue's reason in the job's status")
+            _wait_ticks(op, kube, "jq")
+            assert kube.pods("jq") == [] and not api.requests("POST", "pods"), "no pod before admission"
+
+            kueue.admit("jq-workload", "cq", {"head": "general", "default": "spot"})
+            pods = wait_for(lambda: len(kube.pods("jq")) == 2 and kube.pods("jq"), 30,
+                            lambda: f"the admitted gang; the job's status: {kube.status('jq')}")
+            placed = {p.metadata.name: p.spec for p in pods}
+            assert placed["jq-head-g0"].node_selector == {"pool": "general"}
+            assert placed["jq-default-0-g0"].node_selector == {"pool": "spot"}
+            assert [t.key for t in placed["jq-default-0-g0"].tolerations] == ["spot"]
+            assert {p.metadata.labels["kueue.x-k8s.io/podset"] for p in pods} == {"head", "default"}
+            _run_all(kube, "jq")
+            wait_for(lambda: _phase(kube, "jq") == "Running", 30, "Running")
+            wait_for(lambda: condition(kueue.workload("jq-workload"), "PodsReady").get("status") == "True", 30,
+                     "PodsReady in the Workload")
+
+            kueue.evict("jq-workload")
+            wait_for(lambda: _phase(kube, "jq") == "Queued" and not kube.pods("jq"), 30, "evicted: pods gone, Queued")
+            wl = wait_for(lambda: (w := kueue.workload("jq-workload")) and not (w.get("status") or {}).get(
+                "admission") and w, 30, "the quota given back")
+            assert condition(wl, "QuotaReserved")["status"] == "False"
+            assert condition(wl, "Requeued")["status"] == "True" and condition(wl, "Admitted")["status"] == "False"
+            st = kube.status("jq")
+            assert st["reason"] == "Evicted" and "Preempted" in st["message"] and st["restarts"] == 0
+            assert "Evicted" in _reasons(kube, "jq")
+
+            kueue.admit("jq-workload", "cq", {"head": "general", "default": "general"})
+            wait_for(lambda: _pod_names(kube, "jq") == ["jq-default-0-g0", "jq-head-g0"], 30, "resumed")
+            assert kube.pods("jq")[0].spec.node_selector == {"pool": "general"}
+            assert "resuming from the last checkpoint" in _message(kube, "jq")
+            _run_all(kube, "jq")
+            wait_for(lambda: _phase(kube, "jq") == "Running", 30, "Running again")
+            kube.set_pod_phase("jq-head-g0", "Succeeded", exit_code=0)
+            wait_for(lambda: condition(kueue.workload("jq-workload"), "Finished").get("reason") == "Succeeded", 30,
+                     "Finished in the Workload")
+            kube.delete_job("jq")
+            wait_for(lambda: kube.job("jq") is None and kueue.workload("jq-workload") is None, 30,
+                     "the job and its Workload gone")
+
+            used = {(KUEUE_GROUPS.get(r.plural, GROUPS.get(r.plural, "")), r.plural,
+                     VERBS.get(r.action.name, "patch" if r.method == "PATCH" else "update"))
+                    for r in list(api.handler.log) if r.agent.startswith(("kopf", "hybridflow-operator")) and r.plural}
+            granted = _granted_with("cluster-wide-kueue")
+            granted |= {(g, r.split("/")[0], v) for g, r, v in granted if r.endswith("/status")}
+            assert used - granted == set(), "requests the chart's role would refuse"
+            kueue_rights = {(g, r, v) for g, r, v in granted if r in KUEUE_GROUPS}
+            assert kueue_rights - used == set(), "Kueue rights granted but never used: trim them"
+
+
+def test_a_job_labelled_for_kueue_is_refused_where_the_operator_has_no_kueue(cluster):
+    _, kube, _ = cluster
+    doc = job_doc("jnq")
+    doc["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+    kube.create_job(doc)
+    st = wait_for(lambda: (s := kube.status("jnq")).get("phase") == "Failed" and s, 30, "Failed")
+    assert "metadata.labels[kueue.x-k8s.io/queue-name]" in st["message"] and "kueue.enabled" in st["message"]
+    assert kube.pods("jnq") == []

@@ -22,7 +22,7 @@ import logging
 import os
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, NamedTuple, cast
 
 import kopf
@@ -33,17 +33,21 @@ from hybridflow.api import API_GROUP as GROUP
 from hybridflow.api import PLURAL, VERSION, RLHFJob, SpecError, parse_job
 from hybridflow.api.storage import is_url
 from hybridflow.api.status import TERMINAL, JobStatus, Phase
+from hybridflow_operator import kueue
 from hybridflow_operator import manifests as mf
 from hybridflow_operator.environments import (PoolPlan, environment_children, environment_policy_name,
                                               environment_pod, plan_pool)
 from hybridflow_operator.kube import API_TIMEOUT, Kube, controllers, ignore
 from hybridflow_operator.metrics import OperatorMetrics
-from hybridflow_operator.phases import (Plan, PodPhase, PodView, admit_gang, backoff, decide, invalid, iso,
+from hybridflow_operator.phases import (Plan, PodPhase, PodView, Queue, admit_gang, backoff, decide, invalid, iso,
                                          parse_time, refused, resting, set_condition)
 from hybridflow_operator.policy import Policy, unmarked, violations
 from hybridflow_operator.progress import Poller, merge_progress, parse_progress
 
 INTERVAL = float(os.environ.get("HYBRIDFLOW_RECONCILE_INTERVAL", "5"))
+# Jobs labelled kueue.x-k8s.io/queue-name are admitted through Kueue (the chart's kueue.enabled): the operator then
+# follows the jobs' Workloads with a watch, and holds the rights to make them (the chart grants them with it).
+KUEUE = os.environ.get("HYBRIDFLOW_KUEUE", "").lower() in ("1", "true", "yes")
 # The longest a job waiting for something outside it (a PVC, the reward ConfigMap, a quota) goes between looks.
 RETRY_MAX_SECONDS = 60.0
 log = logging.getLogger("hybridflow.operator")
@@ -224,7 +228,7 @@ def watch_children_only(settings: kopf.OperatorSettings) -> None:
     """Have the API server send the pod watch (`job_pods`) and the followed kinds' watches only objects carrying the
     job label (a label only the operator may set), instead of every pod, Service and NetworkPolicy of every
     namespace served: on a busy cluster the pod watch alone would stream every pod's every status change."""
-    for resource in (("v1", "pods"), *FOLLOWED_CHILDREN.values()):
+    for resource in (("v1", "pods"), *FOLLOWED_CHILDREN.values(), *([WORKLOADS] if KUEUE else [])):
         settings.watching.label_selectors[resource] = mf.LABEL_JOB
 
 
@@ -248,6 +252,26 @@ def job_network_policies(namespace: str, name: str, labels: kopf.Labels, body: k
                          **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
     """The jobs' NetworkPolicies, kept current by one watch (FOLLOWED_CHILDREN)."""
     return _followed_child("NetworkPolicy", namespace, name, labels, body)
+
+
+WORKLOADS = (kueue.GROUP, kueue.VERSION, kueue.WORKLOADS)
+
+
+def job_workloads(namespace: str, labels: kopf.Labels, body: kopf.Body,
+                  **_: Any) -> dict[tuple[str, str], kueue.Admission]:
+    """The jobs' Kueue Workloads, as read from one watch (registered only with Kueue on): what Kueue decided is
+    seen as soon as it writes it, and a queued job rests until its Workload changes (`_rests`)."""
+    return {(namespace, labels[mf.LABEL_JOB]): kueue.read_workload(dict(body))}
+
+
+if KUEUE:
+    kopf.index(*WORKLOADS, labels={mf.LABEL_JOB: kopf.PRESENT})(job_workloads)
+
+
+def _workload(index: kopf.Index | None, namespace: str, name: str, uid: str | None) -> kueue.Admission | None:
+    """The job's own Workload as last seen (only one it controls counts, as for pods), or None."""
+    found = [w for w in (index or {}).get((namespace, name), []) if uid and w.owner == uid]
+    return found[0] if found else None
 
 
 def _lost_children(followed: list[kopf.Index], namespace: str, name: str, uid: str | None,
@@ -441,10 +465,11 @@ def _acts_in(memo: kopf.Memo, namespace: str | None = None, **_: Any) -> bool:
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=INTERVAL, when=_acts_in)
 def reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, job_pods: kopf.Index,
-              job_services: kopf.Index, job_network_policies: kopf.Index, **_: Any) -> None:
+              job_services: kopf.Index, job_network_policies: kopf.Index, job_workloads: kopf.Index | None = None,
+              **_: Any) -> None:
     t0, metrics = time.perf_counter(), _shared(memo).metrics
     try:
-        _reconcile(body, name, namespace, memo, job_pods, [job_services, job_network_policies])
+        _reconcile(body, name, namespace, memo, job_pods, [job_services, job_network_policies], job_workloads)
     except Exception:
         metrics.reconcile_errors.inc()
         raise
@@ -459,9 +484,11 @@ class _Resting(NamedTuple):
     why: str
     version: str | None
     until: float | None
+    workload: kueue.Admission | None = None  # a queued job's Workload when the rest began: a change ends it
 
 
-def _rests(body: kopf.Body, memo: kopf.Memo, lost: Callable[[], set[tuple[str, str]]]) -> bool:
+def _rests(body: kopf.Body, memo: kopf.Memo, lost: Callable[[], set[tuple[str, str]]],
+           workload: Callable[[], kueue.Admission | None]) -> bool:
     """Whether this tick has nothing to do: the job rests, unchanged since, and its time is not up. No API call,
     no parse, no decide: 5,000 suspended jobs at a 5 s interval are 1,000 ticks a second (a job waiting for a PVC
     used to make 8 requests at each). A Pending job's rest also ends when one of its followed children is gone
@@ -480,11 +507,14 @@ def _rests(body: kopf.Body, memo: kopf.Memo, lost: Callable[[], set[tuple[str, s
     if rest.why in PENDING_RESTS and lost():
         memo.pop("rest", None)
         return False
+    if rest.why == "queued" and workload() != rest.workload:  # Kueue decided (or the Workload went)
+        memo.pop("rest", None)
+        return False
     return True
 
 
 def _rest_after(body: kopf.Body, memo: kopf.Memo, job: RLHFJob | None, status: JobStatus, plan: Plan,
-                now: dt.datetime) -> None:
+                now: dt.datetime, queue: Queue | None = None) -> None:
     """After a tick that did nothing (no write, create, delete or event), let the job rest if phases.resting says
     it has nothing to do: until a change when suspended or finished without a TTL; until its TTL; when it waits for
     something outside it, for a backoff (INTERVAL doubling up to RETRY_MAX_SECONDS, never past its deadline)."""
@@ -501,42 +531,50 @@ def _rest_after(body: kopf.Body, memo: kopf.Memo, job: RLHFJob | None, status: J
         wait = rest.at_most if wait is None else min(wait, rest.at_most)
     memo["rest_tries"] = tries + 1
     memo["rest"] = _Resting(rest.why, body["metadata"].get("resourceVersion"),
-                            None if wait is None else time.monotonic() + wait)
+                            None if wait is None else time.monotonic() + wait, queue.workload if queue else None)
 
 
 def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, index: kopf.Index,
-               followed: list[kopf.Index]) -> None:
+               followed: list[kopf.Index], workloads: kopf.Index | None = None) -> None:
     if body["metadata"].get("deletionTimestamp"):
         return  # being deleted: `cleanup` owns it now; a tick must not create children after cleanup has run
     shared = _shared(memo)
     if not _acts_in(memo, namespace):
         return  # the namespace lost its label since kopf started this timer
     uid = body["metadata"].get("uid")
-    if _rests(body, memo, functools.partial(_lost_children, followed, namespace, name, uid, memo)):
+    if _rests(body, memo, functools.partial(_lost_children, followed, namespace, name, uid, memo),
+              functools.partial(_workload, workloads, namespace, name, uid)):
         shared.metrics.resting_ticks.inc()
         return
     now = dt.datetime.now(dt.timezone.utc)
     status = _known_status(body, memo)
     job: RLHFJob | None = None
     error: str | None = None
+    queue_name = kueue.queue_name(body["metadata"].get("labels"))
     try:
         live = parse_job({"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
                           "metadata": {"name": name, "namespace": namespace}, "spec": dict(body.get("spec") or {})},
                          f"RLHFJob {namespace}/{name}")
         job, changed = _accepted_job(shared.kube, live, uid, status, memo)
+        if queue_name and not status.get("phase"):  # checked once, at acceptance: a running job is never failed
+            _check_queueable(job)
     except SpecError as err:
         error, changed, job = str(err), False, None
+    queue = Queue(queue_name, _workload(workloads, namespace, name, uid)) if queue_name and KUEUE else None
     pods = _observed_pods(index, namespace, name, uid, memo)
     # The environment pool's pods live beside the gang, not in it: decided on apart (environments.plan_pool).
     pool_views = [p["view"] for p in pods if p["view"].role == mf.ENVIRONMENT_ROLE]
     views = [p["view"] for p in pods if p["view"].role != mf.ENVIRONMENT_ROLE]
     gen = int(status.get("restarts", 0))
     disrupted = {pod: why for pod, (g, why) in shared.disrupted.get((namespace, name), {}).items() if g == gen}
-    plan = decide(job, error, status, views, now, disrupted=disrupted)
+    plan = decide(job, error, status, views, now, disrupted=disrupted, queue=queue)
     reward: str | None = None  # the reward file, read to be copied
     if job is not None and plan.create_gang is not None:  # about to create pods: are their inputs there?
         missing, reward = _missing_inputs(shared.kube, shared.policy, job, namespace, status)
         plan = admit_gang(plan, status, views, now, missing, violations(job, shared.policy))
+    if job is not None and queue is not None and not status.get("phase") and plan.status.get("phase") == Phase.QUEUED \
+            and (broken := violations(job, shared.policy)):  # judged before it queues: Kueue's quota is not spent
+        plan = admit_gang(replace(plan, create_gang=0), status, views, now, None, broken)  # on a job never to run
     if job is not None and plan.create_static and not plan.status.get("acceptedSpecDigest"):
         # Recorded before the ConfigMap is created, so a ConfigMap planted under its name is told apart by content.
         plan.status["acceptedSpecDigest"] = mf.content_digest(mf.spec_text(job))
@@ -567,7 +605,7 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
                 if plan.status.get("phase") not in (*TERMINAL, Phase.SUSPENDED) else set())
         try:
             _create_children(shared, job, uid, plan, pods, memo, first_start=not status.get("phase"), reward=reward,
-                             lost=lost, pool=pool)
+                             lost=lost, pool=pool, queue=queue)
         except SpecError as err:  # a child that exists but is not this job's: fail now, before any pod runs it
             planned = plan
             plan = invalid(planned.status, str(err), now, views)
@@ -599,9 +637,87 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
             metrics.duration.labels(plan.status["phase"]).observe((now - started).total_seconds())
     metrics.set_phase(namespace, name, plan.status.get("phase"))
     metrics.job_restarts.labels(namespace, name).set(plan.status.get("restarts", 0))
+    if job is not None and queue is not None:
+        _sync_workload(shared.kube, namespace, queue, job, plan, len(pods), now)
     if plan.delete_job:
         ignore(404, shared.kube.custom.delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
-    _rest_after(body, memo, job, status, plan, now)
+    _rest_after(body, memo, job, status, plan, now, queue)
+
+
+def _check_queueable(job: RLHFJob) -> None:
+    """A job labelled for a Kueue queue, accepted only where the operator admits jobs through Kueue: anywhere else
+    it would run past the queue's quota."""
+    if not KUEUE:
+        raise SpecError(f"metadata.labels[{kueue.QUEUE_LABEL}]: this operator was installed without Kueue (the "
+                        "chart's kueue.enabled), so it cannot queue the job; remove the label, or ask the cluster's "
+                        "admin to enable it")
+    if problems := kueue.podset_problems(job):
+        raise SpecError("; ".join(problems))
+
+
+def _make_workload(kube: Kube, job: RLHFJob, uid: str | None, queue: str, memo: kopf.Memo) -> None:
+    """Create the job's Workload (it has none, or it was deleted), at most once per CREATED_GRACE_SECONDS while the
+    watch has not shown it. One found under its name must be the job's own (`_check_owner`)."""
+    posted = memo.get("workload_posted")
+    if posted is not None and time.monotonic() - posted < CREATED_GRACE_SECONDS:
+        return
+    pods = mf.gang_pods(job, uid or "", 0)
+    if job.spec.environments is not None:
+        pods += [environment_pod(job, uid or "", i) for i in range(job.spec.environments.replicas)]
+    obj = kueue.workload(job, uid or "", queue, pods, _priority(kube, job))
+    try:
+        made = kube.create(obj)
+    except ApiException as err:
+        err.hybridflow_object = f"Workload {obj['metadata']['name']}"  # type: ignore[attr-defined]
+        raise
+    if made is None:
+        ns, wl = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        found = kube.read("Workload", ns, wl)
+        if found is not None:
+            _check_owner("Workload", ns, wl, found, uid)
+    memo["workload_posted"] = time.monotonic()
+
+
+def _priority(kube: Kube, job: RLHFJob) -> tuple[str, int] | None:
+    """(name, value) of runPolicy.priorityClassName, which Kueue orders and preempts the queue's Workloads by (its
+    Workload must state the value); None without one, or when it does not exist (the pods would be refused)."""
+    name = job.spec.run_policy.priority_class_name
+    if not name:
+        return None
+    found = ignore(404, kube.scheduling.read_priority_class, name)
+    return None if found is None else (name, int(found.value))
+
+
+def _placed(kube: Kube, queue: Queue, new_pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The pods placed where Kueue admitted them (kueue.place: the flavors' node labels and tolerations). None is
+    created for a job whose Workload is not admitted: `decide` plans none, and this holds even if it did."""
+    if queue.workload is None or kueue.held(queue.workload, queue.name):
+        log.error("not creating %d pod(s): %s", len(new_pods), kueue.held(queue.workload, queue.name))
+        return []
+    flavors = {}
+    for name in sorted({f for names_ in queue.workload.flavors.values() for f in names_}):
+        found = ignore(404, kube.custom.get_cluster_custom_object, kueue.GROUP, kueue.VERSION, kueue.FLAVORS, name)
+        if found is None:
+            raise kopf.TemporaryError(f"ResourceFlavor {name}, which Kueue assigned to the job, is not there; "
+                                      "trying again", delay=INTERVAL)
+        flavors[name] = found
+    return kueue.place(new_pods, kueue.placements(queue.workload, flavors))
+
+
+def _sync_workload(kube: Kube, namespace: str, queue: Queue, job: RLHFJob, plan: Plan, pods_left: int,
+                   now: dt.datetime) -> None:
+    """Write back into the job's Workload what Kueue needs from its owner (kueue.status_patch, kueue.spec_patch):
+    the quota of an evicted job given back once its pods are gone, Finished, PodsReady, runPolicy.suspend as
+    spec.active. A conflict (Kueue wrote in between) is left for the next tick, which reads the Workload again."""
+    wl = queue.workload
+    if wl is None:
+        return
+    args = (kueue.GROUP, kueue.VERSION, namespace, kueue.WORKLOADS, wl.name)
+    if (patch := kueue.status_patch(wl, plan.status.get("phase", ""), pods_left, plan.status.get("message", ""),
+                                    now)) is not None:
+        ignore((404, 409), kube.custom.patch_namespaced_custom_object_status, *args, patch)
+    if (patch := kueue.spec_patch(wl, job.spec.run_policy.suspend)) is not None:
+        ignore((404, 409), kube.custom.patch_namespaced_custom_object, *args, patch)
 
 
 def _plan_pool(job: RLHFJob | None, plan: Plan, pool_views: list[PodView]) -> PoolPlan:
@@ -619,7 +735,8 @@ def _plan_pool(job: RLHFJob | None, plan: Plan, pool_views: list[PodView]) -> Po
 
 def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, pods: list[dict[str, Any]],
                      memo: kopf.Memo, first_start: bool, reward: str | None,
-                     lost: set[tuple[str, str]] | None = None, pool: PoolPlan | None = None) -> None:
+                     lost: set[tuple[str, str]] | None = None, pool: PoolPlan | None = None,
+                     queue: Queue | None = None) -> None:
     """The static children, the job's copy of its reward file and the missing pods of the planned generation; a
     refused create raises, naming the object it was about. The pods may use only what the accepted spec names
     (`foreign_references`). A child that already exists must be this job's (`_check_existing`).
@@ -627,8 +744,11 @@ def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, 
     Static children are POSTed once per gang start (a new generation, or a resume: the key is the generation and
     status.startTime), then remembered (`memo["children"]`), not re-POSTed at every tick; `lost` (kind, name), the
     followed children deleted since (`_lost_children`), are made again at any tick, with a Warning event. `pool`:
-    the environment pool's replicas to create (environments.plan_pool), at any tick."""
+    the environment pool's replicas to create (environments.plan_pool), at any tick. `queue`: a job queued through
+    Kueue: its Workload is made when it has none, and its pods are placed where Kueue admitted them (`_placed`)."""
     lost = lost or set()
+    if queue is not None and queue.workload is None and plan.status.get("phase") not in TERMINAL:
+        _make_workload(shared.kube, job, uid, queue.name, memo)
     objs: list[dict[str, Any]] = []
     if plan.create_static or lost:
         policy, own = shared.policy, shared.operator_namespace
@@ -647,7 +767,8 @@ def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, 
             raise SpecError(f"the job's pods would use {', '.join(foreign)}, which the spec it was accepted with "
                             "does not name; they are not created")
         existing = {p["view"].name for p in pods}
-        objs += [p for p in new_pods if p["metadata"]["name"] not in existing]
+        new_pods = [p for p in new_pods if p["metadata"]["name"] not in existing]
+        objs += _placed(shared.kube, queue, new_pods) if queue is not None and new_pods else new_pods
     created = memo.setdefault("created", {})
     start = (int(plan.status.get("restarts", 0)), plan.status.get("startTime"))
     known = memo.get("children")
@@ -780,7 +901,8 @@ def _poll_progress(poller: Poller, namespace: str, job: RLHFJob, pods: list[dict
 
 # The children `cleanup` looks for by name: (kind, key in manifests.names).
 NAMED_CHILDREN = (("Service", "service"), ("ConfigMap", "configmap"), ("ConfigMap", "reward"),
-                  ("NetworkPolicy", "network_policy"), ("PodGroup", "podgroup"))
+                  ("NetworkPolicy", "network_policy"), ("PodGroup", "podgroup"),
+                  *((("Workload", "workload"),) if KUEUE else ()))
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, when=_acts_in)

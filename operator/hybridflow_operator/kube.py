@@ -12,6 +12,7 @@ from typing import Any, Callable, NamedTuple
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from hybridflow_operator import kueue
 from hybridflow_operator import manifests as mf
 
 USER_AGENT = "hybridflow-operator"
@@ -36,6 +37,11 @@ def controllers(obj: dict[str, Any]) -> list[str]:
     return [r.get("uid") for r in obj.get("metadata", {}).get("ownerReferences") or [] if r.get("controller")]
 
 
+# The custom resources the operator makes for a job: (group, version, plural) by kind.
+CUSTOM_KINDS = {"PodGroup": ("scheduling.volcano.sh", "v1beta1", "podgroups"),
+                "Workload": (kueue.GROUP, kueue.VERSION, kueue.WORKLOADS)}
+
+
 class _Kind(NamedTuple):
     """How to create (namespace, body), read (namespace, name) and delete (namespace, name) one kind of child."""
     create: Callable[..., Any]
@@ -54,15 +60,17 @@ class Kube:
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.networking = client.NetworkingV1Api(api)
+        self.scheduling = client.SchedulingV1Api(api)
 
     def _kind(self, kind: str) -> _Kind:
         """The API calls of a kind of child (manifests builds only these kinds)."""
-        if kind == "PodGroup":
-            custom, where = self.custom, ("scheduling.volcano.sh", "v1beta1")
+        if kind in CUSTOM_KINDS:
+            custom, (group, version, plural) = self.custom, CUSTOM_KINDS[kind]
             return _Kind(
-                lambda ns, body, **kw: custom.create_namespaced_custom_object(*where, ns, "podgroups", body, **kw),
-                lambda ns, name, **kw: custom.get_namespaced_custom_object(*where, ns, "podgroups", name, **kw),
-                lambda ns, name, **kw: custom.delete_namespaced_custom_object(*where, ns, "podgroups", name, **kw))
+                lambda ns, body, **kw: custom.create_namespaced_custom_object(group, version, ns, plural, body, **kw),
+                lambda ns, name, **kw: custom.get_namespaced_custom_object(group, version, ns, plural, name, **kw),
+                lambda ns, name, **kw: custom.delete_namespaced_custom_object(group, version, ns, plural, name,
+                                                                              **kw))
         api, suffix = {"Pod": (self.core, "pod"), "Service": (self.core, "service"),
                        "ConfigMap": (self.core, "config_map"), "Secret": (self.core, "secret"),
                        "NetworkPolicy": (self.networking, "network_policy")}[kind]

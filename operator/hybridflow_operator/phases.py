@@ -5,6 +5,8 @@
                                                                              Stalled: no step within the deadline)
                                               -> Failed                     (backoff exhausted, deadline, invalid spec)
     any active phase -> Suspending -> Suspended -> Pending                  (runPolicy.suspend true, then false)
+    NEW -> Queued -> Pending ...; any active phase -> Suspending -> Queued  (Kueue: a Workload not admitted yet,
+                                                                             or evicted; admitted again: resumed)
     Initializing/Running -> (same phase)                                    (restartPolicy failedPod: a failed pool
                                                                              pod replaced alone, the head kept)
 
@@ -25,6 +27,7 @@ from hybridflow.api import EXIT_BAD_INPUT, RLHFJob
 from hybridflow.api.run_policy import progress_deadline
 from hybridflow.api.scaling import replicas_now, sized
 from hybridflow.api.status import ACTIVE, TERMINAL, Condition, JobStatus, Phase, pool_status
+from hybridflow_operator.kueue import Admission, admitted_count, held
 from hybridflow_operator.manifests import selector
 
 # A pod still Pending this long with no reason of its own is reported (not failed: a queue may be long).
@@ -111,15 +114,25 @@ def expected_pods(job: RLHFJob) -> int:
     return 1 + sum(p.nodes for p in sized(job).spec.resource_pools)
 
 
+@dataclass(frozen=True)
+class Queue:
+    """A job queued through Kueue (labelled kueue.x-k8s.io/queue-name): its LocalQueue, and its Workload as last
+    seen (None: not created, or gone)."""
+    name: str
+    workload: Admission | None
+
+
 def decide(job: RLHFJob | None, error: str | None, status: JobStatus, pods: list[PodView],
-           now: dt.datetime, missing_inputs: str | None = None, disrupted: dict[str, str] | None = None) -> Plan:
+           now: dt.datetime, missing_inputs: str | None = None, disrupted: dict[str, str] | None = None,
+           queue: Queue | None = None) -> Plan:
     """The tick's plan, decided once. missing_inputs: None when the job's inputs were not checked; "" when they were
     and all exist; else what the operator found absent (see `admit_gang`). disrupted: pods of the current generation
-    seen with a DisruptionTarget condition (name -> reason), also those already gone.
+    seen with a DisruptionTarget condition (name -> reason), also those already gone. queue: the job's Kueue
+    queue and Workload, when it is queued: no pod while Kueue has not admitted it (or has evicted it).
 
     The handler calls this without missing_inputs, and only when the plan creates pods looks the inputs up (API
     reads) and folds them in with `admit_gang`: the same plan as deciding with them, without deciding twice."""
-    plan = _decide(job, error, status, pods, now, disrupted or {})
+    plan = _decide(job, error, status, pods, now, disrupted or {}, queue)
     if job is None:
         return plan
     _observe_pools(plan.status, job, pods)
@@ -178,7 +191,7 @@ def invalid(status: JobStatus, error: str, now: dt.datetime, pods: list[PodView]
 
 
 def _decide(job: RLHFJob | None, error: str | None, status: JobStatus, pods: list[PodView],
-            now: dt.datetime, disrupted: dict[str, str]) -> Plan:
+            now: dt.datetime, disrupted: dict[str, str], queue: Queue | None) -> Plan:
     if error is not None:
         return invalid(status, error, now, pods)
     st = cast(JobStatus, dict(status))
@@ -204,17 +217,26 @@ def _decide(job: RLHFJob | None, error: str | None, status: JobStatus, pods: lis
         # it waits (a Secret or ConfigMap added) is then a change to ignore, never what its first pods are made of.
         plan.create_static = phase == Phase.NEW
         return plan
+    waits = held(queue.workload, queue.name) if queue is not None else None
     if phase == Phase.SUSPENDING:
         plan.delete_pods = [p.name for p in pods if not p.deleting]
-        if not pods:
+        if not pods and (policy.suspend or queue is None):
             _to(plan, Phase.SUSPENDED, "Suspended", "all pods deleted; set runPolicy.suspend false to resume", now)
             set_condition(st, "Suspended", True, "Suspended", "job suspended", now)
+        elif not pods:  # suspended for Kueue (evicted): queued again, until admitted again
+            _queued(plan, waits or "Kueue admitted it again", now, evicted=st.get("reason") == "Evicted")
         return plan
-    if phase == Phase.SUSPENDED:
+    if phase in (Phase.SUSPENDED, Phase.QUEUED):
         if policy.suspend:
             return plan
-        set_condition(st, "Suspended", False, "Resumed", "resuming from the last checkpoint", now)
+        if waits is not None:
+            _queued(plan, waits, now, evicted=phase == Phase.QUEUED and st.get("reason") == "Evicted")
+            return plan
+        if phase == Phase.SUSPENDED:
+            set_condition(st, "Suspended", False, "Resumed", "resuming from the last checkpoint", now)
         st.pop("startTime", None)  # the deadline counts from the resume, as for Kubernetes Jobs
+        if queue is not None:
+            return _admitted(plan, job, gen, queue, now)
         return _start(plan, job, gen, now, "Resumed", "resuming from the last checkpoint")
 
     deadline = policy.active_deadline_seconds
@@ -223,8 +245,22 @@ def _decide(job: RLHFJob | None, error: str | None, status: JobStatus, pods: lis
         _fail(plan, "DeadlineExceeded", f"ran longer than runPolicy.activeDeadlineSeconds={deadline}", now, pods)
         return plan
 
+    if phase == Phase.NEW and waits is not None:
+        plan.create_static = True  # accepted now (its spec ConfigMap), and its Workload made, as for a suspended job
+        _queued(plan, waits, now)
+        return plan
+    if phase == Phase.NEW and queue is not None:
+        plan = _admitted(plan, job, gen, queue, now)
+        return plan
     if phase == Phase.NEW:
         return _start(plan, job, gen, now, "Created", "creating the head, pool pods and Ray cluster", static=True)
+    if waits is not None and phase in (*ACTIVE, Phase.RESTARTING):  # Kueue evicted it (or lost its Workload)
+        _to(plan, Phase.SUSPENDING, "Evicted", f"{waits}: deleting the pods; the job resumes from its last "
+            "checkpoint once Kueue admits it again", now, "Warning")
+        set_condition(st, "Running", False, "Evicted", waits, now)
+        set_condition(st, "Admitted", False, "Evicted", waits, now)
+        plan.delete_pods = [p.name for p in pods if not p.deleting]
+        return plan
     if phase == Phase.RESTARTING:
         plan.delete_pods = [p.name for p in stale]
         stuck = [p for p in pods if p.generation != gen and _stuck_terminating(p, now)]
@@ -249,7 +285,8 @@ def _decide(job: RLHFJob | None, error: str | None, status: JobStatus, pods: lis
             st["step"] = st["totalSteps"]
         plan.delete_pods += [p.name for p in current if p.role != "head"]
         return plan
-    current, coming = _rescale(plan, job, current, now)
+    cap = admitted_count(queue.workload, job.spec.pool("rollout").name) if queue is not None else None
+    current, coming = _rescale(plan, job, current, now, cap)
     failed = [p for p in current if p.phase in (PodPhase.FAILED, PodPhase.UNKNOWN)]
     if head is not None and head in failed and head.exit_code == EXIT_BAD_INPUT:
         _fail(plan, "InvalidInput", f"the driver rejected the job's input (not retried): {head.message}", now, pods)
@@ -285,7 +322,7 @@ def _decide(job: RLHFJob | None, error: str | None, status: JobStatus, pods: lis
 
 class Rest(NamedTuple):
     """Why a job has nothing to do, and how long it may rest without any change to its spec or its pods."""
-    why: str  # suspended | finished | ttl | inputs | refused
+    why: str  # suspended | queued | finished | ttl | inputs | refused
     at_most: float | None  # seconds; None: until a change
     retry: bool = False  # what it waits for is outside the job (a PVC made, a quota raised): look again with a backoff
 
@@ -295,6 +332,8 @@ def resting(job: RLHFJob | None, status: JobStatus, now: dt.datetime) -> Rest | 
     (Pending with its pods on their way, Initializing, Running, Restarting, Suspending: every tick counts).
 
     - "suspended": runPolicy.suspend, every pod gone; only unsuspending (a spec change) moves it.
+    - "queued": its Kueue Workload is not admitted; a change of the Workload (the caller follows it) or of the job
+      moves it.
     - "finished" / "ttl": Succeeded or Failed; its TTL (runPolicy.ttlSecondsAfterFinished) is all that is left, so
       it rests until then, or for good without one.
     - "inputs" / "refused": Pending while a PVC or the reward file is missing (InputsReady False), or while the API
@@ -311,6 +350,8 @@ def resting(job: RLHFJob | None, status: JobStatus, now: dt.datetime) -> Rest | 
         return None
     if phase == Phase.SUSPENDED:
         return Rest("suspended", None) if job.spec.run_policy.suspend else None
+    if phase == Phase.QUEUED:  # until its Workload changes (Kueue admits it), or the job does
+        return Rest("queued", None)
     if phase != Phase.PENDING:
         return None
     why = ("inputs" if any(c["type"] == "InputsReady" and c["status"] == "False" for c in conds) else
@@ -387,15 +428,18 @@ def _restart(plan: Plan, job: RLHFJob, gen: int, what: str, now: dt.datetime, po
     return plan
 
 
-def _rescale(plan: Plan, job: RLHFJob, current: list[PodView], now: dt.datetime) -> tuple[list[PodView], int]:
+def _rescale(plan: Plan, job: RLHFJob, current: list[PodView], now: dt.datetime,
+             cap: int | None = None) -> tuple[list[PodView], int]:
     """An elastic rollout pool's size changed (spec.rolloutPool.replicas, read live): the pods past the new size
     are deleted (their preStop hands their replicas' work back to the controller first) and the new ones created,
-    while the head and every other pod keep running; neither is a failure, nor counted. Returns the pods that stay
-    current, and how many of those being added are not seen yet (not missing: on their way)."""
+    while the head and every other pod keep running; neither is a failure, nor counted. `cap`: the pods Kueue
+    admitted for the pool (a queued job), past which the pool waits at the cap (condition RolloutCapped). Returns
+    the pods that stay current, and how many of those being added are not seen yet (not missing: on their way)."""
     want = replicas_now(job.spec)
     if want is None:
         return current, 0
     st, pool = plan.status, job.spec.pool("rollout").name
+    want = _capped_size(plan, pool, want, cap, now)
     st["rolloutSelector"] = selector(job.metadata.name, pool=pool)  # the scale subresource's
     have = int(st.get("rolloutReplicas", want))
     last = st.get("lastRolloutScale") or {}
@@ -415,6 +459,44 @@ def _rescale(plan: Plan, job: RLHFJob, current: list[PodView], now: dt.datetime)
         plan.create_gang = int(st.get("restarts", 0))  # made by name, as missing pods are
     st["rolloutReplicas"] = want if not coming else have
     return [p for p in current if p not in surplus], len(coming)
+
+
+def _capped_size(plan: Plan, pool: str, want: int, cap: int | None, now: dt.datetime) -> int:
+    """The rollout pool's size within what Kueue admitted; RolloutCapped says when it waits at the cap."""
+    capped_now = cap is not None and want > cap
+    had = next((c for c in plan.status.get("conditions", []) if c["type"] == "RolloutCapped"), None)
+    if capped_now:
+        message = (f"rollout pool {pool}: spec.rolloutPool.replicas = {want}, but Kueue admitted {cap} pod(s) for "
+                   f"it; the pool stays at {cap} until the job is admitted again with more")
+        if not had or had["status"] != "True" or had["message"] != message:
+            plan.events.append(("Warning", "RolloutCapped", message))
+        set_condition(plan.status, "RolloutCapped", True, "KueueAdmission", message, now)
+        return cap  # type: ignore[return-value]
+    if had and had["status"] == "True":
+        set_condition(plan.status, "RolloutCapped", False, "WithinAdmission", f"rollout pool {pool} at its size", now)
+    return want
+
+
+def _queued(plan: Plan, why: str, now: dt.datetime, evicted: bool = False) -> None:
+    """Queued: no pods until Kueue admits the job's Workload (again, after an eviction: `evicted` keeps that the
+    reason)."""
+    st = plan.status
+    reason = "Evicted" if evicted else "WaitingForAdmission"
+    if st.get("phase") != Phase.QUEUED or st.get("message") != capped(why):
+        _to(plan, Phase.QUEUED, reason, why, now)
+    set_condition(st, "Admitted", False, reason, why, now)
+
+
+def _admitted(plan: Plan, job: RLHFJob, gen: int, queue: Queue, now: dt.datetime) -> Plan:
+    """Kueue admitted the job's Workload: its pods are made (placed on the flavors assigned), resuming from the
+    last checkpoint after an eviction."""
+    wl = queue.workload
+    assert wl is not None
+    again = any(c["type"] == "Created" for c in plan.status.get("conditions", []))  # it had pods before
+    message = (f"Kueue admitted Workload {wl.name} in ClusterQueue {wl.cluster_queue or '?'}; " +
+               ("resuming from the last checkpoint" if again else "creating the head, pool pods and Ray cluster"))
+    set_condition(plan.status, "Admitted", True, "Admitted", message, now)
+    return _start(plan, job, gen, now, "Admitted", message, static=True)
 
 
 def _replaces_alone(job: RLHFJob, phase: str, head: PodView | None, failed: list[PodView], missing: int,

@@ -50,7 +50,19 @@ RESOURCES = {
     "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
         kind="CustomResourceDefinition", singular="customresourcedefinition", namespaced=False,
         verbs={"get", "list", "watch", "create", "patch", "delete"}),
+    "scheduling.k8s.io/v1/priorityclasses": kmock.ResourceInfo(
+        kind="PriorityClass", singular="priorityclass", namespaced=False, shortnames={"pc"},
+        verbs={"get", "list", "watch", "create", "patch", "delete"}),
 }
+# Kueue's Workload and ResourceFlavor, from the CRDs written from Kueue's v1beta1 API reference (kueue-v1beta1.yaml):
+# served as a cluster with Kueue installed serves them.
+KUEUE_CRDS = list(yaml.safe_load_all((Path(__file__).with_name("kueue-v1beta1.yaml")).read_text()))
+for _crd in KUEUE_CRDS:
+    _names, _version = _crd["spec"]["names"], _crd["spec"]["versions"][0]
+    RESOURCES[f"{_crd['spec']['group']}/{_version['name']}/{_names['plural']}"] = kmock.ResourceInfo(
+        kind=_names["kind"], singular=_names["singular"], namespaced=_crd["spec"]["scope"] == "Namespaced",
+        shortnames=set(_names.get("shortNames", [])), verbs={"get", "list", "watch", "create", "patch", "delete"},
+        subresources=set(_version.get("subresources", {})))
 
 
 class MatchedAlone(apps.RawHandler):

@@ -81,6 +81,30 @@ pods through secretKeyRef, which the kubelet resolves: the operator creates a jo
   resources: ["podgroups"]
   verbs: ["get", "create", "delete"]
 {{- end }}
+{{- if .Values.kueue.enabled }}
+# Kueue (kueue.enabled): each queued job's Workload, made by the operator, followed by one watch (filtered by the
+# API server to the jobs' own), read as the Service is, spec.active patched (runPolicy.suspend) and deleted with it.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# What the job's controller writes in Kueue's job framework: the quota of an evicted job given back, PodsReady,
+# Finished.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
+{{- end }}
+{{- end -}}
+
+{{/* Cluster-scoped reads Kueue admission needs (a ClusterRole in both install modes): the ResourceFlavors assigned
+to a job (their node labels and tolerations go into its pods) and the value of its PriorityClass (its Workload's
+priority, which Kueue orders and preempts by). */}}
+{{- define "hybridflow.kueueClusterRules" -}}
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["resourceflavors"]
+  verbs: ["get"]
+- apiGroups: ["scheduling.k8s.io"]
+  resources: ["priorityclasses"]
+  verbs: ["get"]
 {{- end -}}
 
 {{/* Image prefixes ending at a path boundary, as a CEL list (policy.py image_prefixes does the same). */}}

@@ -13,6 +13,7 @@ from hybridflow.api.names import (
     API_GROUP, DNS1035_LABEL, JOB_NAME_NOT_DNS1035, JOB_NAME_TOO_LONG, KIND, MAX_JOB_NAME, PLURAL, VERSION,
 )
 from hybridflow.api.schema import JobSpec
+from hybridflow.api.status import SHOWN
 
 # Every bound the spec declares (maxima, lengths, patterns, item and property counts) reaches the CRD.
 _KEEP = {"type", "description", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern",
@@ -150,8 +151,7 @@ STATUS_SCHEMA: dict[str, Any] = {
     "description": "Observed state, written by the operator and the job's driver.",
     "x-kubernetes-preserve-unknown-fields": True,
     "properties": {
-        "phase": {"type": "string", "description": "Pending, Initializing, Running, Restarting, Suspending, "
-                  "Suspended, Succeeded or Failed."},
+        "phase": {"type": "string", "description": ", ".join(SHOWN[:-1]) + f" or {SHOWN[-1]}."},
         "step": {"type": "integer", "description": "Last completed RLHF iteration."},
         "totalSteps": {"type": "integer", "description": "Iterations requested."},
         "tokensPerSecond": {"type": "number", "description": "Throughput of the last iteration."},

@@ -82,6 +82,7 @@ def names(job_name: str) -> dict[str, str]:
         "ray_token": f"{job_name}-ray-token",
         "network_policy": f"{job_name}-ingress",
         "reward": f"{job_name}-reward",
+        "workload": f"{job_name}-workload",  # Kueue's (a job labelled kueue.x-k8s.io/queue-name)
     }
 
 

@@ -25,6 +25,7 @@ class Phase(StrEnum):
     RESTARTING = "Restarting"
     SUSPENDING = "Suspending"
     SUSPENDED = "Suspended"
+    QUEUED = "Queued"  # no pods: its Kueue Workload waits for admission (or was evicted and waits again)
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
 
