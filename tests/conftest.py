@@ -41,23 +41,39 @@ def word_problems(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_example_run(tmp_path_factory, model_cache):
-    """examples/tiny-grpo.yaml run once as a user runs it (`hybridflow run`, its 40 steps): (checkpoint dir, the
-    CompletedProcess). Its learning is asserted in test_end_to_end; test_export exports its final checkpoint. One
-    `hybridflow run` of it costs ~30 s here, so the tests that only read a tiny run's outputs share this one."""
+def tiny_example_job(tmp_path_factory, model_cache):
+    """examples/tiny-grpo.yaml run once as a script runs it: submitted through the Python client to a local
+    `hybridflow run` (its 40 steps) and waited for: the finished client.local job (its log, step log, checkpoints).
+    Its learning is asserted in test_end_to_end; test_export and test_client read it. One run of it costs ~30 s
+    here, so the tests that only read a tiny run's outputs share this one."""
     import shutil
     import tempfile
 
+    from hybridflow import client
+
     work = tmp_path_factory.mktemp("tiny-example")
     ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths are limited
+    jobs = client.local(work, env={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)}, ray_temp_dir=ray_dir)
+    job = jobs.submit(ROOT / "examples" / "tiny-grpo.yaml")
     try:
-        out = run_cli(["run", str(ROOT / "examples" / "tiny-grpo.yaml"), "--checkpoint-dir", str(work / "run"),
-                       "--metrics-port", "0", "--ray-temp-dir", ray_dir], cwd=work,
-                      env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache)})
+        job.wait(timeout=900, progress=False)
+    except client.JobFailed:
+        pass  # the tests reading it say what failed (its log)
     finally:
+        job.delete()  # (a run past the timeout: ended here, not left behind)
         kill_processes_mentioning(ray_dir)
         shutil.rmtree(ray_dir, ignore_errors=True)
-    return work / "run", out
+    return job
+
+
+@pytest.fixture(scope="session")
+def tiny_example_run(tiny_example_job):
+    """(checkpoint dir, the run's outcome as a CompletedProcess-like: returncode, and its log as stdout/stderr)."""
+    from types import SimpleNamespace
+
+    log = "\n".join(tiny_example_job.logs())
+    return Path(tiny_example_job.checkpoint_dir), SimpleNamespace(
+        returncode=tiny_example_job.process.returncode, stdout=log, stderr=log)
 
 
 def run_cli(args, cwd, env_extra=None, timeout=900):

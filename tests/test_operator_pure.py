@@ -492,7 +492,8 @@ def test_a_driver_that_rejects_its_input_fails_the_job_without_restarts():
 
 
 def test_the_drivers_error_is_read_from_its_log_tail():
-    from hybridflow_operator.handlers import _pod_view, last_error
+    from hybridflow.api.errors import last_error
+    from hybridflow_operator.handlers import _pod_view
 
     tail = ("2026-11-30 ray started\nsome progress\nerror: /etc/hybridflow/job.yaml: cannot run here\n"
             "  spec.data.train: 'x.jsonl' does not exist\n")

@@ -306,9 +306,9 @@ def test_a_failure_carrying_a_remote_traceback_still_names_itself_in_the_pods_te
     """A job that fails with a Ray task's error (its message carries the remote traceback, tens of lines): the
     error printed last is bounded, so the tail of the log a pod's termination message keeps (FallbackToLogsOnError:
     the last 2048 bytes, 80 lines) holds the line that says the job failed and what failed at the bottom, and the
-    operator's reading of it (handlers.last_error) is not empty."""
+    operator's reading of it (api.errors.last_error) is not empty."""
     import hybridflow.cli as cli
-    from hybridflow_operator.handlers import last_error
+    from hybridflow.api.errors import last_error
 
     frames = [f'  File "/opt/venv/lib/python3.12/site-packages/hybridflow/roles/m{i}.py", line {i}, in call_{i}\n'
               f"    return self.step_{i}(batch, version, deadline)" for i in range(40)]

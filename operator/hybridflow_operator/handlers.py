@@ -31,6 +31,7 @@ from kubernetes.client.rest import ApiException
 
 from hybridflow.api import API_GROUP as GROUP
 from hybridflow.api import PLURAL, VERSION, RLHFJob, SpecError, parse_job
+from hybridflow.api.errors import last_error
 from hybridflow.api.storage import is_url
 from hybridflow.api.status import TERMINAL, JobStatus, Phase
 from hybridflow_operator import kueue
@@ -175,15 +176,6 @@ def _time(value: Any) -> dt.datetime | None:
         return parse_time(value) if value else None
     except ValueError:
         return None
-
-
-def last_error(termination_message: str) -> str:
-    """The driver's error from a termination message (its log's tail with FallbackToLogsOnError): from the last
-    line starting 'error:' to the end, else the last line."""
-    lines = [ln.rstrip() for ln in termination_message.strip().splitlines() if ln.strip()]
-    starts = [i for i, ln in enumerate(lines) if ln.startswith("error:")]
-    picked = lines[starts[-1]:] if starts else lines[-1:]
-    return " ".join(ln.strip() for ln in picked).removeprefix("error: ")[:1000]
 
 
 @kopf.index("pods", labels={mf.LABEL_JOB: kopf.PRESENT})

@@ -2,7 +2,7 @@
 real API server does and kmock 0.8 does not (see STACK.md): resourceVersion/uid/creationTimestamp/generation,
 `generateName`, 422 on a failed JSON-patch `test`, a delete's preconditions (uid, resourceVersion: 409 Conflict when
 the object is another), label selectors on lists, `kind` on lists, Table rendering of our printer columns, our CRD's
-scale subresource (`kubectl scale`), the discovery of our CRD, and the core group's discovery spelled as kubectl
+scale subresource (`kubectl scale`), pods' logs (as the kubelet double put them), the discovery of our CRD, and the core group's discovery spelled as kubectl
 expects ("v1", not "/v1").
 
 It stands in for the API server only; kopf, kubectl and our operator talk to it as they would to a cluster."""
@@ -148,6 +148,8 @@ class KubeApiServerDouble(kmock.KubernetesEmulator, MatchedAlone):  # kmock's em
     # and objects here live in namespaces nobody created: a namespace not put here answers 404, as a real API
     # server answers for one that does not exist.
     namespaces: dict = attrs.field(factory=dict, init=False)
+    # (namespace, pod) -> its containers' log, for GET pods/NAME/log (`put_log`: the kubelet double's part).
+    pod_logs: dict = attrs.field(factory=dict, init=False)
 
     def refuse_creates(self, plural: str, status: int | None, message: str = "") -> None:
         """Stand in for an admission controller refusing every create of `plural` (None: admit them again)."""
@@ -216,7 +218,21 @@ class KubeApiServerDouble(kmock.KubernetesEmulator, MatchedAlone):  # kmock's em
                                         details={"name": name, "kind": "namespaces"})
         return aiohttp.web.json_response(self.namespaces[name])
 
+    def put_log(self, namespace: str, name: str, text: str) -> None:
+        """What the pod's containers wrote (a kubelet keeps it; the API server proxies `pods/log` to it)."""
+        self.pod_logs[(namespace, name)] = text
+
+    async def _serve_log(self, request: rendering.Request) -> Any:
+        """GET pods/NAME/log: the text put_log stored (the whole of it: the pod has ended, so `follow` ends too)."""
+        obj = self._objects.get((request.resource, request.namespace, request.name))
+        if obj is None or obj.deleted:
+            raise kmock.KubernetesError(status=404, reason="NotFound", message=f'pods "{request.name}" not found')
+        return aiohttp.web.Response(text=self.pod_logs.get((request.namespace, request.name), ""),
+                                    content_type="text/plain")
+
     async def _answer(self, request: rendering.Request) -> Any:
+        if request.subresource == "log" and request.resource is not None and request.resource.plural == "pods":
+            return await self._serve_log(request)
         if request.subresource == "scale" and request.resource is not None \
                 and _resource_key(request.resource) in SCALE_PATHS:
             return await self._serve_scale(request)
@@ -470,6 +486,11 @@ class RunningApiServer:
             handler.put_namespace(name, labels)
 
         asyncio.run_coroutine_threadsafe(put(), self.loop).result(10)
+
+    def put_log(self, namespace: str, name: str, text: str) -> None:
+        """See KubeApiServerDouble.put_log."""
+        assert self.handler is not None
+        self.handler.put_log(namespace, name, text)
 
     def refuse_creates(self, plural: str, status: int | None, message: str = "") -> None:
         """See KubeApiServerDouble.refuse_creates."""

@@ -160,19 +160,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """A checkpoint (a step_* directory, or a checkpointDir: its newest intact one) as an HF model directory."""
     from hybridflow import checkpoint as ckpt
-    from hybridflow.export import export
+    from hybridflow.export import chosen_checkpoint, export
 
-    source = ckpt.storage_path(args.checkpoint)
-    if not source.is_dir() and not ckpt.list_checkpoints(source):
-        print(f"error: {source}: no such checkpoint directory", file=sys.stderr)
-        return EXIT_BAD_INPUT
     try:
-        if not (source / ckpt.MANIFEST).exists() and ckpt.list_checkpoints(source):
-            found = ckpt.latest_good(source)
-            if found is None:
-                print(f"error: {source} holds no intact checkpoint", file=sys.stderr)
-                return EXIT_BAD_INPUT
-            source = found[0]
+        source = chosen_checkpoint(args.checkpoint)
         out = export(source, Path(args.to), args.role, args.dtype, Path(args.model_dir) if args.model_dir else None)
     except (ckpt.CheckpointError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)

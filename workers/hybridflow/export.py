@@ -19,6 +19,21 @@ from hybridflow.checkpoint.model_files import HF_FILES_INFIX, model_metadata_fil
 
 log = logging.getLogger("hybridflow.export")
 
+def chosen_checkpoint(location: str | Path) -> ckpt.StoragePath:
+    """The checkpoint `location` names: a step_* directory as it is, a checkpointDir's newest intact one. A
+    CheckpointError says what is wrong with the place named."""
+    source = ckpt.storage_path(location)
+    found = ckpt.list_checkpoints(source) if not (source / ckpt.MANIFEST).exists() else []
+    if not found and not source.is_dir():
+        raise ckpt.CheckpointError(f"{source}: no such checkpoint directory")
+    if found:
+        newest = ckpt.latest_good(source)
+        if newest is None:
+            raise ckpt.CheckpointError(f"{source} holds no intact checkpoint")
+        return newest[0]
+    return source
+
+
 def _model_class(role: str):
     """Actors are causal LMs; critics are the same backbone with a one-label token-classification (value) head."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification

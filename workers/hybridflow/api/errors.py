@@ -11,6 +11,15 @@ class SpecError(ValueError):
     """A manifest problem a user can fix; `str()` names the field and what to do."""
 
 
+def last_error(log_tail: str) -> str:
+    """A driver's error from the tail of its log (the pod's termination message, a local run's log): from the last
+    line starting 'error:' to the end, else the last line. The driver prints its errors so (`hybridflow` exits)."""
+    lines = [ln.rstrip() for ln in log_tail.strip().splitlines() if ln.strip()]
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("error:")]
+    picked = lines[starts[-1]:] if starts else lines[-1:]
+    return " ".join(ln.strip() for ln in picked).removeprefix("error: ")[:1000]
+
+
 def _loc(loc: tuple[Any, ...]) -> str:
     parts: list[str] = []
     for x in loc:

@@ -1,0 +1,144 @@
+"""The Python client (issue 30 item 3): the same calls against a cluster and against local runs. On the cluster: the
+real operator over HTTP against the kube-apiserver double, its pods driven by the kubelet double, a real driver
+exporter (JobMetrics) on loopback giving the steps the operator reads: submit, wait with progress, the driver's log,
+a failure raised with the driver's words. Locally: the session's run of examples/tiny-grpo.yaml is itself submitted
+and waited for through the client (conftest.tiny_example_job); its step log, checkpoints and export are read
+through both backends (the cluster's from where a pod would mount the job's checkpoint claim)."""
+from __future__ import annotations
+
+import copy
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+from kube.apiserver_double import RunningApiServer
+from kube.harness import Kube, free_port, wait_for
+from test_operator_kopf import _started_cluster
+
+from hybridflow import client
+from hybridflow.api import SpecError, dump_job, parse_job
+from hybridflow.client.jobs import Snapshot, manifest, progress_line
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "tiny-grpo.yaml"
+
+
+def test_a_manifest_is_taken_as_a_path_yaml_a_dict_or_a_job_and_bad_ones_are_named():
+    by_path = manifest(TINY)
+    text = TINY.read_text()
+    assert manifest(str(TINY)) == by_path == manifest(text) == manifest(yaml.safe_load(text))
+    assert manifest(by_path, name="try-2", namespace="ml").metadata.model_dump(exclude_none=True) == \
+        {"name": "try-2", "namespace": "ml"}
+    doc = yaml.safe_load(text)
+    doc["spec"]["trainer"]["steps"] = 0
+    with pytest.raises(SpecError, match=r"spec.trainer.steps"):
+        manifest(doc)
+    with pytest.raises(SpecError, match="no such file"):
+        manifest("examples/nope.yaml")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        manifest("apiVersion: [\n")
+
+
+def test_progress_lines_say_step_throughput_eta_and_why_a_job_waits():
+    assert progress_line("j", Snapshot("Running", 12, 40, 1234.4, 65.0)) == \
+        "j: Running step 12/40 (30%) 1234 tok/s ETA 0:01:05"
+    assert progress_line("j", Snapshot("Queued", 0, 40, message="waits for admission in LocalQueue a")) == \
+        "j: Queued step 0/40 (0%) (waits for admission in LocalQueue a)"
+    assert progress_line("j", Snapshot("Succeeded", 40, 40, 900.0, 0.0)) == "j: Succeeded step 40/40 (100%) 900 tok/s"
+
+
+def _kubelet(api, kube, name, exporter, steps, log, exit_code=0):
+    """The kubelet double's part of a job's life: its pods Running (the head on loopback, where the exporter
+    serves), one step a second on the exporter (the operator reads them from it), the driver's log, the head's end."""
+    wait_for(lambda: len(kube.pods(name)) == 2, 30, "the pods")
+    for p in kube.pods(name):
+        kube.set_pod_phase(p.metadata.name, "Running", pod_ip="127.0.0.1")
+    for step in range(1, steps + 1):
+        exporter.record_step({"step": step, "tokens": 100.0, "throughput_tokens_per_s": 1000.0 + step,
+                              "throughput_per_device": 1.0, "generation_tokens_per_s": 1.0, "iteration_seconds": 1.0,
+                              "eta_seconds": float(steps - step)}, {})
+        wait_for(lambda: kube.status(name).get("step") == step, 30, f"step {step} in status")
+    api.put_log(kube.namespace, f"{name}-head-g0", log)
+    kube.set_pod_phase(f"{name}-head-g0", "Succeeded" if exit_code == 0 else "Failed", exit_code=exit_code)
+
+
+def test_the_client_submits_waits_and_reads_a_job_on_the_cluster(tmp_path, capsys):
+    from hybridflow.metrics import JobMetrics
+
+    with _started_cluster(tmp_path) as (api, kubeconfig, _):
+        jobs = client.connect(namespace="ml", kubeconfig=kubeconfig)
+        kube = Kube(kubeconfig, namespace="ml")
+        port = free_port()
+        exporter = JobMetrics("cj")
+        exporter.serve(port, "127.0.0.1")
+        exporter.total_steps.labels("cj").set(3)
+        doc = dump_job(manifest(TINY))
+        doc["spec"]["metrics"] = {"port": port}
+        doc["spec"]["trainer"]["steps"] = 3
+        job = jobs.submit(doc, name="cj")
+        assert kube.job("cj")["spec"]["trainer"]["steps"] == 3
+        log = "loading the model\nstep 1/3 ...\nstep 3/3 ... done"
+        kubelet = threading.Thread(target=_kubelet, args=(api, kube, "cj", exporter, 3, log), daemon=True)
+        kubelet.start()
+        final = job.wait(timeout=90, poll=0.2)
+        kubelet.join(30)
+        assert final.phase == "Succeeded" and final.step == 3 and final.total_steps == 3
+        progress = capsys.readouterr().err.splitlines()
+        assert any("cj: Running step 1/3 (33%)" in line and "tok/s" in line and "ETA" in line for line in progress)
+        assert progress[-1].startswith("cj: Succeeded step 3/3 (100%)")
+        assert list(job.logs()) == log.splitlines()
+        assert jobs.get("cj").status() == final
+        with pytest.raises(FileExistsError, match="RLHFJob ml/cj exists already"):
+            jobs.submit(doc, name="cj")
+        with pytest.raises(SpecError, match="keeps its checkpoints inside its pods only"):
+            job.checkpoints()
+
+        failing = copy.deepcopy(doc)
+        job2 = jobs.submit(failing, name="cj-fails")
+        wait_for(lambda: len(kube.pods("cj-fails")) == 2, 30, "the pods")
+        api.put_log("ml", "cj-fails-head-g0", "error: spec.data.train: 'x.jsonl' does not exist")
+        kube.set_pod_phase("cj-fails-head-g0", "Failed", exit_code=2)  # the driver rejects its input
+        with pytest.raises(client.JobFailed, match="job cj-fails failed: the driver rejected the job's input"):
+            job2.wait(timeout=30, poll=0.2, progress=False)
+        assert list(job2.logs())[-1].endswith("'x.jsonl' does not exist")
+        job2.delete()
+        wait_for(lambda: kube.job("cj-fails") is None, 30, "deleted")
+        with pytest.raises(LookupError, match="RLHFJob ml/cj-fails"):
+            job2.status()
+
+
+@pytest.mark.slow
+def test_a_local_run_and_the_same_job_on_a_cluster_read_alike(tiny_example_job, tmp_path):
+    """The session's tiny run, submitted and waited for through client.local (conftest): status, log, step log,
+    checkpoints and export; a later client finds it by name. Then the same checkpoints as a cluster job's, read
+    through client.connect where a pod mounting the job's checkpoint claim sees them."""
+    job = tiny_example_job
+    final = job.status()
+    assert final.phase == "Succeeded", "\n".join(list(job.logs())[-30:])
+    assert final.step == final.total_steps == 40 and final.tokens_per_second > 0
+    steps = job.steps()
+    assert [r["step"] for r in steps] == list(range(1, 41))
+    found = job.checkpoints()
+    assert found and found[-1] == final.last_checkpoint and found[-1].endswith("step_00000040")
+    assert any("step 40/40" in line for line in job.logs())
+    again = client.local(job.root.parent).get(job.name)
+    assert again.status() == final and again.process is None
+    model = job.export(tmp_path / "model")
+    assert (model / "config.json").exists() and list(model.glob("*.safetensors"))
+
+    mount = tmp_path / "claim"
+    (mount / "ml").mkdir(parents=True)
+    (mount / "ml" / "tiny-grpo").symlink_to(job.checkpoint_dir)  # the job's directory on its claim
+    with RunningApiServer(str(tmp_path / "kubeconfig")) as api:
+        on_cluster = client.connect(namespace="ml", kubeconfig=api.kubeconfig_path, checkpoint_mount=mount)
+        doc = dump_job(parse_job(yaml.safe_load(TINY.read_text())))
+        doc["spec"]["kubernetes"] = {"checkpointPvc": "ck"}
+        submitted = on_cluster.submit(doc)
+        assert submitted.steps() == steps
+        assert [Path(p).name for p in submitted.checkpoints()] == [Path(p).name for p in found]
+        older = Path(found[0]).name
+        exported = submitted.export(tmp_path / "older", checkpoint=older)
+        assert (exported / "config.json").exists()
+        with pytest.raises(SpecError, match="connect\\(checkpoint_mount=...\\)"):
+            client.connect(namespace="ml", kubeconfig=api.kubeconfig_path).get("tiny-grpo").steps()
