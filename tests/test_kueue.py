@@ -207,22 +207,70 @@ def test_finished_jobs_release_their_quota_and_suspend_is_spec_active():
     fin = next(c for c in patch["status"]["conditions"] if c["type"] == "Finished")
     assert (fin["status"], fin["reason"]) == ("True", "Succeeded")
     assert kueue.status_patch(_admitted(job), "Failed", 0, "x", NOW)["status"]["conditions"][-1]["reason"] == "Failed"
-    assert kueue.spec_patch(adm, suspend=True) == {"spec": {"active": False}}
-    assert kueue.spec_patch(adm, suspend=False) is None
+    # runPolicy.suspend as spec.active: recorded once the Workload holds it, written only when suspend changes
+    assert kueue.active_update(adm, suspend=False, recorded=None) == (None, True)
+    assert kueue.active_update(adm, suspend=True, recorded=True) == ({"spec": {"active": False}}, None)
+    assert kueue.active_update(adm, suspend=False, recorded=True) == (None, None)
     suspended = decide(_job(suspend=True), None, {"phase": "Queued", "restarts": 0}, [], NOW,
                        queue=Queue("team-a", adm))
     assert suspended.status["phase"] == "Suspending"
+    # Kueue deactivated it itself (its requeuing limit): not undone, and the job waits saying so
+    wl = _workload(job)
+    wl["spec"]["active"] = False
+    wl["status"] = {"conditions": [{"type": "Evicted", "status": "True", "reason": "Deactivated",
+                                    "message": "exceeded the requeuing limit", "lastTransitionTime": "2026-12-05T11:00:00Z"}]}
+    off = kueue.read_workload(wl)
+    assert kueue.active_update(off, suspend=False, recorded=True) == (None, None)
+    plan = decide(job, None, {"phase": "Queued", "restarts": 0}, [], NOW, queue=Queue("team-a", off))
+    assert plan.status["phase"] == "Queued" and plan.create_gang is None
+    assert "is inactive" in plan.status["message"] and "runPolicy.suspend true, then false" in plan.status["message"]
 
 
 def test_an_elastic_rollout_pool_stays_within_the_pods_kueue_admitted():
-    job = _job({"minReplicas": 1, "maxReplicas": 3, "replicas": 3})
-    adm = _admitted(job, counts={"rollout": 2})
-    st = {"phase": "Running", "restarts": 0, "rolloutReplicas": 1}
-    plan = decide(job, None, st, _pods(), NOW, queue=Queue("team-a", adm))
-    assert plan.status["rolloutReplicas"] == 1 and plan.create_gang == 0  # the second pod is made, not a third
-    assert plan.status["lastRolloutScale"]["to"] == 2
-    (capped,) = [c for c in plan.status["conditions"] if c["type"] == "RolloutCapped"]
+    """Kueue admitted 2 of the 3 pods asked for (partial admission): the job runs at 2 (its gang, the pods it
+    expects), no pod made past them, nothing counted as lost; RolloutCapped says why, and clears once within."""
+    from hybridflow_operator.phases import expected_pods
+
+    asked = _job({"minReplicas": 1, "maxReplicas": 3, "replicas": 3})
+    adm = _admitted(asked, counts={"rollout": 2})
+    job, wanted = kueue.within_admission(asked, adm)
+    assert wanted == 3 and expected_pods(job) == 4
+    assert [p["metadata"]["name"] for p in mf.gang_pods(job, "uid", 0)][-1] == f"{NAME}-rollout-1-g0"
+    running = _pods() + [PodView(f"{NAME}-rollout-1-g0", "worker", 0, "Running", pool="rollout", index=1, ready=True)]
+    st = {"phase": "Running", "restarts": 0, "rolloutReplicas": 2}
+    for _ in range(3):  # tick after tick: nothing made, nothing deleted, no restart
+        plan = decide(job, None, st, running, NOW, queue=Queue("team-a", adm), rollout_asked=wanted)
+        assert plan.create_gang is None and not plan.delete_pods and plan.status["phase"] == "Running"
+        st = plan.status
+    (capped,) = [c for c in st["conditions"] if c["type"] == "RolloutCapped"]
     assert capped["status"] == "True" and "Kueue admitted 2 pod(s)" in capped["message"]
-    plan = decide(_job({"minReplicas": 1, "maxReplicas": 3, "replicas": 2}), None, plan.status, _pods(), NOW,
-                  queue=Queue("team-a", adm))
+    within, none = kueue.within_admission(_job({"minReplicas": 1, "maxReplicas": 3, "replicas": 2}), adm)
+    assert none is None
+    plan = decide(within, None, st, running, NOW, queue=Queue("team-a", adm))
     assert next(c for c in plan.status["conditions"] if c["type"] == "RolloutCapped")["status"] == "False"
+
+
+def test_pods_ready_uses_kueues_reasons_and_the_queue_is_the_one_accepted():
+    from hybridflow_operator.handlers import _queue_of
+
+    job = _job()
+    adm = _admitted(job)
+    started = kueue.status_patch(adm, "Running", 3, "", NOW)["status"]["conditions"]
+    assert next(c for c in started if c["type"] == "PodsReady")["reason"] == "Started"
+    after = kueue.Admission(**{**adm.__dict__, "conditions": started, "pods_ready": True})
+    lost = kueue.status_patch(after, "Restarting", 3, "", NOW)["status"]["conditions"]
+    assert next(c for c in lost if c["type"] == "PodsReady")["reason"] == "WaitForRecovery"  # what Kueue times out
+    labelled = {"metadata": {"labels": {kueue.QUEUE_LABEL: "team-b"}}}
+    assert _queue_of(labelled, {}) == "team-b"  # accepted now
+    assert _queue_of(labelled, {"phase": "Running", "queueName": "team-a"}) == "team-a"  # renamed later: kept
+    assert _queue_of(labelled, {"phase": "Queued", "queueName": "team-a"}) == "team-b"  # still waiting: moved
+    assert _queue_of({"metadata": {}}, {"phase": "Queued", "queueName": "team-a"}) == "team-a"  # removed: kept
+    assert _queue_of(labelled, {"phase": "Running"}) is None  # added to a job accepted without one: nothing
+
+
+def test_more_pools_than_a_workload_holds_podsets_are_refused_naming_them():
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-async-k8s.yaml").read_text())
+    doc["metadata"] = {"name": NAME}
+    doc["spec"]["resourcePools"] += [{"name": f"extra{i}"} for i in range(6)]
+    problems = kueue.podset_problems(parse_job(doc))
+    assert problems and "8 pools make 9 Kueue podSets" in problems[0] and "at most 8" in problems[0]

@@ -1200,6 +1200,18 @@ def test_a_job_queued_through_kueue_waits_for_admission_is_evicted_and_resumes(t
             assert "resuming from the last checkpoint" in _message(kube, "jq")
             _run_all(kube, "jq")
             wait_for(lambda: _phase(kube, "jq") == "Running", 30, "Running again")
+            # runPolicy.suspend is the Workload's spec.active (Kueue then evicts it, Deactivated, and its quota goes)
+            kube.patch_job("jq", {"spec": {"runPolicy": {"suspend": True}}})
+            wait_for(lambda: kueue.workload("jq-workload")["spec"]["active"] is False, 30, "spec.active false")
+            kueue.evict("jq-workload", "Deactivated", "The workload is deactivated")
+            wait_for(lambda: _phase(kube, "jq") == "Suspended" and not (kueue.workload("jq-workload").get(
+                "status") or {}).get("admission"), 30, "Suspended, the quota given back")
+            kube.patch_job("jq", {"spec": {"runPolicy": {"suspend": False}}})
+            wait_for(lambda: kueue.workload("jq-workload")["spec"]["active"] is True, 30, "spec.active true")
+            kueue.admit("jq-workload", "cq", {"head": "general", "default": "general"})
+            wait_for(lambda: len(kube.pods("jq")) == 2, 30, "admitted again")
+            _run_all(kube, "jq")
+            wait_for(lambda: _phase(kube, "jq") == "Running", 30, "Running once more")
             kube.set_pod_phase("jq-head-g0", "Succeeded", exit_code=0)
             wait_for(lambda: condition(kueue.workload("jq-workload"), "Finished").get("reason") == "Succeeded", 30,
                      "Finished in the Workload")

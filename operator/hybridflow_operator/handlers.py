@@ -542,7 +542,7 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     status = _known_status(body, memo)
     job: RLHFJob | None = None
     error: str | None = None
-    queue_name = kueue.queue_name(body["metadata"].get("labels"))
+    queue_name = _queue_of(body, status)
     try:
         live = parse_job({"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
                           "metadata": {"name": name, "namespace": namespace}, "spec": dict(body.get("spec") or {})},
@@ -553,13 +553,23 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     except SpecError as err:
         error, changed, job = str(err), False, None
     queue = Queue(queue_name, _workload(workloads, namespace, name, uid)) if queue_name and KUEUE else None
+    asked = None  # an elastic rollout pool's size, when more than Kueue admitted (the job runs at what it admitted)
+    if job is not None and queue is not None:
+        job, asked = kueue.within_admission(job, queue.workload)
     pods = _observed_pods(index, namespace, name, uid, memo)
     # The environment pool's pods live beside the gang, not in it: decided on apart (environments.plan_pool).
     pool_views = [p["view"] for p in pods if p["view"].role == mf.ENVIRONMENT_ROLE]
     views = [p["view"] for p in pods if p["view"].role != mf.ENVIRONMENT_ROLE]
     gen = int(status.get("restarts", 0))
     disrupted = {pod: why for pod, (g, why) in shared.disrupted.get((namespace, name), {}).items() if g == gen}
-    plan = decide(job, error, status, views, now, disrupted=disrupted, queue=queue)
+    plan = decide(job, error, status, views, now, disrupted=disrupted, queue=queue, rollout_asked=asked)
+    active_patch = None
+    if job is not None and queue is not None:
+        plan.status["queueName"] = queue.name
+        active_patch, recorded = kueue.active_update(queue.workload, job.spec.run_policy.suspend,
+                                                     status.get("workloadActive"))
+        if recorded is not None:
+            plan.status["workloadActive"] = recorded
     reward: str | None = None  # the reward file, read to be copied
     if job is not None and plan.create_gang is not None:  # about to create pods: are their inputs there?
         missing, reward = _missing_inputs(shared.kube, shared.policy, job, namespace, status)
@@ -630,9 +640,14 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     metrics.set_phase(namespace, name, plan.status.get("phase"))
     metrics.job_restarts.labels(namespace, name).set(plan.status.get("restarts", 0))
     if job is not None and queue is not None:
-        _sync_workload(shared.kube, namespace, queue, job, plan, len(pods), now)
+        _sync_workload(shared.kube, namespace, queue, plan, len(pods), now, active_patch)
     if plan.delete_job:
         ignore(404, shared.kube.custom.delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
+    if queue is not None and job is not None and (
+            (queue.workload is None and plan.status.get("phase") not in TERMINAL) or kueue.status_patch(
+                queue.workload, plan.status.get("phase", ""), len(pods), plan.status.get("message", ""), now)):
+        memo.pop("rest", None)  # its Workload is to be made, or owes a write (a quota to give back): no rest
+        return
     _rest_after(body, memo, job, status, plan, now, queue)
 
 
@@ -653,6 +668,7 @@ def _make_workload(kube: Kube, job: RLHFJob, uid: str | None, queue: str, memo: 
     posted = memo.get("workload_posted")
     if posted is not None and time.monotonic() - posted < CREATED_GRACE_SECONDS:
         return
+    memo["workload_posted"] = time.monotonic()  # a refused create too is tried again only after the grace
     pods = mf.gang_pods(job, uid or "", 0)
     if job.spec.environments is not None:
         pods += [environment_pod(job, uid or "", i) for i in range(job.spec.environments.replicas)]
@@ -667,7 +683,6 @@ def _make_workload(kube: Kube, job: RLHFJob, uid: str | None, queue: str, memo: 
         found = kube.read("Workload", ns, wl)
         if found is not None:
             _check_owner("Workload", ns, wl, found, uid)
-    memo["workload_posted"] = time.monotonic()
 
 
 def _priority(kube: Kube, job: RLHFJob) -> tuple[str, int] | None:
@@ -696,11 +711,12 @@ def _placed(kube: Kube, queue: Queue, new_pods: list[dict[str, Any]]) -> list[di
     return kueue.place(new_pods, kueue.placements(queue.workload, flavors))
 
 
-def _sync_workload(kube: Kube, namespace: str, queue: Queue, job: RLHFJob, plan: Plan, pods_left: int,
-                   now: dt.datetime) -> None:
-    """Write back into the job's Workload what Kueue needs from its owner (kueue.status_patch, kueue.spec_patch):
-    the quota of an evicted job given back once its pods are gone, Finished, PodsReady, runPolicy.suspend as
-    spec.active. A conflict (Kueue wrote in between) is left for the next tick, which reads the Workload again."""
+def _sync_workload(kube: Kube, namespace: str, queue: Queue, plan: Plan, pods_left: int, now: dt.datetime,
+                   active_patch: dict[str, Any] | None) -> None:
+    """Write back into the job's Workload what Kueue needs from its owner (kueue.status_patch): the quota of an
+    evicted job given back once all its pods are gone, Finished, PodsReady; and its spec: runPolicy.suspend as
+    spec.active (`active_patch`, kueue.active_update), the LocalQueue renamed while it waits. A conflict (Kueue wrote
+    in between) is left for the next tick, which reads the Workload again (`_rest_after` lets no such job rest)."""
     wl = queue.workload
     if wl is None:
         return
@@ -708,8 +724,24 @@ def _sync_workload(kube: Kube, namespace: str, queue: Queue, job: RLHFJob, plan:
     if (patch := kueue.status_patch(wl, plan.status.get("phase", ""), pods_left, plan.status.get("message", ""),
                                     now)) is not None:
         ignore((404, 409), kube.custom.patch_namespaced_custom_object_status, *args, patch)
-    if (patch := kueue.spec_patch(wl, job.spec.run_policy.suspend)) is not None:
-        ignore((404, 409), kube.custom.patch_namespaced_custom_object, *args, patch)
+    spec = dict((active_patch or {}).get("spec") or {})
+    if wl.queue != queue.name and not wl.quota_reserved:  # Kueue refuses a new queueName while quota is reserved
+        spec["queueName"] = queue.name
+    if spec:
+        ignore((404, 409), kube.custom.patch_namespaced_custom_object, *args, {"spec": spec})
+
+
+def _queue_of(body: kopf.Body, status: JobStatus) -> str | None:
+    """The job's LocalQueue: its label's value when it is accepted, kept in status.queueName for its life (a label
+    removed or added later changes nothing: it would let a job run past its queue, or evict a running one); a new
+    value while the job still waits for admission moves it to that queue."""
+    label = kueue.queue_name(body["metadata"].get("labels"))
+    if not status.get("phase"):
+        return label
+    known = status.get("queueName")
+    if known and label and label != known and status.get("phase") == Phase.QUEUED:
+        return label
+    return known
 
 
 def _plan_pool(job: RLHFJob | None, plan: Plan, pool_views: list[PodView]) -> PoolPlan:

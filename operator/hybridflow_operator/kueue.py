@@ -17,7 +17,14 @@ Kueue's v1beta1 API (kueue.x-k8s.io/v1beta1: Workload, ResourceFlavor), as the j
   once none is left the admission is cleared (QuotaReserved False, Requeued True after a preemption or node
   failures), so that Kueue queues it again; re-admitted, it resumes from its last checkpoint.
 - Finished True once the job succeeded or failed (Kueue releases its quota); PodsReady while the job runs.
-- runPolicy.suspend is `spec.active: false` (Kueue evicts the Workload, "Deactivated", and keeps it out of the queue).
+- runPolicy.suspend is `spec.active: false` (Kueue evicts the Workload, "Deactivated", and keeps it out of the queue);
+  a Workload Kueue deactivated itself stays so (the job waits, saying why) until runPolicy.suspend is toggled.
+- the queue is the label's value when the job is accepted (status.queueName); renaming it while the job waits moves
+  its Workload to the new queue; adding or removing the label later changes nothing.
+
+Not done: topology-aware scheduling (a topologyAssignment's node placement and scheduling gate are not applied:
+pods follow the flavors' node labels only). Kueue's pod integration must not manage the jobs' namespaces (a
+`default` LocalQueue, or manageJobsWithoutQueueName): it would gate and count the job's pods a second time.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from typing import Any
 
 from hybridflow.api import RLHFJob, SpecError
 from hybridflow.api.names import LABEL_JOB, LABEL_POOL, LABEL_ROLE, names
+from hybridflow.api.scaling import replicas_now, sized
 from hybridflow.api.status import TERMINAL, Phase
 from hybridflow_operator.manifests import _meta
 
@@ -59,11 +67,23 @@ def podset_of(pod: dict[str, Any]) -> str:
     return labels.get(LABEL_POOL) or ENVIRONMENT_PODSET
 
 
+# The most podSets a Workload may have in every Kueue that serves v1beta1 with the fields used here (v0.9-v0.13
+# allow 8, later ones 18).
+MAX_PODSETS = 8
+
+
 def podset_problems(job: RLHFJob) -> list[str]:
-    """A pool whose name is one of the podSets the operator names itself would share its podSet."""
-    return [f"spec.resourcePools[{i}].name: '{p.name}' is the name of the job's {p.name} podSet in its Kueue "
-            f"Workload (kueue.x-k8s.io/queue-name is set); rename the pool"
-            for i, p in enumerate(job.spec.resource_pools) if p.name in (HEAD_PODSET, ENVIRONMENT_PODSET)]
+    """A pool whose name is one of the podSets the operator names itself would share its podSet; more pools than a
+    Workload holds podSets cannot be queued."""
+    out = [f"spec.resourcePools[{i}].name: '{p.name}' is the name of the job's {p.name} podSet in its Kueue "
+           f"Workload (kueue.x-k8s.io/queue-name is set); rename the pool"
+           for i, p in enumerate(job.spec.resource_pools) if p.name in (HEAD_PODSET, ENVIRONMENT_PODSET)]
+    podsets = 1 + len(job.spec.resource_pools) + (job.spec.environments is not None)
+    if podsets > MAX_PODSETS:
+        out.append(f"spec.resourcePools: {len(job.spec.resource_pools)} pools make {podsets} Kueue podSets (with the "
+                   f"head{' and the environment pool' if job.spec.environments else ''}); a Workload holds at most "
+                   f"{MAX_PODSETS}: merge pools, or remove the kueue.x-k8s.io/queue-name label")
+    return out
 
 
 def workload(job: RLHFJob, uid: str, queue: str, pods: list[dict[str, Any]],
@@ -110,6 +130,7 @@ class Admission:
     name: str
     admitted: bool  # condition Admitted True
     quota_reserved: bool  # condition QuotaReserved True (what the job holds until it gives it back)
+    queue: str = ""  # spec.queueName
     evicted: str = ""  # condition Evicted True: "<reason>: <message>"
     evicted_reason: str = ""
     waiting: str = ""  # why it is not admitted, in Kueue's words (QuotaReserved False's message)
@@ -153,7 +174,8 @@ def read_workload(obj: dict[str, Any]) -> Admission:
     reserved = _condition(conds, "QuotaReserved") or {}
     owners = [r.get("uid") for r in meta.get("ownerReferences") or [] if r.get("controller")]
     return Admission(
-        name=meta.get("name", ""), admitted=_true(conds, "Admitted"), quota_reserved=_true(conds, "QuotaReserved"),
+        name=meta.get("name", ""), queue=spec.get("queueName", ""), admitted=_true(conds, "Admitted"),
+        quota_reserved=_true(conds, "QuotaReserved"),
         evicted=f"{evicted.get('reason', '')}: {evicted.get('message', '')}".strip(": ") if evicted else "",
         evicted_reason=evicted.get("reason", "") if evicted else "",
         waiting="" if reserved.get("status") == "True" else reserved.get("message", ""),
@@ -168,6 +190,9 @@ def held(admission: Admission | None, queue: str) -> str | None:
     """Why a queued job may not have pods now, or None when Kueue admitted it (and has not evicted it)."""
     if admission is None:
         return f"no Workload of the job in LocalQueue {queue} yet (the operator makes it)"
+    if not admission.active:
+        return (f"Workload {admission.name} is inactive (spec.active false{': ' + admission.evicted if admission.evicted else ''}"
+                "); set runPolicy.suspend true, then false, to queue the job again")
     if admission.evicted:
         return f"Kueue evicted Workload {admission.name} ({admission.evicted})"
     if not admission.admitted:
@@ -181,6 +206,16 @@ def admitted_count(admission: Admission | None, podset: str) -> int | None:
     if admission is None or not admission.admitted:
         return None
     return admission.counts.get(podset)
+
+
+def within_admission(job: RLHFJob, admission: Admission | None) -> tuple[RLHFJob, int | None]:
+    """The job as it may run under Kueue's admission: an elastic rollout pool sized to at most the pods admitted for
+    it (Kueue's partial admission), and the size asked for when that is more (else None)."""
+    asked = replicas_now(job.spec)
+    cap = admitted_count(admission, job.spec.pool("rollout").name) if asked is not None else None
+    if cap is None or asked is None or asked <= cap:
+        return job, None
+    return sized(job, cap), asked
 
 
 def placements(admission: Admission, flavors: dict[str, dict[str, Any]]) -> dict[str, Placement]:
@@ -273,15 +308,19 @@ def status_patch(admission: Admission | None, phase: str, pods_left: int, messag
         reason = "Succeeded" if phase == Phase.SUCCEEDED else "Failed"
         changed = _set(conds, "Finished", True, reason, message or f"the RLHFJob {reason.lower()}", now, gen)
     elif admission.evicted and admission.quota_reserved and pods_left == 0:
-        changed |= _set(conds, "Requeued", admission.evicted_reason in REQUEUED_AFTER, admission.evicted_reason,
-                        admission.evicted, now, gen)
+        changed |= _set(conds, "Requeued", admission.evicted_reason in REQUEUED_AFTER,
+                        admission.evicted_reason or "Evicted", admission.evicted, now, gen)
         changed |= _set(conds, "QuotaReserved", False, "Pending", admission.evicted, now, gen)
         changed |= _set(conds, "Admitted", False, "NoReservation", "The workload has no reservation", now, gen)
         body["admission"] = None
     elif admission.admitted and not admission.evicted:
-        running = phase == Phase.RUNNING
+        # Kueue's reasons: waitForPodsReady times out only a PodsReady False of WaitForStart or WaitForRecovery
+        running, was = phase == Phase.RUNNING, _condition(conds, "PodsReady")
         if admission.pods_ready is not running:
-            changed = _set(conds, "PodsReady", running, "PodsReady" if running else "PodsNotReady",
+            again = bool(was and was.get("reason") in ("Started", "Recovered", "WaitForRecovery"))
+            changed = _set(conds, "PodsReady", running,
+                           ("Recovered" if again else "Started") if running else
+                           ("WaitForRecovery" if again else "WaitForStart"),
                            "All pods reached readiness and the workload is running" if running else
                            "Not all pods are ready or succeeded", now, gen)
     if not changed:
@@ -290,8 +329,15 @@ def status_patch(admission: Admission | None, phase: str, pods_left: int, messag
             "status": {"conditions": conds, **body}}
 
 
-def spec_patch(admission: Admission | None, suspend: bool) -> dict[str, Any] | None:
-    """runPolicy.suspend as the Workload's spec.active (Kueue evicts an inactive Workload and queues it no more)."""
-    if admission is None or admission.finished or admission.active is (not suspend):
-        return None
-    return {"spec": {"active": not suspend}}
+def active_update(admission: Admission | None, suspend: bool,
+                  recorded: bool | None) -> tuple[dict[str, Any] | None, bool | None]:
+    """runPolicy.suspend as the Workload's spec.active (Kueue evicts an inactive Workload and queues it no more):
+    (the spec patch to write, or None; the value for status.workloadActive once the Workload holds it, or None).
+    Written only when runPolicy.suspend changed since it was last recorded: Kueue deactivates Workloads itself (a
+    rejected admission check, its requeuing limit, a maximum execution time), and the operator must not undo that."""
+    want = not suspend
+    if admission is None or admission.finished or recorded == want:
+        return None, None
+    if admission.active is want:  # the Workload holds it (made so, or the patch seen back): recorded now
+        return None, want
+    return {"spec": {"active": want}}, None

@@ -27,7 +27,7 @@ from hybridflow.api import EXIT_BAD_INPUT, RLHFJob
 from hybridflow.api.run_policy import progress_deadline
 from hybridflow.api.scaling import replicas_now, sized
 from hybridflow.api.status import ACTIVE, TERMINAL, Condition, JobStatus, Phase, pool_status
-from hybridflow_operator.kueue import Admission, admitted_count, held
+from hybridflow_operator.kueue import Admission, held
 from hybridflow_operator.manifests import selector
 
 # A pod still Pending this long with no reason of its own is reported (not failed: a queue may be long).
@@ -124,15 +124,17 @@ class Queue:
 
 def decide(job: RLHFJob | None, error: str | None, status: JobStatus, pods: list[PodView],
            now: dt.datetime, missing_inputs: str | None = None, disrupted: dict[str, str] | None = None,
-           queue: Queue | None = None) -> Plan:
+           queue: Queue | None = None, rollout_asked: int | None = None) -> Plan:
     """The tick's plan, decided once. missing_inputs: None when the job's inputs were not checked; "" when they were
     and all exist; else what the operator found absent (see `admit_gang`). disrupted: pods of the current generation
     seen with a DisruptionTarget condition (name -> reason), also those already gone. queue: the job's Kueue
     queue and Workload, when it is queued: no pod while Kueue has not admitted it (or has evicted it).
+    rollout_asked: an elastic rollout pool's size asked for, when the job (sized by kueue.within_admission to what
+    Kueue admitted) runs a smaller one: condition RolloutCapped says so.
 
     The handler calls this without missing_inputs, and only when the plan creates pods looks the inputs up (API
     reads) and folds them in with `admit_gang`: the same plan as deciding with them, without deciding twice."""
-    plan = _decide(job, error, status, pods, now, disrupted or {}, queue)
+    plan = _decide(job, error, status, pods, now, disrupted or {}, queue, rollout_asked)
     if job is None:
         return plan
     _observe_pools(plan.status, job, pods)
@@ -191,7 +193,7 @@ def invalid(status: JobStatus, error: str, now: dt.datetime, pods: list[PodView]
 
 
 def _decide(job: RLHFJob | None, error: str | None, status: JobStatus, pods: list[PodView],
-            now: dt.datetime, disrupted: dict[str, str], queue: Queue | None) -> Plan:
+            now: dt.datetime, disrupted: dict[str, str], queue: Queue | None, rollout_asked: int | None) -> Plan:
     if error is not None:
         return invalid(status, error, now, pods)
     st = cast(JobStatus, dict(status))
@@ -285,8 +287,7 @@ def _decide(job: RLHFJob | None, error: str | None, status: JobStatus, pods: lis
             st["step"] = st["totalSteps"]
         plan.delete_pods += [p.name for p in current if p.role != "head"]
         return plan
-    cap = admitted_count(queue.workload, job.spec.pool("rollout").name) if queue is not None else None
-    current, coming = _rescale(plan, job, current, now, cap)
+    current, coming = _rescale(plan, job, current, now, rollout_asked)
     failed = [p for p in current if p.phase in (PodPhase.FAILED, PodPhase.UNKNOWN)]
     if head is not None and head in failed and head.exit_code == EXIT_BAD_INPUT:
         _fail(plan, "InvalidInput", f"the driver rejected the job's input (not retried): {head.message}", now, pods)
@@ -429,17 +430,17 @@ def _restart(plan: Plan, job: RLHFJob, gen: int, what: str, now: dt.datetime, po
 
 
 def _rescale(plan: Plan, job: RLHFJob, current: list[PodView], now: dt.datetime,
-             cap: int | None = None) -> tuple[list[PodView], int]:
+             asked: int | None = None) -> tuple[list[PodView], int]:
     """An elastic rollout pool's size changed (spec.rolloutPool.replicas, read live): the pods past the new size
     are deleted (their preStop hands their replicas' work back to the controller first) and the new ones created,
-    while the head and every other pod keep running; neither is a failure, nor counted. `cap`: the pods Kueue
-    admitted for the pool (a queued job), past which the pool waits at the cap (condition RolloutCapped). Returns
+    while the head and every other pod keep running; neither is a failure, nor counted. `asked`: the size asked
+    for when Kueue admitted fewer pods (the job's size is then the count admitted: condition RolloutCapped). Returns
     the pods that stay current, and how many of those being added are not seen yet (not missing: on their way)."""
     want = replicas_now(job.spec)
     if want is None:
         return current, 0
     st, pool = plan.status, job.spec.pool("rollout").name
-    want = _capped_size(plan, pool, want, cap, now)
+    _note_cap(plan, pool, want, asked, now)
     st["rolloutSelector"] = selector(job.metadata.name, pool=pool)  # the scale subresource's
     have = int(st.get("rolloutReplicas", want))
     last = st.get("lastRolloutScale") or {}
@@ -461,20 +462,17 @@ def _rescale(plan: Plan, job: RLHFJob, current: list[PodView], now: dt.datetime,
     return [p for p in current if p not in surplus], len(coming)
 
 
-def _capped_size(plan: Plan, pool: str, want: int, cap: int | None, now: dt.datetime) -> int:
-    """The rollout pool's size within what Kueue admitted; RolloutCapped says when it waits at the cap."""
-    capped_now = cap is not None and want > cap
+def _note_cap(plan: Plan, pool: str, size: int, asked: int | None, now: dt.datetime) -> None:
+    """Condition RolloutCapped: the rollout pool runs `size` pods, the count Kueue admitted, not the `asked` size."""
     had = next((c for c in plan.status.get("conditions", []) if c["type"] == "RolloutCapped"), None)
-    if capped_now:
-        message = (f"rollout pool {pool}: spec.rolloutPool.replicas = {want}, but Kueue admitted {cap} pod(s) for "
-                   f"it; the pool stays at {cap} until the job is admitted again with more")
+    if asked is not None:
+        message = (f"rollout pool {pool}: spec.rolloutPool.replicas = {asked}, but Kueue admitted {size} pod(s) for "
+                   f"it; the pool stays at {size} until the job is admitted again with more")
         if not had or had["status"] != "True" or had["message"] != message:
             plan.events.append(("Warning", "RolloutCapped", message))
         set_condition(plan.status, "RolloutCapped", True, "KueueAdmission", message, now)
-        return cap  # type: ignore[return-value]
-    if had and had["status"] == "True":
+    elif had and had["status"] == "True":
         set_condition(plan.status, "RolloutCapped", False, "WithinAdmission", f"rollout pool {pool} at its size", now)
-    return want
 
 
 def _queued(plan: Plan, why: str, now: dt.datetime, evicted: bool = False) -> None:

@@ -109,6 +109,10 @@ class JobStatus(TypedDict, total=False):
     rolloutReplicas: int
     rolloutSelector: str
     lastRolloutScale: dict[str, Any]
+    # a job queued through Kueue: its LocalQueue (the label's value when it was accepted), and runPolicy.suspend as
+    # last written into its Workload's spec.active (the operator writes it again only when runPolicy.suspend changes)
+    queueName: str
+    workloadActive: bool
     # digests recorded before the job's ConfigMaps are created, and the uid of the Ray token Secret it made
     acceptedSpecDigest: str
     rewardDigest: str
