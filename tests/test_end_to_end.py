@@ -143,7 +143,8 @@ def _kill_9_during_a_save(tmp_path, model_cache, ray_tmp, tracking_uri):
     job = _variant(tmp_path, TINY, trainer__steps=steps, trainer__saveFreq=1, trainer__promptsPerStep=16,
                    trainer__asyncSave=True, trainer__checkpointDir=str(ckpt), data__evalPrompts=8,
                    models__actor__tiny__hiddenSize=256, models__actor__tiny__numLayers=4, rollout__engine="vllm",
-                   tracking__tensorboard=True, tracking__mlflow={"trackingUri": tracking_uri})
+                   tracking__tensorboard=True, tracking__mlflow={"trackingUri": tracking_uri},
+                   tracking__wandb={"project": "hybridflow-tests", "mode": "offline"})
     port = _free_port()
     # unbuffered: what it printed before the kill is in the file
     env = {**os.environ, "HYBRIDFLOW_MODEL_CACHE": str(model_cache), "PYTHONUNBUFFERED": "1"}
@@ -202,6 +203,28 @@ def _kill_9_during_a_save(tmp_path, model_cache, ray_tmp, tracking_uri):
                              (tmp_path / "killed-run.out").read_text()).group(1))
     _check_one_tensorboard_run(ckpt, steps, before, summary["eval_after"])
     _check_one_mlflow_run(tracking_uri, ckpt, steps)
+    _check_one_wandb_run(ckpt, steps, resumed)
+
+
+def _check_one_wandb_run(ckpt, steps, resumed):
+    """spec.tracking.wandb (offline) across the kill: the killed run and the resumed one are one W&B run (the id in
+    <checkpointDir>/wandb-run.json), its config the resolved spec; the resumed part logs every step from the
+    checkpoint it resumed from on, each value the step log's, against hybridflow_step."""
+    from support.wandb_records import run
+
+    parts = sorted((ckpt / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(parts) == 2, parts  # the killed run's, the resumed run's
+    killed, resumed_run = (run(p) for p in parts)
+    run_id = json.loads((ckpt / "wandb-run.json").read_text())["run_id"]
+    assert killed["id"] == resumed_run["id"] == run_id and resumed_run["project"] == "hybridflow-tests"
+    assert resumed_run["config"]["spec"]["trainer"]["steps"] == steps
+    rows = [r for r in resumed_run["history"] if "hybridflow_reward_mean" in r]
+    assert [r["hybridflow_step"] for r in rows] == list(range(resumed, steps + 1)), rows
+    by_step = {r["step"]: r for r in _steps(ckpt)}
+    for row in rows:
+        assert row["hybridflow_reward_mean"] == pytest.approx(by_step[row["hybridflow_step"]]["reward_mean"],
+                                                              rel=1e-6, abs=1e-7)
+    assert any("hybridflow_reward_mean" in r for r in killed["history"]), "the killed run logged its steps too"
 
 
 def _check_one_tensorboard_run(ckpt, steps, eval_before, eval_after):

@@ -237,6 +237,25 @@ def test_a_checkpoint_secret_is_usable_only_by_an_author_who_may_read_it(charts)
     assert not admitted(vap, doc, AuthorizerDouble({("secrets", "other-ns", "team-s3")}))
     assert not admitted(vap, _job(doc, **{"kubernetes.rayAuthSecret": "team-token"}),
                         AuthorizerDouble({("secrets", "ml", "team-token")}))  # each Secret is checked
+    tracked = _job(TINY, **{"kubernetes.trackingSecret": "team-wandb"})  # the trackers' credentials likewise
+    assert admitted(vap, tracked, AuthorizerDouble({("secrets", "ml", "team-wandb")}))
+    assert refusals(vap, tracked, AuthorizerDouble()) == [
+        "spec.kubernetes.trackingSecret: you may not read Secret team-wandb, so a job of yours may not use it either"]
+
+
+def test_a_tracking_secret_reaches_the_driver_alone_and_only_its_credential_keys():
+    from hybridflow.api import parse_job
+    from hybridflow_operator import manifests as mf
+
+    job = parse_job(_job(TINY, **{"kubernetes.trackingSecret": "team-wandb", "resourcePools": [
+        {"name": "default", "nodes": 1}]}))
+    head, worker = mf.gang_pods(job, "uid", 0)
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in head["spec"]["containers"][0]["env"]
+            if "secretKeyRef" in e.get("valueFrom", {}) and e["valueFrom"]["secretKeyRef"]["name"] == "team-wandb"}
+    assert sorted(refs) == ["MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME",
+                            "WANDB_API_KEY"] and all(r["optional"] for r in refs.values())
+    assert "team-wandb" not in str(worker)  # the pools run no tracker: they get none of it
+    assert mf.foreign_references([head, worker], job) == []  # the accepted spec names it
 
 
 FIXED = ("spec.kubernetes (the Secrets, PVCs, reward ConfigMap and ServiceAccount a job's pods use) is fixed when the "

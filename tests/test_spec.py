@@ -158,7 +158,7 @@ BAD = [
     ({"tracking": {"tensorboard": True}, "trainer": {"checkpointDir": "s3://bucket/runs"}},
      "spec.tracking.tensorboard: event files are written beside the checkpoints on a file system, and "
      "spec.trainer.checkpointDir is object storage (s3://bucket/runs)"),
-    ({"tracking": {"wandb": True}}, "spec.tracking.wandb: unknown field"),
+    ({"tracking": {"comet": True}}, "spec.tracking.comet: unknown field"),
 ]
 
 
@@ -640,3 +640,16 @@ def test_every_tracking_field_is_a_registered_tracker():
     from hybridflow.trainer.tracking import TRACKERS
 
     assert sorted(Tracking.model_fields) == TRACKERS.names()
+
+
+def test_an_offline_wandb_run_needs_a_checkpoint_dir_on_a_file_system():
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-grpo.yaml").read_text())
+    doc["spec"]["tracking"] = {"wandb": {"project": "p", "mode": "offline"}}
+    doc["spec"]["trainer"]["checkpointDir"] = "s3://bucket/runs"
+    with pytest.raises(SpecError, match="spec.tracking.wandb.mode: offline runs are written beside the checkpoints"):
+        parse_job(doc)
+    doc["spec"]["tracking"]["wandb"]["mode"] = "online"
+    assert parse_job(doc).spec.tracking.wandb.mode == "online"
+    doc["spec"]["tracking"]["wandb"]["project"] = "a/b"
+    with pytest.raises(SpecError, match="spec.tracking.wandb.project"):
+        parse_job(doc)

@@ -24,7 +24,8 @@ from hybridflow.api.names import (
 )
 from hybridflow.api.scaling import sized
 from hybridflow.api.storage import (
-    STORAGE_CREDENTIAL_KEYS, is_url, job_checkpoint_dir, job_checkpoint_url, namespace_url, resume_source,
+    STORAGE_CREDENTIAL_KEYS, TRACKING_CREDENTIAL_KEYS, is_url, job_checkpoint_dir, job_checkpoint_url, namespace_url,
+    resume_source,
 )
 
 from hybridflow_operator.policy import Egress
@@ -534,6 +535,10 @@ def head_pod(job: RLHFJob, uid: str, generation: int) -> dict[str, Any]:
             "limits": {"memory": k8s.head_memory},
         },
     }
+    if k8s.tracking_secret:  # the trackers' credentials, for the driver alone (by reference, only those keys)
+        container["env"] = [{"name": key, "valueFrom": {"secretKeyRef": {"name": k8s.tracking_secret, "key": key,
+                                                                         "optional": True}}}
+                            for key in TRACKING_CREDENTIAL_KEYS]
     labels = {LABEL_ROLE: "head", LABEL_GENERATION: str(generation)}
     return _pod(job, uid, head_pod_name(name, generation), labels, [container], [], None, "1Gi")
 
@@ -690,6 +695,8 @@ def accepted_references(job: RLHFJob) -> set[tuple[str, str]]:
         refs.add(("ConfigMap", own["reward"]))
     if k8s.checkpoint_secret:
         refs.add(("Secret", k8s.checkpoint_secret))
+    if k8s.tracking_secret:
+        refs.add(("Secret", k8s.tracking_secret))
     refs |= {("PersistentVolumeClaim", c) for c in (k8s.checkpoint_pvc, k8s.model_pvc, k8s.data_pvc) if c}
     if k8s.service_account_name:
         refs.add(("ServiceAccount", k8s.service_account_name))

@@ -52,6 +52,11 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
         out.append(f"spec.tracking.tensorboard: event files are written beside the checkpoints on a file system, "
                    f"and spec.trainer.checkpointDir is object storage ({spec.trainer.checkpoint_dir}); use a PVC or "
                    f"a local checkpointDir, or turn tracking.tensorboard off")
+    wandb = spec.tracking.wandb
+    if wandb is not None and wandb.mode == "offline" and is_url(spec.trainer.checkpoint_dir):
+        out.append(f"spec.tracking.wandb.mode: offline runs are written beside the checkpoints on a file system, and "
+                   f"spec.trainer.checkpointDir is object storage ({spec.trainer.checkpoint_dir}); use a PVC or a "
+                   f"local checkpointDir, or mode online")
     return out + _layout_and_pieces_problems(spec) + elastic_problems(spec)
 
 

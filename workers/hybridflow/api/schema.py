@@ -312,6 +312,17 @@ class MlflowTracking(SpecModel):
     )
 
 
+class WandbTracking(SpecModel):
+    project: str = Field(..., min_length=1, max_length=128, pattern=r"^[^/\\#?%:]+$",
+                         description="The Weights & Biases project the job's run goes to.")
+    entity: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[^/\\#?%:]+$",
+                               description="The team or user owning the project (default: the API key's).")
+    mode: Literal["online", "offline"] = Field(
+        "online", description="online: the run is sent to W&B as it goes (WANDB_API_KEY in the driver's "
+        "environment: kubernetes.trackingSecret); offline: it is written to <checkpointDir>/wandb only, to be sent "
+        "later with `wandb sync` (needs a checkpointDir on a file system, as tensorboard does).")
+
+
 class Tracking(SpecModel):
     """Experiment trackers the driver writes the job's metrics to, each a field named after its entry in
     hybridflow.trainer.tracking.TRACKERS."""
@@ -330,6 +341,12 @@ class Tracking(SpecModel):
         "is kept in <checkpointDir>/mlflow-run.json, so a resumed or restarted job logs to the same run (the steps "
         "it does again get a second, later point); the run ends FINISHED when the job does."
     )
+    wandb: WandbTracking | None = Field(
+        None, description="Log the job to a Weights & Biases run: the same series and names as tensorboard, against "
+        "hybridflow_step (so a resumed job's steps done again replace nothing and break no ordering), and the "
+        "resolved spec once as its config. One run per job: its id is kept in <checkpointDir>/wandb-run.json, so a "
+        "resumed or restarted job continues the same run."
+    )
 
 
 class Kubernetes(SpecModel):
@@ -342,6 +359,12 @@ class Kubernetes(SpecModel):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy.")
     checkpoint_pvc: ObjectName | None = Field(
         None, description="PersistentVolumeClaim mounted at trainer.checkpointDir (needed to resume after a restart)."
+    )
+    tracking_secret: ObjectName | None = Field(
+        None, description="Secret with the experiment trackers' credentials: its keys MLFLOW_TRACKING_TOKEN, "
+        "MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD and WANDB_API_KEY become those variables in the head pod "
+        "(where the driver logs to spec.tracking); its other keys are ignored. Passed by reference (secretKeyRef), "
+        "never read by the operator."
     )
     checkpoint_secret: ObjectName | None = Field(
         None, description="Secret with the object-storage credentials of an s3:// (or az://) trainer.checkpointDir: "

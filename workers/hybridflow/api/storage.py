@@ -13,6 +13,9 @@ _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 OBJECT_STORES = ("s3", "gs", "gcs", "az", "abfs", "abfss")
 # The environment variables object-storage clients read credentials and endpoints from: on Kubernetes, the keys of
 # kubernetes.checkpointSecret the pods get (only these: a Secret's other keys could set PYTHONPATH or LD_PRELOAD).
+# The keys of kubernetes.trackingSecret the head pod gets (the experiment trackers' credentials; only these).
+TRACKING_CREDENTIAL_KEYS = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
+                            "WANDB_API_KEY")
 STORAGE_CREDENTIAL_KEYS = (
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_REGION",
     "AWS_DEFAULT_REGION", "AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME",

@@ -11,11 +11,14 @@ import json
 import logging
 import math
 import os
+import tempfile
+import uuid
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 from hybridflow.api import RLHFJob, dump_job
+from hybridflow.api.storage import is_url
 from hybridflow.checkpoint.store import storage_path, write_json
 from hybridflow.registry import Registry
 
@@ -134,6 +137,59 @@ def mlflow_tracker(job: RLHFJob, resumed_step: int) -> Tracker:
                            f"{str(e).strip()[:300]}); check trackingUri and the MLFLOW_TRACKING_* credentials") from e
     write_json(record, {"run_id": run.info.run_id, "tracking_uri": cfg.tracking_uri})
     return MlflowTracker(client, run.info.run_id)
+
+
+WANDB_RUN_FILE = "wandb-run.json"  # in checkpointDir: the job's W&B run id, continued by a restarted or resumed job
+WANDB_STEP = "hybridflow_step"  # every series is plotted against it (W&B's own step only ever grows)
+# How often the run's record (<checkpointDir>/wandb/.../run-<id>.wandb) reaches the disk: W&B's default, 15 s, lost
+# every step a killed pod had logged in the 15 s before (all of a short run's, in the kill test).
+WANDB_FLUSH_SECONDS = 1.0
+
+
+class WandbTracker:
+    """The job's Weights & Biases run. Every series is defined against hybridflow_step, which each log carries: a
+    resumed job logs the steps it does again with W&B's own step still growing, so nothing is dropped as out of
+    order (W&B keeps each point; the step log and TensorBoard say which one the job kept)."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def log(self, step: int, scalars: Mapping[str, float]) -> None:
+        self.run.log({**{k: float(v) for k, v in scalars.items() if math.isfinite(v)}, WANDB_STEP: step})
+
+    def close(self, finished: bool) -> None:
+        self.run.finish(exit_code=0 if finished else 1)
+
+
+@TRACKERS.register("wandb")
+def wandb_tracker(job: RLHFJob, resumed_step: int) -> Tracker:
+    """The run whose id <checkpointDir>/wandb-run.json keeps (resumed), else a new one, its config the resolved
+    spec (nested, as W&B shows a config). Its files (an offline run's whole record) go to <checkpointDir>/wandb on a file system, else to scratch."""
+    os.environ.setdefault("WANDB_SILENT", "true")  # logs stay quiet: W&B's banner and its run summary are not ours
+    import wandb
+
+    cfg = job.spec.tracking.wandb
+    assert cfg is not None  # open_trackers calls this only when the field is set
+    root = storage_path(job.spec.trainer.checkpoint_dir)
+    record = root / WANDB_RUN_FILE
+    kept = json.loads(record.read_text()) if record.exists() else {}
+    run_id = kept.get("run_id") or uuid.uuid4().hex[:12]
+    where = job.spec.trainer.checkpoint_dir
+    files = Path(where) / "wandb" if not is_url(where) else Path(tempfile.mkdtemp(prefix="wandb-"))
+    files.mkdir(parents=True, exist_ok=True)
+    try:
+        run = wandb.init(project=cfg.project, entity=cfg.entity, name=job.metadata.name, id=run_id, resume="allow",
+                         mode=cfg.mode, dir=str(files), config={"spec": dump_job(job)["spec"]},
+                         settings=wandb.Settings(silent=True, console="off", x_disable_stats=True,
+                                                 x_transaction_log_flush_interval=WANDB_FLUSH_SECONDS))
+    except Exception as e:
+        raise RuntimeError(f"spec.tracking.wandb: cannot start run {run_id} in project {cfg.project} "
+                           f"({type(e).__name__}: {str(e).strip()[:300]}); check the project, entity and "
+                           "WANDB_API_KEY (kubernetes.trackingSecret)") from e
+    run.define_metric(WANDB_STEP)
+    run.define_metric("*", step_metric=WANDB_STEP)
+    write_json(record, {"run_id": run_id, "project": cfg.project})
+    return WandbTracker(run)
 
 
 def open_trackers(job: RLHFJob, resumed_step: int) -> list[Tracker]:
