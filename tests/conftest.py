@@ -73,7 +73,7 @@ def tiny_example_run(tiny_example_job):
 
     log = "\n".join(tiny_example_job.logs())
     return Path(tiny_example_job.checkpoint_dir), SimpleNamespace(
-        returncode=tiny_example_job.process.returncode, stdout=log, stderr=log)
+        returncode=tiny_example_job.returncode(), stdout=log, stderr=log)
 
 
 def run_cli(args, cwd, env_extra=None, timeout=900):

@@ -108,6 +108,50 @@ def test_the_client_submits_waits_and_reads_a_job_on_the_cluster(tmp_path, capsy
             job2.status()
 
 
+def test_local_runs_are_known_to_any_client_and_delete_stops_them(tmp_path, monkeypatch):
+    """A relative workdir and a relative data path mean what they mean where the script runs; a run that fails says
+    why (the driver's words), to this client and to another one; delete() interrupts a run and leaves nothing of
+    its session behind."""
+    import os
+
+    monkeypatch.chdir(tmp_path)  # where examples/gsm8k-style.yaml's relative data files are not
+    doc = yaml.safe_load((ROOT / "examples" / "gsm8k-style.yaml").read_text())
+    jobs = client.local("runs")
+    failing = jobs.submit(doc, name="no-prompts")
+    assert failing.root == tmp_path / "runs" / "no-prompts"
+    with pytest.raises(client.JobFailed, match="examples/data/gsm8k_style/train.parquet"):
+        failing.wait(timeout=120, poll=0.2, progress=False)
+    assert f"relative to {tmp_path})" in failing.status().message  # the script's directory, not the run's
+    again = client.local(tmp_path / "runs").get("no-prompts")  # another client, from the files alone
+    assert again.status().failed and again.status().message == failing.status().message
+    assert again.status().message.startswith("exit code 2: ")
+    with pytest.raises(FileExistsError, match="a run of job no-prompts is there already"):
+        jobs.submit(doc, name="no-prompts")
+
+    running = jobs.submit(TINY, name="stopped")
+    pgid = int((running.root / "pgid").read_text())
+    running.delete()
+    st = running.status()
+    assert st.failed and st.reason == "Deleted", st
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)  # the run, its supervisor and anything they started: gone
+
+
+def test_a_cluster_client_uses_the_context_it_is_given(tmp_path):
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "a",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "a", "context": {"cluster": "c", "user": "u", "namespace": "team-a"}},
+                     {"name": "b", "context": {"cluster": "c", "user": "u", "namespace": "team-b"}}]}))
+    assert client.connect(kubeconfig=str(kubeconfig)).namespace == "team-a"
+    assert client.connect(kubeconfig=str(kubeconfig), context="b").namespace == "team-b"
+    assert client.connect(kubeconfig=str(kubeconfig), context="b", namespace="ml").namespace == "ml"
+    with pytest.raises(LookupError, match="no context 'z'"):
+        client.connect(kubeconfig=str(kubeconfig), context="z")
+
+
 @pytest.mark.slow
 def test_a_local_run_and_the_same_job_on_a_cluster_read_alike(tiny_example_job, tmp_path):
     """The session's tiny run, submitted and waited for through client.local (conftest): status, log, step log,
@@ -137,8 +181,17 @@ def test_a_local_run_and_the_same_job_on_a_cluster_read_alike(tiny_example_job, 
         submitted = on_cluster.submit(doc)
         assert submitted.steps() == steps
         assert [Path(p).name for p in submitted.checkpoints()] == [Path(p).name for p in found]
-        older = Path(found[0]).name
-        exported = submitted.export(tmp_path / "older", checkpoint=older)
+        older = int(Path(found[0]).name.removeprefix("step_"))
+        exported = submitted.export(tmp_path / "older", checkpoint=older)  # by step number
         assert (exported / "config.json").exists()
+        # the operator reports the pod's path of the newest checkpoint; this client reads it where it has the claim
+        from hybridflow.api.storage import CHECKPOINT_MOUNT
+
+        Kube(api.kubeconfig_path, "ml").custom.patch_namespaced_custom_object_status(
+            "hybridflow.io", "v1alpha1", "ml", "rlhfjobs", "tiny-grpo",
+            {"status": {"phase": "Succeeded", "lastCheckpoint": f"{CHECKPOINT_MOUNT}/ml/tiny-grpo/step_00000040"}})
+        newest = submitted.status().last_checkpoint
+        assert newest == str(mount / "ml" / "tiny-grpo" / "step_00000040")
+        assert (submitted.export(tmp_path / "newest", checkpoint=newest) / "config.json").exists()
         with pytest.raises(SpecError, match="connect\\(checkpoint_mount=...\\)"):
             client.connect(namespace="ml", kubeconfig=api.kubeconfig_path).get("tiny-grpo").steps()

@@ -24,7 +24,7 @@ from hybridflow.api.names import (
 )
 from hybridflow.api.scaling import sized
 from hybridflow.api.storage import (
-    STORAGE_CREDENTIAL_KEYS, TRACKING_CREDENTIAL_KEYS, is_url, job_checkpoint_dir, job_checkpoint_url, namespace_url,
+    CHECKPOINT_MOUNT, STORAGE_CREDENTIAL_KEYS, TRACKING_CREDENTIAL_KEYS, is_url, job_checkpoint_dir, job_checkpoint_url, namespace_url,
     resume_source,
 )
 
@@ -38,7 +38,6 @@ SPEC_KEY = "job.json"  # JSON, not YAML: no aliases or tags in what the operator
 # The checkpoint claim is never mounted whole: the job's own directory on it (subPath <namespace>/<job>) is mounted
 # read-write at CHECKPOINT_MOUNT/<namespace>/<job>, and a trainer.resumeFrom on it (<namespace>/<job>[/step_N])
 # read-only at RESUME_MOUNT/<namespace>/<job>[/step_N]; the resolved spec names those paths.
-CHECKPOINT_MOUNT = "/var/lib/hybridflow/checkpoints"
 RESUME_MOUNT = "/var/lib/hybridflow/resume-from"
 MODEL_CACHE = "/var/cache/hybridflow/models"
 MODELS_MOUNT = "/models"

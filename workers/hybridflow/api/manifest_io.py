@@ -113,20 +113,29 @@ def load_job(path: str | os.PathLike[str]) -> RLHFJob:
         raise SpecError(f"{p}: {p.stat().st_size} bytes, more than the {MAX_MANIFEST_BYTES} a Kubernetes request may "
                         "hold; is this the manifest?")
     try:
-        docs = [d for d in _documents(p.read_text(encoding="utf-8"), str(p)) if d is not None]
-    except ManifestLimitError as err:
-        raise SpecError(f"{p}: refused: {err}") from None
-    except yaml.YAMLError as err:
-        raise SpecError(f"{p}: not valid YAML: {err}") from None
+        text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise SpecError(f"{p}: not UTF-8 text ({err.reason} at byte {err.start}); save the manifest as UTF-8") from None
+    return loads_job(text, str(p))
+
+
+def loads_job(text: str, source: str = "<manifest>") -> RLHFJob:
+    """An RLHFJob from manifest text (YAML or JSON), read within the same limits as a file; errors name `source`."""
+    if len(text.encode()) > MAX_MANIFEST_BYTES:
+        raise SpecError(f"{source}: more than the {MAX_MANIFEST_BYTES} bytes a Kubernetes request may hold")
+    try:
+        docs = [d for d in _documents(text, source) if d is not None]
+    except ManifestLimitError as err:
+        raise SpecError(f"{source}: refused: {err}") from None
+    except yaml.YAMLError as err:
+        raise SpecError(f"{source}: not valid YAML: {err}") from None
     except RecursionError:
-        raise SpecError(f"{p}: nested too deeply to read; a manifest needs no more than {MAX_YAML_DEPTH} "
+        raise SpecError(f"{source}: nested too deeply to read; a manifest needs no more than {MAX_YAML_DEPTH} "
                         "levels") from None
     jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
     if len(jobs) != 1:
-        raise SpecError(f"{p}: expected exactly one document of kind {KIND}, found {len(jobs)}")
-    return parse_job(jobs[0], str(p))
+        raise SpecError(f"{source}: expected exactly one document of kind {KIND}, found {len(jobs)}")
+    return parse_job(jobs[0], source)
 
 
 def dump_job(job: RLHFJob) -> dict[str, Any]:

@@ -13,6 +13,10 @@ _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 OBJECT_STORES = ("s3", "gs", "gcs", "az", "abfs", "abfss")
 # The environment variables object-storage clients read credentials and endpoints from: on Kubernetes, the keys of
 # kubernetes.checkpointSecret the pods get (only these: a Secret's other keys could set PYTHONPATH or LD_PRELOAD).
+# Where a job's pods see its directory on kubernetes.checkpointPvc: <CHECKPOINT_MOUNT>/<namespace>/<job> (the claim's
+# subPath <namespace>/<job>, mounted there by the operator); the spec the pods run names that path, and the progress
+# they report (status.lastCheckpoint) too.
+CHECKPOINT_MOUNT = "/var/lib/hybridflow/checkpoints"
 # The keys of kubernetes.trackingSecret the head pod gets (the experiment trackers' credentials; only these).
 TRACKING_CREDENTIAL_KEYS = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
                             "WANDB_API_KEY")

@@ -6,17 +6,20 @@ pod beside the jobs: `checkpoint_mount`). The operator is never asked for anythi
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import urllib3
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from hybridflow.api import API_GROUP, PLURAL, VERSION, SpecError, dump_job
 from hybridflow.api.names import head_pod_name
-from hybridflow.api.storage import is_url, job_checkpoint_dir, job_checkpoint_url
+from hybridflow.api.storage import CHECKPOINT_MOUNT, is_url, job_checkpoint_dir, job_checkpoint_url
 from hybridflow.client import storage
 from hybridflow.client.jobs import Snapshot, Source, manifest, snapshot_of, wait_for_end
 
@@ -35,29 +38,58 @@ class KubernetesJob:
                                                                  self.name)
         except ApiException as err:
             raise _api_error(err, f"RLHFJob {self.jobs.namespace}/{self.name}") from None
+        except (urllib3.exceptions.HTTPError, OSError) as err:
+            raise _Transient(f"RLHFJob {self.jobs.namespace}/{self.name}: {err}") from err
 
     def status(self) -> Snapshot:
-        return snapshot_of(self._object().get("status") or {})
+        snap = snapshot_of(self._object().get("status") or {})
+        mount, seen = self.jobs.checkpoint_mount, snap.last_checkpoint
+        if mount and seen.startswith(CHECKPOINT_MOUNT + "/"):  # the pod's path, as this client sees the claim
+            snap = replace(snap, last_checkpoint=str(Path(mount) / seen[len(CHECKPOINT_MOUNT) + 1:]))
+        return snap
 
     def wait(self, timeout: float | None = None, progress: bool = True, poll: float = 2.0) -> Snapshot:
-        return wait_for_end(self.name, self.status, time.sleep, timeout, progress, poll)
+        return wait_for_end(self.name, self._status_through_blips, time.sleep, timeout, progress, poll)
+
+    def _status_through_blips(self) -> Snapshot:
+        """status(), asked again over an API server's passing trouble (429, 5xx, a dropped connection) for up to
+        TRANSIENT_SECONDS, so one blip does not end a wait of hours."""
+        deadline = time.monotonic() + TRANSIENT_SECONDS
+        pause = 1.0
+        while True:
+            try:
+                return self.status()
+            except _Transient:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 15.0)
 
     def logs(self, follow: bool = False) -> Iterator[str]:
         """The driver's log: the head pod of the job's current gang generation (a finished job keeps its head pod,
-        and so its log, until runPolicy.ttlSecondsAfterFinished)."""
-        pod = head_pod_name(self.name, self.status().restarts)
-        try:
-            resp = self.jobs.core.read_namespaced_pod_log(pod, self.jobs.namespace, container=HEAD_CONTAINER,
-                                                          follow=follow, _preload_content=False)
-        except ApiException as err:
-            raise _api_error(err, f"the log of pod {self.jobs.namespace}/{pod}") from None
-        pending = b""
-        for chunk in resp.stream(4096):
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            yield from (ln.decode(errors="replace") for ln in lines)
-        if pending:
-            yield pending.decode(errors="replace")
+        and so its log, until runPolicy.ttlSecondsAfterFinished). `follow`: waits for the head to start, and goes
+        on to the next generation's head after a gang restart, until the job ends."""
+        while True:
+            snap = self.status()
+            pod = head_pod_name(self.name, snap.restarts)
+            try:
+                resp = self.jobs.core.read_namespaced_pod_log(pod, self.jobs.namespace, container=HEAD_CONTAINER,
+                                                              follow=follow, _preload_content=False)
+            except ApiException as err:
+                if follow and err.status in (400, 404) and not snap.done:  # not started yet, or between heads
+                    time.sleep(2.0)
+                    continue
+                raise _api_error(err, f"the log of pod {self.jobs.namespace}/{pod}") from None
+            try:
+                yield from _lines(resp.stream(4096))
+            finally:
+                resp.release_conn()
+            if not follow:
+                return
+            while not (now := self.status()).done and now.restarts == snap.restarts:
+                time.sleep(2.0)  # the head ended: the job's end, or a new generation, is on its way
+            if now.done and now.restarts == snap.restarts:
+                return
 
     def checkpoint_dir(self) -> str:
         """Where the job keeps its checkpoints and step log, as this client reaches them."""
@@ -82,7 +114,7 @@ class KubernetesJob:
     def checkpoints(self) -> list[str]:
         return storage.checkpoints(self.checkpoint_dir())
 
-    def export(self, to: str | Path, checkpoint: str | None = None, role: str = "actor",
+    def export(self, to: str | Path, checkpoint: str | int | None = None, role: str = "actor",
                dtype: str | None = None) -> Path:
         return storage.export(self.checkpoint_dir(), to, checkpoint, role, dtype)
 
@@ -104,13 +136,7 @@ class KubernetesJobs:
     def __init__(self, namespace: str | None = None, kubeconfig: str | None = None, context: str | None = None,
                  checkpoint_mount: str | Path | None = None, api_client: client.ApiClient | None = None) -> None:
         if api_client is None:
-            try:
-                api_client = config.new_client_from_config(config_file=kubeconfig, context=context)
-                ns = config.list_kube_config_contexts(config_file=kubeconfig)[1]["context"].get("namespace")
-            except config.ConfigException:
-                config.load_incluster_config()
-                api_client = client.ApiClient()
-                ns = Path(SERVICE_ACCOUNT_NAMESPACE).read_text().strip()
+            api_client, ns = _api_client(kubeconfig, context)
             namespace = namespace or ns
         self.namespace = namespace or "default"
         self.checkpoint_mount = checkpoint_mount
@@ -137,6 +163,43 @@ class KubernetesJobs:
 
 
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+TRANSIENT_SECONDS = 300.0  # how long a wait rides out the API server's trouble
+TRANSIENT_STATUSES = (429, 500, 502, 503, 504)
+
+
+class _Transient(RuntimeError):
+    """The API server's passing trouble: asked again (KubernetesJob._status_through_blips)."""
+
+
+def _api_client(kubeconfig: str | None, context: str | None) -> tuple[client.ApiClient, str | None]:
+    """A client from the kubeconfig (the one named, else $KUBECONFIG or ~/.kube/config) and its context's
+    namespace; inside a pod with no kubeconfig at all, its ServiceAccount's. A kubeconfig that is there but wrong
+    (an unknown context, a bad file) is an error saying so, not a silent try of the in-cluster config."""
+    from kubernetes.config.kube_config import KUBE_CONFIG_DEFAULT_LOCATION
+
+    default = os.path.expanduser(os.environ.get("KUBECONFIG", KUBE_CONFIG_DEFAULT_LOCATION).split(os.pathsep)[0])
+    if kubeconfig is None and context is None and not os.path.exists(default) \
+            and os.path.exists(SERVICE_ACCOUNT_NAMESPACE):
+        config.load_incluster_config()
+        return client.ApiClient(), Path(SERVICE_ACCOUNT_NAMESPACE).read_text().strip()
+    contexts, current = config.list_kube_config_contexts(config_file=kubeconfig)
+    chosen = next((c for c in contexts if c["name"] == context), None) if context else current
+    if chosen is None:
+        raise LookupError(f"kubeconfig {kubeconfig or default}: no context {context!r} (its contexts: "
+                          f"{', '.join(c['name'] for c in contexts)})")
+    return (config.new_client_from_config(config_file=kubeconfig, context=chosen["name"]),
+            chosen["context"].get("namespace"))
+
+
+def _lines(chunks: Iterator[bytes]) -> Iterator[str]:
+    """Lines from a byte stream, each decoded whole (a UTF-8 character split between chunks stays one)."""
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        yield from (ln.decode(errors="replace") for ln in lines)
+    if pending:
+        yield pending.decode(errors="replace")
 
 
 def _api_error(err: ApiException, what: str) -> Exception:
@@ -146,6 +209,8 @@ def _api_error(err: ApiException, what: str) -> Exception:
     except (TypeError, ValueError, AttributeError):
         message = err.reason
     text = f"{what}: {message} ({err.status})"
+    if err.status in TRANSIENT_STATUSES or err.status == 0:
+        return _Transient(text)
     if err.status == 404:
         return LookupError(text)
     if err.status in (401, 403):

@@ -10,9 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import yaml
-
-from hybridflow.api import RLHFJob, SpecError, dump_job, load_job, parse_job
+from hybridflow.api import RLHFJob, dump_job, load_job, loads_job, parse_job
 from hybridflow.api.status import TERMINAL, Phase
 
 # What `submit` takes: a path to a manifest, its YAML text, the manifest as a dict, or a parsed RLHFJob.
@@ -101,19 +99,24 @@ def manifest(source: Source, name: str | None = None, namespace: str | None = No
         job = parse_job(dump_job(source), "the job given")
     elif isinstance(source, dict):
         job = parse_job(source, "the manifest given")
-    elif isinstance(source, Path) or "\n" not in source and not source.lstrip().startswith("apiVersion"):
+    elif isinstance(source, Path) or _names_a_file(source):
         job = load_job(source)
     else:
-        try:
-            doc = yaml.safe_load(source)
-        except yaml.YAMLError as err:
-            raise SpecError(f"the manifest given: not valid YAML: {err}") from None
-        job = parse_job(doc, "the manifest given")
+        job = loads_job(source, "the manifest given")
     if name is not None or namespace is not None:
         doc = dump_job(job)
         doc["metadata"].update({k: v for k, v in (("name", name), ("namespace", namespace)) if v is not None})
         job = parse_job(doc, "the manifest given")
     return job
+
+
+def _names_a_file(source: str) -> bool:
+    """Whether a string is a manifest's path rather than its text: not when it spans lines or reads as a mapping
+    (`key: value`, `{...}`), which no path does (a path that is not there: load_job says so)."""
+    text = source.strip()
+    if "\n" in text or ": " in text or text.startswith("{"):
+        return False
+    return True
 
 
 class Job(Protocol):
@@ -143,9 +146,10 @@ class Job(Protocol):
         """Its checkpoints (step_* directories or URLs), oldest first, intact or not."""
         ...
 
-    def export(self, to: str | Path, checkpoint: str | None = None, role: str = "actor",
+    def export(self, to: str | Path, checkpoint: str | int | None = None, role: str = "actor",
                dtype: str | None = None) -> Path:
-        """A checkpoint (default: the newest intact one) as an HF model directory at `to`."""
+        """A checkpoint as an HF model directory at `to`: default the newest intact one; else a step number, a
+        step_* directory's name, or a path."""
         ...
 
     def delete(self) -> None:

@@ -18,9 +18,20 @@ def checkpoints(root: str) -> list[str]:
     return [str(p) for p in ckpt.list_checkpoints(ckpt.storage_path(root))]
 
 
-def export(root: str, to: str | Path, checkpoint: str | None, role: str, dtype: str | None) -> Path:
-    """`checkpoint` (a step_* directory, or its name under `root`), default the newest intact one, as an HF model."""
+def export(root: str, to: str | Path, checkpoint: str | int | Path | None, role: str, dtype: str | None) -> Path:
+    """A checkpoint, default the newest intact one, as an HF model: `checkpoint` is a step number, a step_*
+    directory's name (under `root`), or its path (a step_* directory, or a checkpointDir: its newest intact one)."""
     from hybridflow.export import chosen_checkpoint, export as export_model
 
-    where = root if checkpoint is None else checkpoint if "/" in checkpoint else f"{root.rstrip('/')}/{checkpoint}"
-    return export_model(chosen_checkpoint(where), Path(to), role, dtype)
+    return export_model(chosen_checkpoint(checkpoint_path(root, checkpoint)), Path(to), role, dtype)
+
+
+def checkpoint_path(root: str, checkpoint: str | int | Path | None) -> str:
+    if checkpoint is None:
+        return root
+    if isinstance(checkpoint, int):
+        return f"{root.rstrip('/')}/step_{checkpoint:08d}"
+    name = str(checkpoint).rstrip("/")
+    if "/" not in name:  # a name under the job's directory
+        return f"{root.rstrip('/')}/{name}"
+    return name
