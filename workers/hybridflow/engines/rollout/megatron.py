@@ -3,8 +3,10 @@
 A second GPTModel, built at t_g-way TP over the generation TP groups (strided ranks, see engines.bridge.layout),
 holds exactly the generation shards the micro-DP all-gather produced; nothing else. Its weights exist only
 between a train -> generate transition and the next update (`release` frees them: generate -> train moves no
-data). Decoding recomputes the whole prefix each step (no KV cache): fine for short responses on CPU, where
-this engine exists because vLLM's external_launcher forms TP groups from consecutive ranks, not strided ones.
+data). Decoding keeps the keys and values of every layer in megatron-core's own static KV cache
+(StaticInferenceContext: a prefill of the prompts, then one token per step), so a response of n tokens costs O(n)
+forward tokens, not O(n^2). It exists because vLLM's external_launcher forms TP groups from consecutive ranks, not
+strided ones.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Iterable, Sequence, cast
 
 import torch
 import torch.distributed as dist
+from megatron.core.inference.contexts import StaticInferenceContext
 
 from hybridflow.single_controller.context import WorkerContext
 from hybridflow.engines.rollout.base import Generation, RolloutSetup, SamplingConfig
@@ -105,10 +108,15 @@ class MegatronRollout:
         stops = torch.tensor(list(cfg.stop_token_ids) or [-1])
         done = torch.zeros(B, dtype=torch.bool)
         out = [Generation([], []) for _ in range(B)]
+        cache = StaticInferenceContext(max_batch_size=B, max_sequence_length=P + cfg.max_tokens)
+        x, pos, mask = attention_inputs({"input_ids": ids.to(self.device), "attention_mask": keep.to(self.device)})
         for _ in range(cfg.max_tokens):
-            x, pos, mask = attention_inputs({"input_ids": ids.to(self.device), "attention_mask": keep.to(self.device)})
-            local = self.model(x, pos, attention_mask=mask)[:, -1, :].float()
-            logits = self._gather_vocab(local).cpu()
+            # the prompts' keys and values at the first step, then the one new token's (older ones are cached)
+            # (megatron gathers the vocabulary's TP shards of the logits itself when it infers)
+            logits = self.model(x, pos, attention_mask=mask, inference_context=cache,
+                                runtime_gather_output=True)[:, -1, :].float().cpu()
+            cache.sequence_len_offset += x.shape[1]
+            cache.enable_decode_mode()
             nxt = self._sample(logits, cfg).where(~greedy_rows, logits.argmax(-1))
             dist.broadcast(nxt, src=self.leader, group=self.group)  # one decision per TP group
             logp = (logits / cfg.temperature).log_softmax(-1).gather(-1, nxt[:, None]).squeeze(-1)
@@ -120,16 +128,11 @@ class MegatronRollout:
             done |= torch.isin(nxt, stops)
             if bool(done.all()):
                 break
-            ids = torch.cat([ids, nxt[:, None]], 1)
             keep = torch.cat([keep, torch.ones(B, 1, dtype=torch.long)], 1)
+            x = nxt[:, None].to(self.device)
+            pos = torch.full((B, 1), keep.shape[1] - 1, dtype=torch.long, device=self.device)  # (RoPE: absolute)
+            mask = ~keep.bool()[:, None, None, :].to(self.device)  # the new token sees every real token, no padding
         return out
-
-    def _gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
-        if self.tp == 1:
-            return local
-        parts = [torch.empty_like(local) for _ in range(self.tp)]
-        dist.all_gather(parts, local.contiguous(), group=self.group)
-        return torch.cat(parts, -1)
 
     def _sample(self, logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         if cfg.greedy:
