@@ -130,9 +130,10 @@ def test_local_runs_are_known_to_any_client_and_delete_stops_them(tmp_path, monk
 
     running = jobs.submit(TINY, name="stopped")
     pgid = int((running.root / "pgid").read_text())
+    wait_for(lambda: any(line.startswith("job stopped:") for line in running.logs()), 120, "the driver started")
     running.delete()
     st = running.status()
-    assert st.failed and st.reason == "Deleted", st
+    assert st.failed and st.reason == "Deleted" and st.step < st.total_steps, st
     with pytest.raises(ProcessLookupError):
         os.killpg(pgid, 0)  # the run, its supervisor and anything they started: gone
 
@@ -179,19 +180,22 @@ def test_a_local_run_and_the_same_job_on_a_cluster_read_alike(tiny_example_job, 
         doc = dump_job(parse_job(yaml.safe_load(TINY.read_text())))
         doc["spec"]["kubernetes"] = {"checkpointPvc": "ck"}
         submitted = on_cluster.submit(doc)
+        # What the operator writes once the job is done (its run is the local one above; the operator's own
+        # submit-wait path: test_the_client_submits_waits_and_reads_a_job_on_the_cluster). It reports the pod's path
+        # of the newest checkpoint; this client reads it where it has the claim.
+        from hybridflow.api.storage import CHECKPOINT_MOUNT
+
+        Kube(api.kubeconfig_path, "ml").custom.patch_namespaced_custom_object_status(
+            "hybridflow.io", "v1alpha1", "ml", "rlhfjobs", "tiny-grpo",
+            {"status": {"phase": "Succeeded", "step": 40, "totalSteps": 40,
+                        "lastCheckpoint": f"{CHECKPOINT_MOUNT}/ml/tiny-grpo/step_00000040"}})
+        done = submitted.wait(timeout=30, poll=0.2, progress=False)
+        assert done.last_checkpoint == str(mount / "ml" / "tiny-grpo" / "step_00000040")
+        assert (submitted.export(tmp_path / "newest", checkpoint=done.last_checkpoint) / "config.json").exists()
         assert submitted.steps() == steps
         assert [Path(p).name for p in submitted.checkpoints()] == [Path(p).name for p in found]
         older = int(Path(found[0]).name.removeprefix("step_"))
         exported = submitted.export(tmp_path / "older", checkpoint=older)  # by step number
         assert (exported / "config.json").exists()
-        # the operator reports the pod's path of the newest checkpoint; this client reads it where it has the claim
-        from hybridflow.api.storage import CHECKPOINT_MOUNT
-
-        Kube(api.kubeconfig_path, "ml").custom.patch_namespaced_custom_object_status(
-            "hybridflow.io", "v1alpha1", "ml", "rlhfjobs", "tiny-grpo",
-            {"status": {"phase": "Succeeded", "lastCheckpoint": f"{CHECKPOINT_MOUNT}/ml/tiny-grpo/step_00000040"}})
-        newest = submitted.status().last_checkpoint
-        assert newest == str(mount / "ml" / "tiny-grpo" / "step_00000040")
-        assert (submitted.export(tmp_path / "newest", checkpoint=newest) / "config.json").exists()
         with pytest.raises(SpecError, match="connect\\(checkpoint_mount=...\\)"):
             client.connect(namespace="ml", kubeconfig=api.kubeconfig_path).get("tiny-grpo").steps()

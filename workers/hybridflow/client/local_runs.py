@@ -26,6 +26,7 @@ from hybridflow.client.jobs import Snapshot, Source, manifest, wait_for_end
 LOG, MANIFEST, CHECKPOINTS = "driver.log", "job.yaml", "checkpoints"
 PID, PGID, RETURNCODE, DELETED = "pid", "pgid", "returncode", "deleted"
 STOP_SECONDS = 60.0  # how long `delete` lets the run stop on its own (an interrupt: the last checkpoint is kept)
+INTERRUPT_EVERY = 5.0  # seconds between its interrupts while the run has not stopped
 
 
 class LocalJob:
@@ -119,9 +120,11 @@ class LocalJob:
         pid, pgid = self._read_int(PID), self._read_int(PGID)
         if self.returncode() is None:
             (self.root / DELETED).touch()
-            _signal(os.kill, pid, signal.SIGINT)
-            deadline = time.monotonic() + STOP_SECONDS
+            deadline, again = time.monotonic() + STOP_SECONDS, 0.0
             while self.returncode() is None and time.monotonic() < deadline:
+                if time.monotonic() >= again:  # again: an interrupt landing in a library's import can be swallowed
+                    _signal(os.kill, pid, signal.SIGINT)
+                    again = time.monotonic() + INTERRUPT_EVERY
                 time.sleep(0.2)
         for sig in (signal.SIGTERM, signal.SIGKILL):  # Ray's processes of a run that ended (or would not)
             if not _signal(os.killpg, pgid, sig):
