@@ -7,6 +7,7 @@ through both backends (the cluster's from where a pod would mount the job's chec
 from __future__ import annotations
 
 import copy
+import signal
 import threading
 from pathlib import Path
 
@@ -128,7 +129,11 @@ def test_local_runs_are_known_to_any_client_and_delete_stops_them(tmp_path, monk
     with pytest.raises(FileExistsError, match="a run of job no-prompts is there already"):
         jobs.submit(doc, name="no-prompts")
 
-    running = jobs.submit(TINY, name="stopped")
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a script in a non-interactive shell's background has
+    try:  # it (CI's): the run must take an interrupt all the same
+        running = jobs.submit(TINY, name="stopped")
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     pgid = int((running.root / "pgid").read_text())
     wait_for(lambda: any(line.startswith("job stopped:") for line in running.logs()), 120, "the driver started")
     running.delete()

@@ -103,16 +103,19 @@ def test_shard_unshard_round_trip(name, shape, tp):
         assert torch.equal(parts[0], torch.cat([gate.chunk(tp)[0], up.chunk(tp)[0]]))
 
 
-# A response's cost per token, position 512 against position 32, that the KV cache keeps under (measured: ~1.2;
-# recomputing the whole prefix at every step, the engine's old way, made it ~4.6).
-PER_TOKEN_GROWTH_MAX = 2.5
+# A response's cost per token, 1024 tokens against 32, that the KV cache keeps under (measured alone on a 2-core
+# AVX-512 machine: ~1.3; at 512 against 32, ~1.2 with the cache and ~4.6 recomputing the whole prefix at every step,
+# the engine's old way; beside the e2e scenarios, 3.2 at 512). Slow-marked so that it runs alone: a timing.
+PER_TOKEN_GROWTH_MAX = 3.0
 
 
+@pytest.mark.slow
 def test_megatron_generation_keeps_a_kv_cache_and_chooses_what_a_full_forward_chooses():
     """The megatron generation engine (t_g > 1's fallback) decodes with megatron-core's static KV cache: greedy
     responses (one prompt left-padded) are exactly the argmax of a plain full forward over prompt + response at
-    every position, and the time per new token does not grow with the position past PER_TOKEN_GROWTH_MAX. One
-    process of its own (support/megatron_generation.py): gloo and megatron's state stay out of this runner."""
+    every position, and the time per new token does not grow with the position past PER_TOKEN_GROWTH_MAX (a
+    response of 1024 tokens against one of 32). One process of its own (support/megatron_generation.py): gloo and
+    megatron's state stay out of this runner."""
     import json
     import os
     import subprocess
@@ -121,7 +124,7 @@ def test_megatron_generation_keeps_a_kv_cache_and_chooses_what_a_full_forward_ch
 
     spec = {"shape": {"vocab": 64, "hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2, "ffn": 256,
                       "max_len": 2048},
-            "prompts": [[1, 2, 3, 4, 5], [7, 8, 9]], "check_tokens": 24, "lengths": [32, 512], "weight_scale": 20.0}
+            "prompts": [[1, 2, 3, 4, 5], [7, 8, 9]], "check_tokens": 24, "lengths": [32, 1024], "weight_scale": 20.0}
     tests = Path(__file__).resolve().parent
     out = subprocess.run([sys.executable, "-m", "support.megatron_generation", json.dumps(spec)], cwd=tests,
                          capture_output=True, text=True, timeout=300,
@@ -131,4 +134,4 @@ def test_megatron_generation_keeps_a_kv_cache_and_chooses_what_a_full_forward_ch
     assert got["responses"] == got["forced"]
     assert len({t for r in got["responses"] for t in r}) > 8, "a model that repeats one token proves little"
     per_token = {int(n): s / int(n) for n, s in got["seconds"].items()}
-    assert per_token[512] <= PER_TOKEN_GROWTH_MAX * per_token[32], per_token
+    assert per_token[1024] <= PER_TOKEN_GROWTH_MAX * per_token[32], per_token

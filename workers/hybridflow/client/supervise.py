@@ -22,7 +22,10 @@ def main(argv: list[str]) -> int:
         print("usage: python -m hybridflow.client.supervise RUN_DIR -- COMMAND...", file=sys.stderr)
         return 2
     root, cmd = Path(argv[0]), argv[2:]
-    proc = subprocess.Popen(cmd)  # same session and process group: ended together
+    # Same session and process group: ended together. Ctrl-C's signal as the run's default: a script started in the
+    # background of a non-interactive shell (CI) has SIGINT ignored, which Python would keep, and `delete` stops the
+    # run with it.
+    proc = subprocess.Popen(cmd, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     write_whole(root / "pgid", str(os.getpgid(0)))
     write_whole(root / "pid", str(proc.pid))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the run, which decides how to stop
