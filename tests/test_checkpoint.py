@@ -386,6 +386,21 @@ def test_full_disk_in_a_worker_is_recognised_through_rays_wrapping(tmp_path):
     assert not list(tmp_path.glob(".step_*"))
 
 
+def test_a_rank_that_stops_answering_mid_save_is_not_taken_for_the_disk(tmp_path):
+    """A save whose rank stopped (SIGSTOP, a hung node) ends in a RankFailure over Ray's GetTimeoutError, and a
+    TimeoutError is an OSError: the failure passes as the rank's (recovery names it), not as a disk's."""
+    from ray import exceptions
+
+    from hybridflow.single_controller.failures import RankFailure
+
+    timeout = exceptions.GetTimeoutError("Get timed out: some object(s) not ready.")
+    failure = RankFailure("actor.save_checkpoint", [], ["pool default rank 1 (10.0.0.2)"], [], timeout)
+    with pytest.raises(RankFailure, match="pool default rank 1 .* did not answer"):
+        with ck.writing(tmp_path, 1, _ident()):
+            raise failure from timeout
+    assert not list(tmp_path.glob(".step_*"))
+
+
 def test_a_full_disk_that_torch_reports_as_an_iostream_error_is_named(tmp_path, monkeypatch):
     """torch.save on a full volume raises RuntimeError('... iostream error'), not ENOSPC (seen on a real full disk):
     with the volume nearly out of space at that moment, the failure is still reported as a full disk."""

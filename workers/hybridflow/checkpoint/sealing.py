@@ -74,15 +74,17 @@ def _nearly_full(root: Path) -> bool:
 
 def _os_error(err: BaseException) -> OSError | None:
     """The OSError behind `err`, also when a worker raised it (Ray re-raises it wrapped; `cause` is the original).
-    Only explicit causes are followed: an error merely raised while handling an OSError is not a disk failure."""
+    Only explicit causes are followed: an error merely raised while handling an OSError is not a disk failure, nor
+    is a wait that ran out (a TimeoutError is an OSError: Ray's GetTimeoutError for a rank that stopped answering
+    mid-save was reported as the disk's, hiding the RankFailure that names the rank)."""
     seen: set[int] = set()
     e: BaseException | None = err
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         cause = getattr(e, "cause", None)
-        if isinstance(cause, OSError):
+        if isinstance(cause, OSError) and not isinstance(cause, TimeoutError):
             return cause
-        if isinstance(e, OSError):
+        if isinstance(e, OSError) and not isinstance(e, TimeoutError):
             return e
         e = cause if isinstance(cause, BaseException) else e.__cause__
     return None
