@@ -639,14 +639,13 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
             metrics.duration.labels(plan.status["phase"]).observe((now - started).total_seconds())
     metrics.set_phase(namespace, name, plan.status.get("phase"))
     metrics.job_restarts.labels(namespace, name).set(plan.status.get("restarts", 0))
+    owed = False  # the Workload is to be made, or owed a write (a quota to give back): the job may not rest
     if job is not None and queue is not None:
-        _sync_workload(shared.kube, namespace, queue, plan, len(pods), now, active_patch)
+        owed = _sync_workload(shared.kube, namespace, queue, plan, len(pods), now, active_patch)
     if plan.delete_job:
         ignore(404, shared.kube.custom.delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
-    if queue is not None and job is not None and (
-            (queue.workload is None and plan.status.get("phase") not in TERMINAL) or kueue.status_patch(
-                queue.workload, plan.status.get("phase", ""), len(pods), plan.status.get("message", ""), now)):
-        memo.pop("rest", None)  # its Workload is to be made, or owes a write (a quota to give back): no rest
+    if owed:
+        memo.pop("rest", None)
         return
     _rest_after(body, memo, job, status, plan, now, queue)
 
@@ -712,23 +711,25 @@ def _placed(kube: Kube, queue: Queue, new_pods: list[dict[str, Any]]) -> list[di
 
 
 def _sync_workload(kube: Kube, namespace: str, queue: Queue, plan: Plan, pods_left: int, now: dt.datetime,
-                   active_patch: dict[str, Any] | None) -> None:
+                   active_patch: dict[str, Any] | None) -> bool:
     """Write back into the job's Workload what Kueue needs from its owner (kueue.status_patch): the quota of an
     evicted job given back once all its pods are gone, Finished, PodsReady; and its spec: runPolicy.suspend as
     spec.active (`active_patch`, kueue.active_update), the LocalQueue renamed while it waits. A conflict (Kueue wrote
-    in between) is left for the next tick, which reads the Workload again (`_rest_after` lets no such job rest)."""
+    in between) is left for the next tick, which reads the Workload again. Returns whether the job is owed a next
+    tick (no rest): its Workload is still to be made, or a status write was due this tick."""
     wl = queue.workload
     if wl is None:
-        return
+        return plan.status.get("phase") not in TERMINAL
     args = (kueue.GROUP, kueue.VERSION, namespace, kueue.WORKLOADS, wl.name)
-    if (patch := kueue.status_patch(wl, plan.status.get("phase", ""), pods_left, plan.status.get("message", ""),
-                                    now)) is not None:
+    patch = kueue.status_patch(wl, plan.status.get("phase", ""), pods_left, plan.status.get("message", ""), now)
+    if patch is not None:
         ignore((404, 409), kube.custom.patch_namespaced_custom_object_status, *args, patch)
     spec = dict((active_patch or {}).get("spec") or {})
     if wl.queue != queue.name and not wl.quota_reserved:  # Kueue refuses a new queueName while quota is reserved
         spec["queueName"] = queue.name
     if spec:
         ignore((404, 409), kube.custom.patch_namespaced_custom_object, *args, {"spec": spec})
+    return patch is not None
 
 
 def _queue_of(body: kopf.Body, status: JobStatus) -> str | None:
