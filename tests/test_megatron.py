@@ -70,8 +70,9 @@ def _hf_reference(model, batch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,tp,world,pp", [("qwen2", 2, 2, 1), ("llama", 1, 2, 1), ("llama", 2, 4, 1),
-                                              ("llama", 1, 2, 2)],
-                         ids=["qwen2-tp2", "llama-dp2", "llama-tp2xdp2", "llama-pp2"])
+                                              ("llama", 1, 2, 2), ("qwen2", 2, 4, 2), ("qwen2", 1, 4, 2)],
+                         ids=["qwen2-tp2", "llama-dp2", "llama-tp2xdp2", "llama-pp2", "qwen2-tp2xpp2",
+                              "qwen2-pp2xdp2"])
 def test_engine_step_matches_hf_autograd(tmp_path, arch, tp, world, pp):
     model = hf_model(arch)
     model.save_pretrained(tmp_path / "model", safe_serialization=True)

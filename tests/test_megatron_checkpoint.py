@@ -1,6 +1,7 @@
-"""Sharded (DCP) checkpoints of the megatron training engine are independent of the tensor-parallel layout: a run
-trained at TP=2 and checkpointed resumes at TP=1 (and a TP=1 checkpoint at TP=2) with the losses of the uninterrupted
-run, optimizer (AdamW) state included; the checkpoint names whole HF tensors, so the FSDP engine loads it too.
+"""Sharded (DCP) checkpoints of the megatron training engine are independent of the model-parallel layout: a run
+trained at TP=2 x PP=2 (tied embeddings split over the two stages) and checkpointed resumes at TP=1 x PP=1 (and a
+TP=1 x PP=1 checkpoint at TP=2 x PP=2) with the losses of the uninterrupted run, optimizer (AdamW) state included;
+the checkpoint names whole HF tensors, so the FSDP engine loads it too.
 
 Real megatron-core on CPU gloo: each phase runs as `world` local processes (this file is also their entry point)."""
 from __future__ import annotations
@@ -35,7 +36,8 @@ def _steps(engine, batch, n: int) -> list[float]:
 def _megatron(cfg: dict):
     from hybridflow.engines.train.megatron import MegatronEngine
 
-    return MegatronEngine(Path(cfg["model_dir"]), "float32", cfg["tp"], lr=LR, grad_clip=CLIP, device="cpu")
+    return MegatronEngine(Path(cfg["model_dir"]), "float32", cfg["tp"], lr=LR, grad_clip=CLIP, device="cpu",
+                          pp=cfg.get("pp", 1))
 
 
 def _save(engine, directory: str) -> None:
@@ -62,7 +64,7 @@ def run_rank(rank: int, world: int, init: str, cfg: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        batch = Batch(torch.load(cfg["batch"]))  # TP only (dp = 1): every rank takes the whole batch
+        batch = Batch(torch.load(cfg["batch"]))  # TP and PP only (dp = 1): every rank takes the whole batch
         engine = _megatron(cfg)
         out: dict = {}
         if cfg["phase"] == "train":
@@ -97,7 +99,7 @@ def run_rank(rank: int, world: int, init: str, cfg: dict) -> None:
 
 def _spawn(tmp: Path, world: int, cfg: dict, timeout: float = 300) -> dict:
     """Run `world` ranks; the first to fail (or the timeout) ends them all, and none outlives this call."""
-    tag = f"{cfg['phase']}-tp{cfg['tp']}-{time.monotonic_ns()}"
+    tag = f"{cfg['phase']}-tp{cfg['tp']}-pp{cfg.get('pp', 1)}-{time.monotonic_ns()}"
     cfg = {**cfg, "out": str(tmp / f"{tag}.pt")}
     init = f"file://{tmp / f'{tag}.rdzv'}"
     logs = [open(tmp / f"{tag}-{r}.log", "w+") for r in range(world)]
@@ -126,27 +128,27 @@ def _spawn(tmp: Path, world: int, cfg: dict, timeout: float = 300) -> dict:
             f.close()
 
 
-# Every test reads `runs`: rounds of megatron-core processes training at TP=2 and resuming at TP=1 (~20 s).
+# Every test reads `runs`: rounds of megatron-core processes training at TP=2 x PP=2 and resuming at TP=1.
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Train at TP=2 and checkpoint (`ckpt`), continue uninterrupted (the reference); resume `ckpt` at TP=1, also
-    weights only and into FSDP, and re-checkpoint the resumed state at TP=1 (`resave`)."""
+    """Train at TP=2 x PP=2 and checkpoint (`ckpt`), continue uninterrupted (the reference); resume `ckpt` at TP=1,
+    also weights only and into FSDP, and re-checkpoint the resumed state at TP=1 (`resave`)."""
     from test_megatron import _batch, hf_model
 
     tmp = tmp_path_factory.mktemp("megatron-ckpt")
     hf_model("qwen2").save_pretrained(tmp / "model", safe_serialization=True)  # tied, QKV bias, 4 heads / 2 groups
     torch.save(_batch(), tmp / "batch.pt")
     base = {"model_dir": str(tmp / "model"), "batch": str(tmp / "batch.pt"), "ckpt": str(tmp / "ckpt")}
-    ref = _spawn(tmp, 2, {**base, "phase": "train", "tp": 2})
+    ref = _spawn(tmp, 4, {**base, "phase": "train", "tp": 2, "pp": 2})
     tp1 = _spawn(tmp, 1, {**base, "phase": "resume", "tp": 1, "resave": str(tmp / "resave"), "weights_only": True,
                           "fsdp": True})
     return {"tmp": tmp, "base": base, "ref": ref, "tp1": tp1}
 
 
-def test_tp2_checkpoint_resumes_at_tp1_with_optimizer_state(runs):
+def test_tp2xpp2_checkpoint_resumes_at_tp1_with_optimizer_state(runs):
     ref, got = runs["ref"], runs["tp1"]
     assert ref["before"][0] != pytest.approx(ref["after"][-1], rel=1e-3)  # the steps move the loss
     # the first step after resuming sees the restored weights, the second also the restored Adam moments and step
@@ -161,10 +163,11 @@ def test_weights_without_optimizer_state_diverge(runs):
     assert abs(got[1] - ref["after"][1]) > 1000 * REL * abs(ref["after"][1])
 
 
-@pytest.mark.slow  # one more round of processes (~11 s); the fixture's rounds take ~19 s
-def test_tp1_checkpoint_resumes_at_tp2(runs):
-    """The TP=1 re-checkpoint of the resumed state, loaded at TP=2, continues as the uninterrupted run does."""
-    got = _spawn(runs["tmp"], 2, {**runs["base"], "phase": "resume", "tp": 2, "ckpt": str(runs["tmp"] / "resave")})
+@pytest.mark.slow  # one more round of processes
+def test_tp1_checkpoint_resumes_at_tp2xpp2(runs):
+    """The TP=1 re-checkpoint of the resumed state, loaded at TP=2 x PP=2, continues as the uninterrupted run does."""
+    got = _spawn(runs["tmp"], 4, {**runs["base"], "phase": "resume", "tp": 2, "pp": 2,
+                                  "ckpt": str(runs["tmp"] / "resave")})
     assert got["after"] == pytest.approx(runs["ref"]["after"], rel=REL)
 
 

@@ -105,11 +105,13 @@ def test_generation_engine_follows_the_trained_weights(tmp_path, model_cache, lo
         w.shutdown()
 
 
-@pytest.mark.parametrize("t,t_g,rollout", [(4, 2, "megatron"), (2, 1, "vllm")], ids=["t4-tg2-megatron", "t2-tg1-vllm"])
-def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cache, local_ray, t, t_g, rollout):
-    """The 3D-HybridEngine in the RLHF loop: a megatron actor trains at TP=t and generates at TP=t_g on the same
-    ranks. After every transition the generation weights equal the training weights (per-tensor checksums on every
-    rank), the bytes moved match the paper's formula, and greedy generation equals HF's on the exported weights."""
+@pytest.mark.parametrize("t,p,t_g,rollout", [(4, 1, 2, "megatron"), (2, 1, 1, "vllm"), (2, 2, 2, "megatron"), (2, 2, 1, "megatron"), (1, 2, 1, "vllm")],
+                         ids=["t4-tg2-megatron", "t2-tg1-vllm", "t2xp2-tg2-megatron", "t2xp2-tg1-megatron", "p2-tg1-vllm"])
+def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cache, local_ray, t, p, t_g, rollout):
+    """The 3D-HybridEngine in the RLHF loop: a megatron actor trains at TP=t in p pipeline stages and generates at
+    TP=t_g in one stage on the same ranks. After every transition the generation weights equal the training weights
+    (per-tensor checksums on every rank), the bytes moved match the paper's formula, and greedy generation equals
+    HF's on the exported weights."""
     from fractions import Fraction
 
     from support.reshard_baselines import comm_fraction
@@ -118,13 +120,13 @@ def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cac
 
     job = load_job(Path(__file__).resolve().parents[1] / "examples" / "tiny-grpo-megatron.yaml")
     job.spec.models.actor.tiny.num_heads = job.spec.models.actor.tiny.num_kv_heads = t
-    job.spec.resource_pools[0].devices_per_node = t
-    job.spec.training.tensor_parallel = t
+    job.spec.resource_pools[0].devices_per_node = t * p
+    job.spec.training.tensor_parallel, job.spec.training.pipeline_parallel = t, p
     job.spec.rollout.engine, job.spec.rollout.tensor_parallel = rollout, t_g
     w, task, model_dir = _start_workers(job, tmp_path, model_cache, local_ray)
     try:
         actor, generator = w.roles["actor"], w.roles["rollout"]
-        assert generator.dp_sizes == {"train": 1, "rollout": t // t_g}
+        assert generator.dp_sizes == {"train": 1, "rollout": t // t_g * p}
         before = generator.train_checksum()
         assert generator.weight_checksums() == before
         params = actor.num_parameters()
@@ -135,7 +137,7 @@ def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cac
             assert after_train != before, "the update did not change the weights"
             before = after_train
             model_bytes = 4 * params
-            expected = float(comm_fraction(Layout(p=1, t=t, d=1, p_g=1, t_g=t_g), "hybridflow")) * model_bytes
+            expected = float(comm_fraction(Layout(p=p, t=t, d=1, p_g=1, t_g=t_g), "hybridflow")) * model_bytes
             assert stats["reshard_bytes"] == pytest.approx(expected, rel=0.02)
             assert stats["generation_weight_bytes"] == pytest.approx(model_bytes * float(Fraction(1, t_g)), rel=0.05)
             assert stages["reshard"] > 0

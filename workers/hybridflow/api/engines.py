@@ -28,7 +28,6 @@ class TrainEngineKind:
     factory: str  # "module:function"
     summary: str
     model_parallel: bool = False  # tensor (and pipeline) parallel training; shards the vocabulary over TP ranks
-    pipeline_in_loop: bool = False  # trains pipeline stages inside the RLHF loop
     computes_in_model_dtype: bool = False  # no separate compute dtype: it computes in its weights' dtype
 
     def load(self) -> Any:

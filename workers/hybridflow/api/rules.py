@@ -267,9 +267,6 @@ def _hybrid_engine_problems(spec: JobSpec) -> list[str]:
     t, r, m = spec.training, spec.rollout, spec.models.actor
     trainer, generator = TRAIN_ENGINES[t.engine], ROLLOUT_ENGINES[r.engine]
     out = []
-    if trainer.model_parallel and not trainer.pipeline_in_loop and t.pipeline_parallel != 1:
-        out.append(f"spec.training.pipelineParallel: the {t.engine} actor trains tensor x data parallel in the RLHF "
-                   "loop; set 1 (pipeline stages are covered by the engine's loss/gradient checks only)")
     if generator.fed_by is not None and t.engine not in generator.fed_by:
         out.append(f"spec.rollout.engine: {r.engine} generation is fed by the {'/'.join(sorted(generator.fed_by))} "
                    f"actor; set spec.training.engine: {'/'.join(sorted(generator.fed_by))} or pick "
@@ -289,6 +286,9 @@ def _hybrid_engine_problems(spec: JobSpec) -> list[str]:
             if value % t.tensor_parallel:
                 out.append(f"spec.models.actor.tiny.{field} = {value} is not divisible by "
                            f"spec.training.tensorParallel = {t.tensor_parallel}")
+        if m.tiny.num_layers % t.pipeline_parallel:
+            out.append(f"spec.models.actor.tiny.numLayers = {m.tiny.num_layers} is not divisible by "
+                       f"spec.training.pipelineParallel = {t.pipeline_parallel} (every stage holds as many layers)")
     return out
 
 

@@ -48,8 +48,8 @@ class ActorWorker(CheckpointMixin):
         self.engine: TrainEngine = build_trainer(ctx, TrainSettings(
             self.model_dir, config.model.dtype, lr=t.actor_lr, grad_clip=t.grad_clip, compute_dtype=t.compute_dtype,
             dynamic_batch_size=t.dynamic_batch_size, shared_prompt=t.shared_prompt, tensor_parallel=t.tensor_parallel,
-            seed=config.seed))
-        self._dp_rank = train_dp_rank(ctx, config.train_engine, t.tensor_parallel)
+            pipeline_parallel=t.pipeline_parallel, seed=config.seed))
+        self._dp_rank = train_dp_rank(ctx, config.train_engine, t.tensor_parallel, t.pipeline_parallel)
         release_free_memory()  # the whole model it loaded before sharding
         self.parameters = self.engine.num_parameters()  # collective where the engine gathers to count
         self.peak_flops = matmul_peak_flops(self.engine.compute_dtype, ctx.device)  # MFU's denominator, per rank

@@ -113,7 +113,7 @@ class RolloutWorker:
         self.ctx, self.config = ctx, config
         t, r = config.training, config.rollout
         self.transfer = weight_transfer(ctx, config.train_engine, config.rollout_engine, actor.engine,
-                                        t.tensor_parallel, r.tensor_parallel)
+                                        t.tensor_parallel, r.tensor_parallel, t.pipeline_parallel)
         self.generation_dtype = actor.engine.compute_dtype
         seed = config.seed + 1000 * self.transfer.generation_replica  # distinct sampling streams per replica
         build_rollout: RolloutEngineFactory = config.rollout_engine.load()

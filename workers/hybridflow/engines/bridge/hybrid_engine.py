@@ -1,8 +1,9 @@
 """The 3D-HybridEngine inside the actor: which process groups a megatron actor needs to generate at a different
 layout than it trains, which data-parallel coordinate each rank has in either stage, and the transition itself.
 
-Training is megatron's p-t-d layout (p = 1 here); generation is t_g-way TP in groups at stride t/t_g, with
-d * (t/t_g) generation replicas. Every rank creates every group in the same order, as torch.distributed requires.
+Training is megatron's p-t-d layout; generation is t_g-way TP in groups at stride t/t_g within a stage, one stage
+(p_g = 1: the micro-DP group joins every stage), with d * (t/t_g) * p generation replicas. Every rank creates every
+group in the same order, as torch.distributed requires.
 """
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import torch.distributed as dist
 
 from hybridflow.single_controller.protocol import DPRank
 from hybridflow.engines.bridge import layout as lay
-from hybridflow.engines.bridge.reshard import ReshardStats, gather_micro_dp
+from hybridflow.engines.bridge.reshard import ReshardStats, gather_micro_dp, gather_stages
 
 
 def training_dp_rank(L: lay.Layout, rank: int) -> DPRank:
-    """`rank`'s training data-parallel coordinate: a TP group shares one shard and its TP rank 0 answers."""
-    tp, dp, _ = L.coords(rank)
-    return DPRank(dp, L.d, tp == 0)
+    """`rank`'s training data-parallel coordinate: a model-parallel group (TP ranks, pipeline stages) shares one
+    shard, and its first rank answers (every stage returns the last stage's outputs)."""
+    tp, dp, pp = L.coords(rank)
+    return DPRank(dp, L.d, tp == 0 and pp == 0)
 
 
 def _own(groups: list[list[int]], rank: int) -> tuple[dist.ProcessGroup, list[int]]:
@@ -30,8 +32,8 @@ def _own(groups: list[list[int]], rank: int) -> tuple[dist.ProcessGroup, list[in
 
 class HybridEngine:
     def __init__(self, L: lay.Layout, rank: int) -> None:
-        if L.p != 1 or L.p_g != 1:
-            raise ValueError("the actor's hybrid engine runs tensor x data parallel layouts (p = p_g = 1)")
+        if L.p_g != 1:
+            raise ValueError("the actor's hybrid engine generates in one pipeline stage (p_g = 1)")
         self.L, self.rank = L, rank
         self.micro_group, self.micro_ranks = _own(lay.micro_dp_groups(L), rank)
         self.gen_tp_group, self.gen_tp_ranks = _own(lay.gen_tp_groups(L), rank)
@@ -48,6 +50,9 @@ class HybridEngine:
     def generation_replica(self) -> int:
         return lay.gen_dp_rank(self.L, self.rank)
 
-    def transition(self, shards: Iterator[tuple[str, torch.Tensor]], stats: ReshardStats):
+    def transition(self, shards: Iterator[tuple[str, torch.Tensor]], stats: ReshardStats, layers_per_stage: int):
         """Training shards in, generation shards out (a generator: buckets stream into the generation engine)."""
-        return gather_micro_dp(shards, self.micro_group, len(self.micro_ranks), stats)
+        if self.L.p == 1:
+            return gather_micro_dp(shards, self.micro_group, len(self.micro_ranks), stats)
+        return gather_stages(shards, self.micro_group, self.micro_ranks, self.L.p, self.L.coords(self.rank)[2],
+                             layers_per_stage, stats)

@@ -237,3 +237,55 @@ def gather_micro_dp(named_shards: Iterable[tuple[str, torch.Tensor]], group: dis
         stats.generation_bytes += tensor_bytes(tensor)
         yield name, tensor
     stats.seconds = time.perf_counter() - t0
+
+
+def gather_stages(named_shards: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None,
+                  ranks: list[int], stages: int, stage: int, layers_per_stage: int, stats: ReshardStats,
+                  bucket_bytes: int = BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+    """The transition when generation joins the training's pipeline stages (p -> p_g = 1): the micro-DP group
+    (`ranks`, in rank order) holds every stage, member m being TP slice m % s_t of stage m // s_t's block.
+
+    Every stage holds the same run of layers, so layers travel as gather_micro_dp's pieces under their stage-local
+    names, each member's copy owned by the layer of its own stage: one all-gather per bucket brings every stage's
+    layers. What only one stage holds (the embedding on the first, the final norm and an untied output layer on
+    the last) is broadcast from its holders, each TP slice once. Yields (whole-model megatron name, generation
+    shard) as they complete; a rank receives exactly its generation shard less what it trains."""
+    from hybridflow.engines.train.megatron_model import global_layer_name, split_rule, unshard
+
+    t0 = time.perf_counter()
+    size, me = len(ranks), ranks.index(dist.get_rank())
+    s_t = size // stages
+    layers, rest = [], []
+    for name, t in named_shards:
+        if name.startswith("decoder.layers."):
+            layers.append((global_layer_name(name, -stage * layers_per_stage), t))
+        else:
+            rest.append((name, t))
+    pieces = (piece for name, t in layers for piece in
+              cut_pieces(name, t, _SPLIT_DIM[split_rule(name)], split_rule(name) == "column", bucket_bytes))
+    for name, tensor in gather_pieces(pieces, group, size, stats, bucket_bytes,
+                                      lambda piece, m: global_layer_name(piece.key, (m // s_t) * layers_per_stage),
+                                      _combine_megatron):
+        stats.generation_bytes += tensor_bytes(tensor)
+        yield name, tensor
+    every: list = [None] * size
+    dist.all_gather_object(every, [(n, tuple(t.shape), t.dtype) for n, t in rest], group=group)
+    held = [{n: (shape, dtype) for n, shape, dtype in entries} for entries in every]
+    mine = dict(rest)
+    device = layers[0][1].device
+    for name in dict.fromkeys(n for entries in every for n, _, _ in entries):  # first seen first, on every member
+        holders = [m for m in range(size) if name in held[m]]
+        if split_rule(name) == "replicated":
+            holders = holders[:1]
+        parts = []
+        for m in holders:
+            shape, dtype = held[m][name]
+            t = mine[name].contiguous() if m == me else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(t, src=ranks[m], group=group)
+            if m != me:
+                stats.bytes_received += tensor_bytes(t)
+            parts.append(t)
+        tensor = parts[0] if len(parts) == 1 else unshard(name, parts)
+        stats.generation_bytes += tensor_bytes(tensor)
+        yield name, tensor
+    stats.seconds = time.perf_counter() - t0

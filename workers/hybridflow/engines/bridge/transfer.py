@@ -48,20 +48,24 @@ class WeightTransfer(Protocol):
         """The sums `rollout.weight_checksums()` gives once a push landed, from the training side (collective)."""
 
 
-def train_dp_rank(ctx: WorkerContext, train: TrainEngineKind, train_tp: int) -> DPRank:
+def train_dp_rank(ctx: WorkerContext, train: TrainEngineKind, train_tp: int, train_pp: int = 1) -> DPRank:
     """This rank's training data-parallel coordinate, as the transfer for any rollout kind gives it for "train":
     the actor reports it when it is built, before the rollout role beside it builds the transfer. A model-parallel
-    trainer's TP group shares one shard and its TP rank 0 answers."""
+    trainer's TP group and stages share one shard and their first rank answers."""
     if not train.model_parallel:
         return DPRank(ctx.rank, ctx.world_size, True)
-    return training_dp_rank(Layout(p=1, t=train_tp, d=ctx.world_size // train_tp, p_g=1, t_g=train_tp), ctx.rank)
+    return training_dp_rank(_layout(ctx, train_tp, train_pp, train_tp), ctx.rank)
+
+
+def _layout(ctx: WorkerContext, train_tp: int, train_pp: int, rollout_tp: int) -> Layout:
+    return Layout(p=train_pp, t=train_tp, d=ctx.world_size // (train_tp * train_pp), p_g=1, t_g=rollout_tp)
 
 
 def weight_transfer(ctx: WorkerContext, train: TrainEngineKind, rollout: RolloutEngineKind, engine: TrainEngine,
-                    train_tp: int, rollout_tp: int) -> WeightTransfer:
+                    train_tp: int, rollout_tp: int, train_pp: int = 1) -> WeightTransfer:
     """The transfer for this pair (collective: a model-parallel one creates its process groups)."""
     if train.model_parallel:
-        return MicroDPTransfer(ctx, cast(ModelParallelTrainEngine, engine), train_tp, rollout_tp,
+        return MicroDPTransfer(ctx, cast(ModelParallelTrainEngine, engine), _layout(ctx, train_tp, train_pp, rollout_tp),
                                native_shards=rollout.tensor_parallel)
     return FullTensorTransfer(ctx, engine)
 
@@ -108,17 +112,17 @@ def full_tensor_checksums(engine: TrainEngine, dtype: torch.dtype) -> dict[str, 
 
 
 class MicroDPTransfer:
-    """The 3D-HybridEngine: training at TP = t over d replicas, generation at TP = t_g in strided groups, the
-    shards regrouped by an all-gather inside each micro-DP group. `native_shards`: the generation engine takes
-    megatron-named TP shards (it generates tensor-parallel); otherwise it gets whole HF-named tensors (t_g = 1)."""
+    """The 3D-HybridEngine: training at TP = t in p stages over d replicas, generation at TP = t_g in strided
+    groups and one stage, the shards regrouped by an all-gather inside each micro-DP group. `native_shards`: the
+    generation engine takes megatron-named TP shards (it generates tensor-parallel); otherwise it gets whole
+    HF-named tensors (t_g = 1)."""
 
-    def __init__(self, ctx: WorkerContext, engine: ModelParallelTrainEngine, train_tp: int, rollout_tp: int,
+    def __init__(self, ctx: WorkerContext, engine: ModelParallelTrainEngine, layout: Layout,
                  native_shards: bool) -> None:
         self.engine, self.native_shards = engine, native_shards
-        layout = Layout(p=1, t=train_tp, d=ctx.world_size // train_tp, p_g=1, t_g=rollout_tp)
         self.hybrid = HybridEngine(layout, ctx.rank)
         self.generation_replica = self.hybrid.generation_replica
-        self.generation_replicas = layout.d * layout.t // layout.t_g
+        self.generation_replicas = layout.d * layout.d_g
         self.generation_group = (self.hybrid.gen_tp_group, self.hybrid.gen_tp_ranks)
 
     def dp_rank(self, mesh: str) -> DPRank:
@@ -126,14 +130,14 @@ class MicroDPTransfer:
 
     def push(self, rollout: RolloutEngine) -> ReshardStats:
         stats = ReshardStats()
-        shards = self.hybrid.transition(self.engine.named_shards(), stats)
+        shards = self.hybrid.transition(self.engine.named_shards(), stats, self.engine.shape.layers // self.hybrid.L.p)
         rollout.load_weights(shards if self.native_shards else mm.megatron_to_hf_items(shards, self.engine.shape))
         return stats
 
     def train_checksums(self, dtype: torch.dtype) -> dict[str, float]:
         """Every whole tensor for an engine fed shards (it sums all of its own); the embedding for one fed HF
         tensors. Megatron generation computes in the weights' dtype, so no cast."""
-        sums = {n: float(self.engine.gather_tp(n, t).double().sum()) for n, t in self.engine.named_shards()}
+        sums = {n: float(t.double().sum()) for n, t in self.engine.whole_shards()}
         if self.native_shards:
             return dict(sorted(sums.items()))
         return {"embedding": sums["embedding.word_embeddings.weight"]}

@@ -50,6 +50,7 @@ class TrainSettings:
     dynamic_batch_size: bool = False
     shared_prompt: bool = False  # spec.training.sharedPrompt
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1
     seed: int = 0
 
 
@@ -113,10 +114,10 @@ class ModelParallelTrainEngine(TrainEngine, Protocol):
     shape: Any  # the decoder's shape (megatron_model.DecoderShape), whole-model sizes
 
     def named_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's parameter shards, megatron names."""
+        """This rank's parameter shards, whole-model megatron names (a pipeline stage's layers by global number)."""
 
-    def gather_tp(self, name: str, shard: torch.Tensor) -> torch.Tensor:
-        """The whole tensor of one shard (collective over the tensor-parallel group)."""
+    def whole_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter of the whole model, whole, megatron names, on every rank (collective)."""
 
 
 class TrainEngineFactory(Protocol):
@@ -137,16 +138,28 @@ class TrainLoop:
     def clip_grad_norm(self) -> torch.Tensor:
         raise NotImplementedError
 
+    def run_micro_batches(self, micro: list[Batch], fn: Callable[[nn.Module, Batch], Any],
+                          backward: bool) -> list[Any]:
+        """`fn(module, mb)` for each micro-batch in order, its outputs in that order on every rank. With `backward`,
+        `fn` returns (loss, output) and the loss's gradients accumulate. Here one module runs them all; a pipeline
+        engine runs them through its stages' schedule instead (engines.train.megatron_pipeline)."""
+        outs = []
+        for mb in micro:
+            out = fn(self.module, mb.to(self.device))
+            if backward:
+                loss, out = out
+                loss.backward()
+            outs.append(out)
+        return outs
+
     @torch.no_grad()
     def forward_micro(self, batch: Batch, micro_batch_size: int, fn: Callable[[nn.Module, Batch], Any]) -> Any:
         """`fn` over micro-batches; its outputs (a tensor or a tuple of tensors, per row or per response token) come
         back as one, in the batch's row order and at its full response width."""
         self.module.eval()
-        rows, outs = [], []
-        for idx, mb in micro_batches(batch, micro_batch_size, self.dynamic_batch_size, self.shared_prompt):
-            rows.append(idx)
-            outs.append(fn(self.module, mb.to(self.device)))
-        return merge_rows(outs, rows, batch["responses"].shape[1] if "responses" in batch else None)
+        split = list(micro_batches(batch, micro_batch_size, self.dynamic_batch_size, self.shared_prompt))
+        outs = self.run_micro_batches([mb for _, mb in split], fn, backward=False)
+        return merge_rows(outs, [idx for idx, _ in split], batch["responses"].shape[1] if "responses" in batch else None)
 
     def train_mini_batch(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn,
                          per: str = "rows") -> dict[str, float]:
@@ -156,15 +169,19 @@ class TrainLoop:
         assert self.optimizer is not None, "this engine was built frozen"
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
-        stats: dict[str, float] = {}
         size = (lambda b: float(b["response_mask"].sum())) if per == "tokens" else len  # noqa: E731
         total = size(batch)
-        for _, mb in micro_batches(batch, micro_batch_size, self.dynamic_batch_size, self.shared_prompt):
+
+        def step(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
             share = size(mb) / total if total else 0.0
-            loss, mstats = loss_fn(self.module, mb.to(self.device))
-            (loss * share).backward()
+            loss, mstats = loss_fn(model, mb)
+            return loss * share, {k: float(v) * share for k, v in mstats.items()}
+
+        micro = [mb for _, mb in micro_batches(batch, micro_batch_size, self.dynamic_batch_size, self.shared_prompt)]
+        stats: dict[str, float] = {}
+        for mstats in self.run_micro_batches(micro, step, backward=True):
             for k, v in mstats.items():
-                stats[k] = stats.get(k, 0.0) + float(v) * share
+                stats[k] = stats.get(k, 0.0) + v
         norm = self.clip_grad_norm()
         stats["grad_norm"] = float(norm)
         if torch.isfinite(norm):

@@ -1,9 +1,12 @@
-"""Training engine on megatron-core: a GPTModel split tensor-parallel (t) and replicated data-parallel (d) over the
-worker group's torch.distributed world, in Megatron's rank order (rank = tp + t * dp).
+"""Training engine on megatron-core: a GPTModel split tensor-parallel (t), into pipeline stages (p) and replicated
+data-parallel (d) over the worker group's torch.distributed world, in Megatron's rank order
+(rank = tp + t * (dp + d * pp)).
 
 It loads and exports HF weights (`megatron_model` converts), computes log-probabilities vocab-parallel (no rank
 ever holds a full row of logits), all-reduces gradients over the data-parallel group and takes their norm over
-the tensor-parallel group. On CPU it runs on gloo with the fallbacks in `megatron_cpu`.
+the tensor-parallel and pipeline groups. Pipeline stages run micro-batches through megatron's schedules
+(`megatron_pipeline`); everything outside the engine (roles, checkpoints, the weight bridge) sees whole-model names:
+a stage's layers under their global numbers. On CPU it runs on gloo with the fallbacks in `megatron_cpu`.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from hybridflow.data.packing import padded_positions
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.context import WorkerContext
 from hybridflow.engines.train import megatron_model as mm
+from hybridflow.engines.train.megatron_pipeline import catalog, run_schedule, stage_ranks
 from hybridflow.engines.train.shared_prompt import say_once
 from hybridflow.engines.train.base import TrainLoop, TrainSettings
 
@@ -92,7 +96,8 @@ def build(ctx: WorkerContext, settings: TrainSettings) -> MegatronEngine:
     s = settings
     if s.head != "lm" or s.dtype is None or not s.trainable:
         raise ValueError("the megatron engine trains causal LMs (the actor) in a given dtype")
-    engine = MegatronEngine(s.model_dir, s.dtype, s.tensor_parallel, s.lr, s.grad_clip, ctx.device, s.seed)
+    engine = MegatronEngine(s.model_dir, s.dtype, s.tensor_parallel, s.lr, s.grad_clip, ctx.device, s.seed,
+                            pp=s.pipeline_parallel)
     engine.dynamic_batch_size = s.dynamic_batch_size
     if s.shared_prompt:
         say_once("shared-prompt packing is off for the megatron engine: its rotary embeddings follow each token's "
@@ -103,20 +108,35 @@ def build(ctx: WorkerContext, settings: TrainSettings) -> MegatronEngine:
 
 class MegatronEngine(TrainLoop):
     def __init__(self, model_dir: Path, dtype: str, tp: int, lr: float, grad_clip: float, device: str,
-                 seed: int = 0) -> None:
+                 seed: int = 0, pp: int = 1) -> None:
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
 
-        init_model_parallel(tp, 1, seed)
+        self.shape = mm.shape_from_hf(AutoConfig.from_pretrained(model_dir))
+        if self.shape.kv_heads % tp or self.shape.vocab % tp:
+            raise ValueError(f"spec.training.tensorParallel = {tp} must divide the model's key/value heads "
+                             f"({self.shape.kv_heads}) and vocabulary ({self.shape.vocab})")
+        if self.shape.layers % pp:
+            raise ValueError(f"spec.training.pipelineParallel = {pp} must divide the model's {self.shape.layers} "
+                             "layers (every stage holds as many)")
+        init_model_parallel(tp, pp, seed)
         self.ps = ps
         self.device = torch.device("cuda" if device == "gpu" else "cpu")
         self.dtype = getattr(torch, dtype)
         self.compute_dtype = self.dtype  # megatron computes in its weights' dtype
-        self.shape = mm.shape_from_hf(AutoConfig.from_pretrained(model_dir))
-        if self.shape.kv_heads % tp or self.shape.vocab % tp:
-            raise ValueError(f"tensorParallel = {tp} must divide the model's key/value heads ({self.shape.kv_heads}) "
-                             f"and vocabulary ({self.shape.vocab})")
-        self.module = mm.build_gpt(mm.transformer_config(self.shape, self.dtype), self.shape).to(self.device)
+        self.pp_size, self.pp_rank = pp, ps.get_pipeline_model_parallel_rank()
+        self.layer_offset = self.pp_rank * (self.shape.layers // pp)  # global number of this stage's first layer
+        first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        groups = None
+        if pp > 1:  # no embedding group for the model: the engine loads both tied copies and sums their gradients
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            groups = ProcessGroupCollection.use_mpu_process_groups()
+            groups.embd = None
+        self.module = mm.build_gpt(mm.transformer_config(self.shape, self.dtype), self.shape, groups,
+                                   pre_process=first, post_process=last).to(self.device)
+        # tied embeddings split over stages: the last stage's output layer is a copy of the first's embedding
+        self.tied_copy = self.module.output_layer.weight if self.shape.tied and last and not first else None
         self.load_full(mm.hf_to_megatron(load_hf_state(model_dir), self.shape))
         self.grad_clip = grad_clip
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, weight_decay=0.0)
@@ -138,14 +158,26 @@ class MegatronEngine(TrainLoop):
     def dp_size(self) -> int:
         return self.ps.get_data_parallel_world_size()
 
+    def global_name(self, name: str) -> str:
+        """A parameter's name in the whole model: a stage's layer i is layer i + offset; a tied output layer is the
+        embedding it copies."""
+        if name == "output_layer.weight" and self.tied_copy is not None:
+            return "embedding.word_embeddings.weight"
+        return mm.global_layer_name(name, self.layer_offset)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This stage's parameters under whole-model names (the tied copy under the embedding's name too)."""
+        for name, p in self.module.named_parameters():
+            yield self.global_name(name), p
+
     def load_full(self, full: dict[str, torch.Tensor]) -> None:
-        """Take this rank's TP shard of every (unsharded, megatron-named) tensor."""
+        """Take this rank's TP shard of every (unsharded, whole-model-named megatron) tensor of its stage."""
         own = self.module.state_dict()
-        missing = [k for k in own if not k.endswith("_extra_state") and k not in full]
+        names = {k: self.global_name(k) for k in own if not k.endswith("_extra_state")}
+        missing = [g for g in names.values() if g not in full]
         if missing:
             raise KeyError(f"weights lack {missing[:3]}...")
-        own.update({k: mm.shard(k, v, self.tp_size, self.tp_rank).to(own[k].dtype) for k, v in full.items()
-                    if k in own})
+        own.update({k: mm.shard(g, full[g], self.tp_size, self.tp_rank).to(own[k].dtype) for k, g in names.items()})
         self.module.load_state_dict(own)
 
     # --- model outputs ---
@@ -161,11 +193,19 @@ class MegatronEngine(TrainLoop):
     def entropy(self, logits: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_entropy(logits)
 
+    def run_micro_batches(self, micro: list[Batch], fn: Any, backward: bool) -> list[Any]:
+        """Through the pipeline schedule when the model is split into stages (1F1B for gradients)."""
+        if self.pp_size == 1:
+            return super().run_micro_batches(micro, fn, backward)
+        return run_schedule(self.module, micro, fn, backward, self.device, attention_inputs)
+
     # --- gradients ---
 
     def clip_grad_norm(self) -> torch.Tensor:
         """Average gradients over data-parallel replicas, then clip by the norm of the whole (unsharded) model:
-        TP-split parameters add their squares over the TP group, replicated ones (norms) count once."""
+        TP-split parameters add their squares over the TP group, replicated ones (norms) count once, stages add
+        theirs over the pipeline. Tied embeddings split over stages first sum their two copies' gradients (megatron's
+        embedding group), so both copies take the same step and stay equal; the norm counts them once."""
         params = [p for p in self.module.parameters() if p.grad is not None]
         if self.dp_size > 1:
             flat = torch.cat([p.grad.reshape(-1) for p in params])
@@ -176,16 +216,26 @@ class MegatronEngine(TrainLoop):
                 n = p.grad.numel()
                 p.grad.copy_(flat[offset: offset + n].view_as(p.grad))
                 offset += n
+        if self.pp_size > 1 and self.shape.tied and self.ps.is_rank_in_embedding_group():
+            shared = self.module.shared_embedding_or_output_weight()
+            if shared.grad is None:
+                shared.grad = torch.zeros_like(shared)
+            dist.all_reduce(shared.grad, group=self.ps.get_embedding_group())
         split = torch.zeros((), dtype=torch.float64, device=self.device)
         whole = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in params:
+            if p is self.tied_copy:
+                continue
             sq = p.grad.detach().double().pow(2).sum()
             if getattr(p, "tensor_model_parallel", False):
                 split += sq
             else:
                 whole += sq
         dist.all_reduce(split, group=self.ps.get_tensor_model_parallel_group())
-        norm = (split + whole).sqrt()
+        total = split + whole
+        if self.pp_size > 1:
+            dist.all_reduce(total, group=self.ps.get_pipeline_model_parallel_group())
+        norm = total.sqrt()
         scale = self.grad_clip / (norm + 1e-6)
         if scale < 1:
             for p in params:
@@ -202,43 +252,75 @@ class MegatronEngine(TrainLoop):
         return mm.unshard(name, parts)
 
     def named_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, p in self.module.named_parameters():
-            yield name, p.detach()
+        """This stage's shards under whole-model names, each once (not the tied copy)."""
+        for name, p in self.named_parameters():
+            if p is not self.tied_copy:
+                yield name, p.detach()
+
+    def whole_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter of the whole model, whole, megatron names, on every rank: gathered over the TP group
+        and broadcast from its stage over the pipeline (collective over both)."""
+        if self.pp_size == 1:
+            for name, t in self.named_shards():
+                yield name, self.gather_tp(name, t)
+            return
+        mine = dict(self.named_shards())
+        every = catalog([(n, self._whole_shape(n, t), t.dtype) for n, t in mine.items()])
+        ranks, group = stage_ranks(), self.ps.get_pipeline_model_parallel_group()
+        for stage, entries in enumerate(every):
+            for name, shape, dtype in entries:
+                if stage == self.pp_rank:
+                    t = self.gather_tp(name, mine[name]).contiguous()
+                else:
+                    t = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.broadcast(t, src=ranks[stage], group=group)
+                yield name, t
+
+    def _whole_shape(self, name: str, shard: torch.Tensor) -> tuple[int, ...]:
+        dim = mm.shard_dim(name)
+        shape = list(shard.shape)
+        if dim is not None:
+            shape[dim] *= self.tp_size
+        return tuple(shape)
 
     def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Whole tensors under HF names (collective over the TP group): export, and generation engines at t_g=1
-        fed without the 3D-HybridEngine."""
-        whole = ((name, self.gather_tp(name, t)) for name, t in self.named_shards())
-        yield from mm.megatron_to_hf_items(whole, self.shape)
+        """Whole tensors under HF names (collective over the TP group and the pipeline): export, and generation
+        engines at t_g=1 fed without the 3D-HybridEngine."""
+        yield from mm.megatron_to_hf_items(self.whole_shards(), self.shape)
 
     def num_parameters(self) -> int:
         return int(sum(t.numel() for _, t in self.full_params()))  # collective: every rank counts
 
     def state_dict(self) -> dict:
-        """HF-named whole weights (loadable by the FSDP engine or `from_pretrained`), plus every TP rank's optimizer
-        state (data-parallel replicas are identical, so replica 0's speaks for all)."""
+        """HF-named whole weights (loadable by the FSDP engine or `from_pretrained`), plus every model-parallel
+        rank's optimizer state, TP rank fastest (data-parallel replicas are identical: replica 0's speaks for all)."""
         model = {k: v.cpu().clone() for k, v in self.full_params()}
-        optim: list = [None] * self.tp_size
-        dist.all_gather_object(optim, self.optimizer.state_dict(), group=self.ps.get_tensor_model_parallel_group())
-        return {"model": model, "optimizer_tp": optim, "tensor_parallel": self.tp_size}
+        group = self.ps.get_model_parallel_group()
+        optim: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(optim, self.optimizer.state_dict(), group=group)
+        return {"model": model, "optimizer_tp": optim, "tensor_parallel": self.tp_size,
+                "pipeline_parallel": self.pp_size}
 
     def load_state_dict(self, state: dict) -> None:
         self.load_full(mm.hf_to_megatron(state["model"], self.shape))
         optim = state.get("optimizer_tp")
-        if optim and len(optim) == self.tp_size:
-            self.optimizer.load_state_dict(optim[self.tp_rank])
+        layout = (state.get("tensor_parallel"), state.get("pipeline_parallel", 1))
+        if optim and layout == (self.tp_size, self.pp_size):
+            self.optimizer.load_state_dict(optim[dist.get_rank(self.ps.get_model_parallel_group())])
         else:
-            log.warning("checkpoint optimizer state is for tensorParallel=%s, not %s: weights restored, optimizer "
-                        "starts fresh", state.get("tensor_parallel"), self.tp_size)
+            log.warning("checkpoint optimizer state is for (tensorParallel, pipelineParallel) = %s, not %s: weights "
+                        "restored, optimizer starts fresh", layout, (self.tp_size, self.pp_size))
 
     # --- sharded (DCP) checkpoints ---
 
     def _mesh(self) -> Any:
-        """(dp, tp) device mesh over megatron's own groups, in its rank order (rank = tp_rank + t * dp_rank)."""
+        """(dp, tp) device mesh of this stage over megatron's own groups, in its rank order (rank = tp_rank + t *
+        (dp_rank + d * pp_rank)). Each stage saves its own layers, so the meshes of different stages never share a
+        tensor (except the tied embedding's two equal copies, which the checkpoint keeps once)."""
         if self._device_mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
 
-            ranks = torch.arange(dist.get_world_size()).view(self.dp_size, self.tp_size)
+            ranks = torch.arange(dist.get_world_size()).view(self.pp_size, self.dp_size, self.tp_size)[self.pp_rank]
             self._device_mesh = DeviceMesh.from_group(
                 [self.ps.get_data_parallel_group(), self.ps.get_tensor_model_parallel_group()], self.device.type,
                 mesh=ranks, mesh_dim_names=("dp", "tp"))
@@ -284,10 +366,10 @@ class MegatronEngine(TrainLoop):
 
         The model's blocks alias the parameters where the conversion allows (q/k/v only where a rank holds a single
         query group), so a load writes into them; `load_checkpoint_state` then completes it."""
-        model = dict(self._hf_blocks(self.named_shards()))
+        model = dict(self._hf_blocks((n, p.detach()) for n, p in self.named_parameters()))
         if self.optimizer is None:
             return {"model": model}
-        names = {p: n for n, p in self.module.named_parameters()}
+        names = {p: n for n, p in self.named_parameters()}
         state: dict[str, dict[str, Any]] = {}
         groups = []
         for group in self.optimizer.param_groups:
@@ -318,7 +400,7 @@ class MegatronEngine(TrainLoop):
 
         model = shards(state["model"])
         with torch.no_grad():
-            for name, p in self.module.named_parameters():
+            for name, p in self.named_parameters():
                 p.copy_(model[name])
         if self.optimizer is None:
             return
@@ -330,9 +412,9 @@ class MegatronEngine(TrainLoop):
         keys = {k for entry in saved.values() for k in entry}
         moments = {k: shards({hf: entry[k] for hf, entry in saved.items()}) for k in keys
                    if all(hasattr(entry[k], "to_local") for entry in saved.values())}
-        names = {p: n for n, p in self.module.named_parameters()}
+        names = {p: n for n, p in self.named_parameters()}
         first_hf = {}  # megatron name -> the first HF name it converts to (whose scalars it takes)
-        for n, p in self.module.named_parameters():
+        for n, p in self.named_parameters():
             meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
             first_hf[n] = next(hf for hf, _ in mm.megatron_to_hf_items([(n, meta)], local)
                                if not (self.shape.tied and hf == "lm_head.weight"))

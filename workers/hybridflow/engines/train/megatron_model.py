@@ -109,6 +109,8 @@ _LAYER_RENAMES = {  # plain one-to-one names inside a layer: HF -> megatron
 
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], shape: DecoderShape) -> dict[str, torch.Tensor]:
+    """Whatever part of the model `hf` holds (a pipeline stage's layers, or the whole model): callers that need all
+    of it check the result against their own parameters."""
     G, D = shape.kv_heads, shape.kv_channels
     per_group = shape.heads // G
 
@@ -117,11 +119,14 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: DecoderShape) -> dict[str
         return torch.cat([q.reshape(G, per_group * D, *rest), k.reshape(G, D, *rest), v.reshape(G, D, *rest)],
                          dim=1).reshape(-1, *rest)
 
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
-    if not shape.tied:
-        out["output_layer.weight"] = hf["lm_head.weight"]
-    for i in range(shape.layers):
+    out = {}
+    for a, b in (("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+                 ("model.norm.weight", "decoder.final_layernorm.weight")) + (
+                    () if shape.tied else (("lm_head.weight", "output_layer.weight"),)):
+        if a in hf:
+            out[b] = hf[a]
+    layers = sorted({int(k.split(".")[2]) for k in hf if k.startswith("model.layers.")})
+    for i in layers:
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         for a, b in _LAYER_RENAMES.items():
             out[m + b] = hf[h + a]
