@@ -54,10 +54,14 @@ class Transition:
 
 @dataclass(frozen=True)
 class MegatronGather:
-    """gather_micro_dp over megatron_weights() sharded t ways under L; `ok`: every generation shard equals sharding
-    the whole weights t_g ways, names in order, dtypes kept."""
+    """The actor's transition over megatron_weights(hidden, layers) sharded t ways in p stages under L (p = 1:
+    gather_micro_dp; p > 1: gather_stages, joining the stages); `ok`: every generation shard equals sharding the
+    whole weights t_g ways, each name once (in order where p = 1), dtypes kept."""
     L: lay.Layout
     bucket_bytes: int = rs.BUCKET_BYTES
+    hidden: int = 32
+    layers: int = 2
+    matrix_dtype: str = "bfloat16"
 
 
 Case = Union[Transition, MegatronGather]
@@ -108,12 +112,12 @@ def _transition(case: Transition, rank: int, groups: list[list[int]], handles: l
     return {"rank": rank, **asdict(stats), "ok": ok}
 
 
-def megatron_weights(hidden: int = 32, layers: int = 2) -> dict[str, torch.Tensor]:
+def megatron_weights(hidden: int = 32, layers: int = 2, matrix_dtype: str = "bfloat16") -> dict[str, torch.Tensor]:
     """Whole megatron-named weights covering every sharding rule (column, row, gated, replicated), in megatron's
     order, bf16 matrices beside fp32 norms as in mixed-precision training: buckets must not mix dtypes."""
     g = torch.Generator().manual_seed(0)
 
-    def w(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def w(*shape: int, dtype: torch.dtype = getattr(torch, matrix_dtype)) -> torch.Tensor:
         return torch.randn(shape, generator=g).to(dtype)
 
     out = {"embedding.word_embeddings.weight": w(8 * hidden, hidden)}
@@ -130,19 +134,39 @@ def megatron_weights(hidden: int = 32, layers: int = 2) -> dict[str, torch.Tenso
     return out
 
 
+def stage_of(name: str, layers: int, stages: int) -> int:
+    """Which pipeline stage trains megatron tensor `name` (layers split evenly; the embedding on the first stage,
+    the final norm on the last), as the megatron engine places them."""
+    if name.startswith("decoder.layers."):
+        return int(name.split(".")[2]) // (layers // stages)
+    return 0 if name.startswith("embedding.") else stages - 1
+
+
 def _megatron_gather(case: MegatronGather, rank: int, groups: list[list[int]], handles: list, everyone: Any) -> dict:
-    """The actor's transition (gather_micro_dp over megatron TP shards), checked against sharding the whole
-    weights t_g ways: every generation shard, in order, bit for bit."""
+    """The actor's transition (gather_micro_dp, or gather_stages across pipeline stages, over megatron TP shards),
+    checked against sharding the whole weights t_g ways: every generation shard, bit for bit."""
     from hybridflow.engines.train import megatron_model as mm
 
     L = case.L
     mine = next(i for i, g in enumerate(groups) if rank in g)
-    full = megatron_weights()
-    tp, j = L.coords(rank)[0], lay.gen_tp_rank(L, rank)
+    full = megatron_weights(case.hidden, case.layers, case.matrix_dtype)
+    tp, _, pp = L.coords(rank)
+    j = lay.gen_tp_rank(L, rank)
     stats = rs.ReshardStats()
-    shards = ((name, mm.shard(name, w, L.t, tp)) for name, w in full.items())
-    gen = list(rs.gather_micro_dp(shards, handles[mine], len(groups[mine]), stats, case.bucket_bytes))
-    ok = [name for name, _ in gen] == list(full) and all(
+    shards = [(name, mm.shard(name, w, L.t, tp)) for name, w in full.items()  # the training shards, before timing
+              if stage_of(name, case.layers, L.p) == pp]
+    names = list(full)
+    del full  # a rank's whole model is rebuilt for the check, after the transition
+    dist.barrier(group=everyone)
+    if L.p == 1:
+        gen = list(rs.gather_micro_dp(shards, handles[mine], len(groups[mine]), stats, case.bucket_bytes))
+        in_order = [name for name, _ in gen] == names
+    else:
+        gen = list(rs.gather_stages(shards, handles[mine], groups[mine], L.p, pp, case.layers // L.p, stats,
+                                    case.bucket_bytes))
+        in_order = sorted(name for name, _ in gen) == sorted(names)
+    full = megatron_weights(case.hidden, case.layers, case.matrix_dtype)
+    ok = in_order and all(
         t.dtype == full[name].dtype and torch.equal(t, mm.shard(name, full[name], L.t_g, j)) for name, t in gen)
     return {"rank": rank, **asdict(stats), "ok": ok}
 
@@ -313,9 +337,11 @@ def run_transition(L: lay.Layout, scheme: str, layers: int, hidden: int, verify:
     return _one(Transition(L, scheme, layers, hidden, verify, bucket_bytes))
 
 
-def run_megatron_gather(L: lay.Layout, bucket_bytes: int = rs.BUCKET_BYTES) -> list[dict]:
-    """gather_micro_dp on L.world spawned ranks (tensor x data parallel layouts): each rank's ReshardStats and `ok`."""
-    return _one(MegatronGather(L, bucket_bytes))
+def run_megatron_gather(L: lay.Layout, bucket_bytes: int = rs.BUCKET_BYTES, hidden: int = 32, layers: int = 2,
+                        matrix_dtype: str = "bfloat16") -> list[dict]:
+    """The actor's transition on L.world spawned ranks (gather_micro_dp, or gather_stages where p > 1): each rank's
+    ReshardStats and `ok`."""
+    return _one(MegatronGather(L, bucket_bytes, hidden, layers, matrix_dtype))
 
 
 def _one(case: Case) -> list[dict]:

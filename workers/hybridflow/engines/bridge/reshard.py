@@ -249,7 +249,9 @@ def gather_stages(named_shards: Iterable[tuple[str, torch.Tensor]], group: dist.
     names, each member's copy owned by the layer of its own stage: one all-gather per bucket brings every stage's
     layers. What only one stage holds (the embedding on the first, the final norm and an untied output layer on
     the last) is broadcast from its holders, each TP slice once. Yields (whole-model megatron name, generation
-    shard) as they complete; a rank receives exactly its generation shard less what it trains."""
+    shard) as they complete. A rank receives its generation shard less what it trains, except that a replicated
+    tensor (a norm) comes from one holder, so its stage peers receive the copy they hold (a broadcast reaches the
+    whole group)."""
     from hybridflow.engines.train.megatron_model import global_layer_name, split_rule, unshard
 
     t0 = time.perf_counter()
@@ -261,8 +263,11 @@ def gather_stages(named_shards: Iterable[tuple[str, torch.Tensor]], group: dist.
             layers.append((global_layer_name(name, -stage * layers_per_stage), t))
         else:
             rest.append((name, t))
+    # where only stages join (s_t = 1), each member's copy is a whole generation tensor of its own layer: every
+    # piece can lie in the buffer as it came (direct), not only column-parallel ones
     pieces = (piece for name, t in layers for piece in
-              cut_pieces(name, t, _SPLIT_DIM[split_rule(name)], split_rule(name) == "column", bucket_bytes))
+              cut_pieces(name, t, _SPLIT_DIM[split_rule(name)], s_t == 1 or split_rule(name) == "column",
+                         bucket_bytes))
     for name, tensor in gather_pieces(pieces, group, size, stats, bucket_bytes,
                                       lambda piece, m: global_layer_name(piece.key, (m // s_t) * layers_per_stage),
                                       _combine_megatron):
