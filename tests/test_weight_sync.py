@@ -108,8 +108,8 @@ def test_generation_engine_follows_the_trained_weights(tmp_path, model_cache, lo
 # Stages joined across TP ranks too (t=2 x p=2 -> t_g=1: a micro-DP group of four) is checked bit for bit, at every
 # bucket size, by tests/test_hybrid_engine.py::test_megatron_micro_dp_gather_is_exact.
 @pytest.mark.parametrize("t,p,t_g,rollout", [(4, 1, 2, "megatron"), (2, 1, 1, "vllm"), (2, 2, 2, "megatron"),
-                                             (1, 2, 1, "vllm")],
-                         ids=["t4-tg2-megatron", "t2-tg1-vllm", "t2xp2-tg2-megatron", "p2-tg1-vllm"])
+                                             (1, 2, 1, "vllm"), (4, 1, 2, "vllm")],
+                         ids=["t4-tg2-megatron", "t2-tg1-vllm", "t2xp2-tg2-megatron", "p2-tg1-vllm", "t4-tg2-vllm"])
 def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cache, local_ray, t, p, t_g, rollout):
     """The 3D-HybridEngine in the RLHF loop: a megatron actor trains at TP=t in p pipeline stages and generates at
     TP=t_g in one stage on the same ranks. After every transition the generation weights equal the training weights
@@ -126,6 +126,9 @@ def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cac
     job.spec.resource_pools[0].devices_per_node = t * p
     job.spec.training.tensor_parallel, job.spec.training.pipeline_parallel = t, p
     job.spec.rollout.engine, job.spec.rollout.tensor_parallel = rollout, t_g
+    if rollout == "vllm" and t_g > 1:  # vLLM pads the vocabulary to a multiple of 64 before it splits it, and its
+        job.spec.models.actor.tiny.vocab_size = 64 * t_g  # CPU attention takes heads of 32 and more (not 64 / 4)
+        job.spec.models.actor.tiny.hidden_size = 32 * t
     w, task, model_dir = _start_workers(job, tmp_path, model_cache, local_ray)
     try:
         actor, generator = w.roles["actor"], w.roles["rollout"]
@@ -139,9 +142,12 @@ def test_megatron_actor_reshards_into_another_layout_exactly(tmp_path, model_cac
             assert after_rollout == after_train, f"generation weights differ from training weights after step {step}"
             assert after_train != before, "the update did not change the weights"
             before = after_train
-            model_bytes = 4 * params
+            tiny = job.spec.models.actor.tiny  # the tied LM head is the embedding: counted once in the weights
+            model_bytes = 4 * (params - tiny.tie_embeddings * tiny.vocab_size * tiny.hidden_size)
             expected = float(comm_fraction(Layout(p=p, t=t, d=1, p_g=1, t_g=t_g), "hybridflow")) * model_bytes
-            assert stats["reshard_bytes"] == pytest.approx(expected, rel=0.02)
+            # replicated tensors (norms) travel whole to every member where the formula counts a share: 2% of these
+            # tiny models at most, under 1% at hidden 128 (the vLLM t_g = 2 case)
+            assert stats["reshard_bytes"] == pytest.approx(expected, rel=0.01 if tiny.hidden_size >= 128 else 0.02)
             assert stats["generation_weight_bytes"] == pytest.approx(model_bytes * float(Fraction(1, t_g)), rel=0.05)
             assert stages["reshard"] > 0
         if rollout == "megatron":

@@ -42,6 +42,8 @@ class RolloutEngineKind:
     factory: str  # "module:function"
     summary: str
     tensor_parallel: bool = False  # generates tensor-parallel on the 3D-HybridEngine's strided groups
+    megatron_shards: bool = False  # takes the transition's megatron-named shards as they are (else HF names)
+    vocab_padding: int = 1  # pads the vocabulary to a multiple of this (vLLM: 64), so TP shards align only then
     fed_by: frozenset[str] | None = None  # the training engines whose shards it takes; None: any (full tensors)
     head_sizes: tuple[int, ...] | None = None  # attention head sizes its kernels support; None: any
     kv_cache: bool = False  # preallocates a KV cache (counted by capacity)
@@ -86,9 +88,10 @@ register_train_engine(TrainEngineKind(
     "megatron", "hybridflow.engines.train.megatron:build", "megatron-core 3D", model_parallel=True,
     computes_in_model_dtype=True))
 register_rollout_engine(RolloutEngineKind(
-    "vllm", "hybridflow.engines.rollout.vllm:build", "in-process vLLM", head_sizes=VLLM_CPU_HEAD_SIZES, kv_cache=True))
+    "vllm", "hybridflow.engines.rollout.vllm:build", "in-process vLLM", head_sizes=VLLM_CPU_HEAD_SIZES, kv_cache=True,
+    tensor_parallel=True, vocab_padding=64))
 register_rollout_engine(RolloutEngineKind("hf", "hybridflow.engines.rollout.hf:build", "plain torch generation"))
 register_rollout_engine(RolloutEngineKind(
     "megatron", "hybridflow.engines.rollout.megatron:build", "tensor-parallel generation with megatron-core layers "
-    "on the 3D-HybridEngine's generation groups", tensor_parallel=True, fed_by=frozenset({"megatron"}),
-    per_row_sampling=False))
+    "on the 3D-HybridEngine's generation groups", tensor_parallel=True, megatron_shards=True,
+    fed_by=frozenset({"megatron"}), per_row_sampling=False))

@@ -24,6 +24,7 @@ from hybridflow.api.engines import RolloutEngineKind, TrainEngineKind
 from hybridflow.single_controller.protocol import DPRank
 from hybridflow.single_controller.context import WorkerContext
 from hybridflow.engines.bridge.hybrid_engine import HybridEngine, training_dp_rank
+from hybridflow.engines.bridge import layout as lay
 from hybridflow.engines.bridge.layout import Layout
 from hybridflow.engines.bridge.reshard import ReshardStats
 from hybridflow.engines.rollout.base import RolloutEngine
@@ -37,6 +38,7 @@ class WeightTransfer(Protocol):
     generation_replica: int  # this rank's generation replica (its sampling stream)
     generation_replicas: int
     generation_group: tuple[dist.ProcessGroup | None, list[int]]  # this rank's generation TP group and its ranks
+    generation_groups: list[list[int]]  # every generation TP group's ranks, in replica order
 
     def dp_rank(self, mesh: str) -> DPRank:
         """This rank's data-parallel coordinate when training ("train") or generating ("rollout")."""
@@ -66,7 +68,7 @@ def weight_transfer(ctx: WorkerContext, train: TrainEngineKind, rollout: Rollout
     """The transfer for this pair (collective: a model-parallel one creates its process groups)."""
     if train.model_parallel:
         return MicroDPTransfer(ctx, cast(ModelParallelTrainEngine, engine), _layout(ctx, train_tp, train_pp, rollout_tp),
-                               native_shards=rollout.tensor_parallel)
+                               native_shards=rollout.megatron_shards)
     return FullTensorTransfer(ctx, engine)
 
 
@@ -77,6 +79,7 @@ class FullTensorTransfer:
         self.ctx, self.engine = ctx, engine
         self.generation_replica, self.generation_replicas = ctx.rank, ctx.world_size
         self.generation_group: tuple[dist.ProcessGroup | None, list[int]] = (None, [ctx.rank])
+        self.generation_groups = [[r] for r in range(ctx.world_size)]
 
     def dp_rank(self, mesh: str) -> DPRank:
         return DPRank(self.ctx.rank, self.ctx.world_size, True)
@@ -114,8 +117,7 @@ def full_tensor_checksums(engine: TrainEngine, dtype: torch.dtype) -> dict[str, 
 class MicroDPTransfer:
     """The 3D-HybridEngine: training at TP = t in p stages over d replicas, generation at TP = t_g in strided
     groups and one stage, the shards regrouped by an all-gather inside each micro-DP group. `native_shards`: the
-    generation engine takes megatron-named TP shards (it generates tensor-parallel); otherwise it gets whole
-    HF-named tensors (t_g = 1)."""
+    generation engine takes megatron-named TP shards; otherwise it gets HF-named ones (whole tensors at t_g = 1)."""
 
     def __init__(self, ctx: WorkerContext, engine: ModelParallelTrainEngine, layout: Layout,
                  native_shards: bool) -> None:
@@ -124,6 +126,8 @@ class MicroDPTransfer:
         self.generation_replica = self.hybrid.generation_replica
         self.generation_replicas = layout.d * layout.d_g
         self.generation_group = (self.hybrid.gen_tp_group, self.hybrid.gen_tp_ranks)
+        self.generation_groups = sorted(lay.gen_tp_groups(layout), key=lambda g: lay.gen_dp_rank(layout, g[0]))
+        self.hf_shape = mm.local_shape(engine.shape, layout.t_g)  # what one generation shard converts under
 
     def dp_rank(self, mesh: str) -> DPRank:
         return self.hybrid.dp_rank(mesh)
@@ -131,7 +135,7 @@ class MicroDPTransfer:
     def push(self, rollout: RolloutEngine) -> ReshardStats:
         stats = ReshardStats()
         shards = self.hybrid.transition(self.engine.named_shards(), stats, self.engine.shape.layers // self.hybrid.L.p)
-        rollout.load_weights(shards if self.native_shards else mm.megatron_to_hf_items(shards, self.engine.shape))
+        rollout.load_weights(shards if self.native_shards else mm.megatron_to_hf_items(shards, self.hf_shape))
         return stats
 
     def train_checksums(self, dtype: torch.dtype) -> dict[str, float]:

@@ -1,12 +1,12 @@
-"""Tensor-parallel generation with megatron-core layers: the 3D-HybridEngine's generation engine when t_g > 1.
+"""Tensor-parallel generation with megatron-core layers, on the 3D-HybridEngine's generation groups.
 
 A second GPTModel, built at t_g-way TP over the generation TP groups (strided ranks, see engines.bridge.layout),
 holds exactly the generation shards the micro-DP all-gather produced; nothing else. Its weights exist only
 between a train -> generate transition and the next update (`release` frees them: generate -> train moves no
 data). Decoding keeps the keys and values of every layer in megatron-core's own static KV cache
 (StaticInferenceContext: a prefill of the prompts, then one token per step), so a response of n tokens costs O(n)
-forward tokens, not O(n^2). It exists because vLLM's external_launcher forms TP groups from consecutive ranks, not
-strided ones.
+forward tokens, not O(n^2). It generates at any t_g and any vocabulary; vLLM at t_g > 1 (engines.rollout.vllm)
+needs a vocabulary it does not pad.
 """
 from __future__ import annotations
 

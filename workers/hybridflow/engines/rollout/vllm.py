@@ -1,11 +1,18 @@
 """vLLM generation, in-process on every rank of the actor's worker group (its `external_launcher` executor joins our
-own torch.distributed world), so the colocated actor hands it new weights without a reload from disk."""
+own torch.distributed world), so the colocated actor hands it new weights without a reload from disk.
+
+At tensor-parallel size t_g > 1 it generates on the 3D-HybridEngine's generation groups, which are strided ranks of
+the training layout, while vLLM forms its groups from consecutive ranks: it is started with the world's ranks listed
+in generation-group order (`_ranks_in_order`), so each of its TP groups is one generation group. Each transition
+then hands it this rank's generation shard under HF names, installed as its own TP shard (q/k/v and gate/up fused
+as vLLM packs them), never a whole tensor."""
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -21,16 +28,24 @@ def build(ctx: WorkerContext, setup: RolloutSetup) -> VLLMRollout:
     max_len = r.max_prompt_length + r.max_response_length
     kv_bytes = int(r.kv_cache_gib * GIB) or model_kv_cache_bytes(setup.model_dir, setup.generation_dtype,
                                                                   setup.sequences, max_len)
+    rank_order = None
+    if r.tensor_parallel > 1:
+        if setup.transfer is None:
+            raise ValueError("spec.rollout.tensorParallel > 1: vLLM generates tensor-parallel only beside its actor, "
+                             "on the 3D-HybridEngine's generation groups")
+        rank_order = [rank for group in setup.transfer.generation_groups for rank in group]
     return VLLMRollout(setup.model_dir, max_model_len=max_len, dtype=dtype_name(setup.generation_dtype),
                        seed=setup.seed, kv_cache_bytes=kv_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
-                       on_gpu=ctx.device == "gpu", prefix_caching=r.prefix_caching)
+                       on_gpu=ctx.device == "gpu", prefix_caching=r.prefix_caching,
+                       tensor_parallel=r.tensor_parallel, rank_order=rank_order)
 
 
 class VLLMRollout:
     def __init__(self, model_dir: Path, max_model_len: int, dtype: str, seed: int, kv_cache_bytes: int,
-                 gpu_memory_utilization: float, on_gpu: bool, prefix_caching: bool = True) -> None:
+                 gpu_memory_utilization: float, on_gpu: bool, prefix_caching: bool = True, tensor_parallel: int = 1,
+                 rank_order: list[int] | None = None) -> None:
         """`kv_cache_bytes` sizes the KV cache on CPU; on GPU `gpu_memory_utilization` does (and sleep mode frees
-        weights and cache during training)."""
+        weights and cache during training). `rank_order`: the world's ranks with each TP group's consecutive."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         import gc
@@ -49,19 +64,23 @@ class VLLMRollout:
         self.on_gpu = on_gpu
         self.asleep = False
         self._emptied: list[tuple[torch.nn.Parameter, torch.Size]] = []  # parameters release() gave back (CPU)
-        self.llm = LLM(
-            model=str(model_dir),
-            skip_tokenizer_init=True,
-            dtype=dtype,
-            enforce_eager=True,
-            seed=seed,
-            max_model_len=max_model_len,
-            tensor_parallel_size=1,
-            gpu_memory_utilization=gpu_memory_utilization if on_gpu else 0.9,
-            logprobs_mode="processed_logprobs",  # after temperature, as the trainer computes them
-            enable_prefix_caching=prefix_caching,
-            **kwargs,
-        )
+        self.tensor_parallel = tensor_parallel
+        with _ranks_in_order(rank_order):
+            self.llm = LLM(
+                model=str(model_dir),
+                skip_tokenizer_init=True,
+                dtype=dtype,
+                enforce_eager=True,
+                seed=seed,
+                max_model_len=max_model_len,
+                tensor_parallel_size=tensor_parallel,
+                gpu_memory_utilization=gpu_memory_utilization if on_gpu else 0.9,
+                logprobs_mode="processed_logprobs",  # after temperature, as the trainer computes them
+                enable_prefix_caching=prefix_caching,
+                **kwargs,
+            )
+        if tensor_parallel > 1:
+            _check_vocabulary_shards(self.model, tensor_parallel)
 
     def generate(self, prompts: list[list[int]], cfgs: Sequence[SamplingConfig]) -> list[Generation]:
         from vllm import SamplingParams
@@ -97,13 +116,17 @@ class VLLMRollout:
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Whole HF tensors (t_g = 1: vLLM's loaders take its shard), or this rank's TP shards (t_g > 1)."""
         if self.asleep and self.on_gpu:  # weights come back first (into fresh memory), the KV cache once in place
             self.llm.wake_up(tags=["weights"])
         for weight, shape in self._emptied:  # the reload writes into the parameters it finds: their storage again
             weight.data = torch.empty(shape, dtype=weight.dtype, device=weight.device)
         self._emptied = []
-        runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        runner.reload_weights(weights_iterator=iter(weights))  # on CPU this also packs every GEMM afresh
+        if self.tensor_parallel > 1:
+            install_shards(self.model, weights)
+        else:
+            runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+            runner.reload_weights(weights_iterator=iter(weights))  # on CPU this also packs every GEMM afresh
         _repack_tied_lm_head(self.model)
         if self.asleep and self.on_gpu:
             self.llm.wake_up(tags=["kv_cache"])
@@ -134,7 +157,107 @@ class VLLMRollout:
         self.asleep = True
 
     def weight_checksums(self) -> dict[str, float]:
-        return {"embedding": float(self.model.model.embed_tokens.weight.detach().double().sum())}
+        """The embedding's sum (over the TP group: each rank holds a vocabulary shard)."""
+        total = self.model.model.embed_tokens.weight.detach().double().sum().reshape(1)
+        if self.tensor_parallel > 1:
+            from vllm.distributed import parallel_state as vps
+
+            torch.distributed.all_reduce(total, group=vps.get_tp_group().cpu_group)  # gloo: float64 as it is
+        return {"embedding": float(total[0])}
+
+
+@contextlib.contextmanager
+def _ranks_in_order(order: list[int] | None) -> Iterator[None]:
+    """vLLM (0.32, distributed/parallel_state.initialize_model_parallel) lays the world out as
+    `torch.arange(world_size)` and cuts its TP groups from it, consecutive ranks each. While the engine is built,
+    that arange gives `order` instead, so its groups are the ones `order` lists consecutively: the 3D-HybridEngine's
+    strided generation groups. Every group vLLM makes (TP, PP, DP, ...) follows the same order.
+
+    On CPU its TP groups talk through shared memory named after the group's ranks only (under external_launcher its
+    instance name is empty), so a segment a killed run left in /dev/shm stops the next engine of the same ranks
+    (`create shm in SHMManager failed. errno: 17`): the names get an identity of this engine, the same on every rank
+    (collective over the world)."""
+    if order is None:
+        yield
+        return
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state as vps
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    ident = [uuid.uuid4().hex[:12]]
+    dist.broadcast_object_list(ident, src=0)
+    named = cpu_communicator._CPUSHMDistributed.make_group_name
+
+    def with_identity(communicator: object) -> str:
+        name = named(communicator)  # "//-tp:0-[0-2]-cpushm": a shared-memory name has no "/" past its first ones
+        rest = name.lstrip("/")
+        return f"{name[:len(name) - len(rest)]}hf{ident[0]}{rest}"
+
+    cpu_communicator._CPUSHMDistributed.make_group_name = staticmethod(with_identity)  # type: ignore[method-assign]
+
+    class _Ordered:
+        def __getattr__(self, name: str) -> object:
+            return getattr(torch, name)
+
+        @staticmethod
+        def arange(*args: object, **kwargs: object) -> torch.Tensor:
+            if args == (len(order),) and not kwargs:
+                return torch.tensor(order)
+            return torch.arange(*args, **kwargs)  # type: ignore[call-overload]
+
+    vps.torch = _Ordered()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        vps.torch = torch
+        cpu_communicator._CPUSHMDistributed.make_group_name = staticmethod(named)  # type: ignore[method-assign]
+
+
+def _check_vocabulary_shards(model: torch.nn.Module, tp: int) -> None:
+    """vLLM pads the vocabulary before splitting it; the actor's vocabulary shards are its own only without padding."""
+    embed = model.model.embed_tokens
+    if embed.org_vocab_size != embed.num_embeddings_padded:
+        raise ValueError(f"spec.rollout.tensorParallel = {tp}: vLLM pads this model's vocabulary of "
+                         f"{embed.org_vocab_size} to {embed.num_embeddings_padded}, so its shards are not the actor's; "
+                         "use a vocabulary that is a multiple of 64 x tensorParallel, or spec.rollout.engine: megatron")
+
+
+def install_shards(model: torch.nn.Module, shards: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """This rank's TP shards under HF names into vLLM's parameters, as they are: q/k/v and gate/up are fused in the
+    order of vLLM's `packed_modules_mapping` (each of its fused shards is [q_r; k_r; v_r], [gate_r; up_r]); a tied
+    LM head is the embedding. Each layer's GEMMs are packed again once its weights are in."""
+    packed = {part: (fused, i, len(parts)) for fused, parts in getattr(model, "packed_modules_mapping", {}).items()
+              for i, part in enumerate(parts)}
+    params = dict(model.named_parameters())
+    tied = "lm_head.weight" not in params
+    pending: dict[str, list[torch.Tensor | None]] = {}
+    touched: set[str] = set()
+    for name, t in shards:
+        if name == "lm_head.weight" and tied:
+            continue
+        module_name, _, kind = name.rpartition(".")
+        parent, _, leaf = module_name.rpartition(".")
+        if leaf in packed:
+            fused, i, n = packed[leaf]
+            target = f"{parent}.{fused}.{kind}"
+            parts = pending.setdefault(target, [None] * n)
+            parts[i] = t
+            if any(p is None for p in parts):
+                continue
+            t = torch.cat(pending.pop(target))  # type: ignore[arg-type]
+            name = target
+        module_name, _, kind = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        param = module.get_parameter(kind)
+        param.data = t.to(dtype=param.dtype, device=param.device).contiguous()
+        touched.add(module_name)
+    if pending:
+        raise KeyError(f"vLLM shards incomplete: {sorted(pending)[:3]}")
+    for module_name in sorted(touched):
+        module = model.get_submodule(module_name)
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
 
 
 def _released_gemm(*args: object, **kwargs: object) -> torch.Tensor:
