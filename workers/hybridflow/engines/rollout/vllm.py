@@ -12,7 +12,7 @@ import contextlib
 import os
 import uuid
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -176,7 +176,9 @@ def _ranks_in_order(order: list[int] | None) -> Iterator[None]:
     On CPU its TP groups talk through shared memory named after the group's ranks only (under external_launcher its
     instance name is empty), so a segment a killed run left in /dev/shm stops the next engine of the same ranks
     (`create shm in SHMManager failed. errno: 17`): the names get an identity of this engine, the same on every rank
-    (collective over the world)."""
+    (collective over the world). vLLM never removes them, so once every rank has mapped its group's segments (the
+    engine is built), each rank unlinks its own: the memory lives while the engine does and goes with its process,
+    however it ends."""
     if order is None:
         yield
         return
@@ -188,9 +190,12 @@ def _ranks_in_order(order: list[int] | None) -> Iterator[None]:
     dist.broadcast_object_list(ident, src=0)
     named = cpu_communicator._CPUSHMDistributed.make_group_name
 
-    def with_identity(communicator: object) -> str:
+    segments: list[str] = []  # this rank's, as vLLM's shared-memory manager names them: "<group name>_<rank>"
+
+    def with_identity(communicator: Any) -> str:
         name = named(communicator)  # "//-tp:0-[0-2]-cpushm": a shared-memory name has no "/" past its first ones
         rest = name.lstrip("/")
+        segments.append(f"hf{ident[0]}{rest}_{communicator.rank_in_group}")
         return f"{name[:len(name) - len(rest)]}hf{ident[0]}{rest}"
 
     cpu_communicator._CPUSHMDistributed.make_group_name = staticmethod(with_identity)  # type: ignore[method-assign]
@@ -211,6 +216,10 @@ def _ranks_in_order(order: list[int] | None) -> Iterator[None]:
     finally:
         vps.torch = torch
         cpu_communicator._CPUSHMDistributed.make_group_name = staticmethod(named)  # type: ignore[method-assign]
+    dist.barrier()  # every rank has mapped every segment of its groups
+    for segment in dict.fromkeys(segments):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{segment}")
 
 
 def _check_vocabulary_shards(model: torch.nn.Module, tp: int) -> None:
