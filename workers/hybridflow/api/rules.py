@@ -281,10 +281,11 @@ def _hybrid_engine_problems(spec: JobSpec) -> list[str]:
         out.append(f"spec.rollout.tensorParallel = {r.tensor_parallel}: tensor-parallel generation is fed shards by "
                    f"a model-parallel actor (spec.training.engine: {'/'.join(model_parallel_train_engines())}); the "
                    f"{t.engine} actor hands every rank whole tensors, so set 1")
-    elif r.tensor_parallel > 1 and m.source == "tiny" and m.tiny.vocab_size % (generator.vocab_padding * r.tensor_parallel):
-        out.append(f"spec.models.actor.tiny.vocabSize = {m.tiny.vocab_size}: {r.engine} pads the vocabulary to a multiple "
-                   f"of {generator.vocab_padding}, so its {r.tensor_parallel} shards line up with the actor's only "
-                   f"when vocabSize is a multiple of {generator.vocab_padding * r.tensor_parallel}")
+    elif r.tensor_parallel > 1 and m.source == "tiny" and m.tiny.vocab_size % (generator.vocab_padding
+                                                                               * r.tensor_parallel):
+        out.append(f"spec.models.actor.tiny.vocabSize = {m.tiny.vocab_size}: {r.engine} pads the vocabulary to a "
+                   f"multiple of {generator.vocab_padding}, so its {r.tensor_parallel} shards line up with the actor's "
+                   f"only when vocabSize is a multiple of {generator.vocab_padding * r.tensor_parallel}")
     if t.tensor_parallel % r.tensor_parallel:
         out.append(f"spec.rollout.tensorParallel = {r.tensor_parallel} must divide spec.training.tensorParallel = "
                    f"{t.tensor_parallel}")

@@ -67,8 +67,8 @@ def weight_transfer(ctx: WorkerContext, train: TrainEngineKind, rollout: Rollout
                     train_tp: int, rollout_tp: int, train_pp: int = 1) -> WeightTransfer:
     """The transfer for this pair (collective: a model-parallel one creates its process groups)."""
     if train.model_parallel:
-        return MicroDPTransfer(ctx, cast(ModelParallelTrainEngine, engine), _layout(ctx, train_tp, train_pp, rollout_tp),
-                               native_shards=rollout.megatron_shards)
+        layout = _layout(ctx, train_tp, train_pp, rollout_tp)
+        return MicroDPTransfer(ctx, cast(ModelParallelTrainEngine, engine), layout, native_shards=rollout.megatron_shards)
     return FullTensorTransfer(ctx, engine)
 
 

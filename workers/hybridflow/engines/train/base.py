@@ -159,7 +159,8 @@ class TrainLoop:
         self.module.eval()
         split = list(micro_batches(batch, micro_batch_size, self.dynamic_batch_size, self.shared_prompt))
         outs = self.run_micro_batches([mb for _, mb in split], fn, backward=False)
-        return merge_rows(outs, [idx for idx, _ in split], batch["responses"].shape[1] if "responses" in batch else None)
+        width = batch["responses"].shape[1] if "responses" in batch else None
+        return merge_rows(outs, [idx for idx, _ in split], width)
 
     def train_mini_batch(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn,
                          per: str = "rows") -> dict[str, float]:

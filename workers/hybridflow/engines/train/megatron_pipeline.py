@@ -98,7 +98,10 @@ def stage_ranks() -> list[int]:
     return dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
 
 
-def catalog(own: list[tuple[str, tuple[int, ...], torch.dtype]]) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+Entry = tuple[str, tuple[int, ...], torch.dtype]  # a tensor's name, shape and dtype
+
+
+def catalog(own: list[Entry]) -> list[list[Entry]]:
     """Every stage's (name, shape, dtype) list, stage by stage (collective over the pipeline)."""
     from megatron.core import parallel_state as ps
 
