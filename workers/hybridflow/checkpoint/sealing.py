@@ -82,10 +82,9 @@ def _os_error(err: BaseException) -> OSError | None:
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         cause = getattr(e, "cause", None)
-        if isinstance(cause, OSError) and not isinstance(cause, TimeoutError):
-            return cause
-        if isinstance(e, OSError) and not isinstance(e, TimeoutError):
-            return e
+        for candidate in (cause, e):
+            if isinstance(candidate, OSError) and not isinstance(candidate, TimeoutError):
+                return candidate
         e = cause if isinstance(cause, BaseException) else e.__cause__
     return None
 

@@ -216,6 +216,16 @@ def _combine_megatron(piece: Piece, views: list[torch.Tensor]) -> torch.Tensor:
     return views[0].clone() if split_rule(piece.key) == "replicated" else unshard(piece.key, views)
 
 
+def _megatron_pieces(named_shards: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                     all_direct: bool = False) -> Iterator[Piece]:
+    """How megatron TP shards travel (cut_pieces by their sharding rule): column-parallel ones direct, or all of them."""
+    from hybridflow.engines.train.megatron_model import split_rule
+
+    for name, t in named_shards:
+        rule = split_rule(name)
+        yield from cut_pieces(name, t, _SPLIT_DIM[rule], all_direct or rule == "column", bucket_bytes)
+
+
 def gather_micro_dp(named_shards: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, size: int,
                     stats: ReshardStats, bucket_bytes: int = BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
     """HybridFlow's train -> generate transition for megatron TP shards (see gather_pieces): all-gathers inside the
@@ -224,15 +234,12 @@ def gather_micro_dp(named_shards: Iterable[tuple[str, torch.Tensor]], group: dis
 
     Yields (megatron name, generation shard) as tensors complete, so the consumer installs them before the next
     bucket is gathered; with size 1 there is nothing to gather and the training shard itself is yielded."""
-    from hybridflow.engines.train.megatron_model import split_rule
-
     t0 = time.perf_counter()
     if size == 1:
         gen = iter(named_shards)
     else:
-        pieces = (piece for name, t in named_shards for piece in
-                  cut_pieces(name, t, _SPLIT_DIM[split_rule(name)], split_rule(name) == "column", bucket_bytes))
-        gen = gather_pieces(pieces, group, size, stats, bucket_bytes, lambda piece, m: piece.key, _combine_megatron)
+        gen = gather_pieces(_megatron_pieces(named_shards, bucket_bytes), group, size, stats, bucket_bytes,
+                            lambda piece, m: piece.key, _combine_megatron)
     for name, tensor in gen:
         stats.generation_bytes += tensor_bytes(tensor)
         yield name, tensor
@@ -265,9 +272,7 @@ def gather_stages(named_shards: Iterable[tuple[str, torch.Tensor]], group: dist.
             rest.append((name, t))
     # where only stages join (s_t = 1), each member's copy is a whole generation tensor of its own layer: every
     # piece can lie in the buffer as it came (direct), not only column-parallel ones
-    pieces = (piece for name, t in layers for piece in
-              cut_pieces(name, t, _SPLIT_DIM[split_rule(name)], s_t == 1 or split_rule(name) == "column",
-                         bucket_bytes))
+    pieces = _megatron_pieces(layers, bucket_bytes, all_direct=s_t == 1)
     for name, tensor in gather_pieces(pieces, group, size, stats, bucket_bytes,
                                       lambda piece, m: global_layer_name(piece.key, (m // s_t) * layers_per_stage),
                                       _combine_megatron):

@@ -141,6 +141,7 @@ class MegatronEngine(TrainLoop):
         self.grad_clip = grad_clip
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, weight_decay=0.0)
         self._device_mesh: Any = None  # made on first use by sharded checkpoints (_mesh)
+        self._stages: list | None = None  # every stage's whole tensors, made on first use by whole_shards
 
     @property
     def tp_rank(self) -> int:
@@ -265,9 +266,10 @@ class MegatronEngine(TrainLoop):
                 yield name, self.gather_tp(name, t)
             return
         mine = dict(self.named_shards())
-        every = catalog([(n, self._whole_shape(n, t), t.dtype) for n, t in mine.items()])
+        if self._stages is None:  # which whole tensors each stage holds: fixed for the engine's life
+            self._stages = catalog([(n, self._whole_shape(n, t), t.dtype) for n, t in mine.items()])
         ranks, group = stage_ranks(), self.ps.get_pipeline_model_parallel_group()
-        for stage, entries in enumerate(every):
+        for stage, entries in enumerate(self._stages):
             for name, shape, dtype in entries:
                 if stage == self.pp_rank:
                     t = self.gather_tp(name, mine[name]).contiguous()

@@ -2,8 +2,8 @@
 are wanted, forward-only for log-probs), and the whole model seen from any stage.
 
 A stage holds a contiguous run of layers; the first also the embedding, the last the final norm and the output
-layer (with tied embeddings, a copy of the embedding that megatron keeps equal by summing both copies' gradients
-over its embedding group). Only the last stage sees logits, so the roles' functions (log-probs, losses) run there,
+layer (with tied embeddings, a copy of the embedding, kept equal by the engine, which sums both copies' gradients
+over megatron's embedding group). Only the last stage sees logits, so the roles' functions (log-probs, losses) run there,
 on the logits the schedule produced, and what they return is broadcast to the other stages: every rank of the
 pipeline returns the same, as a rank of a pipeline-less engine does.
 """
