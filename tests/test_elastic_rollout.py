@@ -5,8 +5,11 @@ grows into slot 1 while training runs; the new replica takes work only once its 
 pod 1 is given notice the way its preStop hook does it on Kubernetes, `hybridflow leave-pool` in a process of its
 own: its replica stops taking work, finishes what it is in, is ended, and the pod is released; the slot, still in
 the cluster, is not grown into again. In between, the grown replica is lost and rebuilt in its slot (a recovery,
-counted as a replacement, not a second join). Training never stops: every step runs once, every prompt group drawn is
-trained exactly once, and the replica that stays holds the trainer's final weights."""
+counted as a replacement, not a second join; what it was generating is generated again by the other). Training never
+stops: the trainer's process is the one it started with, every step runs once, every prompt group drawn is trained
+exactly once, and the replica that stays holds the trainer's final weights. Then that replica, the last one, is lost
+during a weight sync: the sync is kept for the rebuilt one, which is given the version it missed before the job
+would evaluate with it (settle)."""
 from __future__ import annotations
 
 import json
@@ -28,7 +31,8 @@ from support.live_jobs import assert_each_draw_trained_once, fit_while
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 150  # ~0.2-0.45 s each: the grown replica joins after ~15 s, the rebuilt one ~15 s later, then it leaves
+STEPS = 110  # ~0.2-0.45 s each: the grown replica joins at once, the lost one is back ~50 steps later (~19 s),
+# it leaves ~15 steps after that (~6 s): about twice the steps these take, measured
 
 
 def _job(tmp_path: Path):
@@ -84,8 +88,9 @@ def test_the_pool_grows_into_a_new_pod_and_a_pod_given_notice_leaves_while_train
     left = {}
     try:
         rollout_group = next(g for g in w.groups if "rollout" in g.roles)
+        trainer_group = next(g for g in w.groups if "actor" in g.roles)
         assert len(rollout_group.hosts) == 1 and rollout_group.pool.slots == [0]  # minReplicas to start with
-        first = rollout_group.hosts[0]
+        first, trainer_host = rollout_group.hosts[0], trainer_group.hosts[0]
         steps_log = Path(job.spec.trainer.checkpoint_dir) / "steps.jsonl"
         summary = fit_while(job, w, task,
                             lambda done: _kill_then_leave(steps_log, rollout_group, shared_ray.address, done, left))
@@ -102,6 +107,10 @@ def test_the_pool_grows_into_a_new_pod_and_a_pod_given_notice_leaves_while_train
         rebuilt = [r for r in steps if "replica_recovery_seconds" in r]
         assert len(rebuilt) == 1 and rebuilt[0]["step"] > joined[0]["step"], (joined, rebuilt)
         assert "at_step" in left, "the rebuilt replica never took work"
+        alone = [r["step"] for r in steps if joined[0]["step"] < r["step"] < rebuilt[0]["step"]
+                 and r["rollout_replicas_working"] == 1]
+        assert alone, "no step ran on the surviving replica alone while the lost one was rebuilt"
+        assert trainer_group.hosts[0] is trainer_host  # the trainer was never rebuilt
 
         # left: the real preStop command was answered once the controller released pod 1, and nothing was rebuilt
         assert left["rc"] == 0 and "left pool p1: the controller released its replicas" in left["said"], left
@@ -115,8 +124,9 @@ def test_the_pool_grows_into_a_new_pod_and_a_pod_given_notice_leaves_while_train
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(rollout_group.hosts[1].node_address.remote(), timeout=30)
         print(f"grown replica took work {joined[0]['replica_join_seconds']:.1f} s after its slot was seen (step "
-              f"{joined[0]['step']}); rebuilt after its loss in {rebuilt[0]['replica_recovery_seconds']:.1f} s; "
-              f"pod 1 given notice after step {left['at_step']}, released in {left['seconds']:.1f} s")
+              f"{joined[0]['step']}); rebuilt after its loss in {rebuilt[0]['replica_recovery_seconds']:.1f} s "
+              f"(prompts generated again: {steps[-1]['regenerated_prompts_total']:.0f}); pod 1 given notice after "
+              f"step {left['at_step']}, released in {left['seconds']:.1f} s")
 
         assert_each_draw_trained_once(job, STEPS)  # no trajectory lost or trained twice
 
@@ -125,5 +135,15 @@ def test_the_pool_grows_into_a_new_pod_and_a_pod_given_notice_leaves_while_train
         trainer = actor.weight_checksums_as(rollout.generation_dtype_name())[0]
         assert rollout.weight_checksums() == [trainer]
         assert rollout.policy_version() == [STEPS]
+
+        # the last replica lost during a sync: no replica left, the sync is kept for the rebuilt one, which takes
+        # the version it missed before an evaluation would use it (settle); the trainer is the same process
+        ray.kill(rollout_group.hosts[0], no_restart=True)
+        assert w.sync_weights(STEPS + 1)["rollout_policy_version"] == STEPS + 1 and w.replicas.working() == []
+        w.weights.settle()
+        assert rollout_group.hosts[0] is not first and w.replicas.working() == [0]
+        assert rollout.policy_version() == [STEPS + 1]
+        assert rollout.weight_checksums() == [trainer]  # no update since: the same weights, a new version
+        assert trainer_group.hosts[0] is trainer_host
     finally:
         w.shutdown()

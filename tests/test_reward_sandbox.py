@@ -53,6 +53,24 @@ def test_scores_extras_and_errors_with_their_samples(tmp_path):
     assert "returned str 'one', not a number" in str(out.errors[1])
 
 
+def test_the_arithmetic_examples_reward_file_scores_by_its_rule_in_the_sandbox():
+    """examples/smollm2-arithmetic-reward.yaml's function, as its job names it, in the sandboxed workers: 1 for
+    the right sum, 0.1 for a wrong number, 0 for none, and its extra key `answered` for the step log. (The job's
+    dataflow with a user's file is run by tests/test_end_to_end.py's word-problems job; this example's YAML, with a
+    failing file, by its reward-failure test.)"""
+    from pathlib import Path
+
+    from hybridflow.api.manifest_io import load_job
+
+    root = Path(__file__).resolve().parents[1]
+    function = load_job(root / "examples" / "smollm2-arithmetic-reward.yaml").spec.models.reward.function
+    with RewardFunction(root / function.path, function.name, timeout_seconds=5) as fn:
+        out = fn.score(["arithmetic"] * 4, ["12 + 30 = 42", "12 + 30 = 41", "I do not know", " 42"], ["42"] * 4,
+                       [{}] * 4)
+    assert out.scores == [1.0, 0.1, 0.0, 1.0] and not out.errors
+    assert out.extras["answered"] == [1.0, 1.0, 0.0, 1.0]
+
+
 def test_a_hanging_call_costs_one_deadline_and_the_pool_recovers(tmp_path):
     with RewardFunction(_file(tmp_path, GOOD), workers=2, timeout_seconds=1.5) as fn:
         t0 = time.monotonic()
