@@ -1,5 +1,6 @@
-"""The megatron training engine on CPU (gloo): HF weights convert both ways, and one engine step at TP=2 x DP=2, PP=2,
-TP=2 x PP=2 and PP=2 x DP=2 computes the log-probs, loss, gradients and gradient norm that plain HF autograd computes."""
+"""The megatron training engine on CPU (gloo): HF weights convert both ways, and one engine step at TP=2 x DP=2,
+PP=2, TP=2 x PP=2 and PP=2 x DP=2 computes the log-probs, loss, gradients and gradient norm that plain HF autograd
+computes."""
 import pytest
 import torch
 from support.megatron_launcher import engine_step, objective
