@@ -58,9 +58,14 @@ else
   last="$(tail -n 1 "$light_log")"
   light_rc="${last#light-rc=}"; light_rc="${light_rc%% *}"
   [ "$light_rc" = 0 ] || rc=1
+  light_start="${last##*light-start=}"; light_start="${light_start%% *}"
   light_end="${last##*light-end=}"
-  [[ "$light_end" =~ ^[0-9]+$ ]] || light_end=$(date +%s)  # (the light stream did not finish its line)
-  parts="pytest slow $(( t1 - t0 ))s beside e2e $(( e2e_end - t0 ))s then not slow $(( light_end - e2e_end ))s"
+  if [[ "$light_start" =~ ^[0-9]+$ && "$light_end" =~ ^[0-9]+$ ]]; then
+    light="$(( light_end - light_start ))s"
+  else
+    light="(unfinished)"  # the light stream did not write its last line
+  fi
+  parts="pytest slow $(( t1 - t0 ))s beside e2e $(( e2e_end - t0 ))s then not slow ${light}"
 fi
 [ "$e2e_rc" = 0 ] || rc=1
 echo "make test: install $(( t0 - start ))s, ${parts}; total $(( $(date +%s) - start ))s" \
