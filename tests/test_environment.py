@@ -1,5 +1,6 @@
 """The suite runs inside the project's virtualenv and imports nothing from the machine's global site-packages: a
 package that only a hand-made environment had (megatron-core, 2026-11-30) must fail here, not on a fresh machine."""
+import importlib.util
 import os
 import site
 import sys
@@ -35,3 +36,12 @@ def test_no_module_comes_from_outside_the_venv():
         if any(p.is_relative_to(g) for g in global_site) or not any(p.is_relative_to(a) for a in allowed):
             outside.append(f"{name}: {p}")
     assert not outside, "modules imported from outside the venv:\n" + "\n".join(sorted(outside)[:20])
+
+
+def test_scikit_learn_is_not_installed():
+    """transformers imports scikit-learn (and with it scipy) in every process that loads a model class whenever it
+    is installed: 1.2 CPU-s of each job worker's start here, and a test run starts hundreds. Nothing a job runs uses
+    it; full mlflow brought it, so the tests' MLflow server has a venv of its own (.tools/mlflow, the Makefile)."""
+    assert importlib.util.find_spec("sklearn") is None, (
+        "scikit-learn is installed in the test venv (from an older `make install`?): "
+        "`pip uninstall -y mlflow scikit-learn skops`, or `make distclean`")
