@@ -41,6 +41,21 @@ def world(tmp_path_factory):
         w.close()
 
 
+@pytest.fixture(autouse=True)
+def no_job_outlives_its_scenario(world):
+    """A scenario that fails half-way leaves its jobs running (their pods busy, the operator counting them Running):
+    they are deleted, and their processes waited for, before the next scenario starts, so that one failure shows as
+    one failure (2026-12-05: a job left by the lifecycle scenario made the next one count two Running jobs)."""
+    yield
+    from kube.harness import wait_for
+
+    for name in world.kube.jobs():
+        if (world.kube.job(name) or {}).get("status", {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        world.kubectl("delete", "rlhfjob", name, "--wait=false", check=False)
+        wait_for(lambda: world.kube.job(name) is None and not world.leftovers(name), 180, f"{name}, left running, gone")
+
+
 def pytest_terminal_summary(terminalreporter):
     from e2e.helpers import RECOVERY_SECONDS
 

@@ -310,6 +310,8 @@ class KubeletDouble:
                 return
         procs = [(c, self._spawn(rp, pod, c, volumes, poddir)) for c in spec["containers"]]
         rp.main_procs = [p for _, p in procs]
+        for _, p in procs:
+            _wait_for_exec(p)
         rp.main_started = True
         self._status(rp, {**base, "phase": "Running",
                           "conditions": [{"type": "Ready", "status": "True"}],
@@ -409,6 +411,22 @@ class KubeletDouble:
         logf.close()
         rp.procs.append(proc)
         return proc
+
+
+def _wait_for_exec(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Until the container's process runs the container's own command: its wrapper (`ip netns exec`, `unshare`, then
+    the mount script of _spawn; one process, each exec'ing the next) execs into it once the pod's mounts are in
+    place. A kubelet reports a container Running once it has started; reported sooner, a scenario that read the
+    mounts of a Running pod saw half of them (2026-12-05: the resume-from mount missing, under load)."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return  # ended meanwhile
+        if not any(a.startswith(b"set -e\nhostname ") and a.endswith(b'exec "$@"') for a in argv):
+            return
+        time.sleep(0.02)
 
 
 def _sub_path(volume: tuple[str, Path], mount: dict) -> Path:
