@@ -415,16 +415,18 @@ class KubeletDouble:
 
 def _wait_for_exec(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
     """Until the container's process runs the container's own command: its wrapper (`ip netns exec`, `unshare`, then
-    the mount script of _spawn; one process, each exec'ing the next) execs into it once the pod's mounts are in
-    place. A kubelet reports a container Running once it has started; reported sooner, a scenario that read the
-    mounts of a Running pod saw half of them (2026-12-05: the resume-from mount missing, under load)."""
+    the mount script of _spawn, `sh -c SCRIPT`; one process, each exec'ing the next, the script in every command
+    line) execs into it once the pod's mounts are in place. A kubelet reports a container Running once it has
+    started; reported sooner, a scenario that read the mounts of a Running pod saw half of them (2026-12-05: the
+    resume-from mount missing, under load)."""
+    script = proc.args[proc.args.index("-c") + 1].encode()
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None and time.monotonic() < deadline:
         try:
-            argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         except OSError:
             return  # ended meanwhile
-        if not any(a.startswith(b"set -e\nhostname ") and a.endswith(b'exec "$@"') for a in argv):
+        if cmdline and script not in cmdline.split(b"\0"):  # (empty while an exec is under way)
             return
         time.sleep(0.02)
 
