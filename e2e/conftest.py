@@ -49,8 +49,10 @@ def no_job_outlives_its_scenario(world):
     yield
     from kube.harness import wait_for
 
+    from e2e.helpers import phase
+
     for name in world.kube.jobs():
-        if (world.kube.job(name) or {}).get("status", {}).get("phase") in ("Succeeded", "Failed"):
+        if phase(world, name) in ("Succeeded", "Failed"):
             continue
         world.kubectl("delete", "rlhfjob", name, "--wait=false", check=False)
         wait_for(lambda: world.kube.job(name) is None and not world.leftovers(name), 180, f"{name}, left running, gone")
