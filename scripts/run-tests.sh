@@ -3,11 +3,11 @@
 # and the last lines say what each part took against the budget the README states, so growth shows in every CI log.
 # Needs PYTHON (the venv's); MAKE_START (seconds since the epoch) counts the install in the total.
 #
-# Two streams side by side, about equally long: the slow tests (real jobs on Ray, in the foreground), and beside them
-# the e2e scenarios, then the tests not marked slow (light, single-process ones). Each alone leaves ~30% of the 2
-# cores idle (pods and jobs wait on Ray, the operator, start-up and each other): run one after the other, that idle
-# time was on the critical path (measured: 28.6% idle over 1394 s of slow tests alone); side by side the machine is
-# ~94% busy, each part slower, the whole shorter; the waits in both have wide margins. The second stream's output is
+# Two streams side by side: the slow tests (real jobs on Ray, in the foreground), and beside them the e2e scenarios,
+# then the tests not marked slow (light, single-process ones). Each alone leaves ~30% of the 2 cores idle (pods and
+# jobs wait on Ray, the operator, start-up and each other): run one after the other, that idle time was on the
+# critical path (measured: 28.6% idle over 1394 s of slow tests alone); side by side the machine is ~85-90% busy,
+# each part slower, the whole shorter; the waits in both have wide margins. The second stream's output is
 # kept in a file and printed once both have ended, so the logs do not interleave. With PYTEST_ARGS (a selection of
 # tests), pytest runs once and then e2e.
 set -uo pipefail
@@ -30,13 +30,14 @@ if [ -n "${PYTEST_ARGS:-}" ]; then
 else
   e2e_log="$(mktemp -t e2e-log.XXXXXX)"
   light_log="$(mktemp -t light-log.XXXXXX)"
+  light_status="$(mktemp -t light-status.XXXXXX)"
   PYTHON="$PYTHON" e2e/run.sh >"$e2e_log" 2>&1 &
   e2e_pid=$!  # run.sh execs unshare, whose --kill-child ends everything in the scenarios' namespaces
-  (  # once e2e has ended: the light tests; their exit code and end time are the file's last line
+  (  # once e2e has ended: the light tests; their exit code, start and end in light_status
     while kill -0 "$e2e_pid" 2>/dev/null; do sleep 2; done
     t=$(date +%s)
     "$PYTHON" -m pytest -ra --durations=15 -m "not slow"
-    echo "light-rc=$? light-start=$t light-end=$(date +%s)"
+    echo "$? $t $(date +%s)" >"$light_status"
   ) >"$light_log" 2>&1 &
   light_pid=$!
   # Interrupted (Ctrl-C, a CI cancel): unshare ignores SIGTERM while it waits for its child, so SIGKILL it; end the
@@ -44,27 +45,21 @@ else
   trap 'exit 130' INT TERM
   trap 'kill -KILL "$e2e_pid" 2>/dev/null; pkill -P "$light_pid" 2>/dev/null; kill "$light_pid" 2>/dev/null
         echo "(interrupted; e2e, then light tests, so far:)"; tail -n 40 "$e2e_log" "$light_log"
-        rm -f "$e2e_log" "$light_log"' EXIT
+        rm -f "$e2e_log" "$light_log" "$light_status"' EXIT
   "$PYTHON" -m pytest -ra --durations=30 -m slow || rc=$?
   t1=$(date +%s)
   wait "$e2e_pid" || e2e_rc=$?
   wait "$light_pid"
-  trap 'rm -f "$e2e_log" "$light_log"' EXIT
+  trap 'rm -f "$e2e_log" "$light_log" "$light_status"' EXIT
   e2e_end="$(stat -c %Y "$e2e_log")"  # its last line was written as it ended
   echo "---------------- e2e scenarios (ran beside the slow tests) ----------------"
   cat "$e2e_log"
   echo "---------------- tests not marked slow (ran after e2e, beside the slow tests) ----------------"
   cat "$light_log"
-  last="$(tail -n 1 "$light_log")"
-  light_rc="${last#light-rc=}"; light_rc="${light_rc%% *}"
-  [ "$light_rc" = 0 ] || rc=1
-  light_start="${last##*light-start=}"; light_start="${light_start%% *}"
-  light_end="${last##*light-end=}"
-  if [[ "$light_start" =~ ^[0-9]+$ && "$light_end" =~ ^[0-9]+$ ]]; then
-    light="$(( light_end - light_start ))s"
-  else
-    light="(unfinished)"  # the light stream did not write its last line
-  fi
+  read -r light_rc light_start light_end <"$light_status"
+  [ "${light_rc:-}" = 0 ] || rc=1
+  light="$(( ${light_end:-0} - ${light_start:-0} ))s"
+  [ -n "${light_end:-}" ] || light="(unfinished)"  # the light stream did not write its status
   parts="pytest slow $(( t1 - t0 ))s beside e2e $(( e2e_end - t0 ))s then not slow ${light}"
 fi
 [ "$e2e_rc" = 0 ] || rc=1
