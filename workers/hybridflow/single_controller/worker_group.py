@@ -1,21 +1,18 @@
-"""RayResourcePool (a spec resource pool as Ray placement groups) and WorkerGroup (one Ray actor per device,
-torch.distributed among them).
+"""WorkerGroup: one Ray actor per device of a pool (single_controller.worker_host, on the device that
+single_controller.local_devices decides), torch.distributed among them, and the controller's handles on their roles.
 
 Several roles given the same pool are *colocated*: one process per device hosts all of them and they take turns,
 which is what lets the actor train and generate on the same devices (HybridFlow section 4.2 / 5).
 """
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from hybridflow.single_controller.allocator import own_allocator
 from hybridflow.single_controller.failures import rank_failure
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.protocol import (
@@ -29,131 +26,12 @@ from hybridflow.single_controller.protocol import (
     validate_dp_layout,
 )
 from hybridflow.api import pool_resource
-from hybridflow.api.run_policy import COLLECTIVE_TIMEOUT_SECONDS
-from hybridflow.single_controller.context import WorkerContext
+from hybridflow.single_controller.local_devices import local_device_env
 from hybridflow.single_controller.resource_pool import RayResourcePool
+from hybridflow.single_controller.worker_host import DEFAULT_COLLECTIVE_TIMEOUT_S, RoleSpec, WorkerHost
 
-
-DEFAULT_COLLECTIVE_TIMEOUT_S = float(COLLECTIVE_TIMEOUT_SECONDS)  # jobs pass runPolicy's (api.run_policy)
-
-
-@dataclass(frozen=True)
-class RoleSpec:
-    """A role class and its constructor keyword arguments; the class takes `ctx: WorkerContext` first.
-
-    `colocated` names roles of the same group, built before this one, that its constructor receives as objects
-    (keyword = role name): a role that works on another's state in the same process (the rollout role on the
-    actor's training engine) gets it handed over by the host, not found through a global."""
-
-    cls: type
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    colocated: tuple[str, ...] = ()
-    # Each rank stands alone (a generation replica on a pool of its own): no torch.distributed world among the
-    # ranks, so one lost rank can be replaced alone (WorkerGroup.replace) while the others go on.
-    independent: bool = False
-
-
-def interface_for(ip: str) -> str | None:
-    """The network interface that holds this address (e.g. eth0 for a pod IP, lo for 127.0.0.1)."""
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address == ip for a in addrs):
-            return name
-    return None
-
-
-def settle_heap() -> None:
-    """Collect garbage once, then move every object alive into the collector's permanent generation (gc.freeze).
-
-    A worker holds ~650k Python objects once torch, transformers and vLLM are imported, and each full collection
-    walks them all (0.2-1.6 s here, depending on load): vLLM's engine start collects five times, every actor update
-    twice (release_free_memory), and the interpreter by itself whenever enough objects were allocated. What exists
-    after a role is built lives as long as the worker, so later collections only need to walk what the steps
-    allocate."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-
-
-@ray.remote
-class WorkerHost:
-    """One process per device. Sets up torch.distributed, then hosts any number of colocated role objects."""
-
-    def __init__(self, rank: int, world_size: int, local_rank: int, device: str, env: dict[str, str]) -> None:
-        os.environ.update(env)
-        self.ctx = WorkerContext(rank, world_size, local_rank, device)
-        self.roles: dict[str, Any] = {}
-        self._store: Any = None
-
-    def open_rendezvous(self) -> tuple[str, int]:
-        """Rank 0: start the group's rendezvous store on a port the kernel picks (the server listens on every
-        address; the other ranks reach it at this node's address, which is returned with the port).
-
-        Binding port 0 leaves no gap between choosing the port and listening on it. The port used to be probed
-        free on 127.0.0.1 and bound later on every address, and a port free on loopback can already belong to one
-        of Ray's servers on the pod IP: the other ranks then talked to that server (connection reset by peer)."""
-        import torch.distributed as dist
-
-        ip = ray.util.get_node_ip_address()
-        self._store = dist.TCPStore(ip, 0, self.ctx.world_size, is_master=True, wait_for_workers=False)
-        return ip, int(self._store.port)
-
-    def init_distributed(self, master_addr: str, master_port: int,
-                         timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> str:
-        """Join the group's torch.distributed world; returns this rank's node address. A collective that waits
-        longer than `timeout_s` for a rank fails instead of hanging (a stopped pod never answers)."""
-        import datetime
-
-        import torch.distributed as dist
-
-        os.environ.update(
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(master_port),
-            RANK=str(self.ctx.rank),
-            WORLD_SIZE=str(self.ctx.world_size),
-            LOCAL_RANK=str(self.ctx.local_rank),
-        )
-        # gloo listens where the hostname resolves, or on loopback when it does not resolve (yet): bind it to the
-        # interface of the address Ray reaches this node on, which the other ranks can reach too.
-        iface = interface_for(ray.util.get_node_ip_address())
-        if iface and "GLOO_SOCKET_IFNAME" not in os.environ:
-            os.environ["GLOO_SOCKET_IFNAME"] = iface
-        if self.ctx.device == "gpu":
-            import torch
-
-            torch.cuda.set_device(0)  # Ray exposes exactly the bundle's GPU
-        backend = "nccl" if self.ctx.device == "gpu" else "gloo"
-        store = self._store or dist.TCPStore(master_addr, master_port, self.ctx.world_size, is_master=False)
-        dist.init_process_group(backend, store=store, rank=self.ctx.rank, world_size=self.ctx.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        return ray.util.get_node_ip_address()
-
-    def build(self, role: str, spec: RoleSpec) -> None:
-        missing = [name for name in spec.colocated if name not in self.roles]
-        if missing:
-            raise ValueError(f"role '{role}' needs the colocated role(s) {missing} built before it in this process")
-        siblings = {name: self.roles[name] for name in spec.colocated}
-        settle_heap()  # the modules this worker imported (torch, the role's own) are never garbage
-        self.roles[role] = spec.cls(self.ctx, **spec.kwargs, **siblings)
-        settle_heap()  # nor are the role's engines and weights: they live as long as the worker
-
-    def dp_rank(self, role: str, mesh: str) -> DPRank:
-        obj = self.roles[role]
-        if hasattr(obj, "dp_rank"):
-            return obj.dp_rank(mesh)
-        return DPRank(self.ctx.rank, self.ctx.world_size, True)
-
-    def execute(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.roles[role], method)(*args, **kwargs)
-
-    def allocator(self) -> str:
-        """The C heap allocator this process runs on (the pool's `allocator`, if its library was found)."""
-        return own_allocator()
-
-    def node_address(self) -> str:
-        return ray.util.get_node_ip_address()
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "PendingResult", "RoleHandle", "RoleSpec", "WorkerGroup", "resolve",
+           "stuck", "wait_done"]
 
 
 class PendingResult:
@@ -307,9 +185,8 @@ class WorkerGroup:
                process_env: dict[str, str] | None, collective_timeout_s: float) -> None:
         self._placements = pool.acquire()
         self.hosts = [self._host(rank) for rank in range(len(self._placements))]
-        if self.independent:
-            nodes = ray.get([h.node_address.remote() for h in self.hosts])
-        else:
+        nodes = self._localise(self.hosts)
+        if not self.independent:
             addr, port = ray.get(self.hosts[0].open_rendezvous.remote())
             nodes = ray.get([h.init_distributed.remote(addr, port, collective_timeout_s) for h in self.hosts])
         # how a failure names each rank: its pool, rank and node (a pod's address on Kubernetes)
@@ -322,6 +199,14 @@ class WorkerGroup:
             layouts = {m: ray.get([h.dp_rank.remote(role, m) for h in self.hosts]) for m in sorted(meshes)}
             self._roles[role] = RoleHandle(self, role, spec.cls, layouts)
 
+    def _localise(self, hosts: Sequence[Any], timeout_s: float | None = None) -> list[str]:
+        """Tell each of `hosts` (the whole group, or new independent ranks) which local device it is; returns their
+        nodes' addresses."""
+        placements = ray.get([h.placement.remote() for h in hosts], timeout=timeout_s)
+        envs = local_device_env(placements, self.independent)
+        ray.get([h.use_local_device.remote(env) for h, env in zip(hosts, envs)], timeout=timeout_s)
+        return [p.node for p in placements]
+
     def _host(self, rank: int) -> Any:
         """A worker process for `rank`, in its device's bundle of the pool's placement groups."""
         pg, idx = self._placements[rank]
@@ -333,7 +218,7 @@ class WorkerGroup:
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=idx),
             name=None,
             runtime_env={"env_vars": self._process_env} if self._process_env else None,
-        ).remote(rank, pool.world_size, idx, pool.device, self._env)
+        ).remote(rank, pool.world_size, pool.device, self._env)
 
     def replace(self, rank: int, timeout_s: float) -> str:
         """A new worker process for `rank` (its old one is gone), with every role built again, in the rank's
@@ -352,7 +237,7 @@ class WorkerGroup:
                 raise RuntimeError(f"pool {self.pool.name} was shut down while its rank {rank} was being replaced")
             host = self._host(rank)
             try:
-                node = ray.get(host.node_address.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                node, = self._localise([host], timeout_s=max(1.0, deadline - time.monotonic()))
                 for role, spec in self._specs.items():
                     ray.get(host.build.remote(role, spec), timeout=max(1.0, deadline - time.monotonic()))
                 break
@@ -383,7 +268,7 @@ class WorkerGroup:
         try:
             self._placements += placements
             hosts = [self._host(r) for r in ranks]
-            nodes = ray.get([h.node_address.remote() for h in hosts], timeout=max(1.0, deadline - time.monotonic()))
+            nodes = self._localise(hosts, timeout_s=max(1.0, deadline - time.monotonic()))
             for role, spec in self._specs.items():
                 ray.get([h.build.remote(role, spec) for h in hosts], timeout=max(1.0, deadline - time.monotonic()))
         except BaseException:
