@@ -152,7 +152,8 @@ def test_byte_buckets_coalesce_up_to_the_target_and_never_mix_kinds():
 
 
 class _Recorder:
-    """all_gather_single that keeps what this rank sends (and gathers zeros): a member's inputs, bucket by bucket."""
+    """collectives.all_gather_into that keeps what this rank sends (and gathers zeros): a member's inputs, bucket by
+    bucket."""
 
     def __init__(self):
         self.sent = []
@@ -163,8 +164,8 @@ class _Recorder:
 
 
 class _Loopback:
-    """all_gather_single for one member of a micro-DP group in one process: the i-th call gathers every member's
-    i-th recorded input, and checks this member sends what it sent when recorded."""
+    """collectives.all_gather_into for one member of a micro-DP group in one process: the i-th call gathers every
+    member's i-th recorded input, and checks this member sends what it sent when recorded."""
 
     def __init__(self, sent: list[list], me: int):
         self.sent, self.me, self.calls = sent, me, 0
@@ -172,7 +173,7 @@ class _Loopback:
     def __call__(self, out, flat, group=None):
         i, self.calls = self.calls, self.calls + 1
         assert torch.equal(flat, self.sent[self.me][i])
-        out.copy_(torch.cat([inputs[i] for inputs in self.sent]))
+        out.view(-1).copy_(torch.cat([inputs[i] for inputs in self.sent]))
 
 
 IN_PROCESS = [L for L in LAYOUTS if L.d == 1 and L.d_g > 1]
@@ -190,11 +191,11 @@ def test_bucketed_gather_builds_the_exact_generation_shard_with_a_bounded_buffer
     for group in lay.micro_dp_groups(L):
         sent = []
         for rank in group:
-            monkeypatch.setattr(rs, "_ALL_GATHER_INTO", _Recorder())
+            monkeypatch.setattr(rs.collectives, "all_gather_into", _Recorder())
             base.reshard_hybridflow(L, rank, base.train_shards(L, rank, specs), specs, group, None, bucket_bytes)
-            sent.append(rs._ALL_GATHER_INTO.sent)
+            sent.append(rs.collectives.all_gather_into.sent)
         for me, rank in enumerate(group):
-            monkeypatch.setattr(rs, "_ALL_GATHER_INTO", _Loopback(sent, me))
+            monkeypatch.setattr(rs.collectives, "all_gather_into", _Loopback(sent, me))
             shards = base.train_shards(L, rank, specs)
             gen, stats = base.reshard_hybridflow(L, rank, shards, specs, group, None, bucket_bytes)
             expected = base.expected_generation_shard(L, rank, specs)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from hybridflow.single_controller.protocol import DPRank
 from hybridflow.engines.bridge import layout as lay
 from hybridflow.engines.bridge.reshard import ReshardStats, gather_micro_dp, gather_stages
+from hybridflow.engines import collectives
 
 
 def training_dp_rank(L: lay.Layout, rank: int) -> DPRank:
@@ -25,7 +26,7 @@ def training_dp_rank(L: lay.Layout, rank: int) -> DPRank:
 
 
 def _own(groups: list[list[int]], rank: int) -> tuple[dist.ProcessGroup, list[int]]:
-    handles = [dist.new_group(g) for g in groups]
+    handles = [collectives.new_group(g) for g in groups]
     i = next(i for i, g in enumerate(groups) if rank in g)
     return handles[i], groups[i]
 

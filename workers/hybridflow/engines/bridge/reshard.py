@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
+from hybridflow.engines import collectives
 
 T = TypeVar("T")
 
@@ -30,9 +31,6 @@ faster in 2-4 MB inputs than in 18 MB ones (64 KB ones are slower again, per-col
 was fastest at 4 MB of 1/2/4/8. It also bounds the transient buffers. NCCL likely wants larger buckets (tens of MB;
 not measured here): callers pass bucket_bytes."""
 
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); older torch has only the old.
-_ALL_GATHER_INTO: Callable | None = getattr(dist, "all_gather_single", None) or getattr(
-    dist, "all_gather_into_tensor", None)
 
 
 @dataclass
@@ -84,10 +82,7 @@ def _gather_into(flat: torch.Tensor, group: dist.ProcessGroup | None, size: int,
     buffer in place. gloo (torch 2.13) does not: it gathers into a flat buffer of its own, of the same size, and
     copies that out, as for the list form (measured: peak RSS grows by the output size for either form)."""
     out = flat.new_empty((size, flat.numel()))
-    if _ALL_GATHER_INTO is not None:
-        _ALL_GATHER_INTO(out.view(-1), flat, group=group)
-    else:  # no single-tensor all-gather in this torch: the list form, writing into rows of the same buffer
-        dist.all_gather(list(out.unbind(0)), flat, group=group)
+    collectives.all_gather_into(out, flat, group=group)
     stats.bytes_received += (size - 1) * tensor_bytes(flat)
     return out
 
@@ -279,7 +274,7 @@ def gather_stages(named_shards: Iterable[tuple[str, torch.Tensor]], group: dist.
         stats.generation_bytes += tensor_bytes(tensor)
         yield name, tensor
     every: list = [None] * size
-    dist.all_gather_object(every, [(n, tuple(t.shape), t.dtype) for n, t in rest], group=group)
+    collectives.all_gather_object(every, [(n, tuple(t.shape), t.dtype) for n, t in rest], group=group)
     held = [{n: (shape, dtype) for n, shape, dtype in entries} for entries in every]
     mine = dict(rest)
     device = layers[0][1].device
@@ -291,7 +286,7 @@ def gather_stages(named_shards: Iterable[tuple[str, torch.Tensor]], group: dist.
         for m in holders:
             shape, dtype = held[m][name]
             t = mine[name].contiguous() if m == me else torch.empty(shape, dtype=dtype, device=device)
-            dist.broadcast(t, src=ranks[m], group=group)
+            collectives.broadcast(t, src=ranks[m], group=group)
             if m != me:
                 stats.bytes_received += tensor_bytes(t)
             parts.append(t)

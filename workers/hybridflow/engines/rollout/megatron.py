@@ -23,6 +23,7 @@ from hybridflow.engines.rollout.base import Generation, RolloutSetup, SamplingCo
 from hybridflow.engines.train import megatron_model as mm
 from hybridflow.engines.train.base import ModelParallelTrainEngine
 from hybridflow.engines.train.megatron import attention_inputs
+from hybridflow.engines import collectives
 
 
 def build(ctx: WorkerContext, setup: RolloutSetup) -> MegatronRollout:
@@ -51,7 +52,9 @@ class MegatronRollout:
         cfg = mm.transformer_config(shape, getattr(torch, dtype), tp=self.tp, pp=1)
         self.model = mm.build_gpt(cfg, shape, pg_collection=pgs).to(device).eval()
         self.model.requires_grad_(False)
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        # sampling happens on the model's device: the sampled tokens are broadcast over the TP group, whose backend
+        # (NCCL on GPU) serves that device (a CPU tensor there failed on every GPU node)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
         self.params = dict(self.model.named_parameters())
         self.shapes = {k: p.shape for k, p in self.params.items()}
         self.instance_id = uuid.uuid4().hex
@@ -87,7 +90,7 @@ class MegatronRollout:
         t = self.params[name].detach()
         if mm.split_rule(name) != "replicated" and self.tp > 1:
             parts = [torch.empty_like(t) for _ in range(self.tp)]
-            dist.all_gather(parts, t.contiguous(), group=self.group)
+            collectives.all_gather(parts, t.contiguous(), group=self.group)
             t = mm.unshard(name, parts)
         return float(t.double().sum())
 
@@ -97,7 +100,8 @@ class MegatronRollout:
         if len({replace(c, greedy=False) for c in cfgs}) > 1:
             raise ValueError("megatron generation takes one sampling setting per call (rows may differ in greedy)")
         cfg = cfgs[0]
-        greedy_rows = torch.tensor([c.greedy for c in cfgs])
+        dev = self.device
+        greedy_rows = torch.tensor([c.greedy for c in cfgs], device=dev)
         B = len(prompts)
         P = max(len(p) for p in prompts)
         ids = torch.zeros(B, P, dtype=torch.long)
@@ -105,33 +109,35 @@ class MegatronRollout:
         for i, p in enumerate(prompts):
             ids[i, P - len(p):] = torch.tensor(p)
             keep[i, P - len(p):] = 1
-        stops = torch.tensor(list(cfg.stop_token_ids) or [-1])
-        done = torch.zeros(B, dtype=torch.bool)
+        ids, keep = ids.to(dev), keep.to(dev)
+        stops = torch.tensor(list(cfg.stop_token_ids) or [-1], device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
         out = [Generation([], []) for _ in range(B)]
         cache = StaticInferenceContext(max_batch_size=B, max_sequence_length=P + cfg.max_tokens)
-        x, pos, mask = attention_inputs({"input_ids": ids.to(self.device), "attention_mask": keep.to(self.device)})
+        x, pos, mask = attention_inputs({"input_ids": ids, "attention_mask": keep})
         for _ in range(cfg.max_tokens):
             # the prompts' keys and values at the first step, then the one new token's (older ones are cached)
             # (megatron gathers the vocabulary's TP shards of the logits itself when it infers)
             logits = self.model(x, pos, attention_mask=mask, inference_context=cache,
-                                runtime_gather_output=True)[:, -1, :].float().cpu()
+                                runtime_gather_output=True)[:, -1, :].float()
             cache.sequence_len_offset += x.shape[1]
             cache.enable_decode_mode()
             nxt = self._sample(logits, cfg).where(~greedy_rows, logits.argmax(-1))
-            dist.broadcast(nxt, src=self.leader, group=self.group)  # one decision per TP group
+            collectives.broadcast(nxt, src=self.leader, group=self.group)  # one decision per TP group
             logp = (logits / cfg.temperature).log_softmax(-1).gather(-1, nxt[:, None]).squeeze(-1)
-            for i in range(B):
-                if not done[i]:
-                    out[i].tokens.append(int(nxt[i]))
+            finished = done.tolist()
+            for i, (token, lp) in enumerate(zip(nxt.tolist(), logp.tolist())):  # one device -> host copy each
+                if not finished[i]:
+                    out[i].tokens.append(token)
                     if cfg.log_probs:
-                        out[i].log_probs.append(float(logp[i]))
+                        out[i].log_probs.append(lp)
             done |= torch.isin(nxt, stops)
             if bool(done.all()):
                 break
-            keep = torch.cat([keep, torch.ones(B, 1, dtype=torch.long)], 1)
-            x = nxt[:, None].to(self.device)
-            pos = torch.full((B, 1), keep.shape[1] - 1, dtype=torch.long, device=self.device)  # (RoPE: absolute)
-            mask = ~keep.bool()[:, None, None, :].to(self.device)  # the new token sees every real token, no padding
+            keep = torch.cat([keep, torch.ones(B, 1, dtype=torch.long, device=dev)], 1)
+            x = nxt[:, None]
+            pos = torch.full((B, 1), keep.shape[1] - 1, dtype=torch.long, device=dev)  # (RoPE: absolute)
+            mask = ~keep.bool()[:, None, None, :]  # the new token sees every real token, no padding
         return out
 
     def _sample(self, logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:

@@ -25,6 +25,7 @@ from hybridflow.engines.train import megatron_model as mm
 from hybridflow.engines.train.megatron_pipeline import catalog, run_schedule, stage_ranks
 from hybridflow.engines.train.shared_prompt import say_once
 from hybridflow.engines.train.base import TrainLoop, TrainSettings
+from hybridflow.engines import collectives
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
 
     m = logits.detach().max(-1, keepdim=True).values
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    collectives.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
     shifted = logits - m
     e = shifted.exp()
     z = tp_sum(e.sum(-1))
@@ -210,7 +211,7 @@ class MegatronEngine(TrainLoop):
         params = [p for p in self.module.parameters() if p.grad is not None]
         if self.dp_size > 1:
             flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat, group=self.ps.get_data_parallel_group())
+            collectives.all_reduce(flat, group=self.ps.get_data_parallel_group())
             flat /= self.dp_size
             offset = 0
             for p in params:
@@ -221,7 +222,7 @@ class MegatronEngine(TrainLoop):
             shared = self.module.shared_embedding_or_output_weight()
             if shared.grad is None:
                 shared.grad = torch.zeros_like(shared)
-            dist.all_reduce(shared.grad, group=self.ps.get_embedding_group())
+            collectives.all_reduce(shared.grad, group=self.ps.get_embedding_group())
         split = torch.zeros((), dtype=torch.float64, device=self.device)
         whole = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in params:
@@ -232,10 +233,10 @@ class MegatronEngine(TrainLoop):
                 split += sq
             else:
                 whole += sq
-        dist.all_reduce(split, group=self.ps.get_tensor_model_parallel_group())
+        collectives.all_reduce(split, group=self.ps.get_tensor_model_parallel_group())
         total = split + whole
         if self.pp_size > 1:
-            dist.all_reduce(total, group=self.ps.get_pipeline_model_parallel_group())
+            collectives.all_reduce(total, group=self.ps.get_pipeline_model_parallel_group())
         norm = total.sqrt()
         scale = self.grad_clip / (norm + 1e-6)
         if scale < 1:
@@ -249,7 +250,7 @@ class MegatronEngine(TrainLoop):
         if self.tp_size == 1 or mm.split_rule(name) == "replicated":
             return shard
         parts = [torch.empty_like(shard) for _ in range(self.tp_size)]
-        dist.all_gather(parts, shard.contiguous(), group=self.ps.get_tensor_model_parallel_group())
+        collectives.all_gather(parts, shard.contiguous(), group=self.ps.get_tensor_model_parallel_group())
         return mm.unshard(name, parts)
 
     def named_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -275,7 +276,7 @@ class MegatronEngine(TrainLoop):
                     t = self.gather_tp(name, mine[name]).contiguous()
                 else:
                     t = torch.empty(shape, dtype=dtype, device=self.device)
-                dist.broadcast(t, src=ranks[stage], group=group)
+                collectives.broadcast(t, src=ranks[stage], group=group)
                 yield name, t
 
     def _whole_shape(self, name: str, shard: torch.Tensor) -> tuple[int, ...]:
@@ -299,7 +300,7 @@ class MegatronEngine(TrainLoop):
         model = {k: v.cpu().clone() for k, v in self.full_params()}
         group = self.ps.get_model_parallel_group()
         optim: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(optim, self.optimizer.state_dict(), group=group)
+        collectives.all_gather_object(optim, self.optimizer.state_dict(), group=group)
         return {"model": model, "optimizer_tp": optim, "tensor_parallel": self.tp_size,
                 "pipeline_parallel": self.pp_size}
 

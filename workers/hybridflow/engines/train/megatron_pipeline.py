@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow.single_controller.batch import Batch
+from hybridflow.engines import collectives
 
 
 class StageLogits:
@@ -76,7 +77,7 @@ def from_last_stage(value: Any) -> Any:
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return value
     box = [_to_cpu(value) if ps.is_pipeline_last_stage() else None]
-    dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+    collectives.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
                                group=ps.get_pipeline_model_parallel_group())
     return box[0]
 
@@ -106,5 +107,5 @@ def catalog(own: list[Entry]) -> list[list[Entry]]:
     from megatron.core import parallel_state as ps
 
     every: list = [None] * ps.get_pipeline_model_parallel_world_size()
-    dist.all_gather_object(every, own, group=ps.get_pipeline_model_parallel_group())
+    collectives.all_gather_object(every, own, group=ps.get_pipeline_model_parallel_group())
     return every
