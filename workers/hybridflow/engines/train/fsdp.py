@@ -4,8 +4,9 @@ Device-agnostic: gloo on CPU, NCCL on GPU. The engine knows nothing of RL; roles
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,7 @@ from hybridflow.algorithms.core import entropy_from_logits
 from hybridflow.data.packing import padded_positions
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.context import WorkerContext
-from hybridflow.engines.precision import compute_dtype
+from hybridflow.engines.precision import compute_dtype, master_dtype
 from hybridflow.engines.train.base import TrainLoop, TrainSettings, optimizer_settings, restore_optimizer_settings
 from hybridflow.engines.train.shared_prompt import can_share, packed_outputs, shared_layout
 
@@ -51,19 +52,85 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1, dtype=torch.float32).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def load_hf_model(model_dir: Path, dtype: str | None, head: str = "lm") -> nn.Module:
-    """The HF model a role trains or scores with: a causal LM, or a one-label token classifier (a value or score
-    head). `dtype` None leaves the loader's default."""
+def _hf_class_and_config(model_dir: Path, head: str) -> tuple[Any, Any]:
+    """The HF class a role's model is built as (a causal LM, or a one-label token classifier: a value or score
+    head) and its config."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-    kwargs: dict = {} if dtype is None else {"dtype": getattr(torch, dtype)}
     if head == "value":
         # no dropout before the head (HF's token classifiers default to 0.1): a critic's values while it trains must
         # be the values it computed for the batch, or the value clip compares noise (verl sets the same)
         config = AutoConfig.from_pretrained(model_dir, num_labels=1)
         config.classifier_dropout = 0.0  # set after loading: from_pretrained drops keys its config class lacks
-        return AutoModelForTokenClassification.from_pretrained(model_dir, config=config, **kwargs)
-    return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        return AutoModelForTokenClassification, config
+    return AutoModelForCausalLM, AutoConfig.from_pretrained(model_dir)
+
+
+def load_hf_model(model_dir: Path, dtype: str | None, head: str = "lm") -> nn.Module:
+    """The HF model a role trains or scores with, whole, in this process. `dtype` None leaves the loader's
+    default."""
+    cls, config = _hf_class_and_config(model_dir, head)
+    kwargs: dict = {} if dtype is None else {"dtype": getattr(torch, dtype)}
+    return cls.from_pretrained(model_dir, config=config, **kwargs)
+
+
+def empty_hf_model(model_dir: Path, dtype: str, head: str = "lm") -> nn.Module:
+    """The model's modules with every parameter on the meta device (no memory: shapes only), so that it can be
+    sharded before any weight exists. Buffers are real: rotary tables are computed from the config, not loaded."""
+    from accelerate import init_empty_weights
+
+    cls, config = _hf_class_and_config(model_dir, head)
+    with init_empty_weights(include_buffers=False):
+        model = cls.from_config(config, dtype=getattr(torch, dtype))
+    model.tie_weights()  # from_config leaves a tied head a parameter of its own (from_pretrained ties it on load)
+    return model
+
+
+def safetensors_keys(model_dir: Path) -> set[str] | None:
+    """The tensor names the model directory's safetensors files hold; None where it has none (a .bin checkpoint)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    keys: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            keys.update(st.keys())
+    return keys
+
+
+def load_sharded_weights(module: nn.Module, model_dir: Path, on_disk: set[str], init_std: float) -> list[str]:
+    """Fill a sharded, materialised module (FSDP2's DTensors, uninitialised) from the model's safetensors files.
+    Each rank reads only the rows of its own shards (DCP's HF reader: safetensors slices over mmap) and converts
+    them to its dtype as it copies: no rank ever holds a whole tensor of the checkpoint. Collective over the world.
+
+    Parameters the files lack (a new value head on a causal LM's checkpoint) are initialised as HF would
+    (normal(0, initializer_range), biases zero), identically on every rank; a tied copy (lm_head = embed_tokens)
+    is loaded once, under the name the file has. Returns the names initialised."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    state = get_model_state_dict(module)
+    aliases: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    loaded = {n for names in aliases.values() if any(a in on_disk for a in names) for n in names}
+    wanted = {k: v for k, v in state.items() if k in on_disk}
+    dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(str(model_dir)))
+    fresh = sorted(k for k in state if k not in loaded)
+    generator = torch.Generator().manual_seed(0)
+    new = {}
+    for k in fresh:  # small (a head): whole on every rank, then sharded by the full-state-dict path
+        t = state[k]
+        whole = torch.zeros(t.shape, dtype=t.dtype)
+        if t.dim() > 1:
+            whole.normal_(0.0, init_std, generator=generator)
+        new[k] = whole
+    set_model_state_dict(module, wanted, options=StateDictOptions(strict=False))
+    if new:
+        set_model_state_dict(module, new, options=StateDictOptions(full_state_dict=True, strict=False))
+    return fresh
 
 
 def load_causal_lm(model_dir: Path, dtype: str) -> nn.Module:
@@ -71,18 +138,39 @@ def load_causal_lm(model_dir: Path, dtype: str) -> nn.Module:
 
 
 def build(ctx: WorkerContext, settings: TrainSettings) -> FSDPEngine:
-    """The whole model loaded on every rank, then sharded; `auto` compute dtype agreed over the world."""
+    """A trained model in fp32 (its master copy, whatever its dtype, which is the compute dtype:
+    engines.precision), a frozen one in its dtype; `auto` compute dtype agreed over the world.
+
+    The model is built on the meta device, sharded, and each rank then reads only its own shards from the
+    safetensors files (`load_sharded_weights`): a rank's peak while loading is its 1/N of the model, not the whole
+    model (30 GB per GPU for a 7B one in fp32, and a 32B one could not start). A checkpoint without safetensors
+    files (.bin) is loaded whole on every rank and then sharded, as before."""
     s = settings
-    model = load_hf_model(s.model_dir, s.dtype, s.head)
-    return FSDPEngine(model, s.lr, s.grad_clip, ctx.device, trainable=s.trainable,
-                      compute_dtype=compute_dtype(s.compute_dtype, ctx.device),
-                      dynamic_batch_size=s.dynamic_batch_size, shared_prompt=s.shared_prompt)
+    dtype = master_dtype(s.dtype, s.trainable)
+    on_disk = safetensors_keys(s.model_dir) if dtype is not None else None
+    if on_disk is None:
+        model = load_hf_model(s.model_dir, dtype, s.head)
+    else:
+        model = empty_hf_model(s.model_dir, dtype, s.head)
+    engine = FSDPEngine(model, s.lr, s.grad_clip, ctx.device, trainable=s.trainable,
+                        compute_dtype=compute_dtype(s.compute_dtype, ctx.device, model_dtype=s.dtype),
+                        dynamic_batch_size=s.dynamic_batch_size, shared_prompt=s.shared_prompt)
+    if on_disk is not None:
+        fresh = load_sharded_weights(engine.module, s.model_dir, on_disk, model.config.initializer_range)
+        if fresh and ctx.rank == 0:
+            logging.getLogger(__name__).info("%s: initialised %s (not in the checkpoint)", s.model_dir, fresh)
+    return engine
 
 
 class FSDPEngine(TrainLoop):
     """A module sharded with FSDP2 plus its AdamW optimizer. With a `compute_dtype` narrower than the weights',
     FSDP gathers each layer's shards in that dtype and computes in it, while the shards, their gradients (reduced in
-    fp32) and the optimizer state keep the weights' dtype."""
+    fp32) and the optimizer state keep the weights' dtype: fp32 for a trained model (`build`).
+
+    Where each copy lives (a trained model): the fp32 shard of every parameter (1/N of it) and its fp32 gradient
+    and AdamW moments stay on the rank; a layer's whole weights exist, in the compute dtype, only while that layer
+    runs (FSDP's all-gather before it, freed after it); the generation engine holds its own compute-dtype copy,
+    loaded by the weight sync."""
 
     def __init__(self, module: nn.Module, lr: float, grad_clip: float, device: str, trainable: bool = True,
                  compute_dtype: torch.dtype | None = None, dynamic_batch_size: bool = False,
@@ -93,7 +181,10 @@ class FSDPEngine(TrainLoop):
         self.device = torch.device("cuda" if device == "gpu" else "cpu")
         self.dynamic_batch_size = dynamic_batch_size
         self.shared_prompt = shared_prompt
-        module.to(self.device)
+        on_meta = any(p.is_meta for p in module.parameters())  # empty_hf_model's: sharded first, filled later
+        buffers = {name: b.to(self.device) for name, b in module.named_buffers()}
+        if not on_meta:
+            module.to(self.device)
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         param_dtype = next(module.parameters()).dtype
         self.compute_dtype = compute_dtype or param_dtype
@@ -102,6 +193,11 @@ class FSDPEngine(TrainLoop):
         for layer in getattr(inner, "layers", []):
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(module, mesh=mesh, mp_policy=mp)
+        if on_meta:  # every rank's shards get storage (uninitialised until loaded), the buffers their values back
+            module.to_empty(device=self.device)
+            with torch.no_grad():
+                for name, b in buffers.items():
+                    module.get_buffer(name).copy_(b)
         self.module = module
         self.grad_clip = grad_clip
         # fused: one kernel over all shards, no temporaries; the default foreach path allocates parameter-sized
