@@ -18,11 +18,19 @@ gets them by broadcast instead. Three things matter there that do not in-process
   marker carries the totals; each receiver then acks (version, tensors, bytes) to the sender point to point, so
   the sender knows every replica got what it meant, and by name which did not.
 * A stall is an error, not a hang. Every wait is bounded by `timeout_s` (Work.wait(timeout): gloo honours it, as
-  tests/test_weight_stream.py shows; NCCL's Work.wait takes the same timeout, not run here for want of two GPUs;
-  make the group with stream_group so its own timeout is the same) and a failure is re-raised as a
-  WeightStreamError naming the peer that did not answer (the sender, or the receiver that did not ack), the
-  version and the bucket. A killed sender's sockets close, so its receivers fail at once (those reached through a
-  peer fail within the timeout); the group is unusable after an error and must be rebuilt by the caller.
+  tests/test_weight_stream.py shows; NCCL's WorkNCCL::wait(timeout) polls on the host until the work completes or
+  the timeout passes, then aborts the work's communicator and raises DistBackendError in the caller's thread) and a
+  failure is re-raised as a WeightStreamError naming the peer that did not answer (the sender, or the receiver
+  that did not ack), the version and the bucket. A killed sender's sockets close, so its receivers fail at once
+  (those reached through a peer fail within the timeout).
+* A failure breaks the stream on the rank that saw it, and only there: it aborts the stream's group
+  (Backend.abort(): ProcessGroupNCCL aborts its communicators, bounded by the group's timeout, and stops its
+  watchdog and heartbeat monitor; gloo's abort returns at once), marks the side broken (a later send or receive
+  raises at once instead of waiting on an aborted group) and raises the named error. The caller forms a new group
+  before the next sync (trainer/weight_sync.py, the path a lost replica takes). On NCCL, `stream_group` builds the
+  group so that its own watchdog never takes the process down: with NCCL's defaults, a timed-out or failed work on
+  ANY group of a process makes that group's watchdog rethrow on its own thread (TORCH_NCCL_ASYNC_ERROR_HANDLING=3,
+  std::terminate), which a trainer rank must not die of for a rollout replica that stalled.
 
 The group is one of its own (`stream_group`), not part of either pool's torch.distributed world: the sender serves
 its rendezvous (`StreamRendezvous`), the receivers join it (`stream_store`). The actor role sends
@@ -30,7 +38,11 @@ its rendezvous (`StreamRendezvous`), the receivers join it (`stream_store`). The
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -53,6 +65,46 @@ _PREAMBLE = 6  # magic, version, bucket index (-1: end), header bytes, payload b
 _ACK = 3  # version, tensors, bytes
 _ACK_TAG = 7  # the acks' point-to-point tag
 _PREFIX = "hybridflow/weight-stream"
+
+log = logging.getLogger(__name__)
+
+NCCL_STREAM_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    "TORCH_NCCL_PROPAGATE_ERROR": "0",
+}
+"""What ProcessGroupNCCL reads from the environment when it is built (its constructor, torch 2.13), set for the
+stream's group alone. ASYNC_ERROR_HANDLING 0 (NoHandling): its watchdog logs a failed or timed-out work and does
+not rethrow it on its own thread, which would terminate the process (the default, 3 = SkipCleanUp, tears down);
+errors then surface only in the stream's own Work.wait, which names them, and the stream aborts the group itself
+(distributed_c10d._abort_process_group documents abort with this variable at 0 for the same reason).
+DUMP_ON_TIMEOUT 0: no flight-recorder dump signal from this group's monitor. PROPAGATE_ERROR 0: no remote-error
+signal through the rendezvous store. The pools' own groups (FSDP, the 3D-HybridEngine) keep the defaults: a
+timeout there is a desynchronised world, which the process should die of."""
+
+NCCL_WATCHDOG_FACTOR = 2.0
+"""The NCCL group's own timeout (its watchdog's and its abort's bound) as a multiple of the stream's: the
+stream's Work.wait(timeout) sees a stall first, on the calling thread, and aborts the group (which stops its
+watchdog) before the watchdog's own timeout could fire for the same work."""
+
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _environment(overrides: dict[str, str]) -> Iterator[None]:
+    """`overrides` in os.environ while the body runs, the previous values (or their absence) restored after: for
+    settings a C++ constructor reads once, so they apply to the one object built inside and nothing else."""
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in overrides}
+        os.environ.update(overrides)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 class WeightStreamError(RuntimeError):
@@ -82,15 +134,17 @@ def stream_group(store: dist.Store, rank: int, size: int, timeout_s: float = STR
                  device: torch.device | str = "cpu") -> dist.ProcessGroup:
     """The group a stream runs on, a process group of its own: not made from a default group, because its ranks
     live in different pools (each pool's processes form a torch.distributed world of their own, which FSDP and the
-    3D-HybridEngine use) and join it through `store`. Group rank 0 sends; ranks 1..size-1 receive. The stream's
-    timeout is the group's own, so a wait the stream does not bound is bounded too. Gloo for CPU tensors, NCCL for
-    CUDA ones (the same calls; not run here for want of GPUs). Blocks until all `size` ranks joined."""
-    timeout = timedelta(seconds=timeout_s)
+    3D-HybridEngine use) and join it through `store`. Group rank 0 sends; ranks 1..size-1 receive. Gloo for CPU
+    tensors, its timeout the stream's, so a wait the stream does not bound is bounded too. NCCL for CUDA ones (the
+    same calls; not run here for want of GPUs), built with NCCL_STREAM_ENV so its watchdog cannot take the process
+    down, and with NCCL_WATCHDOG_FACTOR times the stream's timeout as its own. Blocks until all `size` ranks
+    joined (gloo; NCCL connects at the first collective)."""
     if torch.device(device).type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, opts)
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+        opts._timeout = timedelta(seconds=timeout_s * NCCL_WATCHDOG_FACTOR)
+        with _environment(NCCL_STREAM_ENV):
+            return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
 
 
 def pool_peers(members: Sequence[int]) -> list[str]:
@@ -145,16 +199,42 @@ class _Bounded:
         self.peers = list(peers) if peers is not None else [f"rank {r}" for r in range(group.size())]
         if len(self.peers) != group.size():
             raise ValueError(f"{len(self.peers)} peer names for a group of {group.size()}")
+        self.broken: str | None = None  # why the stream broke on this rank; None while it is usable
 
     def _bounded(self, start: Callable[[], dist.Work], what: Callable[[], str]) -> None:
         """Start one operation and wait for it at most the timeout; a timeout or a lost peer (gloo and NCCL raise
-        RuntimeError, DistBackendError, for both, at the start or at the wait) becomes a WeightStreamBroken that
-        says `what` did not happen."""
+        RuntimeError, DistBackendError, for both, at the start or at the wait) aborts the group and becomes a
+        WeightStreamBroken that says `what` did not happen."""
         try:
             start().wait(timeout=self.timeout)
         except RuntimeError as e:
-            raise WeightStreamBroken(f"{self.peers[self.rank]}: {what()} (stream timeout "
-                                     f"{self.timeout.total_seconds():g} s): {one_line(e)}") from e
+            err = WeightStreamBroken(f"{self.peers[self.rank]}: {what()} (stream timeout "
+                                     f"{self.timeout.total_seconds():g} s): {one_line(e)}")
+            self._break(str(err))
+            raise err from e
+
+    def _break(self, why: str) -> None:
+        """The stream failed on this rank (a wait, a peer, or what it carried): abort its group once, so no work
+        of it is left in flight or watched (NCCL: the communicators are aborted and the group's watchdog and
+        monitor stopped), and refuse any later use. Only this rank's group object: a peer learns of it by its own
+        wait failing (its socket closed, or its timeout). An abort that fails is logged, never raised: the error
+        being raised says what broke."""
+        if self.broken is not None:
+            return
+        self.broken = why
+        try:
+            self.group.abort()
+        except Exception as e:  # noqa: BLE001 - e.g. NCCL's abort past the group's timeout; the stream's error wins
+            log.warning("%s: aborting the broken weight stream's group failed: %s", self.peers[self.rank],
+                        one_line(e))
+
+    def _usable(self) -> None:
+        """A stream that broke stays broken: its group is aborted, and waiting on it would hang or fail
+        undefinedly. Raised as a break (the remedy is the caller's: form the group again, as after a lost peer)."""
+        if self.broken is not None:
+            raise WeightStreamBroken(f"{self.peers[self.rank]}: this weight stream broke earlier and its group was "
+                                     f"aborted; form a new one (stream_group) before the next sync. It broke with: "
+                                     f"{self.broken}")
 
     def _broadcast(self, t: torch.Tensor, what: Callable[[], str]) -> None:
         opts = dist.BroadcastOptions()
@@ -180,9 +260,19 @@ class WeightSender(_Bounded):
              on_bucket: Callable[[int], None] | None = None) -> SyncStats:
         """Stream `named` (HF names, whole tensors, consumed lazily) as policy `version`; returns once every
         receiver acked it. `on_bucket(i)` runs after bucket i was sent, its buffer still held: where tests measure
-        what the sender holds, or kill it between buckets."""
+        what the sender holds, or kill it between buckets. A failure once anything was sent breaks the stream
+        (_break): the receivers are mid-version, out of step, whatever failed."""
         if self.version is not None and version <= self.version:
             raise ValueError(f"policy version {version} is not newer than the last one sent ({self.version})")
+        self._usable()
+        try:
+            return self._send(version, named, on_bucket)
+        except Exception as e:
+            self._break(one_line(e))
+            raise
+
+    def _send(self, version: int, named: Iterable[tuple[str, torch.Tensor]],
+              on_bucket: Callable[[int], None] | None) -> SyncStats:
         stats, t0 = SyncStats(version), time.perf_counter()
         buckets = byte_buckets(named, lambda item: tensor_bytes(item[1]), self.bucket_bytes,
                                kind=lambda item: item[1].dtype)
@@ -199,7 +289,8 @@ class WeightSender(_Bounded):
                 on_bucket(i)
             del flat, bucket  # before the next bucket is built
         end = torch.tensor([_MAGIC, version, -1, 0, stats.bytes, stats.tensors], dtype=torch.int64, device=self.device)
-        self._broadcast(end, lambda: f"receivers {self._names(self.receivers)} did not take the end of policy version {version}")
+        self._broadcast(end, lambda: f"receivers {self._names(self.receivers)} did not take the end of policy "
+                                     f"version {version}")
         self._acks(stats)
         self.version = version
         stats.seconds = time.perf_counter() - t0
@@ -255,7 +346,16 @@ class WeightReceiver(_Bounded):
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The next version's tensors, as views into the bucket just received: valid until the next item is asked
-        for (a load_weights copies them into its parameters). Acks the sender after the end marker."""
+        for (a load_weights copies them into its parameters). Acks the sender after the end marker. A failure
+        breaks the stream (_break), a wrong preamble or header too: the sender and this rank are out of step."""
+        self._usable()
+        try:
+            yield from self._receive()
+        except Exception as e:
+            self._break(one_line(e))
+            raise
+
+    def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         t0, stats, i = time.perf_counter(), SyncStats(-1), 0
         while True:
             pre = self._preamble(stats.version, i)
