@@ -114,6 +114,11 @@ class WorkerHost:
         iface = interface_for(ray.util.get_node_ip_address())
         if iface and "GLOO_SOCKET_IFNAME" not in os.environ:
             os.environ["GLOO_SOCKET_IFNAME"] = iface
+        if self.ctx.device == "gpu":
+            # A weight stream's group that times out (engines.bridge.stream) sets NCCL's process-wide dump flag; the
+            # world's monitor thread would then dump and, 480 s later, kill this process (the trainer's rank 0)
+            # instead of letting the stream's named error reach the controller.
+            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
         store = self._store or dist.TCPStore(master_addr, master_port, self.ctx.world_size, is_master=False)
         dist.init_process_group(process_group_backend(self.ctx.device), store=store, rank=self.ctx.rank, world_size=self.ctx.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
