@@ -48,16 +48,33 @@ def init_model_parallel(tp: int, pp: int = 1, seed: int = 0) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def load_hf_state(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def read_rank_shards(model_dir: Path, shape: mm.DecoderShape, tp: int, tp_rank: int, first: bool, last: bool,
+                     layers: range) -> dict[str, torch.Tensor]:
+    """This rank's megatron shards (whole-model names) read straight from the model's safetensors files: only its
+    stage's tensors, and of each only its TP block (safetensors slices over mmap), so no rank holds the whole model
+    or a whole tensor it shards (`mm.hf_shard_dim`, `mm.local_shape`)."""
+    from safetensors import safe_open
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights to load into the megatron engine")
-    out: dict[str, torch.Tensor] = {}
+    blocks: dict[str, torch.Tensor] = {}
     for f in files:
-        out.update(load_file(str(f)))
-    return out
+        with safe_open(str(f), framework="pt") as st:
+            for name in mm.hf_names_of_stage(st.keys(), shape, first, last, layers):
+                piece = st.get_slice(name)
+                dim = mm.hf_shard_dim(name)
+                if dim is None or tp == 1:
+                    blocks[name] = piece[:]
+                    continue
+                size = piece.get_shape()[dim]
+                if size % tp:
+                    raise ValueError(f"{model_dir}: {name} has {size} rows along dim {dim}, not divisible by "
+                                     f"spec.training.tensorParallel = {tp}")
+                step = size // tp
+                cut = slice(tp_rank * step, (tp_rank + 1) * step)
+                blocks[name] = piece[cut] if dim == 0 else piece[:, cut]
+    return mm.hf_to_megatron(blocks, mm.local_shape(shape, tp))
 
 
 def attention_inputs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -138,7 +155,9 @@ class MegatronEngine(TrainLoop):
                                    pre_process=first, post_process=last).to(self.device)
         # tied embeddings split over stages: the last stage's output layer is a copy of the first's embedding
         self.tied_copy = self.module.output_layer.weight if self.shape.tied and last and not first else None
-        self.load_full(mm.hf_to_megatron(load_hf_state(model_dir), self.shape))
+        per_stage = self.shape.layers // pp
+        self.load_shards(read_rank_shards(model_dir, self.shape, tp, self.tp_rank, first, last,
+                                          range(self.layer_offset, self.layer_offset + per_stage)))
         self.grad_clip = grad_clip
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, weight_decay=0.0)
         self._device_mesh: Any = None  # made on first use by sharded checkpoints (_mesh)
@@ -171,6 +190,19 @@ class MegatronEngine(TrainLoop):
         """This stage's parameters under whole-model names (the tied copy under the embedding's name too)."""
         for name, p in self.module.named_parameters():
             yield self.global_name(name), p
+
+    def load_shards(self, local: dict[str, torch.Tensor]) -> None:
+        """Take this rank's own shards (whole-model megatron names, this TP rank's part: `read_rank_shards`)."""
+        own = self.module.state_dict()
+        names = {k: self.global_name(k) for k in own if not k.endswith("_extra_state")}
+        missing = [g for g in names.values() if g not in local]
+        if missing:
+            raise KeyError(f"weights lack {missing[:3]}...")
+        for k, g in names.items():
+            if local[g].shape != own[k].shape:
+                raise ValueError(f"{g}: this rank's shard {tuple(local[g].shape)} != the model's {tuple(own[k].shape)}")
+        own.update({k: local[g].to(own[k].dtype) for k, g in names.items()})
+        self.module.load_state_dict(own)
 
     def load_full(self, full: dict[str, torch.Tensor]) -> None:
         """Take this rank's TP shard of every (unsharded, whole-model-named megatron) tensor of its stage."""

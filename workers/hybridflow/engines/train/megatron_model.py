@@ -213,6 +213,39 @@ def shard_dim(name: str) -> int | None:
     return {"column": 0, "gated": 0, "row": 1}.get(split_rule(name))
 
 
+def hf_shard_dim(hf_name: str) -> int | None:
+    """The dim along which an HF tensor is cut into TP blocks: block r of every HF tensor of a layer, converted with
+    `hf_to_megatron` under `local_shape`, is TP rank r's shard (None: whole on every rank). A rank can so read its
+    own blocks from a checkpoint and never hold a whole tensor."""
+    if hf_name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                         "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+                         "mlp.gate_proj.weight", "mlp.up_proj.weight", "embed_tokens.weight", "lm_head.weight")):
+        return 0
+    if hf_name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+        return 1
+    return None
+
+
+def hf_names_of_stage(names: Any, shape: DecoderShape, first: bool, last: bool, layers: range) -> list[str]:
+    """The HF tensors a pipeline stage holding `layers` (global numbers) needs: its layers, the embedding on the
+    first stage (and on the last as the output layer's tied copy), the final norm and an untied head on the last."""
+    out = []
+    for n in names:
+        if n.startswith("model.layers."):
+            keep = int(n.split(".")[2]) in layers
+        elif n == "model.embed_tokens.weight":
+            keep = first or (last and shape.tied)
+        elif n == "model.norm.weight":
+            keep = last
+        elif n == "lm_head.weight":
+            keep = last and not shape.tied
+        else:
+            keep = False
+        if keep:
+            out.append(n)
+    return out
+
+
 def local_shape(shape: DecoderShape, tp: int) -> DecoderShape:
     """The shape of one TP rank's slice of the model: `megatron_to_hf` of a rank's shards under it gives the rank's
     blocks of the HF tensors, and `hf_to_megatron` of such blocks gives the shards back. That holds because a rank's
