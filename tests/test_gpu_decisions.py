@@ -182,6 +182,15 @@ def test_meta_init_loads_the_same_weights_as_a_whole_load_without_one(one_rank, 
     assert (module.lm_head.weight is module.model.embed_tokens.weight) == tied
 
 
+def test_a_scorer_without_a_dtype_is_held_in_the_dtype_its_whole_load_had(one_rank, tiny_dirs):
+    """A reward model (dtype None: the checkpoint's own) loads sharded, in the dtype from_pretrained gives it."""
+    from hybridflow.engines.train import fsdp
+
+    whole = fsdp.load_hf_model(tiny_dirs[False], None, "value")
+    engine = _build(tiny_dirs[False], None, head="value", trainable=False)
+    assert {p.dtype for p in engine.resharded().parameters()} == {next(whole.parameters()).dtype}
+
+
 def test_a_value_head_the_checkpoint_lacks_is_initialised_and_the_body_loaded(one_rank, tiny_dirs):
     from hybridflow.engines.train import fsdp
 

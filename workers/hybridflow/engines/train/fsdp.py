@@ -74,14 +74,17 @@ def load_hf_model(model_dir: Path, dtype: str | None, head: str = "lm") -> nn.Mo
     return cls.from_pretrained(model_dir, config=config, **kwargs)
 
 
-def empty_hf_model(model_dir: Path, dtype: str, head: str = "lm") -> nn.Module:
+def empty_hf_model(model_dir: Path, dtype: str | None, head: str = "lm") -> nn.Module:
     """The model's modules with every parameter on the meta device (no memory: shapes only), so that it can be
-    sharded before any weight exists. Buffers are real: rotary tables are computed from the config, not loaded."""
+    sharded before any weight exists. Buffers are real: rotary tables are computed from the config, not loaded.
+    `dtype` None: the dtype the checkpoint's config names (float32 where it names none)."""
     from accelerate import init_empty_weights
 
     cls, config = _hf_class_and_config(model_dir, head)
+    own = getattr(config, "dtype", None) or torch.float32
+    own = getattr(torch, own) if isinstance(own, str) else own
     with init_empty_weights(include_buffers=False):
-        model = cls.from_config(config, dtype=getattr(torch, dtype))
+        model = cls.from_config(config, dtype=getattr(torch, dtype) if dtype else own)
     model.tie_weights()  # from_config leaves a tied head a parameter of its own (from_pretrained ties it on load)
     return model
 
@@ -147,7 +150,7 @@ def build(ctx: WorkerContext, settings: TrainSettings) -> FSDPEngine:
     files (.bin) is loaded whole on every rank and then sharded, as before."""
     s = settings
     dtype = master_dtype(s.dtype, s.trainable)
-    on_disk = safetensors_keys(s.model_dir) if dtype is not None else None
+    on_disk = safetensors_keys(s.model_dir)
     if on_disk is None:
         model = load_hf_model(s.model_dir, dtype, s.head)
     else:
