@@ -113,8 +113,6 @@ def test_each_rank_reads_exactly_its_own_shards_of_its_stage(tmp_path, arch, tp,
     the whole model gives it: the whole model is never loaded, nor a whole tensor that is split."""
     from safetensors.torch import save_file
 
-    from hybridflow.engines.train.megatron import read_rank_shards
-
     model = hf_model(arch)
     hf = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
@@ -126,7 +124,7 @@ def test_each_rank_reads_exactly_its_own_shards_of_its_stage(tmp_path, arch, tp,
     for stage in range(pp):
         first, last, layers = stage == 0, stage == pp - 1, range(stage * per, (stage + 1) * per)
         for r in range(tp):
-            got = read_rank_shards(tmp_path, shape, tp, r, first, last, layers)
+            got = mm.read_rank_shards(tmp_path, shape, tp, r, first, last, layers)
             own = {n for n in full if not n.startswith("decoder.layers.") or int(n.split(".")[2]) in layers}
             own = {n for n in own if (n != "embedding.word_embeddings.weight" or first or (last and shape.tied))
                    and (n != "decoder.final_layernorm.weight" or last) and (n != "output_layer.weight" or last)}

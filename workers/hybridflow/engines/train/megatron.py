@@ -48,35 +48,6 @@ def init_model_parallel(tp: int, pp: int = 1, seed: int = 0) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def read_rank_shards(model_dir: Path, shape: mm.DecoderShape, tp: int, tp_rank: int, first: bool, last: bool,
-                     layers: range) -> dict[str, torch.Tensor]:
-    """This rank's megatron shards (whole-model names) read straight from the model's safetensors files: only its
-    stage's tensors, and of each only its TP block (safetensors slices over mmap), so no rank holds the whole model
-    or a whole tensor it shards (`mm.hf_shard_dim`, `mm.local_shape`)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights to load into the megatron engine")
-    blocks: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in mm.hf_names_of_stage(st.keys(), shape, first, last, layers):
-                piece = st.get_slice(name)
-                dim = mm.hf_shard_dim(name)
-                if dim is None or tp == 1:
-                    blocks[name] = piece[:]
-                    continue
-                size = piece.get_shape()[dim]
-                if size % tp:
-                    raise ValueError(f"{model_dir}: {name} has {size} rows along dim {dim}, not divisible by "
-                                     f"spec.training.tensorParallel = {tp}")
-                step = size // tp
-                cut = slice(tp_rank * step, (tp_rank + 1) * step)
-                blocks[name] = piece[cut] if dim == 0 else piece[:, cut]
-    return mm.hf_to_megatron(blocks, mm.local_shape(shape, tp))
-
-
 def attention_inputs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, positions, mask) for megatron: mask is True where attention is *not* allowed (future or padding).
 
@@ -156,7 +127,7 @@ class MegatronEngine(TrainLoop):
         # tied embeddings split over stages: the last stage's output layer is a copy of the first's embedding
         self.tied_copy = self.module.output_layer.weight if self.shape.tied and last and not first else None
         per_stage = self.shape.layers // pp
-        self.load_shards(read_rank_shards(model_dir, self.shape, tp, self.tp_rank, first, last,
+        self.load_shards(mm.read_rank_shards(model_dir, self.shape, tp, self.tp_rank, first, last,
                                           range(self.layer_offset, self.layer_offset + per_stage)))
         self.grad_clip = grad_clip
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, weight_decay=0.0)

@@ -1,5 +1,6 @@
 """megatron-core GPTModel for Llama/Qwen2-style decoders: its config from an HF config, weight conversion both
-ways, and the tensor-parallel sharding rules of its weights.
+ways (and a rank's own shards read straight from HF safetensors files), and the tensor-parallel sharding rules of its
+weights.
 
 The sharding rules are the contract between training and everything that moves weights (checkpoints, the
 3D-HybridEngine's resharding, export to HF): column-parallel weights split along dim 0, row-parallel along
@@ -10,6 +11,7 @@ vocabulary (embedding, output layer) is split along dim 0. The fused QKV weight 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -244,6 +246,35 @@ def hf_names_of_stage(names: Any, shape: DecoderShape, first: bool, last: bool, 
         if keep:
             out.append(n)
     return out
+
+
+def read_rank_shards(model_dir: Path, shape: DecoderShape, tp: int, tp_rank: int, first: bool, last: bool,
+                     layers: range) -> dict[str, torch.Tensor]:
+    """This rank's megatron shards (whole-model names) read straight from the model's safetensors files: only its
+    stage's tensors, and of each only its TP block (safetensors slices over mmap), so no rank holds the whole model
+    or a whole tensor it shards (`hf_shard_dim`, `local_shape`)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights to load into the megatron engine")
+    blocks: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in hf_names_of_stage(st.keys(), shape, first, last, layers):
+                piece = st.get_slice(name)
+                dim = hf_shard_dim(name)
+                if dim is None or tp == 1:
+                    blocks[name] = piece[:]
+                    continue
+                size = piece.get_shape()[dim]
+                if size % tp:
+                    raise ValueError(f"{model_dir}: {name} has {size} rows along dim {dim}, not divisible by "
+                                     f"spec.training.tensorParallel = {tp}")
+                step = size // tp
+                cut = slice(tp_rank * step, (tp_rank + 1) * step)
+                blocks[name] = piece[cut] if dim == 0 else piece[:, cut]
+    return hf_to_megatron(blocks, local_shape(shape, tp))
 
 
 def local_shape(shape: DecoderShape, tp: int) -> DecoderShape:
