@@ -199,6 +199,15 @@ engine = VLLMRollout(model_dir, max_model_len=64, dtype="bfloat16", seed=0, kv_c
 cfg = SamplingConfig(max_tokens=12, greedy=True)
 prompts = [[1, 9, 42, 7, 300], [5, 6, 7], [1000, 2000, 3000, 4000]] * 2
 first = [g.tokens for g in engine.generate(prompts, [cfg] * len(prompts))]
+rpc, calls = engine.llm.collective_rpc, []
+def spy(method, *args, **kwargs):  # what goes through vLLM's public RPC (recorded, then let through)
+    calls.append([method if isinstance(method, str) else method.__name__, sorted(kwargs.get("kwargs") or {})])
+    return rpc(method, *args, **kwargs)
+engine.llm.collective_rpc = spy
+embed = engine.model.model.embed_tokens.weight
+where = embed.data_ptr()
+engine.load_weights((k, v.to(torch.bfloat16)) for k, v in load_file(str(model_dir / "model.safetensors")).items())
+same_storage = embed.data_ptr() == where and engine.model.model.embed_tokens.weight is embed
 before = rss()
 engine.release()
 released = rss()
@@ -225,7 +234,7 @@ engine.release()
 engine.load_weights((k, v.to(torch.bfloat16)) for k, v in load_file(str(model_dir / "model.safetensors")).items())
 after_sync = cached(group, 1)
 print(json.dumps({"freed": before - released, "error": error, "same": again == first, "in_group": in_group,
-                  "later": later, "after_sync": after_sync}))
+                  "later": later, "after_sync": after_sync, "calls": calls, "same_storage": same_storage}))
 """
 
 
@@ -235,7 +244,8 @@ def test_vllm_on_cpu_frees_its_weights_for_training_and_gets_them_back_with_the_
     """vLLM on CPU holds its weights as packed GEMMs (AVX-512) or as plain parameters its `linear` calls use (AVX2):
     release() drops either (SmolLM2 in bf16 is 0.27 GB of weights), generation before the next load_weights is a
     clear error rather than stale output, and load_weights brings them back, so greedy output is what it was. (On
-    an AVX2 machine release() used to free nothing.) In a child process: vLLM sets up its own torch.distributed
+    an AVX2 machine release() used to free nothing.) Every reload is vLLM's public collective_rpc("reload_weights")
+    and, awake, writes into the storage vLLM allocated. In a child process: vLLM sets up its own torch.distributed
     state."""
     import json
     import subprocess
@@ -256,3 +266,7 @@ def test_vllm_on_cpu_frees_its_weights_for_training_and_gets_them_back_with_the_
     # a later call finds it too, and a weight sync clears it (no KV of the old weights is reused)
     assert sorted(result["in_group"]) == [0, 32, 32, 32], result
     assert result["later"] == [32] and result["after_sync"] == [0], result
+    # every reload went through vLLM's public RPC, the worker's reload_weights (in its config context; issue 50),
+    # and wrote into the storage vLLM allocated (on a GPU: sleep mode's, and what CUDA graphs read)
+    assert result["calls"] == [["reload_weights", ["weights_iterator"]]] * 3, result["calls"]
+    assert result["same_storage"]

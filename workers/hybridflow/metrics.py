@@ -16,6 +16,12 @@ STEP_GAUGES = {
     "reshard_received_bytes": ("reshard_bytes", "Bytes a rank received in the last train->generate transition (mean)."),
     "reshard_peak_bytes": ("reshard_peak_bytes", "Largest transient buffer of the last transition (max over ranks)."),
     "generation_weight_bytes": ("generation_weight_bytes", "Generation weights a rank holds after the transition (max)."),
+    "rollout_sleep_freed_bytes": ("rollout_sleep_freed_bytes", "Memory the generation engine beside the actor freed "
+                                  "before the update (vLLM on GPU: sleep; max over ranks)."),
+    "rollout_wake_bytes": ("rollout_wake_bytes", "Memory the generation engine took back in the transition (vLLM "
+                           "on GPU: wake; max over ranks)."),
+    "actor_log_prob_peak_memory_bytes": ("actor_log_prob_peak_memory_bytes", "Peak memory of the actor's log-prob "
+                                         "pass alone (max over ranks)."),
     "reward_mean": ("reward_mean", "Mean sequence reward of the step's responses."),
     "response_length_tokens_mean": ("response_length_mean", "Mean response length in tokens."),
     "kl_mean": ("kl_mean", "Mean per-token KL(actor || reference) estimate."),

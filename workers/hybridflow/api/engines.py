@@ -48,6 +48,7 @@ class RolloutEngineKind:
     head_sizes: tuple[int, ...] | None = None  # attention head sizes its kernels support; None: any
     kv_cache: bool = False  # preallocates a KV cache (counted by capacity)
     per_row_sampling: bool = True  # one call may give each row its own sampling settings (multi-turn budgets)
+    cuda_graphs: bool = False  # can capture CUDA graphs (spec.rollout.cudaGraphs)
 
     def load(self) -> Any:
         return _load(self.factory)
@@ -89,7 +90,7 @@ register_train_engine(TrainEngineKind(
     computes_in_model_dtype=True))
 register_rollout_engine(RolloutEngineKind(
     "vllm", "hybridflow.engines.rollout.vllm:build", "in-process vLLM", head_sizes=VLLM_CPU_HEAD_SIZES, kv_cache=True,
-    tensor_parallel=True, vocab_padding=64))
+    tensor_parallel=True, vocab_padding=64, cuda_graphs=True))
 register_rollout_engine(RolloutEngineKind("hf", "hybridflow.engines.rollout.hf:build", "plain torch generation"))
 register_rollout_engine(RolloutEngineKind(
     "megatron", "hybridflow.engines.rollout.megatron:build", "tensor-parallel generation with megatron-core layers "

@@ -75,6 +75,7 @@ def _layout_and_pieces_problems(spec: JobSpec) -> list[str]:
         return out
     out += _rollout_mode_problems(spec)
     out += _agent_problems(spec)
+    out += _cuda_graph_problems(spec)
     t = spec.training
     actor_pool = spec.pool("actor")
     mp = t.tensor_parallel * t.pipeline_parallel
@@ -299,6 +300,23 @@ def _hybrid_engine_problems(spec: JobSpec) -> list[str]:
                        f"spec.training.pipelineParallel = {t.pipeline_parallel} (every stage holds as many layers)")
     return out
 
+
+
+def _cuda_graph_problems(spec: JobSpec) -> list[str]:
+    """`cudaGraphs: on` where no graph can be captured: a CPU pool (vLLM's CPU build has none), or an engine that
+    captures none. auto and off are valid everywhere (auto is eager where graphs are impossible)."""
+    r = spec.rollout
+    if r.cuda_graphs != "on":
+        return []
+    pool = spec.pool("rollout")
+    if not ROLLOUT_ENGINES[r.engine].cuda_graphs:
+        capturing = "/".join(n for n in ROLLOUT_ENGINES.names() if ROLLOUT_ENGINES[n].cuda_graphs)
+        return [f"spec.rollout.cudaGraphs = on: the {r.engine} engine captures no CUDA graphs; set auto or off, or "
+                f"spec.rollout.engine: {capturing}"]
+    if pool.device != "gpu":
+        return [f"spec.rollout.cudaGraphs = on: CUDA graphs need a GPU, and rollout runs on the {pool.device} pool "
+                f"'{pool.name}'; set auto (eager on CPU) or off, or give that pool device: gpu"]
+    return []
 
 
 def _agent_problems(spec: JobSpec) -> list[str]:

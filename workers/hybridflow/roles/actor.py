@@ -31,7 +31,7 @@ from hybridflow.engines.bridge.transfer import full_tensor_checksums, train_dp_r
 from hybridflow.engines.train.base import TrainEngine, TrainEngineFactory, TrainSettings
 from hybridflow.flops import matmul_peak_flops, training_flops
 from hybridflow.models.builders import local_model_dir
-from hybridflow.roles.common import peak_memory_bytes, release_free_memory
+from hybridflow.roles.common import memory_phase, release_free_memory
 from hybridflow.roles.config import ActorConfig, off_policy_correction
 
 
@@ -54,6 +54,7 @@ class ActorWorker(CheckpointMixin):
         self.parameters = self.engine.num_parameters()  # collective where the engine gathers to count
         self.peak_flops = matmul_peak_flops(self.engine.compute_dtype, ctx.device)  # MFU's denominator, per rank
         self._releases: list[Callable[[], None]] = []
+        self._log_prob_peak = 0  # the peak of this step's log-prob passes, reported with the update
         self.stream = WeightSending(ctx, self.engine)
 
     def dp_rank(self, mesh: str) -> DPRank:
@@ -73,7 +74,9 @@ class ActorWorker(CheckpointMixin):
             logp, logits = self.engine.log_probs(model, mb, temp)
             return logp, self.engine.entropy(logits)
 
-        logp, entropy = self.engine.forward_micro(batch, self.config.training.micro_batch_size, fn)
+        with memory_phase() as phase:  # its own peak: not generation's, nor vLLM's start-up profiling
+            logp, entropy = self.engine.forward_micro(batch, self.config.training.micro_batch_size, fn)
+        self._log_prob_peak = max(self._log_prob_peak, phase.bytes)
         return Batch({"old_log_probs": logp.cpu(), "entropy": entropy.cpu()})
 
     @register(Dispatch.DP_COMPUTE)
@@ -126,9 +129,12 @@ class ActorWorker(CheckpointMixin):
                 stats["kl_loss"] = kl.item()
             return loss, stats
 
-        out = self.engine.ppo_update(batch, t, c.prompts_per_step, loss_fn, per)
+        with memory_phase() as phase:  # the update's own peak, generation's memory released above
+            out = self.engine.ppo_update(batch, t, c.prompts_per_step, loss_fn, per)
         release_free_memory()  # activations: generation comes next
-        out["peak_memory_bytes"] = float(peak_memory_bytes())
+        out["peak_memory_bytes"] = float(phase.bytes)
+        if self._log_prob_peak:
+            out["log_prob_peak_memory_bytes"], self._log_prob_peak = float(self._log_prob_peak), 0
         tokens = float(computed_tokens(batch, self.engine.shared_prompt)) * t.ppo_epochs
         out["update_flops_per_s"] = training_flops(self.parameters, tokens) / max(out["update_seconds"], 1e-9)
         out["mfu"] = out["update_flops_per_s"] / self.peak_flops

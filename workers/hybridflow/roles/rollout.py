@@ -31,6 +31,7 @@ from hybridflow.engines.rollout.base import (
 )
 from hybridflow.models.builders import local_model_dir
 from hybridflow.roles.actor import ActorWorker
+from hybridflow.roles.common import memory_in_use_bytes
 from hybridflow.roles.config import ActorConfig, wants_rollout_log_probs
 from hybridflow.roles.episodes import EpisodeRunner
 from hybridflow.single_controller.batch import Batch
@@ -123,7 +124,15 @@ class RolloutWorker:
             trainer=actor.engine, transfer=self.transfer))
         self.gen = _Generator.of(generator, config, stop_token_ids, actor.model_dir)
         self.generator = generator
-        actor.before_training(generator.release)
+        self.sleep_freed_bytes = 0.0  # what the last release freed (vLLM on GPU: sleep), reported with the sync
+        actor.before_training(self.release)
+
+    def release(self) -> None:
+        """Generate -> train (the actor calls it before every update): the engine frees its memory (vLLM on GPU:
+        sleep level 2), measured here so the step reports it (`rollout_sleep_freed_bytes`)."""
+        before = memory_in_use_bytes()
+        self.generator.release()
+        self.sleep_freed_bytes = float(before - memory_in_use_bytes())
 
     def dp_rank(self, mesh: str) -> DPRank:
         """Generation replicas ("rollout") can outnumber training replicas ("train") under the 3D-HybridEngine."""
@@ -137,13 +146,17 @@ class RolloutWorker:
     def sync_weights(self, version: int | None = None) -> dict[str, float]:
         """Train -> generate, in memory, through the bridge, as policy `version` (default: the next). Returns what
         this rank received, the largest transient buffer it held, and the generation weights it now holds (bytes),
-        plus seconds."""
+        plus seconds; and the memory the engine freed before the update and took back now (vLLM on GPU: sleep and
+        wake)."""
         t0 = time.perf_counter()
+        before = memory_in_use_bytes()
         stats = self.transfer.push(self.generator)
+        woken = memory_in_use_bytes() - before  # vLLM on GPU: weights and KV cache mapped back (wake_up)
         self.gen.version = self.gen.version + 1 if version is None else version
         return {"seconds": time.perf_counter() - t0, "bytes": float(stats.bytes_received),
                 "peak_bytes": float(stats.peak_transient_bytes), "generation_bytes": float(stats.generation_bytes),
-                "version": float(self.gen.version)}
+                "version": float(self.gen.version), "sleep_freed_bytes": self.sleep_freed_bytes,
+                "wake_bytes": float(woken)}
 
     @register(Dispatch.RANK_ZERO)
     def generation_dtype_name(self) -> str:
@@ -176,7 +189,8 @@ class PooledRolloutWorker:
     def __init__(self, ctx: WorkerContext, config: ActorConfig, stop_token_ids: list[int], model_dir: str) -> None:
         self.ctx, self.config = ctx, config
         r = config.rollout
-        self.generation_dtype = compute_dtype(config.training.compute_dtype, ctx.device)
+        self.generation_dtype = compute_dtype(config.training.compute_dtype, ctx.device,
+                                              model_dtype=config.model.dtype)
         device = torch_device(ctx)
         build_rollout: RolloutEngineFactory = config.rollout_engine.load()
         here = local_model_dir(model_dir, config.model, config.seed)

@@ -442,5 +442,8 @@ def mean_stats(per_rank: list[dict[str, float]], prefix: str) -> dict[str, float
     if "peak_memory_bytes" in keys:
         out[f"{prefix or 'actor_'}peak_memory_bytes"] = float(max(r["peak_memory_bytes"] for r in per_rank))
         out[f"{prefix or 'actor_'}peak_memory_bytes_total"] = float(sum(r["peak_memory_bytes"] for r in per_rank))
+    if "log_prob_peak_memory_bytes" in keys:  # the log-prob pass's own peak (roles.common.memory_phase)
+        out[f"{prefix or 'actor_'}log_prob_peak_memory_bytes"] = float(max(r["log_prob_peak_memory_bytes"]
+                                                                           for r in per_rank))
     return out
 

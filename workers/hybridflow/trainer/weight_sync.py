@@ -36,7 +36,11 @@ class ColocatedWeightSync:
         self.version = version
         return {"reshard_bytes": float(np.mean([x["bytes"] for x in per_rank])),
                 "reshard_peak_bytes": float(max(x["peak_bytes"] for x in per_rank)),
-                "generation_weight_bytes": float(max(x["generation_bytes"] for x in per_rank))}
+                "generation_weight_bytes": float(max(x["generation_bytes"] for x in per_rank)),
+                # generation's memory freed before the update (vLLM on GPU: sleep) and taken back by this sync
+                # (wake), max over ranks
+                "rollout_sleep_freed_bytes": float(max(x["sleep_freed_bytes"] for x in per_rank)),
+                "rollout_wake_bytes": float(max(x["wake_bytes"] for x in per_rank))}
 
     def settle(self) -> None:
         pass
@@ -49,7 +53,8 @@ class StreamedWeightSync:
     """The actor's rank 0 streams whole tensors, in the generation dtype, to every rollout replica over a group of
     their own (engines.bridge.stream). The group is formed over the replicas present (trainer.replicas), and formed
     again when that set changed since the last sync: a replica lost leaves it, a rebuilt one joins it, and the
-    rebuilt one's weights are checked against the trainer's before it takes work."""
+    rebuilt one's weights are checked against the trainer's before it takes work. A sync that failed otherwise
+    (the stream broke and aborted its group, every replica still there) leaves it to be formed again too."""
 
     def __init__(self, actor: Any, replicas: RolloutReplicas, timeout_s: float) -> None:
         self.actor, self.replicas, self.rollout, self.version = actor, replicas, replicas.role, 0
@@ -85,6 +90,10 @@ class StreamedWeightSync:
                     break
                 except Exception as err:
                     if not self._replica_lost(err, calls):
+                        # The stream broke with every replica still there (a stall, an NCCL error): each rank that
+                        # saw it aborted its side of the group, so it is formed anew before the next sync, the path
+                        # a lost replica takes; this sync's error stands (it names the peer, version and bucket).
+                        self.members = []
                         raise
         self.version = version
         stats = {"reshard_bytes": float(np.mean([x["bytes"] for x in got])),

@@ -5,7 +5,13 @@ At tensor-parallel size t_g > 1 it generates on the 3D-HybridEngine's generation
 the training layout, while vLLM forms its groups from consecutive ranks: it is started with the world's ranks listed
 in generation-group order (`_ranks_in_order`), so each of its TP groups is one generation group. Each transition
 then hands it this rank's generation shard under HF names, installed as its own TP shard (q/k/v and gate/up fused
-as vLLM packs them), never a whole tensor."""
+as vLLM packs them), never a whole tensor.
+
+vLLM is reached through its public API only (`LLM.collective_rpc`, `LLM.apply_model`): in-process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) these run on the engine's one worker in this process and hand it our objects as
+they are (weight iterators, the model back), unpickled. Weights are always copied into the storage vLLM allocated:
+on a GPU that storage belongs to sleep mode's allocator (what `sleep` unmaps and `wake_up` maps back) and is what
+captured CUDA graphs read, so new storage would be neither freed by sleep nor seen by the graphs."""
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +26,7 @@ from hybridflow.capacity import GIB, KV_BLOCK_TOKENS
 from hybridflow.single_controller.context import WorkerContext
 from hybridflow.engines.precision import dtype_name
 from hybridflow.engines.rollout.base import Generation, RolloutSetup, SamplingConfig, model_kv_cache_bytes
+from hybridflow.engines import collectives
 
 
 def build(ctx: WorkerContext, setup: RolloutSetup) -> VLLMRollout:
@@ -34,18 +41,41 @@ def build(ctx: WorkerContext, setup: RolloutSetup) -> VLLMRollout:
             raise ValueError("spec.rollout.tensorParallel > 1: vLLM generates tensor-parallel only beside its actor, "
                              "on the 3D-HybridEngine's generation groups")
         rank_order = [rank for group in setup.transfer.generation_groups for rank in group]
+    on_gpu = ctx.device == "gpu"
     return VLLMRollout(setup.model_dir, max_model_len=max_len, dtype=dtype_name(setup.generation_dtype),
                        seed=setup.seed, kv_cache_bytes=kv_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
-                       on_gpu=ctx.device == "gpu", prefix_caching=r.prefix_caching,
-                       tensor_parallel=r.tensor_parallel, rank_order=rank_order)
+                       on_gpu=on_gpu, prefix_caching=r.prefix_caching,
+                       tensor_parallel=r.tensor_parallel, rank_order=rank_order,
+                       enforce_eager=enforce_eager(r.cuda_graphs, on_gpu, r.tensor_parallel))
+
+
+def enforce_eager(cuda_graphs: str, on_gpu: bool, tensor_parallel: int) -> bool:
+    """vLLM's `enforce_eager` for spec.rollout.cudaGraphs (auto | on | off). CUDA graphs make GPU decode 2-4x faster,
+    and they survive weight syncs because every sync copies into the storage they captured (module docstring).
+    auto: graphs on a GPU at t_g = 1 (vLLM's own reload_weights, which keeps that storage: reload/layerwise.py);
+    eager at t_g > 1, whose in-place shard path has not run with graphs on a GPU yet (`on` asks for it). On CPU
+    always eager: vLLM's CPU build captures no graphs (platforms/cpu.py empties cudagraph_capture_sizes), and
+    without enforce_eager it compiles the model with torch.compile/inductor at start-up instead, a cost our CPU
+    runs never measured as paying back, so `on` there is refused (rules: spec.rollout.cudaGraphs) and raises here."""
+    if cuda_graphs not in ("auto", "on", "off"):
+        raise ValueError(f"spec.rollout.cudaGraphs = {cuda_graphs!r}: use auto, on or off")
+    if cuda_graphs == "off":
+        return True
+    if not on_gpu:
+        if cuda_graphs == "on":
+            raise ValueError("spec.rollout.cudaGraphs = on: CUDA graphs need a GPU, and vLLM generates on CPU here; "
+                             "use auto (eager on CPU) or off")
+        return True
+    return cuda_graphs == "auto" and tensor_parallel > 1
 
 
 class VLLMRollout:
     def __init__(self, model_dir: Path, max_model_len: int, dtype: str, seed: int, kv_cache_bytes: int,
                  gpu_memory_utilization: float, on_gpu: bool, prefix_caching: bool = True, tensor_parallel: int = 1,
-                 rank_order: list[int] | None = None) -> None:
+                 rank_order: list[int] | None = None, enforce_eager: bool = True) -> None:
         """`kv_cache_bytes` sizes the KV cache on CPU; on GPU `gpu_memory_utilization` does (and sleep mode frees
-        weights and cache during training). `rank_order`: the world's ranks with each TP group's consecutive."""
+        weights and cache during training). `rank_order`: the world's ranks with each TP group's consecutive.
+        `enforce_eager`: no CUDA graphs (the module's `enforce_eager` decides it from spec.rollout.cudaGraphs)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         import gc
@@ -70,7 +100,7 @@ class VLLMRollout:
                 model=str(model_dir),
                 skip_tokenizer_init=True,
                 dtype=dtype,
-                enforce_eager=True,
+                enforce_eager=enforce_eager,
                 seed=seed,
                 max_model_len=max_model_len,
                 tensor_parallel_size=tensor_parallel,
@@ -113,7 +143,8 @@ class VLLMRollout:
 
     @property
     def model(self) -> torch.nn.Module:
-        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        """vLLM's model, through the public `apply_model`: in-process the worker hands back the object itself."""
+        return self.llm.apply_model(_itself)[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Whole HF tensors (t_g = 1: vLLM's loaders take its shard), or this rank's TP shards (t_g > 1)."""
@@ -123,11 +154,11 @@ class VLLMRollout:
             weight.data = torch.empty(shape, dtype=weight.dtype, device=weight.device)
         self._emptied = []
         if self.tensor_parallel > 1:
-            install_shards(self.model, weights)
-        else:
-            runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
-            runner.reload_weights(weights_iterator=iter(weights))  # on CPU this also packs every GEMM afresh
-        _repack_tied_lm_head(self.model)
+            self.llm.collective_rpc(_install_shards_in_worker, args=(weights,))
+        else:  # the worker's reload_weights: vLLM's loaders in its config context, into the existing storage (on
+            # CPU it also packs every GEMM afresh). In-process, the iterator reaches the worker as it is.
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.apply_model(_repack_tied_lm_head)
         if self.asleep and self.on_gpu:
             self.llm.wake_up(tags=["kv_cache"])
         self.asleep = False
@@ -162,7 +193,7 @@ class VLLMRollout:
         if self.tensor_parallel > 1:
             from vllm.distributed import parallel_state as vps
 
-            torch.distributed.all_reduce(total, group=vps.get_tp_group().cpu_group)  # gloo: float64 as it is
+            collectives.all_reduce(total, group=vps.get_tp_group().cpu_group)  # gloo: float64 as it is
         return {"embedding": float(total[0])}
 
 
@@ -182,12 +213,11 @@ def _ranks_in_order(order: list[int] | None) -> Iterator[None]:
     if order is None:
         yield
         return
-    import torch.distributed as dist
     from vllm.distributed import parallel_state as vps
     from vllm.distributed.device_communicators import cpu_communicator
 
     ident = [uuid.uuid4().hex[:12]]
-    dist.broadcast_object_list(ident, src=0)
+    collectives.broadcast_object_list(ident, src=0)
     named = cpu_communicator._CPUSHMDistributed.make_group_name
 
     segments: list[str] = []  # this rank's, as vLLM's shared-memory manager names them: "<group name>_<rank>"
@@ -216,7 +246,7 @@ def _ranks_in_order(order: list[int] | None) -> Iterator[None]:
     finally:
         vps.torch = torch
         cpu_communicator._CPUSHMDistributed.make_group_name = staticmethod(named)  # type: ignore[method-assign]
-    dist.barrier()  # every rank has mapped every segment of its groups
+    collectives.barrier()  # every rank has mapped every segment of its groups
     for segment in dict.fromkeys(segments):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f"/dev/shm/{segment}")
@@ -232,9 +262,11 @@ def _check_vocabulary_shards(model: torch.nn.Module, tp: int) -> None:
 
 
 def install_shards(model: torch.nn.Module, shards: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """This rank's TP shards under HF names into vLLM's parameters, as they are: q/k/v and gate/up are fused in the
-    order of vLLM's `packed_modules_mapping` (each of its fused shards is [q_r; k_r; v_r], [gate_r; up_r]); a tied
-    LM head is the embedding. Each layer's GEMMs are packed again once its weights are in."""
+    """This rank's TP shards under HF names, copied into vLLM's parameters' own storage (never rebinding
+    `param.data`, which would move a GPU weight out of sleep mode's memory and away from captured CUDA graphs): q/k/v
+    and gate/up are fused in the order of vLLM's `packed_modules_mapping` (each of its fused shards is [q_r; k_r;
+    v_r], [gate_r; up_r]); a tied LM head is the embedding. Each layer's GEMMs are packed again (CPU) once its
+    weights are in. Only a CPU parameter that vLLM's GEMM packing left empty gets storage anew."""
     packed = {part: (fused, i, len(parts)) for fused, parts in getattr(model, "packed_modules_mapping", {}).items()
               for i, part in enumerate(parts)}
     params = dict(model.named_parameters())
@@ -258,7 +290,14 @@ def install_shards(model: torch.nn.Module, shards: Iterable[tuple[str, torch.Ten
         module_name, _, kind = name.rpartition(".")
         module = model.get_submodule(module_name)
         param = module.get_parameter(kind)
-        param.data = t.to(dtype=param.dtype, device=param.device).contiguous()
+        if param.shape == t.shape:
+            param.data.copy_(t)  # into the storage vLLM allocated (sleep mode's, the graphs'): module docstring
+        elif param.numel() == 0 and param.device.type == "cpu":  # emptied: vLLM's CPU GEMM packing keeps the weight
+            # only as the packed handle (or release() dropped it); the post-load step below packs this new one
+            param.data = t.to(dtype=param.dtype, device=param.device).contiguous()
+        else:
+            raise ValueError(f"vLLM's {name} is {tuple(param.shape)} on {param.device}, its shard "
+                             f"{tuple(t.shape)}: the shard does not fit the storage it must be copied into")
         touched.add(module_name)
     if pending:
         raise KeyError(f"vLLM shards incomplete: {sorted(pending)[:3]}")
@@ -267,6 +306,19 @@ def install_shards(model: torch.nn.Module, shards: Iterable[tuple[str, torch.Ten
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+
+
+def _install_shards_in_worker(worker: Any, shards: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """`install_shards` inside vLLM's worker (collective_rpc hands the worker over), in the worker's config context
+    as its own reload_weights runs: the layers' post-load steps may read the current vLLM config."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        install_shards(worker.get_model(), shards)
+
+
+def _itself(model: torch.nn.Module) -> torch.nn.Module:
+    return model
 
 
 def _released_gemm(*args: object, **kwargs: object) -> torch.Tensor:
