@@ -762,8 +762,8 @@ def test_model_claim_is_mounted_read_only_by_each_models_subpath():
     """Issue 24 N6: kubernetes.modelPvc shows the pods the directories the spec names, not the claim's others."""
     objs = _all_manifests(_raw("gpu-grpo-7b.yaml"))
     mounts = [m for per in _claim_mounts(objs, "models") for m in per]
-    assert mounts and all(m == {"name": "models", "mountPath": "/models/Qwen2-7B-Instruct", "readOnly": True,
-                                "subPath": "Qwen2-7B-Instruct"} for m in mounts)
+    assert mounts and all(m == {"name": "models", "mountPath": "/models/Qwen2.5-7B-Instruct", "readOnly": True,
+                                "subPath": "Qwen2.5-7B-Instruct"} for m in mounts)
     # a path relative to the claim, and one model inside another's directory (seen through the outer mount)
     models = {"actor": {"source": "path", "path": "team/base"},
               "reward": {"type": "model", "model": {"source": "path", "path": "/models/team/base/rm"}}}
@@ -776,7 +776,8 @@ def test_model_claim_is_mounted_read_only_by_each_models_subpath():
 
 @pytest.mark.parametrize("path", ["/opt/models/x", "/models/../etc", "team/../../etc"])
 def test_a_model_path_off_the_model_claim_is_refused(path):
-    raw = _raw("gpu-grpo-7b.yaml", models={"actor": {"source": "path", "path": path}})
+    models = {**_raw("gpu-grpo-7b.yaml")["spec"]["models"], "actor": {"source": "path", "path": path}}
+    raw = _raw("gpu-grpo-7b.yaml", models=models)
     with pytest.raises(SpecError, match=r"spec\.models\.actor\.path: with kubernetes\.modelPvc, give the model's "
                                         r"directory on that claim"):
         mf.resolved_job(parse_job(raw))

@@ -152,9 +152,28 @@ def cmd_driver(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from hybridflow.memory import gpu_memory_problems
+
     job = _load(args.job, {})
+    problems = gpu_memory_problems(job, args.job)
+    if problems:
+        raise SpecError(f"{args.job}: does not fit its GPUs\n" + "\n".join(f"  {p}" for p in problems))
     print(f"{args.job}: valid {job.kind} '{job.metadata.name}'")
     return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """The memory plan per pool, role and phase; exit 2 when a pool does not fit its devices (0 when it fits)."""
+    from hybridflow.memory import ShapeError, plan_text
+
+    try:
+        text, problems = plan_text(load_job(args.job), args.job, args.model_config)
+    except ShapeError as err:
+        raise SpecError(str(err)) from err
+    print(text)
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    return EXIT_BAD_INPUT if problems else 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -302,6 +321,10 @@ def parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check a manifest and the paths it names")
     val.add_argument("job")
     val.set_defaults(fn=cmd_validate)
+    plan = sub.add_parser("plan", help="print the job's memory per device, role and phase; exit 2 if it cannot fit")
+    plan.add_argument("job")
+    plan.add_argument("--model-config", help="config.json of the actor's model when its directory is not here")
+    plan.set_defaults(fn=cmd_plan)
     exp = sub.add_parser("export", help="write a checkpoint's actor (or critic) as an HF model directory")
     exp.add_argument("checkpoint", help="a step_* checkpoint directory, or a checkpointDir (its newest intact one)")
     exp.add_argument("--to", required=True, help="new directory for the HF model (safetensors, config, tokenizer)")

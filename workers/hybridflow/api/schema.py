@@ -23,6 +23,7 @@ from hybridflow.api.fields import (
 from hybridflow.api.agents import Agent, EnvironmentPool
 from hybridflow.api.corrections import OffPolicyCorrection
 from hybridflow.api.engines import ROLLOUT_ENGINES
+from hybridflow.api.devices import ACCELERATOR_PATTERN, GPU_PROFILES, accelerator_problem
 from hybridflow.api.names import API_VERSION, DNS1123_LABEL, KIND, ROLES, job_name_problems
 from hybridflow.api.rules import cross_field_problems
 from hybridflow.api.run_policy import RunPolicy
@@ -259,6 +260,18 @@ class ResourcePool(SpecModel):
     tolerations: list[dict[str, Any]] = Field(default_factory=list, max_length=64, description="Pod tolerations "
                                               "(Kubernetes only).")
     affinity: dict[str, Any] = Field(default_factory=dict, description="Pod affinity (Kubernetes only).")
+    accelerator: str | None = Field(
+        None, max_length=16, description="device=gpu: the device profile the memory model checks the job against "
+        f"(`hybridflow plan`): {', '.join(GPU_PROFILES)}, or a size in GiB such as 96Gi; unset: not checked.",
+        json_schema_extra={"pattern": ACCELERATOR_PATTERN})
+
+    @field_validator("accelerator")
+    @classmethod
+    def _known_accelerator(cls, value: str | None) -> str | None:
+        problem = None if value is None else accelerator_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,181 @@
+"""Bytes per device of every role of a job, term by term and phase by phase (pure: a spec, shapes, a profile in).
+
+A device's memory is the sum of what its colocated roles hold in each phase; its peak is the largest phase:
+  generate  vLLM awake (on GPU it takes rollout.gpuMemoryUtilization x the device: weights, workspace, KV cache)
+  forward   reference / reward / critic scoring (vLLM asleep on GPU)
+  update    actor and critic updates (one at a time: the largest transient counts), fp32 gradients live
+  reshard   the 3D-HybridEngine's transition: vLLM's weights woken and filled bucket by bucket
+Trained models keep fp32 master weights, fp32 gradients and fp32 AdamW moments, sharded by FSDP over the pool's
+world size or by megatron over TP x PP, and compute in the compute dtype (training.computeDtype; auto: bf16 on a
+GPU or where models.*.dtype is bfloat16). Frozen models are held in their own dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridflow.api import JobSpec, ResourcePool
+from hybridflow.api.engines import TRAIN_ENGINES
+from hybridflow.api.devices import DeviceProfile
+from hybridflow.capacity import DTYPE_BYTES, kv_cache_bytes
+from hybridflow.memory.shapes import ModelShape
+
+PHASES = ("generate", "forward", "update", "reshard")
+MB = 1 << 20
+BUCKET_BYTES = 4 * MB  # engines/bridge/reshard.py: the transition's transient is one bucket
+# vLLM's own workspace inside its gpuMemoryUtilization share (the profiling run's activations and sampler at its
+# default max_num_batched_tokens), and the CUDA-graph pool it captures at t_g = 1 (outside sleep mode's pools, so
+# it stays through the update): vLLM's start-up log reports both ("took 0.4 GiB" for the graphs of a 7B model).
+VLLM_WORKSPACE_BYTES = 1536 * MB
+CUDA_GRAPH_POOL_BYTES = 512 * MB
+
+
+@dataclass(frozen=True)
+class Term:
+    """One line of a device's budget: a role's part, the spec field that moves it, bytes in each phase."""
+
+    role: str
+    what: str
+    field: str
+    phases: dict[str, int]
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values(), default=0)
+
+
+def _in(phases: tuple[str, ...], n: int) -> dict[str, int]:
+    return {p: (n if p in phases else 0) for p in PHASES}
+
+
+def compute_bytes(spec: JobSpec, gpu: bool, native_bf16: bool = True) -> int:
+    """Bytes per element of compute, generation and activations (engines/precision.py's rule)."""
+    setting = spec.training.compute_dtype
+    if setting != "auto":
+        return DTYPE_BYTES[setting]
+    return 2 if spec.models.actor.dtype == "bfloat16" or gpu or native_bf16 else 4
+
+
+def micro_batch_tokens(spec: JobSpec, dp: int) -> tuple[int, int]:
+    """(tokens, response tokens) of the largest micro-batch one rank runs: the token budget microBatchSize x
+    (maxPromptLength + maxResponseLength) at full lengths, never more rows than the rank's share of the batch; with
+    sharedPrompt, whole groups of responsesPerPrompt rows share one prompt (the LM head runs on responses only)."""
+    r, t = spec.rollout, spec.training
+    P, R, n = r.max_prompt_length, r.max_response_length, r.responses_per_prompt
+    mini = t.mini_batch_size or spec.trainer.prompts_per_step
+    rows = max(1, -(-mini * n // dp))
+    budget = t.micro_batch_size * (P + R)
+    if t.shared_prompt and n > 1:
+        groups = min(budget // (P + n * R), -(-rows // n))
+        if groups == 0:  # a group longer than the budget is cut into sequences of fewer responses
+            return max(budget, P + R), max(budget, P + R) - P
+        return groups * (P + n * R), groups * n * R
+    rows = min(rows, t.micro_batch_size)
+    return rows * (P + R), rows * R
+
+
+def activation_bytes_per_token(s: ModelShape, c: int) -> int:
+    """Bytes one token leaves saved for backward across the decoder (no recompute; HF's eager/sdpa decoder): per
+    layer two RMSNorms (their fp32 input and the normalized output), q, k and v as the attention kernel takes
+    them (k, v repeated to every head), its output and o_proj's input, and the MLP's gate, up, activation and
+    product; plus the embedding output and the final norm."""
+    h, inter, q = s.hidden, s.intermediate, s.heads * s.head_dim
+    norm = 4 * h + c * h
+    attention = c * (3 * q + 2 * h)
+    mlp = 4 * inter * c
+    return s.layers * (2 * norm + attention + mlp) + 2 * norm
+
+
+def logits_bytes(s: ModelShape, response_tokens: int, c: int, trained: bool) -> int:
+    """The LM head on response positions: logits in the compute dtype and log-softmax in fp32; a trained pass also
+    holds log-softmax's gradient and the logits' (fp32, then cast)."""
+    per = c + 4 + ((4 + 4 + c) if trained else 0)
+    return response_tokens * s.vocab * per
+
+
+def fsdp_transients(s: ModelShape, c: int, trained: bool) -> tuple[int, int]:
+    """(gathered compute-dtype weights, unsharded fp32 gradients) of FSDP2: two decoder layers (the one running and
+    the one prefetched) and the root unit (embeddings, LM head, final norm) held whole while it runs."""
+    gathered = (2 * s.layer_params + s.root_params) * c
+    return gathered, ((s.layer_params + s.root_params) * 4 if trained else 0)
+
+
+def trained_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c: int, lm: bool) -> list[Term]:
+    """A trained model (actor, critic): master weights, AdamW moments, gradients, the update's transients."""
+    t = spec.training
+    megatron_like = TRAIN_ENGINES[t.engine].model_parallel  # shards by TP x PP and needs no gathering
+    model_parallel = t.tensor_parallel * t.pipeline_parallel if megatron_like else 1
+    shard = model_parallel if megatron_like else pool.world_size
+    dp = max(1, pool.world_size // model_parallel)
+    tokens, response = micro_batch_tokens(spec, dp)
+    P = s.params
+    how = f"1/{shard}, {'TP x PP' if megatron_like else 'FSDP over the pool'}"
+    pool_field = "spec.resourcePools[].devicesPerNode"
+    out = [Term(role, f"fp32 master weights ({how})", pool_field, _in(PHASES, P * 4 // shard)),
+           Term(role, "fp32 AdamW moments", "spec.resourcePools[].devicesPerNode", _in(PHASES, P * 8 // shard)),
+           Term(role, "fp32 gradients", "spec.resourcePools[].devicesPerNode", _in(("update",), P * 4 // shard))]
+    if not megatron_like:
+        gathered, grads = fsdp_transients(s, c, True)
+        out.append(Term(role, "FSDP gathered layers + root, fp32 unsharded grads", "spec.training.computeDtype",
+                        _in(("update",), gathered + grads)))
+    acts = tokens * activation_bytes_per_token(s, c) // t.tensor_parallel
+    out.append(Term(role, f"activations ({tokens} tokens/micro-batch)", "spec.training.microBatchSize",
+                    _in(("update",), acts)))
+    head = logits_bytes(s, response, c, True) // t.tensor_parallel if lm else response * 16
+    out.append(Term(role, f"logits ({response} response tokens, fp32 log-softmax)", "spec.training.microBatchSize",
+                    _in(("update",), head)))
+    return out
+
+
+def frozen_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c: int, dtype: str,
+                 lm: bool) -> list[Term]:
+    """A scoring model (reference, reward): weights in its own dtype, FSDP-sharded, and one forward's transient."""
+    tokens, response = micro_batch_tokens(spec, pool.world_size)
+    b = DTYPE_BYTES[dtype]
+    gathered, _ = fsdp_transients(s, c, False)
+    forward = gathered + tokens * (2 * s.intermediate + 2 * s.hidden) * c + (
+        logits_bytes(s, response, c, False) if lm else 0)
+    return [Term(role, f"{dtype} weights (1/{pool.world_size}, FSDP)", "spec.resourcePools[].devicesPerNode",
+                 _in(PHASES, s.params * b // pool.world_size)),
+            Term(role, "forward pass (gathered layers, one layer's activations, logits)",
+                 "spec.training.microBatchSize", _in(("forward",), forward))]
+
+
+def cuda_graphs_on(spec: JobSpec) -> bool:
+    """rollout.cudaGraphs (auto: on at t_g = 1), where the spec has the field; eager otherwise."""
+    setting = spec.rollout.cuda_graphs
+    return setting == "on" or (setting == "auto" and spec.rollout.tensor_parallel == 1)
+
+
+def rollout_terms(spec: JobSpec, pool: ResourcePool, s: ModelShape, c: int, device: DeviceProfile,
+                  gpu: bool, colocated: bool) -> list[Term]:
+    """vLLM on its pool. On GPU it takes gpuMemoryUtilization x the device while awake (weights, workspace, and a
+    KV cache of whatever is left), sleeps through scoring and the update (weights and KV cache freed; the CUDA-graph
+    pool stays), and wakes its weights for the transition. On CPU its KV cache is sized from the job and stays; its
+    weights are released during the update."""
+    r = spec.rollout
+    weights = s.params * c // r.tensor_parallel
+    where = "the transition" if colocated else "the weight stream"
+    if gpu:
+        share = int(r.gpu_memory_utilization * device.capacity_bytes)
+        kv = share - weights - VLLM_WORKSPACE_BYTES
+        out = [Term("rollout", f"vLLM weights (1/{r.tensor_parallel}), woken for {where}",
+                    "spec.rollout.tensorParallel", _in(("generate", "reshard"), weights)),
+               Term("rollout", "vLLM workspace (activations, sampler)", "spec.rollout.gpuMemoryUtilization",
+                    _in(("generate",), VLLM_WORKSPACE_BYTES)),
+               Term("rollout", f"vLLM KV cache (gpuMemoryUtilization {r.gpu_memory_utilization} x device, less the "
+                    "above)", "spec.rollout.gpuMemoryUtilization", _in(("generate",), kv))]
+        if cuda_graphs_on(spec):
+            out.append(Term("rollout", "CUDA-graph pool (kept through sleep)", "spec.rollout.cudaGraphs",
+                            _in(PHASES, CUDA_GRAPH_POOL_BYTES)))
+    else:
+        sequences = max(spec.trainer.prompts_per_step * (r.responses_per_prompt + 1), spec.data.eval_prompts)
+        per_rank = -(-sequences // max(1, pool.world_size // r.tensor_parallel))
+        kv = int(r.kv_cache_gib * (1 << 30)) or kv_cache_bytes(
+            s.layers, s.kv_heads, s.head_dim, c, per_rank, r.max_prompt_length + r.max_response_length)
+        out = [Term("rollout", f"vLLM weights (1/{r.tensor_parallel}), released in the update",
+                    "spec.rollout.tensorParallel", _in(("generate", "forward", "reshard"), weights)),
+               Term("rollout", "vLLM KV cache (sized from the job)", "spec.rollout.kvCacheGib", _in(PHASES, kv))]
+    largest = max(s.vocab * s.hidden, s.hidden * s.intermediate) * c
+    out.append(Term("rollout", f"3D-HybridEngine transient (shard M/(t_g p_g) = the weights above; one bucket)",
+                    "spec.rollout.tensorParallel", _in(("reshard",), max(BUCKET_BYTES, largest))))
+    return out
