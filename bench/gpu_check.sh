@@ -1,46 +1,51 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 14 (item 3), in one run of under 8 minutes on one NVIDIA GPU. Prints PASS/FAIL per check
-# with seconds and a summary table; exits 1 if any check fails. Logs and results go to ${OUT:-/tmp/gpu_check}
+# The GPU checks of issues 14 (item 3) and 50 (item 9) in one run on one NVIDIA GPU. Prints PASS/FAIL per check with
+# seconds and a summary table; exits 1 if any check fails. Logs and results go to ${OUT:-/tmp/gpu_check}
 # (8 files at most, flat: what a device runner brings back):
 #   summary.txt      the table              results.jsonl   one JSON line per check: verdict, facts, notes
 #   env.txt          versions, nvidia-smi   worker-logs.txt tails of the Ray workers' logs (NCCL, vLLM sleep lines)
-#   fsdp.log  megatron.log  throughput.log  each timed run's output    throughput.json  throughput.py's table
-#   (throughput.log also ends with bench/async.py's output: a ninth file would not come back)
+#   fsdp.log  megatron.log (megatron and megatron_gen)  meta_load.log  throughput.log   each timed run's output
+#   (throughput.log also ends with bench/async.py's output; throughput.py's table is in results.jsonl)
 #
 # Checks (bench/gpu_check.py holds one function per check; models are built from config, nothing is downloaded):
 #   env          preflight: torch sees the GPU (else nothing else runs); versions, nvidia-smi
 #   vllm_sync    FSDP2 actor + vLLM on 1 GPU: after every step vLLM's weights are the trainer's, engine not rebuilt
-#   nccl         the same job's process group and FSDP mesh are NCCL (world size 1 on one GPU)
+#   nccl         the same job's world: backend cpu:gloo,cuda:nccl (NCCL for CUDA tensors, gloo for CPU ones, both
+#                all-reduced), FSDP's mesh on it, LOCAL_RANK / CUDA_VISIBLE_DEVICES as local_device_env decided
 #   sleep_wake   the same job: vLLM sleeps (level 2) through each update (device memory drops), wakes at the sync,
 #                then generates with the trainer's weights, non-degenerate tokens
+#   fp32_master  the same job (actor dtype bfloat16): fp32 parameters, gradients and AdamW moments, bf16 compute
 #   megatron     megatron actor (TP 1) + vLLM on 1 GPU: weights synced after every step
-#   throughput   python bench/throughput.py --gpu --steps 4 (baseline vs defaults, tokens/s)
+#   meta_load    a Qwen2.5-1.5B-shaped model (random bf16 safetensors written first) built by fsdp.build on one
+#                rank: meta-device init, its shards read; CUDA allocator peak vs 1.3 x M/N and the memory model
+#   throughput   bench/throughput.py --gpu --steps 3 on a Qwen2.5-0.5B-shaped model (baseline vs defaults, tokens/s)
 #   async        python bench/async.py --modes abcd --steps 12, last, informational (no PASS/FAIL row; its exit
 #                status counts): sync colocated vs sync / one_step_off / async on a trainer pool and a rollout pool
 #                of their own. Reduced form on the CPUs: every apart mode needs one device per pool and Ray gives one
 #                GPU per rank, so one GPU cannot hold it; the device machine's 16 cores can, each side on cores of
 #                its own, which shows whether the overlap gains hold when the sides do not share 2 cores (as they do
 #                on the 2-core dev machine). The 7B PROJECTION it prints is arithmetic.
-# vllm_sync, nccl and sleep_wake share one job (one timeout, "fsdp"): three vLLM start-ups would not fit the budget.
+# vllm_sync, nccl, sleep_wake and fp32_master share one job (one timeout, "fsdp"): vLLM start-ups are expensive.
 #
-# --rollout hf (a machine without vLLM, e.g. this workplace's GPU device: bench/gpu_device_run.sh): the same jobs with
-# the plain-torch generation engine. vllm_sync checks hf's in-place sync and its generation after the sync;
-# sleep_wake is SKIP (vLLM's sleep mode only); megatron feeds hf through the 3D-HybridEngine's HF conversion, and
-# one more check, megatron_gen (log appended to megatron.log), feeds megatron generation its native shards;
-# throughput runs throughput.py's GPU job with hf generation (vLLM-only switches left out); async is not run (its
-# jobs are vLLM CPU jobs).
+# --rollout hf (a machine without vLLM, e.g. this workplace's GPU device: bench/gpu_device_run.sh, one call of at
+# most 7.5 minutes of device time with the machine's start): the same jobs with the plain-torch generation engine.
+# vllm_sync checks hf's in-place sync and its generation after the sync; sleep_wake is SKIP (vLLM's sleep mode
+# only); megatron_gen (log appended to megatron.log) feeds megatron generation its native shards; megatron with hf
+# generation (the 3D-HybridEngine's HF conversion, CPU-tested) is not run on the GPU for the budget (T_MEGATRON=0;
+# the CPU rehearsal runs it); throughput runs throughput.py's GPU job with hf generation, defaults only (vLLM-only
+# switches left out); async is not run (its jobs are vLLM CPU jobs). `--dry-run --rollout hf` prints the budget.
 #
 # Usage:
 #   bench/gpu_check.sh                 on the GPU machine
 #   bench/gpu_check.sh --rollout hf    on a GPU machine without vLLM (any mode takes --rollout, last)
-#   bench/gpu_check.sh --dry-run       validates the jobs (parse_job) and prints the plan; starts nothing
+#   bench/gpu_check.sh --dry-run       validates the jobs (parse_job), prints the plan and budget; starts nothing
 #   flock /tmp/hf-bench.lock bench/gpu_check.sh --cpu-smoke
-#                                      fsdp and megatron on one CPU rank, 2 steps: this script's code paths on gloo
-#                                      (no sleep mode on CPU: sleep_wake is SKIP, throughput is not run)
-# Environment: OUT, PYTHON (default .venv/bin/python), GPU_CHECK_BUDGET_S (whole run, default 460),
-#   T_ENV, T_FSDP, T_MEGATRON, T_MEGATRON_GEN, T_THROUGHPUT, T_ASYNC (each run's timeout, s; 0 skips
-#   T_MEGATRON_GEN, T_THROUGHPUT or T_ASYNC),
-#   HYBRIDFLOW_MODEL_CACHE.
+#                                      fsdp and megatron on one CPU rank, 2 steps, meta_load with a small shape and
+#                                      throughput on throughput.py's CPU job made small (the tiny model, one rank):
+#                                      this script's code paths on gloo (no sleep mode on CPU: sleep_wake is SKIP)
+# Environment: OUT, PYTHON (default .venv/bin/python), GPU_CHECK_BUDGET_S (whole run), T_ENV, T_FSDP, T_MEGATRON,
+#   T_MEGATRON_GEN, T_META_LOAD, T_THROUGHPUT, T_ASYNC (each run's timeout, s; 0 skips any but env and fsdp),
+#   TP_STEPS (throughput's steps), HYBRIDFLOW_MODEL_CACHE.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -66,25 +71,35 @@ fi
 export OUT PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export HYBRIDFLOW_MODEL_CACHE=${HYBRIDFLOW_MODEL_CACHE:-/tmp/gpu_check_models}
 mkdir -p "$OUT"
-rm -f "$OUT"/{summary.txt,results.jsonl,env.txt,worker-logs.txt,fsdp.log,megatron.log,throughput.log,throughput.json}
+rm -f "$OUT"/{summary.txt,results.jsonl,env.txt,worker-logs.txt,fsdp.log,megatron.log,meta_load.log,throughput.log}
+rm -f "$OUT"/throughput.json  # written by earlier versions
 
 if [[ $MODE == cpu ]]; then
-  CPU=(--cpu); STEPS=(--steps 2); BUDGET=${GPU_CHECK_BUDGET_S:-1500}
+  CPU=(--cpu); STEPS=(--steps 2); BUDGET=${GPU_CHECK_BUDGET_S:-1800}
   T_ENV=${T_ENV:-60}; T_FSDP=${T_FSDP:-600}; T_MEGATRON=${T_MEGATRON:-600}; T_MEGATRON_GEN=${T_MEGATRON_GEN:-600}
-  T_THROUGHPUT=0; T_ASYNC=0
+  T_META_LOAD=${T_META_LOAD:-180}; T_THROUGHPUT=${T_THROUGHPUT:-300}; T_ASYNC=0; TP_STEPS=${TP_STEPS:-2}
+elif [[ $ROLLOUT == hf ]]; then
+  # the lent GPU device (bench/gpu_device_run.sh): one call of at most 7.5 min of device time, the machine's start
+  # (~90-120 s) and the carry's unpacking (~10 s) included, so ~300 s for the checks. Estimates for an H100/H200
+  # with 16 cores (not measured yet): env ~10 s; fsdp ~40 s (private Ray, one worker, CUDA + NCCL start, 3 tiny
+  # steps); megatron_gen ~40 s; meta_load ~30 s (3.1 GB of bf16 written, 6.2 GB of fp32 shards loaded); throughput
+  # ~70 s (a 494 M model built on the CPU, 3 steps of 64 x 4 responses <= 128 tokens, HF generation). A run gets
+  # at most what is left of the budget.
+  CPU=(); STEPS=(); BUDGET=${GPU_CHECK_BUDGET_S:-300}
+  T_ENV=${T_ENV:-20}; T_FSDP=${T_FSDP:-70}; T_MEGATRON=${T_MEGATRON:-0}; T_MEGATRON_GEN=${T_MEGATRON_GEN:-60}
+  T_META_LOAD=${T_META_LOAD:-55}; T_THROUGHPUT=${T_THROUGHPUT:-95}; T_ASYNC=${T_ASYNC:-0}; TP_STEPS=${TP_STEPS:-3}
 else
-  # 460 s for the checks above + ~100 s for async (it gets what is left, at most T_ASYNC)
-  CPU=(); STEPS=(); BUDGET=${GPU_CHECK_BUDGET_S:-560}
+  # a GPU machine with vLLM: ~515 s for the checks + 150 s for async (it gets what is left, at most T_ASYNC)
+  CPU=(); STEPS=(); BUDGET=${GPU_CHECK_BUDGET_S:-665}
   # estimates for an H200 (not measured yet): env ~10 s, fsdp ~60 s, megatron ~60-90 s (vLLM in fp32: Triton
-  # attention, compiled on first use), throughput ~140 s (two jobs of a 0.5B-class model)
-  T_ENV=${T_ENV:-25}; T_FSDP=${T_FSDP:-110}; T_MEGATRON=${T_MEGATRON:-115}; T_THROUGHPUT=${T_THROUGHPUT:-205}
+  # attention, compiled on first use), meta_load ~30 s, throughput ~140 s (two jobs of a 0.5B-shaped model)
+  T_ENV=${T_ENV:-25}; T_FSDP=${T_FSDP:-110}; T_MEGATRON=${T_MEGATRON:-115}; T_META_LOAD=${T_META_LOAD:-60}
+  T_THROUGHPUT=${T_THROUGHPUT:-205}; TP_STEPS=${TP_STEPS:-4}
   # async: 4 CPU jobs of 12 steps, ~25-35 s each with 16 cores (estimate; ~60 s each on the 2-core dev machine)
   T_ASYNC=${T_ASYNC:-150}
-  # megatron_gen (hf runs only): like megatron, no vLLM start-up (estimate)
-  T_MEGATRON_GEN=${T_MEGATRON_GEN:-90}
 fi
 if [[ $ROLLOUT == vllm ]]; then
-  T_MEGATRON_GEN=0
+  T_MEGATRON_GEN=0  # megatron generation: a machine without vLLM only (with vLLM, megatron checks vLLM's sync)
 else
   if ((T_ASYNC > 0)); then
     echo "gpu_check: --rollout $ROLLOUT: async not run (bench/async.py runs examples/tiny-grpo.yaml's vLLM CPU jobs)"
@@ -93,20 +108,31 @@ else
 fi
 
 echo "gpu_check: mode $MODE, rollout $ROLLOUT, python $PY, out $OUT, budget ${BUDGET}s (env ${T_ENV}s, fsdp" \
-     "${T_FSDP}s, megatron ${T_MEGATRON}s, megatron_gen ${T_MEGATRON_GEN}s, throughput ${T_THROUGHPUT}s, async" \
-     "${T_ASYNC}s)"
+     "${T_FSDP}s, megatron ${T_MEGATRON}s, megatron_gen ${T_MEGATRON_GEN}s, meta_load ${T_META_LOAD}s, throughput" \
+     "${T_THROUGHPUT}s, async ${T_ASYNC}s)"
 if [[ $MODE == dry ]]; then
-  "$PY" bench/gpu_check.py plan "${RO[@]}" || exit 1
-  cat <<EOF
-would run, each under timeout, in this order (a run gets at most what is left of the ${BUDGET}s budget):
-  $PY bench/gpu_check.py env ${RO[*]}                      ${T_ENV}s
-  $PY bench/gpu_check.py fsdp ${RO[*]}  (vllm_sync, nccl, sleep_wake)  ${T_FSDP}s
-  $PY bench/gpu_check.py megatron ${RO[*]}                 ${T_MEGATRON}s
-  $PY bench/gpu_check.py megatron_gen (not with vllm)      ${T_MEGATRON_GEN}s
-  $PY bench/gpu_check.py throughput ${RO[*]}  (bench/throughput.py --gpu --steps 4)  ${T_THROUGHPUT}s
-  $PY bench/async.py --modes abcd --steps 12 (CPU ranks; appended to throughput.log)  ${T_ASYNC}s
-  $PY bench/gpu_check.py summary ${RO[*]}
-EOF
+  "$PY" bench/gpu_check.py plan "${RO[@]}" --steps "$TP_STEPS" || exit 1
+  sum=$((T_ENV + T_FSDP + T_MEGATRON + T_MEGATRON_GEN + T_META_LOAD + T_THROUGHPUT + T_ASYNC))
+  echo "would run, each under timeout, in this order (a run gets at most what is left of the ${BUDGET}s budget;" \
+       "0s: not run):"
+  row() { printf '  %-98s %9s\n' "$1" "$2"; }
+  row "$PY bench/gpu_check.py env ${RO[*]}" "${T_ENV}s"
+  row "$PY bench/gpu_check.py fsdp ${RO[*]}  (vllm_sync, nccl, sleep_wake, fp32_master)" "${T_FSDP}s"
+  row "$PY bench/gpu_check.py megatron ${RO[*]}" "${T_MEGATRON}s"
+  row "$PY bench/gpu_check.py megatron_gen  (hf runs only)" "${T_MEGATRON_GEN}s"
+  row "$PY bench/gpu_check.py meta_load  (Qwen2.5-1.5B shape, 1 rank)" "${T_META_LOAD}s"
+  row "$PY bench/gpu_check.py throughput ${RO[*]} --steps $TP_STEPS  (Qwen2.5-0.5B shape)" "${T_THROUGHPUT}s"
+  row "$PY bench/async.py --modes abcd --steps 12  (CPU ranks; in throughput.log)" "${T_ASYNC}s"
+  row "$PY bench/gpu_check.py summary ${RO[*]}" "-"
+  row "sum of the limits (budget ${BUDGET}s)" "${sum}s"
+  if [[ $ROLLOUT == hf ]]; then
+    echo "device time of one call (bench/gpu_device_run.sh; run's timeout_s 540; at most 450 s in all):"
+    row "machine start (before the command)" "~90-120s"
+    row "unpacking the carried packages" "~10s"
+    row "the checks (GPU_CHECK_BUDGET_S, at most)" "${BUDGET}s"
+    row "summary, cleanup, transfers" "~5-10s"
+    row "total (call give_back after it, or +30 s warm)" "~$((BUDGET + 105))-$((BUDGET + 140))s"
+  fi
   if [[ $ROLLOUT == vllm ]]; then
     "$PY" bench/async.py --dry-run --modes abcd --steps 12 | grep '^ok ' || exit 1
   fi
@@ -151,22 +177,31 @@ run() {
   LAST_RC=$rc
 }
 
-EXPECT=env,vllm_sync,nccl,sleep_wake,megatron
+EXPECT=env,vllm_sync,nccl,sleep_wake,fp32_master
+((T_MEGATRON > 0)) && EXPECT+=,megatron
 ((T_MEGATRON_GEN > 0)) && EXPECT+=,megatron_gen
-[[ $MODE == gpu ]] && ((T_THROUGHPUT > 0)) && EXPECT+=,throughput
+((T_META_LOAD > 0)) && EXPECT+=,meta_load
+((T_THROUGHPUT > 0)) && EXPECT+=,throughput
 run env "$T_ENV" env "${CPU[@]}" "${RO[@]}"
 if [[ $MODE == gpu && $LAST_RC != 0 ]]; then
   echo "== preflight failed (torch sees no GPU, or a worker-side import fails: see env above): the other checks" \
        "are not run"
   T_ASYNC=0
 else
-  run fsdp "$T_FSDP" vllm_sync,nccl,sleep_wake "${CPU[@]}" "${STEPS[@]}" "${RO[@]}"
-  run megatron "$T_MEGATRON" megatron "${CPU[@]}" "${STEPS[@]}" "${RO[@]}"
+  run fsdp "$T_FSDP" vllm_sync,nccl,sleep_wake,fp32_master "${CPU[@]}" "${STEPS[@]}" "${RO[@]}"
+  if ((T_MEGATRON > 0)); then
+    run megatron "$T_MEGATRON" megatron "${CPU[@]}" "${STEPS[@]}" "${RO[@]}"
+  fi
   if ((T_MEGATRON_GEN > 0)); then
     run megatron_gen "$T_MEGATRON_GEN" megatron_gen "${CPU[@]}" "${STEPS[@]}"
   fi
-  if [[ $MODE == gpu ]] && ((T_THROUGHPUT > 0)); then
-    run throughput "$T_THROUGHPUT" throughput --steps 4 "${RO[@]}"
+  if ((T_META_LOAD > 0)); then
+    run meta_load "$T_META_LOAD" meta_load "${CPU[@]}"
+  fi
+  if ((T_THROUGHPUT > 0)); then
+    lim=$T_THROUGHPUT  # the last run (no async after it) may take whatever the earlier ones left of the budget
+    ((T_ASYNC == 0 && START + BUDGET - $(date +%s) > lim)) && lim=$((START + BUDGET - $(date +%s)))
+    run throughput "$lim" throughput --steps "$TP_STEPS" "${CPU[@]}" "${RO[@]}"
   fi
 fi
 
