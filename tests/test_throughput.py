@@ -11,7 +11,14 @@ import torch
 from hybridflow.capacity import kv_cache_bytes
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.context import WorkerContext
-from hybridflow.data.packing import merge_rows, micro_batches, pack_rollout, token_budget_groups, trim_padding
+from hybridflow.data.packing import (
+    merge_rows,
+    micro_batches,
+    pack_rollout,
+    to_count,
+    token_budget_groups,
+    trim_padding,
+)
 from hybridflow.engines.train.fsdp import FSDPEngine, load_causal_lm, response_logits, token_log_probs
 from hybridflow.engines.precision import compute_dtype
 from hybridflow.flops import forward_flops, matmul_peak_flops, training_flops
@@ -179,6 +186,82 @@ def test_micro_batches_weigh_by_what_the_loss_averages_over(one_rank, tiny_dir):
     for name, p in whole.items():
         torch.testing.assert_close(by_tokens[name], p, atol=1e-5, rtol=1e-4, msg=name)
     assert any(not torch.allclose(by_rows[n], p, atol=1e-5, rtol=1e-4) for n, p in whole.items())
+
+
+def test_to_count_halves_the_largest_micro_batch_and_pads_with_rows_that_weigh_nothing():
+    b = _batch()
+    split = micro_batches(b, 3, dynamic=True)
+    more = to_count(split, len(split) + 2)
+    assert len(more) == len(split) + 2
+    assert sorted(i for idx, _ in more for i in idx) == list(range(len(b)))  # every row once, none padded yet
+    for idx, mb in more:
+        assert torch.equal(mb["responses"][:, :1], b["responses"][idx][:, :1])
+    singles = [(idx, mb) for idx, mb in micro_batches(b, 1, dynamic=False)]
+    padded = to_count(singles, len(singles) + 3)
+    assert [idx for idx, _ in padded[-3:]] == [[], [], []] and all(len(mb) == 1 for _, mb in padded[-3:])
+    with pytest.raises(ValueError, match="fewer"):
+        to_count(split, len(split) - 1)
+
+
+def test_extra_micro_batches_change_neither_the_outputs_nor_the_step(one_rank, tiny_dir, monkeypatch):
+    """What a rank that cut fewer micro-batches than another does (FSDPEngine.micro_batch_count): the same
+    log-probs and the same gradient step with its largest micro-batches halved and padding ones run."""
+    def token_mean_loss(model, mb):
+        lp = token_log_probs(response_logits(model, mb, 1.0), mb["responses"])
+        return -(lp * mb["advantages"] * mb["response_mask"]).sum() / mb["response_mask"].sum(), {}
+
+    def run(extra: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        engine = FSDPEngine(load_causal_lm(tiny_dir, "float32"), 1e-2, 1e9, "cpu", compute_dtype=torch.float32,
+                            dynamic_batch_size=True)
+        monkeypatch.setattr(engine, "micro_batch_count", lambda own: own + extra)
+        engine.optimizer = torch.optim.SGD(engine.module.parameters(), lr=1.0)  # the step is the gradient
+        logp = _log_probs(engine, _batch(), 3)
+        engine.train_mini_batch(_batch(), 3, token_mean_loss, "tokens")
+        return logp, dict(engine.full_params())
+
+    (logp, params), (logp_more, params_more) = run(0), run(9)  # 9 more: every row alone, then padding
+    torch.testing.assert_close(logp_more, logp, atol=1e-5, rtol=1e-5)
+    for name, p in params.items():
+        torch.testing.assert_close(params_more[name], p, atol=1e-5, rtol=1e-4, msg=name)
+
+
+_UNEVEN_RANKS = """
+import sys, torch, torch.distributed as dist
+from pathlib import Path
+sys.path.insert(0, sys.argv[4])
+from test_throughput import _batch, _log_probs
+from hybridflow.engines.train.fsdp import FSDPEngine, load_causal_lm
+
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=rank, world_size=2)
+engine = FSDPEngine(load_causal_lm(Path(sys.argv[3]), "float32"), 1e-3, 1.0, "cpu", compute_dtype=torch.float32,
+                    dynamic_batch_size=True)
+rows = [0, 1, 2, 3, 4, 5, 6, 7] if rank == 0 else [2, 6, 2, 6, 2, 6, 2, 6]  # rank 1: short rows, fewer micro-batches
+print(float(_log_probs(engine, _batch().index(torch.tensor(rows)), 3).sum()), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_whose_rows_cut_into_different_micro_batch_counts_run_as_many_forwards(tmp_path, tiny_dir):
+    """Two FSDP ranks: one's long rows cut into more dynamic micro-batches than the other's short ones. Each forward
+    gathers every layer over both, so the rank with fewer used to leave the other waiting in a gather forever."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    b = _batch()
+    assert len(micro_batches(b, 3, dynamic=True)) != len(micro_batches(b.index(torch.tensor([2, 6] * 4)), 3, True))
+    tests = str(Path(__file__).parent)
+    procs = [subprocess.Popen([sys.executable, "-c", _UNEVEN_RANKS, str(r), str(tmp_path / "store"), str(tiny_dir),
+                               tests], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        assert float(out.strip().splitlines()[-1]) < 0
 
 
 _RELEASE_AND_RELOAD = """

@@ -193,6 +193,27 @@ def micro_batches(batch: Batch, rows: int, dynamic: bool, shared: bool = False) 
     return [(g, trim_padding(batch.index(torch.tensor(g)))) for g in groups]
 
 
+def to_count(split: list[tuple[list[int], Batch]], count: int) -> list[tuple[list[int], Batch]]:
+    """`split` (micro_batches' pairs) as exactly `count` micro-batches, `count` >= len(split): the one with the
+    most rows is halved until there are enough; where every one holds a single row, padding micro-batches make up
+    the rest: no rows of their own (empty indices), a copy of the first row to compute, outputs dropped, loss
+    weighing nothing. Ranks that shard one model (FSDP) must run equally many forwards, each of which gathers
+    every layer over all of them, and dynamic micro-batches cut each rank's own rows by their lengths."""
+    out = list(split)
+    if count < len(out):
+        raise ValueError(f"{len(out)} micro-batches cannot be cut into fewer ({count})")
+    while len(out) < count:
+        k = max(range(len(out)), key=lambda i: len(out[i][0]))
+        idx, mb = out[k]
+        if len(idx) < 2:
+            first = out[0][1].index(slice(0, 1))
+            out += [([], first)] * (count - len(out))
+            break
+        half = len(idx) // 2
+        out[k: k + 1] = [(idx[:half], mb.index(slice(0, half))), (idx[half:], mb.index(slice(half, len(idx))))]
+    return out
+
+
 def merge_rows(parts: list, rows: list[list[int]], response_width: int | None) -> object:
     """The outputs of micro-batches (a tensor or a tuple of tensors each) as one output in the batch's row order;
     per-token outputs of cut micro-batches are padded back to `response_width` with zeros."""

@@ -19,7 +19,7 @@ from torch import nn
 from hybridflow.api import Training
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.context import WorkerContext
-from hybridflow.data.packing import merge_rows, micro_batches
+from hybridflow.data.packing import merge_rows, micro_batches, to_count
 
 LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, dict[str, float]]]
 
@@ -138,6 +138,17 @@ class TrainLoop:
     def clip_grad_norm(self) -> torch.Tensor:
         raise NotImplementedError
 
+    def micro_batch_count(self, own: int) -> int:
+        """How many micro-batches this rank runs when it cut its own rows into `own`: the same count on every rank
+        whose forwards are collective (FSDP: the most any rank cut, engines.train.fsdp); here its own."""
+        return own
+
+    def split_micro(self, batch: Batch, micro_batch_size: int) -> list[tuple[list[int], Batch]]:
+        """(row indices, micro-batch) pairs over `batch`, as many as `micro_batch_count` says (padding ones have no
+        indices: data.packing.to_count)."""
+        split = micro_batches(batch, micro_batch_size, self.dynamic_batch_size, self.shared_prompt)
+        return to_count(split, self.micro_batch_count(len(split)))
+
     def run_micro_batches(self, micro: list[Batch], fn: Callable[[nn.Module, Batch], Any],
                           backward: bool) -> list[Any]:
         """`fn(module, mb)` for each micro-batch in order, its outputs in that order on every rank. With `backward`,
@@ -157,10 +168,11 @@ class TrainLoop:
         """`fn` over micro-batches; its outputs (a tensor or a tuple of tensors, per row or per response token) come
         back as one, in the batch's row order and at its full response width."""
         self.module.eval()
-        split = list(micro_batches(batch, micro_batch_size, self.dynamic_batch_size, self.shared_prompt))
+        split = self.split_micro(batch, micro_batch_size)
         outs = self.run_micro_batches([mb for _, mb in split], fn, backward=False)
         width = batch["responses"].shape[1] if "responses" in batch else None
-        return merge_rows(outs, [idx for idx, _ in split], width)
+        kept = [(out, idx) for out, (idx, _) in zip(outs, split) if idx]  # padding micro-batches' outputs go
+        return merge_rows([out for out, _ in kept], [idx for _, idx in kept], width)
 
     def train_mini_batch(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn,
                          per: str = "rows") -> dict[str, float]:
@@ -173,12 +185,16 @@ class TrainLoop:
         size = (lambda b: float(b["response_mask"].sum())) if per == "tokens" else len  # noqa: E731
         total = size(batch)
 
+        split = self.split_micro(batch, micro_batch_size)
+        # each micro-batch's weight, taken in the order the loop runs them (a padding one weighs nothing)
+        shares = iter([size(mb) / total if total and idx else 0.0 for idx, mb in split])
+
         def step(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-            share = size(mb) / total if total else 0.0
+            share = next(shares)
             loss, mstats = loss_fn(model, mb)
             return loss * share, {k: float(v) * share for k, v in mstats.items()}
 
-        micro = [mb for _, mb in micro_batches(batch, micro_batch_size, self.dynamic_batch_size, self.shared_prompt)]
+        micro = [mb for _, mb in split]
         stats: dict[str, float] = {}
         for mstats in self.run_micro_batches(micro, step, backward=True):
             for k, v in mstats.items():

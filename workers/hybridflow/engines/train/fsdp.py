@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow.algorithms.core import entropy_from_logits
+from hybridflow.engines import collectives
 from hybridflow.data.packing import padded_positions
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.context import WorkerContext
@@ -210,6 +211,14 @@ class FSDPEngine(TrainLoop):
         if not trainable:
             module.requires_grad_(False)
             module.eval()
+
+    def micro_batch_count(self, own: int) -> int:
+        """The most micro-batches any rank cut its rows into: every forward all-gathers each layer over the world,
+        so a rank that ran fewer left the others waiting in a gather forever (dynamic micro-batches are cut by each
+        rank's own lengths)."""
+        count = torch.tensor([own], dtype=torch.int64)
+        collectives.all_reduce(count, op=dist.ReduceOp.MAX)
+        return int(count.item())
 
     def clip_grad_norm(self) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
