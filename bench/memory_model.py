@@ -1,8 +1,8 @@
 """The memory model (hybridflow.memory) against measured per-rank peaks on this machine.
 
 Runs small CPU jobs one after another (`nice -n 5 hybridflow run`, 2 steps each), reads each rank's peak from the
-step log (`actor_peak_memory_bytes`: the largest rank's ru_maxrss, which includes the process runtime: the `cpu`
-profile's runtime term), and prints predicted against measured and their ratio, side by side.
+step log (`actor_peak_memory_bytes`: the largest rank's resident high-water mark over the update, which includes
+the process runtime: the `cpu` profile's runtime term), and prints predicted against measured and their ratio, side by side.
 
     .venv/bin/python bench/memory_model.py            # every configuration (about 8 minutes on 2 cores)
     .venv/bin/python bench/memory_model.py --predict  # the predictions only
