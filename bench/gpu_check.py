@@ -42,8 +42,9 @@ What the project's API does not show, and how this file observes it anyway (repo
     whole tensor cast to vLLM's dtype, q/k/v and gate/up stacked as vLLM stacks them) runs inside the worker through
     Ray's `__ray_call__` (Ray's own developer API, not a project method);
   * whether vLLM is asleep and how much device memory it holds: no registered method reports either, and
-    `actor_peak_memory_bytes` is torch.cuda.max_memory_allocated since the process started (a lifetime peak of
-    torch's allocator, blind to memory the driver unmaps under it). This file reads device memory in use (total -
+    `actor_peak_memory_bytes` is torch.cuda.max_memory_allocated since the update began (torch's allocator only,
+    blind to memory the driver unmaps under it; the step's rollout_sleep_freed_bytes / rollout_wake_bytes read the
+    driver's). This file reads device memory in use (total -
     free, from the CUDA driver) and vLLM's `asleep` flag inside the worker via `__ray_call__`, and device memory from
     this process through NVML/nvidia-smi when available, right before and after `update_actor` and after
     `sync_weights` (ActorProbes wrapping the actor's and the rollout role's handles that run_iteration is given);
