@@ -52,6 +52,12 @@ def test_trained_state_is_fp32_and_sharded_by_the_pools_world_size():
     megatron = _spec(training={"engine": "megatron", "tensorParallel": 2})
     _, m = _terms(megatron, "actor")
     assert m["fp32 master weights"].phases["update"] == P * 4 // 2  # TP x PP shards it, not the pool
+    assert "bfloat16 module weights" not in m  # an fp32 megatron module is its own master
+    bf16 = _spec(models={"actor": {"source": "smollm2", "dtype": "bfloat16"}},
+                 training={"engine": "megatron", "tensorParallel": 2})
+    _, m = _terms(bf16, "actor")
+    assert m["bfloat16 module weights"].phases["generate"] == P * 2 // 2  # the compute copy beside the masters
+    assert m["bfloat16 module gradients"].phases == {"generate": 0, "forward": 0, "update": P, "reshard": 0}
 
 
 def test_activations_follow_the_token_budget_and_logits_the_response_positions():

@@ -113,6 +113,12 @@ def trained_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c
     out = [Term(role, f"fp32 master weights ({how})", pool_field, _in(PHASES, P * 4 // shard)),
            Term(role, "fp32 AdamW moments", "spec.resourcePools[].devicesPerNode", _in(PHASES, P * 8 // shard)),
            Term(role, "fp32 gradients", "spec.resourcePools[].devicesPerNode", _in(("update",), P * 4 // shard))]
+    module = DTYPE_BYTES[spec.models.actor.dtype]
+    if megatron_like and module < 4:  # its module computes in its own dtype: a copy beside the masters
+        out += [Term(role, f"{spec.models.actor.dtype} module weights (beside the fp32 masters)",
+                     "spec.models.actor.dtype", _in(PHASES, P * module // shard)),
+                Term(role, f"{spec.models.actor.dtype} module gradients", "spec.models.actor.dtype",
+                     _in(("update",), P * module // shard))]
     if not megatron_like:
         gathered, grads = fsdp_transients(s, c, True)
         out.append(Term(role, "FSDP gathered layers + root, fp32 unsharded grads", "spec.training.computeDtype",

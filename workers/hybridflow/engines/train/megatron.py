@@ -25,6 +25,7 @@ from hybridflow.engines.train import megatron_model as mm
 from hybridflow.engines.train.megatron_pipeline import catalog, run_schedule, stage_ranks
 from hybridflow.engines.train.shared_prompt import say_once
 from hybridflow.engines.train.base import TrainLoop, TrainSettings
+from hybridflow.engines.train.master_weights import MasterWeights
 from hybridflow.engines import collectives
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class MegatronEngine(TrainLoop):
         self.ps = ps
         self.device = torch.device("cuda" if device == "gpu" else "cpu")
         self.dtype = getattr(torch, dtype)
-        self.compute_dtype = self.dtype  # megatron computes in its weights' dtype
+        self.compute_dtype = self.dtype  # megatron computes in its weights' dtype; below fp32, fp32 masters step
         self.pp_size, self.pp_rank = pp, ps.get_pipeline_model_parallel_rank()
         self.layer_offset = self.pp_rank * (self.shape.layers // pp)  # global number of this stage's first layer
         first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
@@ -130,7 +131,12 @@ class MegatronEngine(TrainLoop):
         self.load_shards(mm.read_rank_shards(model_dir, self.shape, tp, self.tp_rank, first, last,
                                           range(self.layer_offset, self.layer_offset + per_stage)))
         self.grad_clip = grad_clip
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, weight_decay=0.0)
+        # below fp32 the optimizer steps fp32 masters, cast back into the module after each step (master_weights)
+        self.masters = MasterWeights(list(self.module.parameters())) if self.dtype != torch.float32 else None
+        stepped = self.masters.masters if self.masters else self.module.parameters()
+        self.optimizer = torch.optim.AdamW(stepped, lr=lr, weight_decay=0.0)
+        if self.masters:
+            self.optimizer.register_step_post_hook(lambda *_: self.masters.publish())
         self._device_mesh: Any = None  # made on first use by sharded checkpoints (_mesh)
         self._stages: list | None = None  # every stage's whole tensors, made on first use by whole_shards
 
@@ -161,6 +167,12 @@ class MegatronEngine(TrainLoop):
         """This stage's parameters under whole-model names (the tied copy under the embedding's name too)."""
         for name, p in self.module.named_parameters():
             yield self.global_name(name), p
+
+    def trained_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What the optimizer steps, named as `named_parameters`: the fp32 masters below fp32, else the parameters
+        (what checkpoints keep)."""
+        for name, p in self.named_parameters():
+            yield name, self.masters.master_of(p) if self.masters else p
 
     def load_shards(self, local: dict[str, torch.Tensor]) -> None:
         """Take this rank's own shards (whole-model megatron names, this TP rank's part: `read_rank_shards`)."""
@@ -240,6 +252,8 @@ class MegatronEngine(TrainLoop):
         if scale < 1:
             for p in params:
                 p.grad.mul_(scale.to(p.grad.dtype))
+        if self.masters:
+            self.masters.take_grads()
         return norm.float()
 
     # --- whole-model views ---
@@ -304,6 +318,8 @@ class MegatronEngine(TrainLoop):
 
     def load_state_dict(self, state: dict) -> None:
         self.load_full(mm.hf_to_megatron(state["model"], self.shape))
+        if self.masters:  # this format keeps whole weights in the module's dtype: the masters start from them
+            self.masters.refresh()
         optim = state.get("optimizer_tp")
         layout = (state.get("tensor_parallel"), state.get("pipeline_parallel", 1))
         if optim and layout == (self.tp_size, self.pp_size):
@@ -367,10 +383,10 @@ class MegatronEngine(TrainLoop):
 
         The model's blocks alias the parameters where the conversion allows (q/k/v only where a rank holds a single
         query group), so a load writes into them; `load_checkpoint_state` then completes it."""
-        model = dict(self._hf_blocks((n, p.detach()) for n, p in self.named_parameters()))
+        model = dict(self._hf_blocks((n, p.detach()) for n, p in self.trained_parameters()))
         if self.optimizer is None:
             return {"model": model}
-        names = {p: n for n, p in self.named_parameters()}
+        names = {p: n for n, p in self.trained_parameters()}
         state: dict[str, dict[str, Any]] = {}
         groups = []
         for group in self.optimizer.param_groups:
@@ -401,8 +417,10 @@ class MegatronEngine(TrainLoop):
 
         model = shards(state["model"])
         with torch.no_grad():
-            for name, p in self.named_parameters():
+            for name, p in self.trained_parameters():
                 p.copy_(model[name])
+        if self.masters:
+            self.masters.publish()
         if self.optimizer is None:
             return
         optim = state.get("optimizer")
@@ -413,7 +431,7 @@ class MegatronEngine(TrainLoop):
         keys = {k for entry in saved.values() for k in entry}
         moments = {k: shards({hf: entry[k] for hf, entry in saved.items()}) for k in keys
                    if all(hasattr(entry[k], "to_local") for entry in saved.values())}
-        names = {p: n for n, p in self.named_parameters()}
+        names = {p: n for n, p in self.trained_parameters()}
         first_hf = {}  # megatron name -> the first HF name it converts to (whose scalars it takes)
         for n, p in self.named_parameters():
             meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
