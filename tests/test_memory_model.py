@@ -60,6 +60,19 @@ def test_trained_state_is_fp32_and_sharded_by_the_pools_world_size():
     assert m["bfloat16 module gradients"].phases == {"generate": 0, "forward": 0, "update": P, "reshard": 0}
 
 
+def test_an_actor_and_a_critic_update_one_at_a_time_so_only_the_larger_transients_count():
+    """PPO: the critic's update and the actor's run one after the other in the same processes. Their fp32 states
+    (masters, moments, gradients) are all held in the update phase; their activations, logits and gathered layers
+    are not held at once."""
+    ppo = _spec(algorithm={"name": "ppo"})
+    [plan] = pool_plans(ppo, read_shapes(ppo, ROOT))
+    update = {role: [t for t in plan.terms if t.role == role and t.phases["update"]] for role in ("actor", "critic")}
+    assert all(any(t.transient for t in ts) and any(not t.transient for t in ts) for ts in update.values())
+    lasting = sum(t.phases["update"] for t in plan.terms if not t.transient)
+    largest = max(sum(t.phases["update"] for t in ts if t.transient) for ts in update.values())
+    assert plan.total("update") == lasting + largest < sum(t.phases["update"] for t in plan.terms)
+
+
 def test_activations_follow_the_token_budget_and_logits_the_response_positions():
     one = _spec(training={"microBatchSize": 4, "sharedPrompt": False})
     two = _spec(training={"microBatchSize": 8, "sharedPrompt": False})

@@ -2,7 +2,7 @@
 messages that name the role, the numbers and the field to change. Pure; `hybridflow plan` and `validate` print it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridflow.api import JobSpec
 from hybridflow.api.devices import PROFILES, DeviceProfile, profile
@@ -26,7 +26,13 @@ class PoolPlan:
     terms: list[Term]
 
     def total(self, phase: str) -> int:
-        return sum(t.phases[phase] for t in self.terms)
+        """What the device holds in `phase`: every role's lasting terms, plus the largest role's transients (its
+        colocated roles' calls run one at a time: the critic's update, then the actor's)."""
+        transients: dict[str, int] = {}
+        for t in self.terms:
+            if t.transient:
+                transients[t.role] = transients.get(t.role, 0) + t.phases[phase]
+        return sum(t.phases[phase] for t in self.terms if not t.transient) + max(transients.values(), default=0)
 
     @property
     def peak_phase(self) -> str:
@@ -69,8 +75,7 @@ def pool_plans(spec: JobSpec, shapes: dict[str, ModelShape], native_bf16: bool =
             else:
                 src = spec.models.actor if role == "reference" else getattr(spec.models, role).model
                 terms += frozen_terms(role, spec, pool, s, c, src.dtype, role == "reference")
-        out.append(PoolPlan(i, pool.name, pool.world_size, dev,
-                            [Term(t.role, t.what, _field(t.field, i), t.phases) for t in terms]))
+        out.append(PoolPlan(i, pool.name, pool.world_size, dev, [replace(t, field=_field(t.field, i)) for t in terms]))
     return out
 
 

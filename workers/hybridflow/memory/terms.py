@@ -37,6 +37,9 @@ class Term:
     what: str
     field: str
     phases: dict[str, int]
+    # held only while the role's own call runs (activations, logits, gathered layers): colocated roles run one call
+    # at a time in their shared process, so a phase holds the largest role's transients, not their sum
+    transient: bool = False
 
     @property
     def peak(self) -> int:
@@ -122,13 +125,13 @@ def trained_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c
     if not megatron_like:
         gathered, grads = fsdp_transients(s, c, True)
         out.append(Term(role, "FSDP gathered layers + root, fp32 unsharded grads", "spec.training.computeDtype",
-                        _in(("update",), gathered + grads)))
+                        _in(("update",), gathered + grads), transient=True))
     acts = tokens * activation_bytes_per_token(s, c) // t.tensor_parallel
     out.append(Term(role, f"activations ({tokens} tokens/micro-batch)", "spec.training.microBatchSize",
-                    _in(("update",), acts)))
+                    _in(("update",), acts), transient=True))
     head = logits_bytes(s, response, c, True) // t.tensor_parallel if lm else response * 16
     out.append(Term(role, f"logits ({response} response tokens, fp32 log-softmax)", "spec.training.microBatchSize",
-                    _in(("update",), head)))
+                    _in(("update",), head), transient=True))
     return out
 
 
@@ -143,7 +146,7 @@ def frozen_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c:
     return [Term(role, f"{dtype} weights (1/{pool.world_size}, FSDP)", "spec.resourcePools[].devicesPerNode",
                  _in(PHASES, s.params * b // pool.world_size)),
             Term(role, "forward pass (gathered layers, one layer's activations, logits)",
-                 "spec.training.microBatchSize", _in(("forward",), forward))]
+                 "spec.training.microBatchSize", _in(("forward",), forward), transient=True)]
 
 
 def cuda_graphs_on(spec: JobSpec) -> bool:
