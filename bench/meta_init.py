@@ -43,30 +43,24 @@ def make_checkpoint(directory: Path, layers: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _status_bytes(field: str) -> int:
-    """A /proc/self/status memory field (VmRSS: resident now; VmHWM: its high-water mark since clear_refs)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def _rank(rank: int, world: int, store: str, model_dir: str, path: str, out: str) -> None:
     import torch.distributed as dist
 
     from hybridflow.engines.train import fsdp
     from hybridflow.engines.train.base import TrainSettings
+    from hybridflow.roles.common import memory_in_use_bytes, peak_memory_bytes, reset_peak_memory, status_bytes
     from hybridflow.single_controller.context import WorkerContext
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts here: imports' peaks do not count
-    before, anon_before = _status_bytes("VmRSS"), _status_bytes("RssAnon")
+    if not reset_peak_memory():  # the high-water mark restarts here: imports' peaks do not count
+        raise SystemExit("this kernel cannot reset the resident high-water mark (/proc/self/clear_refs)")
+    before, anon_before = memory_in_use_bytes(), status_bytes("RssAnon")
     anon_peak = [anon_before]
     done = threading.Event()
 
     def sample() -> None:  # the kernel keeps no high-water mark of anonymous memory alone: sampled every 2 ms
         while not done.wait(0.002):
-            anon_peak[0] = max(anon_peak[0], _status_bytes("RssAnon"))
+            anon_peak[0] = max(anon_peak[0], status_bytes("RssAnon"))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -78,7 +72,7 @@ def _rank(rank: int, world: int, store: str, model_dir: str, path: str, out: str
     else:
         engine = fsdp.build(WorkerContext(rank, world, rank, "cpu"), settings)
     shard = sum(p.to_local().numel() * p.element_size() for p in engine.module.parameters())
-    after = _status_bytes("VmHWM")
+    after = peak_memory_bytes()
     done.set()
     sampler.join()
     Path(out, f"{path}-{rank}.json").write_text(json.dumps({"runtime": before, "peak": after, "shard": shard,

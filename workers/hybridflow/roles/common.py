@@ -29,8 +29,8 @@ def _on_gpu(cuda: CudaMemory) -> bool:
     return bool(cuda.is_available() and cuda.is_initialized())
 
 
-def _status_bytes(field: str) -> int | None:
-    """A `Vm...` line of /proc/self/status in bytes (None where there is no such file)."""
+def status_bytes(field: str) -> int | None:
+    """A memory line of /proc/self/status (VmRSS, VmHWM, RssAnon...) in bytes (None where there is no such file)."""
     try:
         with open("/proc/self/status") as f:
             line = next((x for x in f if x.startswith(field + ":")), None)
@@ -45,7 +45,7 @@ def peak_memory_bytes(cuda: CudaMemory = torch.cuda) -> int:
     ru_maxrss also keeps the peaks of threads that ended, so it may not fall), ru_maxrss where /proc has none."""
     if _on_gpu(cuda):
         return int(cuda.max_memory_allocated())
-    hwm = _status_bytes("VmHWM")
+    hwm = status_bytes("VmHWM")
     return hwm if hwm is not None else int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
@@ -93,7 +93,7 @@ def memory_in_use_bytes(cuda: CudaMemory = torch.cuda) -> int:
     if _on_gpu(cuda):
         free, total = cuda.mem_get_info()
         return int(total - free - (cuda.memory_reserved() - cuda.memory_allocated()))
-    rss = _status_bytes("VmRSS")
+    rss = status_bytes("VmRSS")
     return 0 if rss is None else rss
 
 
