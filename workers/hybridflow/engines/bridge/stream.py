@@ -203,15 +203,13 @@ class _Bounded:
 
     def _bounded(self, start: Callable[[], dist.Work], what: Callable[[], str]) -> None:
         """Start one operation and wait for it at most the timeout; a timeout or a lost peer (gloo and NCCL raise
-        RuntimeError, DistBackendError, for both, at the start or at the wait) aborts the group and becomes a
-        WeightStreamBroken that says `what` did not happen."""
+        RuntimeError, DistBackendError, for both, at the start or at the wait) becomes a WeightStreamBroken that
+        says `what` did not happen (`send` and `receive`, which every wait runs inside, then abort the group)."""
         try:
             start().wait(timeout=self.timeout)
         except RuntimeError as e:
-            err = WeightStreamBroken(f"{self.peers[self.rank]}: {what()} (stream timeout "
-                                     f"{self.timeout.total_seconds():g} s): {one_line(e)}")
-            self._break(str(err))
-            raise err from e
+            raise WeightStreamBroken(f"{self.peers[self.rank]}: {what()} (stream timeout "
+                                     f"{self.timeout.total_seconds():g} s): {one_line(e)}") from e
 
     def _break(self, why: str) -> None:
         """The stream failed on this rank (a wait, a peer, or what it carried): abort its group once, so no work
