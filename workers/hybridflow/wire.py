@@ -60,6 +60,8 @@ class LineReader:
 
     def __init__(self, fd: int) -> None:
         self.fd, self.buffer = fd, b""
+        self._poll = select.poll()  # not select.select: it fails for an fd >= 1024 (a driver holding many)
+        self._poll.register(fd, select.POLLIN)
 
     def receive(self, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -67,7 +69,7 @@ class LineReader:
             if len(self.buffer) > MAX_LINE:
                 raise WireError(f"the worker sent a reply over {MAX_LINE} bytes")
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+            if left <= 0 or not self._poll.poll(max(1, int(left * 1000 + 0.999))):
                 raise WireTimeout(f"no reply within {timeout:g} s")
             chunk = os.read(self.fd, 1 << 16)
             if not chunk:

@@ -10,6 +10,7 @@ from pathlib import PurePosixPath
 from typing import Sequence
 
 import hybridflow
+from hybridflow.sandbox.cgroup import enter_command as cgroup_enter
 from hybridflow.sandbox.limits import (FRESH_UIDS, INSIDE_UID, PRIVATE_TMP, SECRET_DIRS, THREADS_ENV, WORKDIR, Layers,
                                        Limits, Private)
 
@@ -59,7 +60,7 @@ def _ancestors(path: str, below: str) -> list[str]:
 def command(argv: Sequence[str], limits: Limits, layers: Layers, *, env: dict[str, str], workdir: str,
             uid: int | None = None, parent: int | None = None, binds: Sequence[str] = (),
             hidden: Sequence[str] = (), needed: Sequence[str] = (), private: Private = Private(),
-            python: str = sys.executable) -> list[str]:
+            python: str = sys.executable, seccomp_fd: int | None = None, cgroup: str | None = None) -> list[str]:
     """The command line that runs `argv` sandboxed with `layers`. A pure function of its arguments.
 
     binds: host paths the program sees read-only (the user's code); hidden: directories replaced by an empty tmpfs
@@ -67,7 +68,9 @@ def command(argv: Sequence[str], limits: Limits, layers: Layers, *, env: dict[st
     which are bound back read-only; private: the job's own files (its data, its checkpoints), hidden wherever they
     are, even inside a bound directory: a directory by an empty tmpfs (the user's code under it bound back), a file
     by /dev/null (on bwrap's nodev bind it cannot even be opened); workdir: where the program runs (made by the launcher); uid: the uid the
-    launcher drops to (started as root); parent: the pid whose death kills the program (without bwrap)."""
+    launcher drops to (started as root); parent: the pid whose death kills the program (without bwrap); seccomp_fd:
+    the fd bwrap reads the seccomp filter from (layers.seccomp); cgroup: the sandbox's own cgroup, which the command
+    enters first (cgroup.enter_command)."""
     opts = [f"{k}={v}" for k, v in limits.rlimits(count_processes=layers.userns or layers.other_uid)]
     if uid is not None:
         opts.append(f"uid={uid}")
@@ -75,17 +78,25 @@ def command(argv: Sequence[str], limits: Limits, layers: Layers, *, env: dict[st
         opts.append(f"parent={parent}")
     opts.append(f"dir={workdir}")
     launch = [python, "-I", "-S", "-c", _LAUNCHER, *opts, "--", *argv]
+    enter = cgroup_enter(cgroup) if cgroup else []
     if layers.bwrap is None:
-        return launch
+        return [*enter, *launch]
+    if layers.seccomp and seccomp_fd is None:
+        raise ValueError("a sandbox with the seccomp layer needs the filter's fd (seccomp.filter_fd)")
     out = [layers.bwrap, "--die-with-parent", "--new-session",
            "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "sandbox",
            "--unshare-cgroup-try"]
     if layers.userns:
         out += ["--unshare-user", "--uid", str(INSIDE_UID), "--gid", str(INSIDE_UID)]
+        if layers.disable_userns:  # no user namespace of its own inside (the seccomp filter refuses one too)
+            out += ["--disable-userns"]
     else:  # bwrap as root keeps every capability unless told: only what the launcher needs to drop to `uid`
         out += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     out += ["--ro-bind", "/", "/", "--dev", "/dev"]
     out += ["--proc", "/proc"] if layers.proc else ["--perms", "0555", "--size", "4096", "--tmpfs", "/proc"]
+    # /dev read-only (a writable one is an unsized tmpfs, and device nodes could be made in it), after what --dev
+    # mounts in it; its private /dev/shm (a PRIVATE_TMP, sized) is mounted below, after this, and stays writable.
+    out += ["--remount-ro", "/dev"]
     # Mounts in order of depth, so that each lands on what its parent's mount left: a hidden directory's tmpfs
     # first, then what is bound back into it.
     mounts: list[tuple[str, str]] = [(p, "tmp") for p in PRIVATE_TMP]
@@ -136,8 +147,10 @@ def command(argv: Sequence[str], limits: Limits, layers: Layers, *, env: dict[st
     out += ["--clearenv"]
     for k, v in sorted(env.items()):
         out += ["--setenv", k, v]
+    if layers.seccomp:
+        out += ["--seccomp", str(seccomp_fd)]
     out += ["--chdir", "/", "--", *launch]
-    return out
+    return [*enter, *out]
 
 
 def clean_env(keep: Sequence[str] = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH"), workdir: str = WORKDIR,

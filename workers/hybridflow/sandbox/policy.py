@@ -12,16 +12,21 @@ log = logging.getLogger("hybridflow.sandbox")  # the package's name: what operat
 
 LAYER_TEXT = {"network": "no network", "processes": "its own PID namespace and /proc",
               "filesystem": "a read-only view of the machine with a private /tmp", "user": "another uid",
-              "limits": "rlimits", "environment": "a clean environment"}
+              "limits": "rlimits", "environment": "a clean environment",
+              "syscalls": "a seccomp filter (no namespaces, mounts, ptrace, bpf, io_uring, keyrings of its own)",
+              "cgroup": "a cgroup of its own (memory.max, pids.max)"}
 _warned: set[tuple[tuple[str, str], ...]] = set()
 
 
 def warn_once(layers: Layers, what: str) -> None:
     """One warning per process (per set of missing layers): which layers `what` (e.g. 'the reward function') runs
-    without, and why, and which it keeps."""
+    without, and why, and which it keeps. Only advisory layers missing (no delegated cgroup): said once at info."""
     if not layers.missing or layers.missing in _warned:
         return
     _warned.add(layers.missing)
+    if layers.complete:
+        log.info("%s runs without %s", what, "; ".join(f"{name} ({why})" for name, why in layers.missing))
+        return
     by_why: dict[str, list[str]] = {}
     for name, why in layers.missing:
         by_why.setdefault(why, []).append(name)
@@ -38,9 +43,10 @@ def required(explicit: bool | None = None) -> bool:
 
 
 def check_required(layers: Layers, what: str, require: bool | None = None) -> None:
-    """Raise SandboxUnavailable when the sandbox is required and `layers` lack some layer; warn once otherwise."""
-    if layers.missing and required(require):
+    """Raise SandboxUnavailable when the sandbox is required and `layers` lack some layer (but an advisory one: a
+    cgroup of its own); warn once otherwise."""
+    if layers.required_missing and required(require):
         raise SandboxUnavailable(
             f"{what} must run in the whole sandbox ({REQUIRE_ENV}=require) but this machine lacks "
-            + "; ".join(f"{name} ({why})" for name, why in layers.missing))
+            + "; ".join(f"{name} ({why})" for name, why in layers.required_missing))
     warn_once(layers, what)

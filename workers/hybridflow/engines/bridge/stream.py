@@ -62,6 +62,10 @@ first wait of a sync counts too: receivers enter `receive` when the controller s
 
 _MAGIC = 0x48465753  # "HFWS": a preamble that does not start with it is not ours (a desynchronised stream)
 _PREAMBLE = 6  # magic, version, bucket index (-1: end), header bytes, payload bytes, tensors
+MAX_HEADER_BYTES = 16 << 20
+"""The largest bucket header (JSON: names, shapes, dtype) a receiver takes: a preamble announcing more (or a
+negative size) is refused before anything is allocated or received for it. A bucket's header is ~100 bytes per
+tensor; a bucket of 4 MB of one-element tensors would need ~1M of them to come near."""
 _ACK = 3  # version, tensors, bytes
 _ACK_TAG = 7  # the acks' point-to-point tag
 _PREFIX = "hybridflow/weight-stream"
@@ -395,7 +399,12 @@ class WeightReceiver(_Bounded):
     def _bucket(self, stats: SyncStats, i: int, header_len: int, nbytes: int,
                 n: int) -> Iterator[tuple[str, torch.Tensor]]:
         """One bucket: its header, its bytes, split into named views. Only this bucket's buffer is held; the
-        views are dropped before the next one is received."""
+        views are dropped before the next one is received. A preamble announcing a header over MAX_HEADER_BYTES, or
+        a negative size or count, is refused before the header is allocated or received."""
+        if not 0 < header_len <= MAX_HEADER_BYTES or nbytes < 0 or n < 0:
+            raise self._error(f"bucket {i} of version {stats.version} from sender {self.peers[self.src]} announces "
+                              f"a {header_len}-byte header (at most {MAX_HEADER_BYTES}), {nbytes} bytes and {n} "
+                              "tensors: refused")
         header = torch.empty(header_len, dtype=torch.uint8, device=self.device)
         self._broadcast(header, self._what(stats.version, i))
         meta = json.loads(bytes(header.cpu().tolist()).decode())
