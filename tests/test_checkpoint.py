@@ -506,3 +506,94 @@ def test_the_checkpointers_cadence_is_a_pure_decision_every_save_freq_steps_and_
 
     assert cadence(3) == [3, 6, 7] and cadence(7) == [7] and cadence(0) == [7] and cadence(1) == list(range(1, 8))
     assert not ck.list_checkpoints(tmp_path)  # deciding writes nothing
+
+
+# --- issue 51 L2: step directories and their files are never opened through a symbolic link ------------------------
+
+def test_a_step_directory_that_is_a_link_is_refused_naming_it(tmp_path, caplog):
+    """A `step_N` planted as a link in a job's directory (or in the directory of the job a resumeFrom names) could
+    make the job read another job's checkpoint, another namespace's, or a path of the node: never followed. Named
+    as resumeFrom it is refused, naming it; in a checkpointDir it is skipped with a warning naming it, the newest
+    real checkpoint is used, and pruning removes the link itself, never what it points to."""
+    from hybridflow.api import RLHFJob
+
+    victim = tmp_path / "other-team" / "their-job"
+    theirs = _make_for(victim, 9, _ident("their-job", namespace="other-team"))
+    old, own = tmp_path / "team" / "old-job", tmp_path / "team" / "new-job"
+    _make_for(old, 3, _ident("old-job"))
+    (old / "step_00000009").symlink_to(theirs)  # planted by whoever may write the old job's directory
+
+    job = RLHFJob(metadata={"name": "new-job", "namespace": "team"},
+                  spec={"trainer": {"checkpointDir": str(own), "resumeFrom": str(old / "step_00000009")}})
+    with pytest.raises(ck.CheckpointError) as err:
+        checkpointer.resume_point(job, own)
+    assert str(err.value).startswith(f"spec.trainer.resumeFrom: {old / 'step_00000009'} is a symbolic link (to "
+                                     f"'{theirs}')"), err.value
+    assert "never opened through a link" in str(err.value)
+    with pytest.raises(ck.CheckpointError, match=r"step_00000009 is a symbolic link \(to '"):
+        ck.checkpoint_at(old / "step_00000009")
+    with caplog.at_level(logging.WARNING, logger="hybridflow.checkpoint"):
+        path, state = ck.latest_good(old)  # the old job's directory: its newest real checkpoint
+    assert (path.name, state["step"]) == ("step_00000003", 3)
+    assert f"{old / 'step_00000009'} is a symbolic link" in caplog.text
+    job.spec.trainer.resume_from = str(old)
+    assert checkpointer.resume_point(job, own)[0] == old / "step_00000003"
+    assert "is a symbolic link" in ck.verify(old / "step_00000009")
+    # in the job's own directory, pruning at its next save removes the link, and the target stays whole
+    _make_for(old, 4, _ident("old-job"))
+    assert not os.path.lexists(old / "step_00000009") and ck.verify(theirs) is None
+    assert [p.name for p in ck.list_checkpoints(old)] == ["step_00000003", "step_00000004"]
+
+
+@pytest.mark.parametrize("planted", ["file", "directory"])
+def test_a_link_inside_a_checkpoint_is_refused_and_never_read(tmp_path, planted):
+    """A checkpoint holding a link (a shard, or the role's directory, linked to a path of the node or another job's
+    files) is not intact, whatever the link's target holds; the files are read with O_NOFOLLOW from the directory
+    above each, so a link swapped in after the check is refused when read, too."""
+    secret = tmp_path / "node" / "secret"
+    secret.parent.mkdir()
+    st = ck.staging_dir(tmp_path / "ck", 1)
+    (st / "actor").mkdir()
+    (st / "actor" / "__0_0.distcp").write_bytes(b"weights")
+    ckpt = ck.seal(tmp_path / "ck", st, 1, {"data_position": 1}, keep=2)
+    assert ck.verify(ckpt) is None
+    if planted == "file":  # the link's target holds the very bytes sealed: the digest alone would pass it
+        secret.write_bytes(b"weights")
+        (ckpt / "actor" / "__0_0.distcp").unlink()
+        (ckpt / "actor" / "__0_0.distcp").symlink_to(secret)
+        link = ckpt / "actor" / "__0_0.distcp"
+    else:
+        shutil.copytree(ckpt / "actor", tmp_path / "node" / "actor")
+        shutil.rmtree(ckpt / "actor")
+        (ckpt / "actor").symlink_to(tmp_path / "node" / "actor")
+        link = ckpt / "actor"
+    problem = ck.verify(ckpt)
+    assert problem is not None and problem.startswith(f"{link} is a symbolic link"), problem
+    with pytest.raises(store.LinkRefused, match=f"^{link} is a symbolic link"):
+        store.open_in(ckpt, "actor/__0_0.distcp").close()
+    with pytest.raises(store.LinkRefused, match=f"^{link} is a symbolic link"):
+        store.open_tail(ckpt / "actor" / "__0_0.distcp", 3).close()
+    with pytest.raises(ck.CheckpointError, match="is not an intact checkpoint"):
+        ck.checkpoint_at(ckpt)
+    assert ck.latest_good(tmp_path / "ck") is None
+
+
+def test_files_are_opened_below_their_directory_without_following_links(tmp_path):
+    """store.open_below: a regular file is read; a link at any component, a FIFO (which would hang the reader) and
+    a path that climbs are refused."""
+    (tmp_path / "step_00000001" / "actor").mkdir(parents=True)
+    (tmp_path / "step_00000001" / "actor" / "f").write_bytes(b"x")
+    with store.open_below(tmp_path, "step_00000001/actor/f") as f:
+        assert f.read() == b"x"
+    os.mkfifo(tmp_path / "step_00000001" / "fifo")
+    with pytest.raises(OSError, match="not a regular file"):
+        store.open_below(tmp_path, "step_00000001/fifo")
+    for bad in ("../x", "/etc/passwd", ""):
+        with pytest.raises(ValueError):
+            store.open_below(tmp_path, bad)
+    (tmp_path / "step_00000002").symlink_to(tmp_path / "step_00000001")
+    with pytest.raises(store.LinkRefused, match="step_00000002 is a symbolic link"):
+        store.open_below(tmp_path, "step_00000002/actor/f")
+    assert store.links_in(tmp_path / "step_00000002") == [tmp_path / "step_00000002"]
+    assert store.links_in(tmp_path / "step_00000001") == []
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from hybridflow.checkpoint import dcp as sc
 from hybridflow.checkpoint import CheckpointError
+from hybridflow.checkpoint.store import LinkRefused
 
 
 def _state(value: float) -> dict:
@@ -220,3 +222,30 @@ def test_a_rank_that_cannot_start_writing_fails_every_rank_at_once(tmp_path, asy
         assert outcomes[0][0].startswith("CheckpointError: rank 1 could not start writing") \
             and "ValueError: the model files could not be copied" in outcomes[0][0], outcomes
     assert outcomes[0][1] < 60, outcomes
+
+
+def test_a_sharded_checkpoint_is_loaded_without_following_a_link(tmp_path, one_rank):
+    """Issue 51 L2: DCP's reader opens the index and the shards with store.open_tail: a shard replaced by a link
+    after the checkpoint was verified is refused when the ranks read it, not read through."""
+    state = {"model": {"w": torch.ones(4)}}
+    sc.save(state, tmp_path / "step_00000001" / "actor", tmp_path / "step_00000001")
+    assert torch.equal(sc.read_full(tmp_path / "step_00000001" / "actor")["model"]["w"], torch.ones(4))
+    shard = tmp_path / "step_00000001" / "actor" / "__0_0.distcp"
+    shutil.move(shard, tmp_path / "elsewhere.distcp")
+    shard.symlink_to(tmp_path / "elsewhere.distcp")
+    with pytest.raises(LinkRefused, match="__0_0.distcp is a symbolic link"):
+        sc.read_full(tmp_path / "step_00000001" / "actor")
+    shard.unlink()
+    shutil.move(tmp_path / "elsewhere.distcp", shard)
+    index = tmp_path / "step_00000001" / "actor" / sc.METADATA  # the index, read through DCP's file system
+    shutil.move(index, tmp_path / "elsewhere.metadata")
+    index.symlink_to(tmp_path / "elsewhere.metadata")
+    with pytest.raises(LinkRefused, match=r"\.metadata is a symbolic link"):
+        sc.load({"model": {"w": torch.zeros(4)}}, tmp_path / "step_00000001" / "actor")
+    (tmp_path / "step_00000001" / "actor").rename(tmp_path / "actor-elsewhere")  # the role's directory a link
+    (tmp_path / "step_00000001" / "actor").symlink_to(tmp_path / "actor-elsewhere")
+    index = tmp_path / "actor-elsewhere" / sc.METADATA
+    index.unlink()
+    shutil.move(tmp_path / "elsewhere.metadata", index)
+    with pytest.raises(LinkRefused, match="step_00000001/actor is a symbolic link"):
+        sc.read_full(tmp_path / "step_00000001" / "actor")

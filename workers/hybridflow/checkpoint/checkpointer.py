@@ -15,7 +15,10 @@ from hybridflow.checkpoint.sealing import checkpoint_at, latest_good, remove_uns
 from hybridflow.checkpoint.steplog import (
     append_step_log, read_step_log, rewind_rollouts, rewind_step_log, write_rollouts,
 )
-from hybridflow.checkpoint.store import MANIFEST, CheckpointError, list_checkpoints, open_root, size_bytes, storage_path
+from hybridflow.checkpoint.store import (
+    MANIFEST, CheckpointError, is_link, is_step_dir_name, link_refused, list_checkpoints, open_root, size_bytes,
+    storage_path,
+)
 from hybridflow.api import RLHFJob, SpecError
 
 log = logging.getLogger("hybridflow.checkpoint")
@@ -146,6 +149,8 @@ def resume_point(job: RLHFJob | None, root: Path) -> tuple[Path, dict[str, Any],
     if not source:
         return None
     where = storage_path(source)
+    if is_link(where) and is_step_dir_name(where.name):  # never followed, even to nothing (store.open_below)
+        raise CheckpointError(f"spec.trainer.resumeFrom: {link_refused(where)}")
     if not (where / MANIFEST).is_file() and not list_checkpoints(where):
         # names no checkpoint at all: bad input that no restart mends (exit 2, which the operator does not retry)
         raise SpecError(f"spec.trainer.resumeFrom: {source} holds no checkpoint; name the old job's checkpointDir "

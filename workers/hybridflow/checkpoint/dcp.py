@@ -33,10 +33,12 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # object storage
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
 
-from hybridflow.checkpoint.store import CheckpointError, StoragePath, is_remote, relative, sha256, storage_path
+from hybridflow.checkpoint.store import (
+    CheckpointError, StoragePath, is_link, is_remote, link_refused, open_tail, relative, sha256, storage_path,
+)
 
 log = logging.getLogger("hybridflow.checkpoint")
 
@@ -144,8 +146,13 @@ def _check_sizes(metadata: dcp_metadata.Metadata, shard_bytes: dict[str, int], w
 
 def _shard_file_sizes(directory: Any) -> dict[str, int]:
     """The size of each `__<rank>_<n>.distcp` file of a DCP directory."""
-    where = storage_path(str(directory))
-    return {p.name: p.stat().st_size for p in where.iterdir() if _SHARD_FILE.match(p.name)}
+    where, out = storage_path(str(directory)), {}
+    for p in where.iterdir():
+        if _SHARD_FILE.match(p.name):
+            if is_link(p):  # never followed (store.open_below)
+                raise link_refused(p)
+            out[p.name] = p.stat().st_size
+    return out
 
 
 class _SafeMetadata:
@@ -179,8 +186,27 @@ class _SafeMetadata:
         return metadata
 
 
+class _NoFollowFileSystem(FileSystem):
+    """DCP's local file system, reading each file without following a symbolic link in its last three components
+    (`<step_N>/<role>/<file>`, store.open_tail): a link planted in a checkpoint on a shared claim, at its step
+    directory, its role's directory or a shard, is refused (store.LinkRefused, naming it) rather than read."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "rb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open_tail(Path(path), 3) as stream:
+            yield stream
+
+
 class SafeReader(_SafeMetadata, FileSystemReader):
-    """DCP's reader of a local directory, with the data-only metadata index."""
+    """DCP's reader of a local directory, with the data-only metadata index, never reading through a link."""
+
+    def __init__(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        super().__init__(path, *args, **kwargs)
+        self.fs = _NoFollowFileSystem()
 
 
 class SafeFsspecReader(_SafeMetadata, FsspecReader):

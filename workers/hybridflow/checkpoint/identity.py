@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from hybridflow.checkpoint.store import TRAINER_STATE, CheckpointError, list_checkpoints, read_manifest
+from hybridflow.checkpoint.store import TRAINER_STATE, CheckpointError, list_checkpoints, read_manifest, read_text_in
 
 log = logging.getLogger("hybridflow.checkpoint")
 
@@ -53,7 +53,7 @@ def read_identity(ckpt: Path) -> dict[str, Any] | None:
         return None
     if found is None:  # older checkpoints named their job in the trainer state only
         try:
-            job = json.loads((ckpt / TRAINER_STATE).read_text()).get("job")
+            job = json.loads(read_text_in(ckpt, TRAINER_STATE)).get("job")
         except (ValueError, OSError):
             job = None
         return {"job": job, "namespace": None, "models": None} if job else None

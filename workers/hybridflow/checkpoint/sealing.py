@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -104,7 +105,7 @@ def remove_unsealed(root: Path) -> int:
         return 0
     stale = [p for p in root.glob(".step_*.tmp") if p.is_dir()] if root.is_dir() else []
     for p in stale:
-        shutil.rmtree(p, ignore_errors=True)
+        store.rmtree(p)  # (a link planted under that name: the link itself)
     return len(stale)
 
 
@@ -138,12 +139,12 @@ def seal(root: Path, staging: Path, step: int, trainer_state: dict[str, Any], ke
     store.fsync_dir(staging)
     final = step_dir(root, step)
     old = root / f".{final.name}.old"
-    if final.exists():  # a step redone after a fallback: set the old one aside until the new one is in place
-        shutil.rmtree(old, ignore_errors=True)
+    if final.exists() or final.is_symlink():  # a step redone after a fallback: set the old one aside until the new
+        store.rmtree(old)  # one is in place (a link under the name: the link itself)
         os.replace(final, old)
     os.replace(staging, final)
     store.fsync_dir(root)
-    shutil.rmtree(old, ignore_errors=True)
+    store.rmtree(old)
     _after_seal(root, final, ident, keep)
     return final
 
@@ -192,7 +193,9 @@ def _fingerprint(ckpt: StoragePath) -> tuple[tuple[str, int, str], ...] | None:
         if any(version is None for *_, version in files):
             return None
         return tuple(sorted((name, size, str(version)) for name, size, version in files))
-    stats = [(store.relative(p, ckpt), p.stat()) for p in store.files(ckpt)]
+    if store.is_link(ckpt):
+        return None  # never trusted: verify refuses it
+    stats = [(store.relative(p, ckpt), p.lstat()) for p in store.files(ckpt)]  # a file made a link: another one
     # the inode change time too: a file rewritten in place and given back its old mtime still differs
     return tuple(sorted((name, st.st_size, f"{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}") for name, st in stats))
 
@@ -242,7 +245,11 @@ def _prune(root: Path, newest: Path, ident: dict[str, Any] | None, keep: int) ->
 
 
 def verify(ckpt: Path) -> str | None:
-    """None when intact, else what is wrong."""
+    """None when intact, else what is wrong. Locally a checkpoint is read without following a symbolic link at its
+    step directory or below (store.open_below): one that is, or holds, a link is refused, naming it (a link planted
+    on a shared claim could lead to another job's checkpoint or a path of the node)."""
+    if links := store.links_in(ckpt):
+        return str(store.link_refused(links[0]))
     if not (ckpt / MANIFEST).is_file():
         return "no manifest (interrupted while writing?)"
     try:
@@ -252,15 +259,28 @@ def verify(ckpt: Path) -> str | None:
     for name, digest in manifest.get("files", {}).items():
         if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
             return f"manifest names a file outside the checkpoint: {name!r}"
-        p = ckpt / name
-        if not p.is_file():
-            return f"missing file {name}"
         try:
-            if store.sha256(p) != digest:
+            if _sha256_in(ckpt, name) != digest:
                 return f"file {name} does not match its checksum"
+        except FileNotFoundError:
+            return f"missing file {name}"
+        except store.LinkRefused as err:
+            return str(err)
         except OSError as err:
             return f"unreadable file {name}: {err}"
     return None
+
+
+def _sha256_in(ckpt: StoragePath, name: str) -> str:
+    """The digest of file `name` of `ckpt`, read without following a link (on object storage: store.sha256, which
+    tests count)."""
+    if is_remote(ckpt):
+        return store.sha256(ckpt / name)
+    h = hashlib.sha256()
+    with store.open_in(ckpt, name) as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _newest_intact(root: Path, warn: bool = False) -> Path | None:
@@ -276,16 +296,20 @@ def _newest_intact(root: Path, warn: bool = False) -> Path | None:
 def latest_good(root: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest intact checkpoint and its trainer state; corrupt newer ones are reported and skipped."""
     ckpt = _newest_intact(root, warn=True)
-    return None if ckpt is None else (ckpt, json.loads((ckpt / TRAINER_STATE).read_text()))
+    return None if ckpt is None else (ckpt, json.loads(store.read_text_in(ckpt, TRAINER_STATE)))
 
 
 def checkpoint_at(source: Path) -> tuple[Path, dict[str, Any]] | None:
     """`source` itself when it is an intact checkpoint (a step_* directory), else the newest intact checkpoint of
-    `source` as a checkpointDir; with its trainer state."""
+    `source` as a checkpointDir; with its trainer state. A step directory that is a symbolic link is refused, naming
+    it (a checkpointDir given as a link, on this machine, is the caller's own choice: its step directories are
+    checked)."""
+    if store.is_link(source) and (store.is_step_dir_name(source.name) or (source / MANIFEST).exists()):
+        raise CheckpointError(str(store.link_refused(source)))
     if (source / MANIFEST).is_file():
         problem = verify(source)
         if problem is not None:
             raise CheckpointError(f"{source} is not an intact checkpoint ({problem}); name an intact one, or its "
                                   f"checkpointDir to take the newest intact one")
-        return source, json.loads((source / TRAINER_STATE).read_text())
+        return source, json.loads(store.read_text_in(source, TRAINER_STATE))
     return latest_good(source)

@@ -7,13 +7,16 @@ both the controller (sealing, the step log) and the ranks (DCP shards) use; the 
 `hybridflow.api.storage`, which the operator imports without any of this."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
-from pathlib import Path
-from typing import Any, Union
+import stat
+from pathlib import Path, PurePosixPath
+from typing import IO, Any, Union
 
 from hybridflow.api.storage import is_url
 
@@ -24,6 +27,117 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that must not be used, or one that could not be written; the message says what to do."""
+
+
+class LinkRefused(OSError):
+    """A symbolic link met at or below a checkpoint's step directory, which is never followed: a link planted on a
+    shared claim (`step_N -> ../../other-namespace/their-job/step_N`, or a shard linked to a path of the node) must
+    not make a job read another job's checkpoint or a host file. An OSError, so that what skips an unreadable
+    checkpoint skips this one too; the message names the link."""
+
+
+def link_refused(path: StoragePath) -> LinkRefused:
+    try:
+        target = f" (to {os.readlink(path)!r})"
+    except OSError:
+        target = ""
+    return LinkRefused(f"{path} is a symbolic link{target}: a checkpoint's step directories and the files in them are "
+                       f"never opened through a link, which could lead to another job's checkpoint or a path of the "
+                       f"node; refusing it. Delete the link, or name a checkpoint that is a real directory")
+
+
+def is_link(p: StoragePath) -> bool:
+    """Whether `p` is a symbolic link itself (object storage has none)."""
+    return not is_remote(p) and os.path.islink(p)
+
+
+def _open_dir_below(fd: int, name: str, where: Path) -> int:
+    """The directory `name` in the directory `fd` (closed), opened without following a link: a link is refused."""
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(os.stat(name, dir_fd=fd,
+                                                                            follow_symlinks=False).st_mode):
+            raise link_refused(where) from err
+        raise
+    finally:
+        os.close(fd)
+
+
+def open_below(base: StoragePath, rel: str) -> IO[bytes]:
+    """`base/rel` opened for reading, where no component of `rel` may be a symbolic link: each directory of it is
+    opened from the one above without following a link (O_NOFOLLOW with the directory's descriptor), and the file
+    opened (O_NOFOLLOW) must be the very one found in the last of them, a regular file (no FIFO to hang on, no
+    device). `base` is the caller's trusted directory (a checkpointDir, a resumeFrom job's directory: a mount);
+    `rel` starts at a step directory. A link raises LinkRefused naming it; on object storage (no links) the object
+    is opened as it is."""
+    if is_remote(base):
+        return (base / rel).open("rb")
+    parts = PurePosixPath(rel).parts
+    if not parts or PurePosixPath(rel).is_absolute() or any(p in (".", "..") for p in parts):
+        raise ValueError(f"{rel!r} is not a path below a checkpoint directory")
+    base, fd = Path(base), os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    for i, part in enumerate(parts[:-1]):
+        fd = _open_dir_below(fd, part, base.joinpath(*parts[:i + 1]))
+    full = base.joinpath(*parts)
+    try:
+        found = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+    finally:
+        os.close(fd)
+    if stat.S_ISLNK(found.st_mode):
+        raise link_refused(full)
+    if not stat.S_ISREG(found.st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", str(full))
+    # by its whole path (what audit hooks and error messages name), checked to be the file found above
+    fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    opened = os.fstat(fd)
+    if (opened.st_dev, opened.st_ino) != (found.st_dev, found.st_ino):
+        os.close(fd)
+        raise LinkRefused(f"{full} changed while it was being opened (a directory on its path replaced by a symbolic "
+                          f"link?); refusing it")
+    return os.fdopen(fd, "rb")
+
+
+def open_in(ckpt: StoragePath, name: str) -> IO[bytes]:
+    """File `name` of checkpoint directory `ckpt` (a step_N), opened without following a link at `ckpt` or below
+    (`open_below` from `ckpt`'s parent, the checkpointDir)."""
+    return open_below(ckpt.parent, f"{ckpt.name}/{name}")
+
+
+def open_tail(path: StoragePath, levels: int) -> IO[bytes]:
+    """`path` opened without following a link in its last `levels` components (e.g. 3: step_N/<role>/<shard>)."""
+    if is_remote(path):
+        return path.open("rb")
+    path = Path(path)
+    base = path.parents[levels - 1] if len(path.parents) >= levels else Path(path.anchor or ".")
+    return open_below(base, str(path.relative_to(base)))
+
+
+def read_text_in(ckpt: StoragePath, name: str) -> str:
+    """The text of file `name` of checkpoint `ckpt` (`open_in`)."""
+    with open_in(ckpt, name) as f:
+        return f.read().decode()
+
+
+def links_in(ckpt: StoragePath) -> list[StoragePath]:
+    """The symbolic links at and below checkpoint directory `ckpt` (itself first, if it is one), none followed."""
+    if is_remote(ckpt):
+        return []
+    if os.path.islink(ckpt):
+        return [ckpt]
+    out, todo = [], [Path(ckpt)]
+    while todo:
+        d = todo.pop()
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            continue
+        for e in sorted(entries, key=lambda e: e.name):
+            if e.is_symlink():
+                out.append(d / e.name)
+            elif e.is_dir(follow_symlinks=False):
+                todo.append(d / e.name)
+    return sorted(out)
 
 
 StoragePath = Union[Path, Any]  # a Path, or a UPath (object storage) with the same interface
@@ -64,12 +178,21 @@ def is_remote(p: StoragePath) -> bool:
 
 
 def rmtree(p: StoragePath) -> None:
-    """Remove a directory and everything in it, locally or on object storage (where a directory is a prefix)."""
+    """Remove a directory and everything in it, locally or on object storage (where a directory is a prefix). A
+    symbolic link is removed itself, never what it points to."""
     if is_remote(p):
         if p.exists():
             p.fs.rm(p.path, recursive=True)
+    elif os.path.islink(p):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
     else:
         shutil.rmtree(p, ignore_errors=True)
+
+
+def is_step_dir_name(name: str) -> bool:
+    """Whether `name` is a checkpoint's directory name, `step_N` with 8 digits."""
+    return bool(_STEP_DIR.match(name))
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -129,7 +252,8 @@ def size_bytes(ckpt: Path) -> int:
 
 
 def list_checkpoints(root: StoragePath) -> list[StoragePath]:
-    """The `step_N` directories of a checkpointDir, oldest first, intact or not (`sealing.verify` tells)."""
+    """The `step_N` directories of a checkpointDir, oldest first, intact or not (`sealing.verify` tells; a `step_N`
+    that is a symbolic link to a directory is listed, and refused there, naming it)."""
     if is_remote(root):  # step directories that hold objects (some stores list emptied prefixes as directories)
         prefix = root.path.rstrip("/") + "/"
         names = {k[len(prefix):].split("/", 1)[0] for k in root.fs.find(root.path) if k.startswith(prefix)}
@@ -140,8 +264,9 @@ def list_checkpoints(root: StoragePath) -> list[StoragePath]:
 
 
 def read_manifest(ckpt: Path) -> dict[str, Any]:
-    """A checkpoint's MANIFEST.json (files and digests, identity); raises when it is missing or unreadable."""
-    return json.loads((ckpt / MANIFEST).read_text())
+    """A checkpoint's MANIFEST.json (files and digests, identity), never through a symbolic link; raises when it is
+    missing or unreadable (LinkRefused, an OSError, for a link)."""
+    return json.loads(read_text_in(ckpt, MANIFEST))
 
 
 def load_tensors(path: Path) -> Any:
@@ -153,7 +278,7 @@ def load_tensors(path: Path) -> Any:
     import torch
 
     try:
-        with path.open("rb") as f:
+        with open_tail(path, 2) as f:  # <step_N>/<role>.pt, neither through a symbolic link
             return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise CheckpointError(
