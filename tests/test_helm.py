@@ -1,6 +1,7 @@
 """The Helm chart: lint, render over several values combinations, validate every object, check RBAC and security."""
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -27,7 +28,8 @@ COMBOS = {
     "cluster-wide": ["--set", "clusterWide=true", "--set", "resourceQuota.enabled=true",
                      "--set", "resourceQuota.namespaces={team-a}"],
     "cluster-wide-kueue": ["--set", "clusterWide=true", "--set", "kueue.enabled=true"],
-    "namespaced-kueue": ["--set", "watchNamespaces={team-a,team-b}", "--set", "kueue.enabled=true"],
+    "namespaced-kueue": ["--set", "watchNamespaces={team-a,team-b}", "--set", "kueue.enabled=true",
+                         "--set", "kueue.required=true"],
     # every egress value set, the quota on, no scrapers: the operator's policy then admits no ingress at all
     "egress-quota": ["--set", "watchNamespaces={team-a,team-b}", "--set", "resourceQuota.enabled=true",
                      "--set-json", 'networkPolicy.objectStore={"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], '
@@ -236,7 +238,8 @@ LABELLED = {"matchLabels": {"hybridflow.io/jobs": "enabled"}}
 def test_the_default_install_is_namespaced_to_default():
     """Issue 24, a platform reviewer's objection 2: out of the box the operator holds a Role in `default` only: no
     ClusterRole at all (a namespaced kopf watches no CRDs and lists no namespaces, so nothing cluster-scoped is
-    needed), and every admission binding, the PodMonitor and the operator's own policy look there only."""
+    needed), and the admission bindings (but the job-secrets policy's and the operator-pods policy's, which judge
+    every namespace: issue 51 H2), the PodMonitor and the operator's own policy look there only."""
     docs = render_chart("default")
     assert not {"ClusterRole", "ClusterRoleBinding"} & set(_kinds(docs))
     assert [(d["kind"], d["metadata"]["namespace"]) for d in docs if d["kind"] in ("Role", "RoleBinding")] == [
@@ -246,6 +249,8 @@ def test_the_default_install_is_namespaced_to_default():
     for suffix in ("-job-policy", "-job-children"):
         assert _named(docs, "ValidatingAdmissionPolicyBinding", suffix)["spec"]["matchResources"] == {
             "namespaceSelector": SERVED_DEFAULT}, suffix
+    for suffix in ("-job-secrets", "-operator-pods"):
+        assert "matchResources" not in _named(docs, "ValidatingAdmissionPolicyBinding", suffix)["spec"], suffix
     assert _named(docs, "PodMonitor", "")["spec"]["namespaceSelector"] == {"matchNames": ["default"]}
     heads = _named(docs, "NetworkPolicy", "-operator")["spec"]["egress"][2]["to"]
     assert [p["namespaceSelector"] for p in heads] == [SERVED_DEFAULT]
@@ -308,9 +313,15 @@ def test_a_values_file_naming_the_metadata_service_is_refused(tmp_path, where, v
     assert f"{where}.ipBlock.cidr" in err and "link-local" in err, err
 
 
+# The metadata addresses an ipBlock around them gets as `except`, per family, in order (policy.METADATA_RANGES).
+V4_METADATA = ["169.254.0.0/16", "100.100.100.200/32"]
+V6_METADATA = ["fe80::/10", "fd00:ec2::254/128", "fd00:ec2::23/128"]
+
+
 def test_an_ipblock_around_the_metadata_service_gets_it_as_except():
-    """0.0.0.0/0 (or ::/0, or any block containing a link-local range) is allowed less that range, in the operator's
-    policy as rendered and in the jobs' policies as the operator builds them from the same values."""
+    """0.0.0.0/0 (or ::/0, or any block containing a metadata range: link-local, AWS's IPv6 fd00:ec2::254 and
+    fd00:ec2::23, Alibaba's 100.100.100.200) is allowed less those, in the operator's policy as rendered and in the
+    jobs' policies as the operator builds them from the same values."""
     from hybridflow_operator.policy import Policy
 
     peers = [{"ipBlock": {"cidr": "0.0.0.0/0"}}, {"ipBlock": {"cidr": "::/0"}},
@@ -321,19 +332,19 @@ def test_an_ipblock_around_the_metadata_service_gets_it_as_except():
                                                f"networkPolicy.operator.livenessFrom={json.dumps(peers)}",
                                                "--set-json", f"networkPolicy.egressExtra=[{json.dumps({'to': peers})}]"))
             if d]
-    expected = [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}},
-                {"ipBlock": {"cidr": "::/0", "except": ["fe80::/10"]}},
-                {"ipBlock": {"cidr": "0.0.0.0/0", "except": ["10.0.0.0/8", "169.254.0.0/16"]}},
+    expected = [{"ipBlock": {"cidr": "0.0.0.0/0", "except": V4_METADATA}},
+                {"ipBlock": {"cidr": "::/0", "except": V6_METADATA}},
+                {"ipBlock": {"cidr": "0.0.0.0/0", "except": ["10.0.0.0/8", *V4_METADATA]}},
                 {"ipBlock": {"cidr": "169.0.0.0/8", "except": ["169.254.0.0/15"]}},
                 {"ipBlock": {"cidr": "10.0.0.0/8"}}, {"namespaceSelector": {}}]
     op = _named(docs, "NetworkPolicy", "-operator")["spec"]
     assert op["ingress"][1] == {"from": expected, "ports": [{"protocol": "TCP", "port": 8081}]}
-    assert op["egress"][0]["to"] == [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}}]  # apiServer
+    assert op["egress"][0]["to"] == [{"ipBlock": {"cidr": "0.0.0.0/0", "except": V4_METADATA}}]  # apiServer
     egress = Policy.from_env({k: v for k, v in _env(docs).items() if v is not None}).egress
     assert egress.rules(object_storage=False)[-1] == {"to": expected}
 
 
-# (CIDR, what its family's link-local range is to it), as policy.link_local and the chart's hybridflow.linkLocal say
+# (CIDR, what its family's link-local range is to it), as policy.relation and the chart's hybridflow.relation say
 LINK_LOCAL_TABLE = [
     ("169.254.169.254/32", "inside"), ("169.254.0.0/16", "inside"), ("169.254.20.10", "inside"),
     ("169.254.128.0/17", "inside"), ("169.254.0.0/15", "contains"), ("169.252.0.0/14", "contains"),
@@ -344,31 +355,64 @@ LINK_LOCAL_TABLE = [
     ("::/0", "contains"), ("8000::/1", "contains"), ("fec0::/10", "apart"), ("2001:db8::/32", "apart"),
     ("::1/128", "apart"), ("::ffff:169.254.1.1/128", "apart"), ("fc00::/7", "apart"),
 ]
+# (CIDR, metadata address, what the address is to it): issue 51 L1, the metadata addresses outside link-local
+METADATA_TABLE = [
+    ("100.100.100.200/32", "100.100.100.200/32", "inside"), ("100.100.100.200", "100.100.100.200/32", "inside"),
+    ("100.64.0.0/10", "100.100.100.200/32", "contains"), ("100.100.100.0/24", "100.100.100.200/32", "contains"),
+    ("100.100.100.201/32", "100.100.100.200/32", "apart"), ("100.100.100.128/26", "100.100.100.200/32", "apart"),
+    ("fd00:ec2::254/128", "fd00:ec2::254/128", "inside"), ("FD00:EC2:0:0:0:0:0:254", "fd00:ec2::254/128", "inside"),
+    ("fd00::/8", "fd00:ec2::254/128", "contains"), ("fc00::/7", "fd00:ec2::254/128", "contains"),
+    ("fd00:ec2::/64", "fd00:ec2::23/128", "contains"), ("fd00:ec2::200/120", "fd00:ec2::254/128", "contains"),
+    ("fd00:ec2::200/120", "fd00:ec2::23/128", "apart"), ("fd00:ec2::23", "fd00:ec2::23/128", "inside"),
+    ("fd00:ec2:0::0:23/127", "fd00:ec2::23/128", "contains"), ("fd00:ec3::/32", "fd00:ec2::254/128", "apart"),
+    ("::ffff:100.100.100.200/128", "100.100.100.200/32", "apart"), ("100.100.100.200/32", "fd00:ec2::23/128", "apart"),
+    ("1:2:3:4:5:6:7::/112", "fd00:ec2::254/128", "apart"),
+]
 
 
-def test_the_charts_link_local_check_agrees_with_the_operators(tmp_path):
-    """Helm has no address arithmetic: hybridflow.linkLocal compares the leading bits itself. It must say what
-    policy.link_local (Python's ipaddress) says, for both families, or the chart and the operator would disagree on
-    what a value allows."""
-    from hybridflow_operator.policy import PolicyError, link_local
+def test_the_charts_address_check_agrees_with_the_operators(tmp_path):
+    """Helm has no address arithmetic: hybridflow.relation compares the CIDRs' bits itself (IPv6 expanded by
+    hybridflow.cidrBits). It must say what policy.relation (Python's ipaddress) says, for both families and every
+    metadata address, or the chart and the operator would disagree on what a value allows."""
+    from hybridflow_operator.policy import METADATA_RANGES, PolicyError, relation
 
     chart = tmp_path / "chart"
     shutil.copytree(CHART, chart)  # the CRD is a symlink into the repository: copied as a file
-    (chart / "templates" / "zz-link-local.yaml").write_text(
-        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: link-local}\ndata:\n"
-        "{{- range $i, $c := .Values.linkLocalTable }}\n  c{{ $i }}: {{ include \"hybridflow.linkLocal\" $c | quote }}\n"
+    (chart / "templates" / "zz-relation.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: relation}\ndata:\n"
+        "{{- range $i, $p := .Values.pairs }}\n  c{{ $i }}: {{ include \"hybridflow.relation\" $p | quote }}\n"
         "{{- end }}\n")
-    cidrs = [c for c, _ in LINK_LOCAL_TABLE]
-    out = yaml.safe_load(helm("template", "rel", str(chart), "--show-only", "templates/zz-link-local.yaml",
-                              "--set-json", f"linkLocalTable={json.dumps(cidrs)}"))["data"]
-    for i, (cidr, verdict) in enumerate(LINK_LOCAL_TABLE):
-        family_range = "fe80::/10" if ":" in cidr else "169.254.0.0/16"
-        assert link_local(cidr) == (verdict, family_range), cidr
-        assert out[f"c{i}"] == f"{verdict} {family_range}", cidr
+    pairs = [(c, "fe80::/10" if ":" in c else "169.254.0.0/16", v) for c, v in LINK_LOCAL_TABLE] + METADATA_TABLE
+    pairs += [(c, str(r), None) for c, _ in LINK_LOCAL_TABLE for r in METADATA_RANGES]  # every address, every CIDR
+    out = yaml.safe_load(helm("template", "rel", str(chart), "--show-only", "templates/zz-relation.yaml",
+                              "--set-json", f"pairs={json.dumps([[c, r] for c, r, _ in pairs])}"))["data"]
+    for i, (cidr, other, verdict) in enumerate(pairs):
+        if verdict is not None:
+            assert relation(cidr, other) == verdict, (cidr, other)
+        assert out[f"c{i}"] == relation(cidr, other), (cidr, other)
     with pytest.raises(PolicyError, match="not a CIDR"):
-        link_local("metadata.google.internal")
+        relation("metadata.google.internal", "169.254.0.0/16")
     assert "is not a CIDR" in helm_refuses("--set-json", 'networkPolicy.egressExtra=[{"to": [{"ipBlock": '
                                                          '{"cidr": "metadata.google.internal"}}]}]')
+    for bad in ("fd00::ec2::1/128", "1:2:3:4:5:6:7:8:9/128", "300.1.1.1/32", "10.0.0.0/33"):
+        assert "is not a CIDR" in helm_refuses("--set-json", 'networkPolicy.egressExtra=[{"to": [{"ipBlock": '
+                                                             f'{{"cidr": "{bad}"}}}}]}}]'), bad
+
+
+@pytest.mark.parametrize("cidr, inside", [("100.100.100.200/32", "100.100.100.200/32"),
+                                          ("fd00:ec2::254/128", "fd00:ec2::254/128"),
+                                          ("fd00:ec2::23", "fd00:ec2::23/128")])
+def test_a_values_file_naming_a_metadata_address_outside_link_local_is_refused(tmp_path, cidr, inside):
+    """Issue 51 L1: Alibaba Cloud's metadata service and AWS's IPv6 metadata service and Pod Identity agent are
+    refused like link-local, by helm and by the operator."""
+    from hybridflow_operator.policy import Egress, PolicyError
+
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"networkPolicy": {"egressExtra": [{"to": [{"ipBlock": {"cidr": cidr}}]}]}}))
+    err = helm_refuses("-f", str(path))
+    assert f"networkPolicy.egressExtra[0].to[0].ipBlock.cidr {cidr} is inside {inside} (a cloud metadata " in err, err
+    with pytest.raises(PolicyError, match=re.escape(f"ipBlock.cidr {cidr} is inside {inside} (a cloud metadata")):
+        Egress(extra=({"to": [{"ipBlock": {"cidr": cidr}}]},)).rules(object_storage=False)
 
 
 def test_the_pod_monitor_selects_only_pods_labelled_as_a_jobs():
@@ -400,7 +444,7 @@ def test_the_operators_network_policy_admits_the_scrapers_and_reaches_the_api_dn
         {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["monitoring"]}]}}],
         "ports": [{"protocol": "TCP", "port": metrics_port}]}]
     api, dns, heads = np["spec"]["egress"]
-    assert api == {"to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}}],
+    assert api == {"to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": V4_METADATA}}],
                    "ports": [{"protocol": "TCP", "port": 443}, {"protocol": "TCP", "port": 6443}]}
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert dns == values["networkPolicy"]["dns"]

@@ -8,9 +8,10 @@ from pathlib import Path
 import celpy
 import pytest
 import yaml
-from test_helm import helm
+from test_helm import _helm, helm
 
 from hybridflow.api import Kubernetes, parse_job
+from hybridflow_operator.manifests import CONTAINER_SECURITY
 from hybridflow_operator.policy import FOR_JOBS_LABEL, Policy, unmarked, violations
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,12 +25,15 @@ OPEN = ["--set", "jobPolicy.allowedImages={registry.example.com/ml,hybridflow/}"
         "--set", "jobPolicy.allowAffinity=true", "--set", "jobPolicy.allowedSchedulers={volcano,default-scheduler}"]
 
 
-def _rendered(values: list[str]) -> tuple[dict, Policy]:
+def _rendered(values: list[str]) -> tuple[list[dict], Policy]:
+    """The policies that judge an RLHFJob (the job policy and the job-secrets policy), and the operator's Policy as
+    the rendered Deployment configures it."""
     docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "--namespace", "hf", *values)) if d]
-    vap = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"].endswith("-job-policy"))
+    vaps = [next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"].endswith(suffix))
+            for suffix in ("-job-secrets", "-job-policy")]
     dep = next(d for d in docs if d["kind"] == "Deployment")
     env = {e["name"]: e.get("value", "") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
-    return vap, Policy.from_env(env)
+    return vaps, Policy.from_env(env)
 
 
 class AuthorizerDouble:
@@ -60,18 +64,24 @@ def _py(m) -> dict:
     return {str(k): str(v) for k, v in m.items()}
 
 
-def admitted(vap: dict, doc: dict, authorizer: AuthorizerDouble | None = None, namespace: str = "ml",
-             old: dict | None = None, user: str = "alice", namespace_labels: dict | None = None) -> bool:
+def admitted(vap: dict | list[dict], doc: dict, authorizer: AuthorizerDouble | None = None, namespace: str = "ml",
+             old: dict | None = None, user: str = "alice", namespace_labels: dict | None = None,
+             resource: str = "") -> bool:
     """The API server's verdict: the policy's variables, then every validation, evaluated as CEL."""
-    return not refusals(vap, doc, authorizer, namespace, old, user, namespace_labels)
+    return not refusals(vap, doc, authorizer, namespace, old, user, namespace_labels, resource)
 
 
-def refusals(vap: dict, doc: dict, authorizer: AuthorizerDouble | None = None, namespace: str = "ml",
-             old: dict | None = None, user: str = "alice", namespace_labels: dict | None = None) -> list[str]:
+def refusals(vap: dict | list[dict], doc: dict, authorizer: AuthorizerDouble | None = None, namespace: str = "ml",
+             old: dict | None = None, user: str = "alice", namespace_labels: dict | None = None,
+             resource: str = "") -> list[str]:
     """The message (or messageExpression) of every validation that refuses the request: CREATE, or an UPDATE of
     `old` when given. A request of an operation the policy does not match, or one that a matchCondition leaves
     out, is not judged at all. `namespaceObject` is the request's namespace with `namespace_labels` (plus the
-    kubernetes.io/metadata.name label every namespace carries)."""
+    kubernetes.io/metadata.name label every namespace carries); `resource`, request.resource.resource. A list of
+    policies: the refusals of each, in turn."""
+    if isinstance(vap, list):
+        return [r for one in vap for r in refusals(one, doc, authorizer, namespace, old, user, namespace_labels,
+                                                   resource)]
     operation = "CREATE" if old is None else "UPDATE"
     if not any(operation in rule["operations"] for rule in vap["spec"]["matchConstraints"]["resourceRules"]):
         return []
@@ -79,7 +89,7 @@ def refusals(vap: dict, doc: dict, authorizer: AuthorizerDouble | None = None, n
     functions = (authorizer or AuthorizerDouble()).functions()
     activation = {"object": celpy.json_to_cel(doc), "oldObject": celpy.json_to_cel(old),
                   "request": celpy.json_to_cel({"namespace": namespace, "userInfo": {"username": user},
-                                                "operation": operation}),
+                                                "operation": operation, "resource": {"resource": resource}}),
                   "namespaceObject": celpy.json_to_cel({"metadata": {"name": namespace, "labels": {
                       "kubernetes.io/metadata.name": namespace, **(namespace_labels or {})}}}),
                   "authorizer": _cel_map({})}
@@ -119,6 +129,8 @@ def _pools(base: dict, **fields) -> dict:
 
 
 PINNED = _job(TINY, **{"kubernetes.image": "hybridflow/worker-cpu@sha256:" + "c" * 64})
+AGENT = _job(yaml.safe_load((ROOT / "examples" / "tiny-agent-k8s.yaml").read_text()),
+             **{"kubernetes.image": "hybridflow/worker-cpu@sha256:" + "c" * 64})  # with an environment pool
 
 # case -> (job, admitted under the default values, admitted under OPEN)
 CASES = {
@@ -145,6 +157,14 @@ CASES = {
     "registry lookalike": (_job(TINY, **{"kubernetes.image": "registry.example.com.evil.io/ml/w@sha256:" + "e" * 64}),
                            False, False),
     "gpu example": (GPU, False, False),
+    # issue 51 M1: the environment pool's own image is judged as kubernetes.image is
+    "environment pool on the job's image": (AGENT, True, True),
+    "environment image elsewhere": (_job(AGENT, **{"environments.image": "docker.io/someone/miner@sha256:" + "a" * 64}),
+                                    False, False),
+    "environment image allowed, not pinned": (_job(AGENT, **{"environments.image": "hybridflow/env:1"}), True, False),
+    "environment image pinned": (_job(AGENT, **{"environments.image": "hybridflow/env@sha256:" + "f" * 64}), True, True),
+    "environment image, prefix without its boundary": (
+        _job(AGENT, **{"environments.image": "hybridflow-evil/x@sha256:" + "d" * 64}), False, False),
 }
 
 
@@ -180,7 +200,8 @@ def test_violations_name_the_field_and_the_chart_value():
 
 
 def test_the_policys_default_image_is_the_specs():
-    assert f"'{Kubernetes().image}'" in str(_rendered([])[0]["spec"]["variables"])
+    (policy,) = [v for v in _rendered([])[0] if v["metadata"]["name"].endswith("-job-policy")]
+    assert f"'{Kubernetes().image}'" in str(policy["spec"]["variables"])
 
 
 def test_objects_a_job_mounts_must_be_marked_for_jobs():
@@ -205,6 +226,7 @@ def test_a_ray_secret_is_usable_only_by_an_author_who_may_read_it(charts):
 
 
 OPERATOR = "system:serviceaccount:hf:rel-hybridflow"  # the chart's operator ServiceAccount for release `rel` in hf
+RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted"}  # what a namespace the operator serves must carry
 
 
 def test_only_the_operator_may_make_objects_that_pass_for_a_jobs_own():
@@ -342,7 +364,8 @@ POD_REFUSALS = {  # what a compromised operator might create -> the refusal that
     "image elsewhere": (lambda p: p["spec"]["containers"][0].update(image="docker.io/someone/miner:1"),
                         "image docker.io/someone/miner:1 is not under an allowed prefix"),
     "init container elsewhere": (lambda p: p["spec"].setdefault("initContainers", []).append(
-        {"name": "fetch", "image": "busybox:1"}), "container fetch: image busybox:1"),
+        {"name": "fetch", "image": "busybox:1", "securityContext": copy.deepcopy(CONTAINER_SECURITY)}),
+        "container fetch: image busybox:1"),
     "token automounted": (lambda p: p["spec"].update(automountServiceAccountToken=True),
                           "spec.automountServiceAccountToken must be false"),
     "token by default": (lambda p: p["spec"].pop("automountServiceAccountToken"),
@@ -359,6 +382,39 @@ POD_REFUSALS = {  # what a compromised operator might create -> the refusal that
                  "or its ports"),
     "privileged": (lambda p: p["spec"]["containers"][0]["securityContext"].update(privileged=True),
                    "may not be privileged"),
+    # issue 51 M4: the securityContext the operator writes is pinned, envFrom refused, Secrets only by its keys
+    "privilege escalation": (lambda p: p["spec"]["containers"][0]["securityContext"].update(
+        allowPrivilegeEscalation=True), "container controller: securityContext must be the one the operator writes"),
+    "a capability added": (lambda p: p["spec"]["containers"][0]["securityContext"]["capabilities"].update(
+        add=["NET_RAW"]), "container controller: securityContext must be the one the operator writes"),
+    "capabilities kept": (lambda p: p["spec"]["containers"][0]["securityContext"].pop("capabilities"),
+                          "capabilities drop ALL and add none"),
+    "a writable root filesystem": (lambda p: p["spec"]["containers"][0]["securityContext"].update(
+        readOnlyRootFilesystem=False), "readOnlyRootFilesystem true"),
+    "a container as root": (lambda p: p["spec"]["containers"][0]["securityContext"].update(runAsUser=0),
+                            "never root"),
+    "a container unconfined": (lambda p: p["spec"]["containers"][0]["securityContext"].update(
+        seccompProfile={"type": "Unconfined"}), "seccompProfile RuntimeDefault"),
+    "no container securityContext": (lambda p: p["spec"]["containers"][0].pop("securityContext"),
+                                     "container controller: securityContext must be"),
+    "pod seccomp unconfined": (lambda p: p["spec"]["securityContext"].update(seccompProfile={"type": "Unconfined"}),
+                               "spec.securityContext must be the one the operator writes"),
+    "pod may run as root": (lambda p: p["spec"]["securityContext"].pop("runAsNonRoot"),
+                            "spec.securityContext must be the one the operator writes"),
+    "pod as uid 0": (lambda p: p["spec"]["securityContext"].update(runAsUser=0), "never uid 0"),
+    "envFrom a Secret": (lambda p: p["spec"]["containers"][0].update(envFrom=[{"secretRef": {"name": "team-s3"}}]),
+                         "container controller: envFrom is refused"),
+    "envFrom a ConfigMap": (lambda p: p["spec"]["containers"][0].update(envFrom=[{"configMapRef": {"name": "x"}}]),
+                            "envFrom is refused"),
+    "a Secret's key as LD_PRELOAD": (lambda p: p["spec"]["containers"][0]["env"].append(
+        {"name": "LD_PRELOAD", "valueFrom": {"secretKeyRef": {"name": "team-s3", "key": "AWS_ACCESS_KEY_ID"}}}),
+        "container controller: a secretKeyRef may only give RAY_AUTH_TOKEN"),
+    "a credential from another key": (lambda p: p["spec"]["containers"][0]["env"].append(
+        {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "team-s3", "key": "token"}}}),
+        "a secretKeyRef may only give"),
+    "the Ray token from another key": (lambda p: next(
+        e for e in p["spec"]["containers"][0]["env"] if e["name"] == "RAY_AUTH_TOKEN")["valueFrom"]["secretKeyRef"]
+        .update(key="password"), "a secretKeyRef may only give"),
     "not a job's": (lambda p: p["metadata"]["labels"].pop("hybridflow.io/job"), "the operator creates job pods only"),
     "owned by no job": (lambda p: p["metadata"].pop("ownerReferences"), "the operator creates job pods only"),
 }
@@ -379,15 +435,18 @@ def test_the_operators_own_pods_pass_its_pod_policy(operator_pods):
         pods = _job_pods(example)
         assert len(pods) >= 2
         for pod in pods:
-            assert refusals(vap, pod, namespace="default", user=OPERATOR) == [], pod["metadata"]["name"]
+            assert refusals(vap, pod, namespace="default", user=OPERATOR, namespace_labels=RESTRICTED) == [], \
+                pod["metadata"]["name"]
     pinned = _job(PINNED, **{"kubernetes.serviceAccountName": "trainer"})
     for pod in _job_pods(pinned):
         assert pod["spec"]["serviceAccountName"] == "trainer"
-        assert refusals(operator_pods["open"], pod, namespace="default", user=OPERATOR) == []
-        assert not admitted(vap, pod, namespace="default", user=OPERATOR)  # the default values allow neither
+        assert refusals(operator_pods["open"], pod, namespace="default", user=OPERATOR,
+                        namespace_labels=RESTRICTED) == []
+        assert not admitted(vap, pod, namespace="default", user=OPERATOR,
+                            namespace_labels=RESTRICTED)  # the default values allow neither
     for pod in _job_pods(TINY_EXAMPLE, "team-a"):
         assert refusals(operator_pods["cluster-wide"], pod, namespace="team-a", user=OPERATOR,
-                        namespace_labels={"hybridflow.io/jobs": "enabled"}) == []
+                        namespace_labels={"hybridflow.io/jobs": "enabled", **RESTRICTED}) == []
 
 
 @pytest.mark.parametrize("case", list(POD_REFUSALS))
@@ -395,7 +454,7 @@ def test_a_pod_the_operator_should_never_create_is_refused(operator_pods, case):
     change, message = POD_REFUSALS[case]
     head = _job_pods(TINY_EXAMPLE)[0]
     bad = _changed(head, change)
-    for combo, labels in (("default", None), ("cluster-wide", {"hybridflow.io/jobs": "enabled"})):
+    for combo, labels in (("default", RESTRICTED), ("cluster-wide", {"hybridflow.io/jobs": "enabled", **RESTRICTED})):
         found = refusals(operator_pods[combo], bad, namespace="default", user=OPERATOR, namespace_labels=labels)
         assert len(found) == 1 and message in found[0], (combo, found)
         assert refusals(operator_pods[combo], bad, namespace="default", user="alice", namespace_labels=labels) == [], \
@@ -415,3 +474,173 @@ def test_the_operator_creates_pods_only_in_the_namespaces_it_serves(operator_pod
     assert not admitted(operator_pods["cluster-wide"], pod, namespace="kube-system", user=OPERATOR,
                         namespace_labels={"hybridflow.io/jobs": "disabled"})
     assert admitted(operator_pods["cluster-wide"], pod, namespace="kube-system", user="system:serviceaccount:x:y")
+
+
+def test_the_environment_pools_image_is_named_in_the_verdicts_and_an_update_leaving_it_passes(charts):
+    """Issue 51 M1: spec.environments.image runs the pool's pods (the operator-pods policy judges those pods too);
+    the operator and the job policy both name it, and an update that leaves it as it was is never refused."""
+    vaps, policy = charts["open"]
+    doc = _job(AGENT, **{"environments.image": "hybridflow/env:1"})
+    assert violations(parse_job(copy.deepcopy(doc)), policy) == [
+        "spec.environments.image 'hybridflow/env:1' must be pinned by digest (image@sha256:...; chart value "
+        "jobPolicy.requireImageDigest)"]
+    assert refusals(vaps, doc) == [
+        "spec.environments.image must be pinned by digest (chart value jobPolicy.requireImageDigest)"]
+    suspended = _job(doc, **{"runPolicy.suspend": True})
+    assert refusals(vaps, suspended, old=doc) == []  # admitted before the policy changed: left alone
+    elsewhere = _job(AGENT, **{"environments.image": "evil/x:1"})
+    assert refusals(charts["default"][0], elsewhere) == [
+        "spec.environments.image evil/x:1 is not under an allowed prefix (chart value jobPolicy.allowedImages)"]
+    assert violations(parse_job(copy.deepcopy(elsewhere)), Policy()) == [
+        "spec.environments.image 'evil/x:1' is not under an allowed prefix (hybridflow/; chart value "
+        "jobPolicy.allowedImages)"]
+
+
+def _docs(*values: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "--namespace", "hf", *values)) if d]
+
+
+def _selects(selector: dict | None, namespace: str, labels: dict) -> bool:
+    """A binding's namespaceSelector (matchLabels, matchExpressions In) on a namespace; None: every namespace."""
+    if selector is None:
+        return True
+    have = {"kubernetes.io/metadata.name": namespace, **labels}
+    return all(have.get(k) == v for k, v in (selector.get("matchLabels") or {}).items()) and all(
+        e["operator"] == "In" and have.get(e["key"]) in e["values"] for e in selector.get("matchExpressions") or [])
+
+
+def _bound_in(docs: list[dict], namespace: str, labels: dict | None = None) -> list[dict]:
+    """The policies the API server runs on a request in this namespace: those whose binding selects it."""
+    policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
+    return [policies[b["spec"]["policyName"]] for b in docs if b["kind"] == "ValidatingAdmissionPolicyBinding"
+            and _selects((b["spec"].get("matchResources") or {}).get("namespaceSelector"), namespace, labels or {})]
+
+
+@pytest.mark.parametrize("values", [[], ["--set", "watchNamespaces={team-a}"], ["--set", "clusterWide=true"]])
+def test_the_secrets_a_job_names_are_judged_in_every_namespace_served_or_not(values):
+    """Issue 51 H2: a job created before its namespace was served (not yet labelled, not yet in watchNamespaces) is
+    picked up by the operator later, which never reads Secrets nor knows who made the job: its Secrets were judged
+    when it was made, wherever that was. The chart's other rules (images, ...) stay where the operator serves."""
+    docs = _docs(*values)
+    doc = _job(TINY, **{"kubernetes.checkpointSecret": "payroll-s3", "kubernetes.trackingSecret": "their-wandb",
+                        "kubernetes.rayAuthSecret": "admin-token"})
+    for namespace in ("not-served-yet", "team-a", "default"):
+        bound = _bound_in(docs, namespace)
+        assert refusals(bound, doc, AuthorizerDouble(), namespace=namespace, resource="rlhfjobs") == [
+            "spec.kubernetes.rayAuthSecret: you may not read Secret admin-token, so a job of yours may not use it "
+            "either",
+            "spec.kubernetes.checkpointSecret: you may not read Secret payroll-s3, so a job of yours may not use it "
+            "either",
+            "spec.kubernetes.trackingSecret: you may not read Secret their-wandb, so a job of yours may not use it "
+            "either"], namespace
+        readable = AuthorizerDouble({("secrets", namespace, s) for s in ("payroll-s3", "their-wandb", "admin-token")})
+        assert refusals(bound, doc, readable, namespace=namespace) == [], namespace
+    unserved = [p["metadata"]["name"] for p in _bound_in(docs, "not-served-yet") if "rlhfjobs" in str(p["spec"])]
+    assert unserved == ["rel-hybridflow-job-secrets"], "only the Secrets are judged where the operator does not serve"
+
+
+def test_kueue_required_refuses_a_job_without_its_queue_label():
+    """Issue 51 M2: kueue.required (with kueue.enabled): a job not labelled for a LocalQueue would run past every
+    queue's quota; the job policy refuses it (and an update removing the label), the operator refuses it at
+    acceptance. Off (the default), an unlabelled job is the usual one."""
+    from hybridflow.api import SpecError
+    from hybridflow_operator.handlers import _check_queueable
+    from hybridflow_operator.policy import queue_problem
+
+    vaps, policy = _rendered(["--set", "kueue.enabled=true", "--set", "kueue.required=true"])
+    assert policy.require_queue
+    labelled = copy.deepcopy(TINY)
+    labelled["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+    message = ("metadata.labels[kueue.x-k8s.io/queue-name]: this cluster admits jobs only through Kueue (chart value "
+               "kueue.required); label the job with its LocalQueue")
+    assert refusals(vaps, TINY) == [message]
+    assert refusals(vaps, labelled) == []
+    assert refusals(vaps, TINY, old=labelled) == [message]  # the label removed by an update
+    assert refusals(vaps, _job(TINY, **{"runPolicy.suspend": True}), old=TINY) == []  # made before: left alone
+    why = queue_problem(None, policy)
+    assert why and why.startswith("metadata.labels[kueue.x-k8s.io/queue-name]: this cluster admits jobs only "
+                                  "through Kueue (chart value kueue.required)")
+    assert queue_problem("team-a", policy) is None and queue_problem(None, Policy()) is None
+    with pytest.raises(SpecError, match=r"kueue\.required"):
+        _check_queueable(parse_job(copy.deepcopy(TINY)), None, policy)
+    _check_queueable(parse_job(copy.deepcopy(TINY)), None, Policy())  # not required: accepted
+    default_vaps, default_policy = _rendered([])
+    assert refusals(default_vaps, TINY) == [] and not default_policy.require_queue
+    out = _helm("template", "rel", str(CHART), "--set", "kueue.required=true")
+    assert out.returncode != 0 and "set kueue.enabled=true as well" in out.stderr
+
+
+def test_every_pod_the_operator_makes_passes_its_pod_policy_secrets_and_environment_pool_included(operator_pods):
+    """Issue 51 M4: the pins hold what the operator writes: every container's securityContext (init containers and
+    the environment pool's too), the Ray token, the sandbox pool's token, the storage credentials of
+    checkpointSecret and the trackers' of trackingSecret (each variable from the key of its own name)."""
+    from hybridflow.api.storage import STORAGE_CREDENTIAL_KEYS, TRACKING_CREDENTIAL_KEYS
+    from hybridflow_operator import manifests as mf
+    from hybridflow_operator.environments import environment_pod
+
+    raw = _job(AGENT, **{"kubernetes.checkpointSecret": "team-s3", "kubernetes.trackingSecret": "team-wandb",
+                         "resourcePools": [{"name": "default", "nodes": 1}]})
+    raw["metadata"] = {"name": "agent", "namespace": "default", "uid": "1234-abcd"}
+    job = parse_job(copy.deepcopy(raw))
+    pods = mf.gang_pods(job, "1234-abcd", 0) + [environment_pod(job, "1234-abcd", 0)]
+    refs = {(e["name"], e["valueFrom"]["secretKeyRef"]["key"]) for p in pods
+            for c in p["spec"]["containers"] + p["spec"].get("initContainers", []) for e in c.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
+    fixed = {"RAY_AUTH_TOKEN": "token", mf.SANDBOX_TOKEN_ENV: mf.SANDBOX_TOKEN_KEY,
+             **{k: k for k in STORAGE_CREDENTIAL_KEYS + TRACKING_CREDENTIAL_KEYS}}
+    assert refs == set(fixed.items())
+    for pod in pods:
+        assert refusals(operator_pods["open"], pod, namespace="default", user=OPERATOR,
+                        namespace_labels=RESTRICTED) == [], pod["metadata"]["name"]
+    secret_env = next(v["expression"] for v in operator_pods["default"]["spec"]["variables"]
+                      if v["name"] == "secretEnv")
+    env = celpy.Environment()
+    assert dict(env.program(env.compile(secret_env)).evaluate({})) == fixed
+
+
+def test_the_operator_creates_pods_only_where_the_restricted_pod_security_standard_is_enforced(operator_pods):
+    """Issue 51 M4: a namespace the operator serves must enforce Pod Security `restricted` (its label): the API server
+    then judges every pod there, and the operator's pod creates are refused until it does (the job shows
+    CreateRefused with this message, and starts once the namespace is labelled)."""
+    pod = _job_pods(TINY_EXAMPLE)[0]
+    message = ("namespace default does not enforce the restricted Pod Security Standard, which the operator requires "
+               "where it creates pods: kubectl label namespace default pod-security.kubernetes.io/enforce=restricted")
+    for combo, labels in (("default", {}), ("cluster-wide", {"hybridflow.io/jobs": "enabled"})):
+        for psa in ({}, {"pod-security.kubernetes.io/enforce": "baseline"},
+                    {"pod-security.kubernetes.io/warn": "restricted"}):
+            assert refusals(operator_pods[combo], pod, namespace="default", user=OPERATOR,
+                            namespace_labels={**labels, **psa}) == [message], (combo, psa)
+        assert refusals(operator_pods[combo], pod, namespace="default", user=OPERATOR,
+                        namespace_labels={**labels, **RESTRICTED}) == [], combo
+
+
+def test_workloads_podgroups_and_endpoint_slices_that_pass_for_a_jobs_are_the_operators_or_their_controllers():
+    """Issue 51 L5: a Workload owned by a job is its Kueue admission, a PodGroup its Volcano gang, an EndpointSlice
+    labelled as a job's the addresses of its head: only the operator may make one, or (per resource) the controller
+    that makes it from the job's own Service or pods."""
+    docs = _docs()
+    guard = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"
+                 and d["metadata"]["name"].endswith("-job-children"))
+    matched = {(g, r) for rule in guard["spec"]["matchConstraints"]["resourceRules"] for g in rule["apiGroups"]
+               for r in rule["resources"] if {"CREATE", "UPDATE"} <= set(rule["operations"])}
+    assert {("discovery.k8s.io", "endpointslices"), ("kueue.x-k8s.io", "workloads"),
+            ("scheduling.volcano.sh", "podgroups")} <= matched
+    owned = {"metadata": {"name": "victim-wl", "ownerReferences": [
+        {"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLHFJob", "name": "victim", "uid": "u", "controller": True}]}}
+    labelled = {"metadata": {"name": "victim-head-abcde", "labels": {"hybridflow.io/job": "victim",
+                                                                     "kubernetes.io/service-name": "victim-head"}}}
+    plain = {"metadata": {"name": "mine", "labels": {"kubernetes.io/service-name": "mine"}}}
+    slicer = "system:serviceaccount:kube-system:endpointslice-controller"
+    volcano = "system:serviceaccount:volcano-system:volcano-controllers"
+    for resource, doc in (("workloads", owned), ("podgroups", owned), ("endpointslices", labelled)):
+        assert not admitted(guard, doc, resource=resource), resource
+        assert not admitted(guard, doc, old=plain, resource=resource), resource  # turned into the job's
+        assert admitted(guard, doc, user=OPERATOR, resource=resource), resource
+        assert admitted(guard, plain, resource=resource), resource
+    assert admitted(guard, labelled, user=slicer, resource="endpointslices")  # the slices of the job's Service
+    assert admitted(guard, labelled, user="system:kube-controller-manager", resource="endpointslices")
+    assert admitted(guard, owned, user=volcano, resource="podgroups")  # a PodGroup for a job pod, the pod's owner
+    assert not admitted(guard, owned, user=slicer, resource="workloads"), "trusted for its own resource only"
+    assert not admitted(guard, owned, user=volcano, resource="workloads")
+    assert admitted(guard, owned, old=owned, user="system:serviceaccount:kueue-system:kueue-controller-manager",
+                    resource="workloads")  # Kueue updating the job's Workload

@@ -13,10 +13,22 @@ not grant; the operator checks it (an admission policy cannot look other objects
 names is checked by the admission policy instead, with the API server's authorizer: its author must be allowed to
 read that Secret (the operator itself may create Secrets but never read one).
 
+The Secrets a job names (rayAuthSecret, checkpointSecret, trackingSecret) are judged for every job, wherever it is
+created (issue 51 H2): those three rules are a policy of their own (`<release>-job-secrets`), bound in every
+namespace, not only in the served ones, so a job created before its namespace was served (labelled, or added to
+watchNamespaces) was judged when it named them, by the authorizer, with the full identity of whoever named them
+(user, groups, extra). The alternative, recording the creator at admission and asking a SubjectAccessReview at every
+gang start, was not chosen: a validating policy cannot write the record, a MutatingAdmissionPolicy is alpha in
+Kubernetes 1.32 and a beta API off by default in 1.34 (the chart supports 1.30+), a webhook would put the operator
+in the path of every job create, and the operator would need cluster-wide `create subjectaccessreviews`. Left as
+before: a job created while no such policy existed (admissionPolicy.enabled=false, or before the chart was
+installed) was never judged; a revoked right does not stop a job admitted before.
+
 Where a job's pods may connect to (`Egress`, the chart's `networkPolicy` values): their own pods, the cluster's DNS,
-the object store when the job checkpoints to one, and what the platform team adds; never the link-local ranges,
-where clouds serve instance metadata and credentials (169.254.169.254). A cluster-wide operator acts only in
-namespaces carrying `NAMESPACE_LABEL`.
+the object store when the job checkpoints to one, and what the platform team adds; never the addresses where
+clouds serve instance metadata and credentials (`METADATA_RANGES`: the link-local ranges, 169.254.169.254, and
+fd00:ec2::254, fd00:ec2::23, 100.100.100.200). A cluster-wide operator acts only in namespaces carrying
+`NAMESPACE_LABEL`. With `require_queue` (the chart's kueue.required) every job must be queued through Kueue.
 """
 from __future__ import annotations
 
@@ -32,10 +44,16 @@ FOR_JOBS_LABEL = f"{API_GROUP}/for-jobs"
 # A cluster-wide install acts only in namespaces labelled so (the chart's clusterWide mode sets it).
 NAMESPACE_LABEL = f"{API_GROUP}/jobs=enabled"
 
-# Link-local: the cloud metadata service (169.254.169.254, credentials of the node's cloud identity) and its IPv6
-# kin. No egress rule may reach them: an ipBlock inside one is refused, one that contains one gets it as `except`.
-# The chart's _helpers.tpl (hybridflow.linkLocal) decides the same for the operator's own NetworkPolicy.
+# Where clouds serve instance metadata and credentials of the node's cloud identity. No egress rule may reach them:
+# an ipBlock inside one is refused, one that contains one gets it as `except`. The link-local ranges (169.254.169.254
+# on AWS, GCP, Azure; EKS Pod Identity's 169.254.170.23), and the addresses outside them: AWS's IPv6 instance
+# metadata service and Pod Identity agent (fd00:ec2::254, fd00:ec2::23, in a unique-local range) and Alibaba
+# Cloud's metadata service (100.100.100.200, in the shared 100.64.0.0/10). In this order (the excepts' order). The
+# chart's _helpers.tpl (hybridflow.metadataRanges, hybridflow.relation) decides the same for the operator's own
+# NetworkPolicy.
 LINK_LOCAL = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("fe80::/10"))
+METADATA_RANGES = (LINK_LOCAL[0], ipaddress.ip_network("100.100.100.200/32"), LINK_LOCAL[1],
+                   ipaddress.ip_network("fd00:ec2::254/128"), ipaddress.ip_network("fd00:ec2::23/128"))
 DNS_PORTS = ({"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53})
 # kube-dns / CoreDNS as kubeadm, kind, GKE, EKS and AKS run it (its pods keep the k8s-app=kube-dns label).
 DEFAULT_DNS: dict[str, Any] = {
@@ -49,25 +67,40 @@ class PolicyError(ValueError):
     """The chart's values (the operator's environment) ask for something that is never allowed."""
 
 
-def link_local(cidr: str) -> tuple[str, str]:
-    """("inside" | "contains" | "apart", the link-local range of the CIDR's family) for an ipBlock's CIDR."""
+def _network(cidr: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     try:
-        net = ipaddress.ip_network(cidr, strict=False)
+        return ipaddress.ip_network(cidr, strict=False)
     except ValueError as err:
         raise PolicyError(f"'{cidr}' is not a CIDR ({err})") from None
-    (bad,) = [r for r in LINK_LOCAL if r.version == net.version]
+
+
+def relation(cidr: str, other: str) -> str:
+    """What `other` is to the CIDR: "inside" (the CIDR lies in it, or is it), "contains" (the CIDR holds all of it)
+    or "apart" (they share no address; another family always)."""
+    net, bad = _network(cidr), _network(other)
+    if net.version != bad.version:
+        return "apart"
     if net.subnet_of(bad):  # type: ignore[arg-type]
-        return "inside", str(bad)
-    return ("contains" if bad.subnet_of(net) else "apart"), str(bad)  # type: ignore[arg-type]
+        return "inside"
+    return "contains" if bad.subnet_of(net) else "apart"  # type: ignore[arg-type]
 
 
-def _prefix(cidr: str) -> int:
-    return ipaddress.ip_network(cidr, strict=False).prefixlen
+def metadata_relations(cidr: str) -> list[tuple[str, str]]:
+    """(relation, range) for each of METADATA_RANGES of the CIDR's family, in their order."""
+    version = _network(cidr).version
+    return [(relation(cidr, str(r)), str(r)) for r in METADATA_RANGES if r.version == version]
+
+
+def _what(bad: str) -> str:
+    if _network(bad) in LINK_LOCAL:
+        return "link-local: the cloud metadata service"
+    return "a cloud metadata service's address"
 
 
 def confine_peer(peer: dict[str, Any], where: str) -> dict[str, Any]:
-    """A NetworkPolicyPeer that cannot reach the link-local range: an ipBlock containing it gets it as `except`; one
-    inside it is refused (PolicyError naming `where`). Selector peers (pods, namespaces) pass as they are."""
+    """A NetworkPolicyPeer that cannot reach the metadata addresses (METADATA_RANGES): an ipBlock containing one gets
+    it as `except`; one inside one is refused (PolicyError naming `where`). Selector peers (pods, namespaces) pass as
+    they are."""
     if not isinstance(peer, dict) or not peer:
         raise PolicyError(f"{where}: a NetworkPolicyPeer (ipBlock, namespaceSelector, podSelector), got {peer!r}")
     block = peer.get("ipBlock")
@@ -75,17 +108,19 @@ def confine_peer(peer: dict[str, Any], where: str) -> dict[str, Any]:
         return peer
     if not isinstance(block, dict) or not isinstance(block.get("cidr"), str):
         raise PolicyError(f"{where}.ipBlock: needs a cidr, got {block!r}")
-    verdict, bad = link_local(block["cidr"])
-    if verdict == "inside":
-        raise PolicyError(f"{where}.ipBlock.cidr {block['cidr']} is inside {bad} (link-local: the cloud metadata "
-                          "service); no job or operator may reach it")
-    if verdict == "apart":
-        return peer
+    found = metadata_relations(block["cidr"])
+    for verdict, bad in found:
+        if verdict == "inside":
+            raise PolicyError(f"{where}.ipBlock.cidr {block['cidr']} is inside {bad} ({_what(bad)}); no job or "
+                              "operator may reach it")
     excepts = [str(e) for e in block.get("except") or []]
-    if not any(link_local(e) in (("contains", bad), ("inside", bad)) and _prefix(e) <= _prefix(bad)
-               for e in excepts):  # unless an `except` already holds the whole range
-        excepts.append(bad)
-    return {**peer, "ipBlock": {**block, "except": excepts}}
+    added = False
+    for verdict, bad in found:
+        # unless an `except` already holds the whole range
+        if verdict == "contains" and not any(relation(bad, e) == "inside" for e in excepts):
+            excepts.append(bad)
+            added = True
+    return {**peer, "ipBlock": {**block, "except": excepts}} if added else peer
 
 
 def confine_rule(rule: dict[str, Any], where: str) -> dict[str, Any]:
@@ -164,6 +199,7 @@ class Policy:
     egress: Egress = field(default_factory=Egress)
     # "key=value": the label a namespace must carry for the operator to act in it ("": every namespace it watches)
     namespace_label: str = ""
+    require_queue: bool = False  # every job is queued through Kueue (chart value kueue.required)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Policy":
@@ -191,6 +227,7 @@ class Policy:
             metrics_namespaces=items("HYBRIDFLOW_METRICS_NAMESPACES", d.metrics_namespaces),
             egress=Egress.from_env(env),
             namespace_label=_label(env.get("HYBRIDFLOW_NAMESPACE_LABEL", d.namespace_label)),
+            require_queue=flag("HYBRIDFLOW_KUEUE_REQUIRED", d.require_queue),
         )
 
     def acts_in(self, namespace_labels: dict[str, str] | None) -> bool:
@@ -212,13 +249,17 @@ def violations(job: RLHFJob, policy: Policy) -> list[str]:
     """Every rule the job's spec breaks, each naming the field, the value and the chart value that governs it."""
     k8s, run = job.spec.kubernetes, job.spec.run_policy
     out = []
-    image = k8s.image
-    if not any(image.startswith(p) for p in image_prefixes(policy.allowed_images)):
-        out.append(f"spec.kubernetes.image '{image}' is not under an allowed prefix "
-                   f"({', '.join(policy.allowed_images) or 'none'}; chart value jobPolicy.allowedImages)")
-    if policy.require_image_digest and "@sha256:" not in image:
-        out.append(f"spec.kubernetes.image '{image}' must be pinned by digest (image@sha256:...; "
-                   "chart value jobPolicy.requireImageDigest)")
+    pool = job.spec.environments
+    for where, image in (("spec.kubernetes.image", k8s.image),
+                         ("spec.environments.image", pool.image if pool is not None else None)):
+        if image is None:  # the environment pool's default: kubernetes.image, judged above
+            continue
+        if not any(image.startswith(p) for p in image_prefixes(policy.allowed_images)):
+            out.append(f"{where} '{image}' is not under an allowed prefix "
+                       f"({', '.join(policy.allowed_images) or 'none'}; chart value jobPolicy.allowedImages)")
+        if policy.require_image_digest and "@sha256:" not in image:
+            out.append(f"{where} '{image}' must be pinned by digest (image@sha256:...; "
+                       "chart value jobPolicy.requireImageDigest)")
     sa = k8s.service_account_name
     if sa and sa not in policy.allowed_service_accounts:
         out.append(f"spec.kubernetes.serviceAccountName '{sa}' is not allowed "
@@ -242,6 +283,17 @@ def violations(job: RLHFJob, policy: Policy) -> list[str]:
             out.append(f"spec.resourcePools[{i}].{which}: node placement (affinity, nodeSelector) is not allowed "
                        "(chart value jobPolicy.allowAffinity)")
     return out
+
+
+def queue_problem(queue: str | None, policy: Policy) -> str | None:
+    """Why a job labelled for this Kueue LocalQueue (None: not labelled) may not be accepted, or None: with
+    kueue.required, a job that is not queued would run past every queue's quota. Judged at acceptance, as the
+    admission policy judges the label at creation (and its removal by an update)."""
+    if queue or not policy.require_queue:
+        return None
+    return ("metadata.labels[kueue.x-k8s.io/queue-name]: this cluster admits jobs only through Kueue (chart value "
+            "kueue.required); label the job with its LocalQueue (kueue.x-k8s.io/queue-name: <queue>) and create it "
+            "again")
 
 
 def image_prefixes(prefixes: tuple[str, ...]) -> list[str]:

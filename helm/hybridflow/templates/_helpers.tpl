@@ -112,6 +112,15 @@ priority, which Kueue orders and preempts by). */}}
 [{{- range $i, $v := . }}{{ if $i }}, {{ end }}'{{ $v }}{{ if not (or (hasSuffix "/" $v) (hasSuffix ":" $v) (hasSuffix "@" $v)) }}/{{ end }}'{{- end -}}]
 {{- end -}}
 
+{{/* The variables a job pod may take from a Secret, and the key each is read from, as a CEL map: the Ray token
+and the sandbox pool's token (manifests.py _ray_env, sandbox_token_env) and the storage and tracking credentials, each
+from the key of its own name (hybridflow.api.storage STORAGE_CREDENTIAL_KEYS, TRACKING_CREDENTIAL_KEYS;
+tests/test_job_policy.py keeps them equal). */}}
+{{- define "hybridflow.secretEnv" -}}
+{{- $keys := list "AWS_ACCESS_KEY_ID" "AWS_SECRET_ACCESS_KEY" "AWS_SESSION_TOKEN" "AWS_ENDPOINT_URL" "AWS_REGION" "AWS_DEFAULT_REGION" "AZURE_STORAGE_CONNECTION_STRING" "AZURE_STORAGE_ACCOUNT_NAME" "AZURE_STORAGE_ACCOUNT_KEY" "AZURE_STORAGE_SAS_TOKEN" "MLFLOW_TRACKING_TOKEN" "MLFLOW_TRACKING_USERNAME" "MLFLOW_TRACKING_PASSWORD" "WANDB_API_KEY" -}}
+{'RAY_AUTH_TOKEN': 'token', 'HYBRIDFLOW_SANDBOX_TOKEN': 'token'{{ range $keys }}, '{{ . }}': '{{ . }}'{{ end }}}
+{{- end -}}
+
 {{/* A CEL list literal of strings: ['a', 'b'] */}}
 {{- define "hybridflow.celList" -}}
 [{{- range $i, $v := . }}{{ if $i }}, {{ end }}'{{ $v }}'{{- end -}}]
@@ -144,11 +153,17 @@ matchExpressions:
 {{- end -}}
 {{- end -}}
 
-{{/* What the link-local range of a CIDR's family (169.254.0.0/16, fe80::/10: where clouds serve instance metadata)
-is to it: "inside <range>", "contains <range>" or "apart <range>". Helm has no address arithmetic: the CIDR's first 16
-bits are compared with the range's, down to the shorter of the two prefixes. operator/.../policy.py link_local() says
-the same (tests/test_helm.py holds them to it). */}}
-{{- define "hybridflow.linkLocal" -}}
+{{/* The addresses where clouds serve instance metadata and the node's cloud credentials, which no egress rule may
+reach (policy.py METADATA_RANGES, in its order): the link-local ranges (169.254.169.254; EKS Pod Identity's
+169.254.170.23), AWS's IPv6 metadata service and Pod Identity agent, Alibaba Cloud's metadata service. */}}
+{{- define "hybridflow.metadataRanges" -}}
+169.254.0.0/16 100.100.100.200/32 fe80::/10 fd00:ec2::254/128 fd00:ec2::23/128
+{{- end -}}
+
+{{/* A CIDR as "<bits> <prefix>": its address as 32 (IPv4) or 128 (IPv6) characters 0/1, and its prefix length (the
+address's whole length without one). Helm has no address arithmetic: IPv6 is expanded here ("::", an IPv4 tail),
+each part printed in binary. Fails on what is not a CIDR. */}}
+{{- define "hybridflow.cidrBits" -}}
 {{- $cidr := lower (trim (toString .)) -}}
 {{- if not (or (regexMatch "^[0-9]{1,3}(\\.[0-9]{1,3}){3}(/[0-9]{1,2})?$" $cidr) (regexMatch "^[0-9a-f:.]*:[0-9a-f:.]*(/[0-9]{1,3})?$" $cidr)) -}}
 {{- fail (printf "'%s' is not a CIDR" .) -}}
@@ -156,29 +171,68 @@ the same (tests/test_helm.py holds them to it). */}}
 {{- $parts := splitList "/" $cidr -}}
 {{- $addr := first $parts -}}
 {{- $v4 := not (contains ":" $addr) -}}
-{{- $n := ternary 32 128 $v4 -}}
+{{- $width := ternary 32 128 $v4 -}}
+{{- $n := $width -}}
 {{- if gt (len $parts) 1 }}{{ $n = atoi (index $parts 1) }}{{ end -}}
-{{- $h := 0 -}}{{- $range := "169.254.0.0/16" -}}{{- $r := 16 -}}{{- $v := 43518 -}}
+{{- if gt $n $width }}{{ fail (printf "'%s' is not a CIDR (prefix over %d)" . $width) }}{{ end -}}
+{{- $bits := "" -}}
 {{- if $v4 -}}
-  {{- $o := splitList "." $addr -}}
-  {{- $h = add (mul (atoi (index $o 0)) 256) (atoi (index $o 1)) -}}
+  {{- range $o := splitList "." $addr -}}
+    {{- if gt (atoi $o) 255 }}{{ fail (printf "'%s' is not a CIDR" $cidr) }}{{ end -}}
+    {{- $bits = printf "%s%08b" $bits (atoi $o) -}}
+  {{- end -}}
 {{- else -}}
-  {{- $range = "fe80::/10" }}{{ $r = 10 }}{{ $v = 65152 -}}
-  {{- $first := "0" -}}
-  {{- if not (hasPrefix ":" $addr) }}{{ $first = first (splitList ":" $addr) }}{{ end -}}
-  {{- $first = printf "%s%s" (repeat (int (sub 4 (len $first))) "0") $first -}}
   {{- $hex := dict "0" 0 "1" 1 "2" 2 "3" 3 "4" 4 "5" 5 "6" 6 "7" 7 "8" 8 "9" 9 "a" 10 "b" 11 "c" 12 "d" 13 "e" 14 "f" 15 -}}
-  {{- range $c := splitList "" $first }}{{ $h = add (mul $h 16) (get $hex $c) }}{{ end -}}
+  {{- $halves := splitList "::" $addr -}}
+  {{- if gt (len $halves) 2 }}{{ fail (printf "'%s' is not a CIDR" $cidr) }}{{ end -}}
+  {{- $sides := list -}}
+  {{- range $half := $halves -}}
+    {{- $side := "" -}}
+    {{- if $half -}}
+      {{- range $g := splitList ":" $half -}}
+        {{- if contains "." $g -}}
+          {{- $o := splitList "." $g -}}
+          {{- if ne (len $o) 4 }}{{ fail (printf "'%s' is not a CIDR" $cidr) }}{{ end -}}
+          {{- range $x := $o }}{{ $side = printf "%s%08b" $side (atoi $x) }}{{ end -}}
+        {{- else -}}
+          {{- if or (not $g) (gt (len $g) 4) (contains "." $g) }}{{ fail (printf "'%s' is not a CIDR" $cidr) }}{{ end -}}
+          {{- $v := 0 -}}
+          {{- range $c := splitList "" $g }}{{ $v = add (mul $v 16) (get $hex $c) }}{{ end -}}
+          {{- $side = printf "%s%016b" $side $v -}}
+        {{- end -}}
+      {{- end -}}
+    {{- end -}}
+    {{- $sides = append $sides $side -}}
+  {{- end -}}
+  {{- $have := len (join "" $sides) -}}
+  {{- if or (gt $have 128) (and (eq (len $sides) 1) (ne $have 128)) (and (eq (len $sides) 2) (eq $have 128)) -}}
+    {{- fail (printf "'%s' is not a CIDR" $cidr) -}}
+  {{- end -}}
+  {{- $bits = first $sides -}}
+  {{- if eq (len $sides) 2 }}{{ $bits = printf "%s%s%s" (first $sides) (repeat (int (sub 128 $have)) "0") (last $sides) }}{{ end -}}
 {{- end -}}
-{{- $pow := list 1 2 4 8 16 32 64 128 256 512 1024 2048 4096 8192 16384 32768 65536 -}}
-{{- $d := index $pow (int (sub 16 (min $n $r))) -}}
-{{- if ne (div $h $d) (div $v $d) }}apart {{ $range }}
-{{- else if ge (int $n) $r }}inside {{ $range }}
-{{- else }}contains {{ $range }}{{ end -}}
+{{- printf "%s %d" $bits (int $n) -}}
 {{- end -}}
 
-{{/* (list where peers): the NetworkPolicyPeers as JSON, each ipBlock containing its link-local range given it as
-`except`; an ipBlock inside it fails the render (policy.py confine_peer does the same for the jobs' policies). */}}
+{{/* (list cidr other): what `other` is to the CIDR: "inside" (the CIDR lies in it, or is it), "contains" (the CIDR
+holds all of it) or "apart" (no address in common; another family always). policy.py relation() says the same
+(tests/test_helm.py holds them to it). */}}
+{{- define "hybridflow.relation" -}}
+{{- $a := splitList " " (include "hybridflow.cidrBits" (index . 0)) -}}
+{{- $b := splitList " " (include "hybridflow.cidrBits" (index . 1)) -}}
+{{- if ne (len (first $a)) (len (first $b)) -}}apart
+{{- else -}}
+{{- $n := atoi (last $a) }}{{ $r := atoi (last $b) -}}
+{{- $m := int (min $n $r) -}}
+{{- if ne (substr 0 $m (first $a)) (substr 0 $m (first $b)) }}apart
+{{- else if ge $n $r }}inside
+{{- else }}contains{{ end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* (list where peers): the NetworkPolicyPeers as JSON, each ipBlock containing a metadata range
+(hybridflow.metadataRanges) given it as `except`; an ipBlock inside one fails the render (policy.py confine_peer does
+the same for the jobs' policies). */}}
 {{- define "hybridflow.confinedPeers" -}}
 {{- $where := index . 0 -}}
 {{- $out := list -}}
@@ -189,19 +243,23 @@ the same (tests/test_helm.py holds them to it). */}}
 {{- $p := deepCopy $peer -}}
 {{- with $p.ipBlock -}}
   {{- if not .cidr }}{{ fail (printf "%s[%d].ipBlock: needs a cidr" $where $i) }}{{ end -}}
-  {{- $verdict := splitList " " (include "hybridflow.linkLocal" .cidr) -}}
-  {{- $bad := last $verdict -}}
-  {{- if eq (first $verdict) "inside" -}}
-    {{- fail (printf "%s[%d].ipBlock.cidr %s is inside %s (link-local: the cloud metadata service); no job or operator may reach it" $where $i .cidr $bad) -}}
-  {{- else if eq (first $verdict) "contains" -}}
-    {{- $excepts := .except | default (list) -}}
-    {{- $covered := false -}}
-    {{- range $e := $excepts -}}
-      {{- $ev := splitList " " (include "hybridflow.linkLocal" $e) -}}
-      {{- if and (ne (first $ev) "apart") (le (atoi (last (splitList "/" (toString $e)))) (atoi (last (splitList "/" $bad)))) }}{{ $covered = true }}{{ end -}}
+  {{- $block := . -}}
+  {{- $excepts := .except | default (list) -}}
+  {{- $added := false -}}
+  {{- range $bad := splitList " " (include "hybridflow.metadataRanges" .) -}}
+    {{- $verdict := include "hybridflow.relation" (list $block.cidr $bad) -}}
+    {{- if eq $verdict "inside" -}}
+      {{- $what := ternary "link-local: the cloud metadata service" "a cloud metadata service's address" (has $bad (list "169.254.0.0/16" "fe80::/10")) -}}
+      {{- fail (printf "%s[%d].ipBlock.cidr %s is inside %s (%s); no job or operator may reach it" $where $i $block.cidr $bad $what) -}}
+    {{- else if eq $verdict "contains" -}}
+      {{- $covered := false -}}
+      {{- range $e := $excepts -}}
+        {{- if eq (include "hybridflow.relation" (list $bad $e)) "inside" }}{{ $covered = true }}{{ end -}}
+      {{- end -}}
+      {{- if not $covered }}{{ $excepts = append $excepts $bad }}{{ $added = true }}{{ end -}}
     {{- end -}}
-    {{- if not $covered }}{{ $_ := set . "except" (append $excepts $bad) }}{{ end -}}
   {{- end -}}
+  {{- if $added }}{{ $_ := set . "except" $excepts }}{{ end -}}
 {{- end -}}
 {{- $out = append $out $p -}}
 {{- end -}}
@@ -228,6 +286,9 @@ the same (tests/test_helm.py holds them to it). */}}
 {{- fail "watchNamespaces is empty: list the namespaces the operator serves (--set 'watchNamespaces={team-a,team-b}'), or set clusterWide=true for one operator acting in every namespace labelled hybridflow.io/jobs=enabled" -}}
 {{- else if and (not .Values.clusterWide) (has "" .Values.watchNamespaces) -}}
 {{- fail (printf "watchNamespaces %v names an empty namespace: list names only" .Values.watchNamespaces) -}}
+{{- end -}}
+{{- if and .Values.kueue.required (not .Values.kueue.enabled) -}}
+{{- fail "kueue.required refuses every job not queued through Kueue, and kueue.enabled is false (the operator then refuses queued jobs too): set kueue.enabled=true as well" -}}
 {{- end -}}
 {{- $np := .Values.networkPolicy -}}
 {{- $_ := include "hybridflow.confinedRule" (list "networkPolicy.dns" $np.dns) -}}
