@@ -1,15 +1,18 @@
-"""spec.environments on Kubernetes, the operator's pure side: the environment pods, their Service and their
-NetworkPolicy (validated with the official schemas), the URLs handed to the gang, and the plan that keeps the pool
-at its size apart from the gang."""
+"""The sandbox pool on Kubernetes (spec.environments), the operator's pure side: its pods, their Service,
+NetworkPolicy and token Secret (validated with the official schemas), the URLs and token handed to the gang, what a
+sandbox pod holds (no credential of the job's), and the plan that keeps the pool at its size apart from the
+gang."""
 from __future__ import annotations
 
 from pathlib import Path
 
+import base64
+
 import kubernetes_validate
 import yaml
 
-from hybridflow.agents.places import URLS_ENV
-from hybridflow.agents.remote import parse_urls
+from hybridflow.sandbox_pool import TOKEN_ENV, URLS_ENV, parse_urls
+from hybridflow.api.agents import sandbox_pool
 from hybridflow.api import parse_job
 from hybridflow_operator import environments as envs
 from hybridflow_operator import manifests as mf
@@ -18,23 +21,24 @@ from hybridflow_operator.phases import PodView
 ROOT = Path(__file__).resolve().parents[1]
 UID = "1234-abcd"
 TOKEN = "ab" * 32
+SANDBOX_TOKEN = "cd" * 32
 
 
 def _job(**kubernetes):
     doc = yaml.safe_load((ROOT / "examples" / "smollm2-arithmetic.yaml").read_text())
     doc["metadata"] = {"name": "agent", "namespace": "ml"}
     s = doc["spec"]
-    s["rollout"]["agent"] = {"environmentFile": "envs/game.py", "tools": ["calculator"]}
+    s["rollout"]["agent"] = {"environmentFile": "game.py", "tools": ["calculator"]}  # a key of the code ConfigMap
     s["environments"] = {"replicas": 3, "cpu": "500m", "memory": "1Gi"}
     s["resourcePools"] = [{"name": "default", "nodes": 2, "devicesPerNode": 1}]
     s["kubernetes"] = {"image": "hybridflow/worker-cpu:0.1.0", "checkpointPvc": "ckpt", "dataPvc": "data",
-                       "checkpointSecret": "s3", **kubernetes}
+                       "checkpointSecret": "s3", "rewardConfigMap": "agent-code", **kubernetes}
     s["trainer"]["checkpointDir"] = "s3://bucket/runs"
     return parse_job(doc)
 
 
 def _children(job):
-    return (mf.static_children(job, UID, TOKEN, ["monitoring"]) + envs.environment_children(job, UID)
+    return (mf.static_children(job, UID, TOKEN, ["monitoring"]) + envs.environment_children(job, UID, SANDBOX_TOKEN)
             + mf.gang_pods(job, UID, 0) + [envs.environment_pod(job, UID, i) for i in range(3)])
 
 
@@ -78,7 +82,7 @@ def test_without_environments_the_job_policy_is_as_before():
     job = parse_job(doc)
     policy = mf.network_policy(job, UID, [])
     assert policy["spec"]["podSelector"] == {"matchLabels": {mf.LABEL_JOB: "tiny-grpo-k8s"}}
-    assert envs.environment_children(job, UID) == [] and mf.environment_urls(job) == []
+    assert envs.environment_children(job, UID, SANDBOX_TOKEN) == [] and mf.environment_urls(job) == []
     assert all(mf.ENVIRONMENT_URLS_ENV not in _env(c) for p in mf.gang_pods(job, UID, 0)
                for c in p["spec"]["containers"])
 
@@ -88,9 +92,13 @@ def test_the_gang_gets_the_replicas_urls_and_the_pods_are_reachable_there():
     objs = _children(job)
     urls = [f"http://env-{i}.agent-env.ml.svc:{mf.ENVIRONMENT_PORT}" for i in range(3)]
     assert mf.ENVIRONMENT_URLS_ENV == URLS_ENV  # the variable hybridflow.agents.places reads
+    assert mf.SANDBOX_TOKEN_ENV == TOKEN_ENV  # the variable hybridflow.sandbox_pool reads
+    secret = next(o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == "agent-sandbox-token")
+    assert base64.b64decode(secret["data"]["token"]).decode() == SANDBOX_TOKEN
     for pod in (o for o in objs if o["kind"] == "Pod" and o["metadata"]["labels"][mf.LABEL_ROLE] != "environment"):
         for c in pod["spec"]["containers"]:
             assert parse_urls(_env(c)[URLS_ENV]) == urls, pod["metadata"]["name"]
+            assert _env(c)[TOKEN_ENV] == {"secretKeyRef": {"name": "agent-sandbox-token", "key": "token"}}
     service = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "agent-env")
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["selector"] == {mf.LABEL_JOB: "agent", mf.LABEL_ROLE: "environment"}
@@ -99,27 +107,33 @@ def test_the_gang_gets_the_replicas_urls_and_the_pods_are_reachable_there():
         assert (pod["spec"]["hostname"], pod["spec"]["subdomain"]) == (f"env-{i}", "agent-env")  # = urls[i]
 
 
-def test_an_environment_pod_runs_the_server_with_the_token_and_nothing_more():
-    job = _job(headMemory="4Gi")
+def test_a_sandbox_pod_runs_the_server_with_its_own_token_and_no_credential():
+    job = _job(headMemory="4Gi", serviceAccountName="trainer", trackingSecret="mlflow")
     pod = envs.environment_pod(job, UID, 1)
     (c,) = pod["spec"]["containers"]
     assert c["command"][:3] == ["hybridflow", "environments", "serve"]
     assert c["command"][c["command"].index("--spec") + 1] == f"{mf.SPEC_MOUNT}/{mf.SPEC_KEY}"
     assert c["resources"]["limits"]["cpu"] == "500m" and c["resources"]["limits"]["memory"] == "1Gi"
     env = _env(c)
-    assert env["RAY_AUTH_TOKEN"] == {"secretKeyRef": {"name": "agent-ray-token", "key": "token"}}
-    assert not any(k.startswith("AWS_") and k != "AWS_EC2_METADATA_DISABLED" for k in env), env  # no credentials
+    assert env[TOKEN_ENV] == {"secretKeyRef": {"name": "agent-sandbox-token", "key": "token"}}
+    # no credential of the job's: its Ray token, object storage and tracking keys, its ServiceAccount
+    assert [k for k, v in env.items() if isinstance(v, dict)] == [TOKEN_ENV], env
+    assert not any(k.startswith(("AWS_", "RAY_", "MLFLOW")) and k != "AWS_EC2_METADATA_DISABLED" for k in env), env
+    assert "serviceAccountName" not in pod["spec"] and "envFrom" not in c
+    refs = mf.pod_references([pod])
+    assert {r for r in refs if r[0] == "Secret"} == {("Secret", "agent-sandbox-token")}, refs
     assert URLS_ENV not in env
     claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v}
-    assert claims == {"data"}  # the environment file's claim, read-only; never the checkpoints
+    assert claims == set()  # no claim at all: not the checkpoints, not the data (no code is read from it)
     mounts = {m["mountPath"]: m.get("readOnly", False) for m in c["volumeMounts"]}
-    assert mounts["/data"] is True and mounts[mf.SPEC_MOUNT] is True
+    assert mounts[mf.REWARD_MOUNT] is True and mounts[mf.SPEC_MOUNT] is True
+    assert ("ConfigMap", "agent-reward") in refs and ("ConfigMap", "agent-code") not in refs  # the job's copy
     assert pod["spec"]["automountServiceAccountToken"] is False
     assert "schedulerName" not in pod["spec"]  # not in the gang
     assert pod["metadata"]["labels"] == {**mf.job_labels("agent"), mf.LABEL_ROLE: "environment", mf.LABEL_INDEX: "1"}
     assert mf.GROUP + "/generation" not in pod["metadata"]["labels"]
-    # the resolved spec the pod reads names the file inside the data claim
-    assert mf.resolved_job(job).spec.rollout.agent.environment_file == "/data/envs/game.py"
+    # the resolved spec the pod reads names the file inside the job's copy of its code ConfigMap
+    assert mf.resolved_job(job).spec.rollout.agent.environment_file == f"{mf.REWARD_MOUNT}/game.py"
     image = envs.environment_pod(_job(), UID, 0)["spec"]["containers"][0]["image"]
     assert image == "hybridflow/worker-cpu:0.1.0"
     job.spec.environments.image = "my/sandbox:1"
@@ -156,10 +170,52 @@ def test_the_pool_is_kept_at_its_size_apart_from_the_gang():
                                                                                           "agent-env-7"]
 
 
-def test_environment_pods_refuse_to_run_user_code_without_the_whole_sandbox():
+def test_sandbox_pods_refuse_to_run_user_code_without_the_whole_sandbox_unless_allowed():
     from hybridflow.sandbox import REQUIRE_ENV
 
     assert (mf.SANDBOX_ENV, mf.SANDBOX_REQUIRED) == (REQUIRE_ENV, "require")  # what hybridflow.sandbox reads
     for i in range(3):
         env = {e["name"]: e.get("value") for e in envs.environment_pod(_job(), UID, i)["spec"]["containers"][0]["env"]}
         assert env[REQUIRE_ENV] == "require", env
+    job = _job()
+    job.spec.sandbox.allow_partial = True
+    job.spec.sandbox.runtime_class_name = "gvisor"
+    pod = envs.environment_pod(job, UID, 0)
+    assert {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}[REQUIRE_ENV] == "partial"
+    assert pod["spec"]["runtimeClassName"] == "gvisor"
+    assert "runtimeClassName" not in mf.gang_pods(job, UID, 0)[0]["spec"]  # only the sandbox pods
+    for pod in mf.gang_pods(job, UID, 0):  # which run no user code at all: were they to, they would refuse
+        for c in pod["spec"]["containers"]:
+            assert {e["name"]: e.get("value") for e in c["env"]}[REQUIRE_ENV] == "require", pod["metadata"]["name"]
+
+
+def test_a_sandbox_pod_that_refused_fails_the_job_naming_it_and_the_way_out():
+    from hybridflow.api import EXIT_SANDBOX_UNAVAILABLE
+
+    job = _job()
+    refusing = PodView(name="agent-env-1", role="environment", generation=0, phase="Failed",
+                       exit_code=EXIT_SANDBOX_UNAVAILABLE, message="error: ... lacks network (bwrap: ...). Set "
+                       "spec.sandbox.runtimeClassName ...")
+    plan = envs.plan_pool(job, "Running", [_view("agent-env-0"), refusing], creating_gang=False)
+    assert "agent-env-1 refused to run the job's user code" in plan.refused and "runtimeClassName" in plan.refused
+    crashed = PodView(name="agent-env-1", role="environment", generation=0, phase="Failed", exit_code=1)
+    plan = envs.plan_pool(job, "Running", [_view("agent-env-0"), crashed], creating_gang=False)
+    assert plan.refused == "" and plan.delete == ["agent-env-1"]  # any other failure: replaced, as before
+
+
+def test_a_job_with_a_reward_function_gets_a_sandbox_pool_that_holds_the_reward_file():
+    doc = yaml.safe_load((ROOT / "examples" / "smollm2-arithmetic.yaml").read_text())
+    doc["metadata"] = {"name": "tiny-grpo-k8s"}
+    doc["spec"]["models"]["reward"] = {"function": {"path": "reward.py"}}
+    doc["spec"]["kubernetes"] = {"image": "hybridflow/worker-cpu:0.1.0", "rewardConfigMap": "my-reward"}
+    job = parse_job(doc)
+    assert job.spec.environments is None and sandbox_pool(job.spec) is not None  # one default replica
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in envs.environment_children(job, UID, SANDBOX_TOKEN)}
+    assert ("Secret", "tiny-grpo-k8s-sandbox-token") in kinds and ("NetworkPolicy", "tiny-grpo-k8s-env") in kinds
+    pod = envs.environment_pod(job, UID, 0)
+    (c,) = pod["spec"]["containers"]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["reward"]["configMap"]["name"] == "tiny-grpo-k8s-reward"  # the job's copy, never the user's
+    assert {m["mountPath"] for m in c["volumeMounts"]} >= {mf.REWARD_MOUNT}
+    assert mf.resolved_job(job).spec.models.reward.function.path.startswith(mf.REWARD_MOUNT + "/")
+    assert mf.environment_urls(job) == [f"http://env-0.tiny-grpo-k8s-env.default.svc:{mf.ENVIRONMENT_PORT}"]

@@ -99,7 +99,7 @@ def test_a_request_without_the_jobs_token_is_refused_and_runs_nothing(servers):
     assert "hybridflow_environment_refused_requests_total 8.0" in text
     assert 'hybridflow_environment_requests_total{' not in text
     assert urllib.request.urlopen(f"{server.url}/healthz", timeout=5).read() == b"ok\n"
-    with pytest.raises(PoolError, match="refused the job's token"):
+    with pytest.raises(PoolError, match="refused the job's sandbox token"):
         RemoteTools(PoolClient([server.url], "wrong")).call("calculator", {"expression": "1+1"})
     # the right token: the same call runs
     code, body = _post(f"{server.url}/v1/tools/call", {"name": "calculator", "arguments": {"expression": "6*7"}},
@@ -245,7 +245,7 @@ def test_a_killed_replica_process_loses_its_sessions_the_other_goes_on(servers, 
     port = _free_port()
     cli = [sys.executable, "-m", "hybridflow.cli", "environments", "serve", "--spec", str(_spec_file(tmp_path)),
            "--port", str(port), "--address", "127.0.0.1"]
-    proc = subprocess.Popen(cli, env={**os.environ, "RAY_AUTH_TOKEN": TOKEN}, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(cli, env={**os.environ, "HYBRIDFLOW_SANDBOX_TOKEN": TOKEN}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -279,11 +279,11 @@ def test_a_killed_replica_process_loses_its_sessions_the_other_goes_on(servers, 
 
 
 def test_serve_refuses_to_start_without_the_token(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
+    env = {k: v for k, v in os.environ.items() if k != "HYBRIDFLOW_SANDBOX_TOKEN"}
     out = subprocess.run([sys.executable, "-m", "hybridflow.cli", "environments", "serve", "--spec",
                           str(_spec_file(tmp_path)), "--port", "0"], env=env, capture_output=True, text=True,
                          timeout=60)
-    assert out.returncode == 2 and "RAY_AUTH_TOKEN" in out.stderr
+    assert out.returncode == 2 and "HYBRIDFLOW_SANDBOX_TOKEN" in out.stderr
 
 
 class SlowStartingSessionsDouble:

@@ -589,7 +589,7 @@ def test_missing_reward_configmap_and_pvc_hold_the_job_pending_until_created(clu
     assert kube.pods("inputs") == []
     kube.core.patch_namespaced_config_map("my-reward", ns,
                                           {"data": {"my_reward.py": "def compute_score(*a): return 1\n"}})
-    wait_for(lambda: len(kube.pods("inputs")) == 2, 30, "pods once the inputs exist")
+    wait_for(lambda: len(kube.pods("inputs")) == 3, 30, "pods once the inputs exist")  # + its sandbox pod
     ready = next(c for c in kube.status("inputs")["conditions"] if c["type"] == "InputsReady")
     assert ready["status"] == "True"
 
@@ -708,10 +708,11 @@ def test_the_chart_grants_exactly_the_verbs_a_jobs_whole_life_uses(own_cluster):
                                                                         "function": {"path": "my_reward.py"}}}
     doc["spec"]["kubernetes"] = {"checkpointPvc": "ck", "rewardConfigMap": "rw", "rayAuthSecret": "tok"}
     kube.create_job(doc)
-    pods = wait_for(lambda: len(kube.pods("rbac")) == 2 and kube.pods("rbac"), 30, "the gang")
-    kube.set_pod_phase(next(p.metadata.name for p in pods if "head" not in p.metadata.name), "Failed", exit_code=1)
-    gen1 = wait_for(lambda: sorted(p.metadata.name for p in kube.pods("rbac")) == ["rbac-default-0-g1", "rbac-head-g1"]
-                    and kube.pods("rbac"), 30, "generation 1")
+    # the gang and the sandbox pod that runs the reward function (it outlives the gang's restart)
+    pods = wait_for(lambda: len(kube.pods("rbac")) == 3 and kube.pods("rbac"), 30, "the gang")
+    kube.set_pod_phase("rbac-default-0-g0", "Failed", exit_code=1)
+    gen1 = wait_for(lambda: sorted(p.metadata.name for p in kube.pods("rbac"))
+                    == ["rbac-default-0-g1", "rbac-env-0", "rbac-head-g1"] and kube.pods("rbac"), 30, "generation 1")
     for p in gen1:
         kube.set_pod_phase(p.metadata.name, "Running")
     wait_for(lambda: _phase(kube, "rbac") == "Running", 30, "Running")
@@ -753,6 +754,31 @@ def _used(pod) -> set[tuple[str, str]]:
 
 
 REWARD = {"actor": {"source": "smollm2"}, "reward": {"type": "function", "function": {"path": "my_reward.py"}}}
+
+
+def test_a_sandbox_pod_that_refuses_the_partial_sandbox_fails_the_job_at_once(cluster):
+    """A reward function's job on nodes whose pods cannot make namespaces (HYBRIDFLOW_SANDBOX=require, the
+    default): its sandbox pod exits EXIT_SANDBOX_UNAVAILABLE, and the job fails saying so instead of remaking the
+    pod forever; the gang goes with it."""
+    from kubernetes import client
+
+    from hybridflow.api import EXIT_SANDBOX_UNAVAILABLE
+
+    _, kube, _ = cluster
+    kube.core.create_namespaced_config_map(kube.namespace, client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="rw-sb", labels={FOR_JOBS_LABEL: "true"}),
+        data={"my_reward.py": "def compute_score(*a):\n    return 1.0\n"}))
+    doc = job_doc("jsb")
+    doc["spec"]["models"] = REWARD
+    doc["spec"]["kubernetes"] = {"rewardConfigMap": "rw-sb"}
+    kube.create_job(doc)
+    wait_for(lambda: "jsb-env-0" in _pod_names(kube, "jsb"), 30, "the sandbox pod")
+    kube.set_pod_phase("jsb-env-0", "Failed", exit_code=EXIT_SANDBOX_UNAVAILABLE)
+    st = wait_for(lambda: (s := kube.status("jsb")).get("phase") == "Failed" and s, 30, "Failed")
+    assert st["reason"] == "SandboxUnavailable" and "jsb-env-0 refused" in st["message"], st
+    wait_for(lambda: _pod_names(kube, "jsb") == ["jsb-head-g0"], 30, "only the head left, for its logs")
+    kube.delete_job("jsb")
+    wait_for(lambda: kube.job("jsb") is None, 30, "the job gone")
 
 
 def test_objects_added_to_a_suspended_job_never_reach_its_pods(cluster):
@@ -827,38 +853,90 @@ def test_a_child_name_held_by_someone_elses_object_fails_the_job_which_leaves_it
     assert not api.objects("v1/configmaps", kube.namespace), "the job's own children went with it"
 
 
-def test_the_reward_file_is_copied_at_acceptance_and_later_edits_change_nothing(cluster):
-    """Issue 24 N5: the head mounts the job's own immutable copy of the reward file, made when the operator first
-    found it; an edit of the user's ConfigMap afterwards reaches neither the running pod nor the next gang."""
+def test_a_pod_name_held_by_someone_elses_pod_is_a_condition_naming_it_not_a_silent_wait(cluster):
+    """Issue 51 L4: a pod under the name of one of the job's pods (another owner, no job label) is never counted as
+    the job's; its create's 409 is condition CreateRefused (PodNameTaken) naming it, and an event, while the job
+    waits in Pending; once that pod is gone the job's own is made."""
+    api, kube, _ = cluster
+    kube.core.create_namespaced_pod(kube.namespace, {
+        "metadata": {"name": "jsquat-head-g0", "labels": {"app": "mine"}},
+        "spec": {"containers": [{"name": "c", "image": "busybox:1"}]}})
+    kube.create_job(job_doc("jsquat"))
+    cond = wait_for(lambda: next((c for c in kube.status("jsquat").get("conditions", [])
+                                  if c["type"] == "CreateRefused" and c["status"] == "True"), None), 30,
+                    "a CreateRefused condition")
+    assert cond["reason"] == "PodNameTaken", cond
+    assert cond["message"].startswith(f"pod {kube.namespace}/jsquat-head-g0 exists but was not made for this job"), cond
+    assert kube.status("jsquat")["phase"] == "Pending"
+    wait_for(lambda: "PodNameTaken" in _reasons(kube, "jsquat"), 30, "the PodNameTaken event")
+    assert [p.metadata.name for p in kube.pods("jsquat")] == ["jsquat-default-0-g0"], "the others are made"
+    squatter = next(o for o in api.objects("v1/pods", kube.namespace) if o["metadata"]["name"] == "jsquat-head-g0")
+    assert "ownerReferences" not in squatter["metadata"], "never adopted"
+    kube.core.delete_namespaced_pod("jsquat-head-g0", kube.namespace)
+    wait_for(lambda: len(kube.pods("jsquat")) == 2, 30, "the job's own head pod once the name is free")
+    wait_for(lambda: any(c["type"] == "CreateRefused" and c["status"] == "False"
+                         for c in kube.status("jsquat").get("conditions", [])), 30, "CreateRefused cleared")
+
+
+def test_the_code_files_are_copied_at_acceptance_and_later_edits_change_nothing(cluster):
+    """Issue 24 N5, issue 51 M5: every code file of the job (the reward function, the agent's tools and environment
+    files: keys of kubernetes.rewardConfigMap) is copied, when the operator first finds them all, into the job's own
+    immutable ConfigMap, their digests in status; the head and the sandbox pod mount that copy. A key missing from
+    the user's ConfigMap holds the job Pending, naming it. An edit of the user's ConfigMap afterwards reaches
+    neither the running pods, nor the next gang, nor a sandbox pod made again."""
     from kubernetes import client
 
     api, kube, _ = cluster
-    ns, original = kube.namespace, "def compute_score(*a):\n    return 1.0\n"
+    ns = kube.namespace
+    files = {"my_reward.py": "def compute_score(*a):\n    return 1.0\n",
+             "tools.py": "def add(a: int, b: int) -> int:\n    \"\"\"Adds.\"\"\"\n    return a + b\n",
+             "game.py": "class Environment:\n    def reset(self, sample):\n        return ''\n"}
     kube.core.create_namespaced_config_map(ns, client.V1ConfigMap(
-        metadata=client.V1ObjectMeta(name="rw", labels={FOR_JOBS_LABEL: "true"}), data={"my_reward.py": original}))
+        metadata=client.V1ObjectMeta(name="rw", labels={FOR_JOBS_LABEL: "true"}),
+        data={k: v for k, v in files.items() if k != "game.py"}))
     doc = job_doc("jrw")
     doc["spec"]["models"] = REWARD
+    doc["spec"]["data"] = {"task": "arithmetic"}
+    doc["spec"]["rollout"]["agent"] = {"toolsFile": "tools.py", "environmentFile": "game.py"}
     doc["spec"]["kubernetes"] = {"rewardConfigMap": "rw"}
     kube.create_job(doc)
-    wait_for(lambda: len(kube.pods("jrw")) == 2, 30, "the gang")
-    digest = "sha256:" + hashlib.sha256(original.encode()).hexdigest()
+    wait_for(lambda: _message(kube, "jrw") == "spec.rollout.agent.environmentFile: ConfigMap 'rw' has no key "
+             "'game.py' (its keys: my_reward.py, tools.py)", 30, lambda: f"the missing key; {_message(kube, 'jrw')}")
+    assert kube.pods("jrw") == [] and "codeDigests" not in kube.status("jrw")
+    kube.core.patch_namespaced_config_map("rw", ns, {"data": {"game.py": files["game.py"]}})
+    wait_for(lambda: len(kube.pods("jrw")) == 3, 30, "the gang and its sandbox pod")
+    digests = {k: "sha256:" + hashlib.sha256(v.encode()).hexdigest() for k, v in files.items()}
 
-    def mounted(gen):
-        head = next(p for p in api.objects("v1/pods", ns) if p["metadata"]["name"] == f"jrw-head-g{gen}")
+    def mounted(*pods):
         copy_ = next(c for c in api.objects("v1/configmaps", ns) if c["metadata"]["name"] == "jrw-reward")
-        assert _used(head) >= {("ConfigMap", "jrw-reward")} and ("ConfigMap", "rw") not in _used(head)
-        assert copy_["data"] == {"my_reward.py": original} and copy_["immutable"] is True
+        assert copy_["data"] == files and copy_["immutable"] is True
         assert copy_["metadata"]["ownerReferences"][0]["uid"] == kube.job("jrw")["metadata"]["uid"]
-        assert kube.status("jrw")["rewardDigest"] == digest
+        st = kube.status("jrw")
+        assert st["codeDigests"] == digests and st["rewardDigest"] == digests["my_reward.py"]
+        for name in pods:
+            pod = next(p for p in api.objects("v1/pods", ns) if p["metadata"]["name"] == name)
+            assert ("ConfigMap", "jrw-reward") in _used(pod) and ("ConfigMap", "rw") not in _used(pod), name
+        return next(p for p in api.objects("v1/pods", ns) if p["metadata"]["name"] == "jrw-env-0")
 
-    mounted(0)
-    kube.core.patch_namespaced_config_map("rw", ns, {"data": {"my_reward.py": "import os  # the edit\n"}})
+    sandbox = mounted("jrw-head-g0", "jrw-env-0")
+    # the user's code runs in the sandbox pod: the copy, its own token, none of the job's credentials, no claim
+    assert _used(sandbox) == {("ConfigMap", "jrw-reward"), ("ConfigMap", "jrw-spec"),
+                              ("Secret", "jrw-sandbox-token")}, _used(sandbox)
+    spec = json.loads(next(c for c in api.objects("v1/configmaps", ns)
+                           if c["metadata"]["name"] == "jrw-spec")["data"]["job.json"])["spec"]
+    assert spec["rollout"]["agent"]["toolsFile"] == "/var/lib/hybridflow/reward/tools.py"
+    assert spec["rollout"]["agent"]["environmentFile"] == "/var/lib/hybridflow/reward/game.py"
+    kube.core.patch_namespaced_config_map("rw", ns, {"data": {k: "import os  # the edit\n" for k in files}})
     kube.set_pod_phase("jrw-default-0-g0", "Failed", exit_code=1)
-    wait_for(lambda: _pod_names(kube, "jrw") == ["jrw-default-0-g1", "jrw-head-g1"], 30, "generation 1")
-    mounted(1)
+    kube.set_pod_phase("jrw-env-0", "Failed", exit_code=1)
+    wait_for(lambda: _pod_names(kube, "jrw") == ["jrw-default-0-g1", "jrw-env-0", "jrw-head-g1"] and
+             next(p for p in kube.pods("jrw") if p.metadata.name == "jrw-env-0").metadata.uid
+             != sandbox["metadata"]["uid"], 30, "generation 1 and a new sandbox pod")
+    mounted("jrw-head-g1", "jrw-env-0")
     kube.delete_job("jrw")
     wait_for(lambda: kube.job("jrw") is None, 30, "the job gone")
     assert [c["metadata"]["name"] for c in api.objects("v1/configmaps", ns)] == ["rw"]
+    assert not [x["metadata"]["name"] for x in api.objects("v1/secrets", ns) if x["metadata"]["name"].startswith("jrw-")]
 
 
 def test_the_api_double_deletes_with_a_uid_precondition_as_the_api_server_does(cluster):

@@ -456,7 +456,7 @@ def test_reward_configmap_needs_a_function_named_by_its_key():
     with pytest.raises(SpecError, match=r"function.path: with kubernetes.rewardConfigMap it is the ConfigMap's key"):
         parse_job(raw)
     raw["spec"]["models"]["reward"] = {"type": "scorer", "scorers": [{"name": "math"}]}
-    with pytest.raises(SpecError, match=r"rewardConfigMap: holds a reward file, so spec.models.reward.type must be"):
+    with pytest.raises(SpecError, match=r"rewardConfigMap: holds the job's code files, and this job names none"):
         parse_job(raw)
 
 
@@ -660,7 +660,9 @@ def _with_trainer(example: str = "tiny-grpo.yaml", kubernetes: dict | None = Non
 def test_resume_from_names_a_checkpoint_of_this_namespace_on_the_claim(resume_from, source):
     """How a job is resized: a new job (another pool size or tensorParallel) resumes from the old one's checkpoint
     in this namespace's directory on the shared claim. Issue 24 N6: the claim is never mounted whole; the job's own
-    directory read-write, the source read-only by its own subPath, each where the spec the pods run names it."""
+    directory read-write, the source job's read-only by its own subPath, each where the spec the pods run names it.
+    Issue 51 L2: that subPath is `<namespace>/<job>` only, also when resumeFrom names one of its checkpoints (the
+    kubelet would follow a step_N planted as a link; the runtime opens step_N inside, never through a link)."""
     objs = _all_manifests(_with_trainer(resumeFrom=resume_from, kubernetes={"checkpointPvc": "ck"}))
     ran = _ran(objs)
     assert ran.spec.trainer.resume_from == f"{RM}/{source}"
@@ -673,7 +675,8 @@ def test_resume_from_names_a_checkpoint_of_this_namespace_on_the_claim(resume_fr
             continue  # an init container that only waits for the head
         assert per_container == [
             {"name": "checkpoints", "mountPath": f"{CK}/ml/tiny-grpo", "subPath": "ml/tiny-grpo"},
-            {"name": "checkpoints", "mountPath": f"{RM}/{source}", "subPath": source, "readOnly": True}]
+            {"name": "checkpoints", "mountPath": f"{RM}/ml/tiny-grpo-2pods", "subPath": "ml/tiny-grpo-2pods",
+             "readOnly": True}]
     assert sum(1 for m in mounts if m) >= 2
 
 
@@ -951,9 +954,140 @@ def test_a_reward_copy_is_used_only_when_it_is_the_jobs_and_remade_only_from_the
     with pytest.raises(SpecError, match="word-problems-reward does not hold what this job was accepted with"):
         copy_in(_Cluster(**{"ConfigMap:word-problems-reward": _owned("1234-abcd", **{key: "import os\n"})}))
     # the copy gone: made again from the same file
-    assert copy_in(_Cluster(**{"ConfigMap:my-reward": {**marked, "data": {key: good}}})) == good
-    with pytest.raises(SpecError, match="no longer holds the file accepted"):  # ... never from an edited one
+    assert copy_in(_Cluster(**{"ConfigMap:my-reward": {**marked, "data": {key: good}}})) == {key: good}
+    with pytest.raises(SpecError, match="no longer holds the files accepted"):  # ... never from an edited one
         copy_in(_Cluster(**{"ConfigMap:my-reward": {**marked, "data": {key: "import os\n"}}}))
+
+
+def _agent_job(tools="tools.py", env="game.py", **k8s) -> dict:
+    """The word-problems job with an agent whose tools and environment are the user's files."""
+    raw = _files_job(**k8s)
+    raw["spec"]["rollout"]["agent"] = {k: v for k, v in (("toolsFile", tools), ("environmentFile", env)) if v}
+    return raw
+
+
+def test_tools_and_environment_files_are_keys_of_the_code_configmap_and_resolved_into_its_copy():
+    """Issue 51 M5: kubernetes.rewardConfigMap holds every code file of the job; the spec the pods run names each
+    inside the mount of the job's copy, the sandbox pods mount that copy (never the user's ConfigMap, never the data
+    claim), and every key is copied."""
+    from hybridflow_operator import environments as envs
+
+    raw = _agent_job(dataPvc="prompts", rewardConfigMap="my-code")
+    job = parse_job(raw)
+    assert mf.code_keys(job) == {"word_problem_reward.py": "spec.models.reward.function.path",
+                                 "tools.py": "spec.rollout.agent.toolsFile",
+                                 "game.py": "spec.rollout.agent.environmentFile"}
+    ran = mf.resolved_job(job)
+    agent = ran.spec.rollout.agent
+    assert (agent.tools_file, agent.environment_file) == (f"{mf.REWARD_MOUNT}/tools.py", f"{mf.REWARD_MOUNT}/game.py")
+    assert ran.spec.models.reward.function.path == f"{mf.REWARD_MOUNT}/word_problem_reward.py"
+    assert mf.resolved_job(ran) == ran  # idempotent
+    assert mf.code_keys(ran) == mf.code_keys(job)
+    pod = envs.environment_pod(job, "1234-abcd", 0)
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert vols["reward"] == {"name": "reward", "configMap": {"name": "word-problems-reward"}}
+    assert not [v for v in vols.values() if "persistentVolumeClaim" in v]  # the data claim: prompts only, head only
+    files = {"word_problem_reward.py": "def compute_score(*a): return 1\n", "tools.py": "def add(a: int): ...\n",
+             "game.py": "class Environment: ...\n"}
+    cm = mf.reward_configmap(job, "1234-abcd", files)
+    assert cm["data"] == files and cm["immutable"] is True
+    assert mf.code_digests(files) == {k: mf.content_digest(v) for k, v in sorted(files.items())}
+    assert mf.code_copy_problem(files) == ""
+    big = {**files, "game.py": "x" * mf.MAX_CONFIGMAP_BYTES}
+    assert "the job's code files (game.py, tools.py, word_problem_reward.py) are" in mf.code_copy_problem(big)
+    # an agent job scored by its environment alone: the code ConfigMap holds its tools and environment, no reward
+    raw = _agent_job(rewardConfigMap="my-code")
+    raw["spec"]["models"]["reward"] = {"type": "scorer", "scorers": [{"name": "math"}]}
+    job = parse_job(raw)
+    assert set(mf.code_keys(job)) == {"tools.py", "game.py"} and mf.reward_key(job) == ""
+    assert {v["name"] for v in envs.environment_pod(job, "1234-abcd", 0)["spec"]["volumes"]} >= {"reward"}
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"tools": "tools.py"}, "spec.rollout.agent.toolsFile"),
+    ({"tools": None, "env": "envs/game.py"}, "spec.rollout.agent.environmentFile"),
+    ({"tools": None, "env": None, "reward": "/data/rewards/r.py"}, "spec.models.reward.function.path"),
+])
+def test_a_code_file_on_the_data_claim_is_refused_naming_the_field_and_the_way_out(change, field, tmp_path, capsys):
+    """Issue 51 M5: the operator cannot read a claim, so code read from kubernetes.dataPvc could change under a
+    running job: refused at validation (parse_job: the operator's acceptance and `hybridflow validate` alike), and by
+    resolved_job for a spec edited past it; the message names the field and the ConfigMap key to use instead."""
+    from hybridflow.cli import main
+
+    raw = _agent_job(tools=change.get("tools"), env=change.get("env"), dataPvc="prompts")
+    if change.get("reward"):
+        raw["spec"]["rollout"]["agent"] = {"tools": ["calculator"]}
+        raw["spec"]["models"]["reward"]["function"]["path"] = change["reward"]
+    key = Path(change.get("reward") or change.get("env") or change["tools"]).name
+    with pytest.raises(SpecError) as err:
+        parse_job(raw)
+    msg = str(err.value)
+    assert f"{field}: '" in msg and "would be read from kubernetes.dataPvc" in msg, msg
+    assert f"put the file in kubernetes.rewardConfigMap (the job's code ConfigMap) under the key '{key}'" in msg, msg
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(raw))
+    assert main(["validate", str(manifest)]) == 2
+    assert "would be read from kubernetes.dataPvc" in capsys.readouterr().err
+    # the same spec with the code ConfigMap: accepted, the file a key of it
+    raw["spec"]["kubernetes"]["rewardConfigMap"] = "my-code"
+    if change.get("reward"):
+        raw["spec"]["models"]["reward"]["function"]["path"] = key
+    elif change.get("env"):
+        raw["spec"]["rollout"]["agent"]["environmentFile"] = key
+    job = parse_job(raw)
+    assert key in mf.code_keys(job)
+    # resolved_job refuses it too (a spec changed after parsing, or an older operator's accepted one)
+    job.spec.kubernetes.reward_config_map = None
+    if change.get("reward"):
+        job.spec.models.reward.function.path = change["reward"]
+    with pytest.raises(SpecError, match="would be read from kubernetes.dataPvc"):
+        mf.resolved_job(job)
+
+
+def test_a_tools_file_with_the_code_configmap_must_be_one_of_its_keys():
+    with pytest.raises(SpecError, match=r"spec.rollout.agent.toolsFile: with kubernetes.rewardConfigMap it is the "
+                                        r"ConfigMap's key \(a file name such as tools.py\), got 'agents/tools.py'"):
+        parse_job(_agent_job(tools="agents/tools.py", rewardConfigMap="my-code"))
+
+
+def test_every_code_file_is_copied_and_checked_and_a_missing_key_is_named():
+    """Issue 51 M5: the copy must hold every key status.codeDigests recorded, and nothing else; a key missing from
+    the user's ConfigMap holds the job Pending naming it; a job accepted before codeDigests (status.rewardDigest
+    only) keeps its copy."""
+    from hybridflow_operator import handlers
+    from hybridflow_operator.policy import Policy
+
+    raw = _agent_job(rewardConfigMap="my-code")
+    job, uid = parse_job(raw), raw["metadata"]["uid"]
+    files = {"word_problem_reward.py": "def compute_score(*a): return 1\n", "tools.py": "def add(a: int): ...\n",
+             "game.py": "class Environment: ...\n"}
+    status = {"codeDigests": mf.code_digests(files)}
+    marked = {"labels": {"hybridflow.io/for-jobs": "true"}}
+
+    def copy_in(world: _Cluster, st=status):
+        return handlers._reward_to_copy(world, Policy.from_env(), job, uid, st, None)
+
+    assert copy_in(_Cluster(**{"ConfigMap:word-problems-reward": _owned(uid, **files)})) is None
+    for bad in ({**files, "tools.py": "import os\n"}, {k: v for k, v in files.items() if k != "game.py"},
+                {**files, "extra.py": "x = 1\n"}):
+        with pytest.raises(SpecError, match="word-problems-reward does not hold what this job was accepted with"):
+            copy_in(_Cluster(**{"ConfigMap:word-problems-reward": _owned(uid, **bad)}))
+    assert copy_in(_Cluster(**{"ConfigMap:my-code": {"metadata": marked, "data": files}})) == files  # gone: remade
+    with pytest.raises(SpecError, match=r"no longer holds the files accepted \(game.py sha256:"):
+        copy_in(_Cluster(**{"ConfigMap:my-code": {"metadata": marked, "data": {**files, "game.py": "import os\n"}}}))
+    # accepted by an operator that copied the reward file alone: its copy is still the job's
+    reward = "word_problem_reward.py"
+    legacy = {"rewardDigest": mf.content_digest(files[reward])}
+    assert copy_in(_Cluster(**{"ConfigMap:word-problems-reward": _owned(uid, **{reward: files[reward]})}),
+                   legacy) is None
+    # a key missing from the user's ConfigMap: named, with the field that names it; nothing read to copy
+    world = _Cluster(**{"ConfigMap:my-code": {"metadata": marked, "data": {reward: files[reward], "tools.py": "x"}}})
+    why, found = handlers._missing_inputs(world, Policy.from_env(), job, "ml", {})
+    assert why == ("spec.rollout.agent.environmentFile: ConfigMap 'my-code' has no key 'game.py' (its keys: "
+                   "tools.py, word_problem_reward.py)") and found is None
+    world = _Cluster(**{"ConfigMap:my-code": {"metadata": marked, "data": files}})
+    assert handlers._missing_inputs(world, Policy.from_env(), job, "ml", {}) == ("", files)
+    assert handlers._missing_inputs(world, Policy.from_env(), job, "ml", status) == ("", None)  # copied already
 
 
 def _resting_job(**run_policy):
@@ -1023,7 +1157,7 @@ def test_job_egress_reaches_its_own_pods_dns_and_the_object_store_only_for_objec
     assert _egress(raw, egress) == [{"to": [OWN_PODS]}, DEFAULT_DNS, TRACKER]  # no object store: not its business
     trainer = {**raw["spec"]["trainer"], "checkpointDir": "s3://bucket/runs"}
     s3 = _raw("tiny-grpo.yaml", trainer=trainer, kubernetes={"checkpointSecret": "team-s3"})
-    confined = {"to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}}],
+    confined = {"to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16", "100.100.100.200/32"]}}],
                 "ports": [{"protocol": "TCP", "port": 443}]}
     assert _egress(s3, egress) == [{"to": [OWN_PODS]}, DEFAULT_DNS, confined, TRACKER]
     assert _egress(s3) == [{"to": [OWN_PODS]}, DEFAULT_DNS], "no object store configured: none reachable"
@@ -1033,10 +1167,17 @@ def test_an_ipblock_containing_link_local_gets_it_as_except_and_one_inside_is_re
     from hybridflow_operator.policy import Egress, PolicyError, confine_peer, confine_rule
 
     for cidr, excepts, expected in [
-        ("0.0.0.0/0", None, ["169.254.0.0/16"]), ("::/0", None, ["fe80::/10"]),
+        ("0.0.0.0/0", None, ["169.254.0.0/16", "100.100.100.200/32"]),
+        ("::/0", None, ["fe80::/10", "fd00:ec2::254/128", "fd00:ec2::23/128"]),
         ("169.0.0.0/8", ["10.0.0.0/8"], ["10.0.0.0/8", "169.254.0.0/16"]),
         ("169.0.0.0/8", ["169.254.0.0/15"], ["169.254.0.0/15"]),  # a wider except holds it already
-        ("0.0.0.0/0", ["169.254.169.254/32"], ["169.254.169.254/32", "169.254.0.0/16"]),  # a narrower one does not
+        ("0.0.0.0/0", ["169.254.169.254/32"], ["169.254.169.254/32", "169.254.0.0/16", "100.100.100.200/32"]),
+        # issue 51 L1: the metadata addresses outside link-local (Alibaba's; AWS's IPv6 service and Pod Identity)
+        ("100.64.0.0/10", None, ["100.100.100.200/32"]),
+        ("0.0.0.0/0", ["100.100.0.0/16"], ["100.100.0.0/16", "169.254.0.0/16"]),
+        ("fd00::/8", None, ["fd00:ec2::254/128", "fd00:ec2::23/128"]),
+        ("fd00:ec2::200/120", ["fd00:ec2::254/127"], ["fd00:ec2::254/127"]),
+        ("fc00::/7", ["fd00:ec2::/64"], ["fd00:ec2::/64"]),
     ]:
         block = {"cidr": cidr, **({"except": excepts} if excepts else {})}
         assert confine_peer({"ipBlock": block}, "x") == {"ipBlock": {"cidr": cidr, "except": expected}}, cidr
@@ -1045,6 +1186,9 @@ def test_an_ipblock_containing_link_local_gets_it_as_except_and_one_inside_is_re
     for cidr in ("169.254.169.254/32", "169.254.0.0/16", "169.254.20.10", "fe80::1/128"):
         with pytest.raises(PolicyError, match=r"networkPolicy\.egressExtra\[0\]\.to\[1\]\.ipBlock\.cidr .*\(link-local"):
             Egress(extra=({"to": [{"podSelector": {}}, {"ipBlock": {"cidr": cidr}}]},)).rules(object_storage=False)
+    for cidr in ("100.100.100.200/32", "fd00:ec2::254", "fd00:ec2::23/128"):
+        with pytest.raises(PolicyError, match=r"to\[0\]\.ipBlock\.cidr .* \(a cloud metadata service's address\)"):
+            Egress(extra=({"to": [{"ipBlock": {"cidr": cidr}}]},)).rules(object_storage=False)
     with pytest.raises(PolicyError, match=r"networkPolicy\.objectStore\.to\[0\]"):
         Egress(object_store={"to": [{"ipBlock": {"cidr": "169.254.169.254/32"}}]}).rules(object_storage=True)
     with pytest.raises(PolicyError, match="allows every destination"):
@@ -1065,7 +1209,8 @@ def test_egress_and_the_namespace_label_come_from_the_operators_environment():
     policy = Policy.from_env(env)
     assert policy.egress.rules(object_storage=True) == [
         {"to": [{"podSelector": {}}], "ports": [{"port": 5353}]},
-        {**OBJECT_STORE, "to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}}]}, TRACKER]
+        {**OBJECT_STORE, "to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16",
+                                                                           "100.100.100.200/32"]}}]}, TRACKER]
     assert policy.namespace_label == "hybridflow.io/jobs=enabled"
     assert policy.acts_in({"hybridflow.io/jobs": "enabled", "team": "a"})
     assert not policy.acts_in({"hybridflow.io/jobs": "yes"}) and not policy.acts_in(None)
@@ -1312,3 +1457,25 @@ def test_a_job_that_completes_no_step_within_its_progress_deadline_is_stalled_an
     assert st["lastProgressTime"] == "then" and st["slowestStepSeconds"] == 30.0
     merge_progress(st, {"step": 8, "lastStepSeconds": 42.0, "recoveries": 1, "lastRecoverySeconds": 31.5}, "/ck", "now")
     assert st["lastProgressTime"] == "now" and st["slowestStepSeconds"] == 42.0 and st["recoveries"] == 1
+
+
+def test_a_taken_pod_name_is_a_condition_naming_the_pod_and_the_job_rests_until_it_tries_again():
+    """Issue 51 L4 (phases.names_taken): the job stays Pending with CreateRefused (PodNameTaken) naming the pods, one
+    event per new message, and rests with a backoff as for any refused create."""
+    from hybridflow_operator.phases import names_taken, resting
+
+    status = {"phase": "Pending", "restarts": 0, "startTime": iso(NOW)}
+    plan = names_taken(status, "ml", ["j-head-g0"], NOW)
+    (cond,) = plan.status["conditions"]
+    assert (cond["type"], cond["status"], cond["reason"]) == ("CreateRefused", "True", "PodNameTaken")
+    assert cond["message"] == ("pod ml/j-head-g0 exists but was not made for this job (another owner, other labels), "
+                               "so the job's pod of that name cannot be created; delete it, or give the job another "
+                               "name")
+    assert plan.events == [("Warning", "PodNameTaken", cond["message"])] and plan.status["phase"] == "Pending"
+    assert plan.create_gang is None and not plan.delete_pods
+    again = names_taken(plan.status, "ml", ["j-head-g0"], NOW)
+    assert again.events == [] and again.status == plan.status  # said once
+    job = parse_job(_raw("tiny-grpo.yaml"))
+    assert resting(job, plan.status, NOW).why == "refused"
+    two = names_taken(status, "ml", ["j-head-g0", "j-default-0-g0"], NOW).status["conditions"][0]["message"]
+    assert two.startswith("pods ml/j-head-g0, ml/j-default-0-g0 exist but were not made for this job")

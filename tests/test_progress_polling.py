@@ -145,3 +145,21 @@ def test_the_poller_fetches_at_most_workers_at_once_and_a_tick_never_waits():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_layers_the_sandbox_pool_lacks_come_from_the_drivers_own_gauge():
+    """The driver's JobMetrics gauge, as it serves it, parsed into the layers the operator's SandboxPartial
+    condition names; another job's samples and zeros do not count."""
+    from prometheus_client import generate_latest
+
+    from hybridflow.metrics import JobMetrics
+    from hybridflow_operator.progress import SANDBOX_MISSING
+
+    metrics = JobMetrics("j1")
+    for layer in ("network", "processes"):
+        metrics.sandbox_missing.labels("j1", layer).set(1)
+    metrics.sandbox_missing.labels("j1", "user").set(0)
+    metrics.sandbox_missing.labels("other", "filesystem").set(1)
+    got = parse_progress(generate_latest(metrics.registry).decode(), "j1")
+    assert got[SANDBOX_MISSING] == ["network", "processes"]
+    assert SANDBOX_MISSING not in parse_progress(generate_latest(JobMetrics("j1").registry).decode(), "j1")

@@ -1,25 +1,32 @@
-"""spec.environments on Kubernetes: the environment pool's pods, their headless Service and their NetworkPolicy, and
-the pure plan that keeps the pool at its size. Pure functions, no I/O, like manifests and phases.
+"""The sandbox pool on Kubernetes (spec.environments, or one default replica for a job with user code: the reward
+function, an agent's tools and environments): its pods, their headless Service, their NetworkPolicy and token
+Secret, and the pure plan that keeps the pool at its size. Pure functions, no I/O, like manifests and phases.
+
+The pool is where a Kubernetes job's untrusted code runs, and the only place: its pods hold no Ray token, no storage
+or tracking keys and no ServiceAccount token, reach nothing (egress denied), run under spec.sandbox's runtime class
+when one is given, and answer only callers with the job's sandbox token, which opens nothing else.
 
 The pool is not part of the gang: its pods carry no generation, a gang restart leaves them running (their sessions
 are lost only if they die), and one that fails is deleted and made again under the same name, reachable at the same
 address (env-<index>.<job>-env.<namespace>.svc), while training goes on: the rollout sees SessionLost for the
 episodes it held and starts them again elsewhere. They run user code (tools, environments) in sandboxes, so they get
-the least of the job's pods: no object-storage credentials, no checkpoint or model volumes, no egress at all, and
-ingress only from the job's own pods, on the pool's port.
+the least of the job's pods: no credentials, no checkpoint or model volumes, no egress at all, and ingress only from
+the job's own pods, on the pool's port.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.api import DATA_MOUNT, RLHFJob
+from hybridflow.api import EXIT_SANDBOX_UNAVAILABLE, RLHFJob
+from hybridflow.api.agents import sandbox_pool
 from hybridflow.api.names import LABEL_INDEX, LABEL_JOB, LABEL_ROLE, names
 from hybridflow.api.status import Phase
 
 from hybridflow_operator.manifests import (
-    ENVIRONMENT_PORT, ENVIRONMENT_ROLE, SANDBOX_ENV, SANDBOX_REQUIRED, SCRATCH_MOUNT, SCRATCH_SIZE, SPEC_KEY,
-    SPEC_MOUNT, _meta, _pod, environment_pod_name, environment_service_name,
+    ENVIRONMENT_PORT, ENVIRONMENT_ROLE, REWARD_MOUNT, SANDBOX_ENV, SANDBOX_PARTIAL,
+    SANDBOX_REQUIRED, SCRATCH_MOUNT, SCRATCH_SIZE, SPEC_KEY, SPEC_MOUNT, _meta, _pod, code_keys, environment_pod_name,
+    environment_service_name, sandbox_token_env, token_secret,
 )
 from hybridflow_operator.phases import PodPhase, PodView
 
@@ -33,8 +40,10 @@ def environment_labels(index: int) -> dict[str, str]:
 
 
 def _volumes(job: RLHFJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The spec, a bounded scratch (the root filesystem is read-only; the sandboxes' private /tmp lives there), and
-    the data claim read-only when the agent's environment or tools file is on it."""
+    """The spec, a bounded scratch (the root filesystem is read-only; the sandboxes' private /tmp lives there) and
+    the job's copy of its code files (reward function, tools, environment: copied from kubernetes.rewardConfigMap at
+    acceptance). Never the data claim: no code is read from it (the spec refuses that), and the pool reads no
+    prompts."""
     vols: list[dict[str, Any]] = [
         {"name": "spec", "configMap": {"name": names(job.metadata.name)["configmap"]}},
         {"name": "scratch", "emptyDir": {"sizeLimit": SCRATCH_SIZE}},
@@ -43,17 +52,24 @@ def _volumes(job: RLHFJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         {"name": "spec", "mountPath": SPEC_MOUNT, "readOnly": True},
         {"name": "scratch", "mountPath": SCRATCH_MOUNT},
     ]
-    k8s, agent = job.spec.kubernetes, job.spec.rollout.agent
-    if k8s.data_pvc and agent is not None and (agent.environment_file or agent.tools_file):
-        vols.append({"name": "data", "persistentVolumeClaim": {"claimName": k8s.data_pvc, "readOnly": True}})
-        mounts.append({"name": "data", "mountPath": DATA_MOUNT, "readOnly": True})
+    if code_keys(job):
+        vols.append({"name": "reward", "configMap": {"name": names(job.metadata.name)["reward"]}})
+        mounts.append({"name": "reward", "mountPath": REWARD_MOUNT, "readOnly": True})
     return vols, mounts
 
 
+def sandbox_env(job: RLHFJob) -> list[dict[str, Any]]:
+    """All a sandbox pod's environment: the sandbox token, require (or partial, spec.sandbox.allowPartial), HOME in
+    its scratch; no Ray token, no storage or tracking key."""
+    mode = SANDBOX_PARTIAL if job.spec.sandbox.allow_partial else SANDBOX_REQUIRED
+    return [{"name": SANDBOX_ENV, "value": mode}, sandbox_token_env(job), {"name": "HOME", "value": SCRATCH_MOUNT},
+            {"name": "AWS_EC2_METADATA_DISABLED", "value": "true"}]
+
+
 def environment_pod(job: RLHFJob, uid: str, index: int) -> dict[str, Any]:
-    """Replica `index`: `hybridflow environments serve` on the resolved spec, authenticated with the job's token
-    (RAY_AUTH_TOKEN, which every job pod gets)."""
-    pool = job.spec.environments
+    """Replica `index`: `hybridflow environments serve` on the resolved spec, authenticated with the job's sandbox
+    token."""
+    pool = sandbox_pool(job.spec)
     assert pool is not None
     name = job.metadata.name
     container = {
@@ -62,7 +78,7 @@ def environment_pod(job: RLHFJob, uid: str, index: int) -> dict[str, Any]:
         "command": ["hybridflow", "environments", "serve", "--spec", f"{SPEC_MOUNT}/{SPEC_KEY}",
                     "--port", str(ENVIRONMENT_PORT), "--address", "0.0.0.0"],
         "ports": [{"name": "environments", "containerPort": ENVIRONMENT_PORT}],
-        "env": [{"name": SANDBOX_ENV, "value": SANDBOX_REQUIRED}],
+        "env": sandbox_env(job),
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": ENVIRONMENT_PORT}, "periodSeconds": 5},
         "resources": {"requests": {"cpu": pool.cpu, "memory": pool.memory},
                       "limits": {"cpu": pool.cpu, "memory": pool.memory}},
@@ -70,6 +86,8 @@ def environment_pod(job: RLHFJob, uid: str, index: int) -> dict[str, Any]:
     }
     pod = _pod(job, uid, environment_pod_name(name, index), environment_labels(index), [container], [], None, "64Mi",
                volumes_and_mounts=_volumes(job), gang=False)
+    if job.spec.sandbox.runtime_class_name:
+        pod["spec"]["runtimeClassName"] = job.spec.sandbox.runtime_class_name
     pod["spec"]["hostname"] = f"env-{index}"
     pod["spec"]["subdomain"] = environment_service_name(name)
     return pod
@@ -116,11 +134,13 @@ def environment_policy(job: RLHFJob, uid: str) -> dict[str, Any]:
     }
 
 
-def environment_children(job: RLHFJob, uid: str) -> list[dict[str, Any]]:
-    """The pool's static children (none without spec.environments)."""
-    if job.spec.environments is None:
+def environment_children(job: RLHFJob, uid: str, token: str) -> list[dict[str, Any]]:
+    """The pool's static children (none for a job without user code). `token`: a fresh random one, used only when
+    the job has no sandbox token Secret yet."""
+    if sandbox_pool(job.spec) is None:
         return []
-    return [environment_service(job, uid), environment_policy(job, uid)]
+    return [environment_service(job, uid), environment_policy(job, uid),
+            token_secret(job, uid, "sandbox_token", token)]
 
 
 @dataclass
@@ -130,6 +150,9 @@ class PoolPlan:
     create: list[int] = field(default_factory=list)
     delete: list[str] = field(default_factory=list)
     status: dict[str, int] | None = None
+    # a replica refused to run the job's code without every layer of the sandbox (its exit code says so): the
+    # message that fails the job, since a replacement on the same nodes would refuse the same way
+    refused: str = ""
 
 
 def plan_pool(job: RLHFJob, phase: str | None, pods: list[PodView], creating_gang: bool) -> PoolPlan:
@@ -137,7 +160,7 @@ def plan_pool(job: RLHFJob, phase: str | None, pods: list[PodView], creating_gan
     missing replicas are made (in Pending only along with the gang's pods, so that a job waiting for its inputs
     starts nothing), ended ones deleted (and made again once gone); in any other phase (suspended, finished) every
     pod goes. `pods`: the job's environment pods."""
-    pool = job.spec.environments
+    pool = sandbox_pool(job.spec)
     live = [p for p in pods if not p.deleting]
     if pool is None or phase not in POOL_PHASES:  # every pod goes, and the status says so (not the last count)
         return PoolPlan(delete=[p.name for p in live],
@@ -149,4 +172,7 @@ def plan_pool(job: RLHFJob, phase: str | None, pods: list[PodView], creating_gan
         plan.create = [i for n, i in wanted.items() if n not in present]
     serving = [p for p in live if p.name in wanted and p.phase not in ENDED]
     plan.status = {"replicas": pool.replicas, "pods": len(serving), "ready": sum(p.ready for p in serving)}
+    if refusing := [p for p in pods if p.phase == PodPhase.FAILED and p.exit_code == EXIT_SANDBOX_UNAVAILABLE]:
+        plan.refused = (f"sandbox pod {refusing[0].name} refused to run the job's user code without every layer of "
+                        f"the sandbox: {refusing[0].message or 'its node lacks some'}")
     return plan

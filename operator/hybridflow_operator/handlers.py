@@ -31,6 +31,7 @@ from kubernetes.client.rest import ApiException
 
 from hybridflow.api import API_GROUP as GROUP
 from hybridflow.api import PLURAL, VERSION, RLHFJob, SpecError, parse_job
+from hybridflow.api.agents import sandbox_pool
 from hybridflow.api.errors import last_error
 from hybridflow.api.storage import is_url
 from hybridflow.api.status import TERMINAL, JobStatus, Phase
@@ -40,10 +41,10 @@ from hybridflow_operator.environments import (PoolPlan, environment_children, en
                                               environment_pod, plan_pool)
 from hybridflow_operator.kube import API_TIMEOUT, Kube, controllers, ignore
 from hybridflow_operator.metrics import OperatorMetrics
-from hybridflow_operator.phases import (Plan, PodPhase, PodView, Queue, admit_gang, backoff, decide, invalid, iso,
-                                         parse_time, refused, resting, set_condition)
-from hybridflow_operator.policy import Policy, unmarked, violations
-from hybridflow_operator.progress import Poller, merge_progress, parse_progress
+from hybridflow_operator.phases import (Plan, PodPhase, PodView, Queue, admit_gang, backoff, decide, fail, invalid, iso,
+                                         names_taken, parse_time, refused, resting, set_condition)
+from hybridflow_operator.policy import Policy, queue_problem, unmarked, violations
+from hybridflow_operator.progress import SANDBOX_MISSING, Poller, merge_progress, parse_progress
 
 INTERVAL = float(os.environ.get("HYBRIDFLOW_RECONCILE_INTERVAL", "5"))
 # Jobs labelled kueue.x-k8s.io/queue-name are admitted through Kueue (the chart's kueue.enabled): the operator then
@@ -364,14 +365,14 @@ def _spec_fields(job: RLHFJob) -> dict[str, Any]:
 
 
 def _missing_inputs(kube: Kube, policy: Policy, job: RLHFJob, namespace: str,
-                    status: JobStatus) -> tuple[str, str | None]:
-    """What the job's pods would mount but does not exist, or exists unmarked for jobs: its PVCs, and until the
-    reward file was copied (status.rewardDigest) the reward ConfigMap and the file's key in it; and the reward file's
-    text, when it is found and yet to be copied. Checked before pods are created, so the job waits with a reason
-    instead of pods stuck creating. (The Secrets the spec names, rayAuthSecret and checkpointSecret, are not looked
-    at: the operator never reads Secrets; the admission policy checks that the job's author may read them, and a
-    missing one keeps the pods in CreateContainerConfigError, which the job's PodsStarting condition reports. An
-    object-storage trainer.checkpointDir (s3://...) needs no checkpointPvc.)"""
+                    status: JobStatus) -> tuple[str, dict[str, str] | None]:
+    """What the job's pods would mount but does not exist, or exists unmarked for jobs: its PVCs, and until its code
+    files were copied (status.codeDigests) the code ConfigMap (kubernetes.rewardConfigMap) and each file's key in
+    it; and the files' texts by key, when all are found and yet to be copied. Checked before pods are created, so
+    the job waits with a reason instead of pods stuck creating. (The Secrets the spec names, rayAuthSecret and
+    checkpointSecret, are not looked at: the operator never reads Secrets; the admission policy checks that the
+    job's author may read them, and a missing one keeps the pods in CreateContainerConfigError, which the job's
+    PodsStarting condition reports. An object-storage trainer.checkpointDir (s3://...) needs no checkpointPvc.)"""
     k8s = job.spec.kubernetes
     problems = []
     for spec_field, claim in (("checkpointPvc", k8s.checkpoint_pvc), ("modelPvc", k8s.model_pvc),
@@ -384,30 +385,43 @@ def _missing_inputs(kube: Kube, policy: Policy, job: RLHFJob, namespace: str,
                             f"{namespace}; create it")
         elif why := unmarked("PersistentVolumeClaim", f"spec.kubernetes.{spec_field}", claim, pvc.metadata.labels, policy):
             problems.append(why)
-    text = None
-    if k8s.reward_config_map and not status.get("rewardDigest"):
-        why, text = _reward_file(kube, policy, job, namespace)
+    files = None
+    if k8s.reward_config_map and _code_digests(status, mf.reward_key(job)) is None:
+        why, files = _code_files(kube, policy, job, namespace)
         problems += [why] if why else []
-    return "; ".join(problems), text
+    return "; ".join(problems), files
 
 
-def _reward_file(kube: Kube, policy: Policy, job: RLHFJob, namespace: str) -> tuple[str, str | None]:
-    """(what is wrong, the reward file's text) from kubernetes.rewardConfigMap. Its mark for jobs is checked before
-    anything about its content: the keys of a ConfigMap its owner did not mark are not this job's to list."""
-    name, key = job.spec.kubernetes.reward_config_map, mf.reward_key(job)
+def _code_files(kube: Kube, policy: Policy, job: RLHFJob, namespace: str) -> tuple[str, dict[str, str] | None]:
+    """(what is wrong, the code files' texts by key) from kubernetes.rewardConfigMap: every key the job names
+    (mf.code_keys: the reward function's, the tools file's, the environment file's). Its mark for jobs is checked
+    before anything about its content: the keys of a ConfigMap its owner did not mark are not this job's to list."""
+    name, keys = job.spec.kubernetes.reward_config_map, mf.code_keys(job)
     cm = kube.read("ConfigMap", namespace, name)
     if cm is None:
+        args = " ".join(f"--from-file={key}" for key in keys) or "--from-file=my_reward.py"
         return (f"spec.kubernetes.rewardConfigMap: ConfigMap '{name}' not found in namespace {namespace}; create it, "
-                f"e.g. kubectl create configmap {name} --from-file={key or 'my_reward.py'}"), None
+                f"e.g. kubectl create configmap {name} {args}"), None
     meta, data = cm.get("metadata") or {}, cm.get("data") or {}
     if why := unmarked("ConfigMap", "spec.kubernetes.rewardConfigMap", name, meta.get("labels"), policy):
         return why, None
-    if key not in data:
-        return (f"spec.models.reward.function.path: ConfigMap '{name}' has no key '{key}' (its keys: "
-                f"{', '.join(sorted(data)) or 'none'})"), None
-    if why := mf.reward_copy_problem(key, data[key]):
+    if missing := [f"{field}: ConfigMap '{name}' has no key '{key}' (its keys: {', '.join(sorted(data)) or 'none'})"
+                   for key, field in keys.items() if key not in data]:
+        return "; ".join(missing), None
+    files = {key: data[key] for key in keys}
+    if why := mf.code_copy_problem(files):
         return why, None
-    return "", data[key]
+    return "", files
+
+
+def _code_digests(status: JobStatus, reward_key: str) -> dict[str, str] | None:
+    """The code files' digests status recorded when they were first found (None before): status.codeDigests, or for
+    a job accepted when only its reward file was copied, status.rewardDigest under the reward file's key."""
+    if (digests := status.get("codeDigests")) is not None:
+        return dict(digests)
+    if reward_key and (reward := status.get("rewardDigest")):
+        return {reward_key: reward}
+    return None
 
 
 def _check_owner(kind: str, namespace: str, name: str, obj: dict[str, Any], uid: str | None) -> None:
@@ -548,8 +562,8 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
                           "metadata": {"name": name, "namespace": namespace}, "spec": dict(body.get("spec") or {})},
                          f"RLHFJob {namespace}/{name}")
         job, changed = _accepted_job(shared.kube, live, uid, status, memo)
-        if queue_name and not status.get("phase"):  # checked once, at acceptance: a running job is never failed
-            _check_queueable(job)
+        if not status.get("phase"):  # checked once, at acceptance: a running job is never failed
+            _check_queueable(job, queue_name, shared.policy)
     except SpecError as err:
         error, changed, job = str(err), False, None
     queue = Queue(queue_name, _workload(workloads, namespace, name, uid)) if queue_name and KUEUE else None
@@ -570,7 +584,7 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
                                                      status.get("workloadActive"))
         if recorded is not None:
             plan.status["workloadActive"] = recorded
-    reward: str | None = None  # the reward file, read to be copied
+    reward: dict[str, str] | None = None  # the code files (kubernetes.rewardConfigMap), read to be copied
     if job is not None and plan.create_gang is not None:  # about to create pods: are their inputs there?
         missing, reward = _missing_inputs(shared.kube, shared.policy, job, namespace, status)
         plan = admit_gang(plan, status, views, now, missing, violations(job, shared.policy))
@@ -580,10 +594,12 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     if job is not None and plan.create_static and not plan.status.get("acceptedSpecDigest"):
         # Recorded before the ConfigMap is created, so a ConfigMap planted under its name is told apart by content.
         plan.status["acceptedSpecDigest"] = mf.content_digest(mf.spec_text(job))
-    if reward is not None and plan.create_gang is not None:
-        plan.status["rewardDigest"] = mf.content_digest(reward)  # likewise, before its copy is created
+    if reward is not None and plan.create_gang is not None:  # likewise, before their copy is created
+        plan.status["codeDigests"] = mf.code_digests(reward)
+        if (key := mf.reward_key(job)) in reward:
+            plan.status["rewardDigest"] = mf.content_digest(reward[key])
 
-    pool = _plan_pool(job, plan, pool_views)
+    pool = _plan_pool(job, plan, pool_views, views, now)
 
     if changed and status.get("phase") not in TERMINAL:
         msg = "spec changed while the job exists; only runPolicy can change: the job keeps its original spec"
@@ -608,6 +624,13 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
         try:
             _create_children(shared, job, uid, plan, pods, memo, first_start=not status.get("phase"), reward=reward,
                              lost=lost, pool=pool, queue=queue)
+        except PodNamesTaken as err:  # someone else's pods under the names of the job's: said, tried again later
+            planned = plan
+            plan = names_taken(planned.status, namespace, err.pods, now)
+            plan.events[:0] = planned.events
+            plan.delete_pods = list(planned.delete_pods)
+            if plan.status != planned.status:
+                _write_status(shared.kube, namespace, name, planned.status, plan.status, memo)
         except SpecError as err:  # a child that exists but is not this job's: fail now, before any pod runs it
             planned = plan
             plan = invalid(planned.status, str(err), now, views)
@@ -650,9 +673,14 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     _rest_after(body, memo, job, status, plan, now, queue)
 
 
-def _check_queueable(job: RLHFJob) -> None:
+def _check_queueable(job: RLHFJob, queue: str | None, policy: Policy) -> None:
     """A job labelled for a Kueue queue, accepted only where the operator admits jobs through Kueue: anywhere else
-    it would run past the queue's quota."""
+    it would run past the queue's quota; and, with kueue.required (policy.queue_problem), one not labelled is not
+    accepted at all."""
+    if why := queue_problem(queue, policy):
+        raise SpecError(why)
+    if not queue:
+        return
     if not KUEUE:
         raise SpecError(f"metadata.labels[{kueue.QUEUE_LABEL}]: this operator was installed without Kueue (the "
                         "chart's kueue.enabled), so it cannot queue the job; remove the label, or ask the cluster's "
@@ -669,8 +697,8 @@ def _make_workload(kube: Kube, job: RLHFJob, uid: str | None, queue: str, memo: 
         return
     memo["workload_posted"] = time.monotonic()  # a refused create too is tried again only after the grace
     pods = mf.gang_pods(job, uid or "", 0)
-    if job.spec.environments is not None:
-        pods += [environment_pod(job, uid or "", i) for i in range(job.spec.environments.replicas)]
+    if (sandboxes := sandbox_pool(job.spec)) is not None:
+        pods += [environment_pod(job, uid or "", i) for i in range(sandboxes.replicas)]
     obj = kueue.workload(job, uid or "", queue, pods, _priority(kube, job))
     try:
         made = kube.create(obj)
@@ -745,13 +773,18 @@ def _queue_of(body: kopf.Body, status: JobStatus) -> str | None:
     return known
 
 
-def _plan_pool(job: RLHFJob | None, plan: Plan, pool_views: list[PodView]) -> PoolPlan:
-    """The environment pool's part of the tick, folded into the plan: its pods to delete and status.environments;
-    the replicas to create are returned, for `_create_children`."""
+def _plan_pool(job: RLHFJob | None, plan: Plan, pool_views: list[PodView], views: list[PodView],
+               now: dt.datetime) -> PoolPlan:
+    """The sandbox pool's part of the tick, folded into the plan: its pods to delete and status.environments, and
+    the job failed when a replica refused to run without the whole sandbox; the replicas to create are returned,
+    for `_create_children`."""
     if job is None:  # a spec that does not parse: the job fails, its pool goes
         pool = PoolPlan(delete=[v.name for v in pool_views if not v.deleting])
     else:
         pool = plan_pool(job, plan.status.get("phase"), pool_views, plan.create_gang is not None)
+        if pool.refused and plan.status.get("phase") not in TERMINAL:
+            fail(plan, "SandboxUnavailable", pool.refused, now, views)
+            pool = plan_pool(job, plan.status.get("phase"), pool_views, False)  # Failed: every replica goes
     plan.delete_pods += [n for n in pool.delete if n not in plan.delete_pods]
     if pool.status is not None:
         plan.status["environments"] = pool.status
@@ -759,10 +792,10 @@ def _plan_pool(job: RLHFJob | None, plan: Plan, pool_views: list[PodView]) -> Po
 
 
 def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, pods: list[dict[str, Any]],
-                     memo: kopf.Memo, first_start: bool, reward: str | None,
+                     memo: kopf.Memo, first_start: bool, reward: dict[str, str] | None,
                      lost: set[tuple[str, str]] | None = None, pool: PoolPlan | None = None,
                      queue: Queue | None = None) -> None:
-    """The static children, the job's copy of its reward file and the missing pods of the planned generation; a
+    """The static children, the job's copy of its code files and the missing pods of the planned generation; a
     refused create raises, naming the object it was about. The pods may use only what the accepted spec names
     (`foreign_references`). A child that already exists must be this job's (`_check_existing`).
 
@@ -779,13 +812,13 @@ def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, 
         policy, own = shared.policy, shared.operator_namespace
         scrapers = [*policy.metrics_namespaces, *([own] if own else [])]
         static = mf.static_children(job, uid, secrets.token_hex(32), scrapers, policy.egress)
-        static += environment_children(job, uid)
+        static += environment_children(job, uid, secrets.token_hex(32))
         objs += static if plan.create_static else [o for o in static if (o["kind"], o["metadata"]["name"]) in lost]
     new_pods: list[dict[str, Any]] = [environment_pod(job, uid, i) for i in (pool.create if pool else [])]
     if plan.create_gang is not None:
         if job.spec.kubernetes.reward_config_map and (
-                text := _reward_to_copy(shared.kube, shared.policy, job, uid, plan.status, reward)):
-            objs.append(mf.reward_configmap(job, uid, text))
+                files := _reward_to_copy(shared.kube, shared.policy, job, uid, plan.status, reward)):
+            objs.append(mf.reward_configmap(job, uid, files))
         new_pods += mf.gang_pods(job, uid, plan.create_gang)
     if new_pods:
         if foreign := mf.foreign_references(new_pods, memo.get("accepted") or job):
@@ -801,6 +834,7 @@ def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, 
         known = memo["children"] = (start, set())
     known[1].difference_update(lost)
     seen: set[tuple[str, str]] = memo.setdefault("seen_children", set())
+    taken: list[str] = []  # pods whose names someone else's pods hold
     for obj in objs:
         key = (obj["kind"], obj["metadata"]["name"])
         if key in known[1]:
@@ -810,11 +844,17 @@ def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, 
         except ApiException as err:
             err.hybridflow_object = f"{obj['kind']} {obj['metadata']['name']}"  # type: ignore[attr-defined]
             raise
+        if made is None and obj["kind"] == "Pod":
+            # `new_pods` left out every pod the job controls (and those it created and has not seen yet): a name
+            # that is taken all the same is held by someone else's pod, never counted as the job's (L4)
+            taken.append(obj["metadata"]["name"])
+            continue
         if made is None:
             _check_existing(shared.kube, obj, job.metadata.name, uid, plan.status, first_start)
         elif obj["kind"] == "Secret":
             # The operator never reads Secrets: the uid its create returned is how `cleanup` knows this one.
-            plan.status["rayTokenSecretUid"] = made.metadata.uid
+            plan.status[SECRET_UID_KEYS[next(k for k, v in mf.names(job.metadata.name).items()
+                                             if v == obj["metadata"]["name"])]] = made.metadata.uid
             _write_status(shared.kube, obj["metadata"]["namespace"], job.metadata.name, memo.get("written") or {},
                           plan.status, memo)
         if obj["kind"] == "Pod":
@@ -826,10 +866,22 @@ def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, 
             plan.events.append(("Warning", "ChildRecreated", f"{obj['kind']} {obj['metadata']['name']} was deleted "
                                 "while the job lives; the operator made it again (a job's children go with it: "
                                 "delete the RLHFJob to remove them)"))
+    if taken:
+        raise PodNamesTaken(taken)
 
 
-# The status field holding the digest each of the job's ConfigMaps must match (by their key in manifests.names).
-DIGEST_OF = {"configmap": "acceptedSpecDigest", "reward": "rewardDigest"}
+class PodNamesTaken(Exception):
+    """Pod creates answered 409 (AlreadyExists) for names no pod of the job holds: other pods sit under the names
+    of the job's (phases.names_taken makes it a condition naming them)."""
+
+    def __init__(self, pods: list[str]) -> None:
+        super().__init__(", ".join(pods))
+        self.pods = pods
+
+
+# The status field holding the digest each of the job's ConfigMaps must match (by their key in manifests.names);
+# the copy of the code files ("reward") must match status.codeDigests, key by key (`_check_code`).
+DIGEST_OF = {"configmap": "acceptedSpecDigest", "reward": "codeDigests"}
 
 
 def _check_existing(kube: Kube, obj: dict[str, Any], job_name: str, uid: str | None, status: JobStatus,
@@ -838,13 +890,14 @@ def _check_existing(kube: Kube, obj: dict[str, Any], job_name: str, uid: str | N
     Raises unless it is this job's: read and owned by the job, and the ConfigMaps holding what status recorded. A
     Ray token Secret is never read: one there when the job first starts was planted (its token would be known to
     whoever made it); later it is the one this job made. A pod is not checked here: only pods the job controls are
-    ever counted (`_observed_pods`), so a stranger's under a gang pod's name is never taken for the job's."""
+    ever counted (`_observed_pods`), so a stranger's under a gang pod's name is never taken for the job's (its
+    create's 409 is a condition naming it: `PodNamesTaken`)."""
     kind, ns, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
     if kind == "Pod":
         return
     if kind == "Secret":
         if first_start:
-            raise SpecError(f"Secret {ns}/{name} existed before this job started, so its Ray token may be known to "
+            raise SpecError(f"Secret {ns}/{name} existed before this job started, so its token may be known to "
                             "others; delete it (or name a Secret of yours in spec.kubernetes.rayAuthSecret) and create "
                             "the job again")
         return
@@ -854,7 +907,10 @@ def _check_existing(kube: Kube, obj: dict[str, Any], job_name: str, uid: str | N
                                   delay=INTERVAL)
     _check_owner(kind, ns, name, found, uid)
     role = next((k for k, v in mf.names(job_name).items() if v == name), "")
-    if kind == "ConfigMap" and role in DIGEST_OF:
+    if kind == "ConfigMap" and role == "reward":  # (a job accepted before codeDigests: its reward file alone)
+        reward_key = next(iter(obj["data"])) if len(obj["data"]) == 1 else ""
+        _check_code(ns, name, found, _code_digests(status, reward_key))
+    elif kind == "ConfigMap" and role in DIGEST_OF:
         (key,) = obj["data"]
         _check_holds(ns, name, found, key, status.get(DIGEST_OF[role]))
 
@@ -869,25 +925,40 @@ def _check_holds(namespace: str, name: str, cm: dict[str, Any], key: str, accept
                         f"{digest}, accepted {accepted or 'none'}); delete the job and create it again")
 
 
+def _check_code(namespace: str, name: str, cm: dict[str, Any], accepted: dict[str, str] | None) -> None:
+    """The job's copy of its code files must hold exactly the files whose digests status recorded before creating
+    it, every key (the reward file's, the tools file's, the environment file's) and no other: it is immutable, but
+    could have been deleted and made again by someone else."""
+    held = {key: mf.content_digest(text) for key, text in (cm.get("data") or {}).items()}
+    held |= {key: "binaryData" for key in cm.get("binaryData") or {}}  # mounted as files too
+    accepted = accepted or {}
+    if differ := [f"{key}: digest {held.get(key, 'none')}, accepted {accepted.get(key, 'none')}"
+                  for key in sorted(held.keys() | accepted.keys()) if held.get(key) != accepted.get(key)]:
+        raise SpecError(f"ConfigMap {namespace}/{name} does not hold what this job was accepted with "
+                        f"({'; '.join(differ)}); delete the job and create it again")
+
+
 def _reward_to_copy(kube: Kube, policy: Policy, job: RLHFJob, uid: str | None, status: JobStatus,
-                    found: str | None) -> str | None:
-    """The reward file to copy into the job's own ConfigMap at this gang start, or None when its copy is there (and
-    is this job's, holding the file accepted). `found`: the file just read from the user's ConfigMap (no copy was
-    made yet; status.rewardDigest now records it). A copy that is gone (its first create failed, or someone deleted
-    it) is made again only from the very file accepted, never from an edited one."""
+                    found: dict[str, str] | None) -> dict[str, str] | None:
+    """The code files (key -> text) to copy into the job's own ConfigMap at this gang start, or None when its copy
+    is there (and is this job's, holding every file accepted). `found`: the files just read from the user's
+    ConfigMap (no copy was made yet; status.codeDigests now records them). A copy that is gone (its first create
+    failed, or someone deleted it) is made again only from the very files accepted, never from edited ones."""
     if found is not None:
         return found
     ns, own = mf.job_namespace(job), mf.names(job.metadata.name)["reward"]
+    accepted = _code_digests(status, mf.reward_key(job))
     if (copy_ := kube.read("ConfigMap", ns, own)) is not None:
         _check_owner("ConfigMap", ns, own, copy_, uid)
-        _check_holds(ns, own, copy_, mf.reward_key(job), status.get("rewardDigest"))
+        _check_code(ns, own, copy_, accepted)
         return None
-    _, text = _reward_file(kube, policy, job, ns)
-    if text is None or mf.content_digest(text) != status.get("rewardDigest"):
-        raise SpecError(f"ConfigMap {ns}/{own}, the job's copy of its reward file, is gone, and ConfigMap "
-                        f"{ns}/{job.spec.kubernetes.reward_config_map} no longer holds the file accepted "
-                        f"({status.get('rewardDigest')}); delete the job and create it again")
-    return text
+    _, files = _code_files(kube, policy, job, ns)
+    if files is None or accepted is None or mf.code_digests(files) != dict(sorted(accepted.items())):
+        raise SpecError(f"ConfigMap {ns}/{own}, the job's copy of its code files, is gone, and ConfigMap "
+                        f"{ns}/{job.spec.kubernetes.reward_config_map} no longer holds the files accepted "
+                        f"({', '.join(f'{k} {v}' for k, v in sorted((accepted or {}).items())) or 'none'}); delete "
+                        f"the job and create it again")
+    return files
 
 
 def _api_message(err: ApiException) -> str:
@@ -921,9 +992,17 @@ def _poll_progress(poller: Poller, namespace: str, job: RLHFJob, pods: list[dict
     text = poller.poll((namespace, job.metadata.name), head[-1]["podIP"], job.spec.metrics.port,
                        target=head[-1]["view"].name)
     if text:
-        merge_progress(status, parse_progress(text, job.metadata.name), job.spec.trainer.checkpoint_dir, iso(now))
+        progress = parse_progress(text, job.metadata.name)
+        if missing := progress.pop(SANDBOX_MISSING, None):
+            set_condition(status, "SandboxPartial", True, "LayersMissing",
+                          f"the sandbox pool runs the job's user code without: {', '.join(missing)} "
+                          "(spec.sandbox.allowPartial; its pods hold no credential and reach nothing)", now)
+        merge_progress(status, progress, job.spec.trainer.checkpoint_dir, iso(now))
 
 
+# The Secrets the operator makes for a job (key in manifests.names) -> the status field holding the uid its create
+# returned: the operator never reads a Secret, so that uid is how `cleanup` deletes the job's own and no other.
+SECRET_UID_KEYS = {"ray_token": "rayTokenSecretUid", "sandbox_token": "sandboxTokenSecretUid"}
 # The children `cleanup` looks for by name: (kind, key in manifests.names).
 NAMED_CHILDREN = (("Service", "service"), ("ConfigMap", "configmap"), ("ConfigMap", "reward"),
                   ("NetworkPolicy", "network_policy"), ("PodGroup", "podgroup"),
@@ -935,8 +1014,8 @@ async def cleanup(name: str, namespace: str, body: kopf.Body, memo: kopf.Memo, *
     """Remove the job's children, for clusters (and test doubles) without garbage collection: only those the job
     controls (its controller ownerReference), each deleted with its uid as the precondition, so an object that
     merely has a child's name (a namespace's `default-deny-ingress` under a job called `default-deny`) stays. The
-    Ray token Secret, which the operator never reads, is deleted by the uid its create returned; one the operator
-    did not make is never touched. The deletions go out together: the finalizer, and so the job, goes as soon as
+    token Secrets, which the operator never reads, are deleted by the uid each create returned; one the operator did
+    not make is never touched. The deletions go out together: the finalizer, and so the job, goes as soon as
     the slowest of them is answered."""
     shared, uid, names = _shared(memo), body["metadata"].get("uid"), mf.names(name)
     kube = shared.kube
@@ -946,8 +1025,9 @@ async def cleanup(name: str, namespace: str, body: kopf.Body, memo: kopf.Memo, *
     calls += [functools.partial(kube.delete_owned, kind, namespace, names[key], uid) for kind, key in NAMED_CHILDREN]
     calls += [functools.partial(kube.delete_owned, kind, namespace, child, uid) for kind, child in
               (("Service", mf.environment_service_name(name)), ("NetworkPolicy", environment_policy_name(name)))]
-    if token := (body.get("status") or {}).get("rayTokenSecretUid"):
-        calls.append(functools.partial(kube.delete, "Secret", namespace, names["ray_token"], token))
+    for role, key in SECRET_UID_KEYS.items():  # the job's tokens, by the uid each create returned
+        if token := (body.get("status") or {}).get(key):
+            calls.append(functools.partial(kube.delete, "Secret", namespace, names[role], token))
     await asyncio.gather(*(asyncio.to_thread(c) for c in calls))
     shared.poller.forget((namespace, name))
     shared.metrics.set_phase(namespace, name, None)

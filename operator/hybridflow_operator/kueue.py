@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.api import RLHFJob, SpecError
+from hybridflow.api.agents import sandbox_pool
 from hybridflow.api.names import LABEL_JOB, LABEL_POOL, LABEL_ROLE, names
 from hybridflow.api.scaling import replicas_now, sized
 from hybridflow.api.status import TERMINAL, Phase
@@ -78,10 +79,10 @@ def podset_problems(job: RLHFJob) -> list[str]:
     out = [f"spec.resourcePools[{i}].name: '{p.name}' is the name of the job's {p.name} podSet in its Kueue "
            f"Workload (kueue.x-k8s.io/queue-name is set); rename the pool"
            for i, p in enumerate(job.spec.resource_pools) if p.name in (HEAD_PODSET, ENVIRONMENT_PODSET)]
-    podsets = 1 + len(job.spec.resource_pools) + (job.spec.environments is not None)
+    podsets = 1 + len(job.spec.resource_pools) + (sandbox_pool(job.spec) is not None)
     if podsets > MAX_PODSETS:
         out.append(f"spec.resourcePools: {len(job.spec.resource_pools)} pools make {podsets} Kueue podSets (with the "
-                   f"head{' and the environment pool' if job.spec.environments else ''}); a Workload holds at most "
+                   f"head{' and the sandbox pool' if sandbox_pool(job.spec) else ''}); a Workload holds at most "
                    f"{MAX_PODSETS}: merge pools, or remove the kueue.x-k8s.io/queue-name label")
     return out
 

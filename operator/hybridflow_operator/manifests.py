@@ -19,6 +19,8 @@ from hybridflow.api import (
     DATA_MOUNT, REWARD_MOUNT, JobSpec, ModelSource, RLHFJob, ResourcePool, SpecError, dump_job, pool_resource,
     pool_slot_resource, reward_configmap_key,
 )
+from hybridflow.api.agents import code_files, sandbox_pool
+from hybridflow.api.rules import kubernetes_code_problems
 from hybridflow.api.names import (
     LABEL_GENERATION, LABEL_INDEX, LABEL_JOB, LABEL_POOL, LABEL_ROLE, head_pod_name, names, worker_pod_name,
 )
@@ -36,8 +38,9 @@ RAY_PORT = 6379
 SPEC_MOUNT = "/etc/hybridflow"
 SPEC_KEY = "job.json"  # JSON, not YAML: no aliases or tags in what the operator and the driver read back
 # The checkpoint claim is never mounted whole: the job's own directory on it (subPath <namespace>/<job>) is mounted
-# read-write at CHECKPOINT_MOUNT/<namespace>/<job>, and a trainer.resumeFrom on it (<namespace>/<job>[/step_N])
-# read-only at RESUME_MOUNT/<namespace>/<job>[/step_N]; the resolved spec names those paths.
+# read-write at CHECKPOINT_MOUNT/<namespace>/<job>, and the job a trainer.resumeFrom on it names (<namespace>/<job>,
+# also when it names one of its checkpoints, <job>/step_N) read-only at RESUME_MOUNT/<namespace>/<job>; the resolved
+# spec names those paths (RESUME_MOUNT/<namespace>/<job>[/step_N]).
 RESUME_MOUNT = "/var/lib/hybridflow/resume-from"
 MODEL_CACHE = "/var/cache/hybridflow/models"
 MODELS_MOUNT = "/models"
@@ -56,9 +59,13 @@ ENVIRONMENT_ROLE = "environment"
 ENVIRONMENT_PORT = 8100
 ENVIRONMENT_URLS_ENV = "HYBRIDFLOW_ENVIRONMENT_URLS"
 # hybridflow.sandbox's switch: "require" refuses to run user code without every layer of the sandbox. The
-# environment pods exist to run untrusted code; a pod whose runtime refuses user namespaces fails, saying so, instead
-# of serving tools as the server's own uid.
-SANDBOX_ENV, SANDBOX_REQUIRED = "HYBRIDFLOW_SANDBOX", "require"
+# sandbox pods exist to run untrusted code; a pod whose runtime refuses user namespaces fails, saying so, instead
+# of running it with fewer layers, unless spec.sandbox.allowPartial says the pod's own containment is enough.
+SANDBOX_ENV, SANDBOX_REQUIRED, SANDBOX_PARTIAL = "HYBRIDFLOW_SANDBOX", "require", "partial"
+# The sandbox pool's bearer token (hybridflow.sandbox_pool.TOKEN_ENV; test_environment_manifests checks the
+# two agree), from the job's own Secret (names()["sandbox_token"]): it opens the pool and nothing else, so a pod
+# that spoofs the pool's labels to receive its requests learns no credential of the job's.
+SANDBOX_TOKEN_ENV, SANDBOX_TOKEN_KEY = "HYBRIDFLOW_SANDBOX_TOKEN", "token"
 
 
 def job_labels(name: str) -> dict[str, str]:
@@ -107,27 +114,30 @@ def resolved_job(job: RLHFJob) -> RLHFJob:
     """The spec as it runs in pods: metrics on all interfaces, checkpoints in the job's own directory (under the
     object-storage URL trainer.checkpointDir names, else on the PVC when one is given), trainer.resumeFrom, model
     paths and data.cacheDir confined to what this job may read or write, prompt files inside the data volume and
-    the reward file inside the ConfigMap's mount. Idempotent (the accepted spec is resolved again when compared with
-    the live one). A spec that names what its pods may not have (another namespace's checkpoint, a path outside its
-    claims, object storage without kubernetes.checkpointSecret) raises SpecError, naming the fields."""
+    the code files (reward function, tools, environment) inside the mount of the job's copy of its code ConfigMap.
+    Idempotent (the accepted spec is resolved again when compared with the live one). A spec that names what its
+    pods may not have (another namespace's checkpoint, a path outside its claims, object storage without
+    kubernetes.checkpointSecret, a code file on the data claim) raises SpecError, naming the fields."""
     run = job.model_copy(deep=True)
     s, k8s = run.spec, run.spec.kubernetes
     s.metrics.address = "0.0.0.0"
     ns, name = run.metadata.namespace or "default", run.metadata.name
-    problems = _credential_problems(s)
+    # (parse_job refuses code on the data claim already: here too, for a spec changed since it was parsed)
+    problems = _credential_problems(s) + kubernetes_code_problems(s)
     problems += _resolve_checkpoints(s, ns, name) + _resolve_models(s) + _resolve_cache_dir(s)
     if problems:
         raise SpecError("; ".join(problems))
     if k8s.data_pvc:
         s.data.train = [_inside(DATA_MOUNT, p) for p in s.data.train]
         s.data.eval = [_inside(DATA_MOUNT, p) for p in s.data.eval]
-    if k8s.reward_config_map and s.models.reward.function is not None:
-        s.models.reward.function.path = _inside(REWARD_MOUNT, s.models.reward.function.path)
-    if k8s.data_pvc and (agent := s.rollout.agent) is not None:  # a user's environment and tools: on the data claim
-        if agent.environment_file:
-            agent.environment_file = _inside(DATA_MOUNT, agent.environment_file)
-        if agent.tools_file:
-            agent.tools_file = _inside(DATA_MOUNT, agent.tools_file)
+    if k8s.reward_config_map:  # every code file: inside the mount of the job's copy of its code ConfigMap
+        if s.models.reward.function is not None:
+            s.models.reward.function.path = _inside(REWARD_MOUNT, s.models.reward.function.path)
+        if (agent := s.rollout.agent) is not None:
+            if agent.environment_file:
+                agent.environment_file = _inside(REWARD_MOUNT, agent.environment_file)
+            if agent.tools_file:
+                agent.tools_file = _inside(REWARD_MOUNT, agent.tools_file)
     return run
 
 
@@ -146,7 +156,8 @@ def _credential_problems(s: JobSpec) -> list[str]:
 def _resolve_checkpoints(s: JobSpec, ns: str, name: str) -> list[str]:
     """trainer.checkpointDir becomes the job's own directory, `<base>/<namespace>/<job>`; trainer.resumeFrom, another
     job of the namespace or one of its checkpoints, `<base>/<namespace>/<job>[/step_N]` (on the claim: below
-    RESUME_MOUNT, where its own subPath is mounted read-only). Returns what cannot be resolved."""
+    RESUME_MOUNT, where that job's directory, subPath `<namespace>/<job>`, is mounted read-only). Returns what
+    cannot be resolved."""
     t, claim = s.trainer, s.kubernetes.checkpoint_pvc
     if is_url(t.checkpoint_dir):
         t.checkpoint_dir = job_checkpoint_url(t.checkpoint_dir, ns, name)
@@ -239,8 +250,8 @@ def _inside(mount: str, path: str) -> str:
 
 
 def content_digest(text: str) -> str:
-    """What status.acceptedSpecDigest and status.rewardDigest record: the spec ConfigMap's content, the reward
-    file's, as the pods read them."""
+    """What status.acceptedSpecDigest, status.rewardDigest and status.codeDigests record: the spec ConfigMap's
+    content, the reward file's, each code file's, as the pods read them."""
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -267,32 +278,56 @@ MAX_CONFIGMAP_BYTES = 1 << 20
 
 
 def reward_key(job: RLHFJob) -> str:
-    """The reward file's key in kubernetes.rewardConfigMap and in the job's copy ("" without a reward function,
-    which the spec refuses alongside a rewardConfigMap)."""
+    """The reward file's key in kubernetes.rewardConfigMap and in the job's copy ("" without a reward function)."""
     fn = job.spec.models.reward.function
     return reward_configmap_key(fn.path) if fn is not None else ""
 
 
-def reward_configmap(job: RLHFJob, uid: str, text: str) -> dict[str, Any]:
-    """The job's own copy of the reward file, made when the operator first finds it in kubernetes.rewardConfigMap:
-    immutable and owned by the job, and what the head pod mounts. The user's ConfigMap stays theirs to edit; an
-    edit (anyone's who may update it) must not become code that the running job, or its next gang, executes."""
+def code_keys(job: RLHFJob) -> dict[str, str]:
+    """The job's code files in kubernetes.rewardConfigMap (the job's code ConfigMap), key -> the field naming it:
+    the reward function's, the agent's tools file and environment file ({} without that ConfigMap). Each is copied
+    into the job's own ConfigMap at acceptance, its digest recorded in status.codeDigests."""
+    if not job.spec.kubernetes.reward_config_map:
+        return {}
+    out: dict[str, str] = {}
+    for field, path in code_files(job.spec).items():
+        out.setdefault(reward_configmap_key(path), field)
+    return out
+
+
+def reward_configmap(job: RLHFJob, uid: str, files: dict[str, str] | str) -> dict[str, Any]:
+    """The job's own copy of its code files (`files`: key -> text; a str: the reward file alone), made when the
+    operator first finds them in kubernetes.rewardConfigMap: immutable and owned by the job, and what the head and
+    sandbox pods mount. The user's ConfigMap stays theirs to edit; an edit (anyone's who may update it) must not
+    become code that the running job, or its next gang, executes."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(job, uid, names(job.metadata.name)["reward"]),
-        "data": {reward_key(job): text},
+        "data": {reward_key(job): files} if isinstance(files, str) else dict(files),
         "immutable": True,
     }
 
 
-def reward_copy_problem(key: str, text: str) -> str:
-    """Why the reward file cannot be copied into a ConfigMap ("" if it can)."""
-    size = len(key.encode()) + len(text.encode())
+def code_digests(files: dict[str, str]) -> dict[str, str]:
+    """What status.codeDigests records: each code file's digest, by key."""
+    return {key: content_digest(text) for key, text in sorted(files.items())}
+
+
+def code_copy_problem(files: dict[str, str]) -> str:
+    """Why the job's code files cannot be copied into one ConfigMap ("" if they can)."""
+    size = sum(len(key.encode()) + len(text.encode()) for key, text in files.items())
     if size <= MAX_CONFIGMAP_BYTES:
         return ""
-    return (f"spec.kubernetes.rewardConfigMap: the reward file '{key}' is {size} bytes with its key; a ConfigMap holds "
-            f"at most {MAX_CONFIGMAP_BYTES} (1 MiB); make the file smaller")
+    what = (f"the file '{next(iter(files))}' is" if len(files) == 1
+            else f"the job's code files ({', '.join(sorted(files))}) are")
+    return (f"spec.kubernetes.rewardConfigMap: {what} {size} bytes with their keys; a ConfigMap holds at most "
+            f"{MAX_CONFIGMAP_BYTES} (1 MiB); make {'it' if len(files) == 1 else 'them'} smaller")
+
+
+def reward_copy_problem(key: str, text: str) -> str:
+    """Why the reward file cannot be copied into a ConfigMap ("" if it can)."""
+    return code_copy_problem({key: text})
 
 
 def environment_service_name(job_name: str) -> str:
@@ -307,7 +342,7 @@ def environment_pod_name(job_name: str, index: int) -> str:
 def environment_urls(job: RLHFJob) -> list[str]:
     """Where the rollout reaches each replica of spec.environments: its pod's stable DNS name (hostname env-<i> in
     the pool's Service), the same across the pod's replacements; [] without spec.environments."""
-    pool = job.spec.environments
+    pool = sandbox_pool(job.spec)
     if pool is None:
         return []
     svc, ns = environment_service_name(job.metadata.name), job_namespace(job)
@@ -343,6 +378,11 @@ def podgroup(job: RLHFJob, uid: str) -> dict[str, Any]:
         "metadata": _meta(job, uid, names(job.metadata.name)["podgroup"]),
         "spec": {"minMember": 1 + sum(p.nodes for p in least.spec.resource_pools)},
     }
+
+
+def sandbox_token_env(job: RLHFJob) -> dict[str, Any]:
+    return {"name": SANDBOX_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": names(job.metadata.name)["sandbox_token"],
+                                                                      "key": SANDBOX_TOKEN_KEY}}}
 
 
 def _ray_env(job: RLHFJob) -> list[dict[str, Any]]:
@@ -405,9 +445,13 @@ def _model_mounts(s: JobSpec) -> list[dict[str, Any]]:
 
 
 def _checkpoint_mounts(s: JobSpec) -> list[dict[str, Any]]:
-    """kubernetes.checkpointPvc, by subPath only, never whole: the job's own directory read-write, and a
-    trainer.resumeFrom on the claim (another job's directory or one checkpoint of it, in the job's namespace)
-    read-only, each at the path the (resolved) spec names. A missing directory is created by the kubelet."""
+    """kubernetes.checkpointPvc, by subPath only, never whole: the job's own directory read-write, and the directory
+    of the job a trainer.resumeFrom on the claim names (in the job's namespace) read-only, each at the path of the
+    (resolved) spec. A resumeFrom naming one checkpoint of that job (`<job>/step_N`) still mounts `<namespace>/<job>`
+    only, never a deeper subPath: the kubelet follows a symbolic link in a subPath within the volume, so a step_N
+    planted as a link (by whoever may write the old job's directory) would bind another job's checkpoint, or another
+    namespace's. Inside the mounted directory the runtime opens step_N itself, refusing a link there
+    (hybridflow.checkpoint.store). A missing directory is created by the kubelet."""
     t, out = s.trainer, []
     if not s.kubernetes.checkpoint_pvc:
         return out
@@ -415,8 +459,11 @@ def _checkpoint_mounts(s: JobSpec) -> list[dict[str, Any]]:
         own = _below(CHECKPOINT_MOUNT, t.checkpoint_dir)
         out.append({"name": "checkpoints", "mountPath": t.checkpoint_dir, "subPath": own})
     if t.resume_from and t.resume_from.startswith(RESUME_MOUNT + "/"):
-        source = _below(RESUME_MOUNT, t.resume_from)
-        out.append({"name": "checkpoints", "mountPath": t.resume_from, "subPath": source, "readOnly": True})
+        source = PurePosixPath(_below(RESUME_MOUNT, t.resume_from) or "")
+        if len(source.parts) >= 2:  # <namespace>/<job>[/step_N] (resolved_job refused anything else)
+            job_dir = PurePosixPath(*source.parts[:2])
+            out.append({"name": "checkpoints", "mountPath": f"{RESUME_MOUNT}/{job_dir}", "subPath": str(job_dir),
+                        "readOnly": True})
     return out
 
 
@@ -459,9 +506,12 @@ def _pod(
         c.setdefault("image", k8s.image)
         c.setdefault("imagePullPolicy", k8s.image_pull_policy)
         c["volumeMounts"] = mounts
-        c["env"] = _ray_env(job) + c.get("env", [])
+        # a sandbox pod gets none of the job's credentials: only its own env (the sandbox token among it). The
+        # gang's pods run no user code (the sandbox pool does); were some path to try, it would be refused there.
+        gang_env = [*_ray_env(job), {"name": SANDBOX_ENV, "value": SANDBOX_REQUIRED}] if gang else []
+        c["env"] = gang_env + c.get("env", [])
         if urls:
-            c["env"].append({"name": ENVIRONMENT_URLS_ENV, "value": ",".join(urls)})
+            c["env"] += [{"name": ENVIRONMENT_URLS_ENV, "value": ",".join(urls)}, sandbox_token_env(job)]
         c["securityContext"] = copy.deepcopy(CONTAINER_SECURITY)
         c["workingDir"] = SCRATCH_MOUNT  # the root filesystem is read-only: relative paths (./checkpoints) land here
         resources = c.setdefault("resources", {})
@@ -485,7 +535,7 @@ def _pod(
     }
     if init_containers:
         spec["initContainers"] = init_containers
-    if k8s.service_account_name:
+    if k8s.service_account_name and gang:  # a sandbox pod runs as the namespace's default one, without its token
         spec["serviceAccountName"] = k8s.service_account_name
     if policy.priority_class_name:
         spec["priorityClassName"] = policy.priority_class_name
@@ -610,16 +660,22 @@ def gang_pods(job: RLHFJob, uid: str, generation: int) -> list[dict[str, Any]]:
     return pods
 
 
-def ray_token_secret(job: RLHFJob, uid: str, token: str) -> dict[str, Any]:
-    """The job's own Ray token (when the spec names no Secret): owned by the job, so it goes with it. Created once
-    by name; a later create with another token is refused (409) and the first one stays."""
+def token_secret(job: RLHFJob, uid: str, kind: str, token: str) -> dict[str, Any]:
+    """A token of the job's own (`kind`: "ray_token", "sandbox_token"), under key `token`: owned by the job, so it
+    goes with it. Created once by name; a later create with another token is refused (409) and the first one
+    stays."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _meta(job, uid, names(job.metadata.name)["ray_token"]),
+        "metadata": _meta(job, uid, names(job.metadata.name)[kind]),
         "data": {"token": base64.b64encode(token.encode()).decode()},
     }
+
+
+def ray_token_secret(job: RLHFJob, uid: str, token: str) -> dict[str, Any]:
+    """The job's own Ray token (when the spec names no Secret)."""
+    return token_secret(job, uid, "ray_token", token)
 
 
 def network_policy(job: RLHFJob, uid: str, metrics_namespaces: list[str],
@@ -644,7 +700,7 @@ def network_policy(job: RLHFJob, uid: str, metrics_namespaces: list[str],
     object_storage = is_url(trainer.checkpoint_dir) or bool(trainer.resume_from and is_url(trainer.resume_from))
     out_rules = [{"to": [own]}, *(egress or Egress()).rules(object_storage)]
     selected: dict[str, Any] = {"matchLabels": {LABEL_JOB: name}}
-    if job.spec.environments is not None:
+    if sandbox_pool(job.spec) is not None:
         # Policies add up: selecting the environment pods here too would grant them this policy's egress. Theirs
         # (environments.environment_policy) denies all of it.
         selected["matchExpressions"] = [{"key": LABEL_ROLE, "operator": "NotIn", "values": [ENVIRONMENT_ROLE]}]
@@ -690,6 +746,8 @@ def accepted_references(job: RLHFJob) -> set[tuple[str, str]]:
     its ServiceAccount."""
     k8s, own = job.spec.kubernetes, names(job.metadata.name)
     refs = {("ConfigMap", own["configmap"]), ("Secret", ray_token_secret_name(job))}
+    if sandbox_pool(job.spec) is not None:
+        refs.add(("Secret", own["sandbox_token"]))
     if k8s.reward_config_map:
         refs.add(("ConfigMap", own["reward"]))
     if k8s.checkpoint_secret:

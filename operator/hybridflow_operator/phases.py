@@ -188,7 +188,7 @@ def invalid(status: JobStatus, error: str, now: dt.datetime, pods: list[PodView]
     plan = Plan(status=cast(JobStatus, dict(status)))
     plan.status.setdefault("restarts", 0)
     if plan.status.get("phase", Phase.NEW) != Phase.FAILED:
-        _fail(plan, "ValidationFailed", error, now, pods)
+        fail(plan, "ValidationFailed", error, now, pods)
     return plan
 
 
@@ -244,7 +244,7 @@ def _decide(job: RLHFJob | None, error: str | None, status: JobStatus, pods: lis
     deadline = policy.active_deadline_seconds
     started = parse_time(st.get("startTime"))
     if deadline and started and (now - started).total_seconds() > deadline and phase in (*ACTIVE, Phase.RESTARTING):
-        _fail(plan, "DeadlineExceeded", f"ran longer than runPolicy.activeDeadlineSeconds={deadline}", now, pods)
+        fail(plan, "DeadlineExceeded", f"ran longer than runPolicy.activeDeadlineSeconds={deadline}", now, pods)
         return plan
 
     if phase == Phase.NEW and waits is not None:
@@ -290,7 +290,7 @@ def _decide(job: RLHFJob | None, error: str | None, status: JobStatus, pods: lis
     current, coming = _rescale(plan, job, current, now, rollout_asked)
     failed = [p for p in current if p.phase in (PodPhase.FAILED, PodPhase.UNKNOWN)]
     if head is not None and head in failed and head.exit_code == EXIT_BAD_INPUT:
-        _fail(plan, "InvalidInput", f"the driver rejected the job's input (not retried): {head.message}", now, pods)
+        fail(plan, "InvalidInput", f"the driver rejected the job's input (not retried): {head.message}", now, pods)
         return plan
     missing = expected_pods(job) - len(current) - coming
     _replaced_pods_back(st, current)
@@ -379,12 +379,30 @@ def refused(status: JobStatus, what: str, code: int, api_message: str, now: dt.d
     plan = Plan(status=dict(status))
     message = capped(f"the API server refused to create {what} ({code}): {api_message}")
     if code in (404, 422):
-        _fail(plan, "CreateRefused", message, now, pods)
+        fail(plan, "CreateRefused", message, now, pods)
     else:
         if not any(c.get("type") == "CreateRefused" and c.get("status") == "True" and c.get("message") == message
                    for c in status.get("conditions", [])):
             plan.events.append(("Warning", "CreateRefused", message))
         set_condition(plan.status, "CreateRefused", True, "CreateRefused", message, now)
+    return plan
+
+
+def names_taken(status: JobStatus, namespace: str, pods: list[str], now: dt.datetime) -> Plan:
+    """Pods the tick was to create whose names other pods hold (the create answered 409, and no pod of that name is
+    the job's: another owner, other labels). Never adopted nor waited for in silence: the job stays as it is, with
+    condition CreateRefused (reason PodNameTaken) naming them and one event per new message; like a refused create
+    it is tried again later, and the condition clears once every pod of the gang exists."""
+    plan = Plan(status=dict(status))
+    one = len(pods) == 1
+    message = capped(f"{'pod' if one else 'pods'} {', '.join(f'{namespace}/{p}' for p in pods)} "
+                     f"{'exists' if one else 'exist'} but {'was' if one else 'were'} not made for this job (another "
+                     f"owner, other labels), so the job's {'pod' if one else 'pods'} of that name cannot be created; "
+                     f"delete {'it' if one else 'them'}, or give the job another name")
+    if not any(c.get("type") == "CreateRefused" and c.get("status") == "True" and c.get("message") == message
+               for c in status.get("conditions", [])):
+        plan.events.append(("Warning", "PodNameTaken", message))
+    set_condition(plan.status, "CreateRefused", True, "PodNameTaken", message, now)
     return plan
 
 
@@ -415,7 +433,7 @@ def _restart(plan: Plan, job: RLHFJob, gen: int, what: str, now: dt.datetime, po
     disruptions = int(plan.status.get("disruptions", 0)) + (0 if counts else 1)
     used = gen - int(plan.status.get("disruptions", 0))
     if counts and used + 1 > limit:
-        _fail(plan, "BackoffLimitExceeded", f"{what}; {used} restart(s) used of runPolicy.backoffLimit={limit}", now,
+        fail(plan, "BackoffLimitExceeded", f"{what}; {used} restart(s) used of runPolicy.backoffLimit={limit}", now,
               pods)
         return plan
     plan.status["restarts"] = gen + 1
@@ -617,7 +635,8 @@ def _report_pods_not_starting(plan: Plan, current: list[PodView], now: dt.dateti
         set_condition(st, "PodsStarting", True, "Started", "every pod of the gang has started", now)
 
 
-def _fail(plan: Plan, reason: str, message: str, now: dt.datetime, pods: list[PodView]) -> None:
+def fail(plan: Plan, reason: str, message: str, now: dt.datetime, pods: list[PodView]) -> None:
+    """The job Failed for `reason`: its pods but the head go (the head stays for its logs)."""
     _to(plan, Phase.FAILED, reason, message, now, "Warning")
     set_condition(plan.status, "Failed", True, reason, message, now)
     set_condition(plan.status, "Running", False, reason, message, now)

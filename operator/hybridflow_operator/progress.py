@@ -20,6 +20,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from hybridflow.api.names import SANDBOX_MISSING_METRIC
+
 MAX_BYTES = 1 << 20  # the driver's exposition is a few KiB
 MAX_VALUE = 1e15
 WANTED = {
@@ -32,6 +34,8 @@ WANTED = {
     "hybridflow_recovery_seconds": "lastRecoverySeconds",
     "hybridflow_last_iteration_seconds": "lastStepSeconds",  # folded into slowestStepSeconds
 }
+# The layers the sandbox pool runs user code without (from SANDBOX_MISSING_METRIC): a condition, not a status field.
+SANDBOX_MISSING = "sandboxMissing"
 ROUNDED = {"tokensPerSecond", "lastRecoverySeconds", "lastStepSeconds"}  # floats, to 0.1; the rest are counts
 
 
@@ -39,9 +43,13 @@ def parse_progress(text: str, job_name: str) -> dict[str, Any]:
     """Status fields from an exposition; only samples labelled with this job count. The text comes from a pod the
     job's author controls: garbage yields nothing, and NaN, infinities and negatives are ignored."""
     out: dict[str, Any] = {}
+    missing: set[str] = set()
     try:
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
+                if s.name == SANDBOX_MISSING_METRIC and s.labels.get("rlhfjob") == job_name and s.value == 1:
+                    missing.add(s.labels.get("layer", "")[:32])
+                    continue
                 key = WANTED.get(s.name)
                 if not key or s.labels.get("rlhfjob") != job_name:
                     continue
@@ -50,6 +58,8 @@ def parse_progress(text: str, job_name: str) -> dict[str, Any]:
                 out[key] = round(s.value, 1) if key in ROUNDED else int(s.value)
     except (ValueError, TypeError, IndexError, KeyError):  # the parser's ways of saying "not an exposition"
         return out
+    if missing - {""}:
+        out[SANDBOX_MISSING] = sorted(missing - {""})[:8]
     return out
 
 

@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hybridflow.capacity import local_capacity_problems, machine_facts
-from hybridflow.api import EXIT_BAD_INPUT, EXIT_FAILED, RLHFJob, SpecError, load_job
+from hybridflow.api import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_SANDBOX_UNAVAILABLE, RLHFJob, SpecError, load_job
+from hybridflow.sandbox.limits import SandboxUnavailable
 from hybridflow.api.engines import standalone_rollout_engines
-from hybridflow.agents.server import IDLE_SESSION_SECONDS, MAX_SESSIONS
+from hybridflow.agents.server import IDLE_SESSION_SECONDS, MAX_SESSION_SECONDS, MAX_SESSIONS
 from hybridflow.trainer.preflight import check_runtime_paths
+from hybridflow.single_controller.ray_auth import RAY_AUTH_ENV, fresh_ray_token, restore_ray_auth
 
 log = logging.getLogger("hybridflow")
 
@@ -75,7 +77,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def start_local_ray(job: RLHFJob, temp_dir: str | None, verbose: bool = False) -> None:
-    """A private single-node Ray that listens on loopback only and advertises each pool's devices."""
+    """A private single-node Ray that listens on loopback only, advertises each pool's devices and admits only
+    holders of a token of its own (`fresh_ray_token`)."""
     import ray
 
     from hybridflow.api import pool_resource, pool_slot_resource
@@ -89,6 +92,7 @@ def start_local_ray(job: RLHFJob, temp_dir: str | None, verbose: bool = False) -
             "spec.resourcePools[].nodes > 1 needs a Ray cluster: use `hybridflow driver --address` (or the operator)"
         )
     gpus = sum(p.world_size for p in pools if p.device == "gpu")
+    fresh_ray_token()
     ray.init(
         num_cpus=max(int(need_cpus + 0.999), os.cpu_count() or 1),
         num_gpus=gpus or None,
@@ -109,11 +113,13 @@ def local_ray(job: RLHFJob, temp_dir: str | None, verbose: bool = False) -> Iter
     fails half-way is shut down too, so the next `ray.init` in this process does not inherit it."""
     import ray
 
+    saved = {k: os.environ.get(k) for k in RAY_AUTH_ENV}
     try:
         start_local_ray(job, temp_dir, verbose)
         yield
     finally:
         ray.shutdown()
+        restore_ray_auth(saved)  # this run's token ends with its Ray
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -241,37 +247,55 @@ def cmd_rules(args: argparse.Namespace) -> int:
 
 
 def cmd_environments_serve(args: argparse.Namespace) -> int:
-    """One replica of the job's environment pool (an environment pod): its tools and environment sessions over
-    HTTP, each request authenticated with the job's token (RAY_AUTH_TOKEN), until SIGTERM or SIGINT."""
+    """One replica of the job's sandbox pool (a sandbox pod): its reward function, tools and environment sessions
+    over HTTP, each request authenticated with the job's sandbox token (HYBRIDFLOW_SANDBOX_TOKEN, never the Ray
+    token: these pods hold no credential of the job's), until SIGTERM or SIGINT."""
     import signal
     import threading
 
     from hybridflow.agents.server import PoolServer, PoolService
+    from hybridflow.sandbox_pool import TOKEN_ENV
 
-    token = os.environ.get("RAY_AUTH_TOKEN", "")
+    token = os.environ.get(TOKEN_ENV, "")
     if not token:
-        raise SpecError("RAY_AUTH_TOKEN: the environment pool serves only callers holding the job's token; set it")
+        raise SpecError(f"{TOKEN_ENV}: the sandbox pool serves only callers holding the job's sandbox token; set it")
     job = load_job(args.spec)
-    agent = job.spec.rollout.agent
-    if agent is None:
-        raise SpecError(f"{args.spec}: spec.rollout.agent: the environment pool serves a job's agent; this spec "
-                        "has none")
-    if agent.environment_file and not Path(agent.environment_file).is_file():
+    agent, reward = job.spec.rollout.agent, job.spec.models.reward
+    if agent is None and reward.function is None:
+        raise SpecError(f"{args.spec}: the sandbox pool runs a job's reward function (spec.models.reward.function) "
+                        "and its agent's tools and environment (spec.rollout.agent); this spec has neither")
+    if agent is not None and agent.environment_file and not Path(agent.environment_file).is_file():
         raise SpecError(f"spec.rollout.agent.environmentFile: {agent.environment_file}: no such file here (on "
-                        "Kubernetes give a path on kubernetes.dataPvc)")
+                        "Kubernetes put it in kubernetes.rewardConfigMap, the job's code ConfigMap, under that key)")
+    from hybridflow import sandbox
     from hybridflow.agents.places import local_places
-
+    from hybridflow.sandbox import reaper
     from hybridflow.data.files import job_private_paths
+    from hybridflow.rewards.remote import serve_rewards
+    from hybridflow.rewards.sandbox import RewardFunction
 
-    places = local_places(agent, job_private_paths(job.spec))
-    service = PoolService(places.tools, places.sessions, idle_seconds=args.idle_session_seconds,
-                          max_sessions=args.max_sessions)
+    # Refused here, before anything is served, when HYBRIDFLOW_SANDBOX=require and this pod lacks a layer (exit
+    # EXIT_SANDBOX_UNAVAILABLE: the operator fails the job with this message); else the job reads what is missing.
+    layers = sandbox.probe()
+    sandbox.check_required(layers, "the job's user code (its sandbox pool)")
+    reaper.start()  # every child of this process is a sandbox: what one leaves behind (setsid, double forks) dies
+    places = local_places(agent, job_private_paths(job.spec)) if agent is not None else None
+    rewards = None
+    if reward.type == "function" and reward.function is not None:
+        f = reward.function
+        rewards = serve_rewards(RewardFunction(f.path, f.name, f.batched, workers=reward.workers,
+                                               timeout_seconds=reward.timeout_seconds,
+                                               error_score=reward.error_score))
+    service = PoolService(places.tools if places else None, places.sessions if places else None,
+                          idle_seconds=args.idle_session_seconds, max_sessions=args.max_sessions, rewards=rewards,
+                          max_session_seconds=args.max_session_seconds,
+                          layers={"how": layers.how, "missing": [list(m) for m in layers.required_missing]})
     server = PoolServer(service, token, args.address, args.port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
-    print(f"environment pool replica serving on {server.url}", flush=True)
+    print(f"sandbox pool replica serving on {server.url}", flush=True)
     stop.wait()
     server.stop()
     return 0
@@ -349,6 +373,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", default="127.0.0.1", help="address to bind (default 127.0.0.1; a pod: 0.0.0.0)")
     serve.add_argument("--idle-session-seconds", type=float, default=IDLE_SESSION_SECONDS,
                        help=f"close a session nobody has stepped for this long (default {IDLE_SESSION_SECONDS:.0f})")
+    serve.add_argument("--max-session-seconds", type=float, default=MAX_SESSION_SECONDS,
+                       help=f"close a session this long after it opened, stepped or not (default "
+                            f"{MAX_SESSION_SECONDS:.0f})")
     serve.add_argument("--max-sessions", type=int, default=MAX_SESSIONS,
                        help="sessions open at once; more are refused (503) and opened on another replica")
     serve.set_defaults(fn=cmd_environments_serve)
@@ -369,6 +396,11 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except SandboxUnavailable as err:
+        print(f"error: {err}. On Kubernetes, where pods cannot make user namespaces (seccomp RuntimeDefault), set "
+              "spec.sandbox.runtimeClassName to a gVisor or Kata RuntimeClass, or spec.sandbox.allowPartial: true to "
+              "run it with the pod's own containment", file=sys.stderr)
+        return EXIT_SANDBOX_UNAVAILABLE
     except KeyboardInterrupt:
         print("interrupted; the last checkpoint is kept and `resume: auto` continues from it", file=sys.stderr)
         return 130

@@ -6,6 +6,8 @@ from typing import Any, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from hybridflow.api.names import SANDBOX_MISSING_METRIC
+
 STAGES = (
     "generate", "old_log_prob", "reference", "values", "cost_values", "reward", "cost", "advantages",
     "critic_update", "cost_critic_update", "actor_update", "reshard", "checkpoint",
@@ -133,6 +135,9 @@ class JobMetrics:
                                      registry=r)
         self.eta = Gauge("hybridflow_eta_seconds", "Estimated seconds to the last step.", lbl, registry=r)
         self.devices = Gauge("hybridflow_devices", "Devices (ranks) the job's worker groups use.", lbl, registry=r)
+        self.sandbox_missing = Gauge(SANDBOX_MISSING_METRIC, "1 for each layer of the sandbox that the job's sandbox pool "
+                                     "runs user code without (spec.sandbox.allowPartial).", [*lbl, "layer"],
+                                     registry=r)
         self.parameters = Gauge("hybridflow_model_parameters", "Parameters of the actor model.", lbl, registry=r)
         self.reward_errors = Counter("hybridflow_reward_errors", "Samples whose reward function raised, timed out or "
                                      "returned no score (they score errorScore).", lbl, registry=r)

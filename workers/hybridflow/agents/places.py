@@ -2,19 +2,17 @@
 environment pool (spec.environments) when the operator handed its replicas' addresses to this process."""
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Sequence
 
 from hybridflow.agents.local import EnvironmentCode, LocalSessions, LocalTools
 from hybridflow.agents.protocol import Places
 from hybridflow.agents.registry import ENVIRONMENTS, TOOLS, ToolSpec
 from hybridflow.agents.tool_file import read_tools_file
+from hybridflow.sandbox_pool import pool_from_env
 
 if TYPE_CHECKING:
     from hybridflow.api.agents import Agent
 
-URLS_ENV = "HYBRIDFLOW_ENVIRONMENT_URLS"  # comma-separated environment pool replicas (set by the operator)
-TOKEN_ENV = "RAY_AUTH_TOKEN"  # the job's token, which the pool's requests carry
 
 
 def job_tools(agent: "Agent") -> dict[str, ToolSpec]:
@@ -46,10 +44,10 @@ def local_places(agent: "Agent", private: Sequence[str] = ()) -> Places:
 
 
 def job_places(agent: "Agent", private: Sequence[str] = ()) -> Places:
-    """The environment pool's replicas when this process was given them, else this machine's sandboxes."""
-    urls = [u for u in os.environ.get(URLS_ENV, "").split(",") if u.strip()]
-    if not urls:
+    """The sandbox pool's replicas when this process was given them, else this machine's sandboxes."""
+    client = pool_from_env()
+    if client is None:
         return local_places(agent, private)
     from hybridflow.agents.remote import remote_places
 
-    return remote_places(agent, urls, os.environ.get(TOKEN_ENV, ""))
+    return remote_places(agent, client)

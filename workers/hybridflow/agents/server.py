@@ -1,21 +1,31 @@
-"""The environment pool's HTTP server: one replica's tools and environment sessions (hybridflow.agents.local's
-sandboxes) offered to the job's rollout over the network, as `hybridflow environments serve` runs it in an
-environment pod.
+"""The sandbox pool's HTTP server: one replica's tools, environment sessions (hybridflow.agents.local's sandboxes)
+and reward function (hybridflow.rewards.sandbox's workers) offered to the job over the network, as `hybridflow
+environments serve` runs it in a sandbox pod: on Kubernetes the job's untrusted code runs only there, in pods that
+hold none of its credentials.
 
-Every request but GET /healthz and GET /metrics carries the job's token (`Authorization: Bearer <token>`, compared
-in constant time); without it the answer is 401 and nothing runs. /metrics says how many requests of each kind came
+Every request but GET /healthz and GET /metrics carries the job's sandbox token (`Authorization: Bearer <token>`,
+compared in constant time; not the Ray token); without it the answer is 401 and nothing runs. /metrics says how many requests of each kind came
 and how many sessions are open, nothing a caller sent: it stays unauthenticated so that a scraper needs no job's
 token, and the job's NetworkPolicy admits only the job's own pods to these pods anyway.
 
 A session the rollout stops stepping (its rollout worker was killed, its episode's driver crashed) is closed once
 it has been idle for `idle_seconds` (default 30 min: longer than any wait for the model's next turn), so that a
 long job's lost episodes do not keep sandboxes alive until the pod ends; at most `max_sessions` are open at once
-(503 above that: the client tries another replica).
+(503 above that: the client tries another replica). A session is closed, stepped or not, once it is
+`max_session_seconds` old (default 4 h); a step of it then answers 410 with why, and its episode ends reported.
+
+Each connection's reads and writes time out after `request_seconds` (default 60 s: a client that sends half a
+request and stalls loses its connection, not a thread for ever); a Content-Length that is not a non-negative integer
+is refused (400); a tool's answer or an observation larger than MAX_REPLY is not sent: the call answers an error,
+the episode ends with one.
 
 Session ids carry this process's random boot id, so an id handed out before a restart is unknown afterwards (404:
 the client's SessionLost) instead of naming a new session that happens to reuse its number.
 
+    GET    /v1/sandbox                                             -> {how, missing: [[layer, why], ...]}
     POST   /v1/tools/call             {name, arguments, session?}  -> ToolResult
+    POST   /v1/rewards/score          {data_sources, solutions, ground_truths, extra_infos}
+                                       -> {scores, extras, errors: [{index, error}]}
     POST   /v1/sessions               {sample}                     -> {session, observation}
     POST   /v1/sessions/<id>/step     {action}                     -> Observation
     DELETE /v1/sessions/<id>                                       -> {}
@@ -35,7 +45,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from hybridflow.agents.local import EnvironmentLoadError
-from hybridflow.agents.protocol import Info, Sessions, Tools
+from hybridflow.agents.protocol import Info, Observation, Sessions, Tools, ToolResult
 from hybridflow import wire
 
 log = logging.getLogger("hybridflow.agents.server")
@@ -43,6 +53,10 @@ log = logging.getLogger("hybridflow.agents.server")
 IDLE_SESSION_SECONDS = 1800.0
 MAX_SESSIONS = 1024
 MAX_BODY = 8 << 20  # a request larger than this is refused (413): samples and actions are text of a few KiB
+MAX_REPLY = 4 << 20  # a tool's answer or an observation larger than this (as JSON) is refused with why, not sent
+MAX_SESSION_SECONDS = 4 * 3600.0  # a session older than this is closed, like an idle one
+REQUEST_SECONDS = 60.0  # a connection that sends (or takes) nothing for this long is dropped
+CONTENT_LENGTH = re.compile(r"^[0-9]{1,12}$")
 SESSION_PATH = re.compile(r"^/v1/sessions/([A-Za-z0-9._-]{1,128})(/step)?$")
 
 
@@ -62,6 +76,10 @@ class NotServed(LookupError):
 
 class Full(RuntimeError):
     """This replica holds its most sessions: the client opens the session on another replica."""
+
+
+class Expired(LookupError):
+    """The session was closed at its maximum lifetime (410: its episode ends, reported; not a lost replica)."""
 
 
 def _field(body: Info, name: str, kind: type | tuple[type, ...]) -> Any:
@@ -87,6 +105,8 @@ class PoolMetrics:
         self.reaped = Counter("hybridflow_environment_reaped_sessions", "Sessions closed for being idle longer "
                               "than the server's idle limit (their rollout stopped stepping them).",
                               registry=self.registry)
+        self.expired = Counter("hybridflow_environment_expired_sessions", "Sessions closed for being older than "
+                               "the server's session lifetime.", registry=self.registry)
         self.open_sessions = Gauge("hybridflow_environment_open_sessions", "Environment sessions open now.",
                                    registry=self.registry)
 
@@ -98,10 +118,20 @@ class PoolService:
     """What the endpoints do, apart from HTTP: the boot-scoped session ids over one Tools and one Sessions."""
 
     def __init__(self, tools: Tools | None, sessions: Sessions | None,
-                 idle_seconds: float = IDLE_SESSION_SECONDS, max_sessions: int = MAX_SESSIONS) -> None:
-        """None: the job has no tools, or no environment (its requests answer 404, naming which)."""
-        self.tools, self.sessions = tools, sessions
+                 idle_seconds: float = IDLE_SESSION_SECONDS, max_sessions: int = MAX_SESSIONS,
+                 rewards: Callable[[Info], Info] | None = None, layers: Info | None = None,
+                 max_session_seconds: float = MAX_SESSION_SECONDS, max_reply: int = MAX_REPLY) -> None:
+        """None: the job has no tools, no environment, or no reward function (its requests answer 404, naming
+        which). `rewards` scores one batch (hybridflow.rewards.remote.serve_rewards: the body of POST
+        /v1/rewards/score in, its answer out); it is called one batch at a time, as its worker pool is one."""
+        self.tools, self.sessions, self.rewards = tools, sessions, rewards
+        # what GET /v1/sandbox answers: this replica's sandbox, {"how", "missing": [[layer, why], ...]}
+        self.layers = layers or {"how": "", "missing": []}
+        self._scoring = threading.Lock()
         self.idle_seconds, self.max_sessions = idle_seconds, max_sessions
+        self.max_session_seconds, self.max_reply = max_session_seconds, max_reply
+        self._opened: dict[str, float] = {}  # our session id -> when it was opened (its lifetime's start)
+        self._expired: dict[str, None] = {}  # the latest sessions closed at their lifetime (a step answers 410)
         self.boot = secrets.token_hex(6)
         self._local: dict[str, str] = {}  # our session id -> the Sessions' own
         # our session id -> when it was opened or its last step ended; a session in a step is not in it (not idle)
@@ -116,7 +146,21 @@ class PoolService:
         session = body.get("session")
         if self.tools is None:
             raise NotServed("this job offers no tools (spec.rollout.agent.tools and toolsFile are unset)")
-        return self.tools.call(name, arguments, session if isinstance(session, str) else None).to_json()
+        out = self.tools.call(name, arguments, session if isinstance(session, str) else None).to_json()
+        size = len(wire.encode(out))
+        if size > self.max_reply:
+            why = f"the {name} tool's answer is {size} bytes, more than the {self.max_reply} a reply may hold"
+            return ToolResult(f"Error: {why}.", error=why).to_json()
+        return out
+
+    def score(self, body: Info) -> Info:
+        if self.rewards is None:
+            raise NotServed("this job has no reward function (spec.models.reward.function is unset)")
+        fields = [_field(body, k, list) for k in ("data_sources", "solutions", "ground_truths", "extra_infos")]
+        if len({len(f) for f in fields}) != 1:
+            raise BadRequest("data_sources, solutions, ground_truths and extra_infos must be lists of one length")
+        with self._scoring:
+            return self.rewards(body)
 
     def open(self, body: Info) -> Info:
         sample = _field(body, "sample", dict)
@@ -135,12 +179,14 @@ class PoolService:
                 self._opening -= 1
             raise
         sid = f"{self.boot}.{local}"
+        first = self._bounded(local, first, "first observation")
         if first.error or first.done:
             self.sessions.close(local)  # over before its first step (idempotent: a failed reset is closed already)
         with self._lock:
             self._opening -= 1
             if not (first.error or first.done):
                 self._local[sid], self._used[sid] = local, time.monotonic()
+                self._opened[sid] = self._used[sid]
         self._count_open()
         return {"session": sid, "observation": first.to_json()}
 
@@ -155,11 +201,15 @@ class PoolService:
             local = self._local.get(sid)
             self._used.pop(sid, None)  # however long the step takes, the reaper leaves it alone
         if local is None:
+            if sid in self._expired:
+                raise Expired(f"session {sid} was closed at this replica's session lifetime of "
+                              f"{self.max_session_seconds:g} s")
             return None
-        out = self.sessions.step(local, action)
+        out = self._bounded(local, self.sessions.step(local, action), "observation")
         with self._lock:
             if out.done:  # LocalSessions closed it
                 self._local.pop(sid, None)
+                self._opened.pop(sid, None)
             elif sid in self._local:  # not closed meanwhile: idle from the end of this step
                 self._used[sid] = time.monotonic()
         if out.done:
@@ -170,6 +220,7 @@ class PoolService:
         with self._lock:
             local = self._local.pop(sid, None)
             self._used.pop(sid, None)
+            self._opened.pop(sid, None)
         if local is None:
             return False
         self.sessions.close(local)
@@ -182,13 +233,40 @@ class PoolService:
         with self._lock:
             return [sid for sid, used in self._used.items() if now - used > self.idle_seconds]
 
+    def expired_sessions(self) -> list[str]:
+        """The sessions opened longer ago than the session lifetime, in a step or not."""
+        now = time.monotonic()
+        with self._lock:
+            return [sid for sid, opened in self._opened.items() if now - opened > self.max_session_seconds]
+
     def reap(self) -> int:
-        """Close the idle sessions; how many were closed (a step racing the close finds its session gone: 404)."""
+        """Close the idle and the expired sessions; how many were closed (a step racing the close finds its session
+        gone: 404, or 410 for an expired one; a step under way when its session expires ends with an error)."""
+        expired = [sid for sid in self.expired_sessions() if self._expire(sid)]
+        if expired:
+            self.metrics.expired.inc(len(expired))
+            log.info("closed %d environment session(s) older than %.0f s", len(expired), self.max_session_seconds)
         closed = sum(self.close(sid) for sid in self.idle_sessions())
         if closed:
             self.metrics.reaped.inc(closed)
             log.info("closed %d environment session(s) idle for more than %.0f s", closed, self.idle_seconds)
-        return closed
+        return closed + len(expired)
+
+    def _expire(self, sid: str) -> bool:
+        with self._lock:
+            self._expired[sid] = None
+            while len(self._expired) > self.max_sessions:  # remember the latest ones only
+                self._expired.pop(next(iter(self._expired)))
+        return self.close(sid)
+
+    def _bounded(self, local: str, obs: Observation, what: str) -> Observation:
+        """`obs`, or where it is larger than a reply may hold, an error that ends its episode (its session closed)."""
+        size = len(wire.encode(obs.to_json()))
+        if size <= self.max_reply:
+            return obs
+        self.sessions.close(local)
+        return Observation("", done=True, error=f"the environment's {what} is {size} bytes, more than the "
+                                                f"{self.max_reply} a reply may hold")
 
     def _count_open(self) -> None:
         with self._lock:
@@ -221,8 +299,15 @@ class _Handler(BaseHTTPRequestHandler):
         expected = f"Bearer {self.server.token}"
         return hmac.compare_digest(given.encode(), expected.encode())
 
+    def setup(self) -> None:
+        self.timeout = self.server.request_seconds  # StreamRequestHandler.setup: the socket's timeout
+        super().setup()
+
     def _body(self) -> Info:
-        length = int(self.headers.get("Content-Length") or 0)
+        given = (self.headers.get("Content-Length") or "0").strip()
+        if not CONTENT_LENGTH.match(given):
+            raise BadRequest(f"Content-Length must be a non-negative integer, not {given[:40]!r}")
+        length = int(given)
         if length > MAX_BODY:
             raise TooLarge(f"the request body is {length} bytes; at most {MAX_BODY}")
         raw = self.rfile.read(length) if length else b"{}"
@@ -236,6 +321,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, b"ok\n", "text/plain")
         elif self.path == "/metrics":
             self._reply(200, self.server.service.metrics.text(), CONTENT_TYPE_LATEST)
+        elif self.path == "/v1/sandbox":  # which layers this replica's sandboxes lack: the job's to know
+            if self._authorized():
+                self._reply(200, self.server.service.layers)
+            else:
+                self._reply(401, {"error": "missing or wrong token (Authorization: Bearer <the job's sandbox token>)"})
         else:
             self._reply(404, {"error": f"no such endpoint: GET {self.path}"})
 
@@ -270,6 +360,8 @@ class _Handler(BaseHTTPRequestHandler):
             code, out = 404, {"error": str(err)}
         except Full as err:
             code, out = 503, {"error": str(err)}
+        except Expired as err:
+            code, out = 410, {"error": str(err)}
         except EnvironmentLoadError as err:
             code, out = 422, {"error": str(err)}
         except Exception as err:  # noqa: BLE001 - one request's failure is its answer, never the server's end
@@ -284,6 +376,8 @@ class _Handler(BaseHTTPRequestHandler):
             return "tool", lambda body: (200, service.call_tool(body))
         if method == "POST" and self.path == "/v1/sessions":
             return "open", lambda body: (200, service.open(body))
+        if method == "POST" and self.path == "/v1/rewards/score":
+            return "reward", lambda body: (200, service.score(body))
         found = SESSION_PATH.match(self.path)
         if found is None:
             return None
@@ -305,10 +399,11 @@ class PoolServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, service: PoolService, token: str, address: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, service: PoolService, token: str, address: str = "127.0.0.1", port: int = 0,
+                 request_seconds: float = REQUEST_SECONDS) -> None:
         if not token:
-            raise ValueError("the environment pool needs the job's token (RAY_AUTH_TOKEN); none was given")
-        self.service, self.token = service, token
+            raise ValueError("the sandbox pool needs the job's sandbox token (HYBRIDFLOW_SANDBOX_TOKEN); none was given")
+        self.service, self.token, self.request_seconds = service, token, request_seconds
         self._stopped = threading.Event()
         super().__init__((address, port), _Handler)
 
@@ -325,7 +420,7 @@ class PoolServer(ThreadingHTTPServer):
         return thread
 
     def _reap_idle(self) -> None:
-        every = max(0.05, min(60.0, self.service.idle_seconds / 4))
+        every = max(0.05, min(60.0, self.service.idle_seconds / 4, self.service.max_session_seconds / 4))
         while not self._stopped.wait(every):
             try:
                 self.service.reap()

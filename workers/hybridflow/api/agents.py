@@ -3,12 +3,15 @@ deadlines) and `environments` (where on Kubernetes tools and environments run: a
 checked against the registries in hybridflow.agents.registry."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, field_validator
 
 from hybridflow.agents.registry import ENVIRONMENTS, TOOLS
 from hybridflow.api.fields import MAX_COUNT, FilePath, PythonName, Quantity, SpecModel, registered
+
+if TYPE_CHECKING:
+    from hybridflow.api.schema import JobSpec
 
 # What an episode's score is made of: the job's reward (spec.models.reward) over the model's own text, the
 # environment's rewards (summed over its steps), or both added.
@@ -28,14 +31,14 @@ class Agent(SpecModel):
     environment_file: FilePath | None = Field(
         None, description="A user's environment: a Python file with a class (environmentClass) whose reset(sample) "
         "returns the first observation ('' for none) and step(action_text) returns (observation, reward, done, "
-        "info). Runs in the sandbox. On Kubernetes a path inside a mounted volume.")
+        "info). Runs in the sandbox. On Kubernetes a key of kubernetes.rewardConfigMap (the job's code ConfigMap).")
     environment_class: PythonName = Field("Environment", description="The class in environmentFile.")
     tools: list[Annotated[str, Field(max_length=MAX_NAME)]] = Field(default_factory=list, max_length=64, description="Built-in tools offered to the model "
                              "(registered: calculator, python).")
     tools_file: FilePath | None = Field(
         None, description="A user's tools: a Python file whose top-level functions with a docstring become tools "
         "(their parameters' annotations str, int, float, bool give the JSON schema). Each call runs in a fresh "
-        "sandbox.")
+        "sandbox. On Kubernetes a key of kubernetes.rewardConfigMap (the job's code ConfigMap).")
     max_turns: int = Field(4, ge=1, le=1024, description="Model turns per episode at most.")
     max_tokens_per_turn: int | None = Field(None, gt=0, le=MAX_COUNT, description="New tokens of one model turn at "
                                             "most (default: what is left of maxResponseLength).")
@@ -73,13 +76,61 @@ class Agent(SpecModel):
 
 
 class EnvironmentPool(SpecModel):
-    """On Kubernetes: the pods that run the job's tools and environment sessions (in their sandboxes), apart from
-    the rollout, serving them over HTTP authenticated with the job's token; a NetworkPolicy denies them all egress
-    and admits only the job's own pods. `hybridflow run` runs them on the machine instead."""
+    """On Kubernetes: the job's sandbox pool, the pods that run its untrusted code (its reward function, its agent's
+    tools and environment sessions, each in a sandbox of its own) apart from every pod that holds one of the job's
+    credentials, serving them over HTTP authenticated with a sandbox token of the job's own; a NetworkPolicy denies
+    them all egress and admits only the job's own pods. The operator runs one replica with these defaults for a
+    job with such code when the spec leaves this unset. `hybridflow run` runs them on the machine instead."""
 
-    replicas: int = Field(1, ge=1, le=1024, description="Environment pods; sessions spread over them and stay on "
-                          "theirs.")
-    cpu: Quantity = Field("1", description="CPU request and limit of each environment pod.")
-    memory: Quantity = Field("2Gi", description="Memory request and limit of each environment pod.")
+    replicas: int = Field(1, ge=1, le=1024, description="Sandbox pods; sessions spread over them and stay on "
+                          "theirs, reward batches are split over them.")
+    cpu: Quantity = Field("1", description="CPU request and limit of each sandbox pod.")
+    memory: Quantity = Field("2Gi", description="Memory request and limit of each sandbox pod.")
     image: str | None = Field(None, min_length=1, max_length=1024, description="Their image (default: "
                               "kubernetes.image).")
+
+
+class Sandbox(SpecModel):
+    """How the sandbox pool's pods (spec.environments) contain the job's untrusted code on Kubernetes. Each
+    sandbox's own layers (bubblewrap's namespaces, a seccomp filter) need user namespaces, which the default seccomp
+    profile of containerd and CRI-O refuses to a pod; a runtime class with a kernel of its own (gVisor, Kata)
+    contains the whole pod instead. Without every layer the pods refuse to start, unless `allowPartial` says that
+    the pod's own containment (no credentials, no egress, non-root, no capabilities, rlimits) is enough."""
+
+    runtime_class_name: str | None = Field(
+        None, min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="RuntimeClass of the sandbox pods (gVisor's `gvisor`/`runsc`, Kata's `kata`); default: the "
+        "chart's sandbox.runtimeClassName (empty: the cluster's default runtime).")
+    allow_partial: bool = Field(
+        False, description="Run the sandbox pods where the node refuses some of the sandbox's layers (a default "
+        "cluster: user namespaces refused); the job records which in its SandboxPartial condition. Default false: "
+        "HYBRIDFLOW_SANDBOX=require, and the job fails, naming the layers, instead.")
+
+
+def runs_user_code(spec: "JobSpec") -> bool:
+    """A reward function of the user's, or an agent (its tools, environments, and the built-in `python` tool run
+    what the model wrote): code the job must not run beside its credentials."""
+    return spec.models.reward.function is not None or spec.rollout.agent is not None
+
+
+def code_files(spec: "JobSpec") -> dict[str, str]:
+    """The files of the user's code the spec names, by field (as messages name them): the reward function's, the
+    agent's tools file and environment file. On Kubernetes they are keys of kubernetes.rewardConfigMap (the job's
+    code ConfigMap), copied into the job's own immutable ConfigMap at acceptance."""
+    out: dict[str, str] = {}
+    if (fn := spec.models.reward.function) is not None:
+        out["spec.models.reward.function.path"] = fn.path
+    if (agent := spec.rollout.agent) is not None:
+        if agent.tools_file:
+            out["spec.rollout.agent.toolsFile"] = agent.tools_file
+        if agent.environment_file:
+            out["spec.rollout.agent.environmentFile"] = agent.environment_file
+    return out
+
+
+def sandbox_pool(spec: "JobSpec") -> EnvironmentPool | None:
+    """The sandbox pool a Kubernetes job runs: spec.environments, or one default replica when the job runs user
+    code and the spec leaves it unset; None without user code."""
+    if spec.environments is not None:
+        return spec.environments
+    return EnvironmentPool() if runs_user_code(spec) else None

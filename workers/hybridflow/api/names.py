@@ -16,16 +16,24 @@ ROLES = ("actor", "rollout", "reference", "critic", "reward", "cost", "cost_crit
 # `hybridflow run|driver` exit codes; the operator fails a job without restarts when its driver exits EXIT_BAD_INPUT
 # (a restart would read the same bad input again).
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
+# A sandbox pod that refused to run user code without every layer of the sandbox (HYBRIDFLOW_SANDBOX=require):
+# retrying on the same nodes cannot help, so the operator fails the job with the pod's message.
+EXIT_SANDBOX_UNAVAILABLE = 3
+# The driver's gauge of the layers its sandbox pool lacks (label `layer`), which the operator's progress poll
+# turns into the job's SandboxPartial condition.
+SANDBOX_MISSING_METRIC = "hybridflow_sandbox_layer_missing"
 
-# Where the job's pods see the user's inputs: kubernetes.dataPvc (the prompt files) and kubernetes.rewardConfigMap
-# (the reward file), both read-only in the head pod, where the driver reads prompts and scores responses. The
-# operator rewrites spec.data.train/eval and reward.function.path to point inside them.
+# Where the job's pods see the user's inputs: kubernetes.dataPvc (the prompt files, read-only in the head pod) and
+# the job's copy of kubernetes.rewardConfigMap (its code files: the reward function's, the agent's tools and
+# environment files; read-only in the head pod and the sandbox pool's). The operator rewrites spec.data.train/eval,
+# reward.function.path and rollout.agent.toolsFile/environmentFile to point inside them.
 DATA_MOUNT = "/data"
 REWARD_MOUNT = "/var/lib/hybridflow/reward"
 
 
 def reward_configmap_key(path: str) -> str:
-    """The kubernetes.rewardConfigMap key a reward.function.path names (as written, or resolved into the mount)."""
+    """The kubernetes.rewardConfigMap key a code file's path names (reward.function.path, rollout.agent.toolsFile or
+    environmentFile; as written, or resolved into the mount)."""
     return path.removeprefix(REWARD_MOUNT + "/")
 
 
@@ -80,6 +88,7 @@ def names(job_name: str) -> dict[str, str]:
         "service": f"{job_name}{SERVICE_SUFFIX}",
         "podgroup": f"{job_name}-gang",
         "ray_token": f"{job_name}-ray-token",
+        "sandbox_token": f"{job_name}-sandbox-token",  # opens the job's sandbox pool, nothing else
         "network_policy": f"{job_name}-ingress",
         "reward": f"{job_name}-reward",
         "workload": f"{job_name}-workload",  # Kueue's (a job labelled kueue.x-k8s.io/queue-name)

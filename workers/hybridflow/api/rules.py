@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from pydantic.alias_generators import to_camel
 
 from hybridflow.algorithms import ALGORITHMS
+from hybridflow.api.agents import code_files, runs_user_code
 from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from hybridflow.algorithms.corrections import OFF_POLICY_CORRECTIONS
 from hybridflow.api.engines import (
@@ -214,13 +215,36 @@ def _data_problems(spec: JobSpec) -> list[str]:
                 if (Path(p).is_absolute() and not p.startswith(DATA_MOUNT + "/")) or ".." in Path(p).parts:
                     out.append(f"spec.data.{field}[{i}]: with kubernetes.dataPvc, give a path inside the volume "
                                f"(relative, no '..'), got '{p}'")
+    return out + kubernetes_code_problems(spec)
+
+
+def kubernetes_code_problems(spec: JobSpec) -> list[str]:
+    """On Kubernetes the job's code files (its reward function's, its agent's tools and environment files) come
+    from kubernetes.rewardConfigMap, the job's code ConfigMap, each under the key its field names: the operator
+    copies them at acceptance into an immutable ConfigMap of the job's own and records their digests, so the code a
+    job runs is the code it was accepted with. A code file on kubernetes.dataPvc cannot be pinned (the operator
+    cannot read a claim, and anyone who may write to it could change the code under a running job): refused."""
+    k, files = spec.kubernetes, code_files(spec)
+    out = []
     if k.reward_config_map:
-        if r.type != "function" or r.function is None:
-            out.append("spec.kubernetes.rewardConfigMap: holds a reward file, so spec.models.reward.type must be "
-                       "function with function.path naming the ConfigMap key")
-        elif not _CONFIGMAP_KEY.fullmatch(reward_configmap_key(r.function.path)):
-            out.append(f"spec.models.reward.function.path: with kubernetes.rewardConfigMap it is the ConfigMap's key "
-                       f"(a file name such as my_reward.py), got '{r.function.path}'")
+        if not files:
+            out.append("spec.kubernetes.rewardConfigMap: holds the job's code files, and this job names none: set "
+                       "spec.models.reward.function.path, rollout.agent.toolsFile or rollout.agent.environmentFile "
+                       "to a key of it (a reward function needs spec.models.reward.type function), or drop it")
+        for field, path in files.items():
+            if not _CONFIGMAP_KEY.fullmatch(reward_configmap_key(path)):
+                example = "my_reward.py" if field.startswith("spec.models") else "tools.py"
+                out.append(f"{field}: with kubernetes.rewardConfigMap it is the ConfigMap's key (a file name such as "
+                           f"{example}), got '{path}'")
+    elif k.data_pvc:
+        for field, path in files.items():
+            agent_file = not field.startswith("spec.models")  # made a path on the claim, as data.train is
+            if agent_file or path.startswith(DATA_MOUNT + "/"):
+                key = Path(path).name
+                out.append(f"{field}: '{path}' would be read from kubernetes.dataPvc, which the operator cannot read "
+                           f"to pin and anyone who may write to the claim could change under a running job; put the "
+                           f"file in kubernetes.rewardConfigMap (the job's code ConfigMap) under the key '{key}' "
+                           f"(kubectl create configmap <name> --from-file={key}) and set {field} to '{key}'")
     return out
 
 
@@ -323,8 +347,9 @@ def _agent_problems(spec: JobSpec) -> list[str]:
     """Multi-turn rollouts: what an episode needs that other sections decide."""
     a, r = spec.rollout.agent, spec.rollout
     if a is None:
-        return ["spec.environments: an environment pool runs spec.rollout.agent's tools and environment; set "
-                "rollout.agent or drop environments"] if spec.environments is not None else []
+        return ["spec.environments: the sandbox pool runs the job's reward function and spec.rollout.agent's tools "
+                "and environment; this job has neither: set models.reward.function or rollout.agent, or drop "
+                "environments"] if spec.environments is not None and not runs_user_code(spec) else []
     out = []
     if spec.models.actor.source == "tiny" or (spec.data.source == "generated" and spec.data.task == "increment"):
         out.append("spec.rollout.agent: multi-turn rollouts read the model's text and tokenize the answers of tools "

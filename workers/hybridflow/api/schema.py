@@ -20,7 +20,7 @@ from hybridflow.api.fields import (
     MAX_TEXT, FilePath, LabelValue, ObjectName, PathOrPaths, PoolName, Quantity, SpecModel, matching, registered,
     short_keys,
 )
-from hybridflow.api.agents import Agent, EnvironmentPool
+from hybridflow.api.agents import Agent, EnvironmentPool, Sandbox
 from hybridflow.api.corrections import OffPolicyCorrection
 from hybridflow.api.engines import ROLLOUT_ENGINES
 from hybridflow.api.devices import ACCELERATOR_PATTERN, GPU_PROFILES, accelerator_problem
@@ -367,10 +367,10 @@ class Kubernetes(SpecModel):
         None, description="PersistentVolumeClaim with the prompt files, mounted read-only in the head pod; "
         "spec.data.train and eval are paths inside it."
     )
-    reward_config_map: ObjectName | None = Field(
-        None, description="ConfigMap holding the reward file (spec.models.reward.function.path names its key), "
-        "mounted read-only in the head pod."
-    )
+    reward_config_map: ObjectName | None = Field(None, description="The job's code ConfigMap (named so for "
+        "compatibility: it held only the reward file once): each code file under the key its field names (models."
+        "reward.function.path, rollout.agent.toolsFile, environmentFile), copied at acceptance into the job's own "
+        "immutable ConfigMap (sha256 in status.codeDigests) its pods mount: later edits change nothing. Never dataPvc.")
 
 
 class JobSpec(SpecModel):
@@ -397,8 +397,9 @@ class JobSpec(SpecModel):
     run_policy: RunPolicy = Field(default_factory=RunPolicy, description="Restarts, deadlines, suspension, scheduling.")
     kubernetes: Kubernetes = Field(default_factory=Kubernetes, description="Image, volumes and pod settings.")
     environments: EnvironmentPool | None = Field(
-        None, description="On Kubernetes: run rollout.agent's tools and environments in a pool of sandbox pods of "
-        "their own (unset: in sandboxes inside the rollout's pods). Needs rollout.agent.")
+        None, description="On Kubernetes: the sandbox pool, pods without credentials that run the job's reward "
+        "function and agent (unset: one default replica for either). Needs models.reward.function or rollout.agent.")
+    sandbox: Sandbox = Field(default_factory=Sandbox, description="How the sandbox pool's pods contain user code.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "JobSpec":

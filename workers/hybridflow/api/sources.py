@@ -52,7 +52,8 @@ class ModelSource(SpecModel):
 class RewardFunctionSpec(SpecModel):
     """A user's Python file with a verl-compatible reward function, run in sandboxed worker processes."""
 
-    path: FilePath = Field(..., description="The Python file (on Kubernetes: a path inside a mounted volume).")
+    path: FilePath = Field(..., description="The Python file (on Kubernetes: its key in kubernetes.rewardConfigMap, "
+                           "the job's code ConfigMap).")
     name: PythonName = Field("compute_score", description="The function: (data_source, solution_str, ground_truth, "
                       "extra_info) -> float, or a dict with 'score' (other numeric keys become metrics).")
     batched: bool = Field(False, description="The function takes lists and returns a list of scores.")

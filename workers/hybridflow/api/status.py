@@ -113,7 +113,9 @@ class JobStatus(TypedDict, total=False):
     # last written into its Workload's spec.active (the operator writes it again only when runPolicy.suspend changes)
     queueName: str
     workloadActive: bool
-    # digests recorded before the job's ConfigMaps are created, and the uid of the Ray token Secret it made
+    # digests recorded before the job's ConfigMaps are created, and the uids of the token Secrets it made
     acceptedSpecDigest: str
-    rewardDigest: str
+    rewardDigest: str  # the reward file's (kept beside codeDigests, which holds it too)
+    codeDigests: dict[str, str]  # every code file copied from kubernetes.rewardConfigMap, by key
     rayTokenSecretUid: str
+    sandboxTokenSecretUid: str

@@ -1,5 +1,6 @@
-"""Rewards over decoded responses: built-in scorers (in the driver) or a user's function (in sandboxed workers),
-behind one call that applies the job's error policy.
+"""Rewards over decoded responses: built-in scorers (in the driver) or a user's function (in sandboxed workers: on
+this machine, or in the job's sandbox pool when the operator gave this process its replicas), behind one call that
+applies the job's error policy.
 
 A sample whose scoring fails scores `errorScore` and is counted; when more than `maxErrorFraction` of a batch fails,
 the job stops with the first failing sample, the function and the exception, since training on mostly-default
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence
 
+from hybridflow.rewards.remote import RemoteRewardFunction
 from hybridflow.rewards.sandbox import RewardError, RewardFunction, RewardResult
 from hybridflow.rewards.scorers import weighted
+from hybridflow.sandbox_pool import pool_from_env
 
 
 class _Function(Protocol):
@@ -49,13 +52,18 @@ class RewardFailure(RuntimeError):
 class TextReward:
     def __init__(self, spec: RewardSettings) -> None:
         self.spec = spec
-        self.function: RewardFunction | None = None
+        self.function: RewardFunction | RemoteRewardFunction | None = None
         if spec.type == "function":
             assert spec.function is not None
             f = spec.function
-            self.function = RewardFunction(f.path, f.name, f.batched, workers=spec.workers,
-                                           timeout_seconds=spec.timeout_seconds, error_score=spec.error_score)
             self.what = f"{f.path}:{f.name}"
+            pool = pool_from_env()  # on Kubernetes: the job's sandbox pool, the only pods without its credentials
+            if pool is not None:
+                self.function = RemoteRewardFunction(pool, self.what, f.batched, spec.timeout_seconds, spec.workers,
+                                                     spec.error_score)
+            else:
+                self.function = RewardFunction(f.path, f.name, f.batched, workers=spec.workers,
+                                               timeout_seconds=spec.timeout_seconds, error_score=spec.error_score)
         else:
             self.scorer = weighted([(p.name, p.weight, p.options()) for p in spec.scorers])
             self.what = " + ".join(f"{p.weight:g} * {p.name}" for p in spec.scorers)

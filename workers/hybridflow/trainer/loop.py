@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ from hybridflow.trainer.setup import (
     reward_scores,
 )
 from hybridflow.api import RLHFJob
+from hybridflow.sandbox_pool import PoolClient, PoolError, pool_from_env
 
 log = logging.getLogger("hybridflow.trainer.loop")
 
@@ -207,6 +209,31 @@ def _export_job_metrics(metrics: JobMetrics, w: Workers, steps: int, start_step:
     metrics.step.labels(metrics.job).set(start_step)
     # 0: none yet (also after a resumeFrom: that checkpoint is another job's, not in this job's checkpointDir)
     metrics.checkpoint_step.labels(metrics.job).set(start_step if has_checkpoint else 0)
+    if (pool := pool_from_env()) is not None:  # on Kubernetes: which layers the sandbox pool's user code lacks
+        threading.Thread(target=_report_sandbox_layers, args=(metrics, pool), name="sandbox-layers",
+                         daemon=True).start()
+
+
+def _report_sandbox_layers(metrics: JobMetrics, pool: PoolClient, every: float = 5.0, tries: int = 120) -> None:
+    """Ask the sandbox pool's replicas which layers their sandboxes lack, until each has answered (they start with
+    the gang, and may be up after the first step), and export and log them once: the operator makes them the job's
+    SandboxPartial condition."""
+    said: set[str] = set()
+    for _ in range(tries):
+        try:
+            missing, answered = pool.missing_layers()
+        except PoolError as err:  # its token refused: the job's first reward or tool call says so, and stops
+            log.warning("asking the sandbox pool which layers it lacks: %s", err)
+            return
+        if new := {layer: why for layer, why in missing.items() if layer not in said}:
+            for layer in new:
+                metrics.sandbox_missing.labels(metrics.job, layer).set(1)
+            log.warning("the sandbox pool runs the job's user code without %s (spec.sandbox.allowPartial)",
+                        "; ".join(f"{layer} ({why})" for layer, why in sorted(new.items())))
+            said |= set(new)
+        if answered == len(pool.replicas):
+            return
+        time.sleep(every)
 
 
 def _evaluate_and_report(w: Workers, task: Task, metrics: JobMetrics, progress: Callable[[str], None],
