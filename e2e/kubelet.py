@@ -1,17 +1,22 @@
 """A kubelet *test double*: it watches pods on the (emulated) API server and runs each one's containers as real
 processes — init containers first, each pod in its own network namespace (e2e/netns.py), mount namespace (its own
-/tmp, /dev/shm and volumes) and hostname — then writes phase, pod IP and container exit codes back through the
-status subresource, as a kubelet does. A pod that disappears from the API has its processes killed.
+/tmp, /dev/shm and volumes) and hostname, each container in its own PID namespace — then writes phase, pod IP and
+container exit codes back through the status subresource, as a kubelet does. A pod that disappears from the API has
+its processes killed (a preStop hook runs first, inside its container: e2e/container_exec.py --join).
 
 Volume mounts honour `subPath` (the directory inside the volume, made when missing as the kubelet makes it) and
-`readOnly`.
+`readOnly`. Security contexts are applied as a CRI runtime applies them (e2e/pod_security.py: the image's USER or
+runAsUser, groups with fsGroup, capabilities, no_new_privs, seccomp RuntimeDefault; fsGroup's ownership of emptyDir
+and PVC volumes), and a NetworkPolicy that denies a pod all egress is enforced in its network namespace
+(e2e/netns.py).
 
 It also plays the two cluster add-ons a pod relies on: a volume provisioner (a PersistentVolumeClaim is a directory
 under the harness's work dir that outlives pods) and the data behind cluster DNS (`names`: pods, and headless
 Services' `<service>.<namespace>.svc[.cluster.local]` names -> pod addresses), served by e2e/dns.py and also
 written to a hosts file bind-mounted over /etc/hosts.
 
-Not emulated: resource limits, probes, image pulls (every "image" is this machine's Python environment).
+Not emulated: resource limits, probes, image pulls (every "image" is this machine's Python environment, run as the
+user its Dockerfile names: e2e/image.py).
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from e2e.netns import GATEWAY, PodNetwork
+from e2e import image, pod_security
+from e2e.netns import GATEWAY, PodNetwork, egress_denied
 
 log = logging.getLogger("kubelet-double")
 
@@ -103,6 +109,8 @@ class RunningPod:
     pod: dict = field(default_factory=dict)  # its spec, as admitted
     mounts: tuple = ()  # (volumes, poddir) once its volumes are made: what a preStop hook runs with
     main_procs: list = field(default_factory=list)  # its containers' processes (not its init containers' or hooks')
+    containers: dict = field(default_factory=dict)  # container name -> its process (the launcher, its PID 1's parent)
+    egress_denied: bool = False  # a NetworkPolicy denies it all egress, and its network namespace says so
 
 
 class KubeletDouble:
@@ -116,6 +124,7 @@ class KubeletDouble:
         self._made_dirs: list[Path] = []
         self._hosts = ""
         self.names: dict[str, str] = {}  # what the cluster DNS double answers (e2e/dns.py reads it)
+        self._policies: list[dict] = []  # NetworkPolicies, as of the last sync
 
     # --- lifecycle ---
 
@@ -192,6 +201,25 @@ class KubeletDouble:
             if uid not in live:
                 self._stop_pod(pod)
         self._write_hosts()
+        self._policies = self._list_policies()
+        for rp in list(self.pods.values()):
+            if rp.ip and not rp.deleted:
+                self._enforce_egress(rp)
+
+    def _list_policies(self) -> list[dict]:
+        from kubernetes import client
+
+        api = client.NetworkingV1Api(self.kube.core.api_client)
+        return json.loads(api.list_network_policy_for_all_namespaces(_preload_content=False).data)["items"]
+
+    def _enforce_egress(self, rp: RunningPod) -> None:
+        """What the CNI's policy engine does as policies come and go: the pod's egress denied while a policy denies
+        it all egress (e2e/netns.py), lifted when none does."""
+        deny = egress_denied(self._policies, rp.namespace, rp.labels)
+        if deny != rp.egress_denied:
+            self.net.set_egress(rp.netns, deny)
+            rp.egress_denied = deny
+            log.info("pod %s/%s: egress %s", rp.namespace, rp.name, "denied" if deny else "allowed")
 
     def _write_hosts(self) -> None:
         pods = {(p.namespace, p.name): (p.ip, p.labels) for p in list(self.pods.values()) if p.ip and not p.deleted}
@@ -237,9 +265,13 @@ class KubeletDouble:
         try:
             volumes, poddir = rp.mounts
             for c in containers:
+                target = rp.containers.get(c["name"])
+                pid1 = _container_pid(target) if target is not None and target.poll() is None else None
+                if pid1 is None:
+                    continue  # a container that is not running runs no hook
                 hook = {**c, "name": f"{c['name']}-prestop", "command": c["lifecycle"]["preStop"]["exec"]["command"],
                         "args": []}
-                proc = self._spawn(rp, rp.pod, hook, volumes, poddir)
+                proc = self._spawn(rp, rp.pod, hook, volumes, poddir, join=pid1)
                 try:
                     proc.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
@@ -287,7 +319,17 @@ class KubeletDouble:
         base = {"podIP": rp.ip, "podIPs": [{"ip": rp.ip}], "hostIP": GATEWAY, "startTime": _now()}
         self._status(rp, {**base, "phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]})
         self._write_hosts()
+        self._enforce_egress(rp)  # before anything of the pod runs (the sync loop follows later changes)
         spec = pod["spec"]
+        try:
+            for c in [*(spec.get("initContainers") or []), *spec["containers"]]:
+                pod_security.identity(pod, c)
+        except pod_security.ContainerConfigError as err:  # the kubelet leaves such a pod Pending, saying why
+            self._status(rp, {**base, "phase": "Pending", "containerStatuses": [
+                {"name": c["name"], "ready": False, "restartCount": 0, "image": c.get("image", ""), "imageID": "",
+                 "state": {"waiting": {"reason": "CreateContainerConfigError", "message": str(err)}}}
+                for c in spec["containers"]]})
+            return
         poddir = self.workdir / "pods" / f"{rp.namespace}.{rp.name}.{rp.uid[:8]}"
         (poddir / "tmp").mkdir(parents=True, exist_ok=True)
         try:
@@ -310,6 +352,7 @@ class KubeletDouble:
                 return
         procs = [(c, self._spawn(rp, pod, c, volumes, poddir)) for c in spec["containers"]]
         rp.main_procs = [p for _, p in procs]
+        rp.containers = {c["name"]: p for c, p in procs}
         for _, p in procs:
             _wait_for_exec(p)
         rp.main_started = True
@@ -326,8 +369,16 @@ class KubeletDouble:
             _terminated(c, rc, _termination_message(c, rc, poddir)) for c, rc in codes]})
 
     def _volumes(self, pod: dict, poddir: Path) -> dict[str, tuple[str, Path]]:
-        """Volume name -> (kind, host directory)."""
+        """Volume name -> (kind, host directory). As the kubelet sets them up: an emptyDir is a directory of mode
+        0777; with the pod's fsGroup, emptyDir and PVC volumes get its ownership (pod_security.set_volume_ownership,
+        as volume types with ownership management do), before any subPath in them is made. The pod's /tmp
+        (poddir/tmp) is the emptyDir mounted there, else the image's /tmp (mode 1777)."""
         ns = pod["metadata"].get("namespace", "default")
+        sc = pod["spec"].get("securityContext") or {}
+        fs_group, policy = sc.get("fsGroup"), sc.get("fsGroupChangePolicy")
+        at_tmp = {m["name"] for c in [*(pod["spec"].get("initContainers") or []), *pod["spec"]["containers"]]
+                  for m in c.get("volumeMounts") or [] if Path(m["mountPath"]) == Path("/tmp")}
+        (poddir / "tmp").chmod(0o1777)
         out = {}
         for v in pod["spec"].get("volumes") or []:
             d = poddir / "volumes" / v["name"]
@@ -341,18 +392,26 @@ class KubeletDouble:
                 claim = v["persistentVolumeClaim"]["claimName"]
                 d = self.workdir / "volumes" / ns / claim
                 d.mkdir(parents=True, exist_ok=True)
+                if fs_group is not None:
+                    pod_security.set_volume_ownership(d, int(fs_group), policy,
+                                                      readonly=bool(v["persistentVolumeClaim"].get("readOnly")))
                 out[v["name"]] = ("pvc", d)
             elif "emptyDir" in v:
-                d.mkdir(parents=True, exist_ok=True)
                 medium = (v["emptyDir"] or {}).get("medium", "")
+                if medium != "Memory":  # (a tmpfs is mounted in the pod: _spawn)
+                    d = poddir / "tmp" if v["name"] in at_tmp else d
+                    d.mkdir(parents=True, exist_ok=True)
+                    d.chmod(0o777)
+                    if fs_group is not None:
+                        pod_security.set_volume_ownership(d, int(fs_group), policy)
                 out[v["name"]] = ("tmpfs" if medium == "Memory" else "emptyDir", d)
             else:
                 raise ValueError(f"volume {v['name']}: only configMap, persistentVolumeClaim and emptyDir are emulated")
         return out
 
-    def _env(self, rp: RunningPod, pod: dict, c: dict) -> dict[str, str]:
+    def _env(self, rp: RunningPod, pod: dict, c: dict, home: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_DROP)}
-        env.update(HOSTNAME=rp.name, POD_NAME=rp.name)
+        env.update(HOSTNAME=rp.name, POD_NAME=rp.name, HOME=home)  # HOME: the runtime's, from the image's user
         fields = {"status.podIP": rp.ip, "metadata.name": rp.name, "metadata.namespace": rp.namespace,
                   "status.hostIP": GATEWAY, "spec.nodeName": "e2e-node"}
         for e in c.get("env") or []:
@@ -376,8 +435,25 @@ class KubeletDouble:
             d.mkdir()
             self._made_dirs.append(d)
 
-    def _spawn(self, rp: RunningPod, pod: dict, c: dict, volumes: dict, poddir: Path) -> subprocess.Popen:
-        script = ["set -e", f"hostname {shlex.quote(rp.name)}"]
+    def _spawn(self, rp: RunningPod, pod: dict, c: dict, volumes: dict, poddir: Path,
+               join: int | None = None) -> subprocess.Popen:
+        """The container's process: `ip netns exec` into the pod's network namespace, a mount namespace of its own
+        where a script (as root) mounts the image's files, volumes and /tmp, then execs e2e/container_exec.py, which
+        takes on the container's identity and execs its command. With `join` (a running container's PID 1), an exec
+        into that container (a preStop hook): its namespaces, mounts included, are the launcher's to join."""
+        who = pod_security.identity(pod, c)
+        argv = [*pod_security.launcher(who, join), *(c.get("command") or []), *(c.get("args") or [])]
+        if join is not None:
+            return self._start(rp, pod, c, ["set -e", 'exec "$@"'], argv, who, poddir)
+        fs_group = (pod["spec"].get("securityContext") or {}).get("fsGroup")
+        script = ["set -e", f"hostname {shlex.quote(rp.name)}", *image.reachable(poddir / "image")]
+        if who.make_home:  # the home the image's Dockerfile made for its user: empty, the user's
+            home = poddir / "home"
+            home.mkdir(exist_ok=True)
+            os.chown(home, who.uid, who.gid)
+            with self._lock:
+                self._mount_point(Path(who.home))
+            script.append(f"mount --bind {shlex.quote(str(home))} {shlex.quote(who.home)}")
         for m in c.get("volumeMounts") or []:
             kind, src = volumes[m["name"]]
             src = _sub_path((kind, src), m)
@@ -388,8 +464,9 @@ class KubeletDouble:
             with self._lock:
                 self._mount_point(target)
             t = shlex.quote(str(target))
-            if kind == "tmpfs":
-                script.append(f"mount -t tmpfs -o size=2g tmpfs {t}")
+            if kind == "tmpfs":  # its root as the kubelet leaves it: 1777, with fsGroup that group's (and setgid)
+                opts = "mode=1777" if fs_group is None else f"mode=3777,gid={int(fs_group)}"
+                script.append(f"mount -t tmpfs -o size=2g,{opts} tmpfs {t}")
             else:
                 script.append(f"mount --bind {shlex.quote(str(src))} {t}")
                 if m.get("readOnly"):
@@ -400,13 +477,17 @@ class KubeletDouble:
             inside = poddir / "tmp" / keep.relative_to("/tmp")
             inside.mkdir(parents=True, exist_ok=True)
             script.append(f"mount --bind {shlex.quote(str(keep))} {shlex.quote(str(inside))}")
-        script += [f"mount --rbind {shlex.quote(str(poddir / 'tmp'))} /tmp", 'exec "$@"']
-        argv = [*(c.get("command") or []), *(c.get("args") or [])]
+        script += [f"mount --rbind {shlex.quote(str(poddir / 'tmp'))} /tmp", f"mkdir -p {shlex.quote(who.workdir)}",
+                   'exec "$@"']
+        return self._start(rp, pod, c, script, argv, who, poddir)
+
+    def _start(self, rp: RunningPod, pod: dict, c: dict, script: list[str], argv: list[str],
+               who: pod_security.Identity, poddir: Path) -> subprocess.Popen:
         logf = open(poddir / f"{c['name']}.log", "ab")
         proc = subprocess.Popen(
             ["ip", "netns", "exec", rp.netns, "unshare", "--mount", "--uts", "--propagation", "private", "--",
              "sh", "-c", "\n".join(script), "sh", *argv],
-            env=self._env(rp, pod, c), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=self._env(rp, pod, c, who.home), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             cwd=str(poddir / "tmp"), start_new_session=True)
         logf.close()
         rp.procs.append(proc)
@@ -415,20 +496,34 @@ class KubeletDouble:
 
 def _wait_for_exec(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
     """Until the container's process runs the container's own command: its wrapper (`ip netns exec`, `unshare`, then
-    the mount script of _spawn, `sh -c SCRIPT`; one process, each exec'ing the next, the script in every command
-    line) execs into it once the pod's mounts are in place. A kubelet reports a container Running once it has
-    started; reported sooner, a scenario that read the mounts of a Running pod saw half of them (2026-12-05: the
-    resume-from mount missing, under load)."""
+    the mount script of _spawn, `sh -c SCRIPT`, then e2e/container_exec.py; one process, each exec'ing the next, the
+    script or the launcher in every command line) forks it, PID 1 of its own PID namespace, once the pod's mounts are
+    in place, and it execs the command once it has taken the container's identity. A kubelet reports a container
+    Running once it has started; reported sooner, a scenario that read the mounts of a Running pod saw half of them
+    (2026-12-05: the resume-from mount missing, under load)."""
     script = proc.args[proc.args.index("-c") + 1].encode()
+    launcher = str(pod_security.LAUNCHER).encode()
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None and time.monotonic() < deadline:
         try:
-            cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+            args = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+            if launcher in args and script not in args:  # the launcher: its child runs the command
+                child = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+                args = Path(f"/proc/{child[0]}/cmdline").read_bytes().split(b"\0") if child else [b""]
         except OSError:
             return  # ended meanwhile
-        if cmdline and script not in cmdline.split(b"\0"):  # (empty while an exec is under way)
+        if args != [b""] and script not in args and launcher not in args:  # ([b""]: an exec under way)
             return
         time.sleep(0.02)
+
+
+def _container_pid(proc: subprocess.Popen) -> int | None:
+    """A running container's PID 1: the child of its launcher (e2e/container_exec.py), which waits for it."""
+    try:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
 
 
 def _sub_path(volume: tuple[str, Path], mount: dict) -> Path:

@@ -1,6 +1,11 @@
 """Pod networking for the kubelet double: one network namespace per pod, joined to a bridge by a veth pair, with
 its own address on 10.244.0.0/24 — what a CNI plugin gives each pod. Runs inside the e2e user+network namespace
 (see e2e/README.md), so nothing here touches the host's network.
+
+Of NetworkPolicy, what a CNI's policy engine does for a pod whose egress is denied outright (a policy with
+policyTypes Egress and no egress rule selects it, and no other one allows it anything): nftables in the pod's network
+namespace drops every new outgoing connection, while replies to incoming ones (and the pod's loopback) still flow.
+Allow-lists and ingress rules are not emulated.
 """
 from __future__ import annotations
 
@@ -21,6 +26,39 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and out.returncode:
         raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip()}")
     return out
+
+
+EGRESS_TABLE = "hf-netpol"
+DENY_EGRESS = f"""table inet {EGRESS_TABLE} {{
+  chain output {{
+    type filter hook output priority 0; policy drop;
+    oif "lo" accept
+    ct state established,related accept
+  }}
+}}
+"""
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A label selector (matchLabels, matchExpressions) against a pod's labels; {} selects every pod."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values") or []
+        if not {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+                "Exists": key in labels, "DoesNotExist": key not in labels}[op]:
+            return False
+    return True
+
+
+def egress_denied(policies: list[dict], namespace: str, labels: dict[str, str]) -> bool:
+    """Whether the pod's egress is denied outright: NetworkPolicies of its namespace with Egress among their
+    policyTypes (without policyTypes: those with egress rules) select it and none of them has an egress rule
+    (policies add up: any rule would allow something)."""
+    specs = [p.get("spec") or {} for p in policies if p["metadata"].get("namespace", "default") == namespace]
+    egress = [s for s in specs if _selects(s.get("podSelector") or {}, labels)
+              and "Egress" in (s.get("policyTypes") or (["Ingress", "Egress"] if s.get("egress") else []))]
+    return bool(egress) and not any(s.get("egress") for s in egress)
 
 
 def next_free(used: set[str]) -> str:
@@ -57,6 +95,14 @@ class PodNetwork:
                     ("link", "set", "eth0", "up"), ("route", "add", "default", "via", GATEWAY)):
             _ip("-n", netns, *cmd)
         return addr
+
+    def set_egress(self, netns: str, deny: bool) -> None:
+        """Deny the pod's new outgoing connections (deny=True) or lift that; idempotent, applied atomically."""
+        script = f"add table inet {EGRESS_TABLE}\ndelete table inet {EGRESS_TABLE}\n" + (DENY_EGRESS if deny else "")
+        out = subprocess.run(["ip", "netns", "exec", netns, "nft", "-f", "-"], input=script, capture_output=True,
+                             text=True)
+        if out.returncode:
+            raise RuntimeError(f"nft in {netns}: {out.stderr.strip()}")
 
     def pids(self, netns: str) -> list[int]:
         out = _ip("netns", "pids", netns, check=False)

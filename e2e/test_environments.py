@@ -5,6 +5,9 @@ replaced under its name without a gang restart, its episodes retried, and the jo
 job finishes, and its Service and NetworkPolicy with the job."""
 from __future__ import annotations
 
+import base64
+import json
+import time
 import urllib.request
 
 import yaml
@@ -12,6 +15,7 @@ from hybridflow_operator import manifests as mf
 from kube.harness import wait_for
 from kubernetes import client
 
+from e2e import containment
 from e2e.helpers import PVC, ROOT, live_pod_names, phase
 from e2e.worlds import _pod_ip
 
@@ -32,6 +36,21 @@ def _requests(world, pod: str) -> float:
                if line.startswith("hybridflow_environment_requests_total{"))
 
 
+def _tool_probe(world, pod: str, head: str) -> dict:
+    """The containment probe (e2e/containment.py) as the `python` tool's code, on replica `pod`, over the pool's
+    HTTP API with the job's sandbox token (read from its Secret, as the operator hands it to the job's pods)."""
+    secret = world.kube.core.read_namespaced_secret(f"{NAME}-sandbox-token", "default")
+    token = base64.b64decode(secret.data["token"]).decode()
+    code = containment.SOURCE + f"\nimport json\nprint(json.dumps(_containment({head!r})))\n"
+    request = urllib.request.Request(
+        f"http://{_pod_ip(world.kube, pod, 'default')}:{mf.ENVIRONMENT_PORT}/v1/tools/call",
+        data=json.dumps({"name": "python", "arguments": {"code": code}}).encode(), method="POST",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    answer = json.loads(urllib.request.urlopen(request, timeout=60).read())
+    assert not answer.get("error"), answer
+    return json.loads(answer["text"].strip().splitlines()[-1])
+
+
 def _uid(world, pod: str) -> str | None:
     found = [p for p in world.kube.pods(NAME) if p.metadata.name == pod and not p.metadata.deletion_timestamp]
     return found[0].metadata.uid if found else None
@@ -44,6 +63,10 @@ def test_environment_pool_serves_the_rollout_and_survives_a_killed_replica(world
     manifest = tmp_path / "job.yaml"
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["spec"]["trainer"].update(steps=STEPS, eval=False, promptsPerStep=2)  # 4 episodes a step: 2 per replica
+    # pods as a cluster runs them (non-root, seccomp RuntimeDefault: bubblewrap cannot make namespaces): the
+    # sandbox pods' own containment holds, which the job records; `python` runs model-written code there
+    doc["spec"]["sandbox"] = {"allowPartial": True}
+    doc["spec"]["rollout"]["agent"]["tools"] = ["calculator", "python"]
     manifest.write_text(yaml.safe_dump_all([claim, doc], sort_keys=False))
     world.bake_models()  # SmolLM2 as the worker image holds it
     world.kubectl("apply", "--validate=false", "-f", str(manifest))
@@ -69,6 +92,18 @@ def test_environment_pool_serves_the_rollout_and_survives_a_killed_replica(world
         wait_for(lambda: all(_requests(world, p) > 0 for p in POOL), 300,
                  lambda: f"requests on both replicas ({[_requests(world, p) for p in POOL]}); {logs()}")
     wait_for(lambda: (kube.status(NAME).get("environments") or {}).get("ready") == 2, 60, "pool Ready in status")
+
+    # Issue 51: model-written code (the `python` tool, called here as the rollout calls it, with the job's sandbox
+    # token) runs in a sandbox pod: it sees no credential, cannot reach the head, and leaves no daemon behind
+    partial = wait_for(lambda: next((c for c in kube.status(NAME).get("conditions", [])
+                                     if c["type"] == "SandboxPartial" and c["status"] == "True"), None), 120,
+                       lambda: f"the SandboxPartial condition; {kube.status(NAME).get('conditions')}")
+    assert "network" in partial["message"], partial
+    probe = _tool_probe(world, POOL[1], head)
+    assert probe == {"credentials_seen": 0.0, "head_target": 1.0, "head_connected": 0.0}, probe
+    if world.local:
+        time.sleep(3.5)
+        assert not containment.daemons_outliving(seconds=3.0), "the tool's daemon outlived its call"
 
     # a replica killed mid-run: replaced under its name, no gang restart, its episodes retried elsewhere
     victim, before = POOL[0], _uid(world, POOL[0])

@@ -7,11 +7,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
 import yaml
 from hybridflow_operator.policy import FOR_JOBS_LABEL
 from kube.harness import wait_for
 
+from e2e import containment
 from e2e.helpers import PVC, ROOT, phase
 from e2e.worlds import LocalWorld
 
@@ -20,40 +20,19 @@ REWARD = ROOT / "examples" / "rewards" / "word_problem_reward.py"
 DATA_CLAIM, REWARD_CM = "word-problems", "word-problem-reward"
 STEPS = 1  # one step shows the data read from the volume and scored by the ConfigMap's file
 
-# Appended to the user's file in the ConfigMap: each call also tries what a reward function must not be able to do
-# (issue 24 N4), and reports it as extra keys, which become step metrics (`reward_<key>_mean`). The target is the
-# head pod's Ray GCS (port 6379 at its own pod address, found in /etc/hosts by the pod's name): reachable from the
-# pod outside the sandbox by construction (the worker pods' raylets connect to it, or the job would not run), and
-# allowed by the job's NetworkPolicy, so only the sandbox's network namespace can refuse it.
-EGRESS_PROBE = """
-
-import os as _os
-import socket as _socket
+# Appended to the user's file in the ConfigMap: each call also runs the containment probe (e2e/containment.py: the
+# job's credentials in any environment it can read, a connection to the head pod's Ray GCS, a daemon out of its
+# session) and reports it as extra keys, which become step metrics (`reward_<key>_mean`). The GCS is reachable from
+# the job's pods by construction (the worker pods' raylets connect to it, or the job would not run): only where the
+# function runs, a sandbox pod that holds no credential and may connect nowhere, keeps it out.
+PROBE = """
 
 _scored = compute_score
 
 
-def _head_address():
-    with open("/etc/hosts") as f:  # the sandbox's read-only view of the pod's files; no DNS is needed
-        found = [line.split()[0] for line in f if line.split()[1:2] == [%(head)r]]
-    return found[0] if found else None
-
-
-def _connects(address):
-    try:
-        _socket.create_connection((address, 6379), timeout=2).close()
-        return 1.0
-    except OSError:
-        return 0.0
-
-
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     out = dict(_scored(data_source, solution_str, ground_truth, extra_info))
-    address = _head_address()
-    out["egress_target"] = float(address is not None)
-    out["egress_connected"] = _connects(address) if address else 0.0
-    out["egress_loopback"] = _connects("127.0.0.1")
-    out["credentials_seen"] = float(any(k == "RAY_AUTH_TOKEN" or k.startswith("AWS_") for k in _os.environ))
+    out.update(_containment(%(head)r))
     return out
 """
 
@@ -79,6 +58,9 @@ def _job(tmp_path, name: str, train: list[str]):
     s["runPolicy"] = {"backoffLimit": 2}
     s["kubernetes"] = {"image": "hybridflow/worker-cpu:0.1.0", "checkpointPvc": f"{name}-checkpoints",
                        "dataPvc": DATA_CLAIM, "rewardConfigMap": REWARD_CM, "headMemory": "4Gi"}
+    # the e2e pods run as a cluster's would (non-root, seccomp RuntimeDefault: no user namespaces, so no bubblewrap):
+    # the sandbox pod's own containment is what holds, and the job says so in its SandboxPartial condition
+    s["sandbox"] = {"allowPartial": True}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump_all([_claim(f"{name}-checkpoints"), doc], sort_keys=False))
     return path
@@ -104,15 +86,21 @@ def test_data_on_a_pvc_and_reward_in_a_configmap(world, tmp_path):
     assert f"ConfigMap '{REWARD_CM}' not found" in waiting["message"] and phase(world, name) == "Pending"
     assert world.kube.pods(name) == []
     cm = tmp_path / "reward.yaml"  # what `kubectl create configmap --from-file` makes, applied (the double speaks JSON)
-    reward = REWARD.read_text() + EGRESS_PROBE % {"head": f"{name}-head-g0"}
+    reward = REWARD.read_text() + containment.SOURCE + PROBE % {"head": f"{name}-head-g0"}
     cm.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "ConfigMap",
                                   "metadata": {"name": REWARD_CM, "labels": {FOR_JOBS_LABEL: "true"}},
                                   "data": {REWARD.name: reward}}))
     world.kubectl("apply", "--validate=false", "-f", str(cm))
 
     head = f"{name}-head-g0"
-    wait_for(lambda: phase(world, name) in ("Succeeded", "Failed"), 900,
-             lambda: f"the end; {world.logs(head)[-4000:]}")
+    outliving: set[int] = set()
+
+    def ended() -> bool:  # meanwhile: no daemon a reward call started outlives it (the pool's reaper kills it)
+        if isinstance(world, LocalWorld):
+            outliving.update(containment.daemons_outliving(seconds=3.0))
+        return phase(world, name) in ("Succeeded", "Failed")
+
+    wait_for(ended, 900, lambda: f"the end; {world.logs(head)[-4000:]}")
     st = world.kube.status(name)
     assert st["phase"] == "Succeeded", (st, world.logs(head)[-3000:])
     assert st["restarts"] == 0 and _condition(world, name, "InputsReady")["status"] == "True"
@@ -122,19 +110,17 @@ def test_data_on_a_pvc_and_reward_in_a_configmap(world, tmp_path):
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r in records:  # scored by the ConfigMap's file: its extra key is there, nothing failed
         assert r["reward_errors"] == 0 and 0 <= r["reward_answered_mean"] <= 1, r
-    # Issue 24 N4, the egress proof: the reward ran in the sandbox (the driver warns at start when a layer is
-    # missing; here none may be), found the head's address, and never reached it, nor the pod's loopback, nor saw a
-    # credential. NetworkPolicy is not enforced here (e2e/README.md): the sandbox's network namespace refused it.
-    no_network = [line for line in logs.splitlines()
-                  if "partial sandbox" in line and "network" in line.split("; it keeps")[0]]
-    if no_network and not isinstance(world, LocalWorld):  # a cluster whose pods may not make namespaces
-        pytest.skip(f"the sandbox has no network layer in this cluster's pods, so only the NetworkPolicy limits a "
-                    f"reward function's egress here: {no_network[0]}")
-    assert not no_network, no_network  # the e2e pods offer every layer: bwrap in a user namespace
+    # Issue 51, containment on a default cluster: the function ran in the sandbox pod (no layer of bubblewrap under
+    # the seccomp profile: the job's condition says which), found the head's address and never reached it, saw no
+    # credential in any environment it could read, and left no daemon behind. Run in the head pod it would have
+    # seen the Ray token (its driver's /proc/<pid>/environ) and connected.
+    partial = _condition(world, name, "SandboxPartial")
+    assert partial and partial["status"] == "True" and "network" in partial["message"], st.get("conditions")
     for r in records:
-        assert r["reward_egress_target_mean"] == 1.0, r  # the probe had its target: the refusal below means it
-        assert r["reward_egress_connected_mean"] == 0.0 and r["reward_egress_loopback_mean"] == 0.0, r
+        assert r["reward_head_target_mean"] == 1.0, r  # the probe had its target: the refusal below means it
+        assert r["reward_head_connected_mean"] == 0.0, r
         assert r["reward_credentials_seen_mean"] == 0.0, r
+    assert not outliving, f"daemons a reward call started outlived it: {sorted(outliving)}"
 
 
 def test_a_data_file_missing_from_the_volume_fails_once_with_the_drivers_message(world, tmp_path):

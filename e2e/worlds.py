@@ -89,8 +89,8 @@ class LocalWorld(_Kubectl):
         if (IMAGE_MODELS / SMOLLM2_DIR / "config.json").is_file():
             return
         cached = Path(os.environ.get("HYBRIDFLOW_TEST_MODEL_CACHE") or "/nonexistent") / SMOLLM2_DIR
-        if (cached / "config.json").is_file():
-            shutil.copytree(cached, IMAGE_MODELS / SMOLLM2_DIR)
+        if (cached / "config.json").is_file():  # files with the modes the build gives them, not the cache's copies'
+            shutil.copytree(cached, IMAGE_MODELS / SMOLLM2_DIR, copy_function=shutil.copyfile)
         else:
             subprocess.run([sys.executable, "-c", "from hybridflow.models.builders import IMAGE_MODELS, build_smollm2; "
                             "build_smollm2(IMAGE_MODELS)"], check=True, capture_output=True, timeout=600)

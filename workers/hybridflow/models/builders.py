@@ -60,6 +60,9 @@ def save_hf(model: Any, directory: Path) -> None:
             seen.add(key)
             weights[name] = t.detach().contiguous()
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors writes its file 0600: the worker image converts SmolLM2 as root at build time and runs as uid 1000,
+    # which could then not read it; the model is for every user, as the directory's other files (0644)
+    (directory / "model.safetensors").chmod(0o644)
     if not (directory / "config.json").is_file():
         raise RuntimeError(f"{directory}: the model's config.json was not written")
 
