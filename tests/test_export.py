@@ -185,3 +185,18 @@ def test_a_critic_exports_as_a_one_label_token_classifier_with_its_values(tmp_pa
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, critic(ids).logits)
     assert loaded.config.num_labels == 1
+
+
+def test_a_model_file_linked_into_proc_is_never_copied_into_a_checkpoint(tmp_path):
+    """A `tokenizer.json -> /proc/self/environ` planted on a model claim would copy the pod's environment (its Ray
+    token, storage keys) into the checkpoint; a link to a regular file of the model's own (an HF cache's blob) is
+    copied as before."""
+    src, staging = tmp_path / "model", tmp_path / "ckpt"
+    src.mkdir()
+    staging.mkdir()
+    (src / "config.json").write_text("{}")
+    (tmp_path / "blob").write_text('{"chat_template": "x"}')
+    (src / "tokenizer_config.json").symlink_to(tmp_path / "blob")
+    (src / "tokenizer.json").symlink_to("/proc/self/environ")
+    copied = sorted(p.name for p in copy_model_metadata(src, staging, "actor"))
+    assert copied == ["actor.hf.config.json", "actor.hf.tokenizer_config.json"]

@@ -781,6 +781,40 @@ def test_a_sandbox_pod_that_refuses_the_partial_sandbox_fails_the_job_at_once(cl
     wait_for(lambda: kube.job("jsb") is None, 30, "the job gone")
 
 
+def test_a_sandbox_pod_remade_mid_run_never_mounts_a_planted_code_configmap(cluster):
+    """The job's copy of its code deleted and planted again under its name by someone else (who may write
+    ConfigMaps), then a sandbox pod lost: the replacement is not made, and the job fails naming the ConfigMap,
+    instead of a new sandbox pod running the planted code on the job's data."""
+    from kubernetes import client
+
+    api, kube, _ = cluster
+    ns = kube.namespace
+    kube.core.create_namespaced_config_map(ns, client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="rw-pl", labels={FOR_JOBS_LABEL: "true"}),
+        data={"my_reward.py": "def compute_score(*a):\n    return 1.0\n"}))
+    doc = job_doc("jpl")
+    doc["spec"]["models"] = REWARD
+    doc["spec"]["kubernetes"] = {"rewardConfigMap": "rw-pl"}
+    kube.create_job(doc)
+    wait_for(lambda: _pod_names(kube, "jpl") == ["jpl-default-0-g0", "jpl-env-0", "jpl-head-g0"], 30, "the pods")
+    for pod in _pod_names(kube, "jpl"):
+        kube.set_pod_phase(pod, "Running")
+    wait_for(lambda: _phase(kube, "jpl") == "Running", 30, "Running")
+    kube.core.delete_namespaced_config_map("jpl-reward", ns)
+    kube.core.create_namespaced_config_map(ns, client.V1ConfigMap(  # no owner: the children policy's reach ends
+        metadata=client.V1ObjectMeta(name="jpl-reward"),
+        data={"my_reward.py": "def compute_score(*a):\n    return 9.0  # planted\n"}))
+    kube.set_pod_phase("jpl-env-0", "Failed", exit_code=137)
+    st = wait_for(lambda: (s := kube.status("jpl")).get("phase") == "Failed" and s, 30, "Failed")
+    assert "jpl-reward" in st["message"], st
+    made = [p for p in api.objects("v1/pods", ns) if p["metadata"]["name"] == "jpl-env-0"
+            and p["metadata"]["uid"] != ""]
+    assert all((p.get("status") or {}).get("phase") == "Failed" for p in made), "a sandbox pod was made again"
+    kube.delete_job("jpl")
+    wait_for(lambda: kube.job("jpl") is None, 30, "the job gone")
+    kube.core.delete_namespaced_config_map("jpl-reward", ns)
+
+
 def test_objects_added_to_a_suspended_job_never_reach_its_pods(cluster):
     """Issue 24 N1: a job created suspended with no spec.kubernetes, then patched (no API server CEL here, as with a
     CRD rule that cannot see a field added) to name a ServiceAccount-token Secret, object-storage credentials and a

@@ -245,3 +245,20 @@ def test_where_no_cgroup_is_delegated_it_is_said_and_not_required(tmp_path, monk
     procs = tmp_path / "cgroup"
     procs.write_text("0::/kubepods/pod1/ctr\n")
     assert cgroup.own_cgroup(str(mountinfo), str(procs)) == "/sys/fs/cgroup/kubepods/pod1/ctr"
+
+
+def test_a_module_planted_in_a_workers_directory_is_never_imported(tmp_path):
+    """Issue 51 (re-review N2): where the sandboxes of a pod share a uid (a default cluster's pods), one could write
+    into another's working directory. A worker starts `python -P -m ...`, so a module planted there (a
+    `hybridflow/` package shadowing ours) is not on its path; started the plain way, it would run first."""
+    import subprocess
+    import sys
+
+    from hybridflow.sandbox import python_module
+
+    (tmp_path / "planted.py").write_text("print('planted code ran')\n")
+    plain = subprocess.run([sys.executable, "-m", "planted"], cwd=tmp_path, capture_output=True, text=True)
+    assert "planted code ran" in plain.stdout  # what -P is for
+    ours = subprocess.run(python_module("planted"), cwd=tmp_path, capture_output=True, text=True)
+    assert ours.returncode != 0 and "planted code ran" not in ours.stdout
+    assert "No module named planted" in ours.stderr

@@ -82,6 +82,8 @@ def test_a_wrong_token_is_refused(replicas):
     {"scores": [1.0], "extras": {}, "errors": []},
     {"scores": [1.0, 1.0], "extras": {}, "errors": [{"index": 7, "error": "x"}]},
     {"scores": ["1", 1.0], "extras": {}, "errors": []},
+    {"scores": [10 ** 400, 1.0], "extras": {}, "errors": []},  # past a float's range: JSON allows it
+    {"scores": [1.0, 1.0], "extras": {"m": ["x", 1.0]}, "errors": []},
 ])
 def test_what_is_not_a_score_stops_the_job_instead_of_training_on_it(answer):
     server = PoolServer(PoolService(None, None, rewards=lambda body: answer), TOKEN)

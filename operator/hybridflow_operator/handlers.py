@@ -815,6 +815,8 @@ def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, 
         static += environment_children(job, uid, secrets.token_hex(32))
         objs += static if plan.create_static else [o for o in static if (o["kind"], o["metadata"]["name"]) in lost]
     new_pods: list[dict[str, Any]] = [environment_pod(job, uid, i) for i in (pool.create if pool else [])]
+    if new_pods and plan.create_gang is None:  # a sandbox pod remade mid-run: what it mounts is checked first
+        _check_pool_inputs(shared.kube, job, uid, plan.status)
     if plan.create_gang is not None:
         if job.spec.kubernetes.reward_config_map and (
                 files := _reward_to_copy(shared.kube, shared.policy, job, uid, plan.status, reward)):
@@ -913,6 +915,20 @@ def _check_existing(kube: Kube, obj: dict[str, Any], job_name: str, uid: str | N
     elif kind == "ConfigMap" and role in DIGEST_OF:
         (key,) = obj["data"]
         _check_holds(ns, name, found, key, status.get(DIGEST_OF[role]))
+
+
+def _check_pool_inputs(kube: Kube, job: RLHFJob, uid: str | None, status: JobStatus) -> None:
+    """Before a sandbox pod is made outside a gang start (one replaced mid-run): the ConfigMaps it mounts by name,
+    the job's spec and its copy of the code files, must still be the job's own, holding what status recorded, as a
+    gang start checks them (`_check_existing`). Deleted and made again by someone who may write ConfigMaps, they
+    would hand the new pod their code and the job's data; the job fails instead, naming the ConfigMap."""
+    children = [mf.configmap(job, uid or "")]
+    if keys := mf.code_keys(job):
+        own = mf.names(job.metadata.name)["reward"]
+        children.append({"kind": "ConfigMap", "metadata": {"namespace": mf.job_namespace(job), "name": own},
+                         "data": dict.fromkeys(keys, "")})
+    for obj in children:
+        _check_existing(kube, obj, job.metadata.name, uid, status, first_start=False)
 
 
 def _check_holds(namespace: str, name: str, cm: dict[str, Any], key: str, accepted: str | None) -> None:

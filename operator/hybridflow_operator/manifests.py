@@ -670,6 +670,7 @@ def token_secret(job: RLHFJob, uid: str, kind: str, token: str) -> dict[str, Any
         "type": "Opaque",
         "metadata": _meta(job, uid, names(job.metadata.name)[kind]),
         "data": {"token": base64.b64encode(token.encode()).decode()},
+        "immutable": True,  # the job's pods hold this token for their lives: it is never changed under them
     }
 
 

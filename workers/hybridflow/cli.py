@@ -289,7 +289,7 @@ def cmd_environments_serve(args: argparse.Namespace) -> int:
     service = PoolService(places.tools if places else None, places.sessions if places else None,
                           idle_seconds=args.idle_session_seconds, max_sessions=args.max_sessions, rewards=rewards,
                           max_session_seconds=args.max_session_seconds,
-                          layers={"how": layers.how, "missing": [list(m) for m in layers.required_missing]})
+                          layers=_pool_layers(layers, agent is not None, rewards is not None))
     server = PoolServer(service, token, args.address, args.port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -299,6 +299,19 @@ def cmd_environments_serve(args: argparse.Namespace) -> int:
     stop.wait()
     server.stop()
     return 0
+
+
+def _pool_layers(first: Any, agent: bool, reward: bool) -> dict[str, Any]:
+    """What GET /v1/sandbox tells the job: the layers missing from any kind of sandbox this replica's workers run in
+    (each kind's probe, cached, is the one its workers use; a worker may land on a weaker kind than the first)."""
+    from hybridflow import sandbox
+    from hybridflow.agents.local import WORKER_CHECK as AGENT_CHECK
+    from hybridflow.rewards.sandbox import WORKER_CHECK as REWARD_CHECK
+
+    kinds = [first, *([sandbox.probe(AGENT_CHECK)] if agent else []),
+             *([sandbox.probe(REWARD_CHECK)] if reward else [])]
+    missing = {name: why for layers in kinds for name, why in layers.required_missing}
+    return {"how": "; ".join(sorted({k.how for k in kinds})), "missing": [[k, v] for k, v in sorted(missing.items())]}
 
 
 def cmd_leave_pool(args: argparse.Namespace) -> int:

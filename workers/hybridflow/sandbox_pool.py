@@ -27,6 +27,7 @@ Info = dict[str, Any]
 URLS_ENV = "HYBRIDFLOW_ENVIRONMENT_URLS"  # comma-separated sandbox pool replicas (set by the operator)
 TOKEN_ENV = "HYBRIDFLOW_SANDBOX_TOKEN"  # the job's sandbox token (set by the operator from the job's Secret)
 MARGIN_SECONDS = 10.0  # the network, the sandbox's start and a busy replica, on top of the server's deadline
+MAX_ANSWER = 64 << 20  # a reward batch's scores and metrics, a tool's answer or an observation: far less
 COOL_DOWN_SECONDS = 30.0  # a replica that did not answer gets no new session for this long (it is being replaced)
 
 
@@ -107,7 +108,7 @@ class PoolClient:
                 "Authorization": f"Bearer {self.token}", "Content-Type": "application/json",
                 "Content-Length": str(len(data))})
             resp = conn.getresponse()
-            raw = resp.read()
+            raw = resp.read(MAX_ANSWER + 1)  # the replica runs user code: its answer is bounded here too
         except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out, cut short
             with self._lock:
                 self._failures[replica.url] += 1
@@ -116,6 +117,9 @@ class PoolClient:
                                f"{type(err).__name__}: {err}") from None
         finally:
             conn.close()
+        if len(raw) > MAX_ANSWER:
+            raise PoolError(f"sandbox replica {replica.url} answered {method} {path} with more than {MAX_ANSWER} "
+                            "bytes")
         try:
             out = wire.decode(raw) if raw else {}
         except wire.WireError:

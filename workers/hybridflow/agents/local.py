@@ -53,7 +53,7 @@ class _Worker:
 
     def __init__(self, module: str, limits: Limits, layers: sandbox.Layers, code_path: str | None,
                  private: Sequence[str]) -> None:
-        self.box = sandbox.spawn([sys.executable, "-m", module], limits, layers, env=sandbox.clean_env(),
+        self.box = sandbox.spawn(sandbox.python_module(module), limits, layers, env=sandbox.clean_env(),
                                  binds=sandbox.code_binds(code_path) if code_path else [], private=private,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         assert self.box.popen.stdin is not None and self.box.popen.stdout is not None

@@ -16,10 +16,22 @@ _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json
 _META_MAX_BYTES = 64 << 20
 
 
+# Where a model file may not lead through a symbolic link (the kernel's files, the secrets mounts): a
+# `tokenizer.json -> /proc/self/environ` planted on a model claim would copy the pod's environment (its Ray token,
+# storage keys) into the checkpoint. Links elsewhere stay followed: an HF cache's snapshot holds links into its blobs.
+_NEVER_COPIED = ("/proc", "/sys", "/dev", "/run", "/var/run")
+
+
 def model_metadata_files(model_dir: Path) -> list[Path]:
-    """The files of an HF model directory that are not weights: config, generation config, tokenizer, template."""
-    return sorted(p for p in model_dir.iterdir() if p.is_file() and p.suffix in _META_SUFFIXES
-                  and p.name not in _WEIGHT_INDEXES and p.stat().st_size <= _META_MAX_BYTES)
+    """The files of an HF model directory that are not weights: config, generation config, tokenizer, template;
+    regular files only, none reached through a link into the machine's own (`_NEVER_COPIED`)."""
+    def wanted(p: Path) -> bool:
+        if not (p.is_file() and p.suffix in _META_SUFFIXES and p.name not in _WEIGHT_INDEXES):
+            return False
+        real = os.path.realpath(p)
+        return (not any(real == d or real.startswith(d + "/") for d in _NEVER_COPIED)
+                and p.stat().st_size <= _META_MAX_BYTES)
+    return sorted(p for p in model_dir.iterdir() if wanted(p))
 
 
 def copy_model_metadata(model_dir: Path, directory: Path, role: str) -> list[Path]:

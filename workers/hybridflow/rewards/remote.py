@@ -39,7 +39,10 @@ def serve_rewards(function: RewardFunction) -> Callable[[Info], Info]:
 
 
 def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    try:  # an int past a float's range (JSON allows any) is no score either
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+    except OverflowError:
+        return False
 
 
 class RemoteRewardFunction:
@@ -96,7 +99,7 @@ class RemoteRewardFunction:
         scores, extras, errors = out.get("scores"), out.get("extras") or {}, out.get("errors") or []
         bad = not (isinstance(scores, list) and len(scores) == size and all(_finite(s) for s in scores))
         bad = bad or not isinstance(extras, dict) or not all(
-            isinstance(v, list) and len(v) == size and all(isinstance(x, (int, float)) for x in v)
+            isinstance(v, list) and len(v) == size and all(_finite(x) or x != x for x in v)  # (NaN: no metric)
             for v in extras.values())
         bad = bad or not isinstance(errors, list) or not all(
             isinstance(e, dict) and isinstance(e.get("index"), int) and 0 <= e["index"] < size for e in errors)

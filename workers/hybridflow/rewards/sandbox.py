@@ -89,7 +89,7 @@ class _Proc:
     carries (the user's code cannot guess it, so what it writes onto the pipe is never taken for a reply)."""
 
     def __init__(self, path: str, name: str, source: str, limits: Limits, layers: sandbox.Layers) -> None:
-        argv = [sys.executable, "-m", WORKER_MODULE, path, name]
+        argv = sandbox.python_module(WORKER_MODULE, path, name)
         self.box = sandbox.spawn(argv, limits, layers, env=sandbox.clean_env(SAFE_ENV), binds=sandbox.code_binds(path),
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.proc = self.box.popen

@@ -62,7 +62,7 @@ missing). This package re-exports what callers use.
 from __future__ import annotations
 
 from hybridflow.sandbox.launcher import (clean_env, code_binds, command, default_hidden, default_needed, fresh_uid,
-                                         is_under)
+                                         is_under, python_module)
 from hybridflow.sandbox.limits import (ADVISORY, FRESH_UIDS, INSIDE_UID, LAYERS, PRIVATE_TMP, REQUIRE_ENV, SECRET_DIRS,
                                        THREADS_ENV, WORKDIR, Layers, Limits, SandboxUnavailable)
 from hybridflow.sandbox.policy import LAYER_TEXT, check_required, required, warn_once
@@ -71,4 +71,4 @@ from hybridflow.sandbox.process import Sandboxed, candidates, missing_layers, pr
 __all__ = ["ADVISORY", "FRESH_UIDS", "INSIDE_UID", "LAYERS", "LAYER_TEXT", "PRIVATE_TMP", "REQUIRE_ENV", "SECRET_DIRS",
            "THREADS_ENV", "WORKDIR", "Layers", "Limits", "SandboxUnavailable", "Sandboxed", "candidates",
            "check_required", "clean_env", "code_binds", "command", "default_hidden", "default_needed", "fresh_uid",
-           "is_under", "missing_layers", "probe", "required", "spawn", "try_layers", "warn_once"]
+           "is_under", "missing_layers", "python_module", "probe", "required", "spawn", "try_layers", "warn_once"]

@@ -47,6 +47,19 @@ except OSError as e:
 """
 
 
+# How a sandboxed Python worker starts (`python -P -m module`): without its working directory (or a script's) first
+# on sys.path. That directory is the sandbox's own private one, but where a node gives no other uid and no mount
+# namespace (a default cluster's pods), other sandboxes of the pod (a tool running the model's code) can write into
+# it, and a module planted there (a `hybridflow/` package) would run inside the worker, before any of its code.
+# Python 3.10 has no -P: -I (isolated) leaves the directory out too, with PYTHONPATH and the user's site.
+PYTHON_FLAGS = ("-P",) if sys.version_info >= (3, 11) else ("-I",)
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """The command that runs `module` with this interpreter inside a sandbox (PYTHON_FLAGS)."""
+    return [sys.executable, *PYTHON_FLAGS, "-m", module, *args]
+
+
 def is_under(path: str, root: str) -> bool:
     return path == root or root == "/" or path.startswith(root.rstrip("/") + "/")
 

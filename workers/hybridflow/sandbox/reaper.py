@@ -89,9 +89,9 @@ def sweep() -> list[int]:
             killed.append(pid)
         except ProcessLookupError:
             continue
-    for pid in killed:  # ours to reap now: nothing else waits for an orphan
+    for pid in killed:  # ours to reap: nothing else waits for an orphan (one still dying is reaped next sweep)
         try:
-            os.waitpid(pid, 0)
+            os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             pass
     if killed:
