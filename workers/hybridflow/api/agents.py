@@ -99,8 +99,8 @@ class Sandbox(SpecModel):
 
     runtime_class_name: str | None = Field(
         None, min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
-        description="RuntimeClass of the sandbox pods (gVisor's `gvisor`/`runsc`, Kata's `kata`); default: the "
-        "chart's sandbox.runtimeClassName (empty: the cluster's default runtime).")
+        description="RuntimeClass of the sandbox pods (gVisor's `gvisor`/`runsc`, Kata's `kata`; a RuntimeClass the "
+        "cluster defines); unset: the cluster's default runtime.")
     allow_partial: bool = Field(
         False, description="Run the sandbox pods where the node refuses some of the sandbox's layers (a default "
         "cluster: user namespaces refused); the job records which in its SandboxPartial condition. Default false: "
