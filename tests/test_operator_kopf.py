@@ -756,22 +756,27 @@ def _used(pod) -> set[tuple[str, str]]:
 REWARD = {"actor": {"source": "smollm2"}, "reward": {"type": "function", "function": {"path": "my_reward.py"}}}
 
 
+def _reward_function_job(kube, name: str, configmap: str) -> None:
+    """A job scoring with a reward function from its own marked code ConfigMap: it gets a sandbox pod."""
+    from kubernetes import client
+
+    kube.core.create_namespaced_config_map(kube.namespace, client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name=configmap, labels={FOR_JOBS_LABEL: "true"}),
+        data={"my_reward.py": "def compute_score(*a):\n    return 1.0\n"}))
+    doc = job_doc(name)
+    doc["spec"]["models"] = REWARD
+    doc["spec"]["kubernetes"] = {"rewardConfigMap": configmap}
+    kube.create_job(doc)
+
+
 def test_a_sandbox_pod_that_refuses_the_partial_sandbox_fails_the_job_at_once(cluster):
     """A reward function's job on nodes whose pods cannot make namespaces (HYBRIDFLOW_SANDBOX=require, the
     default): its sandbox pod exits EXIT_SANDBOX_UNAVAILABLE, and the job fails saying so instead of remaking the
     pod forever; the gang goes with it."""
-    from kubernetes import client
-
     from hybridflow.api import EXIT_SANDBOX_UNAVAILABLE
 
     _, kube, _ = cluster
-    kube.core.create_namespaced_config_map(kube.namespace, client.V1ConfigMap(
-        metadata=client.V1ObjectMeta(name="rw-sb", labels={FOR_JOBS_LABEL: "true"}),
-        data={"my_reward.py": "def compute_score(*a):\n    return 1.0\n"}))
-    doc = job_doc("jsb")
-    doc["spec"]["models"] = REWARD
-    doc["spec"]["kubernetes"] = {"rewardConfigMap": "rw-sb"}
-    kube.create_job(doc)
+    _reward_function_job(kube, "jsb", "rw-sb")
     wait_for(lambda: "jsb-env-0" in _pod_names(kube, "jsb"), 30, "the sandbox pod")
     kube.set_pod_phase("jsb-env-0", "Failed", exit_code=EXIT_SANDBOX_UNAVAILABLE)
     st = wait_for(lambda: (s := kube.status("jsb")).get("phase") == "Failed" and s, 30, "Failed")
@@ -789,13 +794,7 @@ def test_a_sandbox_pod_remade_mid_run_never_mounts_a_planted_code_configmap(clus
 
     api, kube, _ = cluster
     ns = kube.namespace
-    kube.core.create_namespaced_config_map(ns, client.V1ConfigMap(
-        metadata=client.V1ObjectMeta(name="rw-pl", labels={FOR_JOBS_LABEL: "true"}),
-        data={"my_reward.py": "def compute_score(*a):\n    return 1.0\n"}))
-    doc = job_doc("jpl")
-    doc["spec"]["models"] = REWARD
-    doc["spec"]["kubernetes"] = {"rewardConfigMap": "rw-pl"}
-    kube.create_job(doc)
+    _reward_function_job(kube, "jpl", "rw-pl")
     wait_for(lambda: _pod_names(kube, "jpl") == ["jpl-default-0-g0", "jpl-env-0", "jpl-head-g0"], 30, "the pods")
     for pod in _pod_names(kube, "jpl"):
         kube.set_pod_phase(pod, "Running")
