@@ -709,7 +709,7 @@ def test_the_chart_grants_exactly_the_verbs_a_jobs_whole_life_uses(own_cluster):
     doc["spec"]["kubernetes"] = {"checkpointPvc": "ck", "rewardConfigMap": "rw", "rayAuthSecret": "tok"}
     kube.create_job(doc)
     # the gang and the sandbox pod that runs the reward function (it outlives the gang's restart)
-    pods = wait_for(lambda: len(kube.pods("rbac")) == 3 and kube.pods("rbac"), 30, "the gang")
+    wait_for(lambda: len(kube.pods("rbac")) == 3, 30, "the gang")
     kube.set_pod_phase("rbac-default-0-g0", "Failed", exit_code=1)
     gen1 = wait_for(lambda: sorted(p.metadata.name for p in kube.pods("rbac"))
                     == ["rbac-default-0-g1", "rbac-env-0", "rbac-head-g1"] and kube.pods("rbac"), 30, "generation 1")

@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 from hybridflow.agents.local import EnvironmentLoadError
 from hybridflow.agents.protocol import Info, Observation, Places, SessionLost, ToolResult
-from hybridflow.sandbox_pool import MARGIN_SECONDS, PoolClient, PoolError, Unreachable, parse_urls, unexpected
+from hybridflow.sandbox_pool import MARGIN_SECONDS, PoolClient, PoolError, Unreachable, unexpected
 
 if TYPE_CHECKING:
     from hybridflow.api.agents import Agent

@@ -209,9 +209,6 @@ def _export_job_metrics(metrics: JobMetrics, w: Workers, steps: int, start_step:
     metrics.step.labels(metrics.job).set(start_step)
     # 0: none yet (also after a resumeFrom: that checkpoint is another job's, not in this job's checkpointDir)
     metrics.checkpoint_step.labels(metrics.job).set(start_step if has_checkpoint else 0)
-    if (pool := pool_from_env()) is not None:  # on Kubernetes: which layers the sandbox pool's user code lacks
-        threading.Thread(target=_report_sandbox_layers, args=(metrics, pool), name="sandbox-layers",
-                         daemon=True).start()
 
 
 def _report_sandbox_layers(metrics: JobMetrics, pool: PoolClient, every: float = 5.0, tries: int = 120) -> None:
@@ -300,6 +297,10 @@ def execute(job: RLHFJob, prepared: Prepared, progress: bool = True) -> int:
     if s.metrics.port:
         port = metrics.serve(s.metrics.port, s.metrics.address)
         say(f"metrics: http://{s.metrics.address}:{port}/metrics")
+    if (pool := pool_from_env()) is not None:  # on Kubernetes: which layers the sandbox pool's user code lacks
+        # (once per driver: an in-place recovery below keeps the pool, and what was said of it)
+        threading.Thread(target=_report_sandbox_layers, args=(metrics, pool), name="sandbox-layers",
+                         daemon=True).start()
     recoveries = Recoveries(s.run_policy)
     while True:  # once, and again after each in-place recovery from a lost worker (trainer.recovery)
         workers = None
