@@ -5,10 +5,11 @@ container exit codes back through the status subresource, as a kubelet does. A p
 its processes killed (a preStop hook runs first, inside its container: e2e/container_exec.py --join).
 
 Volume mounts honour `subPath` (the directory inside the volume, made when missing as the kubelet makes it) and
-`readOnly`. Security contexts are applied as a CRI runtime applies them (e2e/pod_security.py: the image's USER or
-runAsUser, groups with fsGroup, capabilities, no_new_privs, seccomp RuntimeDefault; fsGroup's ownership of emptyDir
-and PVC volumes), and a NetworkPolicy that denies a pod all egress is enforced in its network namespace
-(e2e/netns.py).
+`readOnly`. Each container gets its termination log (terminationMessagePath), whose content is its termination
+message (else, under FallbackToLogsOnError, a failed container's log tail). Security contexts are applied as a CRI
+runtime applies them (e2e/pod_security.py: the image's USER or runAsUser, groups with fsGroup, capabilities,
+no_new_privs, seccomp RuntimeDefault; fsGroup's ownership of emptyDir and PVC volumes), and a NetworkPolicy that
+denies a pod all egress is enforced in its network namespace (e2e/netns.py).
 
 It also plays the two cluster add-ons a pod relies on: a volume provisioner (a PersistentVolumeClaim is a directory
 under the harness's work dir that outlives pods) and the data behind cluster DNS (`names`: pods, and headless
@@ -38,6 +39,7 @@ from e2e import image, pod_security
 from e2e.netns import GATEWAY, PodNetwork, egress_denied
 
 log = logging.getLogger("kubelet-double")
+TERMINATION_LOG = "/dev/termination-log"  # a container's default terminationMessagePath
 
 ENV_DROP = ("KUBECONFIG", "PYTEST", "RAY_", "HYBRIDFLOW_")  # the harness's own settings never leak into pods
 # Pods get a private /tmp, as containers do; the parts of "the image" (this machine's Python environment and this
@@ -122,6 +124,7 @@ class KubeletDouble:
         self._thread = threading.Thread(target=self._loop, daemon=True, name="kubelet-double")
         self._lock = threading.Lock()
         self._made_dirs: list[Path] = []
+        self._made_files: list[Path] = []  # files this double made to bind a container's termination log over
         self._hosts = ""
         self.names: dict[str, str] = {}  # what the cluster DNS double answers (e2e/dns.py reads it)
         self._policies: list[dict] = []  # NetworkPolicies, as of the last sync
@@ -137,6 +140,8 @@ class KubeletDouble:
         self._thread.join(10)
         for pod in list(self.pods.values()):
             self._stop_pod(pod)
+        for f in self._made_files:
+            f.unlink(missing_ok=True)
         for d in reversed(self._made_dirs):  # mount points this double had to create
             try:
                 d.rmdir()
@@ -471,6 +476,21 @@ class KubeletDouble:
                 script.append(f"mount --bind {shlex.quote(str(src))} {t}")
                 if m.get("readOnly"):
                     script.append(f"mount -o remount,bind,ro {t}")
+        # The termination log (terminationMessagePath, /dev/termination-log by default): a file of the container's
+        # own, writable by any user as the kubelet makes it (0666), whose content becomes its termination message.
+        log_path = Path(c.get("terminationMessagePath") or TERMINATION_LOG)
+        own_log = poddir / f"{c['name']}.termination-log"
+        own_log.touch()
+        own_log.chmod(0o666)
+        try:
+            with self._lock:
+                self._mount_point(log_path.parent)
+                if not log_path.exists():  # the bind's target (/dev is the host's here); each pod binds its own
+                    log_path.touch(mode=0o644)
+                    self._made_files.append(log_path)
+            script.append(f"mount --bind {shlex.quote(str(own_log))} {shlex.quote(str(log_path))}")
+        except OSError as err:  # not root on the host (a user namespace): no file can be made in its /dev
+            log.warning("pod %s: container %s gets no termination log at %s: %s", rp.name, c["name"], log_path, err)
         # The pod's own /tmp last: the volumes' host directories may live under the harness's /tmp. What the "image"
         # provides from under /tmp (this checkout, a virtualenv there) is bound into the pod's /tmp first.
         for keep in IMAGE_PATHS_UNDER_TMP:
@@ -561,8 +581,12 @@ def _terminated(c: dict, rc: int, message: str = "") -> dict:
 
 
 def _termination_message(c: dict, rc: int, poddir: Path) -> str:
-    """terminationMessagePolicy FallbackToLogsOnError, as the kubelet does it: a failed container's message is its
-    log's tail, at most 80 lines and 2048 bytes (this double emulates no termination-message file)."""
+    """As the kubelet makes it: what the container wrote to its termination log (at most 4096 bytes); when it wrote
+    nothing, under terminationMessagePolicy FallbackToLogsOnError, a failed container's log tail, at most 80 lines
+    and 2048 bytes."""
+    written = poddir / f"{c['name']}.termination-log"
+    if written.is_file() and (text := written.read_bytes()[:4096]):
+        return text.decode(errors="replace")
     if rc == 0 or c.get("terminationMessagePolicy") != "FallbackToLogsOnError":
         return ""
     lines = (poddir / f"{c['name']}.log").read_bytes().splitlines()[-80:]

@@ -2,7 +2,10 @@
 operator creates the two environment pods with the job (and their Service and NetworkPolicy); the rollout's episodes
 reach them by their stable names and use them (the servers' request counts); one of them is killed mid-run and
 replaced under its name without a gang restart, its episodes retried, and the job Succeeds; the pool goes when the
-job finishes, and its Service and NetworkPolicy with the job."""
+job finishes, and its Service and NetworkPolicy with the job. The environment is the user's file (the built-in
+guess_number's game, from a ConfigMap) whose first step of each session also runs the containment probe: with the
+reward scenario's probe and the `python` tool's here, a reward function, a tool and an environment step are each
+shown to run in a sandbox pod (issue 51)."""
 from __future__ import annotations
 
 import base64
@@ -12,6 +15,7 @@ import urllib.request
 
 import yaml
 from hybridflow_operator import manifests as mf
+from hybridflow_operator.policy import FOR_JOBS_LABEL
 from kube.harness import wait_for
 from kubernetes import client
 
@@ -23,6 +27,34 @@ EXAMPLE = ROOT / "examples" / "tiny-agent-k8s.yaml"
 NAME = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
 STEPS = 3  # the example's own 4, less one, and no held-out evaluation: what is asserted needs a running job only
 POOL = [f"{NAME}-env-0", f"{NAME}-env-1"]
+
+
+CODE_CM, ENV_KEY = f"{NAME}-user-env", "probed_guess.py"
+# The user's environment file (appended to e2e/containment.py's probe, as the reward scenario appends its function):
+# the built-in guess_number's game, whose first step of each session also runs the probe and puts what it saw in
+# the step's info. A rollout's step whose probe saw anything (a credential, a connection to the head, no head to
+# try) fails its episode, naming it: the job's agent_episodes_failed, which the scenario asserts is 0.
+ENVIRONMENT = """
+
+from hybridflow.agents.envs.guess_number import GuessNumber
+
+
+class ProbedGuess(GuessNumber):
+    def reset(self, sample):
+        self.probed = False
+        return super().reset(sample)
+
+    def step(self, action):
+        seen = {}
+        if not self.probed:
+            self.probed = True
+            seen = _containment(%(head)r)
+            if seen != %(contained)r:
+                raise RuntimeError("the containment probe in an environment step saw %%r" %% (seen,))
+        observation, reward, done, info = super().step(action)
+        return observation, reward, done, {**info, **seen}
+"""
+CONTAINED = {"credentials_seen": 0.0, "head_target": 1.0, "head_connected": 0.0}  # what a sandbox pod's code sees
 
 
 def _requests(world, pod: str) -> float:
@@ -39,16 +71,37 @@ def _requests(world, pod: str) -> float:
 def _tool_probe(world, pod: str, head: str) -> dict:
     """The containment probe (e2e/containment.py) as the `python` tool's code, on replica `pod`, over the pool's
     HTTP API with the job's sandbox token (read from its Secret, as the operator hands it to the job's pods)."""
-    secret = world.kube.core.read_namespaced_secret(f"{NAME}-sandbox-token", "default")
-    token = base64.b64decode(secret.data["token"]).decode()
     code = containment.SOURCE + f"\nimport json\nprint(json.dumps(_containment({head!r})))\n"
-    request = urllib.request.Request(
-        f"http://{_pod_ip(world.kube, pod, 'default')}:{mf.ENVIRONMENT_PORT}/v1/tools/call",
-        data=json.dumps({"name": "python", "arguments": {"code": code}}).encode(), method="POST",
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
-    answer = json.loads(urllib.request.urlopen(request, timeout=60).read())
+    answer = _pool_call(world, pod, "POST", "/v1/tools/call", {"name": "python", "arguments": {"code": code}})
     assert not answer.get("error"), answer
     return json.loads(answer["text"].strip().splitlines()[-1])
+
+
+def _sandbox_token(world) -> str:
+    secret = world.kube.core.read_namespaced_secret(f"{NAME}-sandbox-token", "default")
+    return base64.b64decode(secret.data["token"]).decode()
+
+
+def _pool_call(world, pod: str, method: str, path: str, body: dict | None) -> dict:
+    """One call of the pool's HTTP API on replica `pod`, as the rollout makes it (with the job's sandbox token)."""
+    request = urllib.request.Request(
+        f"http://{_pod_ip(world.kube, pod, 'default')}:{mf.ENVIRONMENT_PORT}{path}", method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {_sandbox_token(world)}", "Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(request, timeout=60).read())
+
+
+def _environment_probe(world, pod: str) -> dict:
+    """The user's environment (ENVIRONMENT) on replica `pod`: a session opened and stepped over the pool's HTTP API,
+    as the rollout's are; its first step's info holds what the probe saw (or its error, what it saw that it must
+    not)."""
+    opened = _pool_call(world, pod, "POST", "/v1/sessions", {"sample": {
+        "prompt": "What is 3 + 4? Answer with the number only.", "ground_truth": 7, "data_source": "containment-probe",
+        "extra_info": {}}})
+    assert not opened["observation"].get("error"), opened
+    step = _pool_call(world, pod, "POST", f"/v1/sessions/{opened['session']}/step", {"action": "7"})
+    assert not step.get("error") and step["done"], step  # "Correct!": the session ends with its step
+    return {k: step["info"].get(k) for k in CONTAINED}
 
 
 def _uid(world, pod: str) -> str | None:
@@ -67,10 +120,16 @@ def test_environment_pool_serves_the_rollout_and_survives_a_killed_replica(world
     # sandbox pods' own containment holds, which the job records; `python` runs model-written code there
     doc["spec"]["sandbox"] = {"allowPartial": True}
     doc["spec"]["rollout"]["agent"]["tools"] = ["calculator", "python"]
-    manifest.write_text(yaml.safe_dump_all([claim, doc], sort_keys=False))
+    head = f"{NAME}-head-g0"
+    # the user's environment (the built-in's game, probed), from the job's code ConfigMap
+    del doc["spec"]["rollout"]["agent"]["environment"]
+    doc["spec"]["rollout"]["agent"].update(environmentFile=ENV_KEY, environmentClass="ProbedGuess")
+    doc["spec"]["kubernetes"]["rewardConfigMap"] = CODE_CM
+    code = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": CODE_CM, "labels": {FOR_JOBS_LABEL: "true"}},
+            "data": {ENV_KEY: containment.SOURCE + ENVIRONMENT % {"head": head, "contained": CONTAINED}}}
+    manifest.write_text(yaml.safe_dump_all([claim, code, doc], sort_keys=False))
     world.bake_models()  # SmolLM2 as the worker image holds it
     world.kubectl("apply", "--validate=false", "-f", str(manifest))
-    head = f"{NAME}-head-g0"
 
     def logs() -> str:
         return "\n".join(f"{p} log:\n{world.logs(p)[-2500:]}" for p in live_pod_names(kube, NAME))
@@ -100,10 +159,13 @@ def test_environment_pool_serves_the_rollout_and_survives_a_killed_replica(world
                        lambda: f"the SandboxPartial condition; {kube.status(NAME).get('conditions')}")
     assert "network" in partial["message"], partial
     probe = _tool_probe(world, POOL[1], head)
-    assert probe == {"credentials_seen": 0.0, "head_target": 1.0, "head_connected": 0.0}, probe
+    assert probe == CONTAINED, probe
+    # and the user's environment: its step (in a session of its own, as the rollout's) runs in a sandbox pod too
+    probe = _environment_probe(world, POOL[1])
+    assert probe == CONTAINED, probe
     if world.local:
         time.sleep(3.5)
-        assert not containment.daemons_outliving(seconds=3.0), "the tool's daemon outlived its call"
+        assert not containment.daemons_outliving(seconds=3.0), "the tool's or the step's daemon outlived its call"
 
     # a replica killed mid-run: replaced under its name, no gang restart, its episodes retried elsewhere
     victim, before = POOL[0], _uid(world, POOL[0])
@@ -112,14 +174,23 @@ def test_environment_pool_serves_the_rollout_and_survives_a_killed_replica(world
     wait_for(lambda: (u := _uid(world, victim)) and u != before and world.pod_running(victim), 120,
              lambda: f"{victim} replaced; {logs()}")
 
-    wait_for(lambda: phase(world, NAME) in ("Succeeded", "Failed"), 900, lambda: f"the end; {logs()}")
+    outliving: set[int] = set()
+
+    def ended() -> bool:  # meanwhile: no daemon a rollout's environment step started outlives its step
+        if world.local:
+            outliving.update(containment.daemons_outliving(seconds=3.0))
+        return phase(world, NAME) in ("Succeeded", "Failed")
+
+    wait_for(ended, 900, lambda: f"the end; {logs()}")
     st = kube.status(NAME)
     assert st["phase"] == "Succeeded", (st, world.logs(head)[-3000:])
     assert st["restarts"] == 0, "a dead environment pod restarted the gang"
     assert world.step_log(NAME) == list(range(1, STEPS + 1))
     records = world.step_records(NAME)
-    assert all(r.get("agent_episodes_failed", 0) == 0 for r in records), records  # retried, not lost
+    # retried, not lost; and no rollout's environment step saw what its sandbox must keep out (its episode fails)
+    assert all(r.get("agent_episodes_failed", 0) == 0 for r in records), (records, world.logs(head)[-3000:])
     assert sum(r.get("agent_env_steps_mean", 0) for r in records) > 0, records
+    assert not outliving, f"daemons an environment step started outlived it: {sorted(outliving)}"
 
     # the pool goes with the finished job (its head stays for its logs); its Service and policy with the job
     wait_for(lambda: not [p for p in live_pod_names(kube, NAME) if p in POOL], 120, "the pool's pods gone")

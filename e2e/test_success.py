@@ -1,25 +1,28 @@
-"""Scenario: success. `kubectl apply` of the async example (examples/tiny-async-k8s.yaml) -> operator -> head, trainer
-pool and rollout pool pods -> a Ray cluster of three nodes -> the actor trains on the trainer pod while vLLM generates
-on the rollout pod, the weights streamed between them -> Succeeded, with both pools, steps and tokens/s in status,
-every step logged once, and a real Prometheus scraping the driver and the operator."""
+"""Scenario: success. `kubectl apply` of the async example (examples/tiny-async-k8s.yaml) with `placement: auto` ->
+operator -> its plan pod (`hybridflow plan --auto`, issue 52) -> status.plan -> head and the planned trainer and
+rollout pool pods -> a Ray cluster of three nodes -> the actor trains on the trainer pod while vLLM generates on the
+rollout pod, the weights streamed between them -> Succeeded, with both pools, steps and tokens/s in status, every
+step logged once, and a real Prometheus scraping the driver and the operator."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import yaml
+from hybridflow.api import parse_job
+from hybridflow.api.plan import PLAN_ENV, apply_plan
+from hybridflow.api.status import pool_status
 from hybridflow_operator import manifests as mf
 from kube.harness import free_port, wait_for
 from prometheus_server import Prometheus
 
-from e2e.helpers import PVC, ROOT, phase, prom_value
+from e2e.helpers import PVC, ROOT, live_pod_names, phase, prom_value
 from e2e.worlds import current_head
 
 EXAMPLE = ROOT / "examples" / "tiny-async-k8s.yaml"
 SPEC = yaml.safe_load(EXAMPLE.read_text())["spec"]
 NAME = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
 STEPS = SPEC["trainer"]["steps"]
-TRAINER_ROLES = ["actor", "reference"]  # the job's roles (JobSpec.roles) not placed on the rollout pool
 PROBE = Path(__file__).with_name("probe_ray.py")
 
 
@@ -29,19 +32,32 @@ def test_kubectl_apply_runs_to_succeeded(world, tmp_path):
     claim["metadata"]["name"] = SPEC["kubernetes"]["checkpointPvc"]
     (tmp_path / "pvc.yaml").write_text(yaml.safe_dump(claim))
     world.kubectl("apply", "--validate=false", "-f", str(tmp_path / "pvc.yaml"))
-    world.kubectl("apply", "--validate=false", "-f", str(EXAMPLE))
-    pods = wait_for(lambda: len(kube.pods(NAME)) == 3 and kube.pods(NAME), 60, "head + trainer + rollout pods")
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["placement"] = "auto"  # the planner places the models onto the pools' 2 devices (issue 52)
+    (tmp_path / "auto.yaml").write_text(yaml.safe_dump(doc))
+    world.kubectl("apply", "--validate=false", "-f", str(tmp_path / "auto.yaml"))
 
     def head_log() -> str:  # on a timeout: what the driver, Ray and the pool pods said until then
         return "\n".join(f"{p.metadata.name} log:\n{world.logs(p.metadata.name)[-3000:]}" for p in kube.pods(NAME))
 
-    assert sorted(p.metadata.name for p in pods) == [f"{NAME}-head-g0", f"{NAME}-rollout-0-g0", f"{NAME}-trainer-0-g0"]
+    # its plan pod first, alone; the plan it printed in status.plan; then the gang of the planned pools
+    assert [p.metadata.name for p in wait_for(lambda: kube.pods(NAME), 60, "the plan pod")] == [f"{NAME}-plan"]
+    plan = wait_for(lambda: (s := kube.status(NAME)).get("plan") or s.get("phase") == "Failed" and s, 120,
+                    lambda: f"status.plan; {kube.status(NAME).get('message')}; {head_log()}")
+    assert "fields" in plan, (plan.get("reason"), plan.get("message"))  # (not the status of a job that failed)
+    job = apply_plan(parse_job(doc), plan["fields"])
+    assert plan["summary"]["mode"] == "async" and sum(plan["summary"]["pools"].values()) == 2, plan["summary"]
+    assert job.spec.pool("rollout").name != job.spec.pool("actor").name  # async: the rollout on a pool of its own
+    planned = sorted([f"{NAME}-head-g0"] + [f"{NAME}-{p.name}-{i}-g0" for p in job.spec.resource_pools
+                                            for i in range(p.nodes)])
+    wait_for(lambda: live_pod_names(kube, NAME) == planned, 60, lambda: f"{planned}; {live_pod_names(kube, NAME)}")
+    for p in kube.pods(NAME):  # each builds the job the operator built
+        assert json.loads(next(e.value for e in p.spec.containers[0].env if e.name == PLAN_ENV)) == plan
     wait_for(lambda: phase(world, NAME) == "Running", 300, lambda: f"phase Running; {head_log()}")
     # status.pools: the trainer pool and the rollout pool apart, each with its roles and its one pod Ready
     pools = wait_for(lambda: (p := kube.status(NAME).get("pools")) and all(x["ready"] == 1 for x in p) and p, 60,
                      lambda: f"both pools Ready in status; {kube.status(NAME).get('pools')}")
-    assert pools == [{"name": "trainer", "roles": TRAINER_ROLES, "pods": 1, "ready": 1},
-                     {"name": "rollout", "roles": ["rollout"], "pods": 1, "ready": 1}]
+    assert pools == pool_status(job.spec, [(p.name, True) for p in job.spec.resource_pools])
     outsider = _start_outsider_probe(world, tmp_path)  # while the job trains
     scraped = [current_head(kube, NAME)]
     with Prometheus(tmp_path, world.metrics_targets(NAME), free_port()) as prom:
@@ -80,7 +96,7 @@ def test_kubectl_apply_runs_to_succeeded(world, tmp_path):
     # trained asynchronously, within the bound: no batch older than maxStaleness policy versions
     staleness = [r["staleness_max"] for r in world.step_records(NAME)]
     assert len(staleness) == STEPS and max(staleness) <= SPEC["rollout"]["maxStaleness"], staleness
-    assert [p["name"] for p in st["pools"]] == ["trainer", "rollout"]  # the finished job still shows both
+    assert st["plan"] == plan and [p["name"] for p in st["pools"]] == [p.name for p in job.spec.resource_pools]
     out = world.kubectl("get", "rlhfjobs").stdout
     assert NAME in out and "Succeeded" in out
 

@@ -90,7 +90,7 @@ def run_cli(args, cwd, env_extra=None, timeout=900):
 # as the next test does not need it, so it never idles beside unrelated tests. A pool's "devices" are only counters
 # (`hybridflow_pool_<name>`, hybridflow.api.pool_resource) that placement groups reserve, so one Ray with room for
 # the largest job of each pool name serves them all; a job needing more fails clearly (raise the numbers here).
-SHARED_RAY_POOLS = {"default": 8, "ref": 2, "p1": 2, "p2": 4, "trainer": 1, "rollout": 1,
+SHARED_RAY_POOLS = {"default": 8, "ref": 2, "p1": 2, "p2": 4, "trainer": 1, "rollout": 2, "actor": 2,
                     "judges": 1}  # pool name -> devices
 # CPUs reserved at once (devices x cpusPerDevice): the megatron TP=4 job needs 4. Like start_local_ray, never fewer
 # than the machine has; Ray starts that many idle workers when the driver connects.

@@ -174,8 +174,6 @@ def _rule_cases(path: str, rule: str) -> tuple[list[tuple], list[tuple]]:
         changed = {**spec, field: _mutated(spec[field])}
         return ([(spec, spec), (copy.deepcopy(spec), spec), (without, without), (changed, changed)],
                 [(changed, spec), (spec, without), (without, spec)])  # changed, added, removed
-    if path == "$.spec.placement":
-        return [({}, _ABSENT), ({"actor": "default", "c" * 63: "p"}, _ABSENT)], [({"c" * 64: "p"}, _ABSENT)]
     if path == "$" and "metadata.name" in rule:
         docs = {n: _with("metadata.name", n) for n in NAMES_OK + NAMES_BAD}
         ok = [(docs[n], _ABSENT) for n in NAMES_OK]
@@ -284,7 +282,9 @@ BAD = [
     ("spec.models.reward.function", {"path": "r.py", "name": "not-a-name"}, "spec.models.reward.function.name"),
     ("spec.metrics.address", "", "spec.metrics.address"),
     ("spec.placement", {f"r{i}": "default" for i in range(8)}, "spec.placement"),
-    ("spec.placement", {"r" * 64: "default"}, "spec.placement"),  # a key is a role name: bounded
+    # (a 64-character placement key: the CRD no longer refuses it, since `placement` is a map or `auto`, a node a
+    # structural schema leaves untyped, and CEL over an untyped map exceeds the API server's cost budget; the spec
+    # refuses it, naming only its length and start: test_spec's test_a_placement_key_is_bounded_and_never_quoted_whole)
     ("metadata.name", "n" * (MAX_JOB_NAME + 1), "metadata.name"),
 ]
 
@@ -294,7 +294,7 @@ GOOD = [
     ("spec.resourcePools[0].memoryPerNode", "2e9"), ("spec.resourcePools[0].memoryPerNode", ".5Gi"),
     ("spec.resourcePools[0].memoryPerNode", "1000000k"), ("spec.kubernetes.headCpu", "500m"),
     ("spec.kubernetes.headCpu", "0.5"), ("spec.resourcePools[0].name", "gpus0"),
-    ("spec.resourcePools[0].name", "d" * 63),
+    ("spec.resourcePools[0].name", "d" * 63), ("spec.placement", "auto"), ("spec.placement", {"actor": "default"}),
     ("spec.resourcePools[0].nodeSelector", {"topology.kubernetes.io/zone": "us-east-1a", "pool": ""}),
     ("spec.kubernetes.checkpointPvc", "claims.v1-a"), ("spec.kubernetes.modelPvc", "m" * 253),
     ("spec.runPolicy.backoffLimit", 1000), ("spec.runPolicy.priorityClassName", "high-priority"),

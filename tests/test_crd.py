@@ -46,7 +46,10 @@ def test_spec_fields_carry_descriptions_for_kubectl_explain():
 def test_printer_columns():
     cols = {c["name"]: c["jsonPath"] for c in build_crd()["spec"]["versions"][0]["additionalPrinterColumns"]}
     assert cols == {"Phase": ".status.phase", "Step": ".status.step", "Tokens/s": ".status.tokensPerSecond",
-                    "Restarts": ".status.restarts", "Age": ".metadata.creationTimestamp"}
+                    "Restarts": ".status.restarts", "Placement": ".status.plan.summary.placement",
+                    "Age": ".metadata.creationTimestamp"}
+    wide = [c["name"] for c in build_crd()["spec"]["versions"][0]["additionalPrinterColumns"] if c.get("priority")]
+    assert wide == ["Placement"]  # `kubectl get -o wide` only: a placement: auto job's plan
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
@@ -128,9 +131,12 @@ def test_the_crd_keeps_the_bounds_of_both_forms(data):
 
 def test_train_and_eval_are_the_only_untyped_spec_fields():
     """An untyped node is a union the API server cannot type-check (a number there is left to the operator's
-    validation); only train and eval are one."""
+    validation); only train and eval (a file or a list) and placement (a map or `auto`) are one, each keeping the
+    bounds of its options' types."""
     untyped = [p for p, n in _walk(_schema()["properties"]["spec"], "spec") if "type" not in n]
-    assert untyped == ["spec.data.train", "spec.data.eval"]
+    assert untyped == ["spec.data.train", "spec.data.eval", "spec.placement"]
+    placement = _schema()["properties"]["spec"]["properties"]["placement"]
+    assert (placement["maxProperties"], placement["maxLength"]) == (7, 4) and "enum" not in placement
     node = _schema()["properties"]["spec"]["properties"]["data"]["properties"]["train"]
     assert node["x-kubernetes-preserve-unknown-fields"] is True
     assert (node["minLength"], node["maxLength"], node["maxItems"]) == (1, 4096, 1024)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from conftest import ROOT, run_cli
 
-from hybridflow.data.files import DataError, load_prompt_files, resolve_paths
+from hybridflow.data.files import LENGTH, NULL_PROMPT, DataError, _usable_rows, load_prompt_files, resolve_paths
 from hybridflow.data.tasks import PromptStream
 from hybridflow.api import Data
 
@@ -90,12 +90,64 @@ def test_own_columns_a_held_out_split_and_a_system_prompt(word_problems, tokeniz
     assert [x.prompt for x in other.eval] != [x.prompt for x in files.eval]
 
 
-def test_duplicate_prompts_of_held_out_rows_are_not_trained_on(tokenizer, tmp_path):
-    rows = [{"prompt": f"q{i % 5}", "reward_model": {"ground_truth": str(i)}} for i in range(40)]  # 8 copies each
+def _row_identity(s):
+    return tuple(s.prompt), repr(s.truth), repr(sorted(s.extra_info.items()))
+
+
+def test_copies_of_held_out_rows_are_not_trained_on(tokenizer, tmp_path):
+    rows = [{"prompt": f"q{i % 5}", "reward_model": {"ground_truth": f"a{i % 5}"}} for i in range(40)]  # 8 copies
     files = _load(Data(source="files", train=[str(_jsonl(tmp_path / "d.jsonl", rows))], eval_prompts=1), tokenizer,
                   tmp_path)
-    held = tuple(files.eval[0].prompt)
-    assert len(files.train) == 32 and all(tuple(s.prompt) != held for s in files.train)
+    held = _row_identity(files.eval[0])
+    assert len(files.train) == 32 and all(_row_identity(s) != held for s in files.train)
+
+
+def test_verl_rows_index_and_split_do_not_make_copies_of_a_held_out_row_distinct(tokenizer, tmp_path):
+    """verl's layout numbers every row (extra_info.index, split) and pandas may add its index column: a row's place
+    is not what it is, so exact copies (the same prompt, ground truth and other extra info) of the held-out row go."""
+    rows = [{"data_source": "gsm8k", "prompt": [{"role": "user", "content": f"q{i % 5}"}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": f"a{i % 5}"}, "__index_level_0__": i,
+             "extra_info": {"split": "train", "index": i, "answer": f"a{i % 5}"}} for i in range(40)]
+    files = _load(Data(source="files", train=[str(_jsonl(tmp_path / "d.jsonl", rows))], eval_prompts=1), tokenizer,
+                  tmp_path)
+    held = files.eval[0]
+    assert len(files.train) == 32, len(files.train)  # 40 rows, 8 of each: the held-out one and its 7 copies go
+    assert all(tuple(s.prompt) != tuple(held.prompt) or s.truth != held.truth for s in files.train)
+    # what else the extra info holds still tells rows apart: a row differing there stays in training
+    rows = [{**r, "extra_info": {**r["extra_info"], "level": i // 5}} for i, r in enumerate(rows)]
+    files = _load(Data(source="files", train=[str(_jsonl(tmp_path / "e.jsonl", rows))], eval_prompts=1), tokenizer,
+                  tmp_path)
+    assert len(files.train) == 39
+
+
+def test_usable_rows_are_counted_once_for_the_message():
+    ds = {LENGTH: [3, NULL_PROMPT, 9, 2, NULL_PROMPT, 4]}
+    usable = _usable_rows(ds, "spec.data.train", 8)
+    assert (usable.rows, usable.total, usable.nulls, usable.long) == ([0, 3, 5], 6, 2, 1)
+    assert usable.short(8) == "of its 6 rows, 2 have a null prompt and 1 one longer than spec.rollout." \
+                              "maxPromptLength = 8"
+
+
+def test_rows_sharing_a_prompt_are_held_out_by_identity_not_by_prompt(tokenizer, tmp_path):
+    """An environment's data: one prompt text, the game in the ground truth or the extra info. Holding out 4 rows
+    leaves the other 36 to train on (held out by prompt alone, none would be left)."""
+    rows = [{"prompt": "play", "reward_model": {"ground_truth": str(i)}} for i in range(20)]
+    rows += [{"prompt": "play", "reward_model": {"ground_truth": "same"}, "game": i} for i in range(20)]
+    files = _load(Data(source="files", train=[str(_jsonl(tmp_path / "d.jsonl", rows))], eval_prompts=4), tokenizer,
+                  tmp_path)
+    held = {_row_identity(s) for s in files.eval}
+    assert len(files.eval) == 4 and len(files.train) == 36
+    assert not held & {_row_identity(s) for s in files.train}, "a held-out row is trained on"
+
+
+def test_too_few_rows_after_holding_out_says_why_and_what_to_do(tokenizer, tmp_path):
+    path = str(_jsonl(tmp_path / "d.jsonl", [{"prompt": "play", "reward_model": {"ground_truth": "1"}}] * 40))
+    with pytest.raises(DataError) as err:
+        _load(Data(source="files", train=[path], eval_prompts=1), tokenizer, tmp_path, batch=4)
+    assert str(err.value).startswith("spec.data.train: 0 usable training prompts cannot fill "
+                                     "spec.trainer.promptsPerStep = 4; holding out spec.data.evalPrompts = 1 rows")
+    assert "(39 were copies of a held-out row" in str(err.value), err.value
+    assert "those 40 rows share 1 distinct prompt(s). Give spec.data.eval" in str(err.value), err.value
 
 
 def test_tokenized_prompts_are_cached_by_fingerprint(word_problems, tokenizer, tmp_path):
@@ -238,6 +290,10 @@ def test_too_few_prompts_for_a_step_or_for_the_held_out_split(tokenizer, tmp_pat
         _load(Data(source="files", train=[path]), tokenizer, tmp_path)
     with pytest.raises(DataError, match=r"8 usable training prompts cannot fill spec.trainer.promptsPerStep = 16"):
         _load(Data(source="files", train=[path], eval_prompts=2), tokenizer, tmp_path, batch=16)
+    with pytest.raises(DataError, match=r"10 usable training prompts cannot fill spec.trainer.promptsPerStep = 16 "
+                       r"\(of its 10 rows, 0 have a null prompt and 0 one longer than spec.rollout.maxPromptLength "
+                       r"= 128\); add rows"):
+        _load(Data(source="files", train=[path], eval=[path], eval_prompts=2), tokenizer, tmp_path, batch=16)
 
 
 def test_a_missing_data_file_is_exit_2_before_anything_starts(tmp_path):

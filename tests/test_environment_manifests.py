@@ -11,7 +11,7 @@ import base64
 import kubernetes_validate
 import yaml
 
-from hybridflow.sandbox_pool import TOKEN_ENV, URLS_ENV, parse_urls
+from hybridflow.sandbox_pool import REWARD_URLS_ENV, TOKEN_ENV, URLS_ENV, parse_urls
 from hybridflow.api.agents import sandbox_pool
 from hybridflow.api import parse_job
 from hybridflow_operator import environments as envs
@@ -219,3 +219,71 @@ def test_a_job_with_a_reward_function_gets_a_sandbox_pool_that_holds_the_reward_
     assert {m["mountPath"] for m in c["volumeMounts"]} >= {mf.REWARD_MOUNT}
     assert mf.resolved_job(job).spec.models.reward.function.path.startswith(mf.REWARD_MOUNT + "/")
     assert mf.environment_urls(job) == [f"http://env-0.tiny-grpo-k8s-env.default.svc:{mf.ENVIRONMENT_PORT}"]
+
+
+def _reward_and_agent_job(allow_partial: bool):
+    job = _job()
+    doc = job.model_dump(by_alias=True, exclude_none=True)
+    doc["spec"]["models"]["reward"] = {"type": "function", "function": {"path": "reward.py", "name": "score"}}
+    doc["spec"]["sandbox"] = {"allowPartial": allow_partial}
+    return parse_job(doc)
+
+
+def test_a_partial_sandbox_scores_reward_functions_in_a_pod_apart_from_the_models_code():
+    """N2: without user and process namespaces (allowPartial), the model's code (the python tool, a tool or an
+    environment fed its actions) would run as the reward workers' user in their pod; the pool gets one more pod
+    that scores reward functions and mounts nothing else, and the others never mount the reward file."""
+    job = _reward_and_agent_job(allow_partial=True)
+    pods = [envs.environment_pod(job, UID, i) for i in range(4)]  # 3 replicas for the agent, one for rewards
+    serves = [p["spec"]["containers"][0]["command"][-1] for p in pods]
+    assert serves == ["agents", "agents", "agents", "rewards"]
+    files = [{i["key"] for i in next(v for v in p["spec"]["volumes"] if v["name"] == "reward")["configMap"]["items"]}
+             for p in pods]
+    assert files == [{"game.py"}] * 3 + [{"reward.py"}]
+    gang = _env(mf.gang_pods(job, UID, 0)[0]["spec"]["containers"][0])
+    assert parse_urls(gang[URLS_ENV]) == [f"http://env-{i}.agent-env.ml.svc:{mf.ENVIRONMENT_PORT}" for i in range(3)]
+    assert parse_urls(gang[REWARD_URLS_ENV]) == [f"http://env-3.agent-env.ml.svc:{mf.ENVIRONMENT_PORT}"]
+    plan = envs.plan_pool(job, "Running", [], creating_gang=True)
+    assert plan.create == [0, 1, 2, 3] and plan.status == {"replicas": 4, "pods": 0, "ready": 0}
+    for pod in pods:
+        kubernetes_validate.validate(pod, "1.33", strict=True)
+
+
+def test_with_every_sandbox_layer_one_pod_serves_rewards_and_the_agent():
+    job = _reward_and_agent_job(allow_partial=False)
+    pods = [envs.environment_pod(job, UID, i) for i in range(3)]
+    assert not any("--serves" in p["spec"]["containers"][0]["command"] for p in pods)  # as an older image runs it
+    assert all("items" not in next(v for v in p["spec"]["volumes"] if v["name"] == "reward")["configMap"]
+               for p in pods)
+    gang = _env(mf.gang_pods(job, UID, 0)[0]["spec"]["containers"][0])
+    assert REWARD_URLS_ENV not in gang and len(parse_urls(gang[URLS_ENV])) == 3
+    assert envs.plan_pool(job, "Running", [], creating_gang=True).create == [0, 1, 2]
+
+
+def test_an_agent_of_built_ins_mounts_no_code_when_rewards_are_apart():
+    """An empty `items` list would project every key of the ConfigMap, the reward file among them, into the pods
+    that run the model's code: an agent with no file of its own mounts none."""
+    job = _job()
+    doc = job.model_dump(by_alias=True, exclude_none=True)
+    doc["spec"]["rollout"]["agent"] = {"environment": "guess_number", "tools": ["calculator"]}
+    doc["spec"]["models"]["reward"] = {"type": "function", "function": {"path": "reward.py", "name": "score"}}
+    doc["spec"]["sandbox"] = {"allowPartial": True}
+    job = parse_job(doc)
+    agents, rewards = envs.environment_pod(job, UID, 0), envs.environment_pod(job, UID, 3)
+    assert "reward" not in {v["name"] for v in agents["spec"]["volumes"]}
+    assert [v["configMap"]["items"] for v in rewards["spec"]["volumes"] if v["name"] == "reward"] == \
+        [[{"key": "reward.py", "path": "reward.py"}]]
+
+
+def test_sandbox_pods_started_with_a_token_made_anew_since_are_replaced():
+    """N3, level-triggered: a pod annotated with another sandbox token Secret uid than the job's now is deleted
+    (and made again under its name once gone), at every tick until none is left; a pod an older operator made,
+    without the annotation, is left alone."""
+    job = _job()
+    pod = envs.environment_pod(job, UID, 0, token_uid="old-uid")
+    assert pod["metadata"]["annotations"][envs.TOKEN_UID_ANNOTATION] == "old-uid"
+    views = [PodView(name=f"agent-env-{i}", role="environment", generation=0, phase="Running", token_uid=t)
+             for i, t in enumerate(("old-uid", "new-uid", ""))]
+    plan = envs.plan_pool(job, "Running", views, creating_gang=False, token_uid="new-uid")
+    assert plan.delete == ["agent-env-0"] and plan.create == []
+    assert envs.plan_pool(job, "Running", views, creating_gang=False, token_uid="").delete == []

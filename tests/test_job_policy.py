@@ -22,7 +22,8 @@ TINY = yaml.safe_load((ROOT / "examples" / "tiny-grpo-k8s.yaml").read_text())
 OPEN = ["--set", "jobPolicy.allowedImages={registry.example.com/ml,hybridflow/}",  # one without its slash
         "--set", "jobPolicy.requireImageDigest=true", "--set", "jobPolicy.allowedServiceAccounts={trainer}",
         "--set", "jobPolicy.allowedPriorityClasses={high-priority}", "--set", "jobPolicy.allowTolerations=true",
-        "--set", "jobPolicy.allowAffinity=true", "--set", "jobPolicy.allowedSchedulers={volcano,default-scheduler}"]
+        "--set", "jobPolicy.allowAffinity=true", "--set", "jobPolicy.allowedSchedulers={volcano,default-scheduler}",
+        "--set", "jobPolicy.allowedRuntimeClasses={kata}"]
 
 
 def _rendered(values: list[str]) -> tuple[list[dict], Policy]:
@@ -165,6 +166,13 @@ CASES = {
     "environment image pinned": (_job(AGENT, **{"environments.image": "hybridflow/env@sha256:" + "f" * 64}), True, True),
     "environment image, prefix without its boundary": (
         _job(AGENT, **{"environments.image": "hybridflow-evil/x@sha256:" + "d" * 64}), False, False),
+    # issue 51 N5: the sandbox pods' RuntimeClass, from jobPolicy.allowedRuntimeClasses (OPEN: kata only)
+    "sandbox under gVisor": (_job(AGENT, **{"sandbox.runtimeClassName": "gvisor"}), True, False),
+    "sandbox under Kata": (_job(AGENT, **{"sandbox.runtimeClassName": "kata"}), True, True),
+    "sandbox under Kata on QEMU": (_job(AGENT, **{"sandbox.runtimeClassName": "kata-qemu"}), True, False),
+    "sandbox under runc": (_job(AGENT, **{"sandbox.runtimeClassName": "runc"}), False, False),
+    "sandbox under a class of the cluster's not allowed": (
+        _job(AGENT, **{"sandbox.runtimeClassName": "nvidia-privileged"}), False, False),
 }
 
 
@@ -417,6 +425,9 @@ POD_REFUSALS = {  # what a compromised operator might create -> the refusal that
         .update(key="password"), "a secretKeyRef may only give"),
     "not a job's": (lambda p: p["metadata"]["labels"].pop("hybridflow.io/job"), "the operator creates job pods only"),
     "owned by no job": (lambda p: p["metadata"].pop("ownerReferences"), "the operator creates job pods only"),
+    # issue 51 N5: a RuntimeClass on sandbox pods only (this is the head), and an allowed one
+    "a RuntimeClass on a pod that runs no user code": (lambda p: p["spec"].update(runtimeClassName="gvisor"),
+                                                        "spec.runtimeClassName gvisor is not allowed"),
 }
 
 
@@ -598,6 +609,25 @@ def test_every_pod_the_operator_makes_passes_its_pod_policy_secrets_and_environm
     assert dict(env.program(env.compile(secret_env)).evaluate({})) == fixed
 
 
+def test_a_placement_auto_jobs_plan_pod_passes_the_operators_pod_policy(operator_pods):
+    """Issue 52: the plan pod (plan_pod.py) is a job pod like the others: the pinned securityContext, no token, no
+    Secret, the spec ConfigMap and the model claim only."""
+    from hybridflow_operator.plan_pod import plan_pod
+
+    for doc in (_job(TINY, placement="auto"), _job(TINY, placement="auto", **{"kubernetes.modelPvc": "models"})):
+        raw = copy.deepcopy(doc)
+        raw["metadata"] = {"name": raw["metadata"]["name"], "namespace": "default", "uid": "1234-abcd"}
+        pod = plan_pod(parse_job(raw), "1234-abcd")
+        for combo, labels in (("default", RESTRICTED), ("cluster-wide", {"hybridflow.io/jobs": "enabled",
+                                                                         **RESTRICTED})):
+            assert refusals(operator_pods[combo], pod, namespace="default", user=OPERATOR,
+                            namespace_labels=labels) == [], combo
+        bad = _changed(pod, lambda p: p["spec"].update(automountServiceAccountToken=True))
+        assert refusals(operator_pods["default"], bad, namespace="default", user=OPERATOR,
+                        namespace_labels=RESTRICTED) == ["spec.automountServiceAccountToken must be false (job pods "
+                                                         "get no ServiceAccount token)"]
+
+
 def test_the_operator_creates_pods_only_where_the_restricted_pod_security_standard_is_enforced(operator_pods):
     """Issue 51 M4: a namespace the operator serves must enforce Pod Security `restricted` (its label): the API server
     then judges every pod there, and the operator's pod creates are refused until it does (the job shows
@@ -644,3 +674,179 @@ def test_workloads_podgroups_and_endpoint_slices_that_pass_for_a_jobs_are_the_op
     assert not admitted(guard, owned, user=volcano, resource="workloads")
     assert admitted(guard, owned, old=owned, user="system:serviceaccount:kueue-system:kueue-controller-manager",
                     resource="workloads")  # Kueue updating the job's Workload
+
+
+RUNTIME_CLASSES = ("gvisor", "runsc", "kata", "kata-qemu", "kata-clh", "kata-fc")
+RC_REFUSED = ("spec.sandbox.runtimeClassName {} is not allowed (chart value jobPolicy.allowedRuntimeClasses)")
+
+
+def test_the_sandbox_runtime_class_is_judged_by_the_charts_allow_list():
+    """Issue 51 N5: a RuntimeClass picks the runtime handler the sandbox pods run under (one may be configured
+    unconfined, privileged, with the node's devices) and may carry tolerations and a nodeSelector: a job may name
+    only one of jobPolicy.allowedRuntimeClasses (by default gVisor's and Kata's usual names), in the operator at
+    acceptance and in the job policy at `kubectl apply`, each message naming the field and the chart value; []
+    allows none. An update leaving the class as it was passes (a job admitted before the policy changed)."""
+    vaps, policy = _rendered([])
+    assert policy.allowed_runtime_classes == RUNTIME_CLASSES == Policy().allowed_runtime_classes
+    assert policy.sandbox_runtime_class == ""
+    runc = _job(AGENT, **{"sandbox.runtimeClassName": "runc"})
+    assert violations(parse_job(copy.deepcopy(runc)), policy) == [
+        "spec.sandbox.runtimeClassName 'runc' is not allowed (gvisor, runsc, kata, kata-qemu, kata-clh, kata-fc; "
+        "chart value jobPolicy.allowedRuntimeClasses)"]
+    assert refusals(vaps, runc) == [RC_REFUSED.format("runc")]
+    for name in RUNTIME_CLASSES:
+        doc = _job(AGENT, **{"sandbox.runtimeClassName": name})
+        assert violations(parse_job(copy.deepcopy(doc)), policy) == [] and refusals(vaps, doc) == [], name
+    assert refusals(vaps, _job(runc, **{"runPolicy.suspend": True}), old=runc) == []  # admitted before: left alone
+    gvisor = _job(AGENT, **{"sandbox.runtimeClassName": "gvisor"})
+    assert refusals(vaps, runc, old=gvisor) == [RC_REFUSED.format("runc")]  # changed by an update: judged
+
+    none_vaps, none_policy = _rendered(["--set-json", "jobPolicy.allowedRuntimeClasses=[]",
+                                        "--set", "jobPolicy.sandboxRuntimeClassName=gvisor"])
+    assert (none_policy.allowed_runtime_classes, none_policy.sandbox_runtime_class) == ((), "gvisor")
+    assert violations(parse_job(copy.deepcopy(gvisor)), none_policy) == [
+        "spec.sandbox.runtimeClassName 'gvisor' is not allowed (none; chart value jobPolicy.allowedRuntimeClasses)"]
+    assert refusals(none_vaps, gvisor) == [RC_REFUSED.format("gvisor")]
+    assert violations(parse_job(copy.deepcopy(AGENT)), none_policy) == [] and refusals(none_vaps, AGENT) == []
+
+
+def test_the_policy_refuses_a_runtime_class_value_that_is_no_name():
+    from hybridflow_operator.policy import PolicyError
+
+    with pytest.raises(PolicyError, match="HYBRIDFLOW_SANDBOX_RUNTIME_CLASS: a RuntimeClass name"):
+        Policy.from_env({"HYBRIDFLOW_SANDBOX_RUNTIME_CLASS": "gVisor'] || true || ['"})
+    with pytest.raises(PolicyError, match="HYBRIDFLOW_ALLOWED_RUNTIME_CLASSES: a RuntimeClass name"):
+        Policy.from_env({"HYBRIDFLOW_ALLOWED_RUNTIME_CLASSES": "kata,Kata QEMU"})
+    assert Policy.from_env({"HYBRIDFLOW_ALLOWED_RUNTIME_CLASSES": " kata , gvisor ",
+                            "HYBRIDFLOW_SANDBOX_RUNTIME_CLASS": " kata "}) == Policy(
+        allowed_runtime_classes=("kata", "gvisor"), sandbox_runtime_class="kata")
+
+
+def _agent_job(doc: dict):
+    raw = copy.deepcopy(doc)
+    raw["metadata"] = {"name": "agent", "namespace": "default", "uid": "1234-abcd"}
+    return parse_job(raw)
+
+
+def test_the_charts_default_runtime_class_reaches_the_sandbox_pods_only():
+    """Issue 51 N5: a job that names no RuntimeClass gets the chart's jobPolicy.sandboxRuntimeClassName on its
+    sandbox pods (the builder is given it: it reads no policy), one that names one keeps its own, and the pods that
+    run no user code get none. The Kueue Workload's podSets are the pods made later."""
+    from hybridflow_operator import manifests as mf
+    from hybridflow_operator.environments import environment_pod
+    from hybridflow_operator.handlers import _make_workload
+
+    _, policy = _rendered(["--set", "jobPolicy.sandboxRuntimeClassName=gvisor-strict"])
+    assert policy.sandbox_runtime_class == "gvisor-strict"
+    job = _agent_job(AGENT)
+    assert environment_pod(job, "1234-abcd", 0, policy.sandbox_runtime_class)["spec"]["runtimeClassName"] \
+        == "gvisor-strict"
+    assert "runtimeClassName" not in environment_pod(job, "1234-abcd", 0)["spec"]  # "": the cluster's default
+    assert environment_pod(_agent_job(_job(AGENT, **{"sandbox.runtimeClassName": "kata"})), "1234-abcd", 0,
+                           policy.sandbox_runtime_class)["spec"]["runtimeClassName"] == "kata"
+    assert all("runtimeClassName" not in p["spec"] for p in mf.gang_pods(job, "1234-abcd", 0))
+
+    class Created:
+        objects: list = []
+
+        def create(self, obj):
+            self.objects.append(obj)
+            return obj
+
+    kube = Created()
+    _make_workload(kube, job, "1234-abcd", "team-a", {}, policy.sandbox_runtime_class)
+    (workload,) = kube.objects
+    classes = {ps["name"]: ps["template"]["spec"].get("runtimeClassName") for ps in workload["spec"]["podSets"]}
+    assert set(classes.values()) == {None, "gvisor-strict"} and classes["head"] is None, classes
+
+
+@pytest.fixture(scope="module")
+def runtime_pods():
+    """The operator-pods policy and the operator's Policy of an install with a default class outside the list."""
+    values = ["--set", "jobPolicy.sandboxRuntimeClassName=gvisor-strict",
+              "--set", "jobPolicy.allowedRuntimeClasses={kata}"]
+    return _operator_pods_policy(values), _rendered(values)
+
+
+def test_the_operator_pods_policy_admits_a_runtime_class_on_sandbox_pods_only_and_an_allowed_one_only(
+        operator_pods, runtime_pods):
+    """Issue 51 N5: the operator-pods policy pins what the operator writes: a RuntimeClass only on the sandbox pods
+    (hybridflow.io/role=environment), and only one the job may name (jobPolicy.allowedRuntimeClasses) or the chart's
+    default (jobPolicy.sandboxRuntimeClassName). So a compromised operator cannot run a pod under a handler the
+    platform team did not choose, nor a gang pod (which holds the credentials) under any."""
+    from hybridflow.api.names import LABEL_ROLE
+    from hybridflow_operator import manifests as mf
+    from hybridflow_operator.environments import environment_pod
+
+    pods_vap, ((job_vaps, policy)) = runtime_pods
+    sandbox_pod = next(v["expression"] for v in pods_vap["spec"]["variables"] if v["name"] == "sandboxPod")
+    assert f"'{LABEL_ROLE}'" in sandbox_pod and f"'{mf.ENVIRONMENT_ROLE}'" in sandbox_pod
+
+    def verdict(vap, pod):
+        return refusals(vap, pod, namespace="default", user=OPERATOR, namespace_labels=RESTRICTED)
+
+    for doc in (AGENT, _job(AGENT, **{"sandbox.runtimeClassName": "kata"})):  # the default; one the job names
+        assert violations(parse_job(copy.deepcopy(doc)), policy) == [] and refusals(job_vaps, doc) == []
+        job = _agent_job(doc)
+        pods = mf.gang_pods(job, "1234-abcd", 0) + [environment_pod(job, "1234-abcd", 0, policy.sandbox_runtime_class)]
+        assert pods[-1]["spec"]["runtimeClassName"] in ("gvisor-strict", "kata")
+        for pod in pods:
+            assert verdict(pods_vap, pod) == [], pod["metadata"]["name"]
+    sandbox = environment_pod(_agent_job(AGENT), "1234-abcd", 0, "gvisor")  # allowed by default, not in this install
+    message = ("spec.runtimeClassName gvisor is not allowed: the operator sets a RuntimeClass on sandbox pods "
+               "(hybridflow.io/role=environment) only, one of chart values jobPolicy.allowedRuntimeClasses and "
+               "jobPolicy.sandboxRuntimeClassName")
+    assert verdict(pods_vap, sandbox) == [message]
+    assert verdict(operator_pods["default"], sandbox) == []
+    for name in ("runc", "nvidia-privileged"):
+        assert verdict(operator_pods["default"], _changed(sandbox, lambda p: p["spec"].update(runtimeClassName=name))) \
+            == [message.replace("gvisor", name, 1)], name
+    head = _changed(_job_pods(AGENT)[0], lambda p: p["spec"].update(runtimeClassName="gvisor-strict"))
+    assert verdict(pods_vap, head) == [message.replace("gvisor", "gvisor-strict", 1)]
+
+
+def test_the_operator_runs_sandbox_pods_under_the_charts_runtime_class_and_fails_a_job_naming_another(tmp_path):
+    """Issue 51 N5, the real operator (kopf over HTTP, as test_operator_kopf.py runs it) configured as the chart
+    configures it: a job that names no RuntimeClass gets jobPolicy.sandboxRuntimeClassName on its sandbox pod and
+    none on its gang (a job queued through Kueue, on its Workload's sandbox podSet too); one naming an allowed class
+    gets it; one naming another fails at acceptance, before any pod, naming the field and the chart value."""
+    from kube.harness import Kube, wait_for
+    from kube.kueue_double import KueueDouble
+    from test_operator_kopf import REWARD, _phase, _started_cluster, job_doc
+    from kubernetes import client
+
+    def reward_job(name: str, **sandbox) -> dict:
+        doc = job_doc(name)
+        doc["spec"].update(models=REWARD, kubernetes={"rewardConfigMap": "rw"}, sandbox=sandbox)
+        return doc
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HYBRIDFLOW_SANDBOX_RUNTIME_CLASS", "gvisor-strict")
+        env.setenv("HYBRIDFLOW_ALLOWED_RUNTIME_CLASSES", "kata")
+        env.setenv("HYBRIDFLOW_KUEUE", "true")
+        with _started_cluster(tmp_path) as (api, kubeconfig, _):
+            env.undo()
+            kube = Kube(kubeconfig)
+            kube.core.create_namespaced_config_map(kube.namespace, client.V1ConfigMap(
+                metadata=client.V1ObjectMeta(name="rw", labels={FOR_JOBS_LABEL: "true"}),
+                data={"my_reward.py": "def compute_score(*a):\n    return 1.0\n"}))
+            kube.create_job(reward_job("jrc-refused", runtimeClassName="runc"))
+            kube.create_job(reward_job("jrc"))
+            kube.create_job(reward_job("jrc-kata", runtimeClassName="kata"))
+            queued = reward_job("jrc-queued")
+            queued["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+            kube.create_job(queued)
+            workload = wait_for(lambda: KueueDouble(kube.api, "default").workload("jrc-queued-workload"), 30,
+                                "the queued job's Workload")
+            classes = {ps["name"]: ps["template"]["spec"].get("runtimeClassName") for ps in workload["spec"]["podSets"]}
+            assert sorted(classes.values(), key=str) == [None, None, "gvisor-strict"], classes
+            for name, expected in (("jrc", "gvisor-strict"), ("jrc-kata", "kata")):
+                pods = wait_for(lambda: len(kube.pods(name)) == 3 and kube.pods(name), 30, f"{name}'s pods")
+                classes = {p.metadata.name: p.spec.runtime_class_name for p in pods}
+                assert classes == {f"{name}-env-0": expected, f"{name}-head-g0": None,
+                                   f"{name}-default-0-g0": None}, classes
+            st = wait_for(lambda: _phase(kube, "jrc-refused") == "Failed" and kube.status("jrc-refused"), 30,
+                          "Failed")
+            assert "spec.sandbox.runtimeClassName 'runc' is not allowed (kata; chart value " \
+                   "jobPolicy.allowedRuntimeClasses)" in st["message"], st
+            assert kube.pods("jrc-refused") == []

@@ -174,3 +174,19 @@ def test_a_pod_denied_egress_connects_nowhere_but_answers_connections(tmp_path):
     assert lines["denied"].startswith("refused"), out  # the dial timed out: its SYN dropped
     assert lines["incoming"] == "reply", out  # a reply to a connection made to the pod flows
     assert lines["lifted"] == "connected", out
+
+
+def test_a_containers_termination_message_is_its_termination_log_else_a_failed_ones_log_tail(tmp_path):
+    """As the kubelet makes it (a plan pod's plan comes back so, issue 52): what the container wrote to its
+    termination log, at most 4096 bytes, whatever its policy; when it wrote nothing, FallbackToLogsOnError gives a
+    failed container's log tail."""
+    from e2e.kubelet import _termination_message
+
+    c = {"name": "plan", "terminationMessagePolicy": "FallbackToLogsOnError"}
+    (tmp_path / "plan.log").write_text("loading\nerror: no placement fits\n")
+    (tmp_path / "plan.termination-log").write_text("")
+    assert _termination_message(c, 2, tmp_path) == "loading\nerror: no placement fits"
+    assert _termination_message(c, 0, tmp_path) == ""
+    (tmp_path / "plan.termination-log").write_text('{"summary": {}}' + "x" * 5000)
+    for container in (c, {"name": "plan"}):
+        assert _termination_message(container, 0, tmp_path) == ('{"summary": {}}' + "x" * 5000)[:4096]

@@ -756,14 +756,14 @@ def _used(pod) -> set[tuple[str, str]]:
 REWARD = {"actor": {"source": "smollm2"}, "reward": {"type": "function", "function": {"path": "my_reward.py"}}}
 
 
-def _reward_function_job(kube, name: str, configmap: str) -> None:
+def _reward_function_job(kube, name: str, configmap: str, **run_policy) -> None:
     """A job scoring with a reward function from its own marked code ConfigMap: it gets a sandbox pod."""
     from kubernetes import client
 
     kube.core.create_namespaced_config_map(kube.namespace, client.V1ConfigMap(
         metadata=client.V1ObjectMeta(name=configmap, labels={FOR_JOBS_LABEL: "true"}),
         data={"my_reward.py": "def compute_score(*a):\n    return 1.0\n"}))
-    doc = job_doc(name)
+    doc = job_doc(name, **run_policy)
     doc["spec"]["models"] = REWARD
     doc["spec"]["kubernetes"] = {"rewardConfigMap": configmap}
     kube.create_job(doc)
@@ -812,6 +812,51 @@ def test_a_sandbox_pod_remade_mid_run_never_mounts_a_planted_code_configmap(clus
     kube.delete_job("jpl")
     wait_for(lambda: kube.job("jpl") is None, 30, "the job gone")
     kube.core.delete_namespaced_config_map("jpl-reward", ns)
+
+
+def test_a_sandbox_token_made_anew_at_a_gang_start_replaces_the_sandbox_pods_that_hold_the_old_one(cluster):
+    """Issue 51 N3: the sandbox pods outlive a gang restart, and read the job's sandbox token from its Secret when
+    they start. Deleted, the Secret is made again at the next gang start with a new random token, which the new gang
+    reads: the sandbox pods still running would answer it 401 (the job stops on PoolError). They are made again
+    with the gang instead; while the Secret stays, a gang restart leaves them alone."""
+    api, kube, _ = cluster
+    ns = kube.namespace
+    name, pool_pod = "jtk", "jtk-env-0"
+
+    def secret():
+        return next((s for s in api.objects("v1/secrets", ns) if s["metadata"]["name"] == "jtk-sandbox-token"), None)
+
+    def uid_of(pod):
+        return next((p.metadata.uid for p in kube.pods(name) if p.metadata.name == pod), None)
+
+    def restart(generation):
+        kube.set_pod_phase(f"jtk-default-0-g{generation - 1}", "Failed", exit_code=1)
+        wait_for(lambda: _pod_names(kube, name) == sorted([f"jtk-default-0-g{generation}", pool_pod,
+                                                           f"jtk-head-g{generation}"]) and uid_of(pool_pod), 30,
+                 lambda: f"generation {generation} and the sandbox pod; {_pod_names(kube, name)}")
+        _run_all(kube, name)
+        wait_for(lambda: _phase(kube, name) == "Running", 30, "Running")
+
+    _reward_function_job(kube, name, "rw-tk", restartPolicy="gang", backoffLimit=3)
+    wait_for(lambda: _pod_names(kube, name) == ["jtk-default-0-g0", pool_pod, "jtk-head-g0"], 30, "the pods")
+    _run_all(kube, name)
+    wait_for(lambda: _phase(kube, name) == "Running", 30, "Running")
+    first, pod_uid = secret(), uid_of(pool_pod)
+    assert kube.status(name)["sandboxTokenSecretUid"] == first["metadata"]["uid"]
+
+    restart(1)  # the Secret kept: the sandbox pod keeps running through the gang restart, with the same token
+    assert uid_of(pool_pod) == pod_uid and secret()["metadata"]["uid"] == first["metadata"]["uid"]
+
+    kube.core.delete_namespaced_secret("jtk-sandbox-token", ns)
+    restart(2)
+    again = wait_for(secret, 30, "the Secret made again")
+    assert again["data"]["token"] != first["data"]["token"]
+    assert kube.status(name)["sandboxTokenSecretUid"] == again["metadata"]["uid"] != first["metadata"]["uid"]
+    # the sandbox pod started with the old token is gone, and made again under its name (reading the new one)
+    wait_for(lambda: (u := uid_of(pool_pod)) and u != pod_uid, 30, "the sandbox pod made again")
+    wait_for(lambda: "SandboxPodsReplaced" in _reasons(kube, name), 30, lambda: f"events: {_reasons(kube, name)}")
+    kube.delete_job(name)
+    wait_for(lambda: kube.job(name) is None, 30, "the job gone")
 
 
 def test_objects_added_to_a_suspended_job_never_reach_its_pods(cluster):
@@ -1330,6 +1375,24 @@ def test_a_job_queued_through_kueue_waits_for_admission_is_evicted_and_resumes(t
             wait_for(lambda: kube.job("jq") is None and kueue.workload("jq-workload") is None, 30,
                      "the job and its Workload gone")
 
+            # issue 52: a placement: auto job plans first, outside the queue; its Workload asks for the planned pools
+            auto = _auto_doc("jqa")
+            auto["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+            kube.create_job(auto)
+            wait_for(lambda: _pod_names(kube, "jqa") == ["jqa-plan"], 30, "the plan pod, before any Workload")
+            _wait_ticks(op, kube, "jqa")
+            assert kueue.workload("jqa-workload") is None and _phase(kube, "jqa") == "Queued"
+            _plan_pod_ended(kube, "jqa-plan", 0, json.dumps(_plan_record()))
+            wl = wait_for(lambda: kueue.workload("jqa-workload"), 30, lambda: f"its Workload; {kube.status('jqa')}")
+            assert [(p["name"], p["count"]) for p in wl["spec"]["podSets"]] == [("head", 1), ("learner", 1),
+                                                                                ("gen", 1)]
+            wait_for(lambda: _pod_names(kube, "jqa") == [], 30, "the plan pod gone; no pod before admission")
+            kueue.admit("jqa-workload", "cq", {"head": "general", "learner": "general", "gen": "general"})
+            wait_for(lambda: _pod_names(kube, "jqa") == ["jqa-gen-0-g0", "jqa-head-g0", "jqa-learner-0-g0"], 30,
+                     "the admitted planned gang")
+            kube.delete_job("jqa")
+            wait_for(lambda: kube.job("jqa") is None, 30, "jqa gone")
+
             used = {(KUEUE_GROUPS.get(r.plural, GROUPS.get(r.plural, "")), r.plural,
                      VERBS.get(r.action.name, "patch" if r.method == "PATCH" else "update"))
                     for r in list(api.handler.log) if r.agent.startswith(("kopf", "hybridflow-operator")) and r.plural}
@@ -1348,3 +1411,87 @@ def test_a_job_labelled_for_kueue_is_refused_where_the_operator_has_no_kueue(clu
     st = wait_for(lambda: (s := kube.status("jnq")).get("phase") == "Failed" and s, 30, "Failed")
     assert "metadata.labels[kueue.x-k8s.io/queue-name]" in st["message"] and "kueue.enabled" in st["message"]
     assert kube.pods("jnq") == []
+
+
+def _auto_doc(name: str, **run_policy) -> dict:
+    """The async example with `placement: auto` (issue 52), without its checkpoint claim."""
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-async-k8s.yaml").read_text())
+    doc["metadata"] = {"name": name}
+    doc["spec"]["placement"] = "auto"
+    doc["spec"]["kubernetes"].pop("checkpointPvc")
+    doc["spec"]["runPolicy"] = {"backoffLimit": 2, **run_policy}
+    return doc
+
+
+def _plan_record() -> dict:
+    """A record as `hybridflow plan --auto` writes it (hybridflow.api.plan), with pools of the planner's own."""
+    from hybridflow.api import parse_job
+    from hybridflow.api.plan import plan_fields
+
+    doc = _auto_doc("x")
+    doc["spec"]["resourcePools"] = [{"name": "learner", "nodes": 1, "devicesPerNode": 1},
+                                    {"name": "gen", "nodes": 1, "devicesPerNode": 1}]
+    doc["spec"]["placement"] = {"actor": "learner", "reference": "learner", "rollout": "gen"}
+    summary = {"placement": "hybrid (actor+reference:1, rollout:1)", "pools": {"learner": 1, "gen": 1},
+               "mode": "async", "layout": "fsdp t_g=1 mb=64", "devices": 2, "accelerator": "cpu"}
+    return {"summary": summary, "fields": plan_fields(parse_job(doc))}
+
+
+def _plan_pod_ended(kube, name: str, exit_code: int, message: str) -> None:
+    """What the kubelet reports of a plan pod that ended: its termination message (the plan, or its log's tail)."""
+    kube.core.patch_namespaced_pod_status(name, kube.namespace, {"status": {
+        "phase": "Succeeded" if exit_code == 0 else "Failed", "containerStatuses": [{
+            "name": "plan", "ready": False, "restartCount": 0, "image": "x", "imageID": "", "state": {"terminated": {
+                "exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error", "message": message}}}]}})
+
+
+def test_a_placement_auto_job_plans_in_a_pod_first_then_runs_the_planned_pools(cluster):
+    """Issue 52: a `placement: auto` job first gets its plan pod and nothing of its gang; the plan it prints goes to
+    status.plan, the pod goes, and the gang is the plan's pools, each container given the plan (PLAN_ENV); the spec
+    ConfigMap keeps the accepted auto spec, and a gang restart keeps the plan and plans nothing again."""
+    from hybridflow.api.plan import PLAN_ENV
+
+    api, kube, op = cluster
+    kube.create_job(_auto_doc("auto", restartPolicy="gang"))
+    (pod,) = wait_for(lambda: kube.pods("auto"), 30, "the plan pod")
+    assert pod.metadata.name == "auto-plan" and pod.metadata.labels["hybridflow.io/role"] == "plan"
+    assert pod.spec.containers[0].command[:3] == ["hybridflow", "plan", "/etc/hybridflow/job.json"]
+    assert pod.spec.automount_service_account_token is False
+    _wait_ticks(op, kube, "auto")
+    assert _pod_names(kube, "auto") == ["auto-plan"], "nothing of the gang before its plan"
+    st = kube.status("auto")
+    assert (st["phase"], st["reason"]) == ("Pending", "Planning") and "plan" not in st, st
+    record = _plan_record()
+    _plan_pod_ended(kube, "auto-plan", 0, json.dumps(record))
+    wait_for(lambda: kube.status("auto").get("plan") == record, 30, lambda: f"status.plan; {kube.status('auto')}")
+    pods = wait_for(lambda: _pod_names(kube, "auto") == ["auto-gen-0-g0", "auto-head-g0", "auto-learner-0-g0"]
+                    and kube.pods("auto"), 30, lambda: f"the planned gang, no plan pod; {_pod_names(kube, 'auto')}")
+    for p in pods:
+        env = {e.name: e.value for c in p.spec.containers for e in c.env or []}
+        assert json.loads(env[PLAN_ENV]) == record, p.metadata.name
+    assert {p.metadata.labels.get("hybridflow.io/pool") for p in pods} == {None, "learner", "gen"}
+    wait_for(lambda: "Planned" in _reasons(kube, "auto"), 30, lambda: f"the Planned event; {_reasons(kube, 'auto')}")
+    (cm,) = [c for c in api.objects("v1/configmaps", kube.namespace) if c["metadata"]["name"] == "auto-spec"]
+    assert json.loads(cm["data"]["job.json"])["spec"]["placement"] == "auto"
+    _run_all(kube, "auto")
+    wait_for(lambda: _phase(kube, "auto") == "Running", 30, "Running")
+    assert [p["name"] for p in kube.status("auto")["pools"]] == ["learner", "gen"]
+    kube.set_pod_phase("auto-learner-0-g0", "Failed", exit_code=1)  # a gang restart: the plan stays, none is made
+    wait_for(lambda: _pod_names(kube, "auto") == ["auto-gen-0-g1", "auto-head-g1", "auto-learner-0-g1"], 30,
+             lambda: f"generation 1, the planned pools again; {_pod_names(kube, 'auto')}")
+    assert kube.status("auto")["plan"] == record
+
+
+def test_a_plan_pod_that_fails_fails_the_job_with_its_message(cluster):
+    _, kube, _ = cluster
+    kube.create_job(_auto_doc("noplan"))
+    wait_for(lambda: _pod_names(kube, "noplan") == ["noplan-plan"], 30, "the plan pod")
+    _plan_pod_ended(kube, "noplan-plan", 2, "loading\nerror: /etc/hybridflow/job.json: spec.placement: auto: no "
+                    "placement of this job's models fits its 2 x cpu (spec.resourcePools; 18 candidates)")
+    st = wait_for(lambda: (s := kube.status("noplan")).get("phase") == "Failed" and s, 30, "Failed")
+    assert st["reason"] == "PlanFailed" and "plan" not in st
+    assert st["restarts"] == 0 and "GangRestart" not in _reasons(kube, "noplan"), "the plan pod is not the gang's"
+    assert ("the plan pod noplan-plan failed: container plan exited with code 2 (Error): /etc/hybridflow/job.json: "
+            "spec.placement: auto: no placement of this job's models fits its 2 x cpu (spec.resourcePools") \
+        in st["message"], st["message"]
+    assert _pod_names(kube, "noplan") == ["noplan-plan"], "no gang; the failed plan pod stays for its logs"

@@ -745,3 +745,26 @@ def test_half_a_line_on_the_pipe_costs_one_deadline(tmp_path):
     assert out.scores == [0.0, 1.0, 1.0, 1.0] and [e.index for e in out.errors] == [0], out.errors
     assert "timed out after 1.5 s" in out.errors[0].error
     assert took < 1.5 + 10, took
+
+
+def test_validate_loads_the_reward_file_in_its_sandbox_and_names_what_fails_at_load(tmp_path):
+    """A reward file that parses but cannot load (an import the sandbox lacks, a name that is not a function) is a
+    problem of `hybridflow validate` and `run` before anything starts (trainer.preflight.loaded_code_problems), not
+    a job failure once the job has built its reward workers."""
+    from hybridflow.api import RLHFJob
+    from hybridflow.trainer.preflight import check_runtime_paths, loaded_code_problems
+
+    def problems(body):
+        path = _file(tmp_path, body)
+        job = RLHFJob.model_validate({"spec": {"models": {"actor": {"source": "smollm2"}, "reward": {"function": {
+            "path": str(path)}}}, "data": {"task": "products"}, "trainer": {"checkpointDir": str(tmp_path / "c")}}})
+        assert check_runtime_paths(job) == []  # it parses, and binds compute_score
+        return loaded_code_problems(job)
+
+    (missing,) = problems("import a_module_the_sandbox_lacks\n\ndef compute_score(data_source, solution_str, "
+                          "ground_truth, extra_info):\n    return 1.0\n")
+    assert missing.startswith("spec.models.reward.function: ") and "loading it failed: ModuleNotFoundError: No " \
+        "module named 'a_module_the_sandbox_lacks' at reward.py:1" in missing, missing
+    (bound,) = problems("compute_score = 3\n")
+    assert "'compute_score' is not a function in the file" in bound, bound
+    assert problems("def compute_score(data_source, solution_str, ground_truth, extra_info):\n    return 1.0\n") == []

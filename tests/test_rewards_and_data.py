@@ -65,3 +65,22 @@ def test_prompt_stream_resumes_at_its_position():
     s2 = PromptStream(samples, 8, seed=0, position=4)
     assert [s2.next_batch() for _ in range(3)] == batches[4:]
     assert batches[5] != batches[0]  # a new epoch is reshuffled
+
+
+def test_too_few_generated_prompts_after_holding_out_is_bad_input_saying_why():
+    """A task with few distinct prompts (tiny's 16 ids: about 100 counting sequences) loses every training prompt
+    that repeats a held-out one; too few left is refused before anything starts, naming the cause and the fields,
+    not as the prompt stream's bare count once Ray and the workers run."""
+    from pathlib import Path
+
+    from hybridflow.api import RLHFJob, SpecError
+    from hybridflow.trainer.setup import build_task
+
+    job = RLHFJob.model_validate({"spec": {
+        "models": {"actor": {"source": "tiny", "tiny": {"vocabSize": 16}}},
+        "data": {"task": "increment", "trainPrompts": 32, "evalPrompts": 64},
+        "rollout": {"maxPromptLength": 8}, "trainer": {"promptsPerStep": 32}}})
+    with pytest.raises(SpecError, match=r"spec.data.trainPrompts = 32: only \d+ generated prompts are left to train "
+                                        r"on once those repeating one of the 64 held-out prompts are dropped .*"
+                                        r"fewer than spec.trainer.promptsPerStep = 32; raise trainPrompts"):
+        build_task(job, Path("."))

@@ -67,3 +67,37 @@ def test_a_partial_rollout_call_is_padded_to_split_evenly_over_the_ranks(n, rank
     rows = list(range(n))
     padded = _padded(rows, ranks)
     assert len(padded) == want and padded[:n] == rows and set(padded) == set(rows)
+
+
+def test_dropping_stale_groups_wakes_a_producer_waiting_for_room():
+    """The trainer dropping stale groups frees room in the queue: a producer waiting for room starts at once, not at
+    its next 0.5 s poll (a lost wake-up: with every queued group stale, trainer and producer both waited it out)."""
+    import collections
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from hybridflow.trainer.rollouts import AsyncRollouts
+
+    q = AsyncRollouts.__new__(AsyncRollouts)  # just the queue's state: no Ray, no engine
+    q._cond, q.spec = threading.Condition(), SimpleNamespace(rollout=SimpleNamespace(max_staleness=1))
+    q.weights, q.dropped = SimpleNamespace(version=3), 0
+    stale = pack_trajectories([Trajectory({"prompt_ids": [1]}, [2], [0.0], [1], True)], 1, 1)  # version 1: 2 behind
+    q.ready = collections.deque([stale, stale])
+    waiting, woke = threading.Event(), []
+
+    def producer() -> None:
+        with q._cond:
+            waiting.set()
+            q._cond.wait(5.0)  # the lock is released only once it waits: the drop below cannot come before
+            woke.append(time.perf_counter())
+
+    t = threading.Thread(target=producer)
+    t.start()
+    waiting.wait(5.0)
+    t0 = time.perf_counter()
+    with q._cond:
+        q._drop_stale()
+    t.join(10.0)
+    assert q.dropped == 2 and not q.ready
+    assert woke and woke[0] - t0 < 2.0, "the producer slept through the drop"

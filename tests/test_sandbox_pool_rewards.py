@@ -16,7 +16,7 @@ from hybridflow.agents.server import PoolServer, PoolService
 from hybridflow.rewards.remote import RemoteRewardFunction, serve_rewards
 from hybridflow.rewards.sandbox import RewardFunction
 from hybridflow.rewards.text import TextReward
-from hybridflow.sandbox_pool import TOKEN_ENV, URLS_ENV, PoolClient, PoolError
+from hybridflow.sandbox_pool import REWARD_URLS_ENV, TOKEN_ENV, URLS_ENV, PoolClient, PoolError
 
 TOKEN = "sandbox-token-" + "y" * 40
 REPO = Path(__file__).resolve().parents[1]
@@ -143,3 +143,45 @@ def test_the_job_learns_which_layers_its_pool_lacks_and_only_with_its_token():
         assert gone.missing_layers(timeout=2) == (dict(missing), 1)
     finally:
         server.stop()
+
+
+def test_a_split_pool_scores_rewards_only_on_the_replicas_set_apart(replicas, tmp_path, monkeypatch):
+    """N2: where the operator sets reward functions apart from the model's code (a partial sandbox), the gang
+    scores on the reward replicas (HYBRIDFLOW_REWARD_URLS) and a replica serving the agent refuses to score."""
+    spec = SimpleNamespace(type="function", function=SimpleNamespace(path="reward.py", name="compute_score",
+                                                                      batched=False),
+                           scorers=[], workers=1, timeout_seconds=10.0, error_score=0.0, max_error_fraction=0.5)
+    agents_only = PoolServer(PoolService(None, None, serves="agents"), TOKEN)
+    agents_only.start()
+    try:
+        monkeypatch.setenv(TOKEN_ENV, TOKEN)
+        monkeypatch.setenv(URLS_ENV, agents_only.url)
+        with pytest.raises(PoolError, match="serves agents only, not reward functions"):
+            TextReward(spec).score(*_batch(2))
+        monkeypatch.setenv(REWARD_URLS_ENV, replicas[0].url)
+        assert TextReward(spec).score(*_batch(3)).scores == [0.0, 1.0, 0.0]
+    finally:
+        agents_only.stop()
+
+
+def test_a_replica_set_apart_builds_only_its_half_of_the_jobs_code(tmp_path):
+    """`hybridflow environments serve --serves`: an agents replica builds no reward workers (the reward file is not
+    even mounted there), a rewards replica builds no agent and does not need the environment file."""
+    import yaml
+
+    from hybridflow.api import SpecError, parse_job
+    from hybridflow.cli.pool_replica import replica_halves
+
+    doc = yaml.safe_load((REPO / "examples" / "smollm2-arithmetic.yaml").read_text())
+    doc["spec"]["rollout"]["agent"] = {"environmentFile": str(tmp_path / "absent_env.py"), "environmentClass": "E"}
+    doc["spec"]["models"]["reward"] = {"type": "function", "function": {"path": "reward.py"}}
+    job = parse_job(doc)
+    agent, function = replica_halves(job, "job.yaml", "rewards")
+    assert agent is None and function is not None and function.path == "reward.py"
+    with pytest.raises(SpecError, match="environmentFile: .*absent_env.py: no such file here"):
+        replica_halves(job, "job.yaml", "agents")
+    with pytest.raises(SpecError, match="environmentFile"):
+        replica_halves(job, "job.yaml", "all")
+    (tmp_path / "absent_env.py").write_text("class E:\n    pass\n")
+    agent, function = replica_halves(job, "job.yaml", "agents")
+    assert agent is not None and function is None

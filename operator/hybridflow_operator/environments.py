@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.api import EXIT_SANDBOX_UNAVAILABLE, RLHFJob
-from hybridflow.api.agents import sandbox_pool
+from hybridflow.api.agents import SERVES_ALL, SERVES_REWARDS, code_files, sandbox_pool, sandbox_replicas
 from hybridflow.api.names import LABEL_INDEX, LABEL_JOB, LABEL_ROLE, names
 from hybridflow.api.status import Phase
 
 from hybridflow_operator.manifests import (
-    ENVIRONMENT_PORT, ENVIRONMENT_ROLE, REWARD_MOUNT, SANDBOX_ENV, SANDBOX_PARTIAL,
-    SANDBOX_REQUIRED, SCRATCH_MOUNT, SCRATCH_SIZE, SPEC_KEY, SPEC_MOUNT, _meta, _pod, code_keys, environment_pod_name,
-    environment_service_name, sandbox_token_env, token_secret,
+    ENVIRONMENT_PORT, ENVIRONMENT_ROLE, REWARD_MOUNT, SANDBOX_ENV, SANDBOX_PARTIAL, SANDBOX_REQUIRED, SCRATCH_MOUNT,
+    SCRATCH_SIZE, SPEC_KEY, SPEC_MOUNT, _meta, _pod, code_keys, environment_pod_name, environment_service_name,
+    reward_configmap_key, sandbox_token_env, token_secret,
 )
 from hybridflow_operator.phases import PodPhase, PodView
 
@@ -35,15 +35,23 @@ POOL_PHASES = (Phase.PENDING, Phase.INITIALIZING, Phase.RUNNING, Phase.RESTARTIN
 ENDED = (PodPhase.FAILED, PodPhase.SUCCEEDED, PodPhase.UNKNOWN)
 
 
+# The uid of the sandbox token Secret a sandbox pod started with (it read the token then). The operator never reads
+# the Secret: when it had to make it anew (deleted since), its create returned a new uid, and a pod started with the
+# old token would answer the gang, which reads the new one, 401; plan_pool replaces such pods, tick after tick,
+# until none is left (level-triggered: a tick that fails between the Secret and the deletion loses nothing).
+TOKEN_UID_ANNOTATION = "hybridflow.io/sandbox-token-uid"
+
+
 def environment_labels(index: int) -> dict[str, str]:
     return {LABEL_ROLE: ENVIRONMENT_ROLE, LABEL_INDEX: str(index)}
 
 
-def _volumes(job: RLHFJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(job: RLHFJob, serves: str = SERVES_ALL) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The spec, a bounded scratch (the root filesystem is read-only; the sandboxes' private /tmp lives there) and
     the job's copy of its code files (reward function, tools, environment: copied from kubernetes.rewardConfigMap at
-    acceptance). Never the data claim: no code is read from it (the spec refuses that), and the pool reads no
-    prompts."""
+    acceptance): a replica serving one half of a split pool gets that half's files only (the model's code never
+    reads the reward function's). Never the data claim: no code is read from it (the spec refuses that), and the
+    pool reads no prompts."""
     vols: list[dict[str, Any]] = [
         {"name": "spec", "configMap": {"name": names(job.metadata.name)["configmap"]}},
         {"name": "scratch", "emptyDir": {"sizeLimit": SCRATCH_SIZE}},
@@ -53,7 +61,14 @@ def _volumes(job: RLHFJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         {"name": "scratch", "mountPath": SCRATCH_MOUNT},
     ]
     if code_keys(job):
-        vols.append({"name": "reward", "configMap": {"name": names(job.metadata.name)["reward"]}})
+        source: dict[str, Any] = {"name": names(job.metadata.name)["reward"]}
+        if serves != SERVES_ALL:
+            mine = {reward_configmap_key(path) for field, path in code_files(job.spec).items()
+                    if field.startswith("spec.models.reward.") == (serves == SERVES_REWARDS)}
+            if not mine:  # an agent of built-ins only: no code to mount (an empty `items` would project every key)
+                return vols, mounts
+            source["items"] = [{"key": k, "path": k} for k in sorted(mine)]
+        vols.append({"name": "reward", "configMap": source})
         mounts.append({"name": "reward", "mountPath": REWARD_MOUNT, "readOnly": True})
     return vols, mounts
 
@@ -66,17 +81,22 @@ def sandbox_env(job: RLHFJob) -> list[dict[str, Any]]:
             {"name": "AWS_EC2_METADATA_DISABLED", "value": "true"}]
 
 
-def environment_pod(job: RLHFJob, uid: str, index: int) -> dict[str, Any]:
+def environment_pod(job: RLHFJob, uid: str, index: int, runtime_class: str = "",
+                    token_uid: str = "") -> dict[str, Any]:
     """Replica `index`: `hybridflow environments serve` on the resolved spec, authenticated with the job's sandbox
-    token."""
+    token, serving what sandbox_replicas gives that index. `runtime_class`: the RuntimeClass when the spec names
+    none (the chart's jobPolicy.sandboxRuntimeClassName, policy.Policy.sandbox_runtime_class; "": the cluster's
+    default runtime). `token_uid`: the uid of the sandbox token Secret it starts with (TOKEN_UID_ANNOTATION)."""
     pool = sandbox_pool(job.spec)
     assert pool is not None
-    name = job.metadata.name
+    name, serves = job.metadata.name, sandbox_replicas(job.spec)[index]
+    # --serves only for a split pool: a pool serving everything runs as before (an older image has no such flag)
+    split = ["--serves", serves] if serves != SERVES_ALL else []
     container = {
         "name": "environments",
         "image": pool.image or job.spec.kubernetes.image,
         "command": ["hybridflow", "environments", "serve", "--spec", f"{SPEC_MOUNT}/{SPEC_KEY}",
-                    "--port", str(ENVIRONMENT_PORT), "--address", "0.0.0.0"],
+                    "--port", str(ENVIRONMENT_PORT), "--address", "0.0.0.0", *split],
         "ports": [{"name": "environments", "containerPort": ENVIRONMENT_PORT}],
         "env": sandbox_env(job),
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": ENVIRONMENT_PORT}, "periodSeconds": 5},
@@ -85,9 +105,11 @@ def environment_pod(job: RLHFJob, uid: str, index: int) -> dict[str, Any]:
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pod = _pod(job, uid, environment_pod_name(name, index), environment_labels(index), [container], [], None, "64Mi",
-               volumes_and_mounts=_volumes(job), gang=False)
-    if job.spec.sandbox.runtime_class_name:
-        pod["spec"]["runtimeClassName"] = job.spec.sandbox.runtime_class_name
+               volumes_and_mounts=_volumes(job, serves), gang=False)
+    if runtime_class := job.spec.sandbox.runtime_class_name or runtime_class:
+        pod["spec"]["runtimeClassName"] = runtime_class
+    if token_uid:
+        pod["metadata"].setdefault("annotations", {})[TOKEN_UID_ANNOTATION] = token_uid
     pod["spec"]["hostname"] = f"env-{index}"
     pod["spec"]["subdomain"] = environment_service_name(name)
     return pod
@@ -155,23 +177,27 @@ class PoolPlan:
     refused: str = ""
 
 
-def plan_pool(job: RLHFJob, phase: str | None, pods: list[PodView], creating_gang: bool) -> PoolPlan:
+def plan_pool(job: RLHFJob, phase: str | None, pods: list[PodView], creating_gang: bool,
+              token_uid: str = "") -> PoolPlan:
     """The pool in the phase the tick leaves the job in. It runs from the first gang's creation to the job's end:
     missing replicas are made (in Pending only along with the gang's pods, so that a job waiting for its inputs
     starts nothing), ended ones deleted (and made again once gone); in any other phase (suspended, finished) every
     pod goes. `pods`: the job's environment pods."""
-    pool = sandbox_pool(job.spec)
+    replicas = len(sandbox_replicas(job.spec))
     live = [p for p in pods if not p.deleting]
-    if pool is None or phase not in POOL_PHASES:  # every pod goes, and the status says so (not the last count)
+    if not replicas or phase not in POOL_PHASES:  # every pod goes, and the status says so (not the last count)
         return PoolPlan(delete=[p.name for p in live],
-                        status=None if pool is None else {"replicas": pool.replicas, "pods": 0, "ready": 0})
-    wanted = {environment_pod_name(job.metadata.name, i): i for i in range(pool.replicas)}
-    plan = PoolPlan(delete=[p.name for p in live if p.phase in ENDED or p.name not in wanted])
+                        status={"replicas": replicas, "pods": 0, "ready": 0} if replicas else None)
+    wanted = {environment_pod_name(job.metadata.name, i): i for i in range(replicas)}
+    # ended, unwanted, or started with a sandbox token made anew since (`token_uid`: the job's Secret's uid now; a
+    # pod without the annotation, made by an older operator, is left as it is)
+    stale = {p.name for p in live if token_uid and p.token_uid and p.token_uid != token_uid}
+    plan = PoolPlan(delete=[p.name for p in live if p.phase in ENDED or p.name not in wanted or p.name in stale])
     present = {p.name for p in pods}  # a deleting pod still holds its name: made again once it is gone
     if phase != Phase.PENDING or creating_gang:
         plan.create = [i for n, i in wanted.items() if n not in present]
     serving = [p for p in live if p.name in wanted and p.phase not in ENDED]
-    plan.status = {"replicas": pool.replicas, "pods": len(serving), "ready": sum(p.ready for p in serving)}
+    plan.status = {"replicas": replicas, "pods": len(serving), "ready": sum(p.ready for p in serving)}
     if refusing := [p for p in pods if p.phase == PodPhase.FAILED and p.exit_code == EXIT_SANDBOX_UNAVAILABLE]:
         plan.refused = (f"sandbox pod {refusing[0].name} refused to run the job's user code without every layer of "
                         f"the sandbox: {refusing[0].message or 'its node lacks some'}")

@@ -31,16 +31,17 @@ from kubernetes.client.rest import ApiException
 
 from hybridflow.api import API_GROUP as GROUP
 from hybridflow.api import PLURAL, VERSION, RLHFJob, SpecError, parse_job
-from hybridflow.api.agents import sandbox_pool
+from hybridflow.api.agents import sandbox_replicas
 from hybridflow.api.errors import last_error
 from hybridflow.api.storage import is_url
 from hybridflow.api.status import TERMINAL, JobStatus, Phase
 from hybridflow_operator import kueue
 from hybridflow_operator import manifests as mf
 from hybridflow_operator.environments import (PoolPlan, environment_children, environment_policy_name,
-                                              environment_pod, plan_pool)
+                                              environment_pod, plan_pool, TOKEN_UID_ANNOTATION)
 from hybridflow_operator.kube import API_TIMEOUT, Kube, controllers, ignore
 from hybridflow_operator.metrics import OperatorMetrics
+from hybridflow_operator import plan_pod as pp
 from hybridflow_operator.phases import (Plan, PodPhase, PodView, Queue, admit_gang, backoff, decide, fail, invalid, iso,
                                          names_taken, parse_time, refused, resting, set_condition)
 from hybridflow_operator.policy import Policy, queue_problem, unmarked, violations
@@ -123,10 +124,12 @@ def _pod_view(pod: dict[str, Any]) -> PodView:
     meta, st = pod["metadata"], pod.get("status") or {}
     labels = meta.get("labels") or {}
     message = st.get("message") or st.get("reason") or ""
-    exit_code = None
+    exit_code, output = None, ""
     for kind, key in (("init container", "initContainerStatuses"), ("container", "containerStatuses")):
         for cs in st.get(key) or []:
             term = (cs.get("state") or {}).get("terminated")
+            if term and not term.get("exitCode") and kind == "container":
+                output = output or term.get("message") or ""
             if term and term.get("exitCode"):
                 exit_code = int(term["exitCode"])
                 message = f"{kind} {cs['name']} exited with code {exit_code} ({term.get('reason', 'Error')})"
@@ -148,7 +151,9 @@ def _pod_view(pod: dict[str, Any]) -> PodView:
         pending_since=_time(meta.get("creationTimestamp")) if phase == PodPhase.PENDING else None,
         pool=labels.get(mf.LABEL_POOL, ""),
         index=int(labels.get(mf.LABEL_INDEX, "-1")),
+        token_uid=(meta.get("annotations") or {}).get(TOKEN_UID_ANNOTATION, ""),
         ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or []),
+        output=output,
     )
 
 
@@ -561,11 +566,12 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
         live = parse_job({"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
                           "metadata": {"name": name, "namespace": namespace}, "spec": dict(body.get("spec") or {})},
                          f"RLHFJob {namespace}/{name}")
-        job, changed = _accepted_job(shared.kube, live, uid, status, memo)
+        accepted, changed = _accepted_job(shared.kube, live, uid, status, memo)
+        job = pp.with_plan(accepted, status)  # placement auto: its recorded plan laid over it (plan_pod.py)
         if not status.get("phase"):  # checked once, at acceptance: a running job is never failed
             _check_queueable(job, queue_name, shared.policy)
     except SpecError as err:
-        error, changed, job = str(err), False, None
+        error, changed, job, accepted = str(err), False, None, None
     queue = Queue(queue_name, _workload(workloads, namespace, name, uid)) if queue_name and KUEUE else None
     asked = None  # an elastic rollout pool's size, when more than Kueue admitted (the job runs at what it admitted)
     if job is not None and queue is not None:
@@ -573,7 +579,7 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     pods = _observed_pods(index, namespace, name, uid, memo)
     # The environment pool's pods live beside the gang, not in it: decided on apart (environments.plan_pool).
     pool_views = [p["view"] for p in pods if p["view"].role == mf.ENVIRONMENT_ROLE]
-    views = [p["view"] for p in pods if p["view"].role != mf.ENVIRONMENT_ROLE]
+    views = [p["view"] for p in pods if p["view"].role not in (mf.ENVIRONMENT_ROLE, pp.PLAN_ROLE)]
     gen = int(status.get("restarts", 0))
     disrupted = {pod: why for pod, (g, why) in shared.disrupted.get((namespace, name), {}).items() if g == gen}
     plan = decide(job, error, status, views, now, disrupted=disrupted, queue=queue, rollout_asked=asked)
@@ -588,6 +594,8 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     if job is not None and plan.create_gang is not None:  # about to create pods: are their inputs there?
         missing, reward = _missing_inputs(shared.kube, shared.policy, job, namespace, status)
         plan = admit_gang(plan, status, views, now, missing, violations(job, shared.policy))
+    plan = pp.plan_step(plan, job, next((p["view"] for p in pods if p["view"].role == pp.PLAN_ROLE), None), now,
+                        unqueued=queue is not None and queue.workload is None)
     if job is not None and queue is not None and not status.get("phase") and plan.status.get("phase") == Phase.QUEUED \
             and (broken := violations(job, shared.policy)):  # judged before it queues: Kueue's quota is not spent
         plan = admit_gang(replace(plan, create_gang=0), status, views, now, None, broken)  # on a job never to run
@@ -623,7 +631,7 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
                 if plan.status.get("phase") not in (*TERMINAL, Phase.SUSPENDED) else set())
         try:
             _create_children(shared, job, uid, plan, pods, memo, first_start=not status.get("phase"), reward=reward,
-                             lost=lost, pool=pool, queue=queue)
+                             lost=lost, pool=pool, queue=queue, accepted=accepted)
         except PodNamesTaken as err:  # someone else's pods under the names of the job's: said, tried again later
             planned = plan
             plan = names_taken(planned.status, namespace, err.pods, now)
@@ -689,16 +697,17 @@ def _check_queueable(job: RLHFJob, queue: str | None, policy: Policy) -> None:
         raise SpecError("; ".join(problems))
 
 
-def _make_workload(kube: Kube, job: RLHFJob, uid: str | None, queue: str, memo: kopf.Memo) -> None:
+def _make_workload(kube: Kube, job: RLHFJob, uid: str | None, queue: str, memo: kopf.Memo,
+                   runtime_class: str = "") -> None:
     """Create the job's Workload (it has none, or it was deleted), at most once per CREATED_GRACE_SECONDS while the
-    watch has not shown it. One found under its name must be the job's own (`_check_owner`)."""
+    watch has not shown it. One found under its name must be the job's own (`_check_owner`). `runtime_class`: the
+    sandbox pods' default RuntimeClass (Policy.sandbox_runtime_class), so its podSets are the pods made later."""
     posted = memo.get("workload_posted")
     if posted is not None and time.monotonic() - posted < CREATED_GRACE_SECONDS:
         return
     memo["workload_posted"] = time.monotonic()  # a refused create too is tried again only after the grace
     pods = mf.gang_pods(job, uid or "", 0)
-    if (sandboxes := sandbox_pool(job.spec)) is not None:
-        pods += [environment_pod(job, uid or "", i) for i in range(sandboxes.replicas)]
+    pods += [environment_pod(job, uid or "", i, runtime_class) for i in range(len(sandbox_replicas(job.spec)))]
     obj = kueue.workload(job, uid or "", queue, pods, _priority(kube, job))
     try:
         made = kube.create(obj)
@@ -781,7 +790,12 @@ def _plan_pool(job: RLHFJob | None, plan: Plan, pool_views: list[PodView], views
     if job is None:  # a spec that does not parse: the job fails, its pool goes
         pool = PoolPlan(delete=[v.name for v in pool_views if not v.deleting])
     else:
-        pool = plan_pool(job, plan.status.get("phase"), pool_views, plan.create_gang is not None)
+        # a Pending job's pool is made along with its gang's pods: as they are created, or once they are there (a
+        # sandbox pod deleted at a gang start, its token made anew, is made again before the gang runs)
+        gen = int(plan.status.get("restarts", 0))
+        gang = plan.create_gang is not None or any(v.generation == gen and not v.deleting for v in views)
+        pool = plan_pool(job, plan.status.get("phase"), pool_views, gang,
+                         plan.status.get(SECRET_UID_KEYS["sandbox_token"], ""))
         if pool.refused and plan.status.get("phase") not in TERMINAL:
             fail(plan, "SandboxUnavailable", pool.refused, now, views)
             pool = plan_pool(job, plan.status.get("phase"), pool_views, False)  # Failed: every replica goes
@@ -794,7 +808,7 @@ def _plan_pool(job: RLHFJob | None, plan: Plan, pool_views: list[PodView], views
 def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, pods: list[dict[str, Any]],
                      memo: kopf.Memo, first_start: bool, reward: dict[str, str] | None,
                      lost: set[tuple[str, str]] | None = None, pool: PoolPlan | None = None,
-                     queue: Queue | None = None) -> None:
+                     queue: Queue | None = None, accepted: RLHFJob | None = None) -> None:
     """The static children, the job's copy of its code files and the missing pods of the planned generation; a
     refused create raises, naming the object it was about. The pods may use only what the accepted spec names
     (`foreign_references`). A child that already exists must be this job's (`_check_existing`).
@@ -803,25 +817,29 @@ def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, 
     status.startTime), then remembered (`memo["children"]`), not re-POSTed at every tick; `lost` (kind, name), the
     followed children deleted since (`_lost_children`), are made again at any tick, with a Warning event. `pool`:
     the environment pool's replicas to create (environments.plan_pool), at any tick. `queue`: a job queued through
-    Kueue: its Workload is made when it has none, and its pods are placed where Kueue admitted them (`_placed`)."""
+    Kueue: its Workload is made when it has none, and its pods are placed where Kueue admitted them (`_placed`).
+    `accepted`: the spec the job was accepted with, before status.plan (what its ConfigMap holds); a plan pod is
+    made outside Kueue, and no Workload nor gang pod from a job whose placement is still auto (plan_pod.py)."""
     lost = lost or set()
-    if queue is not None and queue.workload is None and plan.status.get("phase") not in TERMINAL:
-        _make_workload(shared.kube, job, uid, queue.name, memo)
+    if queue is not None and queue.workload is None and plan.status.get("phase") not in TERMINAL \
+            and job.spec.placement != "auto":
+        _make_workload(shared.kube, job, uid, queue.name, memo, shared.policy.sandbox_runtime_class)
     objs: list[dict[str, Any]] = []
     if plan.create_static or lost:
         policy, own = shared.policy, shared.operator_namespace
         scrapers = [*policy.metrics_namespaces, *([own] if own else [])]
-        static = mf.static_children(job, uid, secrets.token_hex(32), scrapers, policy.egress)
+        static = mf.static_children(job, uid, secrets.token_hex(32), scrapers, policy.egress, accepted)
         static += environment_children(job, uid, secrets.token_hex(32))
         objs += static if plan.create_static else [o for o in static if (o["kind"], o["metadata"]["name"]) in lost]
-    new_pods: list[dict[str, Any]] = [environment_pod(job, uid, i) for i in (pool.create if pool else [])]
+    new_pods: list[dict[str, Any]] = [environment_pod(job, uid, i, shared.policy.sandbox_runtime_class)
+                                      for i in (pool.create if pool else [])]
     if new_pods and plan.create_gang is None:  # a sandbox pod remade mid-run: what it mounts is checked first
         _check_pool_inputs(shared.kube, job, uid, plan.status)
     if plan.create_gang is not None:
         if job.spec.kubernetes.reward_config_map and (
                 files := _reward_to_copy(shared.kube, shared.policy, job, uid, plan.status, reward)):
             objs.append(mf.reward_configmap(job, uid, files))
-        new_pods += mf.gang_pods(job, uid, plan.create_gang)
+        new_pods += pp.with_plan_env(mf.gang_pods(job, uid, plan.create_gang), plan.status.get("plan"))
     if new_pods:
         if foreign := mf.foreign_references(new_pods, memo.get("accepted") or job):
             raise SpecError(f"the job's pods would use {', '.join(foreign)}, which the spec it was accepted with "
@@ -829,6 +847,8 @@ def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, 
         existing = {p["view"].name for p in pods}
         new_pods = [p for p in new_pods if p["metadata"]["name"] not in existing]
         objs += _placed(shared.kube, queue, new_pods) if queue is not None and new_pods else new_pods
+    if plan.create_plan_pod and not any(p["view"].name == pp.plan_pod_name(job.metadata.name) for p in pods):
+        objs.append(pp.plan_pod(job, uid or ""))  # outside Kueue's quota: small, and before the Workload
     created = memo.setdefault("created", {})
     start = (int(plan.status.get("restarts", 0)), plan.status.get("startTime"))
     known = memo.get("children")
@@ -841,6 +861,10 @@ def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, 
         key = (obj["kind"], obj["metadata"]["name"])
         if key in known[1]:
             continue  # created, or found to be this job's, by an earlier tick: no POST (and 409) every tick
+        if obj["kind"] == "Pod" and obj["metadata"]["labels"].get(mf.LABEL_ROLE) == mf.ENVIRONMENT_ROLE and \
+                (token_uid := plan.status.get(SECRET_UID_KEYS["sandbox_token"])):
+            # the token it will read: the Secret's now (made above in this tick, or before)
+            obj["metadata"].setdefault("annotations", {})[TOKEN_UID_ANNOTATION] = token_uid
         try:
             made = shared.kube.create(obj)
         except ApiException as err:
@@ -855,10 +879,14 @@ def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, 
             _check_existing(shared.kube, obj, job.metadata.name, uid, plan.status, first_start)
         elif obj["kind"] == "Secret":
             # The operator never reads Secrets: the uid its create returned is how `cleanup` knows this one.
-            plan.status[SECRET_UID_KEYS[next(k for k, v in mf.names(job.metadata.name).items()
-                                             if v == obj["metadata"]["name"])]] = made.metadata.uid
+            role = next(k for k, v in mf.names(job.metadata.name).items() if v == obj["metadata"]["name"])
+            plan.status[SECRET_UID_KEYS[role]] = made.metadata.uid
             _write_status(shared.kube, obj["metadata"]["namespace"], job.metadata.name, memo.get("written") or {},
                           plan.status, memo)
+            if role == "sandbox_token" and any(p["view"].role == mf.ENVIRONMENT_ROLE for p in pods):
+                plan.events.append(("Warning", "SandboxPodsReplaced", f"Secret {obj['metadata']['name']} was "
+                                    "deleted and is made anew with a new token; the sandbox pods started with the "
+                                    "old one are made again (environments.plan_pool)"))
         if obj["kind"] == "Pod":
             created[obj["metadata"]["name"]] = (time.monotonic(), _pod_view(obj))
             continue

@@ -19,7 +19,10 @@ from hybridflow.api import (
     DATA_MOUNT, REWARD_MOUNT, JobSpec, ModelSource, RLHFJob, ResourcePool, SpecError, dump_job, pool_resource,
     pool_slot_resource, reward_configmap_key,
 )
-from hybridflow.api.agents import code_files, sandbox_pool
+from hybridflow.api.agents import (
+    ENVIRONMENT_URLS_ENV, REWARD_URLS_ENV, SERVES_AGENTS, SERVES_ALL, SERVES_REWARDS, code_files, sandbox_pool,
+    sandbox_replicas,
+)
 from hybridflow.api.rules import kubernetes_code_problems
 from hybridflow.api.names import (
     LABEL_GENERATION, LABEL_INDEX, LABEL_JOB, LABEL_POOL, LABEL_ROLE, head_pod_name, names, worker_pod_name,
@@ -53,11 +56,10 @@ MODEL_CACHE_SIZE = "64Gi"
 FS_GROUP = 1000  # group of what pods write to volumes (the images' users are 1000 and 1001: their own USER runs)
 # spec.environments: the environment pool's pods (role ENVIRONMENT_ROLE, no gang generation: they outlive gang
 # restarts), each reachable as env-<index>.<job>-env.<namespace>.svc (hostname + subdomain of a headless Service)
-# on ENVIRONMENT_PORT; the head and pool pods get the replicas' URLs in ENVIRONMENT_URLS_ENV (hybridflow.agents.remote
-# reads that variable; the operator cannot import it, test_environment_manifests checks the two agree).
+# on ENVIRONMENT_PORT; the head and pool pods get the replicas' URLs in ENVIRONMENT_URLS_ENV (and REWARD_URLS_ENV for
+# replicas set apart for reward functions), the names hybridflow.sandbox_pool reads.
 ENVIRONMENT_ROLE = "environment"
 ENVIRONMENT_PORT = 8100
-ENVIRONMENT_URLS_ENV = "HYBRIDFLOW_ENVIRONMENT_URLS"
 # hybridflow.sandbox's switch: "require" refuses to run user code without every layer of the sandbox. The
 # sandbox pods exist to run untrusted code; a pod whose runtime refuses user namespaces fails, saying so, instead
 # of running it with fewer layers, unless spec.sandbox.allowPartial says the pod's own containment is enough.
@@ -339,14 +341,24 @@ def environment_pod_name(job_name: str, index: int) -> str:
     return f"{job_name}-env-{index}"
 
 
-def environment_urls(job: RLHFJob) -> list[str]:
-    """Where the rollout reaches each replica of spec.environments: its pod's stable DNS name (hostname env-<i> in
-    the pool's Service), the same across the pod's replacements; [] without spec.environments."""
-    pool = sandbox_pool(job.spec)
-    if pool is None:
-        return []
+def environment_urls(job: RLHFJob, serving: str = SERVES_AGENTS) -> list[str]:
+    """Where the job reaches each replica of its sandbox pool serving `serving` (SERVES_AGENTS: tools and
+    environments; SERVES_REWARDS: reward functions): its pod's stable DNS name (hostname env-<i> in the pool's
+    Service), the same across the pod's replacements; [] without a pool."""
     svc, ns = environment_service_name(job.metadata.name), job_namespace(job)
-    return [f"http://env-{i}.{svc}.{ns}.svc:{ENVIRONMENT_PORT}" for i in range(pool.replicas)]
+    return [f"http://env-{i}.{svc}.{ns}.svc:{ENVIRONMENT_PORT}"
+            for i, serves in enumerate(sandbox_replicas(job.spec)) if serves in (serving, SERVES_ALL)]
+
+
+def sandbox_urls_env(job: RLHFJob) -> list[dict[str, Any]]:
+    """The gang's env for the sandbox pool: its replicas (those set apart for reward functions on their own
+    variable) and the sandbox token; [] without a pool."""
+    if not (agents := environment_urls(job)):
+        return []
+    out = [{"name": ENVIRONMENT_URLS_ENV, "value": ",".join(agents)}]
+    if (rewards := environment_urls(job, SERVES_REWARDS)) != agents:
+        out.append({"name": REWARD_URLS_ENV, "value": ",".join(rewards)})
+    return [*out, sandbox_token_env(job)]
 
 
 def head_service(job: RLHFJob, uid: str) -> dict[str, Any]:
@@ -501,7 +513,7 @@ def _pod(
     the environment pool's URLs); an environment pod is not (it runs user code, and outlives gang restarts)."""
     k8s, policy = job.spec.kubernetes, job.spec.run_policy
     volumes, mounts = volumes_and_mounts or _volumes(job, shm, head=pool is None)
-    urls = environment_urls(job) if gang else []
+    sandbox_env = sandbox_urls_env(job) if gang else []
     for c in [*containers, *init_containers]:
         c.setdefault("image", k8s.image)
         c.setdefault("imagePullPolicy", k8s.image_pull_policy)
@@ -510,8 +522,7 @@ def _pod(
         # gang's pods run no user code (the sandbox pool does); were some path to try, it would be refused there.
         gang_env = [*_ray_env(job), {"name": SANDBOX_ENV, "value": SANDBOX_REQUIRED}] if gang else []
         c["env"] = gang_env + c.get("env", [])
-        if urls:
-            c["env"] += [{"name": ENVIRONMENT_URLS_ENV, "value": ",".join(urls)}, sandbox_token_env(job)]
+        c["env"] += sandbox_env
         c["securityContext"] = copy.deepcopy(CONTAINER_SECURITY)
         c["workingDir"] = SCRATCH_MOUNT  # the root filesystem is read-only: relative paths (./checkpoints) land here
         resources = c.setdefault("resources", {})
@@ -768,12 +779,14 @@ def foreign_references(pods: list[dict[str, Any]], accepted: RLHFJob) -> list[st
     return [f"{kind} {name}" for kind, name in sorted(pod_references(pods) - accepted_references(accepted))]
 
 
-def static_children(job: RLHFJob, uid: str, ray_token: str,
-                    metrics_namespaces: list[str], egress: Egress | None = None) -> list[dict[str, Any]]:
+def static_children(job: RLHFJob, uid: str, ray_token: str, metrics_namespaces: list[str],
+                    egress: Egress | None = None, accepted: RLHFJob | None = None) -> list[dict[str, Any]]:
     """What exists for the job's whole life, across gang restarts. `uid`: the job object's (its children's owner);
     `ray_token` is a fresh random token, used only when the job has no token Secret yet; `egress`: where the job's
-    pods may connect (default: own pods and DNS)."""
-    out = [configmap(job, uid), head_service(job, uid), network_policy(job, uid, metrics_namespaces, egress)]
+    pods may connect (default: own pods and DNS); `accepted`: the spec the ConfigMap holds when `job` is not it (a
+    `placement: auto` job's, before its plan is laid over it)."""
+    out = [configmap(accepted or job, uid), head_service(job, uid), network_policy(job, uid, metrics_namespaces,
+                                                                                 egress)]
     if not job.spec.kubernetes.ray_auth_secret:
         out.append(ray_token_secret(job, uid, ray_token))
     if job.spec.run_policy.gang_scheduling:

@@ -67,6 +67,8 @@ class PodView:
     pool: str = ""  # a worker's resource pool (its pool label); "" for the head
     index: int = -1  # a worker's index in its pool (its index label); -1 for the head
     ready: bool = False  # its Ready condition is True
+    output: str = ""  # the termination message of its container that exited 0 (a plan pod's plan)
+    token_uid: str = ""  # a sandbox pod's sandbox token Secret uid (environments.TOKEN_UID_ANNOTATION)
 
 
 @dataclass
@@ -74,6 +76,7 @@ class Plan:
     status: JobStatus
     create_static: bool = False
     create_gang: int | None = None  # generation whose missing pods to create
+    create_plan_pod: bool = False  # a `placement: auto` job's plan pod, before its first gang (plan_pod.py)
     delete_pods: list[str] = field(default_factory=list)
     delete_job: bool = False
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,6 +201,15 @@ class Policy:
     # "key=value": the label a namespace must carry for the operator to act in it ("": every namespace it watches)
     namespace_label: str = ""
     require_queue: bool = False  # every job is queued through Kueue (chart value kueue.required)
+    # RuntimeClasses a job may name in spec.sandbox.runtimeClassName (its sandbox pods only): runtimes with a kernel
+    # of their own, gVisor's and Kata's usual names. A RuntimeClass picks the pods' runtime handler (one configured
+    # unconfined, privileged, with the node's devices) and can carry scheduling (tolerations, a nodeSelector) and
+    # overhead; naming one is the platform team's choice, not the job author's. Empty: none (the default below).
+    allowed_runtime_classes: tuple[str, ...] = ("gvisor", "runsc", "kata", "kata-qemu", "kata-clh", "kata-fc")
+    # The RuntimeClass of the sandbox pods of jobs that leave spec.sandbox.runtimeClassName unset ("": the
+    # cluster's default runtime); chart value jobPolicy.sandboxRuntimeClassName. The platform team's own choice: not
+    # judged by allowed_runtime_classes. Given to the pod builder (environments.environment_pod).
+    sandbox_runtime_class: str = ""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Policy":
@@ -228,6 +238,10 @@ class Policy:
             egress=Egress.from_env(env),
             namespace_label=_label(env.get("HYBRIDFLOW_NAMESPACE_LABEL", d.namespace_label)),
             require_queue=flag("HYBRIDFLOW_KUEUE_REQUIRED", d.require_queue),
+            allowed_runtime_classes=tuple(_runtime_class("HYBRIDFLOW_ALLOWED_RUNTIME_CLASSES", c) for c in
+                                          items("HYBRIDFLOW_ALLOWED_RUNTIME_CLASSES", d.allowed_runtime_classes)),
+            sandbox_runtime_class=_runtime_class("HYBRIDFLOW_SANDBOX_RUNTIME_CLASS",
+                                                 env.get("HYBRIDFLOW_SANDBOX_RUNTIME_CLASS", d.sandbox_runtime_class)),
         )
 
     def acts_in(self, namespace_labels: dict[str, str] | None) -> bool:
@@ -236,6 +250,17 @@ class Policy:
             return True
         key, value = self.namespace_label.split("=", 1)
         return namespace_labels is not None and namespace_labels.get(key) == value
+
+
+# A RuntimeClass's name: a DNS subdomain (the API server refuses a pod naming anything else).
+_RUNTIME_CLASS = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+
+def _runtime_class(key: str, raw: str) -> str:
+    raw = raw.strip()
+    if raw and (len(raw) > 253 or not _RUNTIME_CLASS.match(raw)):
+        raise PolicyError(f"{key}: a RuntimeClass name (lowercase letters, digits, '-', '.'), got '{raw}'")
+    return raw
 
 
 def _label(raw: str) -> str:
@@ -274,6 +299,11 @@ def violations(job: RLHFJob, policy: Policy) -> list[str]:
     if scheduler and scheduler not in policy.allowed_schedulers:
         out.append(f"spec.runPolicy.schedulerName '{scheduler}' is not allowed "
                    f"({', '.join(policy.allowed_schedulers) or 'none'}; chart value jobPolicy.allowedSchedulers)")
+    rc = job.spec.sandbox.runtime_class_name
+    if rc and rc not in policy.allowed_runtime_classes:
+        out.append(f"spec.sandbox.runtimeClassName '{rc}' is not allowed "
+                   f"({', '.join(policy.allowed_runtime_classes) or 'none'}; chart value "
+                   "jobPolicy.allowedRuntimeClasses)")
     for i, pool in enumerate(job.spec.resource_pools):
         if pool.tolerations and not policy.allow_tolerations:
             out.append(f"spec.resourcePools[{i}].tolerations: tolerations are not allowed "

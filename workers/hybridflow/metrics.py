@@ -73,6 +73,9 @@ STEP_GAUGES = {
     "agent_environment_reward_mean": ("agent_env_reward_mean", "Environment reward per episode (its steps summed)."),
     "agent_episodes_failed": ("agent_episodes_failed", "Episodes of the last step that ended on an environment "
                               "error (reported with their sample)."),
+    "agent_episodes_failed_infrastructure": ("agent_episodes_failed_infrastructure", "Of those, episodes the sandbox "
+                                             "pool failed (a replica lost, no sandbox, an HTTP error): not counted "
+                                             "against maxFailedFraction."),
     "agent_episodes_retried": ("agent_episodes_retried", "Episodes of the last step started again after their "
                                "environment replica was lost."),
     "agent_environment_requests": ("agent_environment_requests", "Requests the last step sent to the environment "

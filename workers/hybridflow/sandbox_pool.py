@@ -24,17 +24,32 @@ from urllib.parse import urlsplit
 from hybridflow import wire
 
 Info = dict[str, Any]
-URLS_ENV = "HYBRIDFLOW_ENVIRONMENT_URLS"  # comma-separated sandbox pool replicas (set by the operator)
+# What one replica of the pool serves: everything, or one half of a pool split in two (hybridflow.api.agents.
+# sandbox_replicas): tools and environments, or reward functions.
+SERVES_ALL, SERVES_AGENTS, SERVES_REWARDS = "all", "agents", "rewards"
+SERVES = (SERVES_ALL, SERVES_AGENTS, SERVES_REWARDS)
+SERVES_ANY = "any"  # pool_from_env: every replica, whatever it serves (which layers they lack)
+URLS_ENV = "HYBRIDFLOW_ENVIRONMENT_URLS"  # comma-separated replicas serving tools and environments (the operator's)
+# comma-separated replicas scoring reward functions, when the operator set them apart (hybridflow.api.agents.
+# rewards_apart); unset: the replicas of URLS_ENV serve reward functions too
+REWARD_URLS_ENV = "HYBRIDFLOW_REWARD_URLS"
 TOKEN_ENV = "HYBRIDFLOW_SANDBOX_TOKEN"  # the job's sandbox token (set by the operator from the job's Secret)
 MARGIN_SECONDS = 10.0  # the network, the sandbox's start and a busy replica, on top of the server's deadline
 MAX_ANSWER = 64 << 20  # a reward batch's scores and metrics, a tool's answer or an observation: far less
 COOL_DOWN_SECONDS = 30.0  # a replica that did not answer gets no new session for this long (it is being replaced)
 
 
-def pool_from_env() -> "PoolClient | None":
+def _env_urls(name: str) -> list[str]:
+    return [u for u in os.environ.get(name, "").split(",") if u.strip()]
+
+
+def pool_from_env(serving: str = SERVES_AGENTS) -> "PoolClient | None":
     """This process's sandbox pool when the operator handed it the replicas (None: user code runs on this machine,
-    as under `hybridflow run`)."""
-    urls = [u for u in os.environ.get(URLS_ENV, "").split(",") if u.strip()]
+    as under `hybridflow run`). `serving`: "agents" (tools and environments), "rewards" (reward functions: the
+    replicas set apart for them, else the same ones) or SERVES_ANY (every replica, once: which layers they lack)."""
+    agents, rewards = _env_urls(URLS_ENV), _env_urls(REWARD_URLS_ENV)
+    urls = {SERVES_AGENTS: agents, SERVES_REWARDS: rewards or agents,
+            SERVES_ANY: list(dict.fromkeys(agents + rewards))}[serving]
     return PoolClient(urls, os.environ.get(TOKEN_ENV, "")) if urls else None
 
 

@@ -121,6 +121,10 @@ tests/test_job_policy.py keeps them equal). */}}
 {'RAY_AUTH_TOKEN': 'token', 'HYBRIDFLOW_SANDBOX_TOKEN': 'token'{{ range $keys }}, '{{ . }}': '{{ . }}'{{ end }}}
 {{- end -}}
 
+{{/* The role label (hybridflow.io/role) of the sandbox pool's pods (manifests.py ENVIRONMENT_ROLE;
+tests/test_job_policy.py keeps them equal). */}}
+{{- define "hybridflow.sandboxRole" -}}environment{{- end -}}
+
 {{/* A CEL list literal of strings: ['a', 'b'] */}}
 {{- define "hybridflow.celList" -}}
 [{{- range $i, $v := . }}{{ if $i }}, {{ end }}'{{ $v }}'{{- end -}}]

@@ -17,16 +17,21 @@ def load(request: dict[str, Any], attribute_key: str) -> Any:
     if request.get("target"):
         module, _, attr = str(request["target"]).partition(":")
         return getattr(importlib.import_module(module), attr)
-    path, source, name = str(request["path"]), str(request["source"]), str(request[attribute_key])
+    path, name = str(request["path"]), str(request[attribute_key])
+    found = getattr(load_module(path, str(request["source"])), name, None)
+    if found is None:
+        raise NameError(f"{Path(path).name} defines no '{name}'")
+    return found
+
+
+def load_module(path: str, source: str) -> types.ModuleType:
+    """The user's file run as a module from `source` (what the driver read), under its own path's name."""
     linecache.cache[path] = (len(source), None, source.splitlines(True), path)  # tracebacks read lines from here
     module = types.ModuleType("hybridflow_user_code")
     module.__file__ = path
     sys.modules[module.__name__] = module
     exec(compile(source, path, "exec"), module.__dict__)  # noqa: S102 - the user's file, in its sandbox
-    found = getattr(module, name, None)
-    if found is None:
-        raise NameError(f"{Path(path).name} defines no '{name}'")
-    return found
+    return module
 
 
 def describe(err: BaseException) -> str:

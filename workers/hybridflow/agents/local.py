@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from hybridflow import sandbox
 from hybridflow import wire
@@ -24,6 +24,7 @@ from hybridflow.agents.registry import ToolSpec
 from hybridflow.sandbox import Limits
 
 TOOL_MODULE, ENV_MODULE = tool_worker.__name__, env_worker.__name__
+LOAD_SECONDS = 60.0  # what an environment session gives its file to load (a tool call's file: the call's deadline)
 WORKER_CHECK = (sys.executable, "-c", f"import {TOOL_MODULE}, {ENV_MODULE}; print('ok')")
 
 
@@ -113,26 +114,39 @@ class LocalTools:
         request: Info = {"arguments": arguments}
         request.update({"target": tool.target} if tool.target else
                        {"path": tool.path, "source": self._sources[name], "function": name})
+        # Whether the call crashed is decided here, not by the sandboxed process (it runs the model's code too: the
+        # python built-in, a user's tool that runs code). Only a user's tool can crash (ToolResult.crashed): its file
+        # did not load (no "loaded" line came first, or its sandbox died before one), or its call raised what the
+        # worker marks `broken` (NameError, or ImportError at an import line, of the file itself). That mark is the
+        # one thing read from the reply: a user's tool that runs the model's code in its own process lets it forge it
+        user = not tool.target
         try:
             worker = _Worker(TOOL_MODULE, self.limits, self.layers, tool.path, self.private)
-        except OSError as err:  # the machine could not start a sandbox (no processes or files left): the answer
+        except OSError as err:  # the machine could not start a sandbox (no processes or files left): not the tool's
             return ToolResult(f"Error: the {name} tool could not start: {err}.", error=f"could not start: {err}",
-                              seconds=time.monotonic() - t0)
+                              seconds=time.monotonic() - t0, unavailable=True)
+        deadline, loaded = time.monotonic() + self.timeout, False  # loading the file and the call: one deadline
         try:
             reply = worker.call(request, self.timeout)
+            if reply.get("loaded") is True:
+                loaded = True
+                reply = worker.reader.receive(max(0.0, deadline - time.monotonic()))
         except wire.WireTimeout:
-            return ToolResult(f"Error: the {name} tool timed out after {self.timeout:g} s.", error="timed out",
+            return ToolResult(f"Error: the {name} tool timed out after {self.timeout:g} s"
+                              f"{'' if loaded else ' (its file was still loading)'}.", error="timed out",
                               timed_out=True, seconds=time.monotonic() - t0)
         except wire.WireError as err:
-            why = f"{err}; {worker.death()}"
-            return ToolResult(f"Error: the {name} tool failed: {why}.", error=why, seconds=time.monotonic() - t0)
+            why = f"{err}; {worker.death()}" + ("" if loaded else " while its file was loading")
+            return ToolResult(f"Error: the {name} tool failed: {why}.", error=why, seconds=time.monotonic() - t0,
+                              crashed=user and not loaded)
         finally:
             worker.kill()
         seconds = time.monotonic() - t0
-        if "ok" in reply:  # cut again: the tool's code may have written this reply itself
+        if loaded and "ok" in reply:  # cut again: the tool's code may have written this reply itself
             return ToolResult(tool_worker.cut(str(reply["ok"])), seconds=seconds)
-        error = tool_worker.cut(str(reply.get("error")))
-        return ToolResult(f"Error: {error}", error=error, seconds=seconds)
+        error = tool_worker.cut(str(reply.get("error")))  # before "loaded": the file's load failure
+        return ToolResult(f"Error: {error}", error=error, seconds=seconds,
+                          crashed=user and (not loaded or reply.get("broken") is True))
 
     def close(self) -> None:
         """Nothing lives between calls."""
@@ -141,7 +155,8 @@ class LocalTools:
 class LocalSessions:
     """Environment sessions, each a sandbox of its own for its episode's life."""
 
-    def __init__(self, code: EnvironmentCode, step_timeout_seconds: float = 10.0, load_timeout_seconds: float = 60.0,
+    def __init__(self, code: EnvironmentCode, step_timeout_seconds: float = 10.0,
+                 load_timeout_seconds: float = LOAD_SECONDS,
                  limits: Limits | None = None, require_sandbox: bool | None = None,
                  layers: sandbox.Layers | None = None, private: Sequence[str] = ()) -> None:
         self.code, self.timeout, self.load_timeout = code, step_timeout_seconds, load_timeout_seconds
@@ -158,7 +173,13 @@ class LocalSessions:
             sid = f"s{next(self._ids)}"
             self._open[sid] = worker
         try:
-            loaded = worker.call(self.code.request(), self.load_timeout)
+            try:
+                loaded = worker.call(self.code.request(), self.load_timeout)
+            except wire.WireError as err:  # its file hangs or kills its sandbox loading: this episode's reset fails
+                why = (f"took more than {self.load_timeout:g} s" if isinstance(err, wire.WireTimeout) else
+                       f"failed: {err}; {worker.death()}")
+                self.close(sid)
+                return sid, Observation("", done=True, error=f"loading the environment's file {why}")
             if "error" in loaded:
                 raise EnvironmentLoadError(f"the environment could not be loaded: {loaded['error']}")
             first = self._call(sid, {"op": "reset", "sample": sample}, "reset")

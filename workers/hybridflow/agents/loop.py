@@ -13,10 +13,9 @@ for others, so that answers arriving together share a call.
 """
 from __future__ import annotations
 
-import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from hybridflow.agents.protocol import (EnvironmentLoadError, Info, Observation, SessionLost, Sessions, ToolResult,
                                        Tools)
@@ -24,6 +23,12 @@ from hybridflow.agents.toolcalls import parse_tool_calls
 
 GATHER_SECONDS = 0.05  # after the first answer, how long the loop waits for more before the next engine call
 RETRIES = 2  # an episode whose session's replica is lost starts again this many times, then fails
+# What failed an episode (Episode.failure): the step's report counts them by kind (hybridflow.trainer.episodes).
+# The user's code failed: counted against spec.rollout.agent.maxFailedFraction
+RESET, STEP, TOOL = "environment reset", "environment step", "tool crash"
+USER_CODE = frozenset({RESET, STEP, TOOL})
+# The places that run it failed (a replica lost, no sandbox could start, a replica's HTTP error): reported, not counted
+LOST, NOT_RUN, UNAVAILABLE = "replica lost", "not run", "sandbox unavailable"
 
 
 class Model(Protocol):
@@ -72,7 +77,11 @@ class Episode:
     env_steps: int = 0
     retries: int = 0
     truncated: bool = False  # it ran out of its token budget
-    error: str | None = None  # the environment failed (reported with the sample); the episode ended there
+    # its first failure, reported with the sample: its environment's reset or a step failed (a non-finite reward
+    # included), its replica was lost too often, or a sandbox did not start (the episode ended there); or one of its
+    # tools crashed (ToolResult.crashed: the episode went on); the user's code's first failure before any other
+    error: str | None = None
+    failure: str | None = None  # the kind of that failure: one of USER_CODE, LOST, NOT_RUN or UNAVAILABLE
 
     def add(self, ids: Sequence[int], model: bool, log_probs: Sequence[float] = ()) -> None:
         self.tokens.extend(ids)
@@ -123,6 +132,7 @@ def run_episodes(prompts: Sequence[list[int]], samples: Sequence[Info], model: M
                 sessions.close(state.session)  # what is left of it on its replica, if anything
             if state.episode.retries >= RETRIES:
                 state.episode.error = f"its environment replica was lost {RETRIES + 1} times ({why})"
+                state.episode.failure = LOST
                 finished[i] = state.episode
                 return
             state.episode.restart()
@@ -157,7 +167,8 @@ def run_episodes(prompts: Sequence[list[int]], samples: Sequence[Info], model: M
                     except EnvironmentLoadError:
                         raise
                     except Exception as err:  # noqa: BLE001 - e.g. no sandbox could start: this episode ends, reported
-                        result = _Answer([], done=True, error=f"{type(err).__name__}: {err}")
+                        result = _Answer([], done=True, error=f"{type(err).__name__}: {err}",
+                                         failure=UNAVAILABLE if live[i].episode.turns else NOT_RUN)
                     _apply(live[i], result, settings, codec)
                     if live[i].done:
                         finish(i)
@@ -179,12 +190,13 @@ class _Answer:
     session: str | None = None
     tools: list[ToolResult] = field(default_factory=list)
     env_step: bool = False
+    failure: str | None = None  # the kind of `error` (Episode.failure)
 
 
 def _reset(sessions: Sessions, sample: Info, codec: Codec) -> _Answer:
     sid, first = sessions.open(sample)
     return _Answer([("user", first.text)] if first.text else [], closed=False, done=first.done or bool(first.error),
-                   error=first.error, session=sid)
+                   error=first.error, session=sid, failure=RESET if first.error else None)
 
 
 def _turn_budget(episode: Episode, settings: EpisodeSettings) -> int:
@@ -214,14 +226,20 @@ def _after_turn(state: _Live, tokens: list[int], log_probs: list[float], setting
             results = [ToolResult(f"Error: {c.error}.", error=c.error) if c.error else tools.call(c.name, c.arguments,
                                                                                                    session)
                        for c in calls]
-            return _Answer([("tool", r.text) for r in results], closed, tools=results)
+            crash = next(((c.name, r.error) for c, r in zip(calls, results) if r.crashed), None)
+            down = next(((c.name, r.error) for c, r in zip(calls, results) if r.unavailable), None)
+            error = (f"the {crash[0]} tool crashed: {crash[1]}" if crash else
+                     f"the {down[0]} tool could not run: {down[1]}" if down else None)
+            return _Answer([("tool", r.text) for r in results], closed, tools=results, error=error,
+                           failure=TOOL if crash else UNAVAILABLE if down else None)
 
         return run_tools
     if settings.has_environment and sessions is not None and session is not None:
         def step() -> _Answer:
             obs: Observation = sessions.step(session, text)
             over = obs.done or bool(obs.error) or last_turn
-            return _Answer([] if over else [("user", obs.text)], closed, obs.reward, over, obs.error, env_step=True)
+            return _Answer([] if over else [("user", obs.text)], closed, obs.reward, over, obs.error, env_step=True,
+                           failure=None if not obs.error else UNAVAILABLE if obs.unavailable else STEP)
 
         return step
     return None
@@ -240,8 +258,8 @@ def _apply(state: _Live, answer: _Answer, settings: EpisodeSettings, codec: Code
         e.tool_errors += int(r.error is not None and not r.timed_out)
         e.tool_timeouts += int(r.timed_out)
         e.tool_seconds += r.seconds
-    if answer.error:
-        e.error = answer.error
+    if answer.error and (e.error is None or (e.failure not in USER_CODE and answer.failure in USER_CODE)):
+        e.error, e.failure = answer.error, answer.failure
     if answer.parts:
         ids = codec.observation_ids(answer.parts, answer.closed)
         room = settings.max_tokens - len(e.tokens)

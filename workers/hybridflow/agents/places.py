@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Sequence
 from hybridflow.agents.local import EnvironmentCode, LocalSessions, LocalTools
 from hybridflow.agents.protocol import Places
 from hybridflow.agents.registry import ENVIRONMENTS, TOOLS, ToolSpec
-from hybridflow.agents.tool_file import read_tools_file
+from hybridflow.agents.tool_file import ToolFileError, read_tools_file
 from hybridflow.sandbox_pool import pool_from_env
 
 if TYPE_CHECKING:
@@ -16,13 +16,14 @@ if TYPE_CHECKING:
 
 
 def job_tools(agent: "Agent") -> dict[str, ToolSpec]:
-    """The tools the model is offered: the named built-ins, then the user's file's."""
+    """The tools the model is offered: the named built-ins, then the user's file's. Raises ToolFileError (naming
+    the file and line) for a file's tool that has a listed built-in's name."""
     tools = {name: TOOLS[name] for name in agent.tools}
     if agent.tools_file:
         for name, spec in read_tools_file(agent.tools_file).items():
             if name in tools:
-                raise ValueError(f"{agent.tools_file}: tool '{name}' is also a built-in in spec.rollout.agent.tools; "
-                                 "rename one")
+                raise ToolFileError(f"{agent.tools_file}:{spec.line}: tool '{name}' has the name of the built-in "
+                                    "tool in spec.rollout.agent.tools; rename it, or drop the built-in")
             tools[name] = spec
     return tools
 

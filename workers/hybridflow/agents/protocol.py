@@ -20,13 +20,25 @@ class ToolResult:
     error: str | None = None  # the tool raised, returned something unusable, or a sandbox limit stopped it
     timed_out: bool = False
     seconds: float = 0.0
+    # a user's tool whose code cannot work, decided by the driver (hybridflow.agents.local), never by what the
+    # sandboxed process says of itself: its file did not load (or its sandbox died loading it), or the call raised
+    # NameError, or ImportError at an import line, in the tools file itself (broken whatever the model passed). Never
+    # a built-in tool, a timeout, what else the tool raised (its answer to the model's arguments), nor its sandbox
+    # dying during the call (the model's arguments can do that). The model still reads it; the episode goes on,
+    # counted as failed, against spec.rollout.agent.maxFailedFraction
+    crashed: bool = False
+    # no sandbox could run it (the machine could not start one, the pool's replica answered an HTTP error): reported
+    # with the episode, never counted against maxFailedFraction (not the user's code)
+    unavailable: bool = False
 
     def to_json(self) -> Info:
         return asdict(self)
 
     @classmethod
     def from_json(cls, d: Info) -> "ToolResult":
-        return cls(str(d["text"]), d.get("error"), bool(d.get("timed_out", False)), float(d.get("seconds", 0.0)))
+        """A pool replica's answer (its driver's ToolResult, never a tool process's own reply)."""
+        return cls(str(d["text"]), d.get("error"), bool(d.get("timed_out", False)), float(d.get("seconds", 0.0)),
+                   bool(d.get("crashed", False)), bool(d.get("unavailable", False)))
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,9 @@ class Observation:
     done: bool = False
     info: Info = field(default_factory=dict)
     error: str | None = None
+    # the pool could not step it (its replica answered an HTTP error): the episode ends, reported, but not counted
+    # against maxFailedFraction. Set by the rollout's own client only: from_json never reads it
+    unavailable: bool = False
 
     def to_json(self) -> Info:
         return asdict(self)

@@ -20,6 +20,7 @@ class ToolSpec:
     parameters: dict[str, Any] = field(default_factory=dict)
     target: str = ""  # "module:function" of a built-in
     path: str | None = None  # a user's tools file
+    line: int | None = None  # its line there, for messages
 
     def offered(self) -> dict[str, Any]:
         """The OpenAI/HF function form that chat templates' `tools` take."""

@@ -17,17 +17,12 @@ from collections import Counter
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from hybridflow.agents.local import EnvironmentLoadError
+from hybridflow.agents.local import LOAD_SECONDS, EnvironmentLoadError
 from hybridflow.agents.protocol import Info, Observation, Places, SessionLost, ToolResult
 from hybridflow.sandbox_pool import MARGIN_SECONDS, PoolClient, PoolError, Unreachable, unexpected
 
 if TYPE_CHECKING:
     from hybridflow.api.agents import Agent
-
-# POST /v1/sessions loads the environment (the server's load deadline) and resets it (its step deadline).
-LOAD_SECONDS = 60.0
-
-
 
 
 def session_id(index: int, server_id: str) -> str:
@@ -64,9 +59,9 @@ class RemoteTools:
             except Unreachable as err:
                 errors.append(str(err))
                 continue
-            if code != 200:  # the replica could not run it (a sandbox that did not start): the call's answer
+            if code != 200:  # the replica could not run it: the call's answer, the pool's failure (not the tool's)
                 why = str(unexpected(self.client.replicas[index].url, f"tool call {name!r}", code, out))
-                return ToolResult(f"Error: the {name} tool could not run: {why}.", error=why)
+                return ToolResult(f"Error: the {name} tool could not run: {why}.", error=why, unavailable=True)
             return ToolResult.from_json(out)
         raise SessionLost("; ".join(errors))
 
@@ -85,6 +80,7 @@ class RemoteSessions:
                  load_timeout_seconds: float = LOAD_SECONDS) -> None:
         self.client = client
         self.step_timeout = step_timeout_seconds + MARGIN_SECONDS
+        # POST /v1/sessions loads the environment (the server's load deadline) and resets it (its step deadline)
         self.open_timeout = load_timeout_seconds + step_timeout_seconds + MARGIN_SECONDS
         self._open: dict[str, int] = {}  # session -> replica index
         self._lock = threading.Lock()
@@ -139,9 +135,10 @@ class RemoteSessions:
         if code == 404:
             self._forget(session)
             raise SessionLost(f"environment replica {url} no longer knows session {session} (it restarted)")
-        if code != 200:  # the replica could not step it: the episode ends on that error, reported
+        if code != 200:  # the replica could not step it: the episode ends on that error, reported as the pool's
             self.close(session)
-            return Observation("", done=True, error=str(unexpected(url, f"a step of session {session}", code, out)))
+            return Observation("", done=True, error=str(unexpected(url, f"a step of session {session}", code, out)),
+                               unavailable=True)
         obs = Observation.from_json(out)
         if obs.done:
             self._forget(session)

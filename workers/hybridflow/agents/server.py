@@ -45,6 +45,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from hybridflow.agents.local import EnvironmentLoadError
+from hybridflow.sandbox_pool import SERVES_ALL
 from hybridflow.agents.protocol import Info, Observation, Sessions, Tools, ToolResult
 from hybridflow import wire
 
@@ -120,11 +121,13 @@ class PoolService:
     def __init__(self, tools: Tools | None, sessions: Sessions | None,
                  idle_seconds: float = IDLE_SESSION_SECONDS, max_sessions: int = MAX_SESSIONS,
                  rewards: Callable[[Info], Info] | None = None, layers: Info | None = None,
-                 max_session_seconds: float = MAX_SESSION_SECONDS, max_reply: int = MAX_REPLY) -> None:
-        """None: the job has no tools, no environment, or no reward function (its requests answer 404, naming
-        which). `rewards` scores one batch (hybridflow.rewards.remote.serve_rewards: the body of POST
+                 max_session_seconds: float = MAX_SESSION_SECONDS, max_reply: int = MAX_REPLY,
+                 serves: str = SERVES_ALL) -> None:
+        """None: the job has no tools, no environment, or no reward function, or this replica does not serve them
+        (`serves`, a replica of a pool split in two: hybridflow.api.agents.rewards_apart); its requests answer 404,
+        naming which. `rewards` scores one batch (hybridflow.rewards.remote.serve_rewards: the body of POST
         /v1/rewards/score in, its answer out); it is called one batch at a time, as its worker pool is one."""
-        self.tools, self.sessions, self.rewards = tools, sessions, rewards
+        self.tools, self.sessions, self.rewards, self.serves = tools, sessions, rewards, serves
         # what GET /v1/sandbox answers: this replica's sandbox, {"how", "missing": [[layer, why], ...]}
         self.layers = layers or {"how": "", "missing": []}
         self._scoring = threading.Lock()
@@ -145,7 +148,8 @@ class PoolService:
         arguments = _field(body, "arguments", dict)
         session = body.get("session")
         if self.tools is None:
-            raise NotServed("this job offers no tools (spec.rollout.agent.tools and toolsFile are unset)")
+            raise NotServed(self._apart("tools") or
+                            "this job offers no tools (spec.rollout.agent.tools and toolsFile are unset)")
         out = self.tools.call(name, arguments, session if isinstance(session, str) else None).to_json()
         size = len(wire.encode(out))
         if size > self.max_reply:
@@ -155,18 +159,26 @@ class PoolService:
 
     def score(self, body: Info) -> Info:
         if self.rewards is None:
-            raise NotServed("this job has no reward function (spec.models.reward.function is unset)")
+            raise NotServed(self._apart("reward functions") or
+                            "this job has no reward function (spec.models.reward.function is unset)")
         fields = [_field(body, k, list) for k in ("data_sources", "solutions", "ground_truths", "extra_infos")]
         if len({len(f) for f in fields}) != 1:
             raise BadRequest("data_sources, solutions, ground_truths and extra_infos must be lists of one length")
         with self._scoring:
             return self.rewards(body)
 
+    def _apart(self, what: str) -> str:
+        """Why a replica of a split pool refuses `what` ("" when it serves everything)."""
+        if self.serves == SERVES_ALL:
+            return ""
+        return f"this replica serves {self.serves} only, not {what}: the job's sandbox pool keeps reward functions " \
+               "apart from the model's code (spec.sandbox.allowPartial)"
+
     def open(self, body: Info) -> Info:
         sample = _field(body, "sample", dict)
         if self.sessions is None:
-            raise NotServed("this job has no environment (spec.rollout.agent.environment and environmentFile are "
-                            "unset)")
+            raise NotServed(self._apart("environments") or "this job has no environment (spec.rollout.agent."
+                            "environment and environmentFile are unset)")
         with self._lock:  # a slot is taken before the sandbox starts, so concurrent opens never pass the cap
             held = len(self._local) + self._opening
             if held >= self.max_sessions:

@@ -9,6 +9,11 @@ from pydantic import Field, field_validator
 
 from hybridflow.agents.registry import ENVIRONMENTS, TOOLS
 from hybridflow.api.fields import MAX_COUNT, FilePath, PythonName, Quantity, SpecModel, registered
+from hybridflow.sandbox_pool import REWARD_URLS_ENV, SERVES_AGENTS, SERVES_ALL, SERVES_REWARDS
+from hybridflow.sandbox_pool import URLS_ENV as ENVIRONMENT_URLS_ENV
+
+# the sandbox pool's names the operator reads here (it may import hybridflow.api only, not hybridflow.sandbox_pool)
+REEXPORTED = (ENVIRONMENT_URLS_ENV, REWARD_URLS_ENV)
 
 if TYPE_CHECKING:
     from hybridflow.api.schema import JobSpec
@@ -37,8 +42,8 @@ class Agent(SpecModel):
                              "(registered: calculator, python).")
     tools_file: FilePath | None = Field(
         None, description="A user's tools: a Python file whose top-level functions with a docstring become tools "
-        "(their parameters' annotations str, int, float, bool give the JSON schema). Each call runs in a fresh "
-        "sandbox. On Kubernetes a key of kubernetes.rewardConfigMap (the job's code ConfigMap).")
+        "(their parameters' annotations str, int, float, bool, list, dict give the JSON schema). Each call runs in a "
+        "fresh sandbox. On Kubernetes a key of kubernetes.rewardConfigMap (the job's code ConfigMap).")
     max_turns: int = Field(4, ge=1, le=1024, description="Model turns per episode at most.")
     max_tokens_per_turn: int | None = Field(None, gt=0, le=MAX_COUNT, description="New tokens of one model turn at "
                                             "most (default: what is left of maxResponseLength).")
@@ -51,6 +56,11 @@ class Agent(SpecModel):
         "environment (its rewards summed) or both, added. Default: environment when there is one, else reward.")
     concurrent_episodes: int = Field(64, ge=1, le=4096, description="Episodes one rollout rank runs at once (their "
                                      "turns share the engine's batches).")
+    max_failed_fraction: float = Field(
+        0.5, ge=0, le=1, description="More failed episodes than this fraction of a step's (or an evaluation's) stop "
+        "the job, naming the first failure and its sample. An episode fails when its environment's reset or a step "
+        "raises, times out or returns a non-finite reward, or when one of its tools crashes (its code does not "
+        "load, its sandbox does not start or dies). A step with fewer failures prints one line saying so.")
 
     @field_validator("environment")
     @classmethod
@@ -100,10 +110,13 @@ class Sandbox(SpecModel):
     runtime_class_name: str | None = Field(
         None, min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
         description="RuntimeClass of the sandbox pods (gVisor's `gvisor`/`runsc`, Kata's `kata`; a RuntimeClass the "
-        "cluster defines); unset: the cluster's default runtime.")
+        "cluster defines), one the cluster's job policy allows (chart value jobPolicy.allowedRuntimeClasses); unset: "
+        "the chart's jobPolicy.sandboxRuntimeClassName, or the cluster's default runtime when that is empty.")
     allow_partial: bool = Field(
         False, description="Run the sandbox pods where the node refuses some of the sandbox's layers (a default "
-        "cluster: user namespaces refused); the job records which in its SandboxPartial condition. Default false: "
+        "cluster: user namespaces refused); the job records which in its SandboxPartial condition, and a job with both a "
+        "reward function and an agent gets one more sandbox pod, scoring its rewards apart from the model's code. "
+        "Default false: "
         "HYBRIDFLOW_SANDBOX=require, and the job fails, naming the layers, instead.")
 
 
@@ -126,6 +139,29 @@ def code_files(spec: "JobSpec") -> dict[str, str]:
         if agent.environment_file:
             out["spec.rollout.agent.environmentFile"] = agent.environment_file
     return out
+
+
+def rewards_apart(spec: "JobSpec") -> bool:
+    """Whether the job's reward functions are scored by sandbox pods of their own, apart from its tools and
+    environments: when the job has both and spec.sandbox.allowPartial lets the pods run without the sandbox's user
+    and process namespaces. There the model's code (the `python` tool, a tool or environment fed the model's
+    actions) would run as the same user in the same pod as the reward workers, free to signal them or write where
+    they write: a model could then forge its own reward. With every layer (allowPartial false) each sandbox has
+    namespaces of its own, and one pod serves both."""
+    return (spec.sandbox.allow_partial and spec.models.reward.function is not None
+            and spec.rollout.agent is not None)
+
+
+def sandbox_replicas(spec: "JobSpec") -> list[str]:
+    """What each replica of the job's sandbox pool serves, by index ([] without a pool): spec.environments.replicas
+    replicas serving everything, or, with rewards_apart, those serving tools and environments and, after them, half
+    as many again (at least one) scoring reward functions."""
+    pool = sandbox_pool(spec)
+    if pool is None:
+        return []
+    if rewards_apart(spec):  # as many again for rewards, half as many (at least one): a batch spreads over them
+        return [SERVES_AGENTS] * pool.replicas + [SERVES_REWARDS] * max(1, pool.replicas // 2)
+    return [SERVES_ALL] * pool.replicas
 
 
 def sandbox_pool(spec: "JobSpec") -> EnvironmentPool | None:

@@ -25,9 +25,10 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         target = defs[node["$ref"].split("/")[-1]]
         merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
         return _structural(merged, defs)
-    if "anyOf" in node:
-        options = [o for o in node["anyOf"] if o.get("type") != "null"]
-        nullable = len(options) != len(node["anyOf"])
+    if "anyOf" in node or "oneOf" in node:  # oneOf: a tagged union (spec.placement: a map or `auto`)
+        given = node.get("anyOf") or node["oneOf"]
+        options = [o for o in given if o.get("type") != "null"]
+        nullable = len(options) != len(given)
         base = _structural(options[0], defs) if len(options) == 1 else _union([_structural(o, defs) for o in options])
         for key in ("description", "enum"):  # an optional registry name keeps its enum
             if key in node:
@@ -74,18 +75,31 @@ def _union(options: list[dict[str, Any]]) -> dict[str, Any]:
     schema cannot type it (a typed anyOf is allowed only for int-or-string), so the node is untyped
     (x-kubernetes-preserve-unknown-fields) and keeps each option's own bounds: JSON Schema and the API server apply
     maxLength only to strings, maxItems and items only to lists. A value of none of the types (a number, a map) is
-    then left to the spec's own validation (`hybridflow validate`, the operator). Options that share a type or are
-    objects cannot be merged so; they keep no bounds."""
+    then left to the spec's own validation (`hybridflow validate`, the operator). An object option (`placement: auto`
+    or a map) keeps only its count bound (maxProperties applies to objects only; what its values are is the spec's
+    to check). Options that share a type cannot be merged so; they keep no bounds."""
     untyped: dict[str, Any] = {"x-kubernetes-preserve-unknown-fields": True}
     kinds = [o.get("type") for o in options]
-    if len(set(kinds)) != len(kinds) or not {"object", None}.isdisjoint(kinds):
+    if len(set(kinds)) != len(kinds) or None in kinds:
         return untyped
+    options = [{k: v for k, v in o.items() if k in ("type", "minProperties", "maxProperties")}
+               if o.get("type") == "object" else _enum_as_length(o) for o in options]
     merged = dict(untyped)
     for option in options:
         for key, value in option.items():
             if key != "type" and merged.setdefault(key, value) != value:
                 return untyped  # two options bound the same keyword differently
     return merged
+
+
+def _enum_as_length(option: dict[str, Any]) -> dict[str, Any]:
+    """A string option's enum (`auto`) as its longest length: an enum on an untyped node would hold every other
+    option's values to it too."""
+    if "enum" not in option:
+        return option
+    out = {k: v for k, v in option.items() if k != "enum"}
+    out["maxLength"] = max(len(str(v)) for v in option["enum"])
+    return out
 
 
 # Only runPolicy (suspend, deadlines, backoff) and an elastic rollout pool's bounds and size may change once a job
@@ -170,6 +184,18 @@ STATUS_SCHEMA: dict[str, Any] = {
                             "pods (the scale subresource's selector, for an HorizontalPodAutoscaler)."},
         "lastRolloutScale": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
                              "description": "The last change of the elastic rollout pool's size: from, to, time."},
+        "plan": {
+            "type": "object",
+            "description": "spec.placement auto: the plan its plan pod made before the first gang (hybridflow plan "
+            "--auto), kept for the job's life: the summary (placement, pools, layout, predicted step time) and the "
+            "spec fields it decides, which the operator lays over the accepted spec.",
+            "properties": {
+                "summary": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                            "description": "What the planner chose and predicted."},
+                "fields": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                           "description": "The spec fields it decides (resourcePools, placement, layouts)."},
+            },
+        },
         "pools": {
             "type": "array",
             "description": "One entry per resource pool, in spec.resourcePools' order: the roles spec.placement puts "
@@ -214,6 +240,8 @@ def build_crd() -> dict[str, Any]:
                         {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
                         {"name": "Tokens/s", "type": "number", "jsonPath": ".status.tokensPerSecond"},
                         {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
+                        {"name": "Placement", "type": "string", "priority": 1,
+                         "jsonPath": ".status.plan.summary.placement"},
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                     ],
                     "schema": {

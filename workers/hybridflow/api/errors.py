@@ -25,7 +25,7 @@ def _loc(loc: tuple[Any, ...]) -> str:
     for x in loc:
         if isinstance(x, int):
             parts[-1:] = [f"{parts[-1]}[{x}]"] if parts else [f"[{x}]"]
-        elif x in ("function-after", "function-before") or str(x).startswith("function-"):
+        elif str(x).startswith(("function-", "union-")):  # a validator's or a tagged union's own step
             continue
         else:
             parts.append(str(x))

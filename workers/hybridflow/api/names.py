@@ -67,9 +67,9 @@ POOL_NAME = r"^[a-z0-9]+$"
 
 # The objects the operator names after a job (`names`, `head_pod_name`, `worker_pod_name` below): the head Service
 # `<job>-head` must be a DNS-1035 label (63 characters, a letter first), and the job name is also the value of the
-# label hybridflow.io/job (63). The rest (`<job>-spec`, `-gang`, `-ray-token`,
-# `-ingress`, pods `<job>-head-g<gen>` and `<job>-<pool>-<index>-g<gen>`) are DNS-1123 subdomains (253), which the
-# bounds below keep them far under (58 + 1 + 63 + 1 + 4 + 2 + 4 = 133).
+# label hybridflow.io/job (63). The rest (`<job>-spec`, `-gang`, `-ray-token`, `-ingress`, pods `<job>-head-g<gen>`,
+# `<job>-<pool>-<index>-g<gen>` and `<job>-plan`) are DNS-1123 subdomains (253), which the bounds below keep them far
+# under (58 + 1 + 63 + 1 + 4 + 2 + 4 = 133).
 SERVICE_SUFFIX = "-head"
 MAX_JOB_NAME = 63 - len(SERVICE_SUFFIX)
 
@@ -101,6 +101,12 @@ def head_pod_name(job_name: str, generation: int) -> str:
 
 def worker_pod_name(job_name: str, pool: str, index: int, generation: int) -> str:
     return f"{job_name}-{pool}-{index}-g{generation}"
+
+
+def plan_pod_name(job_name: str) -> str:
+    """A `placement: auto` job's plan pod, run once before its first gang (no generation: the plan outlives
+    restarts, in status.plan). No other pod's name ends so: gang pods end in -g<gen>, sandbox pods in a digit."""
+    return f"{job_name}-plan"
 
 # The rules on metadata.name; the CRD states them as CEL (crd.py), `hybridflow validate` with these messages.
 JOB_NAME_TOO_LONG = (f"metadata.name: at most {MAX_JOB_NAME} characters, so that the head Service "

@@ -67,7 +67,7 @@ def _layout_and_pieces_problems(spec: JobSpec) -> list[str]:
     names = [p.name for p in spec.resource_pools]
     if len(set(names)) != len(names):
         out.append(f"spec.resourcePools: pool names must be unique, got {names}")
-    for role, pool in spec.placement.items():
+    for role, pool in spec.placed.items():
         if role not in ROLES:
             out.append(f"spec.placement.{role}: unknown role; use one of {', '.join(ROLES)}")
         elif pool not in names:
@@ -269,7 +269,7 @@ def _rollout_mode_problems(spec: JobSpec) -> list[str]:
         extra = f" (+1 greedy baseline per prompt: {spec.algorithm.name})" if algorithm.greedy_baseline else ""
         out.append(f"spec.trainer.promptsPerStep x spec.rollout.responsesPerPrompt{extra} = {rows} responses a step "
                    f"do not split evenly over the rollout pool's {ranks} replicas; make it a multiple of {ranks}")
-    if r.mode != "sync" and not own_pool:
+    if r.mode != "sync" and not own_pool and spec.placement != "auto":  # auto: the plan gives rollout its own
         out.append(f"spec.rollout.mode = {r.mode} generates while the actor trains, so rollout needs devices of "
                    "its own: add a resource pool and set spec.placement.rollout to it (or use mode sync)")
     if r.mode == "async" and algorithm.greedy_baseline:

@@ -58,7 +58,7 @@ def elastic_problems(spec: JobSpec) -> list[str]:
     rp = spec.rollout_pool
     if rp is None:
         return []
-    if spec.placement.get("rollout", spec.resource_pools[0].name) not in {p.name for p in spec.resource_pools}:
+    if spec.placed.get("rollout", spec.resource_pools[0].name) not in {p.name for p in spec.resource_pools}:
         return []  # placed on no pool: the placement's own message says so
     out = []
     pool = spec.pool("rollout")

@@ -9,15 +9,15 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from hybridflow.algorithms import ALGORITHMS
 from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from hybridflow.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from hybridflow.algorithms.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
 from hybridflow.api.fields import (
-    MAX_BACKOFF, MAX_COUNT, MAX_DEVICES_PER_NODE, MAX_NODES, MAX_POOLS, MAX_ROLE_KEY, MAX_SEED, MAX_STEPS,
-    MAX_TEXT, FilePath, LabelValue, ObjectName, PathOrPaths, PoolName, Quantity, SpecModel, matching, registered,
+    MAX_COUNT, MAX_DEVICES_PER_NODE, MAX_NODES, MAX_POOLS, MAX_ROLE_KEY, MAX_SEED, MAX_STEPS,
+    MAX_TEXT, FilePath, LabelValue, PathOrPaths, PoolName, Quantity, SpecModel, matching, registered,
     short_keys,
 )
 from hybridflow.api.agents import Agent, EnvironmentPool, Sandbox
@@ -25,6 +25,7 @@ from hybridflow.api.corrections import OffPolicyCorrection
 from hybridflow.api.engines import ROLLOUT_ENGINES
 from hybridflow.api.devices import ACCELERATOR_PATTERN, GPU_PROFILES, accelerator_problem
 from hybridflow.api.names import API_VERSION, DNS1123_LABEL, KIND, ROLES, job_name_problems
+from hybridflow.api.pods import Kubernetes
 from hybridflow.api.rules import cross_field_problems
 from hybridflow.api.run_policy import RunPolicy
 from hybridflow.api.scaling import RolloutPool
@@ -327,52 +328,6 @@ class Metrics(SpecModel):
     )
 
 
-class Kubernetes(SpecModel):
-    """Pod-level settings of the job's head and pool pods."""
-
-    image: str = Field(
-        "hybridflow/worker-cpu:0.1.0", min_length=1, max_length=1024,
-        description="Image with Ray and this project installed."
-    )
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy.")
-    checkpoint_pvc: ObjectName | None = Field(
-        None, description="PersistentVolumeClaim mounted at trainer.checkpointDir (needed to resume after a restart)."
-    )
-    tracking_secret: ObjectName | None = Field(
-        None, description="Secret with the experiment trackers' credentials: its keys MLFLOW_TRACKING_TOKEN, "
-        "MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD and WANDB_API_KEY become those variables in the head pod "
-        "(where the driver logs to spec.tracking); its other keys are ignored. Passed by reference (secretKeyRef), "
-        "never read by the operator."
-    )
-    checkpoint_secret: ObjectName | None = Field(
-        None, description="Secret with the object-storage credentials of an s3:// (or az://) trainer.checkpointDir: "
-        "its keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_ENDPOINT_URL, AWS_REGION (and the "
-        "AZURE_STORAGE_* ones) become those variables in the head and pool pods; its other keys are ignored. The "
-        "operator passes it by reference (secretKeyRef) and never reads it."
-    )
-    model_pvc: ObjectName | None = Field(
-        None, description="PersistentVolumeClaim mounted read-only at /models (point models.*.path into it)."
-    )
-    ray_auth_secret: ObjectName | None = Field(
-        None, description="Secret with key `token` shared by Ray head, workers and driver (RAY_AUTH_TOKEN), one the "
-        "job's author may read; unset: the operator makes a random token for the job. Ray's token authentication is "
-        "always on."
-    )
-    head_cpu: Quantity = Field("1", description="CPU request of the head pod (Ray head + controller; a Kubernetes "
-                               "quantity, e.g. 500m).")
-    head_memory: Quantity = Field("4Gi", description="Memory request and limit of the head pod (a Kubernetes "
-                                  "quantity).")
-    service_account_name: ObjectName | None = Field(None, description="ServiceAccount of the job's pods.")
-    data_pvc: ObjectName | None = Field(
-        None, description="PersistentVolumeClaim with the prompt files, mounted read-only in the head pod; "
-        "spec.data.train and eval are paths inside it."
-    )
-    reward_config_map: ObjectName | None = Field(None, description="The job's code ConfigMap (named so for "
-        "compatibility: it held only the reward file once): each code file under the key its field names (models."
-        "reward.function.path, rollout.agent.toolsFile, environmentFile), copied at acceptance into the job's own "
-        "immutable ConfigMap (sha256 in status.codeDigests) its pods mount: later edits change nothing. Never dataPvc.")
-
-
 class JobSpec(SpecModel):
     algorithm: Algorithm = Field(default_factory=Algorithm, description="RL algorithm and its hyper-parameters.")
     models: Models = Field(default_factory=Models, description="Actor, critic, reference and reward.")
@@ -386,10 +341,16 @@ class JobSpec(SpecModel):
         None, description="An elastic rollout pool (async, rollout on a pool of its own): its size may change while "
         "the job runs, within bounds. The one field besides runPolicy that a live job's spec may change (its "
         "replicas, minReplicas, maxReplicas; not whether it is there).")
-    placement: Annotated[dict[Annotated[str, Field(max_length=MAX_ROLE_KEY)], Annotated[str, Field(max_length=63)]],
-                         short_keys(MAX_ROLE_KEY, f"role names ({', '.join(ROLES)})")] = Field(
-        default_factory=dict, max_length=len(ROLES),
-        description="Role -> pool name (roles: actor, rollout, reference, critic, reward)."
+    placement: Annotated[
+        Annotated[Annotated[dict[Annotated[str, Field(max_length=MAX_ROLE_KEY)], Annotated[str, Field(max_length=63)]],
+                            Field(max_length=len(ROLES)), short_keys(MAX_ROLE_KEY, f"role names ({', '.join(ROLES)})")],
+                  Tag("union-roles")] | Annotated[Literal["auto"], Tag("union-auto")],
+        Discriminator(lambda v: "union-auto" if isinstance(v, str) else "union-roles")] = Field(
+        default_factory=dict,
+        description="Role -> pool name (roles: actor, rollout, reference, critic, reward); unset roles go to the "
+        "first pool. `auto`: the device-mapping planner (`hybridflow plan`) places the models onto the devices of "
+        "spec.resourcePools, sizes the pools and picks each model's parallel layout and micro-batch size at start; "
+        "the job runs the plan it records (status.plan). Until resolved, every role counts as on the first pool."
     )
     trainer: Trainer = Field(default_factory=Trainer, description="Loop, checkpoints, resume.")
     metrics: Metrics = Field(default_factory=Metrics, description="Prometheus exporter.")
@@ -408,8 +369,13 @@ class JobSpec(SpecModel):
             raise ValueError("; ".join(problems))
         return self
 
+    @property
+    def placed(self) -> dict[str, str]:
+        """Role -> pool name as written ({} for `placement: auto` before the planner resolved it)."""
+        return {} if self.placement == "auto" else self.placement
+
     def pool(self, role: str) -> ResourcePool:
-        name = self.placement.get(role, self.resource_pools[0].name)
+        name = self.placed.get(role, self.resource_pools[0].name)
         return next(p for p in self.resource_pools if p.name == name)
 
     def roles(self) -> list[str]:

@@ -119,3 +119,6 @@ class JobStatus(TypedDict, total=False):
     codeDigests: dict[str, str]  # every code file copied from kubernetes.rewardConfigMap, by key
     rayTokenSecretUid: str
     sandboxTokenSecretUid: str
+    # a `placement: auto` job's plan, as its plan pod printed it (hybridflow.api.plan): {"summary": {...}, "fields":
+    # {...}}; recorded once, before the first gang, and laid over the accepted spec wherever the job is built
+    plan: dict[str, Any]

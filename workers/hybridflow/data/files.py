@@ -12,13 +12,13 @@ import glob
 import hashlib
 import logging
 import os
-import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, overload
 
 from hybridflow.agents.toolcalls import plain_tools_text, template_renders_tools
+from hybridflow.data.holdout import ROW_ID_KEYS, HeldOut, hold_out
 from hybridflow.data.tasks import Sample
 from hybridflow.api import DATA_MOUNT, Data, SpecError
 from hybridflow.api.storage import is_url
@@ -310,8 +310,23 @@ class PromptFiles:
     fingerprint: str  # of the training rows: a resumed job checks it still reads the same data
 
 
-def _usable_rows(ds: Any, field: str, max_len: int) -> list[int]:
-    """Indices of rows with a prompt that fits; nulls are skipped and too-long prompts dropped, both reported."""
+@dataclass(frozen=True)
+class Usable:
+    """A prompt file's rows with a prompt that fits (indices), and how many of all its rows were null or too long."""
+
+    rows: list[int]
+    total: int
+    nulls: int
+    long: int
+
+    def short(self, max_len: int) -> str:
+        """What the rows that cannot be used were, for the message that refuses too few."""
+        return (f"of its {self.total} rows, {self.nulls} have a null prompt and {self.long} one longer than "
+                f"spec.rollout.maxPromptLength = {max_len}")
+
+
+def _usable_rows(ds: Any, field: str, max_len: int) -> Usable:
+    """The rows with a prompt that fits; nulls are skipped and too-long prompts dropped, both reported."""
     lengths = list(ds[LENGTH])
     nulls = [i for i, n in enumerate(lengths) if n == NULL_PROMPT]
     too_long = [n for n in lengths if n > max_len]
@@ -327,11 +342,11 @@ def _usable_rows(ds: Any, field: str, max_len: int) -> list[int]:
                     "has %d)", field, len(too_long), len(lengths), max_len, max(too_long))
     if not keep:
         raise DataError(f"{field}: no row has a prompt (every prompt is null)")
-    return keep
+    return Usable(keep, len(lengths), len(nulls), len(too_long))
 
 
 def _prepared(field: str, entries: Sequence[str], data: Data, renderer: PromptRenderer, cache_dir: Path,
-              max_len: int) -> tuple[Any, list[int], str]:
+              max_len: int) -> tuple[Any, Usable, str]:
     ds = load_table(field, entries, cache_dir)
     where = f"'{entries[0]}'" + (f" (+{len(entries) - 1})" if len(entries) > 1 else "")
     require_column(field, data.prompt_key, ds, where)
@@ -350,25 +365,32 @@ def _source_name(entry: str) -> str:
 def load_prompt_files(data: Data, tokenizer: Any, max_prompt_length: int, cache_dir: Path,
                       batch_size: int, tools: Sequence[dict[str, Any]] = ()) -> PromptFiles:
     renderer = PromptRenderer(tokenizer, data.chat_template, data.system_prompt, tools)
-    train_ds, train_rows, source = _prepared("spec.data.train", data.train, data, renderer, cache_dir,
-                                             max_prompt_length)
+    held: HeldOut | None = None
+    train_ds, usable, source = _prepared("spec.data.train", data.train, data, renderer, cache_dir, max_prompt_length)
+    train_rows = usable.rows
     if data.eval:
-        eval_ds, eval_rows, eval_source = _prepared("spec.data.eval", data.eval, data, renderer, cache_dir,
-                                                    max_prompt_length)
-        eval_rows = eval_rows[: data.eval_prompts]
-    else:  # held out: a seeded choice of rows, and no training row with the same prompt ids
+        eval_ds, eval_usable, eval_source = _prepared("spec.data.eval", data.eval, data, renderer, cache_dir,
+                                                      max_prompt_length)
+        eval_rows = eval_usable.rows[: data.eval_prompts]
+    else:  # held out: a seeded choice of rows, and no training row that is the same row (hybridflow.data.holdout)
         if len(train_rows) <= data.eval_prompts:
             raise DataError(f"spec.data.evalPrompts = {data.eval_prompts} leaves no training prompt of the "
-                            f"{len(train_rows)} usable rows in spec.data.train; lower it or give spec.data.eval")
-        order = list(train_rows)
-        random.Random(data.seed).shuffle(order)
-        eval_ds, eval_rows, eval_source = train_ds, sorted(order[: data.eval_prompts]), source
-        digests = list(train_ds[DIGEST])
-        held = {digests[i] for i in eval_rows}
-        train_rows = [i for i in train_rows if digests[i] not in held]  # the eval rows too: same digests
+                            f"{len(train_rows)} usable rows in spec.data.train ({usable.short(max_prompt_length)});"
+                            " lower it or give spec.data.eval")
+        digests, rows = list(train_ds[DIGEST]), FileSamples(train_ds, [], data, source)
+
+        def identity(i: int) -> tuple[str, str, str]:  # a row's own id (verl's extra_info.index) is not what it is
+            s = rows.sample(train_ds[i])
+            return digests[i], repr(s.truth), repr(sorted((k, v) for k, v in s.extra_info.items()
+                                                          if k not in ROW_ID_KEYS))
+
+        held = hold_out(train_rows, digests, identity, data.eval_prompts, data.seed)
+        eval_ds, eval_rows, eval_source, train_rows = train_ds, held.eval_rows, source, held.train_rows
     if len(train_rows) < batch_size:
         raise DataError(f"spec.data.train: {len(train_rows)} usable training prompts cannot fill "
-                        f"spec.trainer.promptsPerStep = {batch_size}")
+                        f"spec.trainer.promptsPerStep = {batch_size}"
+                        + (held.shortfall() if held is not None else
+                           f" ({usable.short(max_prompt_length)}); add rows or lower promptsPerStep"))
     fingerprint = hashlib.sha256(repr((train_ds._fingerprint, train_rows)).encode()).hexdigest()[:16]
     return PromptFiles(FileSamples(train_ds, train_rows, data, source), FileSamples(eval_ds, eval_rows, data,
                                                                                       eval_source), fingerprint)

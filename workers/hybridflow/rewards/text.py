@@ -13,7 +13,7 @@ from typing import Any, Protocol, Sequence
 from hybridflow.rewards.remote import RemoteRewardFunction
 from hybridflow.rewards.sandbox import RewardError, RewardFunction, RewardResult
 from hybridflow.rewards.scorers import weighted
-from hybridflow.sandbox_pool import pool_from_env
+from hybridflow.sandbox_pool import SERVES_REWARDS, pool_from_env
 
 
 class _Function(Protocol):
@@ -57,7 +57,8 @@ class TextReward:
             assert spec.function is not None
             f = spec.function
             self.what = f"{f.path}:{f.name}"
-            pool = pool_from_env()  # on Kubernetes: the job's sandbox pool, the only pods without its credentials
+            # on Kubernetes: the job's sandbox pool (its reward replicas), the only pods without its credentials
+            pool = pool_from_env(SERVES_REWARDS)
             if pool is not None:
                 self.function = RemoteRewardFunction(pool, self.what, f.batched, spec.timeout_seconds, spec.workers,
                                                      spec.error_score)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from hybridflow.agents.codec import ObservationCodec
@@ -25,6 +26,9 @@ log = logging.getLogger("hybridflow.roles.episodes")
 EPISODE_COLUMNS = ("agent_turns", "agent_tool_calls", "agent_tool_errors", "agent_tool_timeouts",
                    "agent_tool_seconds", "env_reward", "agent_env_steps", "agent_retries", "agent_truncated",
                    "agent_failed")
+# Non-tensor columns (str, "" for none): what failed each episode and its kind, for the controller's report and its
+# bound, spec.rollout.agent.maxFailedFraction (hybridflow.trainer.episodes)
+FAILURE_COLUMNS = ("agent_error", "agent_failure")
 
 
 @dataclass
@@ -46,8 +50,9 @@ class EpisodeRunner:
         return cls(agent, codec, job_places(agent, private), max_tokens)
 
     def run(self, generator: RolloutEngine, sampling: Callable[[bool, bool, int], SamplingConfig], batch: Any,
-            flags: Sequence[bool], want_log_probs: bool, prompt_width: int) -> dict[str, torch.Tensor]:
-        """The episodes of `batch`'s rows (non-tensor prompt_ids, truth, data_source, extra_info), packed."""
+            flags: Sequence[bool], want_log_probs: bool, prompt_width: int) -> dict[str, Any]:
+        """The episodes of `batch`'s rows (non-tensor prompt_ids, truth, data_source, extra_info), packed: tensors,
+        and the FAILURE_COLUMNS as arrays of str."""
         prompts = [list(p) for p in batch["prompt_ids"]]
         # numpy values (a Parquet row's) stay as they are: hybridflow.wire encodes them for every place
         samples = [{"prompt": self.codec.decode(p), "ground_truth": t, "data_source": str(s), "extra_info": dict(x)}
@@ -67,10 +72,10 @@ class EpisodeRunner:
         episodes = run_episodes(prompts, samples, Turns(), self.codec, settings, self.places.tools,
                                 self.places.sessions)
         failed = [(i, e) for i, e in enumerate(episodes) if e.error]
-        if failed:
+        if failed:  # this rank's log; the controller reports the step's on the console and bounds them
             i, e = failed[0]
-            log.warning("%d of %d episodes ended with an environment error; first: sample %d (ground truth %r): %s",
-                        len(failed), len(episodes), i, samples[i]["ground_truth"], e.error)
+            log.info("%d of %d episodes failed; first: sample %d (ground truth %r): %s: %s", len(failed),
+                     len(episodes), i, samples[i]["ground_truth"], e.failure, e.error)
         packed = pack_rollout(prompts, [e.tokens for e in episodes], prompt_width, self.max_tokens,
                               loss_masks=[e.loss_mask for e in episodes])
         if want_log_probs:
@@ -81,7 +86,7 @@ class EpisodeRunner:
         packed["agent_environment_requests"] = torch.zeros(len(episodes))
         if episodes:
             packed["agent_environment_requests"][0] = sum(self.places.request_counts().values()) - sent
-        return packed
+        return {**packed, **failure_columns(episodes)}
 
     def close(self) -> None:
         if self.places.sessions is not None:
@@ -97,6 +102,13 @@ def placed_rewards(episodes: Sequence[Episode], width: int) -> torch.Tensor:
     for i, e in enumerate(episodes):
         for position, reward in e.turn_rewards:
             out[i, min(position, width - 1)] += reward
+    return out
+
+
+def failure_columns(episodes: Sequence[Episode]) -> dict[str, np.ndarray]:
+    out = {k: np.empty(len(episodes), dtype=object) for k in FAILURE_COLUMNS}
+    out["agent_error"][:] = [e.error or "" for e in episodes]
+    out["agent_failure"][:] = [e.failure or ("" if e.error is None else "failed") for e in episodes]
     return out
 
 

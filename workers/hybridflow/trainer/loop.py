@@ -18,6 +18,7 @@ import numpy as np
 from hybridflow.checkpoint.checkpointer import Checkpointer
 from hybridflow.checkpoint.store import storage_path
 from hybridflow.single_controller.batch import Batch
+from hybridflow.trainer.episodes import episode_failures
 from hybridflow.trainer.recovery import Recoveries
 from hybridflow.trainer.rollouts import Rollouts
 from hybridflow.trainer.tracking import Tracker, close_trackers, open_trackers
@@ -37,7 +38,7 @@ from hybridflow.trainer.setup import (
     reward_scores,
 )
 from hybridflow.api import RLHFJob
-from hybridflow.sandbox_pool import PoolClient, PoolError, pool_from_env
+from hybridflow.sandbox_pool import SERVES_ANY, PoolClient, PoolError, pool_from_env
 
 log = logging.getLogger("hybridflow.trainer.loop")
 
@@ -54,6 +55,10 @@ def evaluate(w: Workers, task: Task, samples: Sequence[Sample]) -> Evaluation:
     dp = rollout.dp_sizes["rollout"]
     usable = samples[: len(samples) // dp * dp]
     out = resolve(rollout.generate(prompt_batch(usable), greedy=True))
+    failures = episode_failures(w.spec.rollout.agent, "the held-out evaluation")
+    if failures is not None:  # an environment that fails every episode stops the job here, before training
+        failures.add(out)
+        failures.report()
     if task.rule is None and task.text_reward is None and task.episode_score in (None, "reward"):  # a model judges
         reward = float(resolve(w.roles["reward"].compute_rm_scores(out))["rm_scores"].mean())
     else:
@@ -297,7 +302,8 @@ def execute(job: RLHFJob, prepared: Prepared, progress: bool = True) -> int:
     if s.metrics.port:
         port = metrics.serve(s.metrics.port, s.metrics.address)
         say(f"metrics: http://{s.metrics.address}:{port}/metrics")
-    if (pool := pool_from_env()) is not None:  # on Kubernetes: which layers the sandbox pool's user code lacks
+    # on Kubernetes: which layers the sandbox pool's user code lacks
+    if (pool := pool_from_env(SERVES_ANY)) is not None:
         # (once per driver: an in-place recovery below keeps the pool, and what was said of it)
         threading.Thread(target=_report_sandbox_layers, args=(metrics, pool), name="sandbox-layers",
                          daemon=True).start()

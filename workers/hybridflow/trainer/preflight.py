@@ -64,8 +64,10 @@ def check_runtime_paths(job: RLHFJob) -> list[str]:
 
 
 def _agent_file_problems(job: RLHFJob) -> list[str]:
-    """A multi-turn job's environment and tools files: there, Python, and (the tools file) holding tools."""
-    from hybridflow.agents.tool_file import ToolFileError, read_tools_file
+    """A multi-turn job's environment and tools files: there, Python, and (the tools file) holding tools the model
+    can call, none with a listed built-in's name. What only loading them can tell: hybridflow.agents.file_check."""
+    from hybridflow.agents.places import job_tools
+    from hybridflow.agents.tool_file import ToolFileError
     from hybridflow.user_files import UserFileError, parse_user_file
 
     a = job.spec.rollout.agent
@@ -80,9 +82,32 @@ def _agent_file_problems(job: RLHFJob) -> list[str]:
             out.append(f"spec.rollout.agent.environmentFile: {err}")
     if a.tools_file:
         try:
-            read_tools_file(a.tools_file)
+            job_tools(a)
         except ToolFileError as err:
             out.append(f"spec.rollout.agent.toolsFile: {err}")
+    return out
+
+
+def loaded_code_problems(job: RLHFJob) -> list[str]:
+    """The user's code loaded in the sandbox as its workers will: the reward function by one reward worker, the
+    agent's tools and environment files (hybridflow.agents.file_check, out of sight of the job's data and
+    checkpoints). What loads but cannot work (an import the sandbox lacks, a signature a decorator changed, an
+    environment class without step) is a problem naming the field and file. `validate` and `run` call it, not
+    `driver` (on Kubernetes the sandbox pool loads user code, never a pod with the job's credentials)."""
+    out: list[str] = []
+    fn = job.spec.models.reward.function
+    if job.spec.models.reward.type == "function" and fn is not None:
+        from hybridflow.rewards.sandbox import RewardFunction
+
+        try:
+            RewardFunction(fn.path, fn.name, fn.batched, workers=1).close()
+        except RewardFileError as err:
+            out.append(f"spec.models.reward.function: {err}")
+    if job.spec.rollout.agent is not None:
+        from hybridflow.agents.file_check import loaded_file_problems
+        from hybridflow.data.files import job_private_paths
+
+        out += loaded_file_problems(job.spec.rollout.agent, job_private_paths(job.spec))
     return out
 
 

@@ -187,6 +187,8 @@ class AsyncRollouts(Rollouts):
         kept = collections.deque(g for g in self.ready if not too_stale(
             self.version, int(oldest_versions(g).min()), self.spec.rollout.max_staleness))
         self.dropped += len(self.ready) - len(kept)
+        if len(kept) < len(self.ready):  # room in the queue: a producer waiting for it starts now, not at its
+            self._cond.notify_all()      # next poll (the trainer would wait that poll out too)
         self.ready = kept
 
     def sync(self) -> dict[str, float]:

@@ -30,7 +30,7 @@ from hybridflow.data.tasks import Sample, arithmetic_samples, increment_samples,
 from hybridflow.rewards.rules import TASK_DEFAULT_RULE, RewardRule, get_rule
 from hybridflow.rewards.text import TextReward
 from hybridflow.roles import config as rc
-from hybridflow.api import JobSpec, RLHFJob
+from hybridflow.api import JobSpec, ResourcePool, RLHFJob, SpecError
 
 log = logging.getLogger("hybridflow.trainer.setup")
 
@@ -98,6 +98,12 @@ def build_task(job: RLHFJob, model_dir: Path) -> Task:
                     f"({too_long} tokens); raise it"
                 )
             train, held_out = split_train_eval(samples, s.data.eval_prompts)
+    if s.data.source == "generated" and len(train) < s.trainer.prompts_per_step:  # the stream would refuse later
+        raise SpecError(f"spec.data.trainPrompts = {s.data.train_prompts}: only {len(train)} generated prompts are "
+                        f"left to train on once those repeating one of the {len(held_out)} held-out prompts are "
+                        f"dropped (the {s.data.task} task has few distinct prompts), fewer than "
+                        f"spec.trainer.promptsPerStep = {s.trainer.prompts_per_step}; raise trainPrompts or lower "
+                        "promptsPerStep or evalPrompts")
     text_reward = TextReward(r) if r.type in ("scorer", "function") else None
     c = s.models.cost
     cost_rule = get_rule(c.rule) if c is not None and c.type == "rule" and c.rule else None

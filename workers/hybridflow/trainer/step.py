@@ -27,6 +27,7 @@ from hybridflow.data.packing import response_lengths
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.worker_group import PendingResult, resolve, stuck, wait_done
 from hybridflow.roles.config import old_log_probs_from_update
+from hybridflow.trainer.episodes import episode_failures, episode_stats
 from hybridflow.trainer.rollouts import Rollouts
 from hybridflow.api import JobSpec
 
@@ -109,6 +110,7 @@ class Step:
         self.clock = StageClock()
         self.stats: dict[str, float] = {}
         self.trained: Batch | None = None
+        self.failures = episode_failures(spec.rollout.agent)  # its episodes' failures, bounded (trainer.episodes)
         self._generating: list[threading.Thread] = []  # clocks of generations still running
         # On-policy updates take old log-probs from their own forward pass: the separate stage is skipped. Not when
         # generation runs apart from training: the batch is older than the policy, the trainer's own old log-probs
@@ -199,6 +201,8 @@ class Step:
         with ThreadPoolExecutor(1) as waiter:  # remote stages are timed while the controller scores locally
             remote_seconds = waiter.submit(self._wait_stages, launched, t0)
             data = resolve(batch)
+            if self.failures is not None:  # a generation's first stage: too many failed episodes stop the job
+                self.failures.add(data)
             local: dict[str, torch.Tensor] = {}
             for stage in stages:
                 if stage not in launched and stage in self.scorers:
@@ -339,30 +343,12 @@ class Step:
             out.update(carried.metrics())
         out.update(self.rollouts.step_stats())
         out.update(episode_stats(batch))
+        if self.failures is not None:
+            self.failures.report()  # one console line for a step whose episodes failed
         if "rollout_log_probs" in batch and "old_log_probs" in batch:
             gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
             out["rollout_log_prob_gap"] = float(masked_mean(gap, mask))
         return out
-
-
-def episode_stats(batch: Batch) -> dict[str, float]:
-    """Multi-turn rollouts' metrics over the trained batch: turns and tool calls per episode, the tool calls' error
-    and timeout rates and seconds, the environment's reward, and episodes that failed or were retried."""
-    if "agent_turns" not in batch:
-        return {}
-    calls = float(batch["agent_tool_calls"].sum())
-    return {"agent_turns_mean": float(batch["agent_turns"].mean()),
-            "agent_tool_calls_mean": float(batch["agent_tool_calls"].mean()),
-            "agent_tool_call_rate": float((batch["agent_tool_calls"] > 0).float().mean()),
-            "agent_tool_error_rate": float(batch["agent_tool_errors"].sum()) / calls if calls else 0.0,
-            "agent_tool_timeout_rate": float(batch["agent_tool_timeouts"].sum()) / calls if calls else 0.0,
-            "agent_tool_seconds": float(batch["agent_tool_seconds"].sum()),
-            "agent_env_reward_mean": float(batch["env_reward"].mean()),
-            "agent_env_steps_mean": float(batch["agent_env_steps"].mean()),
-            "agent_episodes_failed": float(batch["agent_failed"].sum()),
-            "agent_episodes_retried": float((batch["agent_retries"] > 0).float().sum()),
-            "agent_episodes_truncated": float(batch["agent_truncated"].sum()),
-            "agent_environment_requests": float(batch["agent_environment_requests"].sum())}
 
 
 def generation_rows(prompts: Batch, n: int, greedy_baseline: bool = False) -> Batch:

@@ -16,10 +16,12 @@ from typing import Any, Iterator
 
 from hybridflow.capacity import local_capacity_problems, machine_facts
 from hybridflow.api import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_SANDBOX_UNAVAILABLE, RLHFJob, SpecError, load_job
+from hybridflow.cli.pool_replica import cmd_environments_serve
+from hybridflow.sandbox_pool import SERVES, SERVES_ALL
 from hybridflow.sandbox.limits import SandboxUnavailable
 from hybridflow.api.engines import standalone_rollout_engines
 from hybridflow.agents.server import IDLE_SESSION_SECONDS, MAX_SESSION_SECONDS, MAX_SESSIONS
-from hybridflow.trainer.preflight import check_runtime_paths
+from hybridflow.trainer.preflight import check_runtime_paths, loaded_code_problems
 from hybridflow.single_controller.ray_auth import RAY_AUTH_ENV, fresh_ray_token, restore_ray_auth
 
 log = logging.getLogger("hybridflow")
@@ -44,7 +46,7 @@ def setup_logging(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
-def _load(path: str, overrides: dict[str, Any]) -> RLHFJob:
+def _load(path: str, overrides: dict[str, Any], quiet: bool = False) -> RLHFJob:
     job = load_job(path)
     if overrides:
         from hybridflow.api import dump_job, parse_job
@@ -60,7 +62,9 @@ def _load(path: str, overrides: dict[str, Any]) -> RLHFJob:
     problems = check_runtime_paths(job)
     if problems:
         raise SpecError(f"{path}: cannot run here\n" + "\n".join(f"  {p}" for p in problems))
-    return job
+    from hybridflow.cli.device_map import placed
+
+    return placed(job, path, quiet)
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -122,12 +126,20 @@ def local_ray(job: RLHFJob, temp_dir: str | None, verbose: bool = False) -> Iter
         restore_ray_auth(saved)  # this run's token ends with its Ray
 
 
+def _refuse_unloadable_code(job: RLHFJob, path: str) -> None:
+    """Exit 2 for user code that loads but cannot work (its file, line and field), before anything starts."""
+    problems = loaded_code_problems(job)
+    if problems:
+        raise SpecError(f"{path}: its user code cannot work\n" + "\n".join(f"  {p}" for p in problems))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    job = _load(args.job, _overrides(args))
+    job = _load(args.job, _overrides(args), args.quiet)
     problems = local_capacity_problems(job.spec, machine_facts(job))
     if problems:
         raise SpecError(f"{args.job}: cannot run on this machine (`hybridflow validate` accepts it for a cluster)\n"
                         + "\n".join(f"  {p}" for p in problems))
+    _refuse_unloadable_code(job, args.job)
     from hybridflow.trainer.loop import execute
     from hybridflow.trainer.setup import prepare
 
@@ -142,7 +154,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_driver(args: argparse.Namespace) -> int:
     import ray
 
-    job = _load(args.job, _overrides(args))
+    job = _load(args.job, _overrides(args), args.quiet)
     from hybridflow.trainer.loop import execute
     from hybridflow.trainer.setup import prepare
 
@@ -161,6 +173,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from hybridflow.memory import gpu_memory_problems
 
     job = _load(args.job, {})
+    _refuse_unloadable_code(job, args.job)
     problems = gpu_memory_problems(job, args.job)
     if problems:
         raise SpecError(f"{args.job}: does not fit its GPUs\n" + "\n".join(f"  {p}" for p in problems))
@@ -169,7 +182,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """The memory plan per pool, role and phase; exit 2 when a pool does not fit its devices (0 when it fits)."""
+    """The memory plan per pool, role and phase; exit 2 when a pool does not fit its devices (0 when it fits).
+    With --devices: the device-mapping planner's ranking instead (cli/device_map.py)."""
+    if args.auto or args.devices is not None:
+        from hybridflow.cli.device_map import cmd_auto, cmd_map
+
+        return cmd_auto(args) if args.auto else cmd_map(args)
     from hybridflow.memory import ShapeError, plan_text
 
     try:
@@ -246,74 +264,6 @@ def cmd_rules(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_environments_serve(args: argparse.Namespace) -> int:
-    """One replica of the job's sandbox pool (a sandbox pod): its reward function, tools and environment sessions
-    over HTTP, each request authenticated with the job's sandbox token (HYBRIDFLOW_SANDBOX_TOKEN, never the Ray
-    token: these pods hold no credential of the job's), until SIGTERM or SIGINT."""
-    import signal
-    import threading
-
-    from hybridflow.agents.server import PoolServer, PoolService
-    from hybridflow.sandbox_pool import TOKEN_ENV
-
-    token = os.environ.get(TOKEN_ENV, "")
-    if not token:
-        raise SpecError(f"{TOKEN_ENV}: the sandbox pool serves only callers holding the job's sandbox token; set it")
-    job = load_job(args.spec)
-    agent, reward = job.spec.rollout.agent, job.spec.models.reward
-    if agent is None and reward.function is None:
-        raise SpecError(f"{args.spec}: the sandbox pool runs a job's reward function (spec.models.reward.function) "
-                        "and its agent's tools and environment (spec.rollout.agent); this spec has neither")
-    if agent is not None and agent.environment_file and not Path(agent.environment_file).is_file():
-        raise SpecError(f"spec.rollout.agent.environmentFile: {agent.environment_file}: no such file here (on "
-                        "Kubernetes put it in kubernetes.rewardConfigMap, the job's code ConfigMap, under that key)")
-    from hybridflow import sandbox
-    from hybridflow.agents.places import local_places
-    from hybridflow.sandbox import reaper
-    from hybridflow.data.files import job_private_paths
-    from hybridflow.rewards.remote import serve_rewards
-    from hybridflow.rewards.sandbox import RewardFunction
-
-    # Refused here, before anything is served, when HYBRIDFLOW_SANDBOX=require and this pod lacks a layer (exit
-    # EXIT_SANDBOX_UNAVAILABLE: the operator fails the job with this message); else the job reads what is missing.
-    layers = sandbox.probe()
-    sandbox.check_required(layers, "the job's user code (its sandbox pool)")
-    reaper.start()  # every child of this process is a sandbox: what one leaves behind (setsid, double forks) dies
-    places = local_places(agent, job_private_paths(job.spec)) if agent is not None else None
-    rewards = None
-    if reward.type == "function" and reward.function is not None:
-        f = reward.function
-        rewards = serve_rewards(RewardFunction(f.path, f.name, f.batched, workers=reward.workers,
-                                               timeout_seconds=reward.timeout_seconds,
-                                               error_score=reward.error_score))
-    service = PoolService(places.tools if places else None, places.sessions if places else None,
-                          idle_seconds=args.idle_session_seconds, max_sessions=args.max_sessions, rewards=rewards,
-                          max_session_seconds=args.max_session_seconds,
-                          layers=_pool_layers(layers, agent is not None, rewards is not None))
-    server = PoolServer(service, token, args.address, args.port)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    server.start()
-    print(f"sandbox pool replica serving on {server.url}", flush=True)
-    stop.wait()
-    server.stop()
-    return 0
-
-
-def _pool_layers(first: Any, agent: bool, reward: bool) -> dict[str, Any]:
-    """What GET /v1/sandbox tells the job: the layers missing from any kind of sandbox this replica's workers run in
-    (each kind's probe, cached, is the one its workers use; a worker may land on a weaker kind than the first)."""
-    from hybridflow import sandbox
-    from hybridflow.agents.local import WORKER_CHECK as AGENT_CHECK
-    from hybridflow.rewards.sandbox import WORKER_CHECK as REWARD_CHECK
-
-    kinds = [first, *([sandbox.probe(AGENT_CHECK)] if agent else []),
-             *([sandbox.probe(REWARD_CHECK)] if reward else [])]
-    missing = {name: why for layers in kinds for name, why in layers.required_missing}
-    return {"how": "; ".join(sorted({k.how for k in kinds})), "missing": [[k, v] for k, v in sorted(missing.items())]}
-
-
 def cmd_leave_pool(args: argparse.Namespace) -> int:
     from hybridflow.single_controller.membership import leave
 
@@ -361,6 +311,21 @@ def parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="print the job's memory per device, role and phase; exit 2 if it cannot fit")
     plan.add_argument("job")
     plan.add_argument("--model-config", help="config.json of the actor's model when its directory is not here")
+    plan.add_argument("--devices", type=int, help="plan the job's placement for this many devices instead: rank "
+                      "placements, device counts and layouts by predicted step time (the paper's auto-mapping)")
+    plan.add_argument("--accelerator", help="with --devices: the device profile to plan for (e.g. h100-80gb; "
+                      "default: the job's pools' accelerator; cpu: this machine's measured peak)")
+    plan.add_argument("-o", "--output", help="with --devices: write the first candidate's resolved spec here")
+    plan.add_argument("--auto", action="store_true", help="plan a placement: auto job onto its pools' devices, as "
+                      "`run` and the operator do")
+    plan.add_argument("--write-plan", help="with --auto: write the plan (JSON) here (a plan pod's termination log)")
+    plan.add_argument("--top", type=int, default=10, help="with --devices: how many candidates to print (10)")
+    plan.add_argument("--modes", default="sync,one_step_off,async", help="with --devices: rollout modes to consider "
+                      "(comma-separated; default all three)")
+    plan.add_argument("--train-engines", help="with --devices: training engines to consider (comma-separated; "
+                      "default every one the job can use)")
+    plan.add_argument("--peak-flops", type=float, help="with --devices: the device's measured peak FLOP/s "
+                      "(replaces the profile's)")
     plan.set_defaults(fn=cmd_plan)
     exp = sub.add_parser("export", help="write a checkpoint's actor (or critic) as an HF model directory")
     exp.add_argument("checkpoint", help="a step_* checkpoint directory, or a checkpointDir (its newest intact one)")
@@ -389,6 +354,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-session-seconds", type=float, default=MAX_SESSION_SECONDS,
                        help=f"close a session this long after it opened, stepped or not (default "
                             f"{MAX_SESSION_SECONDS:.0f})")
+    serve.add_argument("--serves", choices=SERVES, default=SERVES_ALL,
+                       help="what this replica serves: all (default), agents (tools and environments only) or "
+                            "rewards (reward functions only): the operator sets reward functions apart from the "
+                            "model's code where the sandbox is partial")
     serve.add_argument("--max-sessions", type=int, default=MAX_SESSIONS,
                        help="sessions open at once; more are refused (503) and opened on another replica")
     serve.set_defaults(fn=cmd_environments_serve)
@@ -440,7 +409,3 @@ def bounded_message(err: BaseException, max_lines: int = 12, max_chars: int = 15
         tail.insert(0, ln)
         budget -= len(ln) + 1
     return "\n".join([head, "...", *(tail or [lines[-1][:budget]])])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The multi-turn rollout as the controller reports it: each step's episode metrics, one console line for a step whose
+episodes failed (how many, of which kinds, the first with its sample), one for a step whose tool calls all timed out,
+and the bound that stops the job, spec.rollout.agent.maxFailedFraction, like the reward's maxErrorFraction: an
+environment or tool that fails most episodes would only train the model on zeros, step after step, with nothing on
+the console. The bound counts the user's code's failures only (hybridflow.agents.loop.USER_CODE); an episode the
+sandbox pool failed (a replica lost, a sandbox that did not start, an HTTP error) is reported, never counted: one pod
+restart must not stop the job."""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridflow.agents.loop import USER_CODE
+from hybridflow.single_controller.batch import Batch
+
+log = logging.getLogger("hybridflow.trainer.episodes")
+CHECKED = "agent_failures_counted"  # a batch's meta: its episodes are counted already (it flows through stages)
+
+
+class AgentFailure(RuntimeError):
+    """More of a step's episodes failed than spec.rollout.agent.maxFailedFraction."""
+
+
+def _sample(batch: Batch, i: int) -> str:
+    """Row `i` as a user finds it in the data: its data source and ground truth (and extra info without one)."""
+    parts = []
+    for column, name in (("data_source", "data source"), ("truth", "ground truth"), ("extra_info", "extra info")):
+        if column in batch and (column != "extra_info" or "truth" not in batch or batch["truth"][i] is None):
+            parts.append(f"{name} {batch[column][i]!r:.80}")
+    return f"sample {i}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def _by_kind(kinds: Counter) -> str:
+    return ", ".join(f"{kind}: {n}" for kind, n in kinds.most_common())
+
+
+@dataclass
+class EpisodeFailures:
+    """The failed episodes of the batches a step (or an evaluation) generated, counted once per batch."""
+
+    max_fraction: float
+    what: str = "this step"
+    tool_timeout: float | None = None  # spec.rollout.agent.toolTimeoutSeconds, for the line on calls all timed out
+    episodes: int = 0
+    kinds: Counter = field(default_factory=Counter)
+    first: str | None = None  # the first failure of the user's code, else the first of the pool's
+    first_is_the_pools: bool = False
+    tool_calls: int = 0
+    tool_timeouts: int = 0
+
+    @property
+    def failed(self) -> int:
+        return sum(self.kinds.values())
+
+    @property
+    def not_counted(self) -> int:
+        """Failures of the sandbox pool, not of the user's code: out of the bound."""
+        return sum(n for kind, n in self.kinds.items() if kind not in USER_CODE)
+
+    def add(self, batch: Batch) -> None:
+        """Count `batch`'s episodes (a batch already counted, or without episodes, is skipped); raises AgentFailure
+        when more than the bound of its episodes failed in the user's code."""
+        if "agent_error" not in batch or batch.meta.get(CHECKED):
+            return
+        batch.meta[CHECKED] = True
+        errors, kinds = batch["agent_error"], batch["agent_failure"]
+        if "agent_tool_calls" in batch:
+            self.tool_calls += int(batch["agent_tool_calls"].sum())
+            self.tool_timeouts += int(batch["agent_tool_timeouts"].sum())
+        failed = [i for i, e in enumerate(errors) if e]
+        self.episodes += len(errors)
+        if not failed:
+            return
+        self.kinds.update(str(kinds[i]) for i in failed)
+        ours = [i for i in failed if str(kinds[i]) in USER_CODE]
+        if ours and (self.first is None or self.first_is_the_pools):
+            self.first, self.first_is_the_pools = self._describe(batch, ours[0]), False
+        elif self.first is None:
+            self.first, self.first_is_the_pools = self._describe(batch, failed[0]), True
+        if len(ours) / len(errors) > self.max_fraction:
+            pool = Counter(str(kinds[i]) for i in failed if str(kinds[i]) not in USER_CODE)
+            raise AgentFailure(
+                f"{len(ours)} of {len(errors)} episodes failed in {self.what} "
+                f"({_by_kind(Counter(str(kinds[i]) for i in ours))}), more than spec.rollout.agent.maxFailedFraction"
+                f" = {self.max_fraction:g}; first: {self._describe(batch, ours[0])}. Fix the environment or tools "
+                "file (run its reset and step on that sample), or raise maxFailedFraction"
+                + (f" ({sum(pool.values())} more failed in the sandbox pool, not counted: {_by_kind(pool)})"
+                   if pool else ""))
+
+    @staticmethod
+    def _describe(batch: Batch, i: int) -> str:
+        return f"{_sample(batch, i)}: {batch['agent_failure'][i]}: {batch['agent_error'][i]}"
+
+    def line(self) -> str | None:
+        """The console line for failures under the bound, or None without any."""
+        if not self.failed:
+            return None
+        pool = self.not_counted
+        return (f"agent: {self.failed} of {self.episodes} episodes failed in {self.what} ({_by_kind(self.kinds)})"
+                + (f", {pool} of them in the sandbox pool, not the user's code (not counted against spec.rollout."
+                   "agent.maxFailedFraction)" if pool else "") + f"; first: {self.first}")
+
+    def timeout_line(self) -> str | None:
+        """The console line for a step whose tool calls all timed out (each answered the model nothing else), or
+        None."""
+        if not self.tool_calls or self.tool_timeouts < self.tool_calls:
+            return None
+        limit = f" (spec.rollout.agent.toolTimeoutSeconds = {self.tool_timeout:g} s)" if self.tool_timeout else ""
+        return (f"agent: all {self.tool_calls} tool calls in {self.what} timed out{limit}: a call loads the tools file"
+                " and runs the tool within it; make the file's top level or the tool faster, or raise "
+                "toolTimeoutSeconds")
+
+    def report(self) -> None:
+        for text in (self.line(), self.timeout_line()):
+            if text is not None:
+                log.warning("%s", text)
+
+
+def episode_failures(agent: Any, what: str = "this step") -> EpisodeFailures | None:
+    """The counter for a job with an agent (spec.rollout.agent), else None."""
+    return None if agent is None else EpisodeFailures(agent.max_failed_fraction, what, agent.tool_timeout_seconds)
+
+
+def episode_stats(batch: Batch) -> dict[str, float]:
+    """Multi-turn rollouts' metrics over the trained batch: turns and tool calls per episode, the tool calls' error
+    and timeout rates and seconds, the environment's reward, and episodes that failed or were retried."""
+    if "agent_turns" not in batch:
+        return {}
+    calls = float(batch["agent_tool_calls"].sum())
+    return {"agent_turns_mean": float(batch["agent_turns"].mean()),
+            "agent_tool_calls_mean": float(batch["agent_tool_calls"].mean()),
+            "agent_tool_call_rate": float((batch["agent_tool_calls"] > 0).float().mean()),
+            "agent_tool_error_rate": float(batch["agent_tool_errors"].sum()) / calls if calls else 0.0,
+            "agent_tool_timeout_rate": float(batch["agent_tool_timeouts"].sum()) / calls if calls else 0.0,
+            "agent_tool_seconds": float(batch["agent_tool_seconds"].sum()),
+            "agent_env_reward_mean": float(batch["env_reward"].mean()),
+            "agent_env_steps_mean": float(batch["agent_env_steps"].mean()),
+            "agent_episodes_failed": float(batch["agent_failed"].sum()),
+            "agent_episodes_failed_infrastructure": float(sum(bool(k) and str(k) not in USER_CODE for k in
+                                                              batch["agent_failure"])) if "agent_failure" in batch
+            else 0.0,
+            "agent_episodes_retried": float((batch["agent_retries"] > 0).float().sum()),
+            "agent_episodes_truncated": float(batch["agent_truncated"].sum()),
+            "agent_environment_requests": float(batch["agent_environment_requests"].sum())}
