@@ -34,7 +34,9 @@ def rows() -> list[PaperRow]:
 def main() -> None:
     started = time.perf_counter()
     table = rows()
-    print("| model | A100s | planner's pick | layout | predicted step s | paper reports | agrees |")
+    print("The 'paper (recalled)' column is what we remember of the paper's placement comparison (section 8), not "
+          "checked against its text: check it before quoting it.\n")
+    print("| model | A100s | planner's pick | layout | predicted step s | paper (recalled) | agrees |")
     print("|---|---:|---|---|---:|---|---|")
     for r in table:
         print(f"| {r.size} | {r.devices} | {r.pick} | {r.layout} | {r.step_seconds:.1f} | {r.reported} | "

@@ -88,6 +88,8 @@ def test_plan_auto_writes_the_record_a_plan_pod_prints(tmp_path, capsys):
     not_auto.write_text((ROOT / "examples" / "tiny-grpo.yaml").read_text())
     assert main(["plan", str(not_auto), "--auto"]) == 2
     assert "--auto plans a job with spec.placement: auto" in capsys.readouterr().err
+    assert main(["plan", str(job_file), "--auto", "--devices", "8"]) == 2  # its devices are its pools'
+    assert "--auto plans onto the devices of the job's own pools" in capsys.readouterr().err
 
 
 def test_in_a_pod_the_operators_plan_is_used_as_given(tmp_path, monkeypatch):
@@ -127,3 +129,40 @@ def test_an_async_job_may_ask_for_auto_and_its_plan_gives_the_rollout_a_pool_of_
     assert plan.job.spec.pool("rollout").name != plan.job.spec.pool("actor").name
     with pytest.raises(SpecError, match="rollout needs devices of its own"):
         parse_job(_auto_doc("tiny-async-k8s.yaml", placement={"actor": "trainer", "rollout": "trainer"}))
+
+
+def test_the_plan_keeps_to_the_nodes_the_pools_describe():
+    """A job written for 4-GPU nodes gets no planned pod asking for 8: the profile's usual node gives way to the
+    pools' own."""
+    job = _gpu_auto_job()
+    doc = dump_job(job)
+    doc["spec"]["resourcePools"] = [{"name": "gpus", "nodes": 4, "devicesPerNode": 4, "device": "gpu",
+                                     "accelerator": "h100-80gb"}]
+    four = parse_job(doc)
+    plan = resolve_auto(four, read_shapes(four.spec, ROOT / "examples"))
+    assert all(p.devices_per_node <= 4 for p in plan.job.spec.resource_pools), plan.record()["fields"]
+    assert sum(p.nodes * p.devices_per_node for p in plan.job.spec.resource_pools) == 16
+
+
+def test_a_plan_nested_deeper_than_any_plan_is_refused_as_not_a_plan():
+    with pytest.raises(SpecError, match="pod x: not a plan"):
+        plan_from_text("[" * 1750 + "]" * 1750, "pod x")
+
+
+def test_an_auto_jobs_podgroup_waits_for_its_plan():
+    """Volcano's gang is sized by the job's pools: an unplanned `placement: auto` job has none yet, so its
+    PodGroup is made from the planned job (at its first gang start), never from the pools as written."""
+    from hybridflow_operator import manifests as mf
+
+    job = _gpu_auto_job()
+    doc = dump_job(job)
+    doc["spec"]["runPolicy"] = {**doc["spec"].get("runPolicy", {}), "gangScheduling": True}
+    doc["metadata"]["namespace"] = "ml"
+    auto = parse_job(doc)
+    kinds = [o["kind"] for o in mf.static_children(auto, "uid", "t" * 64, [])]
+    assert "PodGroup" not in kinds and "ConfigMap" in kinds
+    fields = {"resourcePools": [{"name": "one", "nodes": 2, "devicesPerNode": 8, "device": "gpu",
+                                 "accelerator": "h100-80gb"}], "placement": {"actor": "one"}}
+    planned = apply_plan(auto, fields)
+    group = next(o for o in mf.static_children(planned, "uid", "t" * 64, [], accepted=auto) if o["kind"] == "PodGroup")
+    assert group["spec"]["minMember"] == 1 + 2  # the head and the planned pool's two pods

@@ -1621,6 +1621,26 @@ def test_a_plan_pod_that_fails_or_prints_no_plan_fails_the_job_saying_why(view, 
     assert later.status == plan.status and later.delete_pods == ([] if view.phase == "Failed" else [view.name])
 
 
+def test_a_queued_jobs_plan_with_more_pools_than_a_workload_holds_fails_as_at_acceptance():
+    """A plan is judged as the spec was at acceptance: a job queued through Kueue whose plan makes more podSets
+    than a Workload holds (the head, the sandbox pool and one per pool) fails PlanFailed naming the limit, instead
+    of failing later when its Workload is made."""
+    from hybridflow.api.plan import plan_fields
+    from hybridflow_operator.plan_pod import plan_step
+
+    raw = _auto_raw()
+    raw["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+    job = parse_job(raw)
+    wide = _raw("tiny-async-k8s.yaml")
+    wide["spec"]["resourcePools"] = [{"name": f"p{i}", "devicesPerNode": 1} for i in range(8)]
+    wide["spec"]["placement"] = {"actor": "p0", "reference": "p1", "rollout": "p2"}
+    record = {"summary": {}, "fields": plan_fields(parse_job(wide))}
+    st = plan_step(decide(job, None, {}, [], NOW), job, None, NOW, unqueued=True).status
+    plan = plan_step(decide(job, None, st, [], NOW), job, _plan_view("Succeeded", output=json.dumps(record)), NOW)
+    assert (plan.status["phase"], plan.status["reason"]) == ("Failed", "PlanFailed"), plan.status
+    assert "Kueue podSets" in plan.status["message"] and "plan" not in plan.status
+
+
 def test_the_plan_pod_view_carries_a_succeeded_containers_termination_message():
     from hybridflow_operator.handlers import _pod_view
 

@@ -789,6 +789,7 @@ def static_children(job: RLHFJob, uid: str, ray_token: str, metrics_namespaces: 
                                                                                  egress)]
     if not job.spec.kubernetes.ray_auth_secret:
         out.append(ray_token_secret(job, uid, ray_token))
-    if job.spec.run_policy.gang_scheduling:
+    if job.spec.run_policy.gang_scheduling and job.spec.placement != "auto":
+        # sized by the pools: a `placement: auto` job's PodGroup waits for its plan (made at its first gang start)
         out.append(podgroup(job, uid))
     return out

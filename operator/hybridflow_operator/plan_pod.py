@@ -25,6 +25,7 @@ from hybridflow.api.names import LABEL_ROLE, names, plan_pod_name
 from hybridflow.api.plan import PLAN_ENV, apply_plan, plan_from_text
 from hybridflow.api.status import JobStatus, Phase
 
+from hybridflow_operator.kueue import podset_problems, queue_name
 from hybridflow_operator.manifests import SCRATCH_MOUNT, SPEC_KEY, SPEC_MOUNT, _model_mounts, _pod, resolved_job
 from hybridflow_operator.phases import Plan, PodPhase, PodView, capped, fail, set_condition
 
@@ -34,7 +35,10 @@ PLAN_ROLE = "plan"
 TERMINATION_LOG = "/dev/termination-log"
 PLAN_SCRATCH = "256Mi"
 PLAN_RESOURCES = {"requests": {"cpu": "1", "memory": "1Gi", "ephemeral-storage": "64Mi"},
-                  "limits": {"memory": "1Gi", "ephemeral-storage": "512Mi"}}
+                  "limits": {"cpu": "1", "memory": "1Gi", "ephemeral-storage": "512Mi"}}
+# It runs outside Kueue's quota (before the Workload, which asks for the planned pools): held to one CPU and this
+# long; past it the kubelet ends it (DeadlineExceeded) and the job fails PlanFailed, saying so.
+PLAN_DEADLINE_SECONDS = 600
 
 
 def with_plan(job: RLHFJob, status: JobStatus) -> RLHFJob:
@@ -76,6 +80,7 @@ def plan_pod(job: RLHFJob, uid: str) -> dict[str, Any]:
     pod = _pod(job, uid, plan_pod_name(job.metadata.name), {LABEL_ROLE: PLAN_ROLE}, [container], [], None, "",
                volumes_and_mounts=(vols, mounts), gang=False)
     pod["spec"]["terminationGracePeriodSeconds"] = 5
+    pod["spec"]["activeDeadlineSeconds"] = PLAN_DEADLINE_SECONDS
     return pod
 
 
@@ -152,7 +157,10 @@ def _record(plan: Plan, job: RLHFJob, view: PodView, now: dt.datetime) -> Plan:
     try:
         record = plan_from_text(view.output, f"pod {view.name}'s termination message")
         json.dumps(record, allow_nan=False)  # status is JSON: no NaN nor Infinity (the API server refuses them)
-        apply_plan(job, record["fields"], f"pod {view.name}'s plan")
+        planned = apply_plan(job, record["fields"], f"pod {view.name}'s plan")
+        labels = (job.metadata.model_extra or {}).get("labels")
+        if queue_name(labels) and (too_many := podset_problems(planned)):  # as judged at acceptance
+            raise SpecError("; ".join(too_many))
     except (SpecError, ValueError) as err:
         fail(plan, "PlanFailed", f"spec.placement auto: the plan pod {view.name} gave no plan this job can run: {err}",
              now, [])

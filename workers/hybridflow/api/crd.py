@@ -137,8 +137,11 @@ def immutable_field_rule(field: str) -> dict[str, str]:
 def spec_schema() -> dict[str, Any]:
     raw = JobSpec.model_json_schema(by_alias=True)
     schema = _structural(raw, raw.get("$defs", {}))
-    schema["x-kubernetes-validations"] = [immutable_field_rule(f) for f in schema["properties"]
-                                          if f not in MUTABLE_SPEC_FIELDS] + ELASTIC_RULES
+    # An untyped field (spec.placement: a map or `auto`) is not in CEL's view of spec: a rule naming it would not
+    # compile, and the API server would refuse the CRD. Its edits are the operator's to ignore (the accepted spec
+    # runs, with a SpecChangeIgnored warning), as for any field once a job exists.
+    schema["x-kubernetes-validations"] = [immutable_field_rule(f) for f, node in schema["properties"].items()
+                                          if f not in MUTABLE_SPEC_FIELDS and "type" in node] + ELASTIC_RULES
     schema["properties"]["rolloutPool"]["required"] = ["maxReplicas"]
     schema["properties"]["rolloutPool"]["x-kubernetes-validations"] = ROLLOUT_POOL_RULES
     schema["description"] = "What to train and how: algorithm, models, data, rollout, training, pools, trainer."

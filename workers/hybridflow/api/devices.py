@@ -49,7 +49,7 @@ class DeviceProfile:
 # planner takes this machine's measured matmul peak instead (`calibrated`, as the MFU metric does:
 # hybridflow.flops.matmul_peak_flops); its links are gloo over loopback and over a 10 Gb/s network.
 PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (
-    DeviceProfile("h100-80gb", int(79.1 * GIB), int(1.5 * GIB), "NVIDIA H100 80GB (SXM/PCIe)",
+    DeviceProfile("h100-80gb", int(79.1 * GIB), int(1.5 * GIB), "NVIDIA H100 80GB SXM (NVLink)",
                   989e12, 3.35e12, 450e9, 50e9, 8),
     DeviceProfile("h200-141gb", int(139.8 * GIB), int(1.5 * GIB), "NVIDIA H200 141GB",
                   989e12, 4.8e12, 450e9, 50e9, 8),

@@ -20,12 +20,15 @@ def last_error(log_tail: str) -> str:
     return " ".join(ln.strip() for ln in picked).removeprefix("error: ")[:1000]
 
 
+UNION_TAGS = ("union-roles", "union-auto")  # spec.placement's tags (schema.JobSpec.placement): not the user's keys
+
+
 def _loc(loc: tuple[Any, ...]) -> str:
     parts: list[str] = []
     for x in loc:
         if isinstance(x, int):
             parts[-1:] = [f"{parts[-1]}[{x}]"] if parts else [f"[{x}]"]
-        elif str(x).startswith(("function-", "union-")):  # a validator's or a tagged union's own step
+        elif str(x).startswith("function-") or x in UNION_TAGS:  # a validator's or a tagged union's own step
             continue
         else:
             parts.append(str(x))

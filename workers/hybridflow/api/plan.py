@@ -62,8 +62,8 @@ def plan_from_text(text: str, source: str) -> dict[str, Any]:
         raise SpecError(f"{source}: the plan is {len(text.encode())} bytes, more than {MAX_PLAN_BYTES}")
     try:
         plan = json.loads(text)
-    except ValueError as err:
-        raise SpecError(f"{source}: not a plan (JSON expected): {err}") from None
+    except (ValueError, RecursionError) as err:  # RecursionError: nested deeper than a plan ever is
+        raise SpecError(f"{source}: not a plan (JSON expected): {str(err)[:200]}") from None
     if not isinstance(plan, dict) or not isinstance(plan.get("fields"), dict) or \
             not isinstance(plan.get("summary"), dict):
         raise SpecError(f"{source}: a plan is {{\"summary\": {{...}}, \"fields\": {{...}}}}")

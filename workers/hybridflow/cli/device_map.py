@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from hybridflow.api import RLHFJob, SpecError, dump_job, load_job
 from hybridflow.api.devices import PROFILES, DeviceProfile, accelerator_problem, calibrated, profile
-from hybridflow.api.plan import PLAN_ENV, apply_plan, plan_from_text
+from hybridflow.api.plan import MAX_PLAN_BYTES, PLAN_ENV, apply_plan, plan_from_text
 
 if TYPE_CHECKING:
     from hybridflow.mapping.auto import AutoPlan
@@ -135,8 +135,15 @@ def cmd_auto(args: argparse.Namespace) -> int:
     if job.spec.placement != "auto":
         raise SpecError(f"{args.job}: --auto plans a job with spec.placement: auto; this one places its roles "
                         "itself (spec.placement)")
+    if args.devices is not None or args.output:
+        raise SpecError("--auto plans onto the devices of the job's own pools (spec.resourcePools): leave out "
+                        "--devices and -o, or drop --auto to rank placements for --devices")
     plan = auto_plan(job, args.job, args.model_config)
     print(plan.line())
+    text = json.dumps(plan.record(), separators=(",", ":"))
+    if len(text.encode()) > MAX_PLAN_BYTES:  # a termination message holds 4096 bytes: refused here, saying why
+        raise SpecError(f"{args.job}: its plan is {len(text.encode())} bytes, more than the {MAX_PLAN_BYTES} a plan "
+                        "pod can report; give spec.resourcePools fewer node selectors, tolerations or affinities")
     if args.write_plan:
-        Path(args.write_plan).write_text(json.dumps(plan.record(), separators=(",", ":")))
+        Path(args.write_plan).write_text(text)
     return 0

@@ -5,7 +5,7 @@ changes what is learned: staleness), so only placements of that mode compete. `h
 machine before Ray starts; the plan's summary is what status.plan records and the console prints."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hybridflow.api import RLHFJob
@@ -72,8 +72,18 @@ def resolve_auto(job: RLHFJob, shapes: dict[str, ModelShape], device: DeviceProf
     profile to plan for (default: the pools' accelerator; a CPU job's caller passes the calibrated CPU profile)."""
     assert job.spec.placement == "auto", "only a placement: auto job is resolved"
     devices, kind = job_devices(job)
-    device = device or profile(kind)
-    result = search(job, shapes, devices, device, top=1, modes=[job.spec.rollout.mode], calibration=calibration)
+    # the nodes the user's pools describe, not the profile's usual node: no planned pod asks for more devices than
+    # the job's nodes have
+    device = replace(device or profile(kind),
+                     devices_per_node=max(p.devices_per_node for p in job.spec.resource_pools))
+    # the user's own choices stay theirs: the rollout mode (it changes what is learned) and a training engine named
+    training = job.spec.training
+    engines = [training.engine] if "engine" in training.model_fields_set else None
+    try:
+        result = search(job, shapes, devices, device, top=1, modes=[job.spec.rollout.mode], engines=engines,
+                        calibration=calibration)
+    except PlanError as err:  # its messages name `hybridflow plan`'s flags: here they are the job's pools
+        raise PlanError(f"spec.placement: auto, for spec.resourcePools' {devices} x {device.name}: {err}") from err
     if not result.ranked:
         raise PlanError(f"spec.placement: auto: no placement of this job's models fits its {devices} x {device.name}"
                         f" (spec.resourcePools; {result.considered} candidates, none the rules and the memory model "
