@@ -145,7 +145,9 @@ def test_the_plan_keeps_to_the_nodes_the_pools_describe():
 
 
 def test_a_plan_nested_deeper_than_any_plan_is_refused_as_not_a_plan():
-    with pytest.raises(SpecError, match="pod x: not a plan"):
+    """Refused as a SpecError naming its source, never an uncaught RecursionError (whether the JSON decoder recurses
+    that deep depends on the interpreter's stack: where it does not, the value is refused for its shape)."""
+    with pytest.raises(SpecError, match=r"pod x: (not a plan|a plan is)"):
         plan_from_text("[" * 1750 + "]" * 1750, "pod x")
 
 
