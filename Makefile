@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 MAKE_START := $(shell date +%s)
 # Subprocesses (the operator, pods of the e2e harness, `hybridflow` itself) find the venv's entry points first.
 export PATH := $(VENV_ABS)/bin:$(abspath .tools/bin):$(PATH)
-# tests/test_environment.py checks that the suite really runs inside this venv.
+# tests/agents/test_environment.py checks that the suite really runs inside this venv.
 export HYBRIDFLOW_VENV := $(VENV_ABS)
 # Models the tests build (SmolLM2 converted from its GGUF, tiny models) are built once and shared by pytest and the
 # e2e run (which bakes SmolLM2 into its "image" from here); `make clean` drops them.
@@ -78,7 +78,7 @@ e2e: install install-tools
 
 test-fast: install
 	PYTHON=$(PYTHON) bash scripts/install-helm.sh .tools/bin/helm  # the chart tests render it
-	$(PYTHON) -m pytest -ra --durations=15 -m "not slow" $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -ra --durations=15 -m "not slow and not gpu" $(PYTEST_ARGS)
 
 crd:
 	$(VENV_ABS)/bin/hybridflow crd -o crds/rlhfjob.yaml
@@ -103,7 +103,7 @@ lock:
 # Re-pin constraints/gpu.txt, the GPU worker image's packages, for CPython 3.12 on manylinux x86_64 (CUDA 13): uv
 # resolves pyproject.toml's dependencies and `gpu` extra with constraints/gpu.in from package metadata alone (nothing
 # is installed, no CUDA wheel is downloaded: ~15 s), held to constraints/cpu.txt's pins wherever both pin a package,
-# except torch (`+cpu` there) and the pins vLLM's CUDA build fixes itself (see tests/test_gpu_constraints.py).
+# except torch (`+cpu` there) and the pins vLLM's CUDA build fixes itself (see tests/cli/test_gpu_constraints.py).
 # Run it after `make lock`.
 lock-gpu:
 	rm -rf .lock-venv && $(BASE_PYTHON) -m venv .lock-venv && .lock-venv/bin/pip install -q "uv==0.13.9"

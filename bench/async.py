@@ -15,7 +15,7 @@ invocation, not across them.
 Then a PROJECTION: the modes' iteration formulas applied, first to the stage times measured here (a check of the
 formulas against what was measured), then to a 7B actor on 8/64/512 H100-class GPUs, with every assumption printed.
 That part is arithmetic from a cost model, not a measurement. `project` is a pure function
-(tests/test_bench_async.py).
+(tests/support_tests/test_bench_async.py).
 
 Usage: python bench/async.py [--steps 40] [--modes abcde] [--gpus 8,64,512] [--rollout-share 0.5]
                              [--dry-run] [--json OUT] [--keep DIR]

@@ -26,8 +26,8 @@ The machine has 2 cores and other work beside it (other test suites): timings ar
 invocation to the next under load and up to 2x for a run that meets a burst (each run's load average is printed);
 `--repeat 2` runs the placements twice, interleaved, and counts each placement's least disturbed run (other work
 only ever adds time). The cpu calibration was fitted on bench/plan_fit.json (`--from-json bench/plan_fit.json
---fit abcefgj`: the constants and their provenance are in hybridflow.mapping.stage_time.CALIBRATIONS); the README's
-table is a later invocation, bench/plan_check.json, measured after the fit.
+--fit abcefgj`: the constants and their provenance are in hybridflow.mapping.stage_time.CALIBRATIONS); the table
+in docs/performance.md is a later invocation, bench/plan_check.json, measured after the fit.
 """
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ def test_killed_pods_are_replaced_alone_and_a_hung_pod_restarts_the_gang(world, 
     """The elastic rollout pool is scaled from one pod to two on the live job: the head and the other pods are kept,
     the new pod's replica joins once its weights were checked, and steps go on meanwhile.
     The operator is SIGKILLed mid-run: the new one adopts the running pods (same names and UIDs, nothing created).
-    A rollout pod is killed: only it is replaced, the controller rebuilds its replica there (trainer.replicas) and
+    A rollout pod is killed: only it is replaced, the controller rebuilds it (trainer.generation.failures) and
     the trainer goes on meanwhile: steps are logged between the kill and the replica's return, no in-place recovery
     and no restart. The pool is scaled back to one pod: the pod leaving is given notice, its preStop hands its
     replica back (it finishes the call it is in, nothing is generated again), and no pod is replaced for it. The
@@ -109,7 +109,7 @@ def test_killed_pods_are_replaced_alone_and_a_hung_pod_restarts_the_gang(world, 
     checkpoint. The new trainer pod is frozen (SIGSTOP): it stays Running, no step completes, the operator finds the
     job Stalled after runPolicy.progressDeadlineSeconds and restarts the gang. The job ends Succeeded with each step in
     the step log once; the gang's next generation has one rollout pod.
-    (A failed head restarts the gang whatever the policy: tests/test_operator_pure.py; a killed pod under
+    (A failed head restarts the gang whatever the policy: tests/operator/test_operator_phases.py; a killed pod under
     restartPolicy gang: the next test.)"""
     name = "fault-kills"
     _start(world, tmp_path, name, runPolicy={"backoffLimit": 2, "progressDeadlineSeconds": STALL_DEADLINE}, **ASYNC)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test part of `make test`: pytest (tests/) and the e2e scenarios (e2e/run.sh). Both print their slowest tests,
-# and the last lines say what each part took against the budget the README states, so growth shows in every CI log.
+# and the last lines say what each part took against the budget docs/testing.md states, so growth shows in every CI log.
 # Needs PYTHON (the venv's); MAKE_START (seconds since the epoch) counts the install in the total.
 #
 # Two streams side by side: the slow tests (real jobs on Ray, in the foreground), and beside them the e2e scenarios,
@@ -9,7 +9,8 @@
 # critical path (measured: 28.6% idle over 1394 s of slow tests alone); side by side the machine is ~85-90% busy,
 # each part slower, the whole shorter; the waits in both have wide margins. The second stream's output is
 # kept in a file and printed once both have ended, so the logs do not interleave. With PYTEST_ARGS (a selection of
-# tests), pytest runs once and then e2e.
+# tests), pytest runs once and then e2e. The GPU suite (tests/gpu, marked `gpu`: it fails without a GPU) is left out
+# of every run here (-m '... not gpu'; a PYTEST_ARGS with a -m of its own decides); bench/gpu_check.sh runs it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:?the venv python}"
@@ -19,7 +20,7 @@ rc=0
 e2e_rc=0
 if [ -n "${PYTEST_ARGS:-}" ]; then
   # shellcheck disable=SC2086  # PYTEST_ARGS is a list of pytest options
-  "$PYTHON" -m pytest -ra --durations=30 ${PYTEST_ARGS} || rc=$?
+  "$PYTHON" -m pytest -ra --durations=30 -m "not gpu" ${PYTEST_ARGS} || rc=$?
   t1=$(date +%s)
   e2e="not run (pytest failed)"
   if [ "$rc" = 0 ]; then
@@ -36,7 +37,7 @@ else
   (  # once e2e has ended: the light tests; their exit code, start and end in light_status
     while kill -0 "$e2e_pid" 2>/dev/null; do sleep 2; done
     t=$(date +%s)
-    "$PYTHON" -m pytest -ra --durations=15 -m "not slow"
+    "$PYTHON" -m pytest -ra --durations=15 -m "not slow and not gpu"
     echo "$? $t $(date +%s)" >"$light_status"
   ) >"$light_log" 2>&1 &
   light_pid=$!
@@ -46,7 +47,7 @@ else
   trap 'kill -KILL "$e2e_pid" 2>/dev/null; pkill -P "$light_pid" 2>/dev/null; kill "$light_pid" 2>/dev/null
         echo "(interrupted; e2e, then light tests, so far:)"; tail -n 40 "$e2e_log" "$light_log"
         rm -f "$e2e_log" "$light_log" "$light_status"' EXIT
-  "$PYTHON" -m pytest -ra --durations=30 -m slow || rc=$?
+  "$PYTHON" -m pytest -ra --durations=30 -m "slow and not gpu" || rc=$?
   t1=$(date +%s)
   wait "$e2e_pid" || e2e_rc=$?
   wait "$light_pid"
@@ -64,5 +65,5 @@ else
 fi
 [ "$e2e_rc" = 0 ] || rc=1
 echo "make test: install $(( t0 - start ))s, ${parts}; total $(( $(date +%s) - start ))s" \
-     "(budget on a fresh 2-core machine: 1800s in all; see README 'Tests')"
+     "(budget on a fresh 2-core machine: 1800s in all; see docs/testing.md)"
 exit "$rc"

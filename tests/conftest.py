@@ -1,12 +1,12 @@
-import contextlib
 import os
-import re
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from support.paths import ROOT
+from support.processes import kill_processes_mentioning
+
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on 127.0.0.1 only (see STACK.md)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -76,14 +76,6 @@ def tiny_example_run(tiny_example_job):
         returncode=tiny_example_job.returncode(), stdout=log, stderr=log)
 
 
-def run_cli(args, cwd, env_extra=None, timeout=900):
-    import subprocess
-
-    env = {**os.environ, **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "hybridflow.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
 # --- one in-process Ray for consecutive tests ---------------------------------------------------------------------
 # `ray.init` costs ~5 s and `ray.shutdown` ~1.5 s. Tests that drive worker groups from this process share one Ray
 # while they run one after another (`local_ray`, or `shared_ray` for a module's fixtures), and it is stopped as soon
@@ -121,6 +113,7 @@ class SharedRay:
         import ray
 
         from hybridflow.api import pool_resource, pool_slot_resource
+        from hybridflow.cli import LOCAL_RAY_SYSTEM_CONFIG
 
         if self.running:
             return
@@ -137,7 +130,7 @@ class SharedRay:
                      resources={**{pool_resource(n): d for n, d in SHARED_RAY_POOLS.items()}, **slots},
                      include_dashboard=False, object_store_memory=256 << 20, log_to_driver=False,
                      logging_level=logging.ERROR, _temp_dir=self.temp_dir,
-                     runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "1"}})
+                     runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "1"}}, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
             self.address = ray.get_runtime_context().gcs_address
         except BaseException:
             self.stop()
@@ -370,51 +363,6 @@ def ray_tmp():
         shutil.rmtree(d, ignore_errors=True)
 
 
-def kill_processes_mentioning(text: str, grace: float = 5.0) -> int:
-    """SIGKILL every process whose command line contains `text` (a per-test temp dir), after `grace` seconds for
-    them to end by themselves; returns how many had to be killed."""
-    import time
-
-    import psutil
-
-    def left() -> list:
-        me = os.getpid()
-        return [p for p in psutil.process_iter(["cmdline"])
-                if p.pid != me and text in " ".join(p.info["cmdline"] or [])]
-
-    deadline = time.time() + grace
-    while (procs := left()) and time.time() < deadline:
-        time.sleep(0.5)
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    return len(procs)
-
-
-@contextlib.contextmanager
-def running(cmd: list[str], **kwargs):
-    """A subprocess in its own session for the length of a block; its whole process group is ended however the
-    block ends (SIGTERM, then SIGKILL after 10 s), so a failing test leaves nothing running."""
-    import signal
-    import subprocess
-
-    proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)
-    try:
-        yield proc
-    finally:
-        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
-            try:
-                os.killpg(proc.pid, sig)  # the group outlives its leader while any member is alive
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(wait)
-            except subprocess.TimeoutExpired:
-                pass
-
-
 @pytest.fixture(scope="session")
 def s3_server_process(tmp_path_factory):
     """One SeaweedFS S3 server (tests/s3_server.py) for the whole session, started on first use: startup takes
@@ -440,28 +388,3 @@ def s3_server(s3_server_process, request):
 
     slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
     return s3_server_process.create_bucket(f"t{secrets.token_hex(4)}-{slug or 'test'}")
-
-
-def readme_own_data_job() -> tuple[str, str]:
-    """The job YAML and the reward file that README.md's "Your own data" section prints (its one yaml and one
-    python block), as text: what a user copies."""
-    section = (ROOT / "README.md").read_text().split("### Your own data\n", 1)[1].split("\n### ", 1)[0]
-    jobs, rewards = re.findall(r"```yaml\n(.*?)```", section, re.S), re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(jobs) == 1 and len(rewards) == 1, "the section should print one job and one reward file"
-    return jobs[0], rewards[0]
-
-
-def save_readme_own_data_job(root: Path) -> tuple[Path, Path]:
-    """README's own-data job saved as the README says (my-job.yaml, and the reward file it names) in `root`, which
-    the caller lays out like the repository after `python examples/data/make_word_problems.py`; returns the job
-    file and its checkpointDir."""
-    import yaml
-
-    job_text, reward_text = readme_own_data_job()
-    doc = yaml.safe_load(job_text)
-    # what a newcomer writes, and what this job checks stays accepted: one path for train and eval, no reward type
-    assert isinstance(doc["spec"]["data"]["train"], str) and isinstance(doc["spec"]["data"]["eval"], str), doc
-    assert "type" not in doc["spec"]["models"]["reward"], doc
-    (root / "my-job.yaml").write_text(job_text)
-    (root / doc["spec"]["models"]["reward"]["function"]["path"]).write_text(reward_text)
-    return root / "my-job.yaml", root / doc["spec"]["trainer"]["checkpointDir"]

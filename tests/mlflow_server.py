@@ -10,7 +10,8 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
-from conftest import ROOT, running
+from support.paths import ROOT
+from support.processes import running
 from kube.harness import free_port
 
 # Set by the Makefile; the default is where `make install-tools` puts it.

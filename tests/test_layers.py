@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from support.paths import ROOT
+
 RUNTIME = ROOT / "workers" / "hybridflow"
 MAX_LINES = 450
 
@@ -49,6 +50,12 @@ def test_every_contract_names_modules_that_exist():
 def test_runtime_modules_stay_small(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines (at most {MAX_LINES}): split it by job"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "operator" / "hybridflow_operator").glob("*.py")), ids=lambda p: p.name)
+def test_operator_modules_stay_small(path):
+    """The operator's modules too (issue 53): each file one job, small enough to read."""
+    test_runtime_modules_stay_small(path)
 
 
 def _engine_names() -> set[str]:
@@ -112,3 +119,23 @@ def test_the_checks_see_what_they_forbid():
     probe = ast.parse("if hasattr(self.engine, 'gather_tp'):\n    pass\ngetattr(model, 'lm_head', None)\n"
                       "getattr(self.rollout, 'model')\n")
     assert _engine_probes(probe) == [1, 4]
+
+
+# tests/ mirrors the code: a directory of tests per package or top-level module (tests/<package>/ for
+# workers/hybridflow/<package>/ or <package>.py, and
+# tests/operator/ for the operator), beside these that are not tests of one package.
+TEST_DIRS_OF_NO_PACKAGE = {"gpu": "the GPU suite (bench/gpu_check.sh)", "support_tests": "tests of test support",
+                           "support": "what tests share", "kube": "the Kubernetes doubles"}
+CROSS_CUTTING_TESTS = {"test_layers.py", "test_docs.py", "test_import_cycles.py", "test_gpu_suite.py"}
+
+
+def test_the_tests_mirror_the_packages():
+    tests = ROOT / "tests"
+    packages = {p.name for p in RUNTIME.iterdir() if (p / "__init__.py").is_file()} \
+        | {p.stem for p in RUNTIME.glob("*.py")} | {"operator"}  # (a package or a module of the top level)
+    strays = {d.name for d in tests.iterdir() if d.is_dir() and any(d.glob("test_*.py"))} \
+        - packages - set(TEST_DIRS_OF_NO_PACKAGE)
+    assert not strays, f"tests/{sorted(strays)} name no package of workers/hybridflow/ (nor the operator): " \
+                       "put a package's tests in tests/<package>/"
+    loose = {p.name for p in tests.glob("test_*.py")} - CROSS_CUTTING_TESTS
+    assert not loose, f"{sorted(loose)}: tests of one package go in tests/<package>/"

@@ -23,12 +23,14 @@ from hybridflow.api.agents import SERVES_ALL, SERVES_REWARDS, code_files, sandbo
 from hybridflow.api.names import LABEL_INDEX, LABEL_JOB, LABEL_ROLE, names
 from hybridflow.api.status import Phase
 
-from hybridflow_operator.manifests import (
-    ENVIRONMENT_PORT, ENVIRONMENT_ROLE, REWARD_MOUNT, SANDBOX_ENV, SANDBOX_PARTIAL, SANDBOX_REQUIRED, SCRATCH_MOUNT,
-    SCRATCH_SIZE, SPEC_KEY, SPEC_MOUNT, _meta, _pod, code_keys, environment_pod_name, environment_service_name,
-    reward_configmap_key, sandbox_token_env, token_secret,
+from hybridflow_operator.manifests import REWARD_MOUNT, reward_configmap_key, token_secret
+from hybridflow_operator.meta import (
+    ENVIRONMENT_PORT, ENVIRONMENT_ROLE, SANDBOX_ENV, SANDBOX_PARTIAL, SANDBOX_REQUIRED, SCRATCH_MOUNT, SCRATCH_SIZE,
+    SPEC_KEY, SPEC_MOUNT, _meta,
 )
-from hybridflow_operator.phases import PodPhase, PodView
+from hybridflow_operator.plan import PodPhase, PodView
+from hybridflow_operator.pods import _pod, environment_pod_name, environment_service_name, sandbox_token_env
+from hybridflow_operator.resolve import code_keys
 
 # Phases in which the pool runs (its pods are made, and made again when one dies); in every other phase they go.
 POOL_PHASES = (Phase.PENDING, Phase.INITIALIZING, Phase.RUNNING, Phase.RESTARTING)

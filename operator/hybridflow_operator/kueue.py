@@ -37,7 +37,7 @@ from hybridflow.api.agents import sandbox_pool
 from hybridflow.api.names import LABEL_JOB, LABEL_POOL, LABEL_ROLE, names
 from hybridflow.api.scaling import replicas_now, sized
 from hybridflow.api.status import TERMINAL, Phase
-from hybridflow_operator.manifests import _meta
+from hybridflow_operator.meta import _meta
 
 GROUP, VERSION = "kueue.x-k8s.io", "v1beta1"
 API_VERSION = f"{GROUP}/{VERSION}"

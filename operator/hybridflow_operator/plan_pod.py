@@ -26,8 +26,10 @@ from hybridflow.api.plan import PLAN_ENV, apply_plan, plan_from_text
 from hybridflow.api.status import JobStatus, Phase
 
 from hybridflow_operator.kueue import podset_problems, queue_name
-from hybridflow_operator.manifests import SCRATCH_MOUNT, SPEC_KEY, SPEC_MOUNT, _model_mounts, _pod, resolved_job
-from hybridflow_operator.phases import Plan, PodPhase, PodView, capped, fail, set_condition
+from hybridflow_operator.meta import SCRATCH_MOUNT, SPEC_KEY, SPEC_MOUNT
+from hybridflow_operator.plan import Plan, PodPhase, PodView, capped, fail, set_condition
+from hybridflow_operator.pods import _model_mounts, _pod
+from hybridflow_operator.resolve import resolved_job
 
 PLAN_ROLE = "plan"
 # Where the plan pod writes its record: the default terminationMessagePath, whose content (up to 4096 bytes; a

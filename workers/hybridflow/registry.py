@@ -1,18 +1,24 @@
-"""A name -> object table (algorithms, their pieces, tools, environments), filled by one decorator per entry (verl's `core_algos` style).
+"""A name -> object table (algorithms, their pieces, tools, environments, roles, reward rules and scorers, heap
+allocators), filled by one decorator or `add` per entry (verl's `core_algos` style).
 
 The spec validates names against these tables and the CRD's enums are generated from them, so the modules that fill
 them stay importable without torch (the operator image has none): numeric code uses tensor methods only.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str) -> None:
+    """`kind` names one entry in messages ("unknown {kind} 'x'"); `plural`, when given, names the list of the
+    registered ones ("registered {plural}: ..."), else "registered: ...". Iterating gives the names in the order
+    they were registered (as a dict does); `names()` sorts them."""
+
+    def __init__(self, kind: str, plural: str | None = None) -> None:
         self.kind = kind
+        self.plural = plural
         self._entries: dict[str, T] = {}
         self._info: dict[str, dict[str, Any]] = {}
 
@@ -29,11 +35,16 @@ class Registry(Generic[T]):
         self._entries[name] = obj
         self._info[name] = info
 
+    def unknown(self, name: str) -> str:
+        """The message for a name that is not registered: the name and the registered ones."""
+        listed = f"registered {self.plural}" if self.plural else "registered"
+        return f"unknown {self.kind} '{name}'; {listed}: {', '.join(self.names())}"
+
     def __getitem__(self, name: str) -> T:
         try:
             return self._entries[name]
         except KeyError:
-            raise KeyError(f"unknown {self.kind} '{name}'; registered: {', '.join(self.names())}") from None
+            raise KeyError(self.unknown(name)) from None
 
     def info(self, name: str) -> dict[str, Any]:
         self[name]  # the same error for an unknown name
@@ -41,6 +52,13 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._entries))
+
+    def items(self) -> list[tuple[str, T]]:
+        """(name, entry) in registration order."""
+        return list(self._entries.items())
 
     def names(self) -> list[str]:
         return sorted(self._entries)

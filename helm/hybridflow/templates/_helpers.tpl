@@ -31,7 +31,7 @@ app.kubernetes.io/component: operator
 {{/* The operator's permissions, shared by the ClusterRole and the per-namespace Roles. The Ray token reaches
 pods through secretKeyRef, which the kubelet resolves: the operator creates a job's token but never reads one. */}}
 {{- define "hybridflow.rules" -}}
-# Every verb below is one the operator's code uses (tests/test_operator_kopf.py compares them with what a job's
+# Every verb below is one the operator's code uses (tests/operator/test_operator_kopf_requests.py compares them with what a job's
 # whole life asks of the API server); nothing else.
 # RLHFJobs: watch them (kopf lists, then watches), finalizer and progress annotations (patch), TTL deletion.
 - apiGroups: ["hybridflow.io"]
@@ -115,14 +115,14 @@ priority, which Kueue orders and preempts by). */}}
 {{/* The variables a job pod may take from a Secret, and the key each is read from, as a CEL map: the Ray token
 and the sandbox pool's token (manifests.py _ray_env, sandbox_token_env) and the storage and tracking credentials, each
 from the key of its own name (hybridflow.api.storage STORAGE_CREDENTIAL_KEYS, TRACKING_CREDENTIAL_KEYS;
-tests/test_job_policy.py keeps them equal). */}}
+tests/operator/test_job_policy.py keeps them equal). */}}
 {{- define "hybridflow.secretEnv" -}}
 {{- $keys := list "AWS_ACCESS_KEY_ID" "AWS_SECRET_ACCESS_KEY" "AWS_SESSION_TOKEN" "AWS_ENDPOINT_URL" "AWS_REGION" "AWS_DEFAULT_REGION" "AZURE_STORAGE_CONNECTION_STRING" "AZURE_STORAGE_ACCOUNT_NAME" "AZURE_STORAGE_ACCOUNT_KEY" "AZURE_STORAGE_SAS_TOKEN" "MLFLOW_TRACKING_TOKEN" "MLFLOW_TRACKING_USERNAME" "MLFLOW_TRACKING_PASSWORD" "WANDB_API_KEY" -}}
 {'RAY_AUTH_TOKEN': 'token', 'HYBRIDFLOW_SANDBOX_TOKEN': 'token'{{ range $keys }}, '{{ . }}': '{{ . }}'{{ end }}}
 {{- end -}}
 
 {{/* The role label (hybridflow.io/role) of the sandbox pool's pods (manifests.py ENVIRONMENT_ROLE;
-tests/test_job_policy.py keeps them equal). */}}
+tests/operator/test_job_policy.py keeps them equal). */}}
 {{- define "hybridflow.sandboxRole" -}}environment{{- end -}}
 
 {{/* A CEL list literal of strings: ['a', 'b'] */}}
@@ -130,7 +130,7 @@ tests/test_job_policy.py keeps them equal). */}}
 [{{- range $i, $v := . }}{{ if $i }}, {{ end }}'{{ $v }}'{{- end -}}]
 {{- end -}}
 
-{{/* spec.kubernetes.image's default (workers/hybridflow/spec.py; tests/test_job_policy.py keeps them equal). */}}
+{{/* spec.kubernetes.image's default (workers/hybridflow/spec.py; tests/operator/test_job_policy.py keeps them equal). */}}
 {{- define "hybridflow.defaultJobImage" -}}
 hybridflow/worker-cpu:0.1.0
 {{- end -}}
@@ -220,7 +220,7 @@ each part printed in binary. Fails on what is not a CIDR. */}}
 
 {{/* (list cidr other): what `other` is to the CIDR: "inside" (the CIDR lies in it, or is it), "contains" (the CIDR
 holds all of it) or "apart" (no address in common; another family always). policy.py relation() says the same
-(tests/test_helm.py holds them to it). */}}
+(tests/operator/test_helm.py holds them to it). */}}
 {{- define "hybridflow.relation" -}}
 {{- $a := splitList " " (include "hybridflow.cidrBits" (index . 0)) -}}
 {{- $b := splitList " " (include "hybridflow.cidrBits" (index . 1)) -}}

@@ -9,22 +9,19 @@ loads it, and a file that does not load stops the job at its first episode (Envi
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from hybridflow import wire
 from hybridflow.agents import check_worker
 from hybridflow.agents.local import LOAD_SECONDS, _probe, _Worker
-from hybridflow.agents.protocol import Info
+from hybridflow.agents.protocol import AgentSettings, Info
 from hybridflow.agents.tool_file import ToolFileError, read_tools_file
 from hybridflow.sandbox import Limits
-
-if TYPE_CHECKING:
-    from hybridflow.api.agents import Agent
 
 LIMITS = Limits(cpu_seconds=120, memory_bytes=2 << 30, processes=32)
 
 
-def loaded_file_problems(agent: "Agent", private: Sequence[str] = ()) -> list[str]:
+def loaded_file_problems(agent: AgentSettings, private: Sequence[str] = ()) -> list[str]:
     """'<field>: <file>:<line>: <what is wrong>' for each problem of the agent's files found by loading them in
     the sandbox (the sandbox's refusal, when it is required and incomplete, raises SandboxUnavailable as a job's
     start would). Files that do not parse are left to the static checks (hybridflow.trainer.preflight). Each file

@@ -2,20 +2,16 @@
 environment pool (spec.environments) when the operator handed its replicas' addresses to this process."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from hybridflow.agents.local import EnvironmentCode, LocalSessions, LocalTools
-from hybridflow.agents.protocol import Places
+from hybridflow.agents.protocol import AgentSettings, Places
 from hybridflow.agents.registry import ENVIRONMENTS, TOOLS, ToolSpec
 from hybridflow.agents.tool_file import ToolFileError, read_tools_file
 from hybridflow.sandbox_pool import pool_from_env
 
-if TYPE_CHECKING:
-    from hybridflow.api.agents import Agent
 
-
-
-def job_tools(agent: "Agent") -> dict[str, ToolSpec]:
+def job_tools(agent: AgentSettings) -> dict[str, ToolSpec]:
     """The tools the model is offered: the named built-ins, then the user's file's. Raises ToolFileError (naming
     the file and line) for a file's tool that has a listed built-in's name."""
     tools = {name: TOOLS[name] for name in agent.tools}
@@ -28,7 +24,7 @@ def job_tools(agent: "Agent") -> dict[str, ToolSpec]:
     return tools
 
 
-def environment_code(agent: "Agent") -> EnvironmentCode | None:
+def environment_code(agent: AgentSettings) -> EnvironmentCode | None:
     if agent.environment_file:
         return EnvironmentCode.from_file(agent.environment_file, agent.environment_class)
     if agent.environment:
@@ -36,7 +32,7 @@ def environment_code(agent: "Agent") -> EnvironmentCode | None:
     return None
 
 
-def local_places(agent: "Agent", private: Sequence[str] = ()) -> Places:
+def local_places(agent: AgentSettings, private: Sequence[str] = ()) -> Places:
     """This machine's sandboxes for the job's tools and environment, none of which can read the `private` paths."""
     tools = job_tools(agent)
     code = environment_code(agent)
@@ -44,7 +40,7 @@ def local_places(agent: "Agent", private: Sequence[str] = ()) -> Places:
                   LocalSessions(code, agent.step_timeout_seconds, private=private) if code is not None else None)
 
 
-def job_places(agent: "Agent", private: Sequence[str] = ()) -> Places:
+def job_places(agent: AgentSettings, private: Sequence[str] = ()) -> Places:
     """The sandbox pool's replicas when this process was given them, else this machine's sandboxes."""
     client = pool_from_env()
     if client is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 Info = dict[str, Any]  # JSON-able: str, int, float, bool, None, and lists and dicts of those
 
@@ -122,3 +122,33 @@ class Places:
     tools: Tools | None = None
     sessions: Sessions | None = None
     request_counts: Callable[[], dict[str, int]] = _no_requests
+
+
+class AgentSettings(Protocol):
+    """What the places read of an agent's settings (spec.rollout.agent, hybridflow.api.agents.Agent): the tools and
+    the environment the job names, and their deadlines. A Protocol here: the job's API sits above this package (it
+    checks names against its registries)."""
+
+    @property
+    def tools(self) -> Sequence[str]: ...  # registered built-in tools
+
+    @property
+    def tools_file(self) -> str | None: ...
+
+    @property
+    def environment(self) -> str | None: ...  # a registered environment
+
+    @property
+    def environment_file(self) -> str | None: ...
+
+    @property
+    def environment_class(self) -> str: ...
+
+    @property
+    def tool_timeout_seconds(self) -> float: ...
+
+    @property
+    def step_timeout_seconds(self) -> float: ...
+
+    @property
+    def has_environment(self) -> bool: ...

@@ -14,15 +14,11 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from hybridflow.agents.local import LOAD_SECONDS, EnvironmentLoadError
-from hybridflow.agents.protocol import Info, Observation, Places, SessionLost, ToolResult
+from hybridflow.agents.protocol import AgentSettings, Info, Observation, Places, SessionLost, ToolResult
 from hybridflow.sandbox_pool import MARGIN_SECONDS, PoolClient, PoolError, Unreachable, unexpected
-
-if TYPE_CHECKING:
-    from hybridflow.api.agents import Agent
 
 
 def session_id(index: int, server_id: str) -> str:
@@ -172,7 +168,7 @@ class RemoteSessions:
         return {r.url: load[i] for i, r in enumerate(self.client.replicas)}
 
 
-def remote_places(agent: "Agent", client: PoolClient) -> Places:
+def remote_places(agent: AgentSettings, client: PoolClient) -> Places:
     """The job's tools and environment sessions in its sandbox pool (None for what the job has not), sharing
     one client: its request counts cover both."""
     tools = RemoteTools(client, agent.tool_timeout_seconds) if agent.tools or agent.tools_file else None

@@ -9,15 +9,18 @@ What an algorithm carries between steps beyond the KL coefficient (safe_rlhf's m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from hybridflow.algorithms.registry import Registry
 
 if TYPE_CHECKING:
-    from hybridflow.algorithms.dataflow import Carried, Dataflow
-    from hybridflow.single_controller.batch import Batch
+    from hybridflow.algorithms.dataflow import Batch, Carried, Dataflow
 
-Program = Callable[["Dataflow", "Batch"], None]
+
+class Program(Protocol):
+    """An algorithm's dataflow for one iteration, from the step's prompts: over any Dataflow's batches."""
+
+    def __call__(self, c: Dataflow[Batch], prompts: Batch, /) -> None: ...
 
 
 def _nothing_carried(settings: Any) -> dict[str, Carried]:

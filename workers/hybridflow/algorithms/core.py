@@ -5,7 +5,7 @@ methods only (no `import torch`), so the registries stay importable where torch 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -80,3 +80,23 @@ def overlong_penalty(lengths: Tensor, max_length: int, buffer: int, penalty: flo
         return lengths.float() * 0
     over = (lengths.float() - (max_length - buffer)).clamp(min=0, max=buffer)
     return -penalty * over / buffer
+
+
+def trained_batch_stats(columns: Mapping[str, Tensor], kl: Tensor | None) -> dict[str, float]:
+    """The statistics of the batch the actor trained on, from its tensor columns: mean reward (and cost), response
+    length and token counts, and where it has them the mean entropy, KL (`kl`: per token, None when not measured)
+    and gap between the trainer's old log-probs and the rollout engine's."""
+    mask = columns["response_mask"]
+    lengths = mask.sum(1).float()
+    out = {"reward_mean": float(columns["scores"].mean()), "response_length_mean": float(lengths.mean()),
+           "tokens": float(columns["attention_mask"].sum()), "response_tokens": float(lengths.sum())}
+    if "entropy" in columns:
+        out["entropy_mean"] = float(masked_mean(columns["entropy"], mask))
+    if kl is not None:
+        out["kl_mean"] = float(masked_mean(kl, mask))
+    if "costs" in columns:
+        out["cost_mean"] = float(columns["costs"].mean())
+    if "rollout_log_probs" in columns and "old_log_probs" in columns:
+        gap = (columns["old_log_probs"] - columns["rollout_log_probs"]).abs()
+        out["rollout_log_prob_gap"] = float(masked_mean(gap, mask))
+    return out

@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING
 from hybridflow.algorithms.base import Algorithm, register_algorithm
 
 if TYPE_CHECKING:
-    from hybridflow.algorithms.dataflow import Dataflow
-    from hybridflow.single_controller.batch import Batch
+    from hybridflow.algorithms.dataflow import Batch, Dataflow
 
 
-def dapo_iteration(c: Dataflow, prompts: Batch) -> None:
+def dapo_iteration(c: Dataflow[Batch], prompts: Batch) -> None:
     informative: list[Batch] = []
     for round_ in range(c.max_sampling_rounds):
         if round_:

@@ -1,17 +1,31 @@
 """What an algorithm's program may ask of one iteration: the operations of HybridFlow's single controller over the
 worker groups (section 4). Programs type against this Protocol, defined beside them, so the algorithms depend on no
-controller module; `hybridflow.trainer.step.Step` implements it (tests/test_algorithms.py checks it does)."""
+controller module; `hybridflow.trainer.step.Step` implements it (tests/trainer/test_step.py checks it does), over the
+controller's own batches (hybridflow.single_controller.batch.Batch, a `Columns`)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from hybridflow.single_controller.batch import Batch
+
+C = TypeVar("C", bound="Columns")
 
 
-class Dataflow(Protocol):
+class Columns(Protocol):
+    """What a program does with a batch itself: read a column (e.g. "scores", "costs") and add columns. The rest it
+    hands back to the Dataflow that made it."""
+
+    def __getitem__(self, name: str) -> Tensor: ...
+
+    def with_columns(self: C, **columns: Tensor) -> C: ...
+
+
+Batch = TypeVar("Batch", bound=Columns)  # the batches of one Dataflow: a program works with any kind
+
+
+class Dataflow(Protocol[Batch]):
     @property
     def responses_per_prompt(self) -> int: ...
 

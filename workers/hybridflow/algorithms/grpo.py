@@ -8,11 +8,10 @@ from typing import TYPE_CHECKING
 from hybridflow.algorithms.base import Algorithm, register_algorithm
 
 if TYPE_CHECKING:
-    from hybridflow.algorithms.dataflow import Dataflow
-    from hybridflow.single_controller.batch import Batch
+    from hybridflow.algorithms.dataflow import Batch, Dataflow
 
 
-def outcome_iteration(c: Dataflow, prompts: Batch) -> None:
+def outcome_iteration(c: Dataflow[Batch], prompts: Batch) -> None:
     batch = c.generate(prompts)  # responsesPerPrompt samples per prompt, groups adjacent
     batch = c.compute(batch, "old_log_prob", "reference", "reward")
     advantages, _ = c.advantages(batch)

@@ -6,11 +6,10 @@ from typing import TYPE_CHECKING
 from hybridflow.algorithms.base import Algorithm, register_algorithm
 
 if TYPE_CHECKING:
-    from hybridflow.algorithms.dataflow import Dataflow
-    from hybridflow.single_controller.batch import Batch
+    from hybridflow.algorithms.dataflow import Batch, Dataflow
 
 
-def ppo_iteration(c: Dataflow, prompts: Batch) -> None:
+def ppo_iteration(c: Dataflow[Batch], prompts: Batch) -> None:
     batch = c.generate(prompts)
     batch = c.compute(batch, "old_log_prob", "reference", "values", "reward")
     advantages, returns = c.advantages(batch)  # GAE over score-at-the-end rewards minus the per-token KL penalty

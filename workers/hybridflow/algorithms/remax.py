@@ -7,11 +7,10 @@ from typing import TYPE_CHECKING
 from hybridflow.algorithms.base import Algorithm, register_algorithm
 
 if TYPE_CHECKING:
-    from hybridflow.algorithms.dataflow import Dataflow
-    from hybridflow.single_controller.batch import Batch
+    from hybridflow.algorithms.dataflow import Batch, Dataflow
 
 
-def remax_iteration(c: Dataflow, prompts: Batch) -> None:
+def remax_iteration(c: Dataflow[Batch], prompts: Batch) -> None:
     sampled, greedy = c.generate(prompts, greedy_baseline=True)  # one call: n samples + 1 greedy per prompt
     greedy = c.compute(greedy, "reward")  # the baseline: what the policy's best guess scores
     batch = c.compute(sampled, "old_log_prob", "reference", "reward")

@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, Any
 from hybridflow.algorithms.base import Algorithm, register_algorithm
 
 if TYPE_CHECKING:
-    from hybridflow.algorithms.dataflow import Dataflow
-    from hybridflow.single_controller.batch import Batch
+    from hybridflow.algorithms.dataflow import Batch, Dataflow
 
 
 class Lagrangian:
@@ -37,7 +36,7 @@ class Lagrangian:
         return {"lagrange_multiplier": self.value}
 
 
-def safe_rlhf_iteration(c: Dataflow, prompts: Batch) -> None:
+def safe_rlhf_iteration(c: Dataflow[Batch], prompts: Batch) -> None:
     batch = c.generate(prompts)
     batch = c.compute(batch, "old_log_prob", "reference", "values", "cost_values", "reward", "cost")
     reward_adv, returns = c.advantages(batch, "scores", "values", kl_weight=0.5, whiten=False)

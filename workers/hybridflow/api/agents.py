@@ -1,132 +1,27 @@
-"""The spec's multi-turn sections: `rollout.agent` (what an episode is: its environment, tools, turns and
-deadlines) and `environments` (where on Kubernetes tools and environments run: a pool of sandbox pods). Names are
-checked against the registries in hybridflow.agents.registry."""
+"""What a job's spec says of its user code and its sandbox pool: whether it runs code of the user's, the files of
+that code, and the pool's replicas (each serving what). The spec's multi-turn sections themselves (`rollout.agent`,
+`environments`, `sandbox`) are api.agent_sections, re-exported here."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
-
-from pydantic import Field, field_validator
-
-from hybridflow.agents.registry import ENVIRONMENTS, TOOLS
-from hybridflow.api.fields import MAX_COUNT, FilePath, PythonName, Quantity, SpecModel, registered
+from hybridflow.api.agent_sections import Agent, EnvironmentPool, Sandbox
+from hybridflow.api.sections import JobFields
 from hybridflow.sandbox_pool import REWARD_URLS_ENV, SERVES_AGENTS, SERVES_ALL, SERVES_REWARDS
 from hybridflow.sandbox_pool import URLS_ENV as ENVIRONMENT_URLS_ENV
 
 # the sandbox pool's names the operator reads here (it may import hybridflow.api only, not hybridflow.sandbox_pool)
 REEXPORTED = (ENVIRONMENT_URLS_ENV, REWARD_URLS_ENV)
-
-if TYPE_CHECKING:
-    from hybridflow.api.schema import JobSpec
-
-# What an episode's score is made of: the job's reward (spec.models.reward) over the model's own text, the
-# environment's rewards (summed over its steps), or both added.
-EPISODE_SCORES = ("reward", "environment", "both")
-MAX_NAME = 128  # a registered tool's or environment's name
+__all__ = ["REEXPORTED", "Agent", "EnvironmentPool", "Sandbox", "ENVIRONMENT_URLS_ENV", "REWARD_URLS_ENV",
+           "SERVES_AGENTS", "SERVES_ALL", "SERVES_REWARDS", "code_files", "rewards_apart", "runs_user_code",
+           "sandbox_pool", "sandbox_replicas"]
 
 
-class Agent(SpecModel):
-    """Multi-turn rollouts: the model's turn, then a tool's or the environment's answer appended as tokens, up to
-    maxTurns turns or maxResponseLength tokens in all (model and observation tokens together); only the model's
-    own tokens are trained."""
-
-    environment: Annotated[str, Field(max_length=MAX_NAME)] | None = Field(
-        None, description="A registered environment (hybridflow.agents.registry.ENVIRONMENTS, e.g. guess_number); "
-        "unset with environmentFile unset: none, the episode ends at the first turn that calls no tool and the "
-        "job's reward scores it.")
-    environment_file: FilePath | None = Field(
-        None, description="A user's environment: a Python file with a class (environmentClass) whose reset(sample) "
-        "returns the first observation ('' for none) and step(action_text) returns (observation, reward, done, "
-        "info). Runs in the sandbox. On Kubernetes a key of kubernetes.rewardConfigMap (the job's code ConfigMap).")
-    environment_class: PythonName = Field("Environment", description="The class in environmentFile.")
-    tools: list[Annotated[str, Field(max_length=MAX_NAME)]] = Field(default_factory=list, max_length=64, description="Built-in tools offered to the model "
-                             "(registered: calculator, python).")
-    tools_file: FilePath | None = Field(
-        None, description="A user's tools: a Python file whose top-level functions with a docstring become tools "
-        "(their parameters' annotations str, int, float, bool, list, dict give the JSON schema). Each call runs in a "
-        "fresh sandbox. On Kubernetes a key of kubernetes.rewardConfigMap (the job's code ConfigMap).")
-    max_turns: int = Field(4, ge=1, le=1024, description="Model turns per episode at most.")
-    max_tokens_per_turn: int | None = Field(None, gt=0, le=MAX_COUNT, description="New tokens of one model turn at "
-                                            "most (default: what is left of maxResponseLength).")
-    step_timeout_seconds: float = Field(10.0, gt=0, le=3600, description="Deadline of one environment step (and of "
-                                        "its reset); past it the episode ends, reported with its sample.")
-    tool_timeout_seconds: float = Field(10.0, gt=0, le=3600, description="Deadline of one tool call; past it the "
-                                        "model reads that the tool timed out, and the episode goes on.")
-    score: Literal["reward", "environment", "both"] | None = Field(
-        None, description="What an episode's score is: reward (the job's reward over the model's own text), "
-        "environment (its rewards summed) or both, added. Default: environment when there is one, else reward.")
-    concurrent_episodes: int = Field(64, ge=1, le=4096, description="Episodes one rollout rank runs at once (their "
-                                     "turns share the engine's batches).")
-    max_failed_fraction: float = Field(
-        0.5, ge=0, le=1, description="More failed episodes than this fraction of a step's (or an evaluation's) stop "
-        "the job, naming the first failure and its sample. An episode fails when its environment's reset or a step "
-        "raises, times out or returns a non-finite reward, or when one of its tools crashes (its code does not "
-        "load, its sandbox does not start or dies). A step with fewer failures prints one line saying so.")
-
-    @field_validator("environment")
-    @classmethod
-    def _environment_registered(cls, value: str | None) -> str | None:
-        return None if value is None else registered(ENVIRONMENTS, value)
-
-    @field_validator("tools")
-    @classmethod
-    def _tools_registered(cls, value: list[str]) -> list[str]:
-        for name in value:
-            registered(TOOLS, name)
-        if len(set(value)) != len(value):
-            raise ValueError(f"a tool is named twice in {value}")
-        return value
-
-    @property
-    def has_environment(self) -> bool:
-        return self.environment is not None or self.environment_file is not None
-
-    @property
-    def episode_score(self) -> str:
-        return self.score or ("environment" if self.has_environment else "reward")
-
-
-class EnvironmentPool(SpecModel):
-    """On Kubernetes: the job's sandbox pool, the pods that run its untrusted code (its reward function, its agent's
-    tools and environment sessions, each in a sandbox of its own) apart from every pod that holds one of the job's
-    credentials, serving them over HTTP authenticated with a sandbox token of the job's own; a NetworkPolicy denies
-    them all egress and admits only the job's own pods. The operator runs one replica with these defaults for a
-    job with such code when the spec leaves this unset. `hybridflow run` runs them on the machine instead."""
-
-    replicas: int = Field(1, ge=1, le=1024, description="Sandbox pods; sessions spread over them and stay on "
-                          "theirs, reward batches are split over them.")
-    cpu: Quantity = Field("1", description="CPU request and limit of each sandbox pod.")
-    memory: Quantity = Field("2Gi", description="Memory request and limit of each sandbox pod.")
-    image: str | None = Field(None, min_length=1, max_length=1024, description="Their image (default: "
-                              "kubernetes.image).")
-
-
-class Sandbox(SpecModel):
-    """How the sandbox pool's pods (spec.environments) contain the job's untrusted code on Kubernetes. Each
-    sandbox's own layers (bubblewrap's namespaces, a seccomp filter) need user namespaces, which the default seccomp
-    profile of containerd and CRI-O refuses to a pod; a runtime class with a kernel of its own (gVisor, Kata)
-    contains the whole pod instead. Without every layer the pods refuse to start, unless `allowPartial` says that
-    the pod's own containment (no credentials, no egress, non-root, no capabilities, rlimits) is enough."""
-
-    runtime_class_name: str | None = Field(
-        None, min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
-        description="RuntimeClass of the sandbox pods (gVisor's `gvisor`/`runsc`, Kata's `kata`; a RuntimeClass the "
-        "cluster defines), one the cluster's job policy allows (chart value jobPolicy.allowedRuntimeClasses); unset: "
-        "the chart's jobPolicy.sandboxRuntimeClassName, or the cluster's default runtime when that is empty.")
-    allow_partial: bool = Field(
-        False, description="Run the sandbox pods where the node refuses some of the sandbox's layers (a default "
-        "cluster: user namespaces refused); the job records which in its SandboxPartial condition, and a job with both a "
-        "reward function and an agent gets one more sandbox pod, scoring its rewards apart from the model's code. "
-        "Default false: "
-        "HYBRIDFLOW_SANDBOX=require, and the job fails, naming the layers, instead.")
-
-
-def runs_user_code(spec: "JobSpec") -> bool:
+def runs_user_code(spec: JobFields) -> bool:
     """A reward function of the user's, or an agent (its tools, environments, and the built-in `python` tool run
     what the model wrote): code the job must not run beside its credentials."""
     return spec.models.reward.function is not None or spec.rollout.agent is not None
 
 
-def code_files(spec: "JobSpec") -> dict[str, str]:
+def code_files(spec: JobFields) -> dict[str, str]:
     """The files of the user's code the spec names, by field (as messages name them): the reward function's, the
     agent's tools file and environment file. On Kubernetes they are keys of kubernetes.rewardConfigMap (the job's
     code ConfigMap), copied into the job's own immutable ConfigMap at acceptance."""
@@ -141,7 +36,7 @@ def code_files(spec: "JobSpec") -> dict[str, str]:
     return out
 
 
-def rewards_apart(spec: "JobSpec") -> bool:
+def rewards_apart(spec: JobFields) -> bool:
     """Whether the job's reward functions are scored by sandbox pods of their own, apart from its tools and
     environments: when the job has both and spec.sandbox.allowPartial lets the pods run without the sandbox's user
     and process namespaces. There the model's code (the `python` tool, a tool or environment fed the model's
@@ -152,7 +47,7 @@ def rewards_apart(spec: "JobSpec") -> bool:
             and spec.rollout.agent is not None)
 
 
-def sandbox_replicas(spec: "JobSpec") -> list[str]:
+def sandbox_replicas(spec: JobFields) -> list[str]:
     """What each replica of the job's sandbox pool serves, by index ([] without a pool): spec.environments.replicas
     replicas serving everything, or, with rewards_apart, those serving tools and environments and, after them, half
     as many again (at least one) scoring reward functions."""
@@ -164,7 +59,7 @@ def sandbox_replicas(spec: "JobSpec") -> list[str]:
     return [SERVES_ALL] * pool.replicas
 
 
-def sandbox_pool(spec: "JobSpec") -> EnvironmentPool | None:
+def sandbox_pool(spec: JobFields) -> EnvironmentPool | None:
     """The sandbox pool a Kubernetes job runs: spec.environments, or one default replica when the job runs user
     code and the spec leaves it unset; None without user code."""
     if spec.environments is not None:

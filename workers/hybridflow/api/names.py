@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import re
 
+from hybridflow.api.roles import ROLE_KINDS
+
 API_GROUP = "hybridflow.io"
 VERSION = "v1alpha1"
 PLURAL = "rlhfjobs"
 API_VERSION = f"{API_GROUP}/{VERSION}"
 KIND = "RLHFJob"
 
-ROLES = ("actor", "rollout", "reference", "critic", "reward", "cost", "cost_critic")
+# The roles, in the order they are built and listed: those registered in hybridflow.api.roles (ROLE_KINDS). Fixed
+# here, once: every role registers while hybridflow.api.roles is imported (the import above), before this reads
+# them, and the placement's bound and the CRD (api.sections) are built from this tuple; so a role is registered in
+# api.roles itself, never later by a plug-in or a test (it would be missing here and from the CRD).
+ROLES: tuple[str, ...] = tuple(ROLE_KINDS)
 
 # `hybridflow run|driver` exit codes; the operator fails a job without restarts when its driver exits EXIT_BAD_INPUT
 # (a restart would read the same bad input again).
@@ -47,7 +53,7 @@ def pool_slot_resource(name: str, index: int) -> str:
     """The Ray custom resource the pod of index `index` in a pool of independent replicas (an async job's rollout
     pool) advertises beside its pool's, a unit per device. The controller's placement group for that pod asks for
     it, so Ray places a lost pod's replicas again only in its replacement (same index), and a pod added to an
-    elastic pool (a new index) is told apart from one replacing another (trainer.replicas)."""
+    elastic pool (a new index) is told apart from one replacing another (trainer.generation's replicas)."""
     return f"{pool_resource(name)}_slot{index}"
 
 

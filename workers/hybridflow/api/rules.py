@@ -1,11 +1,10 @@
-"""Combinations each field allows alone but not together: pure checks over a parsed JobSpec, one message per
-problem naming the fields. What an engine supports comes from its registered facts (hybridflow.api.engines), never
-from its name."""
+"""Combinations each field allows alone but not together: pure checks over a spec's parsed fields (JobFields; the
+JobSpec of api.schema runs them), one message per problem naming the fields. What an engine supports comes from its
+registered facts (hybridflow.api.engines), never from its name."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic.alias_generators import to_camel
 
@@ -17,15 +16,13 @@ from hybridflow.api.engines import (
     ROLLOUT_ENGINES, TRAIN_ENGINES, model_parallel_train_engines, standalone_rollout_engines,
     tensor_parallel_rollout_engines,
 )
-from hybridflow.api.names import DATA_MOUNT, ROLES, reward_configmap_key
+from hybridflow.api.names import DATA_MOUNT, reward_configmap_key
+from hybridflow.api.roles import ROLE_KINDS
 from hybridflow.api.scaling import elastic_problems
+from hybridflow.api.sections import JobFields
 from hybridflow.api.sources import REWARD_SOURCES, RewardSpec
 from hybridflow.api.storage import is_url
 from hybridflow.rewards.rules import RULES, TASK_DEFAULT_RULE
-from hybridflow.rewards.scorers import SCORERS
-
-if TYPE_CHECKING:
-    from hybridflow.api.schema import JobSpec
 
 
 def reward_source_problems(field: str, r: RewardSpec) -> list[str]:
@@ -44,7 +41,7 @@ def reward_source_problems(field: str, r: RewardSpec) -> list[str]:
     return out
 
 
-def cross_field_problems(spec: JobSpec) -> list[str]:
+def cross_field_problems(spec: JobFields) -> list[str]:
     """Combinations each field allows alone but not together; one message per problem, naming the fields."""
     out = reward_source_problems("spec.models.reward", spec.models.reward)
     if spec.models.cost is not None:
@@ -61,15 +58,15 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
     return out + _layout_and_pieces_problems(spec) + elastic_problems(spec)
 
 
-def _layout_and_pieces_problems(spec: JobSpec) -> list[str]:
+def _layout_and_pieces_problems(spec: JobFields) -> list[str]:
     """Pools, placement and parallelism first (the rest assumes them), then algorithm, data and reward."""
     out: list[str] = []
     names = [p.name for p in spec.resource_pools]
     if len(set(names)) != len(names):
         out.append(f"spec.resourcePools: pool names must be unique, got {names}")
     for role, pool in spec.placed.items():
-        if role not in ROLES:
-            out.append(f"spec.placement.{role}: unknown role; use one of {', '.join(ROLES)}")
+        if role not in ROLE_KINDS:
+            out.append(f"spec.placement.{role}: unknown role; use one of {', '.join(ROLE_KINDS)}")
         elif pool not in names:
             out.append(f"spec.placement.{role}: no resource pool named '{pool}'; pools are {names}")
     if out:
@@ -106,17 +103,11 @@ def _layout_and_pieces_problems(spec: JobSpec) -> list[str]:
         out.append("spec.algorithm.klCoef > 0 needs spec.models.reference: true")
     out += _data_problems(spec)
     r = spec.models.reward
-    if r.type == "rule" and r.rule is not None and r.rule not in RULES:
-        out.append(f"spec.models.reward.rule: unknown rule '{r.rule}'; registered rules: {', '.join(sorted(RULES))}")
     if r.type == "rule" and spec.data.source == "generated" and (
         r.rule or TASK_DEFAULT_RULE[spec.data.task]) == "arithmetic_exact" and (
         spec.models.actor.source == "tiny"
     ):
         out.append("spec.models.reward.rule: arithmetic_exact needs a model with a tokenizer (source smollm2 or path)")
-    for i, part in enumerate(r.scorers):
-        if part.name not in SCORERS:
-            out.append(f"spec.models.reward.scorers[{i}].name: unknown scorer '{part.name}'; registered scorers: "
-                       f"{', '.join(sorted(SCORERS))}")
     if r.type in ("scorer", "function") and spec.models.actor.source == "tiny":
         out.append(f"spec.models.reward.type: {r.type} scores decoded text and needs a model with a tokenizer "
                    "(source smollm2 or path)")
@@ -137,7 +128,7 @@ def _layout_and_pieces_problems(spec: JobSpec) -> list[str]:
     return out
 
 
-def _algorithm_problems(spec: JobSpec) -> list[str]:
+def _algorithm_problems(spec: JobFields) -> list[str]:
     """What the algorithm and its pieces need of the rest of the job: group sizes, a critic, a cost."""
     a = spec.algorithm
     algorithm, needs = ALGORITHMS[a.name], ADVANTAGE_ESTIMATORS.info(a.advantage_estimator or "")["needs"]
@@ -183,14 +174,14 @@ def _algorithm_problems(spec: JobSpec) -> list[str]:
     c = spec.models.cost
     if c is not None and c.type not in ("rule", "model"):
         out.append(f"spec.models.cost.type: a cost is a rule or a model, got {c.type}")
-    if c is not None and c.type == "rule" and (c.rule is None or c.rule not in RULES):
-        out.append(f"spec.models.cost.rule: name a registered rule ({', '.join(sorted(RULES))}), got {c.rule!r}")
+    if c is not None and c.type == "rule" and c.rule is None:  # a name not registered: RewardSpec.rule refuses it
+        out.append(f"spec.models.cost.rule: a rule cost needs one; name a registered rule ({', '.join(RULES.names())})")
     elif c is not None and c.type == "rule" and c.rule == "arithmetic_exact" and spec.models.actor.source == "tiny":
         out.append("spec.models.cost.rule: arithmetic_exact needs a model with a tokenizer (source smollm2 or path)")
     return out
 
 
-def _data_problems(spec: JobSpec) -> list[str]:
+def _data_problems(spec: JobFields) -> list[str]:
     d, k, r = spec.data, spec.kubernetes, spec.models.reward
     out = []
     if d.source == "generated":
@@ -218,7 +209,7 @@ def _data_problems(spec: JobSpec) -> list[str]:
     return out + kubernetes_code_problems(spec)
 
 
-def kubernetes_code_problems(spec: JobSpec) -> list[str]:
+def kubernetes_code_problems(spec: JobFields) -> list[str]:
     """On Kubernetes the job's code files (its reward function's, its agent's tools and environment files) come
     from kubernetes.rewardConfigMap, the job's code ConfigMap, each under the key its field names: the operator
     copies them at acceptance into an immutable ConfigMap of the job's own and records their digests, so the code a
@@ -248,7 +239,7 @@ def kubernetes_code_problems(spec: JobSpec) -> list[str]:
     return out
 
 
-def _rollout_mode_problems(spec: JobSpec) -> list[str]:
+def _rollout_mode_problems(spec: JobFields) -> list[str]:
     """A rollout pool of its own (fed by the cross-pool weight stream) and the modes that overlap generation with
     training (which need one)."""
     r, out = spec.rollout, []
@@ -288,7 +279,7 @@ def _rollout_mode_problems(spec: JobSpec) -> list[str]:
 _CONFIGMAP_KEY = re.compile(r"[-._a-zA-Z0-9]+")
 
 
-def _hybrid_engine_problems(spec: JobSpec) -> list[str]:
+def _hybrid_engine_problems(spec: JobFields) -> list[str]:
     t, r, m = spec.training, spec.rollout, spec.models.actor
     trainer, generator = TRAIN_ENGINES[t.engine], ROLLOUT_ENGINES[r.engine]
     out = []
@@ -326,7 +317,7 @@ def _hybrid_engine_problems(spec: JobSpec) -> list[str]:
 
 
 
-def _cuda_graph_problems(spec: JobSpec) -> list[str]:
+def _cuda_graph_problems(spec: JobFields) -> list[str]:
     """`cudaGraphs: on` where no graph can be captured: a CPU pool (vLLM's CPU build has none), or an engine that
     captures none. auto and off are valid everywhere (auto is eager where graphs are impossible)."""
     r = spec.rollout
@@ -343,7 +334,7 @@ def _cuda_graph_problems(spec: JobSpec) -> list[str]:
     return []
 
 
-def _agent_problems(spec: JobSpec) -> list[str]:
+def _agent_problems(spec: JobFields) -> list[str]:
     """Multi-turn rollouts: what an episode needs that other sections decide."""
     a, r = spec.rollout.agent, spec.rollout
     if a is None:

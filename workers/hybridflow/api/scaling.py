@@ -6,41 +6,38 @@ finishing the call it is in; every other pool forms one torch.distributed world 
 `spec.rolloutPool.replicas` is the pool's size now (unset: the pool's `nodes`); like runPolicy it is read afresh
 from the live spec at every tick of the operator (the CRD's scale subresource points at it, so `kubectl scale` and
 an HorizontalPodAutoscaler work), and the head of each new gang generation is told the size it starts with. The
-pool's `nodes` stays what the job was created with: `sized` gives the spec as it runs now.
+pool's `nodes` stays what the job was created with: `sized` gives the spec as it runs now. The pool's bounds
+(`RolloutPool`) are a section of the spec's fields (api.sections).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Mapping, Protocol, TypeVar
 
-from pydantic import Field
+from hybridflow.api.sections import JobFields, RolloutPool
 
-from hybridflow.api.fields import MAX_NODES, SpecModel
-
-if TYPE_CHECKING:
-    from hybridflow.api.schema import JobSpec, RLHFJob
+__all__ = ["RolloutPool", "elastic_problems", "replicas_now", "sized"]
 
 
-class RolloutPool(SpecModel):
-    """The bounds of an elastic rollout pool and its size now."""
-
-    replicas: int | None = Field(
-        None, ge=1, le=MAX_NODES, description="Pods (nodes) of the rollout pool now; may change on a live job "
-        "within minReplicas..maxReplicas (`kubectl scale rlhfjob/NAME --replicas=N`, or an HPA through the scale "
-        "subresource, which needs it set). New pods join and take the current weights before they take work; "
-        "removed ones finish the generation they are in first. Unset: the rollout pool's resourcePools[].nodes.")
-    min_replicas: int = Field(1, ge=1, le=MAX_NODES, description="The fewest rollout pods: losing capacity down to "
-                              "this never fails the job.")
-    max_replicas: int = Field(..., ge=1, le=MAX_NODES, description="The most rollout pods.")
+J = TypeVar("J", bound="Job")
 
 
-def replicas_now(spec: JobSpec) -> int | None:
+class Job(Protocol):
+    """What `sized` reads and copies of a job: api.schema.RLHFJob (above the rules, which use this module)."""
+
+    @property
+    def spec(self) -> JobFields: ...
+
+    def model_copy(self: J, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> J: ...
+
+
+def replicas_now(spec: JobFields) -> int | None:
     """The elastic rollout pool's size now, or None when the job has none."""
     if spec.rollout_pool is None:
         return None
     return spec.rollout_pool.replicas or spec.pool("rollout").nodes
 
 
-def sized(job: RLHFJob, replicas: int | None = None) -> RLHFJob:
+def sized(job: J, replicas: int | None = None) -> J:
     """The job as it runs now: its elastic rollout pool's `nodes` set to `replicas` (default: the spec's size now).
     A job without one is returned as it is."""
     if job.spec.rollout_pool is None:
@@ -53,7 +50,7 @@ def sized(job: RLHFJob, replicas: int | None = None) -> RLHFJob:
     return out
 
 
-def elastic_problems(spec: JobSpec) -> list[str]:
+def elastic_problems(spec: JobFields) -> list[str]:
     """What makes spec.rolloutPool invalid, naming the fields."""
     rp = spec.rollout_pool
     if rp is None:

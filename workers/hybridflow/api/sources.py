@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from hybridflow.api.fields import MAX_COUNT, MAX_PATH, FilePath, PythonName, SpecModel
+from hybridflow.api.fields import MAX_COUNT, MAX_PATH, FilePath, PythonName, SpecModel, registered
+from hybridflow.rewards.rules import RULES
 from hybridflow.rewards.scorers import SCORERS
 
 
@@ -63,7 +64,7 @@ class ScorerPart(SpecModel):
     """One built-in scorer of a (weighted) combination."""
 
     name: str = Field(..., description="A registered scorer: math (math-verify), exact, regex or format.",
-                      json_schema_extra={"enum": sorted(SCORERS)})
+                      json_schema_extra={"enum": SCORERS.names()})
     weight: float = Field(1.0, description="Its weight in the sum.")
     pattern: str | None = Field(
         None, max_length=MAX_PATH,
@@ -71,6 +72,11 @@ class ScorerPart(SpecModel):
                     "pattern. Defaults: the number a response ends with; a \\boxed{} answer."
     )
     case_sensitive: bool | None = Field(None, description="exact: compare case-sensitively (default true).")
+
+    @field_validator("name")
+    @classmethod
+    def _scorer_registered(cls, value: str) -> str:
+        return registered(SCORERS, value)  # "unknown scorer 'x'; registered scorers: ..."
 
     def options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {}
@@ -92,7 +98,7 @@ def _given(value: Any) -> bool:
 
 def _sources_given(get: Any) -> list[str]:
     """The reward's source fields that are set. A rule beside a reward model is no second source: with a generated
-    task the model scores training and the rule the held-out evaluation (setup.build_task)."""
+    task the model scores training and the rule the held-out evaluation (trainer.task.build_reward)."""
     given = [f for f in REWARD_SOURCES if _given(get(f))]
     return [f for f in given if f != "rule"] if "model" in given else given
 
@@ -122,6 +128,13 @@ class RewardSpec(SpecModel):
     max_error_fraction: float = Field(0.5, ge=0, le=1, description="More failing samples than this fraction of a "
                                       "batch fail the job, naming the first sample and its exception.")
     workers: int = Field(2, ge=1, le=64, description="Worker processes for a user's (non-batched) function.")
+
+    @field_validator("rule")
+    @classmethod
+    def _rule_registered(cls, value: str | None) -> str | None:
+        """Whatever the type: beside a reward model the rule still scores a generated task's held-out evaluation
+        (trainer.task.build_reward)."""
+        return value if value is None else registered(RULES, value)  # "unknown reward rule 'x'; registered rules: ..."
 
     @model_validator(mode="before")
     @classmethod

@@ -1,7 +1,8 @@
 """The controller's side of checkpointing: when a step is saved (a pure decision, `Checkpointer.after_step`),
 saving every trained role's shards and sealing them (synchronously, or in the background while training goes on),
 and resuming: this job's newest intact checkpoint, else `trainer.resumeFrom`, with the step log rewound to it.
-`fit` drives it once per step and knows nothing else of checkpoints."""
+Everything it writes goes through the job's `CheckpointRoot` (checkpoint.root). `fit` resumes through it, and its
+after-step callbacks (trainer.after_step) drive it once per step; they know nothing else of checkpoints."""
 from __future__ import annotations
 
 import logging
@@ -11,19 +12,17 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from hybridflow.checkpoint.identity import check_compatible, identity, model_architecture
-from hybridflow.checkpoint.sealing import checkpoint_at, latest_good, remove_unsealed, seal, writing
-from hybridflow.checkpoint.steplog import (
-    append_step_log, read_step_log, rewind_rollouts, rewind_step_log, write_rollouts,
-)
+from hybridflow.checkpoint.root import CheckpointRoot
+from hybridflow.checkpoint.sealing import checkpoint_at
 from hybridflow.checkpoint.store import (
-    MANIFEST, CheckpointError, is_link, is_step_dir_name, link_refused, list_checkpoints, open_root, size_bytes,
-    storage_path,
+    MANIFEST, CheckpointError, is_link, is_step_dir_name, link_refused, list_checkpoints, size_bytes, storage_path,
 )
 from hybridflow.api import RLHFJob, SpecError
+from hybridflow.api.roles import trained_roles
 
 log = logging.getLogger("hybridflow.checkpoint")
 
-CHECKPOINTED_ROLES = ("actor", "critic", "cost_critic")
+CHECKPOINTED_ROLES = trained_roles()  # those holding optimizer state (api.roles): actor, critic, cost_critic
 
 
 class HasRoles(Protocol):
@@ -77,7 +76,7 @@ def _merged(per_rank: Sequence[dict[str, str] | None]) -> dict[str, str]:
     return {name: digest for d in per_rank if d for name, digest in d.items()}
 
 
-def save(job: RLHFJob, w: HasRoles, root: Path, step: int, stream: Position, algorithm: CarriedState,
+def save(job: RLHFJob, w: HasRoles, root: CheckpointRoot, step: int, stream: Position, algorithm: CarriedState,
          data_fingerprint: str | None = None, asynchronous: bool = False,
          record: dict[str, Any] | None = None) -> Path | SaveInFlight:
     """Checkpoint `step`: every rank writes its shards of every trained role. Synchronous: returns the sealed
@@ -90,7 +89,7 @@ def save(job: RLHFJob, w: HasRoles, root: Path, step: int, stream: Position, alg
     state = {"data_position": stream.position, "data_fingerprint": data_fingerprint, "algorithm": algorithm.state(),
              "step_record": record}
     t0 = time.perf_counter()
-    with writing(root, step, ident) as staging:
+    with root.writing(step, ident) as staging:
         digests: dict[str, str] = {}
         started: list[str] = []
         try:
@@ -107,7 +106,7 @@ def save(job: RLHFJob, w: HasRoles, root: Path, step: int, stream: Position, alg
             raise
         if asynchronous:
             return SaveInFlight(step, staging, state, ident, t0)
-        return seal(root, staging, step, state, job.spec.trainer.keep_checkpoints, ident, digests)
+        return root.seal(staging, step, state, job.spec.trainer.keep_checkpoints, ident, digests)
 
 
 def _collect(w: HasRoles, roles: Sequence[str]) -> dict[str, str]:
@@ -130,19 +129,19 @@ def save_written(w: HasRoles) -> bool:
     return all(all(w.roles[role].checkpoint_written()) for role in _roles(w))
 
 
-def complete_save(job: RLHFJob, w: HasRoles, root: Path, pending: SaveInFlight) -> Path:
+def complete_save(job: RLHFJob, w: HasRoles, root: CheckpointRoot, pending: SaveInFlight) -> Path:
     """Wait for an asynchronous save's writes and seal it; a failed write removes the checkpoint, like a failed
     synchronous save."""
-    with writing(root, pending.step, staging=pending.staging):
+    with root.writing(pending.step, staging=pending.staging):
         digests = _collect(w, _roles(w))
-        return seal(root, pending.staging, pending.step, pending.trainer_state,
-                         job.spec.trainer.keep_checkpoints, pending.ident, digests)
+        return root.seal(pending.staging, pending.step, pending.trainer_state, job.spec.trainer.keep_checkpoints,
+                         pending.ident, digests)
 
 
-def resume_point(job: RLHFJob | None, root: Path) -> tuple[Path, dict[str, Any], bool] | None:
+def resume_point(job: RLHFJob | None, root: CheckpointRoot) -> tuple[Path, dict[str, Any], bool] | None:
     """The checkpoint to resume from: this job's newest intact one, else `trainer.resumeFrom` (a step_* directory
     or another job's checkpointDir); the flag says whether it is another job's."""
-    found = latest_good(root)
+    found = root.latest_good()
     if found is not None:
         return (*found, False)
     source = job.spec.trainer.resume_from if job is not None else None
@@ -162,15 +161,14 @@ def resume_point(job: RLHFJob | None, root: Path) -> tuple[Path, dict[str, Any],
     return (*found, True)
 
 
-def restore(w: HasRoles, root: Path, algorithm: CarriedState, data_fingerprint: str | None = None,
+def restore(w: HasRoles, root: CheckpointRoot, algorithm: CarriedState, data_fingerprint: str | None = None,
             job: RLHFJob | None = None) -> tuple[int, int]:
     """(step, data position) of the checkpoint loaded, or (0, 0) for a fresh start. With `job`, a checkpoint of
     another job or of an incompatible model is refused (CheckpointError) before any weights are read; a
     `trainer.resumeFrom` checkpoint may be another job's, but its model must fit."""
     found = resume_point(job, root)
     if found is None:  # from scratch: what an earlier attempt logged before its first checkpoint is redone too
-        rewind_step_log(root, 0)
-        rewind_rollouts(root, 0)
+        root.rewind(0)
         return 0, 0
     path, state, other_job = found
     if job is not None:
@@ -184,17 +182,28 @@ def restore(w: HasRoles, root: Path, algorithm: CarriedState, data_fingerprint: 
     loaded = time.perf_counter() - t0
     algorithm.load(state.get("algorithm", {}))
     w.sync_weights(state["step"])
-    dropped = rewind_step_log(root, state["step"])
-    rewind_rollouts(root, state["step"])  # trainer.rolloutLog: the redone steps write theirs again
+    dropped = root.rewind(state["step"])  # the redone steps log (and write their rollouts) again
     if not other_job and state.get("step_record"):
-        logged = read_step_log(root)
+        logged = root.step_log()
         if not logged or logged[-1].get("step") != state["step"]:  # killed between the seal and the log line
-            append_step_log(root, {**state["step_record"], "checkpoint": str(path)})
+            root.log_step({**state["step_record"], "checkpoint": str(path)})
             log.info("step %d's log record, lost to the interruption, restored from its checkpoint", state["step"])
     size = size_bytes(path)
     log.info("resumed from %s (step %d, %.1f MB loaded in %.1fs, %.0f MB/s); %d logged step(s) after it will be "
              "redone", path, state["step"], size / 1e6, loaded, size / 1e6 / max(loaded, 1e-9), dropped)
     return int(state["step"]), int(state["data_position"])
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where a job continues (`Checkpointer.resume`): after `step` (0: from the start), at the prompt stream's
+    `position`; `own`: its checkpointDir holds a checkpoint of its own (a resumeFrom checkpoint is another job's);
+    `record`: the resumed step's log record, if it was logged (trackers opened now log it again)."""
+
+    step: int
+    position: int
+    own: bool
+    record: dict[str, Any] | None = None
 
 
 class Checkpointer:
@@ -205,7 +214,7 @@ class Checkpointer:
     def __init__(self, job: RLHFJob, w: HasRoles, algorithm: CarriedState, data_fingerprint: str | None = None,
                  on_sealed: Callable[[int], None] = lambda step: None) -> None:
         self.job, self.w, self.algorithm, self.data_fingerprint = job, w, algorithm, data_fingerprint
-        self.root = open_root(job.spec.trainer.checkpoint_dir)
+        self.root = CheckpointRoot.open(job.spec.trainer.checkpoint_dir)
         self.save_freq, self.steps = job.spec.trainer.save_freq, job.spec.trainer.steps
         self.on_sealed = on_sealed  # the step just sealed (the checkpoint-step metric)
         self.in_flight: SaveInFlight | None = None
@@ -214,30 +223,32 @@ class Checkpointer:
         """Whether `step` is checkpointed: every saveFreq steps (0: none of them) and always the last one."""
         return bool(self.save_freq and step % self.save_freq == 0) or step == self.steps
 
-    def resume(self) -> tuple[int, int]:
-        """(step, data position) to continue from: (0, 0) for a fresh start or `resume: never`. Removes the unsealed
-        leftovers of a save that was interrupted first."""
-        if remove_unsealed(self.root):
+    def resume(self) -> "Resumed":
+        """Where to continue (step 0 at data position 0 for a fresh start or `resume: never`), with what the driver
+        reports of it. Removes the unsealed leftovers of a save that was interrupted first."""
+        if self.root.remove_unsealed():
             log.info("removed the unsealed checkpoint(s) of a save that was interrupted")
-        if self.job.spec.trainer.resume != "auto":
-            return 0, 0
-        return restore(self.w, self.root, self.algorithm, self.data_fingerprint, self.job)
+        step, position = 0, 0
+        if self.job.spec.trainer.resume == "auto":
+            step, position = restore(self.w, self.root, self.algorithm, self.data_fingerprint, self.job)
+        logged = [r for r in self.step_log() if r["step"] == step] if step else []
+        return Resumed(step, position, self.has_own(), logged[-1] if logged else None)
 
     def has_own(self) -> bool:
         """Whether this job's checkpointDir holds any checkpoint (a resumeFrom checkpoint is another job's)."""
-        return bool(list_checkpoints(self.root))
+        return bool(self.root.checkpoints())
 
     def write_rollouts(self, step: int, records: list[dict[str, Any]]) -> None:
         """`step`'s trained samples (trainer.rolloutLog); before the step's checkpoint, so a sealed step has them."""
-        write_rollouts(self.root, step, records)
+        self.root.write_rollouts(step, records)
 
     def step_log(self) -> list[dict[str, Any]]:
         """The step records logged so far (after resume(): repaired, each step once)."""
-        return read_step_log(self.root)
+        return self.root.step_log()
 
     def log_step(self, record: dict[str, Any]) -> None:
         """Append the step's record to the step log (after its checkpoint, which carries it in case of a crash)."""
-        append_step_log(self.root, record)
+        self.root.log_step(record)
 
     def save_step(self, step: int, stream: Position, stats: dict[str, Any], stages: dict[str, float]) -> Path | None:
         """After `step`: the checkpoint sealed now, if any (an asynchronous one may be of an earlier step). Adds the

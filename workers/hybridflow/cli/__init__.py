@@ -1,5 +1,5 @@
-"""`hybridflow run|driver|validate|export|crd|rules|algorithms|environments serve`: the same job YAML on a laptop
-(local Ray) or inside a pod.
+"""`hybridflow run|driver|validate|plan|export|crd|dashboards|rules|algorithms|doctor|environments serve|leave-pool`:
+the same job YAML on a laptop (local Ray) or inside a pod.
 
 Exit codes: 0 success, 1 the job failed while running, 2 bad input (manifest, paths), 130 interrupted.
 """
@@ -80,6 +80,11 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+# Ray starts one idle worker process per CPU for the first driver; ours are never used (each WorkerHost asks for a
+# runtime_env of its own, its allocator's, so Ray starts a dedicated process for it): ~0.6 s of a core each, per run.
+LOCAL_RAY_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
+
+
 def start_local_ray(job: RLHFJob, temp_dir: str | None, verbose: bool = False) -> None:
     """A private single-node Ray that listens on loopback only, advertises each pool's devices and admits only
     holders of a token of its own (`fresh_ray_token`)."""
@@ -108,6 +113,7 @@ def start_local_ray(job: RLHFJob, temp_dir: str | None, verbose: bool = False) -
         logging_level=logging.ERROR,
         _temp_dir=temp_dir,
         runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "1"}},
+        _system_config=LOCAL_RAY_SYSTEM_CONFIG,
     )
 
 
@@ -237,8 +243,9 @@ def cmd_dashboards(args: argparse.Namespace) -> int:
 
 
 def cmd_algorithms(args: argparse.Namespace) -> int:
-    """Each registered algorithm with the roles it adds and its defaults, then the registered pieces."""
+    """Each registered algorithm with the roles it adds and its defaults, the roles, then the registered pieces."""
     from hybridflow.algorithms import ALGORITHMS
+    from hybridflow.api.roles import ROLE_KINDS
     from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS
     from hybridflow.algorithms.corrections import OFF_POLICY_CORRECTIONS
     from hybridflow.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
@@ -250,6 +257,9 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
         roles = ", ".join(r for r, on in (("critic", a.critic), ("cost + cost critic", a.cost)) if on) or "no critic"
         defaults = ", ".join(f"{to_camel(k)}={v}" for k, v in a.defaults.items())
         print(f"{name}: {a.summary}\n    roles: actor, {roles}; min responses per prompt {a.min_group}; {defaults}")
+    print("roles (spec.placement's keys), each with the spec section that configures it:")
+    for name, kind in ROLE_KINDS.items():
+        print(f"    {name} (spec.{kind.section}): {kind.summary}")
     for registry in (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, LOSS_AGGREGATIONS, KL_ESTIMATORS, KL_CONTROLLERS,
                      OFF_POLICY_CORRECTIONS):
         print(f"registered {registry.kind}: {', '.join(registry.names())}")
@@ -361,7 +371,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-sessions", type=int, default=MAX_SESSIONS,
                        help="sessions open at once; more are refused (503) and opened on another replica")
     serve.set_defaults(fn=cmd_environments_serve)
-    algorithms = sub.add_parser("algorithms", help="list registered algorithms, estimators, losses and KL pieces")
+    algorithms = sub.add_parser("algorithms", help="list registered algorithms, roles, estimators, losses and KL pieces")
     algorithms.set_defaults(fn=cmd_algorithms)
     doctor = sub.add_parser("doctor", help="print this node's NVIDIA driver, CUDA, NCCL, torch, vLLM and GPUs, and "
                             "refuse (exit 1) a stack that cannot run the pinned vLLM")

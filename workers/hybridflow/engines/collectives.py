@@ -1,4 +1,4 @@
-"""Every collective the engines run goes through here (tests/test_gpu_decisions.py forbids direct `dist.*` collective
+"""Every collective the engines run goes through here (tests/engines/test_gpu_decisions.py forbids direct `dist.*` collective
 calls elsewhere in engines/), so that one check sees every tensor a group is given.
 
 On a GPU node a worker group's world is `cpu:gloo,cuda:nccl` (single_controller.local_devices): NCCL carries CUDA

@@ -6,7 +6,7 @@ generation tensor-parallel size t_g, and the micro-batch size.
 The spec has one `training` section for every trained role, so the actor, critic and cost critic share one
 (engine, t, p) and their data-parallel size follows from their own pool; frozen models (reference, reward, cost)
 are FSDP over their pool. Every rule here mirrors one of api/rules.py, so every candidate resolves to a spec that
-`hybridflow validate` accepts (tests/test_mapping.py checks a sample)."""
+`hybridflow validate` accepts (tests/mapping/test_mapping.py checks a sample)."""
 from __future__ import annotations
 
 import functools

@@ -8,12 +8,13 @@ from dataclasses import dataclass
 from hybridflow.algorithms import ALGORITHMS
 from hybridflow.api import JobSpec
 from hybridflow.api.engines import TRAIN_ENGINES
+from hybridflow.api.roles import trained_roles
 
 # The stages of a step, in the paper's order: generation, preparation (log-probs, values, rewards: every scoring
 # pass), training (the updates); the transition (train -> generate resharding) and the cross-pool weight stream
 # are priced apart (stage_time.step_seconds).
 GENERATE, PREPARE, UPDATE = "generate", "prepare", "update"
-TRAINED = ("actor", "critic", "cost_critic")  # hold optimizer state; share spec.training's layout
+TRAINED = trained_roles()  # hold optimizer state; share spec.training's layout (api.roles)
 FROZEN = ("reference", "reward", "cost")  # scoring only, FSDP over their pool (memory.terms.frozen_terms)
 
 

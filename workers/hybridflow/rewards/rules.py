@@ -1,9 +1,12 @@
 """Registered reward rules. A rule sees token ids and the sample's ground truth, plus a decoder when the task has
-a real tokenizer; it never sees the policy. Adding a rule = one function + one line in RULES."""
+a real tokenizer; it never sees the policy. Adding a rule = one function + one `RULES.add` line (or
+`@RULES.register("name")`); the spec validates spec.models.reward.rule and cost.rule against RULES."""
 from __future__ import annotations
 
 import re
 from typing import Any, Callable, Sequence
+
+from hybridflow.registry import Registry
 
 RewardRule = Callable[[Sequence[int], Sequence[int], Any, Callable[[Sequence[int]], str] | None], float]
 
@@ -65,13 +68,11 @@ def top_ids(prompt: Sequence[int], response: Sequence[int], truth: Any, decode: 
     return sum(tok >= vocab - 3 for tok in response) / len(response) if response else 0.0
 
 
-RULES: dict[str, RewardRule] = {"increment": increment, "arithmetic_exact": arithmetic_exact, "top_ids": top_ids,
-                                "final_number_exact": final_number_exact}
+RULES: Registry[RewardRule] = Registry("reward rule", plural="rules")
+for _rule in (increment, arithmetic_exact, top_ids, final_number_exact):
+    RULES.add(_rule.__name__, _rule)
 TASK_DEFAULT_RULE = {"increment": "increment", "arithmetic": "arithmetic_exact", "products": "final_number_exact"}
 
 
 def get_rule(name: str) -> RewardRule:
-    try:
-        return RULES[name]
-    except KeyError:
-        raise KeyError(f"unknown reward rule '{name}'; registered rules: {', '.join(sorted(RULES))}") from None
+    return RULES[name]  # an unknown name: "unknown reward rule 'x'; registered rules: ..."

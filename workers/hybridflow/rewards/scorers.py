@@ -2,7 +2,8 @@
 combination of them. A scorer has verl's reward signature plus its own options, so a built-in and a user's
 `compute_score` are interchangeable: `scorer(data_source, solution_str, ground_truth, extra_info, **options)`.
 
-Adding a scorer is one function with `@register("name")`; the spec validates names against SCORERS.
+Adding a scorer is one function with `@register("name")` (SCORERS.register); the spec validates
+spec.models.reward.scorers[].name against SCORERS, and the CRD's enum lists its names.
 """
 from __future__ import annotations
 
@@ -10,24 +11,18 @@ import re
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
+from hybridflow.registry import Registry
+
 Scorer = Callable[..., float]
-SCORERS: dict[str, Scorer] = {}
+SCORERS: Registry[Scorer] = Registry("scorer", plural="scorers")
 
 
 def register(name: str) -> Callable[[Scorer], Scorer]:
-    def deco(fn: Scorer) -> Scorer:
-        if name in SCORERS:
-            raise ValueError(f"reward scorer '{name}' is registered twice")
-        SCORERS[name] = fn
-        return fn
-    return deco
+    return SCORERS.register(name)
 
 
 def get_scorer(name: str) -> Scorer:
-    try:
-        return SCORERS[name]
-    except KeyError:
-        raise KeyError(f"unknown reward scorer '{name}'; registered scorers: {', '.join(sorted(SCORERS))}") from None
+    return SCORERS[name]  # an unknown name: "unknown scorer 'x'; registered scorers: ..."
 
 
 @register("math")

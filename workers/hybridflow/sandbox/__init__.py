@@ -1,4 +1,4 @@
-"""User code in an OS sandbox: reward functions now, an agent's tools and environments later.
+"""User code in an OS sandbox: reward functions, and an agent's tools and environments (hybridflow.agents).
 
 `spawn(argv, limits)` starts `argv` (a program of the user's, or a worker that loads the user's code) in separate
 processes that the operating system contains, each layer stopping something of its own:

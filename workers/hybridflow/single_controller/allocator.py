@@ -16,14 +16,13 @@ from __future__ import annotations
 import ctypes.util
 import logging
 
-log = logging.getLogger(__name__)
+# The allocators a pool may ask for (a registry of the job's API: the spec validates names against it).
+from hybridflow.api.allocators import ALLOCATORS, AUTO_ORDER
 
-# The allocators a pool may ask for: the library names to find (the first one present wins), and the Debian
-# package that installs them, for the message when none is.
-ALLOCATORS: dict[str, tuple[tuple[str, ...], str]] = {
-    "tcmalloc": (("tcmalloc_minimal", "tcmalloc"), "libtcmalloc-minimal4"),
-}
-AUTO_ORDER = ("tcmalloc",)  # what "auto" takes, first found first
+__all__ = ["ALLOCATORS", "AUTO_ORDER", "AllocatorMissing", "allocator_in_maps", "choose_allocator", "find_allocator",
+           "own_allocator", "preload_env", "worker_allocator_env"]
+
+log = logging.getLogger(__name__)
 
 
 class AllocatorMissing(RuntimeError):
@@ -32,7 +31,7 @@ class AllocatorMissing(RuntimeError):
 
 def find_allocator(name: str) -> str | None:
     """The shared library file (a soname the dynamic linker resolves) of allocator `name` on this machine."""
-    for lib in ALLOCATORS[name][0]:
+    for lib in ALLOCATORS[name].libraries:
         found = ctypes.util.find_library(lib)
         if found:
             return found
@@ -52,7 +51,7 @@ def choose_allocator(wanted: str, found: dict[str, str | None], field: str) -> t
     lib = found.get(wanted)
     if not lib:
         raise AllocatorMissing(f"{field}: {wanted} is not installed on this machine (apt-get install "
-                               f"{ALLOCATORS[wanted][1]}); or set it to auto or system")
+                               f"{ALLOCATORS[wanted].package}); or set it to auto or system")
     return wanted, lib
 
 
@@ -68,15 +67,15 @@ def worker_allocator_env(wanted: str, field: str) -> dict[str, str]:
     name, lib = choose_allocator(wanted, {n: find_allocator(n) for n in ALLOCATORS}, field)
     if wanted == "auto" and lib is None:
         log.warning("%s: no tcmalloc on this machine, the workers use the C library's malloc (slower, and their "
-                    "memory grows over the first steps); apt-get install %s", field, ALLOCATORS["tcmalloc"][1])
+                    "memory grows over the first steps); apt-get install %s", field, ALLOCATORS["tcmalloc"].package)
     return preload_env(lib)
 
 
 def allocator_in_maps(maps: str) -> str:
     """Which allocator serves a process, from its /proc/<pid>/maps: the first of ALLOCATORS whose library is mapped
     into it, else "system"."""
-    for name, (libs, _) in ALLOCATORS.items():
-        if any(f"lib{lib}.so" in maps for lib in libs):
+    for name, kind in ALLOCATORS.items():
+        if any(f"lib{lib}.so" in maps for lib in kind.libraries):
             return name
     return "system"
 

@@ -5,7 +5,7 @@ hook, which runs `hybridflow leave-pool` in the pod: it names the pod's Ray node
 actor in the job's Ray cluster, `PoolMembership`, and waits until the controller has let the node's replicas finish
 the call they are in and ended them (`released`). Only then does the pod stop. The actor is reached with the Ray
 cluster's token like everything else in the job: nothing new listens. A pod killed outright never says so: its
-replicas are lost, and rebuilt in its replacement (trainer.replicas).
+replicas are lost, and rebuilt in its replacement (trainer.generation's replicas).
 """
 from __future__ import annotations
 

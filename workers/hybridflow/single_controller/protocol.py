@@ -70,6 +70,16 @@ def registered_methods(cls: type) -> dict[str, Protocol]:
     return out
 
 
+def protocol_methods(protocol: type) -> list[str]:
+    """The methods a typing Protocol of a role declares (its own and its bases'), in name order."""
+    names = set()
+    for base in protocol.__mro__:
+        if base is object or base.__name__ in ("Protocol", "Generic"):
+            continue
+        names |= {n for n, v in vars(base).items() if callable(v) and not n.startswith("_")}
+    return sorted(names)
+
+
 def validate_dp_layout(layout: Sequence[DPRank]) -> int:
     """Every DP rank must be owned by exactly one collecting rank; returns the DP size."""
     sizes = {r.dp_size for r in layout}

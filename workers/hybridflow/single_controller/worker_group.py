@@ -7,7 +7,7 @@ which is what lets the actor train and generate on the same devices (HybridFlow 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generic, Sequence, TypeVar, cast
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -21,6 +21,7 @@ from hybridflow.single_controller.protocol import (
     collect_dp,
     concat_results,
     method_protocol,
+    protocol_methods,
     registered_methods,
     split_for_dp,
     validate_dp_layout,
@@ -33,8 +34,11 @@ from hybridflow.single_controller.worker_host import DEFAULT_COLLECTIVE_TIMEOUT_
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "PendingResult", "RoleHandle", "RoleSpec", "WorkerGroup", "resolve",
            "stuck", "wait_done"]
 
+R = TypeVar("R")  # what a pending call gives once done
+P = TypeVar("P")  # the Protocol of a role (hybridflow.roles.protocols): what the controller may call on it
 
-class PendingResult:
+
+class PendingResult(Generic[R]):
     """Futures of one call, plus how to combine them. Passing it to another call hands over the futures."""
 
     def __init__(self, refs: list[ray.ObjectRef], combine: Callable[[list[Any]], Any], dp_refs: list | None,
@@ -45,7 +49,7 @@ class PendingResult:
         self.method, self.where = method, list(where) or [f"rank {i}" for i in range(len(refs))]
         self.timeout_s = timeout_s  # a rank that has not answered by then is stuck (its group's collective timeout)
 
-    def get(self) -> Any:
+    def get(self) -> R:
         try:
             outs = ray.get(self.refs, timeout=self.timeout_s)
         except ray.exceptions.RayError as err:  # a lost worker is named (RankFailure); other errors pass as they are
@@ -76,8 +80,12 @@ def stuck(pending: PendingResult) -> BaseException:
     return failure
 
 
-class RoleHandle:
-    """The controller's view of one role in a WorkerGroup: calling a registered method runs it on every rank."""
+class RoleHandle(Generic[P]):
+    """The controller's view of one role in a WorkerGroup: calling a registered method runs it on every rank.
+
+    `handle.typed(ActorRole)` is the same handle typed by the role's Protocol, and its `call` is the handle as that
+    Protocol: `handle.typed(ActorRole).call.compute_log_prob(batch)` dispatches as `handle.compute_log_prob(batch)`
+    does, and a type checker follows it into the Protocol."""
 
     def __init__(self, group: "WorkerGroup", role: str, cls: type, layouts: dict[str, list[DPRank]],
                  ranks: Sequence[int] | None = None) -> None:
@@ -85,7 +93,24 @@ class RoleHandle:
         self.dp_sizes = {mesh: validate_dp_layout(layout) for mesh, layout in layouts.items()}
         self._ranks = None if ranks is None else list(ranks)  # None: every rank of the group
 
-    def on(self, ranks: Sequence[int]) -> "RoleHandle":
+    @property
+    def call(self) -> P:
+        """This handle as its role's Protocol (the calls dispatch through `__getattr__`, unchanged)."""
+        return cast(P, self)
+
+    def typed(self, protocol: Callable[..., R]) -> "RoleHandle[R]":
+        """This handle typed by `protocol` (a Protocol class); refused unless its worker class registers every method
+        of it. Typed as a callable giving R, not `type[R]`: a type checker refuses a Protocol class for `type[R]`
+        ("Only concrete class can be given", mypy's type-abstract) but takes it as a callable."""
+        if not isinstance(protocol, type):
+            raise TypeError(f"role {self._role}: typed() takes a Protocol class, got {protocol!r}")
+        missing = [m for m in protocol_methods(protocol) if method_protocol(self._cls, m) is None]
+        if missing:
+            raise TypeError(f"role {self._role}: {self._cls.__name__} does not register {', '.join(missing)} of "
+                            f"{protocol.__name__}")
+        return cast("RoleHandle[R]", self)
+
+    def on(self, ranks: Sequence[int]) -> "RoleHandle[P]":
         """This role on some of its group's ranks only (a group of independent replicas: each rank its own data
         shard), e.g. the rollout replicas still alive while another is being replaced."""
         if not self._group.independent:
@@ -113,7 +138,7 @@ class RoleHandle:
         call.__name__ = method
         return call
 
-    def _dispatch(self, method: str, dispatch: Dispatch, mesh: str, args: tuple, kwargs: dict) -> PendingResult:
+    def _dispatch(self, method: str, dispatch: Dispatch, mesh: str, args: tuple, kwargs: dict) -> PendingResult[Any]:
         ranks = self._ranks if self._ranks is not None else range(len(self._group.hosts))
         hosts = [self._group.hosts[i] for i in ranks]
         n = len(hosts)
@@ -192,7 +217,7 @@ class WorkerGroup:
         # how a failure names each rank: its pool, rank and node (a pod's address on Kubernetes)
         self.where = [f"pool {pool.name} rank {rank} ({node})" for rank, node in enumerate(nodes)]
         self.collective_timeout_s = collective_timeout_s
-        self._roles: dict[str, RoleHandle] = {}
+        self._roles: dict[str, RoleHandle[Any]] = {}
         for role, spec in roles.items():
             ray.get([h.build.remote(role, spec) for h in self.hosts])
             meshes = {"train"} | {p.mesh for p in registered_methods(spec.cls).values()}
@@ -316,7 +341,7 @@ class WorkerGroup:
         """Each rank's C heap allocator, as its process reports it."""
         return ray.get([h.allocator.remote() for h in self.hosts])
 
-    def __getitem__(self, role: str) -> RoleHandle:
+    def __getitem__(self, role: str) -> RoleHandle[Any]:
         return self._roles[role]
 
     @property

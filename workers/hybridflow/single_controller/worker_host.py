@@ -148,3 +148,10 @@ class WorkerHost:
 
     def node_address(self) -> str:
         return ray.util.get_node_ip_address()
+
+    def diagnose(self, name: str, *args: Any) -> Any:
+        """A registered reading from inside this worker (single_controller/diagnostics.py), for checks that must
+        see what the roles' methods do not report (the GPU suite, tests/gpu)."""
+        from hybridflow.single_controller.diagnostics import run_diagnostic
+
+        return run_diagnostic(self, name, *args)

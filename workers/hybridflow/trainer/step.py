@@ -20,27 +20,21 @@ import torch
 
 from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from hybridflow.algorithms.base import ALGORITHMS
-from hybridflow.algorithms.core import masked_mean, overlong_penalty, token_rewards
+from hybridflow.algorithms.core import overlong_penalty, token_rewards, trained_batch_stats
 from hybridflow.algorithms.dataflow import Carried
 from hybridflow.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from hybridflow.data.packing import response_lengths
 from hybridflow.single_controller.batch import Batch
-from hybridflow.single_controller.worker_group import PendingResult, resolve, stuck, wait_done
+from hybridflow.single_controller.worker_group import PendingResult, RoleHandle, resolve, stuck, wait_done
 from hybridflow.roles.config import old_log_probs_from_update
+from hybridflow.roles.stages import STAGES, optional_stages, remote_stages
 from hybridflow.trainer.episodes import episode_failures, episode_stats
-from hybridflow.trainer.rollouts import Rollouts
+from hybridflow.trainer.generation.rollouts import Rollouts
 from hybridflow.api import JobSpec
 
-# stage -> (role, worker method). "reward" and "cost" run on the controller instead when they are rules or functions.
-REMOTE_STAGES: dict[str, tuple[str, str]] = {
-    "old_log_prob": ("actor", "compute_log_prob"),
-    "reference": ("reference", "compute_ref_log_prob"),
-    "values": ("critic", "compute_values"),
-    "cost_values": ("cost_critic", "compute_values"),
-    "reward": ("reward", "compute_rm_scores"),
-    "cost": ("cost", "compute_rm_scores"),
-}
-OPTIONAL_STAGES = {"reference"}  # skipped when the job has no reference policy (no KL term)
+# stage -> (role, worker method), and the stages skipped without their role: derived from the registry
+REMOTE_STAGES = remote_stages()
+OPTIONAL_STAGES = optional_stages()
 
 
 @dataclass
@@ -99,24 +93,35 @@ class AlgorithmState:
 Scorer = Callable[[Batch], "tuple[torch.Tensor, dict[str, float]]"]
 
 
+def skipped_stages(spec: JobSpec) -> frozenset[str]:
+    """The stages a job's programs name that its Step leaves out. On-policy updates take old log-probs from their
+    own forward pass (roles.config): the separate stage is skipped. Not when generation runs apart from training:
+    the batch is older than the policy, the trainer's own old log-probs are the proximal policy the corrections
+    compare the rollout's with."""
+    on_policy = old_log_probs_from_update(spec.training, spec.algorithm, spec.trainer.prompts_per_step)
+    return frozenset({"old_log_prob"}) if spec.rollout.mode == "sync" and on_policy else frozenset()
+
+
 class Step:
     """One iteration: the program calls these in the order of its algorithm; stats and stage times accumulate."""
 
-    def __init__(self, spec: JobSpec, roles: dict[str, Any], pools: dict[str, str], scorers: dict[str, Scorer],
-                 state: AlgorithmState, rollouts: Rollouts) -> None:
+    def __init__(self, spec: JobSpec, roles: Mapping[str, RoleHandle[Any]], pools: dict[str, str],
+                 scorers: dict[str, Scorer], state: AlgorithmState, rollouts: Rollouts,
+                 skipped: frozenset[str]) -> None:
         self.spec, self.algo = spec, spec.algorithm
         self.roles, self.pools, self.scorers, self.state = roles, pools, scorers, state
         self.rollouts = rollouts  # where generations come from (spec.rollout.mode) and how weights reach them
+        self.skipped = skipped  # the stages the program names that this job leaves out (`skipped_stages`)
+        self.begin()
+
+    def begin(self) -> None:
+        """A new iteration: built once, a Step is begun afresh for each (its clock, statistics, trained batch and
+        episode failures are the iteration's own)."""
         self.clock = StageClock()
         self.stats: dict[str, float] = {}
         self.trained: Batch | None = None
-        self.failures = episode_failures(spec.rollout.agent)  # its episodes' failures, bounded (trainer.episodes)
+        self.failures = episode_failures(self.spec.rollout.agent)  # its episodes' failures, bounded (trainer.episodes)
         self._generating: list[threading.Thread] = []  # clocks of generations still running
-        # On-policy updates take old log-probs from their own forward pass: the separate stage is skipped. Not when
-        # generation runs apart from training: the batch is older than the policy, the trainer's own old log-probs
-        # are the proximal policy the corrections compare the rollout's with.
-        self.skipped = {"old_log_prob"} if spec.rollout.mode == "sync" and old_log_probs_from_update(
-            spec.training, spec.algorithm, spec.trainer.prompts_per_step) else set()
 
     @property
     def responses_per_prompt(self) -> int:
@@ -191,13 +196,13 @@ class Step:
         launched: dict[str, PendingResult] = {}
         t0 = time.perf_counter()
         for stage in stages:
-            role, method = REMOTE_STAGES[stage]
+            st = STAGES[stage]
             if stage in self.skipped:
                 continue
-            if role in self.roles:
-                launched[stage] = getattr(self.roles[role], method)(batch)
-            elif stage not in OPTIONAL_STAGES and stage not in self.scorers:
-                raise RuntimeError(f"stage '{stage}' needs the '{role}' role, which this job did not create")
+            if st.role in self.roles:
+                launched[stage] = st.run(self.roles[st.role], batch)
+            elif not st.optional and stage not in self.scorers:
+                raise RuntimeError(f"stage '{stage}' needs the '{st.role}' role, which this job did not create")
         with ThreadPoolExecutor(1) as waiter:  # remote stages are timed while the controller scores locally
             remote_seconds = waiter.submit(self._wait_stages, launched, t0)
             data = resolve(batch)
@@ -212,9 +217,9 @@ class Step:
             for stage, seconds in remote_seconds.result().items():
                 self.clock.add(stage, seconds)
         for stage, pending in launched.items():
-            out = resolve(pending)
-            if stage in ("reward", "cost"):
-                local[stage] = out["rm_scores"]
+            out, scores = resolve(pending), STAGES[stage].scores
+            if scores is not None:  # a reward or cost model's scores: set apart, like a rule's
+                local[stage] = out[scores]
             else:
                 data = data.union(out)
         if "reward" in local:
@@ -248,7 +253,7 @@ class Step:
                 if not pending[stage]:
                     done_at[stage] = now
                     del pending[stage]
-        return stage_seconds([(s, self.pools[REMOTE_STAGES[s][0]]) for s in launched], done_at, t0)
+        return stage_seconds([(s, self.pools[STAGES[s].role]) for s in launched], done_at, t0)
 
     # -- advantages ----------------------------------------------------------------------------------------------
 
@@ -324,30 +329,18 @@ class Step:
         batch = self.trained
         if batch is None:
             raise RuntimeError(f"the {self.algo.name} program never called update_actor")
-        mask = batch["response_mask"]
-        resp_len = mask.sum(1).float()
         out = dict(self.stats)  # an on-policy update already put entropy, KL and the rollout gap here
-        out.update(reward_mean=float(batch["scores"].mean()), response_length_mean=float(resp_len.mean()),
-                   tokens=float(batch["attention_mask"].sum()), response_tokens=float(resp_len.sum()),
-                   kl_coef=float(self.state.kl.value))
-        if "entropy" in batch:
-            out["entropy_mean"] = float(masked_mean(batch["entropy"], mask))
-        kl = self._kl(batch)
-        if kl is not None:
-            out["kl_mean"] = float(masked_mean(kl, mask))
-        if "kl_mean" in out:
-            self.state.kl.update(out["kl_mean"], len(batch))
-        if "costs" in batch:
-            out["cost_mean"] = float(batch["costs"].mean())
+        out["kl_coef"] = float(self.state.kl.value)  # the coefficient this step trained with
         for carried in self.state.carried.values():
             out.update(carried.metrics())
         out.update(self.rollouts.step_stats())
         out.update(episode_stats(batch))
         if self.failures is not None:
             self.failures.report()  # one console line for a step whose episodes failed
-        if "rollout_log_probs" in batch and "old_log_probs" in batch:
-            gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
-            out["rollout_log_prob_gap"] = float(masked_mean(gap, mask))
+        kl = self._kl(batch)
+        out.update(trained_batch_stats(batch.tensors, kl))
+        if "kl_mean" in out:
+            self.state.kl.update(out["kl_mean"], len(batch))
         return out
 
 
@@ -368,6 +361,7 @@ def _varied(group: Batch) -> bool:
 
 
 def run_program(spec: JobSpec, step: Step, prompts: Batch) -> tuple[dict[str, float], dict[str, float]]:
+    """One iteration of the algorithm's program on `prompts`: (statistics, seconds per stage)."""
     ALGORITHMS[spec.algorithm.name].program(step, prompts)
     return step.summary(), step.clock.seconds
 

@@ -7,6 +7,7 @@ checkpoint, whose earlier points must not stay beside the new ones.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -15,7 +16,7 @@ import tempfile
 import uuid
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 from hybridflow.api import RLHFJob, dump_job
 from hybridflow.api.storage import is_url
@@ -212,3 +213,15 @@ def close_trackers(trackers: list[Tracker], finished: bool) -> None:
             tracker.close(finished)
         except Exception as e:  # noqa: BLE001
             log.warning("experiment tracker %s did not close (%s: %s)", type(tracker).__name__, type(e).__name__, e)
+
+
+@contextlib.contextmanager
+def tracking(job: RLHFJob, resumed_step: int) -> Iterator[list[Tracker]]:
+    """The trackers spec.tracking turns on, open for the `with` block and closed after it: finished when the block
+    ended (the job ran its last step), else the job failed or stopped and a restart continues the run."""
+    trackers, finished = open_trackers(job, resumed_step), False
+    try:
+        yield trackers
+        finished = True
+    finally:
+        close_trackers(trackers, finished)

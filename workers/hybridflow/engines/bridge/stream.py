@@ -18,7 +18,7 @@ gets them by broadcast instead. Three things matter there that do not in-process
   marker carries the totals; each receiver then acks (version, tensors, bytes) to the sender point to point, so
   the sender knows every replica got what it meant, and by name which did not.
 * A stall is an error, not a hang. Every wait is bounded by `timeout_s` (Work.wait(timeout): gloo honours it, as
-  tests/test_weight_stream.py shows; NCCL's WorkNCCL::wait(timeout) polls on the host until the work completes or
+  tests/engines/test_weight_stream.py shows; NCCL's WorkNCCL::wait(timeout) polls on the host until the work completes or
   the timeout passes, then aborts the work's communicator and raises DistBackendError in the caller's thread) and a
   failure is re-raised as a WeightStreamError naming the peer that did not answer (the sender, or the receiver
   that did not ack), the version and the bucket. A killed sender's sockets close, so its receivers fail at once
@@ -27,10 +27,11 @@ gets them by broadcast instead. Three things matter there that do not in-process
   (Backend.abort(): ProcessGroupNCCL aborts its communicators, bounded by the group's timeout, and stops its
   watchdog and heartbeat monitor; gloo's abort returns at once), marks the side broken (a later send or receive
   raises at once instead of waiting on an aborted group) and raises the named error. The caller forms a new group
-  before the next sync (trainer/weight_sync.py, the path a lost replica takes). On NCCL, `stream_group` builds the
-  group so that its own watchdog never takes the process down: with NCCL's defaults, a timed-out or failed work on
-  ANY group of a process makes that group's watchdog rethrow on its own thread (TORCH_NCCL_ASYNC_ERROR_HANDLING=3,
-  std::terminate), which a trainer rank must not die of for a rollout replica that stalled.
+  before the next sync (the trainer's weight sync, trainer/generation/, the path a lost replica takes). On NCCL,
+  `stream_group` builds the group so that its own watchdog never takes the process down: with NCCL's defaults, a
+  timed-out or failed work on ANY group of a process makes that group's watchdog rethrow on its own thread
+  (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, std::terminate), which a trainer rank must not die of for a rollout replica
+  that stalled.
 
 The group is one of its own (`stream_group`), not part of either pool's torch.distributed world: the sender serves
 its rendezvous (`StreamRendezvous`), the receivers join it (`stream_store`). The actor role sends

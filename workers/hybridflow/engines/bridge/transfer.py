@@ -8,9 +8,11 @@ rollout kind) pair by their registered facts (hybridflow.api.engines), never by 
   engine (megatron names), or converted to HF names for one that generates whole (t_g = 1).
 
 The transfer also knows the layout generation runs at (which replica a rank is, its generation TP group), so the
-rollout role asks it instead of asking which engines it holds. It is the one place that connects a training engine
-to a generation engine: today both live in one process (the rollout role colocated with the actor); a rollout on a
-pool of its own needs a transfer across processes, which would be one more kind picked here.
+rollout role asks it instead of asking which engines it holds. It connects a training engine to a generation engine
+in one process (the rollout role colocated with the actor). A rollout on a pool of its own takes the weights over
+the stream instead (engines.bridge.stream: two ends in different processes, over a group the controller forms anew as
+replicas come and go, with versions and checksums), which is no kind of transfer and is not picked here: the one
+choice between the two is trainer.generation.weight_sync's, made once per job by placement.
 """
 from __future__ import annotations
 
@@ -27,18 +29,17 @@ from hybridflow.engines.bridge.hybrid_engine import HybridEngine, training_dp_ra
 from hybridflow.engines.bridge import layout as lay
 from hybridflow.engines.bridge.layout import Layout
 from hybridflow.engines.bridge.reshard import ReshardStats
-from hybridflow.engines.rollout.base import RolloutEngine
+from hybridflow.engines.rollout.base import GenerationFeed, RolloutEngine
 from hybridflow.engines.train import megatron_model as mm
 from hybridflow.engines.train.base import ModelParallelTrainEngine, TrainEngine
 
 
-class WeightTransfer(Protocol):
-    """Train -> generate for one pair of engines, and the generation layout it implies."""
+class WeightTransfer(GenerationFeed, Protocol):
+    """Train -> generate for one pair of engines, and the generation layout it implies (its generation TP groups
+    and `push` are what a generation engine fed by it reads: GenerationFeed)."""
 
     generation_replica: int  # this rank's generation replica (its sampling stream)
     generation_replicas: int
-    generation_group: tuple[dist.ProcessGroup | None, list[int]]  # this rank's generation TP group and its ranks
-    generation_groups: list[list[int]]  # every generation TP group's ranks, in replica order
 
     def dp_rank(self, mesh: str) -> DPRank:
         """This rank's data-parallel coordinate when training ("train") or generating ("rollout")."""

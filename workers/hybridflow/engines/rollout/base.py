@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 
 from hybridflow.api import Rollout
 from hybridflow.capacity import kv_cache_bytes
 from hybridflow.single_controller.context import WorkerContext
 
 if TYPE_CHECKING:
-    from hybridflow.engines.bridge.transfer import WeightTransfer
     from hybridflow.engines.train.base import TrainEngine
 
 
@@ -55,6 +55,25 @@ class RolloutEngine(Protocol):
         """Sums of the weights it generates with, to check that a transition landed."""
 
 
+class GenerationFeed(Protocol):
+    """What a generation engine fed by the training engine beside it reads of the transfer between them: the
+    generation TP groups it runs on, and the push of the trainer's weights into it. engines.bridge.transfer's
+    WeightTransfer is one (the bridge imports the generation engines, so they type against this, not against it)."""
+
+    # Read-only (properties): a plain attribute of a transfer conforms, and one typed narrower too (a transfer whose
+    # group is always made, tuple[ProcessGroup, list[int]]), which a mutable Protocol attribute would refuse.
+    @property
+    def generation_group(self) -> tuple[dist.ProcessGroup | None, list[int]]:
+        """This rank's generation TP group (None: a group of one, no collective) and its ranks."""
+
+    @property
+    def generation_groups(self) -> list[list[int]]:
+        """Every generation TP group's ranks, in replica order."""
+
+    def push(self, rollout: RolloutEngine) -> object:
+        """The training engine's current weights into `rollout`, in memory (collective)."""
+
+
 @dataclass(frozen=True)
 class RolloutSetup:
     """All a generation engine is built from, the same for every kind, so one factory signature serves them all.
@@ -71,7 +90,7 @@ class RolloutSetup:
     # Colocated only (None on a rollout pool of its own): the training engine beside it (a model-parallel one's
     # model shape), and how its weights reach this engine (and the generation process group).
     trainer: TrainEngine | None
-    transfer: WeightTransfer | None
+    transfer: GenerationFeed | None
 
 
 class RolloutEngineFactory(Protocol):

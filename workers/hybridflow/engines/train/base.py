@@ -56,7 +56,7 @@ class TrainSettings:
 
 class TrainEngine(Protocol):
     """Everything a role, the checkpoint role side and the weight bridge use of a training engine; every registered
-    kind implements all of it (tests/test_engine_protocols.py checks each one's signatures)."""
+    kind implements all of it (tests/engines/test_engine_protocols.py checks each one's signatures)."""
 
     module: nn.Module
     optimizer: torch.optim.Optimizer | None

@@ -1,0 +1,195 @@
+"""Sharded (DCP) checkpoints of the megatron training engine are independent of the model-parallel layout: a run
+trained at TP=2 x PP=2 (tied embeddings split over the two stages) and checkpointed resumes at TP=1 x PP=1 (and a
+TP=1 x PP=1 checkpoint at TP=2 x PP=2) with the losses of the uninterrupted run, optimizer (AdamW) state included;
+the checkpoint names whole HF tensors, so the FSDP engine loads it too.
+
+Real megatron-core on CPU gloo: each phase runs as `world` local processes (this file is also their entry point)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.paths import TESTS
+
+LR, CLIP = 1e-2, 1.0  # lr large enough that Adam's moments visibly steer the steps; the clip is active (norm > 1)
+BEFORE, AFTER = 2, 2  # optimizer steps before the checkpoint, and compared after it
+REL = 1e-5  # float32; TP=1 and TP=2 sum in different orders, so losses agree to ~1e-7, not bit for bit
+
+
+# --- the ranks (run as `python tests/checkpoint/test_megatron_checkpoint.py RANK WORLD INIT CFG`) ---
+
+def _steps(engine, batch, n: int) -> list[float]:
+    from support.megatron_launcher import objective  # tests/ is on the ranks' PYTHONPATH (_spawn)
+
+    def loss_fn(module, mb):
+        logp, logits = engine.log_probs(module, mb, 1.0)
+        loss = objective(logp, engine.entropy(logits))
+        return loss, {"loss": loss.detach()}
+
+    return [engine.train_mini_batch(batch, len(batch), loss_fn)["loss"] for _ in range(n)]
+
+
+def _megatron(cfg: dict):
+    from hybridflow.engines.train.megatron import MegatronEngine
+
+    return MegatronEngine(Path(cfg["model_dir"]), "float32", cfg["tp"], lr=LR, grad_clip=CLIP, device="cpu",
+                          pp=cfg.get("pp", 1))
+
+
+def _save(engine, directory: str) -> None:
+    from hybridflow.checkpoint import dcp as sc
+
+    sc.save(engine.checkpoint_state(), Path(directory), Path(directory).parent)
+
+
+def _resume(engine, directory: str, optimizer: bool = True) -> None:
+    from hybridflow.checkpoint import dcp as sc
+
+    state = engine.checkpoint_state()
+    if not optimizer:
+        state = {"model": state["model"]}
+    sc.load(state, Path(directory))
+    engine.load_checkpoint_state(state)
+
+
+def run_rank(rank: int, world: int, init: str, cfg: dict) -> None:
+    import torch.distributed as dist
+
+    from hybridflow.single_controller.batch import Batch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        batch = Batch(torch.load(cfg["batch"]))  # TP and PP only (dp = 1): every rank takes the whole batch
+        engine = _megatron(cfg)
+        out: dict = {}
+        if cfg["phase"] == "train":
+            out["before"] = _steps(engine, batch, BEFORE)
+            _save(engine, cfg["ckpt"])
+            out["after"] = _steps(engine, batch, AFTER)  # the uninterrupted run
+        else:
+            _resume(engine, cfg["ckpt"])
+            if cfg.get("resave"):  # the resumed state, checkpointed again in this layout
+                _save(engine, cfg["resave"])
+            out["after"] = _steps(engine, batch, AFTER)
+            if cfg.get("weights_only"):
+                fresh = _megatron(cfg)
+                _resume(fresh, cfg["ckpt"], optimizer=False)
+                out["weights_only"] = _steps(fresh, batch, AFTER)
+            if cfg.get("fsdp"):
+                from transformers import AutoModelForCausalLM
+
+                from hybridflow.engines.train.fsdp import FSDPEngine
+
+                hf = AutoModelForCausalLM.from_pretrained(cfg["model_dir"], dtype=torch.float32)
+                fsdp = FSDPEngine(hf, LR, CLIP, "cpu")
+                _resume(fsdp, cfg["ckpt"])
+                out["fsdp"] = _steps(fsdp, batch, AFTER)
+        if rank == 0:
+            torch.save(out, cfg["out"])
+    finally:
+        dist.destroy_process_group()
+
+
+# --- the test process ---
+
+def _spawn(tmp: Path, world: int, cfg: dict, timeout: float = 300) -> dict:
+    """Run `world` ranks; the first to fail (or the timeout) ends them all, and none outlives this call."""
+    tag = f"{cfg['phase']}-tp{cfg['tp']}-pp{cfg.get('pp', 1)}-{time.monotonic_ns()}"
+    cfg = {**cfg, "out": str(tmp / f"{tag}.pt")}
+    init = f"file://{tmp / f'{tag}.rdzv'}"
+    logs = [open(tmp / f"{tag}-{r}.log", "w+") for r in range(world)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), init, json.dumps(cfg)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=logs[r]) for r in range(world)]
+    try:
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        failed = [r for r, p in enumerate(procs) if p.returncode] or [r for r, p in enumerate(procs)
+                                                                     if p.poll() is None]
+        if failed:
+            r = failed[0]
+            what = f"exited with {procs[r].returncode}" if procs[r].returncode else f"still ran after {timeout} s"
+            logs[r].seek(0)
+            raise RuntimeError(f"{tag} rank {r} {what}:\n{logs[r].read()[-3000:]}")
+        return torch.load(cfg["out"])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for f in logs:
+            f.close()
+
+
+# Every test reads `runs`: rounds of megatron-core processes training at TP=2 x PP=2 and resuming at TP=1.
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Train at TP=2 x PP=2 and checkpoint (`ckpt`), continue uninterrupted (the reference); resume `ckpt` at TP=1,
+    also weights only and into FSDP, and re-checkpoint the resumed state at TP=1 (`resave`)."""
+    from support.megatron_inputs import hf_model, tiny_batch
+
+    tmp = tmp_path_factory.mktemp("megatron-ckpt")
+    hf_model("qwen2").save_pretrained(tmp / "model", safe_serialization=True)  # tied, QKV bias, 4 heads / 2 groups
+    torch.save(tiny_batch(), tmp / "batch.pt")
+    base = {"model_dir": str(tmp / "model"), "batch": str(tmp / "batch.pt"), "ckpt": str(tmp / "ckpt")}
+    ref = _spawn(tmp, 4, {**base, "phase": "train", "tp": 2, "pp": 2})
+    tp1 = _spawn(tmp, 1, {**base, "phase": "resume", "tp": 1, "resave": str(tmp / "resave"), "weights_only": True,
+                          "fsdp": True})
+    return {"tmp": tmp, "base": base, "ref": ref, "tp1": tp1}
+
+
+def test_tp2xpp2_checkpoint_resumes_at_tp1_with_optimizer_state(runs):
+    ref, got = runs["ref"], runs["tp1"]
+    assert ref["before"][0] != pytest.approx(ref["after"][-1], rel=1e-3)  # the steps move the loss
+    # the first step after resuming sees the restored weights, the second also the restored Adam moments and step
+    assert got["after"] == pytest.approx(ref["after"], rel=REL)
+
+
+def test_weights_without_optimizer_state_diverge(runs):
+    """What the optimizer state is worth: loading the weights alone gives the first loss, not the second (a fresh
+    AdamW's first update is lr * sign(g), not lr * m / sqrt(v) with bias-corrected moments)."""
+    ref, got = runs["ref"], runs["tp1"]["weights_only"]
+    assert got[0] == pytest.approx(ref["after"][0], rel=REL)
+    assert abs(got[1] - ref["after"][1]) > 1000 * REL * abs(ref["after"][1])
+
+
+@pytest.mark.slow  # one more round of processes
+def test_tp1_checkpoint_resumes_at_tp2xpp2(runs):
+    """The TP=1 re-checkpoint of the resumed state, loaded at TP=2 x PP=2, continues as the uninterrupted run does."""
+    got = _spawn(runs["tmp"], 4, {**runs["base"], "phase": "resume", "tp": 2, "pp": 2,
+                                  "ckpt": str(runs["tmp"] / "resave")})
+    assert got["after"] == pytest.approx(runs["ref"]["after"], rel=REL)
+
+
+def test_megatron_checkpoint_loads_into_fsdp(runs):
+    """HF names and whole-tensor shapes, as the FSDP engine's checkpoint has them: it resumes the megatron run."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.checkpoint import dcp as sc
+
+    full = sc.read_full(Path(runs["base"]["ckpt"]))
+    hf = AutoModelForCausalLM.from_pretrained(runs["base"]["model_dir"]).state_dict()
+    assert {k: tuple(v.shape) for k, v in full["model"].items()} == {k: tuple(v.shape) for k, v in hf.items()}
+    params = set(hf) - {"lm_head.weight"}  # tied: the optimizer knows the embedding only
+    assert set(full["optimizer"]["state"]) == params
+    assert all(full["optimizer"]["state"][k]["exp_avg"].shape == hf[k].shape for k in params)
+    assert all(float(v["step"]) == BEFORE for v in full["optimizer"]["state"].values())
+    assert runs["tp1"]["fsdp"] == pytest.approx(runs["ref"]["after"], rel=REL)
+
+
+if __name__ == "__main__":
+    run_rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]))
