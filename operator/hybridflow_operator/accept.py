@@ -18,7 +18,7 @@ from hybridflow_operator.kube import Kube, controllers, ignore
 from hybridflow_operator.policy import Policy, queue_problem, unmarked
 from hybridflow_operator.state import KUEUE, memory_of
 
-def _accepted_job(kube: Kube, live: RLHFJob, uid: str | None, status: JobStatus,
+def accepted_job(kube: Kube, live: RLHFJob, uid: str | None, status: JobStatus,
                   memo: MutableMapping[str, Any]) -> tuple[RLHFJob, bool]:
     """The spec the job was accepted with (its ConfigMap, read once), with the live runPolicy; and whether other
     fields changed. The ConfigMap is trusted only when this job owns it and holds what the operator wrote: the digest
@@ -41,7 +41,7 @@ def _accepted_job(kube: Kube, live: RLHFJob, uid: str | None, status: JobStatus,
                                 "gone, and the job's spec is no longer that one; delete the job and create it again")
             mf.resolved_job(live)  # not yet accepted: what it may not have fails it now (SpecError)
             return live, False
-        _check_owner("ConfigMap", namespace, name, cm, uid)
+        check_owner("ConfigMap", namespace, name, cm, uid)
         text = (cm.get("data") or {}).get(mf.SPEC_KEY)  # JSON only: the operator never parses YAML it did not write
         digest = mf.content_digest(text) if text is not None else f"none (no key {mf.SPEC_KEY})"
         if known != digest:
@@ -50,7 +50,7 @@ def _accepted_job(kube: Kube, live: RLHFJob, uid: str | None, status: JobStatus,
         memory.accepted = parse_job(json.loads(text), "accepted spec")
     if not memory.fields_checked:  # the accepted spec never changes: resolved once, not at every tick
         try:  # resolved: a spec accepted by an older operator (its paths resolved otherwise) is not an edit
-            memory.accepted_fields = _spec_fields(mf.resolved_job(memory.accepted))
+            memory.accepted_fields = spec_fields(mf.resolved_job(memory.accepted))
         except SpecError:
             memory.accepted_fields = None
         memory.fields_checked = True
@@ -59,13 +59,13 @@ def _accepted_job(kube: Kube, live: RLHFJob, uid: str | None, status: JobStatus,
     if accepted.spec.rollout_pool is not None and live.spec.rollout_pool is not None:  # (the CRD keeps it there)
         accepted.spec.rollout_pool = live.spec.rollout_pool
     try:
-        changed = memory.accepted_fields is None or _spec_fields(mf.resolved_job(live)) != memory.accepted_fields
+        changed = memory.accepted_fields is None or spec_fields(mf.resolved_job(live)) != memory.accepted_fields
     except SpecError:  # an edit naming what the pods may not have: they never get it (the accepted spec runs)
         changed = True
     return accepted, changed
 
 
-def _spec_fields(job: RLHFJob) -> dict[str, Any]:
+def spec_fields(job: RLHFJob) -> dict[str, Any]:
     """What may not change on a live job: all but runPolicy and an elastic rollout pool's size and bounds. A
     checkpoint directory on the claim is the operator's choice (jobs started before it was per-job keep theirs), so
     it is left out; an object-storage URL is the author's and counts (editing it must not pass unnoticed while the
@@ -76,7 +76,7 @@ def _spec_fields(job: RLHFJob) -> dict[str, Any]:
     return spec
 
 
-def _missing_inputs(kube: Kube, policy: Policy, job: RLHFJob, namespace: str,
+def look_up_inputs(kube: Kube, policy: Policy, job: RLHFJob, namespace: str,
                     status: JobStatus) -> tuple[str, dict[str, str] | None]:
     """What the job's pods would mount but does not exist, or exists unmarked for jobs: its PVCs, and until its code
     files were copied (status.codeDigests) the code ConfigMap (kubernetes.rewardConfigMap) and each file's key in
@@ -98,13 +98,13 @@ def _missing_inputs(kube: Kube, policy: Policy, job: RLHFJob, namespace: str,
         elif why := unmarked("PersistentVolumeClaim", f"spec.kubernetes.{spec_field}", claim, pvc.metadata.labels, policy):
             problems.append(why)
     files = None
-    if k8s.reward_config_map and _code_digests(status, mf.reward_key(job)) is None:
-        why, files = _code_files(kube, policy, job, namespace)
+    if k8s.reward_config_map and code_digests_of(status, mf.reward_key(job)) is None:
+        why, files = read_code_files(kube, policy, job, namespace)
         problems += [why] if why else []
     return "; ".join(problems), files
 
 
-def _code_files(kube: Kube, policy: Policy, job: RLHFJob, namespace: str) -> tuple[str, dict[str, str] | None]:
+def read_code_files(kube: Kube, policy: Policy, job: RLHFJob, namespace: str) -> tuple[str, dict[str, str] | None]:
     """(what is wrong, the code files' texts by key) from kubernetes.rewardConfigMap: every key the job names
     (mf.code_keys: the reward function's, the tools file's, the environment file's). Its mark for jobs is checked
     before anything about its content: the keys of a ConfigMap its owner did not mark are not this job's to list."""
@@ -126,7 +126,7 @@ def _code_files(kube: Kube, policy: Policy, job: RLHFJob, namespace: str) -> tup
     return "", files
 
 
-def _code_digests(status: JobStatus, reward_key: str) -> dict[str, str] | None:
+def code_digests_of(status: JobStatus, reward_key: str) -> dict[str, str] | None:
     """The code files' digests status recorded when they were first found (None before): status.codeDigests, or for
     a job accepted when only its reward file was copied, status.rewardDigest under the reward file's key."""
     if (digests := status.get("codeDigests")) is not None:
@@ -136,7 +136,7 @@ def _code_digests(status: JobStatus, reward_key: str) -> dict[str, str] | None:
     return None
 
 
-def _check_owner(kind: str, namespace: str, name: str, obj: dict[str, Any], uid: str | None) -> None:
+def check_owner(kind: str, namespace: str, name: str, obj: dict[str, Any], uid: str | None) -> None:
     """A child's name is no proof: an object found under it must be controlled by this job, else the job fails
     naming it (whoever made it could otherwise choose what the job's pods run, or who may reach them)."""
     owners = controllers(obj)
@@ -146,7 +146,7 @@ def _check_owner(kind: str, namespace: str, name: str, obj: dict[str, Any], uid:
                         f"Delete that {kind}, or give the job another name")
 
 
-def _check_queueable(job: RLHFJob, queue: str | None, policy: Policy) -> None:
+def check_queueable(job: RLHFJob, queue: str | None, policy: Policy) -> None:
     """A job labelled for a Kueue queue, accepted only where the operator admits jobs through Kueue: anywhere else
     it would run past the queue's quota; and, with kueue.required (policy.queue_problem), one not labelled is not
     accepted at all."""
@@ -162,7 +162,7 @@ def _check_queueable(job: RLHFJob, queue: str | None, policy: Policy) -> None:
         raise SpecError("; ".join(problems))
 
 
-def _queue_of(body: kopf.Body, status: JobStatus) -> str | None:
+def queue_of(body: kopf.Body, status: JobStatus) -> str | None:
     """The job's LocalQueue: its label's value when it is accepted, kept in status.queueName for its life (a label
     removed or added later changes nothing: it would let a job run past its queue, or evict a running one); a new
     value while the job still waits for admission moves it to that queue."""

@@ -16,17 +16,17 @@ from hybridflow.api import RLHFJob, SpecError
 from hybridflow.api.status import JobStatus, TERMINAL
 from hybridflow_operator import manifests as mf
 from hybridflow_operator import plan_pod as pp
-from hybridflow_operator.accept import _check_owner, _code_digests, _code_files
+from hybridflow_operator.accept import check_owner, code_digests_of, read_code_files
 from hybridflow_operator.environments import TOKEN_UID_ANNOTATION, environment_children, environment_pod
 from hybridflow_operator.kube import Kube
 from hybridflow_operator.meta import SECRET_UID_KEYS
 from hybridflow_operator.plan import Plan, Queue
 from hybridflow_operator.policy import Policy
 from hybridflow_operator.state import INTERVAL, JobMemory, Shared
-from hybridflow_operator.watch import _pod_view
-from hybridflow_operator.workloads import _make_workload, _placed
+from hybridflow_operator.watch import pod_view
+from hybridflow_operator.workloads import make_workload, place_pods
 
-def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, pods: list[dict[str, Any]],
+def create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, pods: list[dict[str, Any]],
                      memory: JobMemory, first_start: bool, record: Callable[[JobStatus], None],
                      lost: set[tuple[str, str]] | None = None, queue: Queue | None = None,
                      accepted: RLHFJob | None = None) -> None:
@@ -36,16 +36,16 @@ def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, 
 
     Static children are POSTed once per gang start (a new generation, or a resume: the key is the generation and
     status.startTime), then remembered (JobMemory.children), not re-POSTed at every tick; `lost` (kind, name), the
-    followed children deleted since (`_lost_children`), are made again at any tick, with a Warning event; and
+    followed children deleted since (`lost_children`), are made again at any tick, with a Warning event; and
     `plan.create_sandbox`, the environment pool's replicas to create (environments.plan_pool), at any tick. `record`
     writes the status (the tick's one writer) once a token Secret's uid is in it. `queue`: a job queued through
-    Kueue: its Workload is made when it has none, and its pods are placed where Kueue admitted them (`_placed`).
+    Kueue: its Workload is made when it has none, and its pods are placed where Kueue admitted them (`place_pods`).
     `accepted`: the spec the job was accepted with, before status.plan (what its ConfigMap holds); a plan pod is
     made outside Kueue, and no Workload nor gang pod from a job whose placement is still auto (plan_pod.py)."""
     lost = lost or set()
     if queue is not None and queue.workload is None and plan.status.get("phase") not in TERMINAL \
             and job.spec.placement != "auto":
-        _make_workload(shared.kube, job, uid, queue.name, memory, shared.policy.sandbox_runtime_class)
+        make_workload(shared.kube, job, uid, queue.name, memory, shared.policy.sandbox_runtime_class)
     objs: list[dict[str, Any]] = []
     if plan.create_static or lost:
         policy, own = shared.policy, shared.operator_namespace
@@ -59,7 +59,7 @@ def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, 
         _check_pool_inputs(shared.kube, job, uid, plan.status)
     if plan.create_gang is not None:
         if job.spec.kubernetes.reward_config_map and (
-                files := _reward_to_copy(shared.kube, shared.policy, job, uid, plan.status, plan.copy_code)):
+                files := reward_to_copy(shared.kube, shared.policy, job, uid, plan.status, plan.copy_code)):
             objs.append(mf.reward_configmap(job, uid, files))
         new_pods += pp.with_plan_env(mf.gang_pods(job, uid, plan.create_gang), plan.status.get("plan"))
     if new_pods:
@@ -68,7 +68,7 @@ def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, 
                             "does not name; they are not created")
         existing = {p["view"].name for p in pods}
         new_pods = [p for p in new_pods if p["metadata"]["name"] not in existing]
-        objs += _placed(shared.kube, queue, new_pods) if queue is not None and new_pods else new_pods
+        objs += place_pods(shared.kube, queue, new_pods) if queue is not None and new_pods else new_pods
     if plan.create_plan_pod and not any(p["view"].name == pp.plan_pod_name(job.metadata.name) for p in pods):
         objs.append(pp.plan_pod(job, uid or ""))  # outside Kueue's quota: small, and before the Workload
     created = memory.created
@@ -109,10 +109,10 @@ def _create_children(shared: Shared, job: RLHFJob, uid: str | None, plan: Plan, 
                                     "deleted and is made anew with a new token; the sandbox pods started with the "
                                     "old one are made again (environments.plan_pool)"))
         if obj["kind"] == "Pod":
-            created[obj["metadata"]["name"]] = (time.monotonic(), _pod_view(obj))
+            created[obj["metadata"]["name"]] = (time.monotonic(), pod_view(obj))
             continue
         known[1].add(key)
-        seen.discard(key)  # lost again only once the watch has shown this one (`_lost_children`)
+        seen.discard(key)  # lost again only once the watch has shown this one (`lost_children`)
         if key in lost and made is not None:
             plan.events.append(("Warning", "ChildRecreated", f"{obj['kind']} {obj['metadata']['name']} was deleted "
                                 "while the job lives; the operator made it again (a job's children go with it: "
@@ -141,7 +141,7 @@ def _check_existing(kube: Kube, obj: dict[str, Any], job_name: str, uid: str | N
     Raises unless it is this job's: read and owned by the job, and the ConfigMaps holding what status recorded. A
     Ray token Secret is never read: one there when the job first starts was planted (its token would be known to
     whoever made it); later it is the one this job made. A pod is not checked here: only pods the job controls are
-    ever counted (`_observed_pods`), so a stranger's under a gang pod's name is never taken for the job's (its
+    ever counted (`observed_pods`), so a stranger's under a gang pod's name is never taken for the job's (its
     create's 409 is a condition naming it: `PodNamesTaken`)."""
     kind, ns, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
     if kind == "Pod":
@@ -156,11 +156,11 @@ def _check_existing(kube: Kube, obj: dict[str, Any], job_name: str, uid: str | N
     if found is None:  # deleted since the create: no pod may start without it, so the tick is redone
         raise kopf.TemporaryError(f"{kind} {ns}/{name} was deleted while being created; creating it again",
                                   delay=INTERVAL)
-    _check_owner(kind, ns, name, found, uid)
+    check_owner(kind, ns, name, found, uid)
     role = next((k for k, v in mf.names(job_name).items() if v == name), "")
     if kind == "ConfigMap" and role == "reward":  # (a job accepted before codeDigests: its reward file alone)
         reward_key = next(iter(obj["data"])) if len(obj["data"]) == 1 else ""
-        _check_code(ns, name, found, _code_digests(status, reward_key))
+        _check_code(ns, name, found, code_digests_of(status, reward_key))
     elif kind == "ConfigMap" and role in DIGEST_OF:
         (key,) = obj["data"]
         _check_holds(ns, name, found, key, status.get(DIGEST_OF[role]))
@@ -203,7 +203,7 @@ def _check_code(namespace: str, name: str, cm: dict[str, Any], accepted: dict[st
                         f"({'; '.join(differ)}); delete the job and create it again")
 
 
-def _reward_to_copy(kube: Kube, policy: Policy, job: RLHFJob, uid: str | None, status: JobStatus,
+def reward_to_copy(kube: Kube, policy: Policy, job: RLHFJob, uid: str | None, status: JobStatus,
                     found: dict[str, str] | None) -> dict[str, str] | None:
     """The code files (key -> text) to copy into the job's own ConfigMap at this gang start, or None when its copy
     is there (and is this job's, holding every file accepted). `found`: the files just read from the user's
@@ -212,12 +212,12 @@ def _reward_to_copy(kube: Kube, policy: Policy, job: RLHFJob, uid: str | None, s
     if found is not None:
         return found
     ns, own = mf.job_namespace(job), mf.names(job.metadata.name)["reward"]
-    accepted = _code_digests(status, mf.reward_key(job))
+    accepted = code_digests_of(status, mf.reward_key(job))
     if (copy_ := kube.read("ConfigMap", ns, own)) is not None:
-        _check_owner("ConfigMap", ns, own, copy_, uid)
+        check_owner("ConfigMap", ns, own, copy_, uid)
         _check_code(ns, own, copy_, accepted)
         return None
-    _, files = _code_files(kube, policy, job, ns)
+    _, files = read_code_files(kube, policy, job, ns)
     if files is None or accepted is None or mf.code_digests(files) != dict(sorted(accepted.items())):
         raise SpecError(f"ConfigMap {ns}/{own}, the job's copy of its code files, is gone, and ConfigMap "
                         f"{ns}/{job.spec.kubernetes.reward_config_map} no longer holds the files accepted "
@@ -226,7 +226,7 @@ def _reward_to_copy(kube: Kube, policy: Policy, job: RLHFJob, uid: str | None, s
     return files
 
 
-def _api_message(err: ApiException) -> str:
+def api_error_message(err: ApiException) -> str:
     """The API server's own words (its Status object's message), else the HTTP reason."""
     try:
         return str(json.loads(err.body).get("message") or err.reason)[:1000]

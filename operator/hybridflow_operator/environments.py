@@ -26,10 +26,10 @@ from hybridflow.api.status import Phase
 from hybridflow_operator.manifests import REWARD_MOUNT, reward_configmap_key, token_secret
 from hybridflow_operator.meta import (
     ENVIRONMENT_PORT, ENVIRONMENT_ROLE, SANDBOX_ENV, SANDBOX_PARTIAL, SANDBOX_REQUIRED, SCRATCH_MOUNT, SCRATCH_SIZE,
-    SPEC_KEY, SPEC_MOUNT, _meta,
+    SPEC_KEY, SPEC_MOUNT, object_meta,
 )
 from hybridflow_operator.plan import PodPhase, PodView
-from hybridflow_operator.pods import _pod, environment_pod_name, environment_service_name, sandbox_token_env
+from hybridflow_operator.pods import pod_manifest, environment_pod_name, environment_service_name, sandbox_token_env
 from hybridflow_operator.resolve import code_keys
 
 # Phases in which the pool runs (its pods are made, and made again when one dies); in every other phase they go.
@@ -106,7 +106,7 @@ def environment_pod(job: RLHFJob, uid: str, index: int, runtime_class: str = "",
                       "limits": {"cpu": pool.cpu, "memory": pool.memory}},
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    pod = _pod(job, uid, environment_pod_name(name, index), environment_labels(index), [container], [], None, "64Mi",
+    pod = pod_manifest(job, uid, environment_pod_name(name, index), environment_labels(index), [container], [], None, "64Mi",
                volumes_and_mounts=_volumes(job, serves), gang=False)
     if runtime_class := job.spec.sandbox.runtime_class_name or runtime_class:
         pod["spec"]["runtimeClassName"] = runtime_class
@@ -124,7 +124,7 @@ def environment_service(job: RLHFJob, uid: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(job, uid, environment_service_name(name)),
+        "metadata": object_meta(job, uid, environment_service_name(name)),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
@@ -147,7 +147,7 @@ def environment_policy(job: RLHFJob, uid: str) -> dict[str, Any]:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _meta(job, uid, environment_policy_name(name)),
+        "metadata": object_meta(job, uid, environment_policy_name(name)),
         "spec": {
             "podSelector": {"matchLabels": {LABEL_JOB: name, LABEL_ROLE: ENVIRONMENT_ROLE}},
             "policyTypes": ["Ingress", "Egress"],

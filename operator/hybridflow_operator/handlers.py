@@ -28,25 +28,25 @@ from hybridflow.api import API_GROUP as GROUP
 from hybridflow.api import PLURAL, VERSION
 from hybridflow_operator import manifests as mf
 from hybridflow_operator.accept import (
-    _accepted_job, _check_queueable, _missing_inputs, _queue_of, _spec_fields,
+    accepted_job, check_queueable, look_up_inputs, queue_of, spec_fields,
 )
-from hybridflow_operator.children import _reward_to_copy
+from hybridflow_operator.children import reward_to_copy
 from hybridflow_operator.environments import environment_policy_name
 from hybridflow_operator.kube import API_TIMEOUT, Kube, controllers
 from hybridflow_operator.meta import SECRET_UID_KEYS
 from hybridflow_operator.metrics import OperatorMetrics
 from hybridflow_operator.policy import Policy
 from hybridflow_operator.reconcile import reconcile  # registers the tick (kopf.timer)
-from hybridflow_operator.state import KUEUE, NAMESPACE_TTL, Shared, _acts_in, _shared
+from hybridflow_operator.state import KUEUE, NAMESPACE_TTL, Shared, operator_acts_in, shared_of
 from hybridflow_operator.watch import (  # registers the indexes (kopf.index)
-    _pod_view, job_network_policies, job_pods, job_services, job_workloads, watch_children_only,
+    pod_view, job_network_policies, job_pods, job_services, job_workloads, watch_children_only,
 )
-from hybridflow_operator.workloads import _make_workload
+from hybridflow_operator.workloads import make_workload
 
 __all__ = [  # the handlers kopf runs, and what tests reach through this module
     "configure", "cleanup", "reconcile", "job_pods", "job_services", "job_network_policies", "job_workloads",
-    "tune_kopf", "watch_children_only", "NAMESPACE_TTL", "_pod_view", "_accepted_job", "_check_queueable",
-    "_missing_inputs", "_queue_of", "_spec_fields", "_reward_to_copy", "_make_workload",
+    "tune_kopf", "watch_children_only", "NAMESPACE_TTL", "pod_view", "accepted_job", "check_queueable",
+    "look_up_inputs", "queue_of", "spec_fields", "reward_to_copy", "make_workload",
 ]
 
 
@@ -91,7 +91,7 @@ NAMED_CHILDREN = (("Service", "service"), ("ConfigMap", "configmap"), ("ConfigMa
                   *((("Workload", "workload"),) if KUEUE else ()))
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL, when=_acts_in)
+@kopf.on.delete(GROUP, VERSION, PLURAL, when=operator_acts_in)
 async def cleanup(name: str, namespace: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Remove the job's children, for clusters (and test doubles) without garbage collection: only those the job
     controls (its controller ownerReference), each deleted with its uid as the precondition, so an object that
@@ -99,7 +99,7 @@ async def cleanup(name: str, namespace: str, body: kopf.Body, memo: kopf.Memo, *
     token Secrets, which the operator never reads, are deleted by the uid each create returned; one the operator did
     not make is never touched. The deletions go out together: the finalizer, and so the job, goes as soon as
     the slowest of them is answered."""
-    shared, uid, names = _shared(memo), body["metadata"].get("uid"), mf.names(name)
+    shared, uid, names = shared_of(memo), body["metadata"].get("uid"), mf.names(name)
     kube = shared.kube
     pods = await asyncio.to_thread(kube.list_pods, namespace, name)
     calls = [functools.partial(kube.delete, "Pod", namespace, p["metadata"]["name"], p["metadata"]["uid"],

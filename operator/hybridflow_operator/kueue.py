@@ -37,7 +37,7 @@ from hybridflow.api.agents import sandbox_pool
 from hybridflow.api.names import LABEL_JOB, LABEL_POOL, LABEL_ROLE, names
 from hybridflow.api.scaling import replicas_now, sized
 from hybridflow.api.status import TERMINAL, Phase
-from hybridflow_operator.meta import _meta
+from hybridflow_operator.meta import object_meta
 
 GROUP, VERSION = "kueue.x-k8s.io", "v1beta1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -112,7 +112,7 @@ def workload(job: RLHFJob, uid: str, queue: str, pods: list[dict[str, Any]],
     if priority is not None:
         spec.update(priorityClassName=priority[0], priority=priority[1], priorityClassSource=PRIORITY_SOURCE)
     return {"apiVersion": API_VERSION, "kind": "Workload",
-            "metadata": _meta(job, uid, workload_name(job.metadata.name)), "spec": spec}
+            "metadata": object_meta(job, uid, workload_name(job.metadata.name)), "spec": spec}
 
 
 @dataclass(frozen=True)

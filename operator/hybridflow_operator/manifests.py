@@ -21,7 +21,7 @@ from hybridflow.api.storage import CHECKPOINT_MOUNT, is_url, job_checkpoint_url
 from hybridflow_operator.meta import (
     ENVIRONMENT_PORT, ENVIRONMENT_ROLE, FS_GROUP, MANAGED_BY, MODEL_CACHE, MODELS_MOUNT, RAY_AGENT_PORT, RAY_PORT,
     RESUME_MOUNT, SANDBOX_ENV, SANDBOX_PARTIAL, SANDBOX_REQUIRED, SANDBOX_TOKEN_ENV, SANDBOX_TOKEN_KEY, SCRATCH_MOUNT,
-    SCRATCH_SIZE, SPEC_KEY, SPEC_MOUNT, _meta, job_labels, job_namespace, owner_reference, ray_token_secret_name,
+    SCRATCH_SIZE, SPEC_KEY, SPEC_MOUNT, object_meta, job_labels, job_namespace, owner_reference, ray_token_secret_name,
     selector,
 )
 from hybridflow_operator.pods import (
@@ -55,7 +55,7 @@ def head_service(job: RLHFJob, uid: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(job, uid, names(name)["service"]),
+        "metadata": object_meta(job, uid, names(name)["service"]),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,  # workers must resolve the head before it is Ready
@@ -76,7 +76,7 @@ def podgroup(job: RLHFJob, uid: str) -> dict[str, Any]:
     return {
         "apiVersion": "scheduling.volcano.sh/v1beta1",
         "kind": "PodGroup",
-        "metadata": _meta(job, uid, names(job.metadata.name)["podgroup"]),
+        "metadata": object_meta(job, uid, names(job.metadata.name)["podgroup"]),
         "spec": {"minMember": 1 + sum(p.nodes for p in least.spec.resource_pools)},
     }
 
@@ -90,7 +90,7 @@ def token_secret(job: RLHFJob, uid: str, kind: str, token: str) -> dict[str, Any
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _meta(job, uid, names(job.metadata.name)[kind]),
+        "metadata": object_meta(job, uid, names(job.metadata.name)[kind]),
         "data": {"token": base64.b64encode(token.encode()).decode()},
         "immutable": True,  # the job's pods hold this token for their lives: it is never changed under them
     }
@@ -130,7 +130,7 @@ def network_policy(job: RLHFJob, uid: str, metrics_namespaces: list[str],
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _meta(job, uid, names(name)["network_policy"]),
+        "metadata": object_meta(job, uid, names(name)["network_policy"]),
         "spec": {"podSelector": selected, "policyTypes": ["Ingress", "Egress"],
                  "ingress": rules, "egress": out_rules},
     }

@@ -75,7 +75,7 @@ def job_namespace(job: RLHFJob) -> str:
     return job.metadata.namespace or "default"
 
 
-def _meta(job: RLHFJob, uid: str, name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+def object_meta(job: RLHFJob, uid: str, name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": job_namespace(job),

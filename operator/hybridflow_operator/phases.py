@@ -41,25 +41,24 @@ from hybridflow_operator.rest import Rest, backoff, resting
 __all__ = [  # the state machine's names, as its callers and tests import them
     "STUCK_TERMINATING_SECONDS", "MAX_MESSAGE", "CreateFailure", "Inputs", "Observed", "Plan", "PodPhase", "PodView",
     "Queue", "Rest", "admit_gang", "backoff", "decide", "expected_pods", "fail", "failed_create", "invalid", "iso",
-    "names_taken", "refused", "resting", "set_condition",
+    "names_taken", "refused", "resting", "set_condition", "transition",
 ]
 
 
-def decide(job: RLHFJob | None, observed: Observed | str | None, status: JobStatus | None = None,
-           pods: list[PodView] | None = None, now: dt.datetime | None = None, missing_inputs: str | None = None,
-           disrupted: dict[str, str] | None = None, queue: Queue | None = None,
-           rollout_asked: int | None = None) -> Plan:
+def decide(job: RLHFJob | None, observed: Observed) -> Plan:
     """The tick's whole plan, decided once from `observed` (`job` is None when its spec cannot run: observed.error):
     the phase's transition, then steps.STEPS. A plan that would create pods before their inputs were looked up comes
-    back `needs_inputs`: the caller looks them up (observed.inputs) and decides again.
+    back `needs_inputs`: the caller looks them up (observed.inputs) and decides again."""
+    return steps.complete(_phase_plan(job, observed), job, observed)
 
-    Given the error and the observations one by one instead (`decide(job, error, status, pods, now, ...)`), it is
-    the state machine alone: the transition with the job's pools and `missing_inputs` folded in, without the steps
-    (Kueue's bookkeeping, the plan pod, the sandbox pool, the digests). Tests drive transitions this way."""
-    if isinstance(observed, Observed):
-        return steps.complete(_phase_plan(job, observed), job, observed)
-    assert status is not None and now is not None
-    seen = Observed(status=status, now=now, pods=pods or [], error=observed, disrupted=disrupted or {}, queue=queue,
+
+def transition(job: RLHFJob | None, error: str | None, status: JobStatus, pods: list[PodView], now: dt.datetime,
+               missing_inputs: str | None = None, disrupted: dict[str, str] | None = None, queue: Queue | None = None,
+               rollout_asked: int | None = None) -> Plan:
+    """The state machine alone, from the observations one by one: the phase's transition with the job's pools and
+    `missing_inputs` folded in, without the bookkeeping steps `decide` adds (Kueue's, the plan pod, the sandbox
+    pool, the digests). What a tick's transitions are, tested apart from what every tick also carries."""
+    seen = Observed(status=status, now=now, pods=pods, error=error, disrupted=disrupted or {}, queue=queue,
                     rollout_asked=rollout_asked,
                     inputs=Inputs(missing_inputs) if missing_inputs is not None else None)
     plan = _phase_plan(job, seen)

@@ -28,7 +28,7 @@ from hybridflow.api.status import JobStatus, Phase
 from hybridflow_operator.kueue import podset_problems, queue_name
 from hybridflow_operator.meta import SCRATCH_MOUNT, SPEC_KEY, SPEC_MOUNT
 from hybridflow_operator.plan import Plan, PodPhase, PodView, capped, fail, set_condition
-from hybridflow_operator.pods import _model_mounts, _pod
+from hybridflow_operator.pods import model_volume_mounts, pod_manifest
 from hybridflow_operator.resolve import resolved_job
 
 PLAN_ROLE = "plan"
@@ -67,7 +67,7 @@ def plan_pod(job: RLHFJob, uid: str) -> dict[str, Any]:
         {"name": "scratch", "mountPath": SCRATCH_MOUNT},
     ]
     run = resolved_job(job)  # the model paths as the spec ConfigMap holds them
-    if model_mounts := _model_mounts(run.spec):
+    if model_mounts := model_volume_mounts(run.spec):
         vols.append({"name": "models", "persistentVolumeClaim": {"claimName": run.spec.kubernetes.model_pvc,
                                                                  "readOnly": True}})
         mounts += model_mounts
@@ -79,7 +79,7 @@ def plan_pod(job: RLHFJob, uid: str) -> dict[str, Any]:
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "resources": json.loads(json.dumps(PLAN_RESOURCES)),
     }
-    pod = _pod(job, uid, plan_pod_name(job.metadata.name), {LABEL_ROLE: PLAN_ROLE}, [container], [], None, "",
+    pod = pod_manifest(job, uid, plan_pod_name(job.metadata.name), {LABEL_ROLE: PLAN_ROLE}, [container], [], None, "",
                volumes_and_mounts=(vols, mounts), gang=False)
     pod["spec"]["terminationGracePeriodSeconds"] = 5
     pod["spec"]["activeDeadlineSeconds"] = PLAN_DEADLINE_SECONDS

@@ -20,10 +20,10 @@ from hybridflow.api.storage import CHECKPOINT_MOUNT, STORAGE_CREDENTIAL_KEYS, TR
 
 from hybridflow_operator.meta import (
     ENVIRONMENT_PORT, FS_GROUP, MODEL_CACHE, MODEL_CACHE_SIZE, MODELS_MOUNT, RAY_PORT, RESUME_MOUNT, SANDBOX_ENV,
-    SANDBOX_REQUIRED, SANDBOX_TOKEN_ENV, SANDBOX_TOKEN_KEY, SCRATCH_MOUNT, SCRATCH_SIZE, SPEC_KEY, SPEC_MOUNT, _meta,
+    SANDBOX_REQUIRED, SANDBOX_TOKEN_ENV, SANDBOX_TOKEN_KEY, SCRATCH_MOUNT, SCRATCH_SIZE, SPEC_KEY, SPEC_MOUNT, object_meta,
     job_namespace, ray_token_secret_name,
 )
-from hybridflow_operator.resolve import _below, _model_sources, resolved_job
+from hybridflow_operator.resolve import is_below, model_sources, resolved_job
 
 
 def environment_service_name(job_name: str) -> str:
@@ -93,7 +93,7 @@ def _volumes(job: RLHFJob, shm: str, head: bool) -> tuple[list[dict], list[dict]
     ]
     run = resolved_job(job)  # the paths the driver reads (also when `job` is the live spec, not yet accepted)
     k8s = run.spec.kubernetes
-    if model_mounts := _model_mounts(run.spec):
+    if model_mounts := model_volume_mounts(run.spec):
         vols.append({"name": "models", "persistentVolumeClaim": {"claimName": k8s.model_pvc, "readOnly": True}})
         mounts += model_mounts
     if claim_mounts := _checkpoint_mounts(run.spec):
@@ -108,12 +108,12 @@ def _volumes(job: RLHFJob, shm: str, head: bool) -> tuple[list[dict], list[dict]
     return vols, mounts
 
 
-def _model_mounts(s: JobSpec) -> list[dict[str, Any]]:
+def model_volume_mounts(s: JobSpec) -> list[dict[str, Any]]:
     """kubernetes.modelPvc: each model directory the (resolved) spec names, read-only by its own subPath (a
     directory inside another one is seen through it); nothing of the claim's other models."""
     if not s.kubernetes.model_pvc:
         return []
-    rels = {_below(MODELS_MOUNT, src.path) for src in _model_sources(s).values() if src.source == "path" and src.path}
+    rels = {is_below(MODELS_MOUNT, src.path) for src in model_sources(s).values() if src.source == "path" and src.path}
     rels.discard(None)
     outer = sorted(r for r in rels if not any(o == "" or r.startswith(o + "/") for o in rels - {r}))
     return [{"name": "models", "mountPath": f"{MODELS_MOUNT}/{r}" if r else MODELS_MOUNT, "readOnly": True,
@@ -132,10 +132,10 @@ def _checkpoint_mounts(s: JobSpec) -> list[dict[str, Any]]:
     if not s.kubernetes.checkpoint_pvc:
         return out
     if t.checkpoint_dir.startswith(CHECKPOINT_MOUNT + "/"):  # not when checkpoints go to object storage
-        own = _below(CHECKPOINT_MOUNT, t.checkpoint_dir)
+        own = is_below(CHECKPOINT_MOUNT, t.checkpoint_dir)
         out.append({"name": "checkpoints", "mountPath": t.checkpoint_dir, "subPath": own})
     if t.resume_from and t.resume_from.startswith(RESUME_MOUNT + "/"):
-        source = PurePosixPath(_below(RESUME_MOUNT, t.resume_from) or "")
+        source = PurePosixPath(is_below(RESUME_MOUNT, t.resume_from) or "")
         if len(source.parts) >= 2:  # <namespace>/<job>[/step_N] (resolved_job refused anything else)
             job_dir = PurePosixPath(*source.parts[:2])
             out.append({"name": "checkpoints", "mountPath": f"{RESUME_MOUNT}/{job_dir}", "subPath": str(job_dir),
@@ -161,7 +161,7 @@ EPHEMERAL_LIMIT = "96Gi"  # the scratch and model-cache emptyDirs, plus logs
 EPHEMERAL_REQUEST = "1Gi"  # what scheduling reserves: a limit alone would become a 96Gi request
 
 
-def _pod(
+def pod_manifest(
     job: RLHFJob,
     uid: str,
     name: str,
@@ -227,7 +227,7 @@ def _pod(
             spec["tolerations"] = [dict(t) for t in pool.tolerations]
         if pool.affinity:
             spec["affinity"] = dict(pool.affinity)
-    meta = _meta(job, uid, name, labels)
+    meta = object_meta(job, uid, name, labels)
     if annotations:
         meta["annotations"] = annotations
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
@@ -264,7 +264,7 @@ def head_pod(job: RLHFJob, uid: str, generation: int) -> dict[str, Any]:
                                                                          "optional": True}}}
                             for key in TRACKING_CREDENTIAL_KEYS]
     labels = {LABEL_ROLE: "head", LABEL_GENERATION: str(generation)}
-    return _pod(job, uid, head_pod_name(name, generation), labels, [container], [], None, "1Gi")
+    return pod_manifest(job, uid, head_pod_name(name, generation), labels, [container], [], None, "1Gi")
 
 
 def worker_pod(job: RLHFJob, uid: str, pool: ResourcePool, index: int, generation: int) -> dict[str, Any]:
@@ -313,7 +313,7 @@ def worker_pod(job: RLHFJob, uid: str, pool: ResourcePool, index: int, generatio
                           "limits": {"memory": "64Mi", "ephemeral-storage": "1Gi"}}}
     labels = {LABEL_ROLE: "worker", LABEL_POOL: pool.name, LABEL_INDEX: str(index), LABEL_GENERATION: str(generation)}
     shm = "2Gi" if pool.device == "cpu" else "16Gi"
-    pod = _pod(job, uid, worker_pod_name(name, pool.name, index, generation), labels, [container], [init], pool,
+    pod = pod_manifest(job, uid, worker_pod_name(name, pool.name, index, generation), labels, [container], [init], pool,
                shm)
     if grace is not None:
         pod["spec"]["terminationGracePeriodSeconds"] = grace

@@ -21,25 +21,25 @@ from hybridflow.api.status import TERMINAL, JobStatus, Phase
 from hybridflow_operator import kueue
 from hybridflow_operator import manifests as mf
 from hybridflow_operator import plan_pod as pp
-from hybridflow_operator.accept import _accepted_job, _check_queueable, _missing_inputs, _queue_of
-from hybridflow_operator.children import PodNamesTaken, _api_message, _create_children
+from hybridflow_operator.accept import accepted_job, check_queueable, look_up_inputs, queue_of
+from hybridflow_operator.children import PodNamesTaken, api_error_message, create_children
 from hybridflow_operator.kube import API_TIMEOUT, Kube, ignore
 from hybridflow_operator.metrics import OperatorMetrics
 from hybridflow_operator.phases import CreateFailure, Inputs, Observed, Plan, Queue, decide, failed_create
 from hybridflow_operator.plan import iso, parse_time, set_condition
 from hybridflow_operator.policy import violations
 from hybridflow_operator.progress import SANDBOX_MISSING, Poller, merge_progress, parse_progress
-from hybridflow_operator.rest import _rest_after, _rests
-from hybridflow_operator.state import INTERVAL, KUEUE, JobMemory, Shared, _acts_in, _shared, memory_of
-from hybridflow_operator.watch import _lost_children, _observed_pods, _workload
-from hybridflow_operator.workloads import _sync_workload
+from hybridflow_operator.rest import rest_after, job_rests
+from hybridflow_operator.state import INTERVAL, KUEUE, JobMemory, Shared, operator_acts_in, shared_of, memory_of
+from hybridflow_operator.watch import lost_children, observed_pods, job_workload
+from hybridflow_operator.workloads import sync_workload
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=INTERVAL, when=_acts_in)
+@kopf.timer(GROUP, VERSION, PLURAL, interval=INTERVAL, when=operator_acts_in)
 def reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, job_pods: kopf.Index,
               job_services: kopf.Index, job_network_policies: kopf.Index, job_workloads: kopf.Index | None = None,
               **_: Any) -> None:
-    t0, metrics = time.perf_counter(), _shared(memo).metrics
+    t0, metrics = time.perf_counter(), shared_of(memo).metrics
     try:
         _reconcile(body, name, namespace, memo, job_pods, [job_services, job_network_policies], job_workloads)
     except Exception:
@@ -54,7 +54,7 @@ class _Seen(NamedTuple):
     observed: Observed
     job: RLHFJob | None  # the job as it runs: its accepted spec, its recorded placement plan, Kueue's admission
     accepted: RLHFJob | None  # the spec it was accepted with, as its ConfigMap holds it
-    pods: list[dict[str, Any]]  # every pod it controls, from the pod index (`_observed_pods`)
+    pods: list[dict[str, Any]]  # every pod it controls, from the pod index (`observed_pods`)
 
 
 def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, index: kopf.Index,
@@ -62,19 +62,19 @@ def _reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, inde
     """One tick: observe, decide (a second time only when the plan creates pods: with their inputs, read then), act."""
     if body["metadata"].get("deletionTimestamp"):
         return  # being deleted: `cleanup` owns it now; a tick must not create children after cleanup has run
-    shared = _shared(memo)
-    if not _acts_in(memo, namespace):
+    shared = shared_of(memo)
+    if not operator_acts_in(memo, namespace):
         return  # the namespace lost its label since kopf started this timer
     memory, uid = memory_of(memo), body["metadata"].get("uid")
-    if _rests(body, memory, functools.partial(_lost_children, followed, namespace, name, uid, memory),
-              functools.partial(_workload, workloads, namespace, name, uid)):
+    if job_rests(body, memory, functools.partial(lost_children, followed, namespace, name, uid, memory),
+              functools.partial(job_workload, workloads, namespace, name, uid)):
         shared.metrics.resting_ticks.inc()
         return
     seen = _observe(shared, body, name, namespace, uid, memory, index, workloads)
     plan = decide(seen.job, seen.observed)
     if plan.needs_inputs:  # about to create pods: are their inputs there?
         assert seen.job is not None
-        missing, files = _missing_inputs(shared.kube, shared.policy, seen.job, namespace, seen.observed.status)
+        missing, files = look_up_inputs(shared.kube, shared.policy, seen.job, namespace, seen.observed.status)
         seen = seen._replace(observed=replace(seen.observed, inputs=Inputs(missing, files)))
         plan = decide(seen.job, seen.observed)
     _act(shared, body, name, namespace, uid, memory, followed, seen, plan)
@@ -89,22 +89,22 @@ def _observe(shared: Shared, body: kopf.Body, name: str, namespace: str, uid: st
     accepted: RLHFJob | None = None
     error: str | None = None
     changed = False
-    queue_name = _queue_of(body, status)
+    queue_name = queue_of(body, status)
     try:
         live = parse_job({"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
                           "metadata": {"name": name, "namespace": namespace}, "spec": dict(body.get("spec") or {})},
                          f"RLHFJob {namespace}/{name}")
-        accepted, changed = _accepted_job(shared.kube, live, uid, status, memory)
+        accepted, changed = accepted_job(shared.kube, live, uid, status, memory)
         job = pp.with_plan(accepted, status)  # placement auto: its recorded plan laid over it (plan_pod.py)
         if not status.get("phase"):  # checked once, at acceptance: a running job is never failed
-            _check_queueable(job, queue_name, shared.policy)
+            check_queueable(job, queue_name, shared.policy)
     except SpecError as err:
         error, changed, job, accepted = str(err), False, None, None
-    queue = Queue(queue_name, _workload(workloads, namespace, name, uid)) if queue_name and KUEUE else None
+    queue = Queue(queue_name, job_workload(workloads, namespace, name, uid)) if queue_name and KUEUE else None
     asked = None  # an elastic rollout pool's size, when more than Kueue admitted (the job runs at what it admitted)
     if job is not None and queue is not None:
         job, asked = kueue.within_admission(job, queue.workload)
-    pods = _observed_pods(index, namespace, name, uid, memory)
+    pods = observed_pods(index, namespace, name, uid, memory)
     views = [p["view"] for p in pods]
     gen = int(status.get("restarts", 0))
     disrupted = {pod: why for pod, (g, why) in shared.disrupted.get((namespace, name), {}).items() if g == gen}
@@ -122,6 +122,8 @@ def _act(shared: Shared, body: kopf.Body, name: str, namespace: str, uid: str | 
          followed: list[kopf.Index], seen: _Seen, plan: Plan) -> None:
     """Carry the plan out. The status is written before anything is done about it: a tick that fails half-way is
     redone from the new status (missing pods are created again, stale ones deleted again), never from the old one."""
+    if plan.needs_inputs:  # decided before its inputs were read: half a plan (steps.complete stopped early)
+        raise RuntimeError("a plan that still needs its inputs looked up cannot be carried out")
     job, status, now = seen.job, seen.observed.status, seen.observed.now
     record = functools.partial(_record, shared.kube, namespace, name, memory, status)
     if job is not None and plan.status.get("phase") == Phase.RUNNING:
@@ -132,10 +134,10 @@ def _act(shared: Shared, body: kopf.Body, name: str, namespace: str, uid: str | 
     if job is not None:
         # A followed child gone is made again while the job has (or is about to have) pods: not once it finished,
         # nor while suspended (its resume is a gang start, which checks every child).
-        lost = (_lost_children(followed, namespace, name, uid, memory)
+        lost = (lost_children(followed, namespace, name, uid, memory)
                 if plan.status.get("phase") not in (*TERMINAL, Phase.SUSPENDED) else set())
         try:
-            _create_children(shared, job, uid, plan, seen.pods, memory, first_start=not status.get("phase"),
+            create_children(shared, job, uid, plan, seen.pods, memory, first_start=not status.get("phase"),
                              record=record, lost=lost, queue=seen.observed.queue, accepted=seen.accepted)
         except (PodNamesTaken, SpecError, ApiException) as err:
             plan = failed_create(plan, _failure(err), namespace, seen.observed)
@@ -148,13 +150,13 @@ def _act(shared: Shared, body: kopf.Body, name: str, namespace: str, uid: str | 
     _count(shared.metrics, namespace, name, status, plan, now)
     owed = False  # the Workload is to be made, or owed a write (a quota to give back): the job may not rest
     if job is not None and seen.observed.queue is not None:
-        owed = _sync_workload(shared.kube, namespace, seen.observed.queue, plan, len(seen.pods), now)
+        owed = sync_workload(shared.kube, namespace, seen.observed.queue, plan, len(seen.pods), now)
     if plan.delete_job:
         ignore(404, shared.kube.custom.delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
     if owed:
         memory.rest = None
         return
-    _rest_after(body, memory, job, status, plan, now, seen.observed.queue)
+    rest_after(body, memory, job, status, plan, now, seen.observed.queue)
 
 
 def _failure(err: Exception) -> CreateFailure:
@@ -167,7 +169,7 @@ def _failure(err: Exception) -> CreateFailure:
     assert isinstance(err, ApiException)
     if err.status not in (403, 404, 422):
         raise err
-    return CreateFailure("refused", _api_message(err), getattr(err, "hybridflow_object", "a child object"),
+    return CreateFailure("refused", api_error_message(err), getattr(err, "hybridflow_object", "a child object"),
                          err.status)
 
 
@@ -211,7 +213,7 @@ def _record(kube: Kube, namespace: str, name: str, memory: JobMemory, tick_statu
 
 def _poll_progress(poller: Poller, namespace: str, job: RLHFJob, pods: list[dict[str, Any]], status: JobStatus,
                    now: dt.datetime) -> None:
-    """Progress from the current generation's head (`pods` holds only pods the job owns: `_observed_pods`); an old
+    """Progress from the current generation's head (`pods` holds only pods the job owns: `observed_pods`); an old
     head that still has an IP must not move step back (the poller keeps only the answer of this very head pod). The
     answer is the fetch the previous tick handed over: the tick never waits for a driver."""
     gen = int(status.get("restarts", 0))

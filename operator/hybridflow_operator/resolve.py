@@ -17,7 +17,7 @@ from hybridflow.api.storage import (
     CHECKPOINT_MOUNT, is_url, job_checkpoint_dir, job_checkpoint_url, namespace_url, resume_source,
 )
 
-from hybridflow_operator.meta import MODELS_MOUNT, RESUME_MOUNT, SCRATCH_MOUNT, SPEC_KEY, _meta, job_namespace
+from hybridflow_operator.meta import MODELS_MOUNT, RESUME_MOUNT, SCRATCH_MOUNT, SPEC_KEY, object_meta, job_namespace
 
 
 def resolved_job(job: RLHFJob) -> RLHFJob:
@@ -98,7 +98,7 @@ def _resolve_checkpoints(s: JobSpec, ns: str, name: str) -> list[str]:
     return []
 
 
-def _model_sources(s: JobSpec) -> dict[str, ModelSource]:
+def model_sources(s: JobSpec) -> dict[str, ModelSource]:
     """The spec's models that may come from a directory, by field."""
     m = s.models
     found = {"spec.models.actor": m.actor, "spec.models.critic": m.critic, "spec.models.reward.model":
@@ -112,10 +112,10 @@ def _resolve_models(s: JobSpec) -> list[str]:
     if not s.kubernetes.model_pvc:
         return []
     out = []
-    for field, src in _model_sources(s).items():
+    for field, src in model_sources(s).items():
         if src.source != "path" or not src.path:
             continue
-        rel = _below(MODELS_MOUNT, src.path)
+        rel = is_below(MODELS_MOUNT, src.path)
         if rel is None:
             out.append(f"{field}.path: with kubernetes.modelPvc, give the model's directory on that claim (relative, "
                        f"or below {MODELS_MOUNT}/; no '..'), got '{src.path}'")
@@ -132,7 +132,7 @@ def _resolve_cache_dir(s: JobSpec) -> list[str]:
         return []
     path = str(PurePosixPath(SCRATCH_MOUNT, d.cache_dir))  # an absolute cacheDir stays as it is
     roots = [SCRATCH_MOUNT] + ([own] if own.startswith("/") else [])
-    if ".." not in PurePosixPath(path).parts and any(_below(root, path) is not None for root in roots):
+    if ".." not in PurePosixPath(path).parts and any(is_below(root, path) is not None for root in roots):
         d.cache_dir = path
         return []
     return [f"spec.data.cacheDir: '{d.cache_dir}' is outside this job's own directories; give a path inside "
@@ -140,7 +140,7 @@ def _resolve_cache_dir(s: JobSpec) -> list[str]:
             f"(<checkpointDir>/data-cache)"]
 
 
-def _below(mount: str, path: str) -> str | None:
+def is_below(mount: str, path: str) -> str | None:
     """`path` relative to `mount` ("" for the mount itself), given relative to it or as an absolute path below it;
     None when it is elsewhere or climbs ('..')."""
     p = PurePosixPath(path)
@@ -177,7 +177,7 @@ def configmap(job: RLHFJob, uid: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(job, uid, names(job.metadata.name)["configmap"]),
+        "metadata": object_meta(job, uid, names(job.metadata.name)["configmap"]),
         "data": {SPEC_KEY: spec_text(job)},
         "immutable": True,  # what the pods run cannot be edited under a live job
     }
@@ -213,7 +213,7 @@ def reward_configmap(job: RLHFJob, uid: str, files: dict[str, str] | str) -> dic
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(job, uid, names(job.metadata.name)["reward"]),
+        "metadata": object_meta(job, uid, names(job.metadata.name)["reward"]),
         "data": {reward_key(job): files} if isinstance(files, str) else dict(files),
         "immutable": True,
     }

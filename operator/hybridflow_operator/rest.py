@@ -70,7 +70,7 @@ def backoff(tries: int, first: float, most: float) -> float:
     return min(most, first * 2 ** min(tries, 32))
 
 
-def _rests(body: kopf.Body, memory: JobMemory, lost: Callable[[], set[tuple[str, str]]],
+def job_rests(body: kopf.Body, memory: JobMemory, lost: Callable[[], set[tuple[str, str]]],
            workload: Callable[[], kueue.Admission | None]) -> bool:
     """Whether this tick has nothing to do: the job rests, unchanged since, and its time is not up. No API call,
     no parse, no decide: 5,000 suspended jobs at a 5 s interval are 1,000 ticks a second (a job waiting for a PVC
@@ -99,7 +99,7 @@ def _wake(memory: JobMemory, again: bool = False) -> None:
         memory.rest_tries = 0
 
 
-def _rest_after(body: kopf.Body, memory: JobMemory, job: RLHFJob | None, status: JobStatus, plan: Plan,
+def rest_after(body: kopf.Body, memory: JobMemory, job: RLHFJob | None, status: JobStatus, plan: Plan,
                 now: dt.datetime, queue: Queue | None = None) -> None:
     """After a tick that did nothing (no write, create, delete or event), let the job rest if `resting` says it has
     nothing to do: until a change when suspended or finished without a TTL; until its TTL; when it waits for

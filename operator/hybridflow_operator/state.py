@@ -1,6 +1,6 @@
 """What the operator's handlers share (`Shared`, one per operator) and what it remembers of each job between its
 ticks (`JobMemory`, one per job), both reached through kopf's memo; the operator's settings; and which namespaces
-it acts in (`_acts_in`, kopf's `when` filter)."""
+it acts in (`operator_acts_in`, kopf's `when` filter)."""
 from __future__ import annotations
 
 import logging
@@ -49,13 +49,13 @@ class Shared:
     # Pods seen with a DisruptionTarget condition, by job: (namespace, job) -> pod -> (generation, reason). An
     # evicted pod may be gone before the next tick looks, and its gang's restart must still not use up backoffLimit.
     disrupted: dict[tuple[str, str], dict[str, tuple[int, str]]] = field(default_factory=dict)
-    # Namespaces' verdicts (`_acts_in`): namespace -> (when read, time.monotonic(); acts there), and those whose
+    # Namespaces' verdicts (`operator_acts_in`): namespace -> (when read, time.monotonic(); acts there), and those whose
     # jobs were left alone, each logged once.
     namespaces: dict[str, tuple[float, bool]] = field(default_factory=dict)
     skipped: set[str] = field(default_factory=set)
 
 
-def _shared(memo: kopf.Memo) -> Shared:
+def shared_of(memo: kopf.Memo) -> Shared:
     return memo["shared"]
 
 
@@ -104,11 +104,11 @@ def memory_of(memo: MutableMapping[str, Any] | JobMemory) -> JobMemory:
 NAMESPACE_TTL = 30.0
 
 
-def _acts_in(memo: kopf.Memo, namespace: str | None = None, **_: Any) -> bool:
+def operator_acts_in(memo: kopf.Memo, namespace: str | None = None, **_: Any) -> bool:
     """Whether the operator may act in the namespace: always when the install names its namespaces (kopf watches
     only those), else only when the namespace carries the label. kopf's `when` filter of the timer and the deletion
     handler too: a job elsewhere gets no finalizer, no tick, nothing written."""
-    shared = _shared(memo)
+    shared = shared_of(memo)
     policy = shared.policy
     if not policy.namespace_label or not namespace:
         return True

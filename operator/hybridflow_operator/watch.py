@@ -1,6 +1,6 @@
 """kopf's watches of the jobs' children: one pod watch and one per followed kind (FOLLOWED_CHILDREN) feed in-memory
 indexes by job, so that a tick reads its job's pods, Services, NetworkPolicies and Workload without a request;
-and what a tick observes from them (`_observed_pods`, `_lost_children`, `_workload`)."""
+and what a tick observes from them (`observed_pods`, `lost_children`, `job_workload`)."""
 from __future__ import annotations
 
 import datetime as dt
@@ -15,9 +15,9 @@ from hybridflow_operator import manifests as mf
 from hybridflow_operator.environments import TOKEN_UID_ANNOTATION
 from hybridflow_operator.kube import controllers
 from hybridflow_operator.plan import PodPhase, PodView, parse_time
-from hybridflow_operator.state import CREATED_GRACE_SECONDS, KUEUE, JobMemory, _shared
+from hybridflow_operator.state import CREATED_GRACE_SECONDS, KUEUE, JobMemory, shared_of
 
-def _pod_view(pod: dict[str, Any]) -> PodView:
+def pod_view(pod: dict[str, Any]) -> PodView:
     meta, st = pod["metadata"], pod.get("status") or {}
     labels = meta.get("labels") or {}
     message = st.get("message") or st.get("reason") or ""
@@ -86,9 +86,9 @@ def job_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, memo: kopf.Me
              **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
     """The jobs' pods by (namespace, job), kept current by one pod watch: what a tick used to LIST; and the pods
     seen disrupted (Shared.disrupted)."""
-    view = _pod_view(body)
+    view = pod_view(body)
     if view.disruption:
-        seen = _shared(memo).disrupted.setdefault((namespace, labels[mf.LABEL_JOB]), {})
+        seen = shared_of(memo).disrupted.setdefault((namespace, labels[mf.LABEL_JOB]), {})
         seen[view.name] = (view.generation, view.disruption)
     st = body.get("status") or {}
     owners = [r.get("uid") for r in body.get("metadata", {}).get("ownerReferences") or [] if r.get("controller")]
@@ -97,11 +97,11 @@ def job_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, memo: kopf.Me
 
 
 # The static children a live gang cannot do without, by kind: kopf's (group, version, plural) of each. A job's
-# children are created once per gang start (`_create_children`), so one deleted while the job lives (by a namespace
+# children are created once per gang start (`create_children`), so one deleted while the job lives (by a namespace
 # admin, a cleanup script, a mistake) would stay gone until the next gang start: without its NetworkPolicy the
 # job's pods lose their ingress and egress fence, without its head Service the head's name stops resolving (a Ray
 # worker reconnecting to the GCS cannot find it). These two are followed by a watch each, and one gone is made
-# again at the job's next tick (`_lost_children`).
+# again at the job's next tick (`lost_children`).
 #
 # Why watches, not a periodic GET of each child (one per child a minute is ~70 requests a second at 1,000 running
 # jobs, and leaves a job unfenced for up to that minute): the API server filters each watch by the job label
@@ -112,7 +112,7 @@ def job_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, memo: kopf.Me
 # no verb that reads a Secret, and a token made again mid-generation would not be the one the running Ray cluster
 # knows), the spec ConfigMap and the PodGroup (read only when pods are created or scheduled, never by running ones;
 # and `list` on ConfigMaps, which RBAC cannot narrow to a label, would let the operator read every tenant's). Those
-# are checked again at every gang start, a resume included (`_create_children`).
+# are checked again at every gang start, a resume included (`create_children`).
 FOLLOWED_CHILDREN = {"Service": ("v1", "services"), "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies")}
 
 
@@ -152,7 +152,7 @@ WORKLOADS = (kueue.GROUP, kueue.VERSION, kueue.WORKLOADS)
 def job_workloads(namespace: str, labels: kopf.Labels, body: kopf.Body,
                   **_: Any) -> dict[tuple[str, str], kueue.Admission]:
     """The jobs' Kueue Workloads, as read from one watch (registered only with Kueue on): what Kueue decided is
-    seen as soon as it writes it, and a queued job rests until its Workload changes (`_rests`)."""
+    seen as soon as it writes it, and a queued job rests until its Workload changes (`job_rests`)."""
     return {(namespace, labels[mf.LABEL_JOB]): kueue.read_workload(dict(body))}
 
 
@@ -160,18 +160,18 @@ if KUEUE:
     kopf.index(*WORKLOADS, labels={mf.LABEL_JOB: kopf.PRESENT})(job_workloads)
 
 
-def _workload(index: kopf.Index | None, namespace: str, name: str, uid: str | None) -> kueue.Admission | None:
+def job_workload(index: kopf.Index | None, namespace: str, name: str, uid: str | None) -> kueue.Admission | None:
     """The job's own Workload as last seen (only one it controls counts, as for pods), or None."""
     found = [w for w in (index or {}).get((namespace, name), []) if uid and w.owner == uid]
     return found[0] if found else None
 
 
-def _lost_children(followed: list[kopf.Index], namespace: str, name: str, uid: str | None,
+def lost_children(followed: list[kopf.Index], namespace: str, name: str, uid: str | None,
                    memory: JobMemory) -> set[tuple[str, str]]:
     """(kind, name) of the job's followed children that the watch showed and shows no more: deleted while the job
     lives. In memory only (no request). Only children the job controls count, so an object planted under a child's
     name is lost, not adopted (its create answers 409 and `_check_existing` fails the job, as at any create). A child
-    counts as lost only after it was seen: one this operator has just created (`_create_children` forgets it), whose
+    counts as lost only after it was seen: one this operator has just created (`create_children` forgets it), whose
     ADDED event the watch has not brought yet, is not created twice, and one never seen (no watch) is left as
     before."""
     present = {(e["kind"], e["name"]) for index in followed for e in index.get((namespace, name), [])
@@ -181,7 +181,7 @@ def _lost_children(followed: list[kopf.Index], namespace: str, name: str, uid: s
     return seen - present
 
 
-def _observed_pods(index: kopf.Index, namespace: str, name: str, uid: str | None,
+def observed_pods(index: kopf.Index, namespace: str, name: str, uid: str | None,
                    memory: JobMemory) -> list[dict[str, Any]]:
     """The job's pods from the index, plus pods this operator created that the watch has not shown yet. Only pods
     the job controls count: anyone who may create pods could label one as this job's head or a failed worker."""

@@ -1,5 +1,5 @@
 """A queued job's Kueue Workload: made when it has none, its pods placed where Kueue admitted them, and what Kueue
-needs from its owner written back (`_sync_workload`)."""
+needs from its owner written back (`sync_workload`)."""
 from __future__ import annotations
 
 import datetime as dt
@@ -15,16 +15,16 @@ from hybridflow.api.agents import sandbox_replicas
 from hybridflow.api.status import TERMINAL
 from hybridflow_operator import kueue
 from hybridflow_operator import manifests as mf
-from hybridflow_operator.accept import _check_owner
+from hybridflow_operator.accept import check_owner
 from hybridflow_operator.environments import environment_pod
 from hybridflow_operator.kube import Kube, ignore
 from hybridflow_operator.plan import Plan, Queue
 from hybridflow_operator.state import CREATED_GRACE_SECONDS, INTERVAL, JobMemory, log, memory_of
 
-def _make_workload(kube: Kube, job: RLHFJob, uid: str | None, queue: str,
+def make_workload(kube: Kube, job: RLHFJob, uid: str | None, queue: str,
                    memo: MutableMapping[str, Any] | JobMemory, runtime_class: str = "") -> None:
     """Create the job's Workload (it has none, or it was deleted), at most once per CREATED_GRACE_SECONDS while the
-    watch has not shown it. One found under its name must be the job's own (`_check_owner`). `runtime_class`: the
+    watch has not shown it. One found under its name must be the job's own (`check_owner`). `runtime_class`: the
     sandbox pods' default RuntimeClass (Policy.sandbox_runtime_class), so its podSets are the pods made later."""
     memory = memory_of(memo)
     posted = memory.workload_posted
@@ -43,7 +43,7 @@ def _make_workload(kube: Kube, job: RLHFJob, uid: str | None, queue: str,
         ns, wl = obj["metadata"]["namespace"], obj["metadata"]["name"]
         found = kube.read("Workload", ns, wl)
         if found is not None:
-            _check_owner("Workload", ns, wl, found, uid)
+            check_owner("Workload", ns, wl, found, uid)
 
 
 def _priority(kube: Kube, job: RLHFJob) -> tuple[str, int] | None:
@@ -56,7 +56,7 @@ def _priority(kube: Kube, job: RLHFJob) -> tuple[str, int] | None:
     return None if found is None else (name, int(found.value))
 
 
-def _placed(kube: Kube, queue: Queue, new_pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def place_pods(kube: Kube, queue: Queue, new_pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The pods placed where Kueue admitted them (kueue.place: the flavors' node labels and tolerations). None is
     created for a job whose Workload is not admitted: `decide` plans none, and this holds even if it did."""
     if queue.workload is None or kueue.held(queue.workload, queue.name):
@@ -72,7 +72,7 @@ def _placed(kube: Kube, queue: Queue, new_pods: list[dict[str, Any]]) -> list[di
     return kueue.place(new_pods, kueue.placements(queue.workload, flavors))
 
 
-def _sync_workload(kube: Kube, namespace: str, queue: Queue, plan: Plan, pods_left: int,
+def sync_workload(kube: Kube, namespace: str, queue: Queue, plan: Plan, pods_left: int,
                    now: dt.datetime) -> bool:
     """Write back into the job's Workload what Kueue needs from its owner (kueue.status_patch): the quota of an
     evicted job given back once all its pods are gone, Finished, PodsReady; and its spec: runPolicy.suspend as

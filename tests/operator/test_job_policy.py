@@ -554,7 +554,7 @@ def test_kueue_required_refuses_a_job_without_its_queue_label():
     queue's quota; the job policy refuses it (and an update removing the label), the operator refuses it at
     acceptance. Off (the default), an unlabelled job is the usual one."""
     from hybridflow.api import SpecError
-    from hybridflow_operator.handlers import _check_queueable
+    from hybridflow_operator.handlers import check_queueable
     from hybridflow_operator.policy import queue_problem
 
     vaps, policy = _rendered(["--set", "kueue.enabled=true", "--set", "kueue.required=true"])
@@ -572,8 +572,8 @@ def test_kueue_required_refuses_a_job_without_its_queue_label():
                                   "through Kueue (chart value kueue.required)")
     assert queue_problem("team-a", policy) is None and queue_problem(None, Policy()) is None
     with pytest.raises(SpecError, match=r"kueue\.required"):
-        _check_queueable(parse_job(copy.deepcopy(TINY)), None, policy)
-    _check_queueable(parse_job(copy.deepcopy(TINY)), None, Policy())  # not required: accepted
+        check_queueable(parse_job(copy.deepcopy(TINY)), None, policy)
+    check_queueable(parse_job(copy.deepcopy(TINY)), None, Policy())  # not required: accepted
     default_vaps, default_policy = _rendered([])
     assert refusals(default_vaps, TINY) == [] and not default_policy.require_queue
     out = run_helm("template", "rel", str(CHART), "--set", "kueue.required=true")
@@ -733,7 +733,7 @@ def test_the_charts_default_runtime_class_reaches_the_sandbox_pods_only():
     run no user code get none. The Kueue Workload's podSets are the pods made later."""
     from hybridflow_operator import manifests as mf
     from hybridflow_operator.environments import environment_pod
-    from hybridflow_operator.handlers import _make_workload
+    from hybridflow_operator.handlers import make_workload
 
     _, policy = _rendered(["--set", "jobPolicy.sandboxRuntimeClassName=gvisor-strict"])
     assert policy.sandbox_runtime_class == "gvisor-strict"
@@ -753,7 +753,7 @@ def test_the_charts_default_runtime_class_reaches_the_sandbox_pods_only():
             return obj
 
     kube = Created()
-    _make_workload(kube, job, "1234-abcd", "team-a", {}, policy.sandbox_runtime_class)
+    make_workload(kube, job, "1234-abcd", "team-a", {}, policy.sandbox_runtime_class)
     (workload,) = kube.objects
     classes = {ps["name"]: ps["template"]["spec"].get("runtimeClassName") for ps in workload["spec"]["podSets"]}
     assert set(classes.values()) == {None, "gvisor-strict"} and classes["head"] is None, classes

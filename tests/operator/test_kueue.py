@@ -14,7 +14,7 @@ import yaml
 from hybridflow.api import SpecError, parse_job
 from hybridflow_operator import kueue
 from hybridflow_operator import manifests as mf
-from hybridflow_operator.phases import PodView, Queue, decide, resting
+from hybridflow_operator.phases import PodView, Queue, transition, resting
 
 from support.paths import ROOT
 
@@ -33,7 +33,7 @@ def _job(rollout_pool: dict | None = None, **run_policy):
     return parse_job(doc)
 
 
-def _workload(job, priority=None) -> dict:
+def job_workload(job, priority=None) -> dict:
     return kueue.workload(job, "uid-1", "team-a", mf.gang_pods(job, "uid-1", 0), priority)
 
 
@@ -58,7 +58,7 @@ def _valid(obj: dict, kind: str = "Workload") -> None:
 
 
 def _admitted(job, counts=None, flavors=None) -> kueue.Admission:
-    wl = _workload(job)
+    wl = job_workload(job)
     wl["metadata"].update(generation=1, resourceVersion="7")
     wl["status"] = {
         "conditions": [{"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved", "message": "m",
@@ -102,11 +102,11 @@ def test_the_workload_has_a_podset_per_pool_and_the_head_and_passes_kueues_schem
     head = next(p for p in pods if p["metadata"]["name"].endswith("head-g0"))
     assert sets["head"]["template"]["spec"]["containers"][0]["resources"] == head["spec"]["containers"][0]["resources"]
     # what Kueue's API refuses, the schema here refuses too
-    broken = _workload(job)
+    broken = job_workload(job)
     broken["spec"]["priorityClassName"] = "research"
     with pytest.raises(AssertionError, match="priority should not be nil"):
         _valid(broken)
-    broken = _workload(job)
+    broken = job_workload(job)
     broken["spec"]["podSets"][2]["minCount"] = 4
     with pytest.raises(AssertionError, match="minCount should be positive"):
         _valid(broken)
@@ -119,7 +119,7 @@ def test_environment_pods_are_a_podset_and_a_pool_named_like_one_is_refused_nami
     doc["spec"]["placement"] = {k: ("head" if v == "trainer" else v) for k, v in doc["spec"]["placement"].items()}
     job = parse_job(doc)
     with pytest.raises(SpecError, match=r"spec.resourcePools\[0\].name: 'head' is the name of the job's head podSet"):
-        _workload(job)
+        job_workload(job)
     pods = mf.gang_pods(_job(), "uid-1", 0)
     pods[1]["metadata"]["labels"] = {mf.LABEL_ROLE: mf.ENVIRONMENT_ROLE}  # an environment pod's labels
     assert [kueue.podset_of(p) for p in pods] == ["head", "environments", "rollout"]
@@ -127,18 +127,18 @@ def test_environment_pods_are_a_podset_and_a_pool_named_like_one_is_refused_nami
 
 def test_a_queued_job_has_no_pods_until_admitted_then_starts_on_the_flavors_assigned():
     job = _job()
-    plan = decide(job, None, {}, [], NOW, queue=Queue("team-a", None))
+    plan = transition(job, None, {}, [], NOW, queue=Queue("team-a", None))
     assert plan.status["phase"] == "Queued" and plan.create_gang is None and plan.create_static
     assert "LocalQueue team-a" in plan.status["message"]
     assert resting(job, plan.status, NOW).why == "queued"
-    pending = kueue.read_workload({**_workload(job), "status": {"conditions": [
+    pending = kueue.read_workload({**job_workload(job), "status": {"conditions": [
         {"type": "QuotaReserved", "status": "False", "reason": "Pending", "lastTransitionTime": "2026-12-05T11:00:00Z",
          "message": "couldn't assign flavors to pod set trainer: insufficient quota for cpu"}]}})
-    plan = decide(job, None, plan.status, [], NOW, queue=Queue("team-a", pending))
+    plan = transition(job, None, plan.status, [], NOW, queue=Queue("team-a", pending))
     assert plan.status["phase"] == "Queued" and plan.create_gang is None
     assert "insufficient quota for cpu" in plan.status["message"]  # Kueue's own words
     adm = _admitted(job, flavors={"trainer": "spot"})
-    plan = decide(job, None, plan.status, [], NOW, queue=Queue("team-a", adm))
+    plan = transition(job, None, plan.status, [], NOW, queue=Queue("team-a", adm))
     assert plan.status["phase"] == "Pending" and plan.create_gang == 0 and plan.status["reason"] == "Admitted"
     assert "ClusterQueue cq" in plan.status["message"] and "creating" in plan.status["message"]
     # placed on the flavors: node labels and tolerations, as Kueue's own integrations place pods
@@ -175,12 +175,12 @@ def test_an_eviction_suspends_gives_the_quota_back_once_the_pods_are_gone_and_re
     ready = next(c for c in patch["status"]["conditions"] if c["type"] == "PodsReady")
     assert ready["status"] == "True" and patch["metadata"]["resourceVersion"] == "7"
     evicted = _evicted(adm)
-    plan = decide(job, None, running, _pods(), NOW, queue=Queue("team-a", evicted))
+    plan = transition(job, None, running, _pods(), NOW, queue=Queue("team-a", evicted))
     assert plan.status["phase"] == "Suspending" and plan.status["reason"] == "Evicted"
     assert sorted(plan.delete_pods) == sorted(p.name for p in _pods()) and plan.create_gang is None
     assert "Preempted: by a higher one" in plan.status["message"]
     assert kueue.status_patch(evicted, "Suspending", 3, "", NOW) is None  # the quota stays while pods remain
-    plan = decide(job, None, plan.status, [], NOW, queue=Queue("team-a", evicted))
+    plan = transition(job, None, plan.status, [], NOW, queue=Queue("team-a", evicted))
     assert plan.status["phase"] == "Queued" and plan.status["reason"] == "Evicted" and plan.status["step"] == 4
     patch = kueue.status_patch(evicted, "Queued", 0, "", NOW)
     conds = {c["type"]: c for c in patch["status"]["conditions"]}
@@ -188,11 +188,11 @@ def test_an_eviction_suspends_gives_the_quota_back_once_the_pods_are_gone_and_re
     assert (conds["QuotaReserved"]["status"], conds["QuotaReserved"]["reason"]) == ("False", "Pending")
     assert conds["Admitted"]["status"] == "False" and conds["Requeued"]["status"] == "True"
     assert conds["Evicted"]["status"] == "True"  # Kueue resets it when it reserves quota again
-    released = kueue.read_workload({**_workload(job), "status": {**patch["status"], "admission": None}})
-    _valid({**_workload(job), "status": {k: v for k, v in patch["status"].items() if v is not None}})
-    plan = decide(job, None, plan.status, [], NOW, queue=Queue("team-a", released))
+    released = kueue.read_workload({**job_workload(job), "status": {**patch["status"], "admission": None}})
+    _valid({**job_workload(job), "status": {k: v for k, v in patch["status"].items() if v is not None}})
+    plan = transition(job, None, plan.status, [], NOW, queue=Queue("team-a", released))
     assert plan.status["phase"] == "Queued" and plan.create_gang is None
-    plan = decide(job, None, plan.status, [], NOW, queue=Queue("team-a", _admitted(job)))
+    plan = transition(job, None, plan.status, [], NOW, queue=Queue("team-a", _admitted(job)))
     assert plan.status["phase"] == "Pending" and plan.create_gang == 0 and plan.status["restarts"] == 0
     assert "resuming from the last checkpoint" in plan.status["message"]
     # a deactivation (Kueue's own, or runPolicy.suspend through spec.active) is not requeued by Kueue
@@ -211,17 +211,17 @@ def test_finished_jobs_release_their_quota_and_suspend_is_spec_active():
     assert kueue.active_update(adm, suspend=False, recorded=None) == (None, True)
     assert kueue.active_update(adm, suspend=True, recorded=True) == ({"spec": {"active": False}}, None)
     assert kueue.active_update(adm, suspend=False, recorded=True) == (None, None)
-    suspended = decide(_job(suspend=True), None, {"phase": "Queued", "restarts": 0}, [], NOW,
+    suspended = transition(_job(suspend=True), None, {"phase": "Queued", "restarts": 0}, [], NOW,
                        queue=Queue("team-a", adm))
     assert suspended.status["phase"] == "Suspending"
     # Kueue deactivated it itself (its requeuing limit): not undone, and the job waits saying so
-    wl = _workload(job)
+    wl = job_workload(job)
     wl["spec"]["active"] = False
     wl["status"] = {"conditions": [{"type": "Evicted", "status": "True", "reason": "Deactivated",
                                     "message": "exceeded the requeuing limit", "lastTransitionTime": "2026-12-05T11:00:00Z"}]}
     off = kueue.read_workload(wl)
     assert kueue.active_update(off, suspend=False, recorded=True) == (None, None)
-    plan = decide(job, None, {"phase": "Queued", "restarts": 0}, [], NOW, queue=Queue("team-a", off))
+    plan = transition(job, None, {"phase": "Queued", "restarts": 0}, [], NOW, queue=Queue("team-a", off))
     assert plan.status["phase"] == "Queued" and plan.create_gang is None
     assert "is inactive" in plan.status["message"] and "runPolicy.suspend true, then false" in plan.status["message"]
 
@@ -239,19 +239,19 @@ def test_an_elastic_rollout_pool_stays_within_the_pods_kueue_admitted():
     running = _pods() + [PodView(f"{NAME}-rollout-1-g0", "worker", 0, "Running", pool="rollout", index=1, ready=True)]
     st = {"phase": "Running", "restarts": 0, "rolloutReplicas": 2}
     for _ in range(3):  # tick after tick: nothing made, nothing deleted, no restart
-        plan = decide(job, None, st, running, NOW, queue=Queue("team-a", adm), rollout_asked=wanted)
+        plan = transition(job, None, st, running, NOW, queue=Queue("team-a", adm), rollout_asked=wanted)
         assert plan.create_gang is None and not plan.delete_pods and plan.status["phase"] == "Running"
         st = plan.status
     (capped,) = [c for c in st["conditions"] if c["type"] == "RolloutCapped"]
     assert capped["status"] == "True" and "Kueue admitted 2 pod(s)" in capped["message"]
     within, none = kueue.within_admission(_job({"minReplicas": 1, "maxReplicas": 3, "replicas": 2}), adm)
     assert none is None
-    plan = decide(within, None, st, running, NOW, queue=Queue("team-a", adm))
+    plan = transition(within, None, st, running, NOW, queue=Queue("team-a", adm))
     assert next(c for c in plan.status["conditions"] if c["type"] == "RolloutCapped")["status"] == "False"
 
 
 def test_pods_ready_uses_kueues_reasons_and_the_queue_is_the_one_accepted():
-    from hybridflow_operator.handlers import _queue_of
+    from hybridflow_operator.handlers import queue_of
 
     job = _job()
     adm = _admitted(job)
@@ -261,11 +261,11 @@ def test_pods_ready_uses_kueues_reasons_and_the_queue_is_the_one_accepted():
     lost = kueue.status_patch(after, "Restarting", 3, "", NOW)["status"]["conditions"]
     assert next(c for c in lost if c["type"] == "PodsReady")["reason"] == "WaitForRecovery"  # what Kueue times out
     labelled = {"metadata": {"labels": {kueue.QUEUE_LABEL: "team-b"}}}
-    assert _queue_of(labelled, {}) == "team-b"  # accepted now
-    assert _queue_of(labelled, {"phase": "Running", "queueName": "team-a"}) == "team-a"  # renamed later: kept
-    assert _queue_of(labelled, {"phase": "Queued", "queueName": "team-a"}) == "team-b"  # still waiting: moved
-    assert _queue_of({"metadata": {}}, {"phase": "Queued", "queueName": "team-a"}) == "team-a"  # removed: kept
-    assert _queue_of(labelled, {"phase": "Running"}) is None  # added to a job accepted without one: nothing
+    assert queue_of(labelled, {}) == "team-b"  # accepted now
+    assert queue_of(labelled, {"phase": "Running", "queueName": "team-a"}) == "team-a"  # renamed later: kept
+    assert queue_of(labelled, {"phase": "Queued", "queueName": "team-a"}) == "team-b"  # still waiting: moved
+    assert queue_of({"metadata": {}}, {"phase": "Queued", "queueName": "team-a"}) == "team-a"  # removed: kept
+    assert queue_of(labelled, {"phase": "Running"}) is None  # added to a job accepted without one: nothing
 
 
 def test_more_pools_than_a_workload_holds_podsets_are_refused_naming_them():

@@ -8,7 +8,7 @@ import yaml
 
 from hybridflow.api import SpecError, parse_job
 from hybridflow_operator import manifests as mf
-from hybridflow_operator.phases import decide
+from hybridflow_operator.phases import transition
 from support.operator_views import K8S_VERSIONS, NOW, _raw, pods, _files_job, CK, _with_trainer, _Cluster
 
 
@@ -16,7 +16,7 @@ def test_an_accepted_job_is_compared_resolved_and_an_edit_it_may_not_have_is_onl
     """A spec accepted by an older operator (resumeFrom below the whole claim's mount, a relative cacheDir) is the
     same job, not an edit; once accepted, an edit naming another namespace's checkpoint or object storage without
     credentials is a change to ignore (the job keeps running), not a SpecError that fails it."""
-    from hybridflow_operator.handlers import _accepted_job
+    from hybridflow_operator.handlers import accepted_job
 
     def job(**trainer):
         raw = _with_trainer(kubernetes={"checkpointPvc": "ck"}, **trainer)
@@ -26,14 +26,14 @@ def test_an_accepted_job_is_compared_resolved_and_an_edit_it_may_not_have_is_onl
     raw, live = job(resumeFrom="tiny-grpo-2pods")
     _, old = job(checkpointDir=f"{CK}/ml/tiny-grpo", resumeFrom=f"{CK}/ml/tiny-grpo-2pods")
     memo = {"accepted": old}
-    accepted, changed = _accepted_job(_Cluster(), live, "1234-abcd", {}, memo)
+    accepted, changed = accepted_job(_Cluster(), live, "1234-abcd", {}, memo)
     assert accepted == old and not changed
     for edit in ({"resumeFrom": "s3://bucket/runs/team-b/job"}, {"resumeFrom": f"{CK}/team-b/job"},
                  {"checkpointDir": "s3://bucket/runs"}):
         _, edited = job(**edit)
         with pytest.raises(SpecError):
             mf.resolved_job(edited)  # refused at acceptance
-        accepted, changed = _accepted_job(_Cluster(), edited, "1234-abcd", {}, memo)
+        accepted, changed = accepted_job(_Cluster(), edited, "1234-abcd", {}, memo)
         assert accepted == old and changed, edit
 
 
@@ -41,9 +41,9 @@ def test_a_job_created_suspended_is_accepted_at_once():
     """Issue 24 N1: its spec ConfigMap (and digest) is made at the first tick, suspended or not, so a spec edited
     while it waits is a change to ignore, never what its first pods are made of."""
     job = parse_job(_raw("tiny-grpo.yaml", runPolicy={"suspend": True}))
-    plan = decide(job, None, {}, [], NOW)
+    plan = transition(job, None, {}, [], NOW)
     assert plan.status["phase"] == "Suspending" and plan.create_static and plan.create_gang is None
-    later = decide(job, None, {"phase": "Running", "restarts": 0}, pods(), NOW)
+    later = transition(job, None, {"phase": "Running", "restarts": 0}, pods(), NOW)
     assert later.status["phase"] == "Suspending" and not later.create_static  # a suspend later: nothing to make
 
 
@@ -94,13 +94,13 @@ def test_the_accepted_spec_is_json_only_and_never_replaced_by_an_edited_live_one
     text = mf.spec_text(live)
     yaml_only = _Cluster(**{"ConfigMap:tiny-grpo-spec": _owned("1234-abcd", **{"job.yaml": yaml.safe_dump(raw)})})
     with pytest.raises(SpecError, match=r"does not hold the spec this job started with \(digest none \(no key job"):
-        handlers._accepted_job(yaml_only, live, "1234-abcd", {}, {})
+        handlers.accepted_job(yaml_only, live, "1234-abcd", {}, {})
     gone = _Cluster()
     accepted = {"acceptedSpecDigest": mf.content_digest(text)}
-    assert handlers._accepted_job(gone, live, "1234-abcd", accepted, {}) == (live, False)  # a create to retry
+    assert handlers.accepted_job(gone, live, "1234-abcd", accepted, {}) == (live, False)  # a create to retry
     edited = parse_job(_raw("tiny-grpo.yaml", kubernetes={"rayAuthSecret": "builder-token"}))
     with pytest.raises(SpecError, match="which held the spec this job was accepted with, is gone"):
-        handlers._accepted_job(gone, edited, "1234-abcd", accepted, {})
+        handlers.accepted_job(gone, edited, "1234-abcd", accepted, {})
 
 
 def test_a_reward_copy_is_used_only_when_it_is_the_jobs_and_remade_only_from_the_accepted_file():
@@ -114,7 +114,7 @@ def test_a_reward_copy_is_used_only_when_it_is_the_jobs_and_remade_only_from_the
     marked = {"metadata": {"labels": {"hybridflow.io/for-jobs": "true"}}}
 
     def copy_in(world: _Cluster):
-        return handlers._reward_to_copy(world, Policy.from_env(), job, raw["metadata"]["uid"], status, None)
+        return handlers.reward_to_copy(world, Policy.from_env(), job, raw["metadata"]["uid"], status, None)
 
     # there, and the job's: nothing to make
     assert copy_in(_Cluster(**{"ConfigMap:word-problems-reward": _owned("1234-abcd", **{key: good})})) is None
@@ -234,7 +234,7 @@ def test_every_code_file_is_copied_and_checked_and_a_missing_key_is_named():
     marked = {"labels": {"hybridflow.io/for-jobs": "true"}}
 
     def copy_in(world: _Cluster, st=status):
-        return handlers._reward_to_copy(world, Policy.from_env(), job, uid, st, None)
+        return handlers.reward_to_copy(world, Policy.from_env(), job, uid, st, None)
 
     assert copy_in(_Cluster(**{"ConfigMap:word-problems-reward": _owned(uid, **files)})) is None
     for bad in ({**files, "tools.py": "import os\n"}, {k: v for k, v in files.items() if k != "game.py"},
@@ -251,9 +251,9 @@ def test_every_code_file_is_copied_and_checked_and_a_missing_key_is_named():
                    legacy) is None
     # a key missing from the user's ConfigMap: named, with the field that names it; nothing read to copy
     world = _Cluster(**{"ConfigMap:my-code": {"metadata": marked, "data": {reward: files[reward], "tools.py": "x"}}})
-    why, found = handlers._missing_inputs(world, Policy.from_env(), job, "ml", {})
+    why, found = handlers.look_up_inputs(world, Policy.from_env(), job, "ml", {})
     assert why == ("spec.rollout.agent.environmentFile: ConfigMap 'my-code' has no key 'game.py' (its keys: "
                    "tools.py, word_problem_reward.py)") and found is None
     world = _Cluster(**{"ConfigMap:my-code": {"metadata": marked, "data": files}})
-    assert handlers._missing_inputs(world, Policy.from_env(), job, "ml", {}) == ("", files)
-    assert handlers._missing_inputs(world, Policy.from_env(), job, "ml", status) == ("", None)  # copied already
+    assert handlers.look_up_inputs(world, Policy.from_env(), job, "ml", {}) == ("", files)
+    assert handlers.look_up_inputs(world, Policy.from_env(), job, "ml", status) == ("", None)  # copied already

@@ -1,13 +1,17 @@
-"""The phase machine (phases.decide), pure: starts, restarts, replacements, suspends, rests and the
-conditions and events that say why."""
+"""The phase machine, pure: starts, restarts, replacements, suspends, rests and the conditions and events that say
+why (phases.transition, the state machine alone), and a whole tick's plan (phases.decide: the transition and the
+steps every tick's plan also carries)."""
 import datetime as dt
+from dataclasses import replace
 
 import pytest
 
 from hybridflow.api import parse_job
 from hybridflow.api.status import pool_status
 from hybridflow_operator import manifests as mf
-from hybridflow_operator.phases import STUCK_TERMINATING_SECONDS, PodView, decide, iso, set_condition
+from hybridflow_operator.phases import (
+    STUCK_TERMINATING_SECONDS, Inputs, Observed, PodView, decide, iso, set_condition, transition,
+)
 from hybridflow_operator.progress import merge_progress, parse_progress
 from support.operator_views import NOW, _raw, pods, _files_job, ASYNC, _events
 
@@ -18,37 +22,60 @@ JOB = parse_job(_raw("tiny-grpo.yaml", runPolicy={"backoffLimit": 1, "restartPol
 REPLACING = parse_job(_raw("tiny-grpo-k8s.yaml", runPolicy={"backoffLimit": 1, "replacementLimit": 2}))
 
 
+def test_a_tick_that_creates_pods_decides_twice_the_second_time_with_their_inputs():
+    """decide(job, Observed): a plan that would create the gang before its inputs were looked up comes back half
+    done (needs_inputs: no digest recorded yet); with the inputs, whole (the spec's digest recorded before its
+    ConfigMap is made, the code files' digests and copy); with an input missing, no pod is created; a tick that
+    creates nothing is whole at once."""
+    seen = Observed(status={}, now=NOW)
+    first = decide(JOB, seen)
+    assert first.needs_inputs and "acceptedSpecDigest" not in first.status
+    whole = decide(JOB, replace(seen, inputs=Inputs("", {"reward.py": "def score(s): return 1.0\n"})))
+    assert not whole.needs_inputs and whole.create_gang == 0 and whole.status["phase"] == "Pending"
+    assert whole.status["acceptedSpecDigest"] and whole.status["codeDigests"] and whole.copy_code
+    waiting = decide(JOB, replace(seen, inputs=Inputs("persistentvolumeclaim/data is not there")))
+    assert not waiting.needs_inputs and waiting.create_gang is None
+    running = decide(JOB, Observed(status={**whole.status, "phase": "Running"}, now=NOW, pods=pods()))
+    assert not running.needs_inputs and running.create_gang is None and running.status["phase"] == "Running"
+
+
+def test_a_job_breaking_the_job_policy_fails_instead_of_starting():
+    plan = decide(JOB, Observed(status={}, now=NOW, inputs=Inputs(""), broken=("spec.kubernetes.image: not allowed",)))
+    assert plan.create_gang is None and plan.status["phase"] == "Failed", plan.status
+    assert "spec.kubernetes.image" in plan.status["message"]
+
+
 def test_new_job_creates_everything():
-    plan = decide(JOB, None, {}, [], NOW)
+    plan = transition(JOB, None, {}, [], NOW)
     assert plan.status["phase"] == "Pending" and plan.create_static and plan.create_gang == 0
     assert plan.status["startTime"] == iso(NOW) and plan.status["restarts"] == 0
 
 
 def test_pending_to_initializing_to_running():
     st = {"phase": "Pending", "restarts": 0}
-    assert decide(JOB, None, st, pods(head="Pending", worker="Pending"), NOW).status["phase"] == "Pending"
-    assert decide(JOB, None, st, pods(head="Running", worker="Pending"), NOW).status["phase"] == "Initializing"
-    plan = decide(JOB, None, {"phase": "Initializing", "restarts": 0}, pods(), NOW)
+    assert transition(JOB, None, st, pods(head="Pending", worker="Pending"), NOW).status["phase"] == "Pending"
+    assert transition(JOB, None, st, pods(head="Running", worker="Pending"), NOW).status["phase"] == "Initializing"
+    plan = transition(JOB, None, {"phase": "Initializing", "restarts": 0}, pods(), NOW)
     assert plan.status["phase"] == "Running" and ("Normal", "AllPodsRunning") == plan.events[0][:2]
 
 
 def test_missing_pods_are_created_while_pending_but_restart_the_gang_while_running():
-    plan = decide(JOB, None, {"phase": "Pending", "restarts": 0}, pods()[:1], NOW)
+    plan = transition(JOB, None, {"phase": "Pending", "restarts": 0}, pods()[:1], NOW)
     assert plan.create_gang == 0 and plan.status["phase"] == "Pending"
-    plan = decide(JOB, None, {"phase": "Running", "restarts": 0}, pods()[:1], NOW)
+    plan = transition(JOB, None, {"phase": "Running", "restarts": 0}, pods()[:1], NOW)
     assert plan.status["phase"] == "Restarting" and plan.status["restarts"] == 1
 
 
 def test_failure_restarts_then_backoff_fails():
-    plan = decide(JOB, None, {"phase": "Running", "restarts": 0}, pods(worker="Failed"), NOW)
+    plan = transition(JOB, None, {"phase": "Running", "restarts": 0}, pods(worker="Failed"), NOW)
     assert plan.status["phase"] == "Restarting" and plan.status["restarts"] == 1
     assert sorted(plan.delete_pods) == ["h-g0", "w-g0"]
     # old generation still terminating: wait
-    plan = decide(JOB, None, plan.status, pods(gen=0, deleting=True), NOW)
+    plan = transition(JOB, None, plan.status, pods(gen=0, deleting=True), NOW)
     assert plan.status["phase"] == "Restarting" and plan.create_gang is None
-    plan = decide(JOB, None, plan.status, [], NOW)
+    plan = transition(JOB, None, plan.status, [], NOW)
     assert plan.status["phase"] == "Pending" and plan.create_gang == 1
-    plan = decide(JOB, None, {**plan.status, "phase": "Running"}, pods(gen=1, head="Failed"), NOW)
+    plan = transition(JOB, None, {**plan.status, "phase": "Running"}, pods(gen=1, head="Failed"), NOW)
     assert plan.status["phase"] == "Failed" and plan.status["reason"] == "BackoffLimitExceeded"
     assert plan.delete_pods == ["w-g1"]  # the head stays for its logs
 
@@ -58,14 +85,14 @@ def test_a_disrupted_pod_restarts_the_gang_without_using_the_backoff_limit():
     uses the one restart; the next failure fails the job."""
     evicted = [PodView("h-g0", "head", 0, "Running"),
                PodView("w-g0", "worker", 0, "Running", True, disruption="EvictionByEvictionAPI")]
-    plan = decide(JOB, None, {"phase": "Running", "restarts": 0}, evicted, NOW)
+    plan = transition(JOB, None, {"phase": "Running", "restarts": 0}, evicted, NOW)
     assert plan.status["phase"] == "Restarting" and plan.status["restarts"] == 1
     assert plan.status["disruptions"] == 1 and "not counted against runPolicy.backoffLimit" in plan.status["message"]
     assert "EvictionByEvictionAPI" in plan.status["message"]
     st = {**plan.status, "phase": "Running"}
-    plan = decide(JOB, None, st, pods(gen=1, worker="Failed"), NOW)
+    plan = transition(JOB, None, st, pods(gen=1, worker="Failed"), NOW)
     assert plan.status["phase"] == "Restarting" and plan.status["restarts"] == 2 and "(1/1)" in plan.status["message"]
-    plan = decide(JOB, None, {**plan.status, "phase": "Running"}, pods(gen=2, worker="Failed"), NOW)
+    plan = transition(JOB, None, {**plan.status, "phase": "Running"}, pods(gen=2, worker="Failed"), NOW)
     assert plan.status["phase"] == "Failed" and plan.status["reason"] == "BackoffLimitExceeded"
     assert "1 restart(s) used of runPolicy.backoffLimit=1" in plan.status["message"]
 
@@ -74,18 +101,18 @@ def test_an_evicted_pod_already_gone_still_does_not_use_the_backoff_limit():
     """The pod watch saw its DisruptionTarget, but the pod was deleted before the tick: only the head is left."""
     gone = [PodView("h-g0", "head", 0, "Running")]
     st = {"phase": "Running", "restarts": 0}
-    plan = decide(JOB, None, st, gone, NOW, disrupted={"w-g0": "PreemptionByScheduler"})
+    plan = transition(JOB, None, st, gone, NOW, disrupted={"w-g0": "PreemptionByScheduler"})
     assert plan.status["disruptions"] == 1 and "PreemptionByScheduler" in plan.status["message"]
-    assert decide(JOB, None, st, gone, NOW).status.get("disruptions") is None  # unseen: counted, as before
+    assert transition(JOB, None, st, gone, NOW).status.get("disruptions") is None  # unseen: counted, as before
 
 
 def test_a_pod_stuck_terminating_holds_a_gang_restart_back_only_for_a_while():
     st = {"phase": "Restarting", "restarts": 1}
     grace_end = NOW - dt.timedelta(seconds=30)  # 30 s past the grace period: wait
     stuck = [PodView("w-g0", "worker", 0, "Running", True, deletion_deadline=grace_end)]
-    plan = decide(JOB, None, st, stuck, NOW)
+    plan = transition(JOB, None, st, stuck, NOW)
     assert plan.create_gang is None  # within a minute of its grace period: wait
-    plan = decide(JOB, None, st, stuck, NOW + dt.timedelta(seconds=STUCK_TERMINATING_SECONDS))
+    plan = transition(JOB, None, st, stuck, NOW + dt.timedelta(seconds=STUCK_TERMINATING_SECONDS))
     assert plan.create_gang == 1 and plan.status["phase"] == "Pending"
     assert any(e[1] == "PodStuckTerminating" and "w-g0" in e[2] for e in plan.events)
 
@@ -100,69 +127,69 @@ def test_a_pod_stuck_terminating_holds_a_gang_restart_back_only_for_a_while():
                       "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}, "Unschedulable"),
 ])
 def test_pods_that_cannot_start_show_as_a_condition_and_one_event(pod_status, reason):
-    from hybridflow_operator.handlers import _pod_view
+    from hybridflow_operator.handlers import pod_view
 
     raw = {"metadata": {"name": "w-g0", "labels": {mf.LABEL_ROLE: "worker", mf.LABEL_GENERATION: "0"},
                         "creationTimestamp": iso(NOW)}, "status": {"phase": "Pending", **pod_status}}
-    current = [PodView("h-g0", "head", 0, "Running"), _pod_view(raw)]
-    plan = decide(JOB, None, {"phase": "Initializing", "restarts": 0}, current, NOW)
+    current = [PodView("h-g0", "head", 0, "Running"), pod_view(raw)]
+    plan = transition(JOB, None, {"phase": "Initializing", "restarts": 0}, current, NOW)
     cond = next(c for c in plan.status["conditions"] if c["type"] == "PodsStarting")
     assert cond["status"] == "False" and cond["reason"] == reason and "w-g0" in cond["message"], cond
     assert [e[1] for e in plan.events] == [reason]
-    again = decide(JOB, None, plan.status, current, NOW)
+    again = transition(JOB, None, plan.status, current, NOW)
     assert again.events == [], "one event per reason, not one per tick"
-    started = decide(JOB, None, again.status, pods(), NOW)
+    started = transition(JOB, None, again.status, pods(), NOW)
     assert next(c for c in started.status["conditions"] if c["type"] == "PodsStarting")["status"] == "True"
 
 
 def test_a_pod_pending_too_long_is_reported():
     young = PodView("w-g0", "worker", 0, "Pending", pending_since=NOW - dt.timedelta(seconds=60))
-    plan = decide(JOB, None, {"phase": "Pending", "restarts": 0}, [PodView("h-g0", "head", 0, "Pending"), young], NOW)
+    plan = transition(JOB, None, {"phase": "Pending", "restarts": 0}, [PodView("h-g0", "head", 0, "Pending"), young], NOW)
     assert not [c for c in plan.status.get("conditions", []) if c["type"] == "PodsStarting"]
     old = PodView("w-g0", "worker", 0, "Pending", pending_since=NOW - dt.timedelta(seconds=900))
-    plan = decide(JOB, None, {"phase": "Pending", "restarts": 0}, [PodView("h-g0", "head", 0, "Pending"), old], NOW)
+    plan = transition(JOB, None, {"phase": "Pending", "restarts": 0}, [PodView("h-g0", "head", 0, "Pending"), old], NOW)
     assert next(c for c in plan.status["conditions"] if c["type"] == "PodsStarting")["reason"] == "PendingTooLong"
 
 
 def test_success_cleans_up_workers_and_ttl_deletes_the_job():
     job = parse_job(_raw("tiny-grpo.yaml", runPolicy={"ttlSecondsAfterFinished": 60}))
-    plan = decide(job, None, {"phase": "Running", "restarts": 0, "step": 37, "totalSteps": 40}, pods(head="Succeeded"),
+    plan = transition(job, None, {"phase": "Running", "restarts": 0, "step": 37, "totalSteps": 40}, pods(head="Succeeded"),
                   NOW)
     assert plan.status["phase"] == "Succeeded" and plan.delete_pods == ["w-g0"]
     assert plan.status["step"] == 40  # the last polls can miss the final steps; a driver exits 0 only after them
-    assert not decide(job, None, plan.status, pods(head="Succeeded")[:1], NOW).delete_job
+    assert not transition(job, None, plan.status, pods(head="Succeeded")[:1], NOW).delete_job
     later = NOW + dt.timedelta(seconds=61)
-    assert decide(job, None, plan.status, pods(head="Succeeded")[:1], later).delete_job
+    assert transition(job, None, plan.status, pods(head="Succeeded")[:1], later).delete_job
 
 
 def test_suspend_and_resume():
     job = parse_job(_raw("tiny-grpo.yaml", runPolicy={"suspend": True}))
     st = {"phase": "Running", "restarts": 2, "step": 17}
-    plan = decide(job, None, st, pods(gen=2), NOW)
+    plan = transition(job, None, st, pods(gen=2), NOW)
     assert plan.status["phase"] == "Suspending" and sorted(plan.delete_pods) == ["h-g2", "w-g2"]
-    plan = decide(job, None, plan.status, [], NOW)
+    plan = transition(job, None, plan.status, [], NOW)
     assert plan.status["phase"] == "Suspended" and plan.status["step"] == 17 and plan.status["restarts"] == 2
-    assert decide(job, None, plan.status, [], NOW).status["phase"] == "Suspended"
-    plan = decide(JOB, None, plan.status, [], NOW)
+    assert transition(job, None, plan.status, [], NOW).status["phase"] == "Suspended"
+    plan = transition(JOB, None, plan.status, [], NOW)
     assert plan.status["phase"] == "Pending" and plan.create_gang == 2
 
 
 def test_deadline():
     job = parse_job(_raw("tiny-grpo.yaml", runPolicy={"activeDeadlineSeconds": 10}))
     st = {"phase": "Running", "restarts": 0, "startTime": iso(NOW - dt.timedelta(seconds=11))}
-    plan = decide(job, None, st, pods(), NOW)
+    plan = transition(job, None, st, pods(), NOW)
     assert plan.status["phase"] == "Failed" and plan.status["reason"] == "DeadlineExceeded"
 
 
 def test_invalid_spec_fails_once():
-    plan = decide(None, "spec.rollout.responsesPerPrompt: bad", {}, [], NOW)
+    plan = transition(None, "spec.rollout.responsesPerPrompt: bad", {}, [], NOW)
     assert plan.status["phase"] == "Failed" and plan.status["reason"] == "ValidationFailed"
-    again = decide(None, "spec.rollout.responsesPerPrompt: bad", plan.status, [], NOW)
+    again = transition(None, "spec.rollout.responsesPerPrompt: bad", plan.status, [], NOW)
     assert again.events == [] and again.status == plan.status
 
 
 def test_stale_generation_pods_are_removed():
-    plan = decide(JOB, None, {"phase": "Running", "restarts": 1}, pods(gen=1) + pods(gen=0)[:1], NOW)
+    plan = transition(JOB, None, {"phase": "Running", "restarts": 1}, pods(gen=1) + pods(gen=0)[:1], NOW)
     assert plan.delete_pods == ["h-g0"] and plan.status["phase"] == "Running"
 
 
@@ -197,12 +224,12 @@ def test_operator_does_not_import_torch_or_ray():
 
 @pytest.mark.parametrize("key,kind", [("containerStatuses", "container"), ("initContainerStatuses", "init container")])
 def test_pod_view_names_the_container_and_exit_code(key, kind):
-    from hybridflow_operator.handlers import _pod_view
+    from hybridflow_operator.handlers import pod_view
 
     pod = {"metadata": {"name": "j-default-0-g1", "labels": {mf.LABEL_GENERATION: "1"}},
            "status": {"phase": "Failed", key: [{"name": "c1", "state": {"terminated": {"exitCode": 137,
                                                                                      "reason": "Error"}}}]}}
-    view = _pod_view(pod)
+    view = pod_view(pod)
     assert view.generation == 1 and view.phase == "Failed"
     assert view.message == f"{kind} c1 exited with code 137 (Error)"
 
@@ -210,19 +237,19 @@ def test_pod_view_names_the_container_and_exit_code(key, kind):
 def test_missing_inputs_hold_the_pods_back_with_a_reason_until_they_appear():
     job = parse_job(_files_job(rewardConfigMap="my-reward"))
     why = "spec.kubernetes.rewardConfigMap: ConfigMap 'my-reward' not found in namespace ml; create it"
-    plan = decide(job, None, {}, [], NOW, missing_inputs=why)
+    plan = transition(job, None, {}, [], NOW, missing_inputs=why)
     assert plan.create_gang is None and plan.status["phase"] == "Pending" and plan.status["reason"] == "InputsMissing"
     assert plan.events == [("Warning", "InputsMissing", why)]
     cond = next(c for c in plan.status["conditions"] if c["type"] == "InputsReady")
     assert cond["status"] == "False" and cond["message"] == why
-    again = decide(job, None, plan.status, [], NOW, missing_inputs=why)
+    again = transition(job, None, plan.status, [], NOW, missing_inputs=why)
     assert again.create_gang is None and again.events == []  # one event, not one per tick
     paused = job.model_copy(deep=True)
     paused.spec.run_policy.suspend = True
-    suspended = decide(paused, None, again.status, [], NOW)
+    suspended = transition(paused, None, again.status, [], NOW)
     assert next(c for c in suspended.status["conditions"] if c["type"] == "InputsReady")["status"] == "False", \
         "nothing was checked: the condition must not flip"
-    found = decide(job, None, again.status, [], NOW, missing_inputs="")
+    found = transition(job, None, again.status, [], NOW, missing_inputs="")
     assert found.create_gang == 0 and found.status["reason"] == "InputsFound"
     assert "creating the pods" in found.status["message"]
     assert next(c for c in found.status["conditions"] if c["type"] == "InputsReady")["status"] == "True"
@@ -231,16 +258,16 @@ def test_missing_inputs_hold_the_pods_back_with_a_reason_until_they_appear():
 def test_a_driver_that_rejects_its_input_fails_the_job_without_restarts():
     msg = "container controller exited with code 2 (Error): spec.data.train: cannot read '/data/x.parquet' as parquet"
     views = [PodView("h-g0", "head", 0, "Failed", message=msg, exit_code=2), PodView("w-g0", "worker", 0, "Running")]
-    plan = decide(JOB, None, {"phase": "Running", "restarts": 0}, views, NOW)
+    plan = transition(JOB, None, {"phase": "Running", "restarts": 0}, views, NOW)
     assert plan.status["phase"] == "Failed" and plan.status["reason"] == "InvalidInput" and plan.status["restarts"] == 0
     assert "cannot read '/data/x.parquet'" in plan.status["message"] and plan.delete_pods == ["w-g0"]
     views[0] = PodView("h-g0", "head", 0, "Failed", message="container controller exited with code 1", exit_code=1)
-    assert decide(JOB, None, {"phase": "Running", "restarts": 0}, views, NOW).status["phase"] == "Restarting"
+    assert transition(JOB, None, {"phase": "Running", "restarts": 0}, views, NOW).status["phase"] == "Restarting"
 
 
 def test_the_drivers_error_is_read_from_its_log_tail():
     from hybridflow.api.errors import last_error
-    from hybridflow_operator.handlers import _pod_view
+    from hybridflow_operator.handlers import pod_view
 
     tail = ("2026-11-30 ray started\nsome progress\nerror: /etc/hybridflow/job.yaml: cannot run here\n"
             "  spec.data.train: 'x.jsonl' does not exist\n")
@@ -249,7 +276,7 @@ def test_the_drivers_error_is_read_from_its_log_tail():
     pod = {"metadata": {"name": "j-head-g0", "labels": {mf.LABEL_ROLE: "head"}},
            "status": {"phase": "Failed", "containerStatuses": [{"name": "controller", "state": {"terminated": {
                "exitCode": 2, "reason": "Error", "message": tail}}}]}}
-    view = _pod_view(pod)
+    view = pod_view(pod)
     assert view.exit_code == 2 and view.message.endswith("spec.data.train: 'x.jsonl' does not exist")
 
 
@@ -258,14 +285,14 @@ def test_status_messages_are_capped():
     condition's stays at about 1 KiB; and a long reason that repeats is still one event, not one per tick."""
     from hybridflow_operator.phases import MAX_MESSAGE
 
-    plan = decide(None, "spec.placement." + "k" * 200_000 + ": unknown role", {}, [], NOW)
+    plan = transition(None, "spec.placement." + "k" * 200_000 + ": unknown role", {}, [], NOW)
     messages = [plan.status["message"], *(c["message"] for c in plan.status["conditions"])]
     assert len(messages) == 3 and all(len(m) == MAX_MESSAGE and m.endswith("\u2026") for m in messages)
     job = parse_job(_files_job(rewardConfigMap="my-reward"))
     why = "spec.kubernetes.dataPvc: " + "x" * 5000
-    first = decide(job, None, {}, [], NOW, missing_inputs=why)
+    first = transition(job, None, {}, [], NOW, missing_inputs=why)
     assert len(first.status["message"]) == MAX_MESSAGE and len(first.events) == 1
-    assert decide(job, None, first.status, [], NOW, missing_inputs=why).events == []
+    assert transition(job, None, first.status, [], NOW, missing_inputs=why).events == []
 
 
 def _resting_job(**run_policy):
@@ -326,7 +353,7 @@ def test_a_lost_rollout_pod_of_an_async_job_is_replaced_with_its_replica_rebuilt
                                  ("rollout", "one_step_off", "rebuilds its worker groups from the last checkpoint")]:
         job = parse_job(_raw("tiny-async-k8s.yaml", rollout={"mode": mode}))
         other = "trainer" if pool == "rollout" else "rollout"
-        plan = decide(job, None, {"phase": "Running", "restarts": 0},
+        plan = transition(job, None, {"phase": "Running", "restarts": 0},
                       [head, _pool_pod(other), _pool_pod(pool, phase="Failed")], NOW)
         assert plan.status["phase"] == "Running" and plan.delete_pods == [f"tiny-async-k8s-{pool}-0-g0"]
         (event,) = _events(plan, "PodReplaced")
@@ -356,32 +383,32 @@ def test_the_status_write_shows_both_pools_of_the_current_generation_only():
     generation or being deleted are not counted, and a gang restart shows the new generation's (none yet)."""
     head = PodView("tiny-async-k8s-head-g0", "head", 0, "Running", ready=True)
     starting = [head, _pool_pod("trainer"), _pool_pod("rollout", phase="Pending", ready=False)]
-    plan = decide(ASYNC, None, {"phase": "Initializing", "restarts": 0}, starting, NOW)
+    plan = transition(ASYNC, None, {"phase": "Initializing", "restarts": 0}, starting, NOW)
     assert plan.status["pools"] == [{"name": "trainer", "roles": TRAINER_ROLES, "pods": 1, "ready": 1},
                                     {"name": "rollout", "roles": ["rollout"], "pods": 1, "ready": 0}]
     running = [head, _pool_pod("trainer"), _pool_pod("rollout"), _pool_pod("rollout", gen=1),
                _pool_pod("trainer", deleting=True)]
-    plan = decide(ASYNC, None, {"phase": "Running", "restarts": 0}, running, NOW)
+    plan = transition(ASYNC, None, {"phase": "Running", "restarts": 0}, running, NOW)
     assert [(p["name"], p["pods"], p["ready"]) for p in plan.status["pools"]] == [("trainer", 1, 1), ("rollout", 1, 1)]
     failed = [head, _pool_pod("trainer"), _pool_pod("rollout", phase="Failed", ready=False)]
     gang = ASYNC.model_copy(update={"spec": ASYNC.spec.model_copy(update={
         "run_policy": ASYNC.spec.run_policy.model_copy(update={"restart_policy": "gang"})})})
-    plan = decide(gang, None, {"phase": "Running", "restarts": 0}, failed, NOW)
+    plan = transition(gang, None, {"phase": "Running", "restarts": 0}, failed, NOW)
     assert plan.status["phase"] == "Restarting" and plan.status["restarts"] == 1
     assert [(p["name"], p["pods"], p["ready"]) for p in plan.status["pools"]] == [("trainer", 0, 0), ("rollout", 0, 0)]
-    assert "pools" not in decide(None, "spec.x: bad", {}, [], NOW).status, "no spec, no pools to show"
+    assert "pools" not in transition(None, "spec.x: bad", {}, [], NOW).status, "no spec, no pools to show"
 
 
 def test_pod_view_reads_the_pool_label_and_the_ready_condition():
-    from hybridflow_operator.handlers import _pod_view
+    from hybridflow_operator.handlers import pod_view
 
     pod = mf.worker_pod(ASYNC, "uid", ASYNC.spec.pool("rollout"), 0, 0)
-    assert (view := _pod_view(pod)).pool == "rollout" and not view.ready  # created, no status yet
+    assert (view := pod_view(pod)).pool == "rollout" and not view.ready  # created, no status yet
     pod["status"] = {"phase": "Running", "conditions": [{"type": "PodScheduled", "status": "True"},
                                                         {"type": "Ready", "status": "True"}]}
-    assert _pod_view(pod).ready
+    assert pod_view(pod).ready
     pod["status"]["conditions"][1]["status"] = "False"
-    assert not _pod_view(pod).ready
+    assert not pod_view(pod).ready
 
 
 def gang3(head="Running", w1="Running", **w1_view) -> list[PodView]:
@@ -394,7 +421,7 @@ def test_a_failed_pool_pod_is_replaced_alone_while_the_head_and_the_other_pods_r
     """restartPolicy failedPod (the default): the failed pod is deleted and made again under its name once gone;
     the head and the healthy pod are never touched, the phase stays Running, no gang generation is used."""
     three = gang3(w1="Failed", message="OOMKilled (exit 137)")
-    plan = decide(REPLACING, None, {"phase": "Running", "restarts": 0}, three, NOW)
+    plan = transition(REPLACING, None, {"phase": "Running", "restarts": 0}, three, NOW)
     st = plan.status
     assert st["phase"] == "Running" and st["restarts"] == 0 and plan.delete_pods == ["w1-g0"]
     assert st["podReplacements"] == 1 and st["replacing"] == ["w1-g0"] and plan.create_gang == 0
@@ -404,48 +431,48 @@ def test_a_failed_pool_pod_is_replaced_alone_while_the_head_and_the_other_pods_r
     assert st["lastReplacement"]["message"] == event
     # the old pod terminating, then gone: made again (the handler skips a name still taken), counted once
     for left in ([*three[:2], PodView("w1-g0", "worker", 0, "Failed", deleting=True)], three[:2]):
-        plan = decide(REPLACING, None, st, left, NOW)
+        plan = transition(REPLACING, None, st, left, NOW)
         assert plan.status["phase"] == "Running" and plan.create_gang == 0 and not plan.delete_pods
         assert plan.status["podReplacements"] == 1 and not _events(plan, "PodReplaced")
         st = plan.status
-    plan = decide(REPLACING, None, st, [*three[:2], PodView("w1-g0", "worker", 0, "Running")], NOW)
+    plan = transition(REPLACING, None, st, [*three[:2], PodView("w1-g0", "worker", 0, "Running")], NOW)
     assert "replacing" not in plan.status and plan.create_gang is None and plan.status["phase"] == "Running"
 
 
 def test_past_the_replacement_limit_or_when_the_head_fails_the_gang_restarts():
     st = {"phase": "Running", "restarts": 0, "podReplacements": 2}  # replacementLimit 2 used up
-    plan = decide(REPLACING, None, st, gang3(w1="Failed"), NOW)
+    plan = transition(REPLACING, None, st, gang3(w1="Failed"), NOW)
     assert plan.status["phase"] == "Restarting" and plan.status["restarts"] == 1 and "replacing" not in plan.status
-    plan = decide(REPLACING, None, {"phase": "Running", "restarts": 0}, gang3(head="Failed"), NOW)
+    plan = transition(REPLACING, None, {"phase": "Running", "restarts": 0}, gang3(head="Failed"), NOW)
     assert plan.status["phase"] == "Restarting" and plan.status["restarts"] == 1, "the head holds the controller"
-    plan = decide(JOB, None, {"phase": "Running", "restarts": 0}, pods(worker="Failed"), NOW)
+    plan = transition(JOB, None, {"phase": "Running", "restarts": 0}, pods(worker="Failed"), NOW)
     assert plan.status["phase"] == "Restarting", "restartPolicy gang: every failure restarts the gang"
 
 
 def test_a_pool_pod_that_disappeared_is_made_again_and_an_evicted_one_is_not_counted():
-    plan = decide(REPLACING, None, {"phase": "Running", "restarts": 0}, gang3()[:2], NOW)
+    plan = transition(REPLACING, None, {"phase": "Running", "restarts": 0}, gang3()[:2], NOW)
     assert plan.status["phase"] == "Running" and plan.create_gang == 0 and plan.status["podReplacements"] == 1
     assert _events(plan, "PodReplaced")[0].startswith("1 pool pod(s) disappeared; replacing it alone")
     evicted = gang3(w1="Failed", disruption="EvictionByEvictionAPI")
-    plan = decide(REPLACING, None, {"phase": "Running", "restarts": 0}, evicted, NOW)
+    plan = transition(REPLACING, None, {"phase": "Running", "restarts": 0}, evicted, NOW)
     assert plan.status["phase"] == "Running" and plan.delete_pods == ["w1-g0"]
     assert plan.status["podReplacements"] == 0 and "not counted" in _events(plan, "PodReplaced")[0]
 
 
 def test_a_job_that_completes_no_step_within_its_progress_deadline_is_stalled_and_its_gang_restarts():
     quiet = {"phase": "Running", "restarts": 0, "step": 7, "lastProgressTime": iso(NOW - dt.timedelta(seconds=1000))}
-    plan = decide(REPLACING, None, quiet, gang3(), NOW)  # the default deadline's floor is 900 s
+    plan = transition(REPLACING, None, quiet, gang3(), NOW)  # the default deadline's floor is 900 s
     assert plan.status["phase"] == "Restarting" and plan.status["reason"] == "Stalled"
     assert plan.status["restarts"] == 1 and sorted(plan.delete_pods) == ["h-g0", "w0-g0", "w1-g0"]
     assert "no step completed for 1000s after step 7 (progress deadline 900s" in plan.status["message"]
     assert _events(plan, "Stalled")
     slow = {**quiet, "slowestStepSeconds": 120.0}  # ten times the slowest step: 1200 s
-    assert decide(REPLACING, None, slow, gang3(), NOW).status["phase"] == "Running"
+    assert transition(REPLACING, None, slow, gang3(), NOW).status["phase"] == "Running"
     own = parse_job(_raw("tiny-grpo-k8s.yaml", runPolicy={"progressDeadlineSeconds": 60}))
-    plan = decide(own, None, {**slow, "lastProgressTime": iso(NOW - dt.timedelta(seconds=61))}, gang3(), NOW)
+    plan = transition(own, None, {**slow, "lastProgressTime": iso(NOW - dt.timedelta(seconds=61))}, gang3(), NOW)
     assert plan.status["reason"] == "Stalled" and "runPolicy.progressDeadlineSeconds" in plan.status["message"]
     # the clock starts when the job starts Running, and moves with every step the operator polls
-    started = decide(REPLACING, None, {"phase": "Initializing", "restarts": 0}, gang3(), NOW).status
+    started = transition(REPLACING, None, {"phase": "Initializing", "restarts": 0}, gang3(), NOW).status
     assert started["phase"] == "Running" and started["lastProgressTime"] == iso(NOW)
     st = {"step": 7, "lastProgressTime": "then", "slowestStepSeconds": 30.0}
     merge_progress(st, {"step": 7, "lastStepSeconds": 12.5}, "/ck", "now")

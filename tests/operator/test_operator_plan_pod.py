@@ -6,7 +6,7 @@ import pytest
 
 from hybridflow.api import parse_job
 from hybridflow_operator import manifests as mf
-from hybridflow_operator.phases import PodView, decide
+from hybridflow_operator.phases import PodView, transition
 from support.operator_views import plan_record, K8S_VERSIONS, NOW, _raw, TOKEN, ASYNC, _events
 
 
@@ -54,7 +54,7 @@ def test_an_auto_job_gets_its_plan_pod_where_its_gang_would_start_and_nothing_of
     from hybridflow_operator.plan_pod import plan_step
 
     job = parse_job(_auto_raw())
-    first = decide(job, None, {}, [], NOW)
+    first = transition(job, None, {}, [], NOW)
     assert first.create_gang == 0 and first.create_static  # what a job that places its roles itself gets
     plan = plan_step(first, job, None, NOW)
     assert plan.create_plan_pod and plan.create_gang is None and plan.create_static  # its ConfigMap: the pod reads it
@@ -63,16 +63,16 @@ def test_an_auto_job_gets_its_plan_pod_where_its_gang_would_start_and_nothing_of
     cond = next(c for c in plan.status["conditions"] if c["type"] == "Planned")
     assert (cond["status"], cond["reason"]) == ("False", "Planning") and "tiny-async-k8s-plan" in cond["message"]
     # while it runs: nothing more, no second plan pod, no event
-    running = plan_step(decide(job, None, plan.status, [], NOW), job, _plan_view("Running"), NOW)
+    running = plan_step(transition(job, None, plan.status, [], NOW), job, _plan_view("Running"), NOW)
     assert not running.create_plan_pod and running.create_gang is None and not running.events
     assert running.status == plan.status
     # inputs missing: neither gang nor plan pod (admit_gang held the gang first)
     from hybridflow_operator.phases import admit_gang
-    held = plan_step(admit_gang(decide(job, None, {}, [], NOW), {}, [], NOW, "PVC x not found"), job, None, NOW)
+    held = plan_step(admit_gang(transition(job, None, {}, [], NOW), {}, [], NOW, "PVC x not found"), job, None, NOW)
     assert not held.create_plan_pod and held.status["reason"] == "InputsMissing"
     # a Kueue job whose Workload is yet to be made: its plan pod first (the Workload is made from the plan)
     from hybridflow_operator.phases import Queue
-    queued = plan_step(decide(job, None, {}, [], NOW, queue=Queue("q", None)), job, None, NOW, unqueued=True)
+    queued = plan_step(transition(job, None, {}, [], NOW, queue=Queue("q", None)), job, None, NOW, unqueued=True)
     assert queued.create_plan_pod and queued.status["phase"] == "Queued"
 
 
@@ -81,8 +81,8 @@ def test_a_plan_that_succeeded_is_recorded_then_the_gang_is_the_plans_with_the_p
     from hybridflow_operator.plan_pod import plan_step, with_plan, with_plan_env
 
     job, record = parse_job(_auto_raw()), plan_record(micro_batch=8, predictedStepSeconds=0.5, candidates=18)
-    st = plan_step(decide(job, None, {}, [], NOW), job, None, NOW).status
-    done = plan_step(decide(job, None, st, [], NOW), job, _plan_view("Succeeded", json.dumps(record)), NOW)
+    st = plan_step(transition(job, None, {}, [], NOW), job, None, NOW).status
+    done = plan_step(transition(job, None, st, [], NOW), job, _plan_view("Succeeded", json.dumps(record)), NOW)
     assert done.status["plan"] == record and done.delete_pods == ["tiny-async-k8s-plan"]
     assert done.create_gang is None  # built from the plan at the next tick
     assert (done.status["reason"], _events(done, "Planned")[0]) == ("Planned", done.status["message"])
@@ -92,7 +92,7 @@ def test_a_plan_that_succeeded_is_recorded_then_the_gang_is_the_plans_with_the_p
     assert [p.name for p in planned.spec.resource_pools] == ["learner", "gen"] and planned.spec.pool("rollout").name \
         == "gen" and planned.spec.training.micro_batch_size == 8
     assert with_plan(job, {}) is job and with_plan(ASYNC, done.status) is ASYNC  # no plan; a job that places itself
-    nxt = decide(planned, None, done.status, [], NOW)
+    nxt = transition(planned, None, done.status, [], NOW)
     nxt = plan_step(nxt, planned, _plan_view("Succeeded", json.dumps(record), deleting=True), NOW)
     assert nxt.create_gang == 0 and not nxt.create_plan_pod and nxt.status["plan"] == record
     pods = with_plan_env(mf.gang_pods(planned, "1234-abcd", 0), nxt.status.get("plan"))
@@ -102,7 +102,7 @@ def test_a_plan_that_succeeded_is_recorded_then_the_gang_is_the_plans_with_the_p
         (env,) = [e["value"] for e in p["spec"]["containers"][0]["env"] if e["name"] == PLAN_ENV]
         assert json.loads(env) == record
     # kept across gang restarts (status is carried over), and a plan pod still there then goes
-    restart = decide(planned, None, {**done.status, "phase": "Restarting", "restarts": 1}, [], NOW)
+    restart = transition(planned, None, {**done.status, "phase": "Restarting", "restarts": 1}, [], NOW)
     restart = plan_step(restart, planned, _plan_view("Succeeded", json.dumps(record)), NOW)
     assert restart.status["plan"] == record and restart.create_gang == 1 and "tiny-async-k8s-plan" in \
         restart.delete_pods
@@ -124,12 +124,12 @@ def test_a_plan_pod_that_fails_or_prints_no_plan_fails_the_job_saying_why(view, 
     from hybridflow_operator.plan_pod import plan_step
 
     job = parse_job(_auto_raw())
-    st = plan_step(decide(job, None, {}, [], NOW), job, None, NOW).status
-    plan = plan_step(decide(job, None, st, [], NOW), job, view, NOW)
+    st = plan_step(transition(job, None, {}, [], NOW), job, None, NOW).status
+    plan = plan_step(transition(job, None, st, [], NOW), job, view, NOW)
     assert (plan.status["phase"], plan.status["reason"]) == ("Failed", "PlanFailed")
     assert why in plan.status["message"] and "plan" not in plan.status, plan.status["message"]
     assert plan.delete_pods == [] and plan.create_gang is None  # the failed pod stays for its logs
-    later = plan_step(decide(job, None, plan.status, [], NOW), job, view, NOW)
+    later = plan_step(transition(job, None, plan.status, [], NOW), job, view, NOW)
     assert later.status == plan.status and later.delete_pods == ([] if view.phase == "Failed" else [view.name])
 
 
@@ -147,19 +147,19 @@ def test_a_queued_jobs_plan_with_more_pools_than_a_workload_holds_fails_as_at_ac
     wide["spec"]["resourcePools"] = [{"name": f"p{i}", "devicesPerNode": 1} for i in range(8)]
     wide["spec"]["placement"] = {"actor": "p0", "reference": "p1", "rollout": "p2"}
     record = {"summary": {}, "fields": plan_fields(parse_job(wide))}
-    st = plan_step(decide(job, None, {}, [], NOW), job, None, NOW, unqueued=True).status
-    plan = plan_step(decide(job, None, st, [], NOW), job, _plan_view("Succeeded", output=json.dumps(record)), NOW)
+    st = plan_step(transition(job, None, {}, [], NOW), job, None, NOW, unqueued=True).status
+    plan = plan_step(transition(job, None, st, [], NOW), job, _plan_view("Succeeded", output=json.dumps(record)), NOW)
     assert (plan.status["phase"], plan.status["reason"]) == ("Failed", "PlanFailed"), plan.status
     assert "Kueue podSets" in plan.status["message"] and "plan" not in plan.status
 
 
 def test_the_plan_pod_view_carries_a_succeeded_containers_termination_message():
-    from hybridflow_operator.handlers import _pod_view
+    from hybridflow_operator.handlers import pod_view
 
     pod = {"metadata": {"name": "j-plan", "labels": {mf.LABEL_ROLE: "plan"}},
            "status": {"phase": "Succeeded", "containerStatuses": [{"name": "plan", "state": {"terminated": {
                "exitCode": 0, "reason": "Completed", "message": '{"summary": {}}'}}}]}}
-    view = _pod_view(pod)
+    view = pod_view(pod)
     assert (view.role, view.phase, view.output, view.message, view.exit_code) == \
         ("plan", "Succeeded", '{"summary": {}}', "", None)
 

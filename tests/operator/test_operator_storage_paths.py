@@ -21,7 +21,7 @@ from support.operator_views import K8S_VERSIONS, NOW, _raw, _all_manifests, _pod
 ])
 def test_object_storage_checkpoint_dir_stays_a_url_with_the_jobs_own_prefix_and_needs_no_pvc(checkpoint_dir,
                                                                                               expected):
-    from hybridflow_operator.handlers import _missing_inputs
+    from hybridflow_operator.handlers import look_up_inputs
     from hybridflow_operator.policy import Policy
 
     trainer = {**_raw("tiny-grpo.yaml")["spec"]["trainer"], "checkpointDir": checkpoint_dir}
@@ -35,7 +35,7 @@ def test_object_storage_checkpoint_dir_stays_a_url_with_the_jobs_own_prefix_and_
         assert "checkpoints" not in {v["name"] for v in pod["spec"]["volumes"]}
         assert mf.CHECKPOINT_MOUNT not in {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
     # nothing to look up: no PVC is needed (and the Secret is never read)
-    assert _missing_inputs(_Cluster(), Policy.from_env(), job, "ml", {}) == ("", None)
+    assert look_up_inputs(_Cluster(), Policy.from_env(), job, "ml", {}) == ("", None)
     status: dict = {}
     merge_progress(status, {"step": 2, "lastCheckpointStep": 2}, ran.spec.trainer.checkpoint_dir, iso(NOW))
     assert status["lastCheckpoint"] == f"{expected}/step_00000002"
@@ -53,7 +53,7 @@ def test_editing_an_object_storage_checkpoint_dir_on_a_live_job_is_a_spec_change
     """The operator compares the live spec with the accepted one (all but runPolicy) to report SpecChangeIgnored.
     A checkpoint directory on the claim is the operator's own choice and never compared; an s3:// URL is the
     author's."""
-    from hybridflow_operator.handlers import _spec_fields
+    from hybridflow_operator.handlers import spec_fields
 
     def job(checkpoint_dir: str, **k8s):
         trainer = {**_raw("tiny-grpo.yaml")["spec"]["trainer"], "checkpointDir": checkpoint_dir}
@@ -62,9 +62,9 @@ def test_editing_an_object_storage_checkpoint_dir_on_a_live_job_is_a_spec_change
 
     accepted = mf.resolved_job(job("s3://bucket/runs"))
     live = mf.resolved_job(job(live_dir))
-    assert (_spec_fields(live) != _spec_fields(accepted)) is counts_as_a_change
+    assert (spec_fields(live) != spec_fields(accepted)) is counts_as_a_change
     # on the claim, whatever the spec says is replaced by the job's own directory: not a change
-    assert _spec_fields(mf.resolved_job(job("./a"))) == _spec_fields(mf.resolved_job(job("./b")))
+    assert spec_fields(mf.resolved_job(job("./a"))) == spec_fields(mf.resolved_job(job("./b")))
 
 
 def test_checkpoint_url_refuses_names_that_would_leave_the_prefix():

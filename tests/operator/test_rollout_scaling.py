@@ -14,8 +14,8 @@ import yaml
 from hybridflow.api import SpecError, parse_job, pool_resource, pool_slot_resource
 from hybridflow.api.scaling import replicas_now, sized
 from hybridflow_operator import manifests as mf
-from hybridflow_operator.handlers import _accepted_job, _pod_view, _spec_fields
-from hybridflow_operator.phases import PodView, decide, expected_pods
+from hybridflow_operator.handlers import accepted_job, pod_view, spec_fields
+from hybridflow_operator.phases import PodView, transition, expected_pods
 
 from support.paths import ROOT
 
@@ -46,7 +46,7 @@ def _events(plan, reason: str) -> list[str]:
 @pytest.mark.parametrize("policy", ["failedPod", "gang"])
 def test_scaling_up_adds_only_the_new_pods_and_is_no_failure(policy):
     job = _job(2, runPolicy={"restartPolicy": policy})
-    plan = decide(job, None, {"phase": "Running", "restarts": 0, "rolloutReplicas": 1}, _pods(1), NOW)
+    plan = transition(job, None, {"phase": "Running", "restarts": 0, "rolloutReplicas": 1}, _pods(1), NOW)
     assert plan.status["phase"] == "Running" and plan.status["restarts"] == 0 and not plan.delete_pods
     assert plan.create_gang == 0 and "podReplacements" not in plan.status  # the missing pod is made, not replaced
     assert plan.status["rolloutReplicas"] == 1  # given once it is there
@@ -59,7 +59,7 @@ def test_scaling_up_adds_only_the_new_pods_and_is_no_failure(policy):
     assert made == [f"{NAME}-head-g0", f"{NAME}-trainer-0-g0", f"{NAME}-rollout-0-g0", f"{NAME}-rollout-1-g0"]
 
     # the next tick: the new pod seen (Pending), the size given, no second event, nothing made again
-    again = decide(job, None, plan.status, _pods(1) + [_pods(2, "Pending")[-1]], NOW)
+    again = transition(job, None, plan.status, _pods(1) + [_pods(2, "Pending")[-1]], NOW)
     assert again.status["rolloutReplicas"] == 2 and again.create_gang is None and not again.events
     assert again.status["phase"] == "Running"
 
@@ -67,7 +67,7 @@ def test_scaling_up_adds_only_the_new_pods_and_is_no_failure(policy):
 def test_scaling_down_deletes_only_the_pods_past_the_new_size():
     job = _job(1)
     pods = _pods(3)
-    plan = decide(job, None, {"phase": "Running", "restarts": 0, "rolloutReplicas": 3}, pods, NOW)
+    plan = transition(job, None, {"phase": "Running", "restarts": 0, "rolloutReplicas": 3}, pods, NOW)
     assert plan.delete_pods == [f"{NAME}-rollout-1-g0", f"{NAME}-rollout-2-g0"]
     assert plan.status["phase"] == "Running" and plan.create_gang is None and plan.status["restarts"] == 0
     assert plan.status["rolloutReplicas"] == 1 and "podReplacements" not in plan.status
@@ -77,7 +77,7 @@ def test_scaling_down_deletes_only_the_pods_past_the_new_size():
     going = pods[:3] + [PodView(p.name, "worker", 0, "Running", deleting=True, pool="rollout", index=p.index)
                         for p in pods[3:]]
     for seen in (going, pods[:3]):
-        plan = decide(job, None, plan.status, seen, NOW)
+        plan = transition(job, None, plan.status, seen, NOW)
         assert plan.status["phase"] == "Running" and not plan.events and plan.create_gang is None
         assert not plan.delete_pods and "podReplacements" not in plan.status
 
@@ -87,7 +87,7 @@ def test_a_lost_pod_within_the_size_is_still_replaced_and_counted():
     job = _job(2)
     pods = _pods(2)
     pods[-1] = PodView(pods[-1].name, "worker", 0, "Failed", pool="rollout", index=1)
-    plan = decide(job, None, {"phase": "Running", "restarts": 0, "rolloutReplicas": 2}, pods, NOW)
+    plan = transition(job, None, {"phase": "Running", "restarts": 0, "rolloutReplicas": 2}, pods, NOW)
     assert plan.delete_pods == [f"{NAME}-rollout-1-g0"] and plan.status["podReplacements"] == 1
     assert not _events(plan, "RolloutScaled")
 
@@ -117,17 +117,17 @@ def test_each_rollout_pod_advertises_its_slot_and_hands_its_replicas_back_before
     trainer = mf.worker_pod(job, "uid", job.spec.pool("trainer"), 0, 0)["spec"]
     assert "lifecycle" not in trainer["containers"][0] and trainer["terminationGracePeriodSeconds"] == 30
     assert "_slot" not in trainer["containers"][0]["command"][-1]
-    assert _pod_view(pod).index == 1
+    assert pod_view(pod).index == 1
 
 
 def test_the_size_is_read_live_and_is_not_a_spec_change():
     created = _job(1)
-    memo = {"accepted": created, "accepted_fields": _spec_fields(mf.resolved_job(created))}
+    memo = {"accepted": created, "accepted_fields": spec_fields(mf.resolved_job(created))}
     live = _job(2, most=4)
-    job, changed = _accepted_job(None, live, "uid", {}, memo)
+    job, changed = accepted_job(None, live, "uid", {}, memo)
     assert not changed and replicas_now(job.spec) == 2 and job.spec.rollout_pool.max_replicas == 4
     edited = _job(2, data={**live.spec.data.model_dump(by_alias=True, exclude_none=True), "trainPrompts": 700})
-    assert _accepted_job(None, edited, "uid", {}, memo)[1], "another field's edit is still a change"
+    assert accepted_job(None, edited, "uid", {}, memo)[1], "another field's edit is still a change"
     assert replicas_now(created.spec) == 1, "the accepted spec itself is not edited"
 
 

@@ -5,6 +5,7 @@ Everything it writes goes through the job's `CheckpointRoot` (checkpoint.root). 
 after-step callbacks (trainer.after_step) drive it once per step; they know nothing else of checkpoints."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -198,12 +199,12 @@ def restore(w: HasRoles, root: CheckpointRoot, algorithm: CarriedState, data_fin
 class Resumed:
     """Where a job continues (`Checkpointer.resume`): after `step` (0: from the start), at the prompt stream's
     `position`; `own`: its checkpointDir holds a checkpoint of its own (a resumeFrom checkpoint is another job's);
-    `record`: the resumed step's log record, if it was logged (trackers opened now log it again)."""
+    `logged()`: the resumed step's log record, if it was logged (trackers opened now log it again; read only then)."""
 
     step: int
     position: int
     own: bool
-    record: dict[str, Any] | None = None
+    logged: Callable[[], dict[str, Any] | None] = lambda: None
 
 
 class Checkpointer:
@@ -231,8 +232,12 @@ class Checkpointer:
         step, position = 0, 0
         if self.job.spec.trainer.resume == "auto":
             step, position = restore(self.w, self.root, self.algorithm, self.data_fingerprint, self.job)
-        logged = [r for r in self.step_log() if r["step"] == step] if step else []
-        return Resumed(step, position, self.has_own(), logged[-1] if logged else None)
+        return Resumed(step, position, self.has_own(), functools.partial(self._logged, step))
+
+    def _logged(self, step: int) -> dict[str, Any] | None:
+        """`step`'s record in the step log (the last one, after a repair), read only when a tracker asks for it."""
+        logged = [r for r in self.step_log() if r.get("step") == step]
+        return logged[-1] if logged else None
 
     def has_own(self) -> bool:
         """Whether this job's checkpointDir holds any checkpoint (a resumeFrom checkpoint is another job's)."""

@@ -139,9 +139,8 @@ def _step(w: Workers, step: Step, n: int) -> StepDone:
 
 def _track_resumed(trackers: Sequence[Tracker], metrics: JobMetrics, start: Resumed) -> None:
     """The resumed step again: a tracker opened here dropped what came from it on."""
-    record = start.record
     if start.step:
-        track(trackers, start.step, lambda: step_scalars(metrics.job, record) if record else {})
+        track(trackers, start.step, lambda: step_scalars(metrics.job, record) if (record := start.logged()) else {})
 
 
 def _held_out(w: Workers, task: Task, metrics: JobMetrics, progress: Callable[[str], None],

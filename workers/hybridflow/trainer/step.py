@@ -165,12 +165,14 @@ class Step:
     def _clock_generation(self, pending: PendingResult, t0: float) -> None:
         """Generation's seconds, from its launch to its last rank's result, taken by a thread while the program
         goes on: the same seconds the controller measured when it waited for generation itself."""
+        clock = self.clock  # this iteration's, whenever the thread ends (a Step is begun afresh for each)
+
         def wait() -> None:
             try:
                 wait_done(pending)
             except Exception:  # noqa: BLE001 - a lost or stuck rank: the program's own fetch of the result raises it
                 return
-            self.clock.add("generate", time.perf_counter() - t0)
+            clock.add("generate", time.perf_counter() - t0)
 
         waiter = threading.Thread(target=wait, name="generate-clock", daemon=True)
         waiter.start()
@@ -331,16 +333,15 @@ class Step:
             raise RuntimeError(f"the {self.algo.name} program never called update_actor")
         out = dict(self.stats)  # an on-policy update already put entropy, KL and the rollout gap here
         out["kl_coef"] = float(self.state.kl.value)  # the coefficient this step trained with
+        out.update(trained_batch_stats(batch.tensors, self._kl(batch)))  # (what follows may say more of a key)
+        if "kl_mean" in out:
+            self.state.kl.update(out["kl_mean"], len(batch))
         for carried in self.state.carried.values():
             out.update(carried.metrics())
         out.update(self.rollouts.step_stats())
         out.update(episode_stats(batch))
         if self.failures is not None:
             self.failures.report()  # one console line for a step whose episodes failed
-        kl = self._kl(batch)
-        out.update(trained_batch_stats(batch.tensors, kl))
-        if "kl_mean" in out:
-            self.state.kl.update(out["kl_mean"], len(batch))
         return out
 
 
