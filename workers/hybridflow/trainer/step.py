@@ -331,18 +331,20 @@ class Step:
         batch = self.trained
         if batch is None:
             raise RuntimeError(f"the {self.algo.name} program never called update_actor")
-        out = dict(self.stats)  # an on-policy update already put entropy, KL and the rollout gap here
-        out["kl_coef"] = float(self.state.kl.value)  # the coefficient this step trained with
-        out.update(trained_batch_stats(batch.tensors, self._kl(batch)))  # (what follows may say more of a key)
-        if "kl_mean" in out:
-            self.state.kl.update(out["kl_mean"], len(batch))
+        kl = self._kl(batch)
+        told: dict[str, float] = {}  # what the carried state, the rollouts and the episodes say of the step
         for carried in self.state.carried.values():
-            out.update(carried.metrics())
-        out.update(self.rollouts.step_stats())
-        out.update(episode_stats(batch))
+            told.update(carried.metrics())
+        told.update(self.rollouts.step_stats())
+        told.update(episode_stats(batch))
         if self.failures is not None:
             self.failures.report()  # one console line for a step whose episodes failed
-        return out
+        # an on-policy update already put entropy, KL and the rollout gap in self.stats; the batch's own say more,
+        # and what was told above has the last word; kl_coef is the coefficient this step trained with
+        out = {**self.stats, "kl_coef": float(self.state.kl.value), **trained_batch_stats(batch.tensors, kl)}
+        if "kl_mean" in out:
+            self.state.kl.update(out["kl_mean"], len(batch))
+        return {**out, **told}
 
 
 def generation_rows(prompts: Batch, n: int, greedy_baseline: bool = False) -> Batch:
