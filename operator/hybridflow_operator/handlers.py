@@ -27,26 +27,20 @@ from kubernetes import client, config
 from hybridflow.api import API_GROUP as GROUP
 from hybridflow.api import PLURAL, VERSION
 from hybridflow_operator import manifests as mf
-from hybridflow_operator.accept import (
-    accepted_job, check_queueable, look_up_inputs, queue_of, spec_fields,
-)
-from hybridflow_operator.children import reward_to_copy
 from hybridflow_operator.environments import environment_policy_name
 from hybridflow_operator.kube import API_TIMEOUT, Kube, controllers
 from hybridflow_operator.meta import SECRET_UID_KEYS
 from hybridflow_operator.metrics import OperatorMetrics
 from hybridflow_operator.policy import Policy
 from hybridflow_operator.reconcile import reconcile  # registers the tick (kopf.timer)
-from hybridflow_operator.state import KUEUE, NAMESPACE_TTL, Shared, operator_acts_in, shared_of
+from hybridflow_operator.state import KUEUE, Shared, operator_acts_in, shared_of
 from hybridflow_operator.watch import (  # registers the indexes (kopf.index)
-    pod_view, job_network_policies, job_pods, job_services, job_workloads, watch_children_only,
+    job_network_policies, job_pods, job_services, job_workloads, watch_children_only,
 )
-from hybridflow_operator.workloads import make_workload
 
-__all__ = [  # the handlers kopf runs, and what tests reach through this module
+__all__ = [  # the handlers kopf runs (registered on import)
     "configure", "cleanup", "reconcile", "job_pods", "job_services", "job_network_policies", "job_workloads",
-    "tune_kopf", "watch_children_only", "NAMESPACE_TTL", "pod_view", "accepted_job", "check_queueable",
-    "look_up_inputs", "queue_of", "spec_fields", "reward_to_copy", "make_workload",
+    "tune_kopf", "watch_children_only",
 ]
 
 

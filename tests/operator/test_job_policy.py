@@ -554,7 +554,7 @@ def test_kueue_required_refuses_a_job_without_its_queue_label():
     queue's quota; the job policy refuses it (and an update removing the label), the operator refuses it at
     acceptance. Off (the default), an unlabelled job is the usual one."""
     from hybridflow.api import SpecError
-    from hybridflow_operator.handlers import check_queueable
+    from hybridflow_operator.accept import check_queueable
     from hybridflow_operator.policy import queue_problem
 
     vaps, policy = _rendered(["--set", "kueue.enabled=true", "--set", "kueue.required=true"])
@@ -733,7 +733,7 @@ def test_the_charts_default_runtime_class_reaches_the_sandbox_pods_only():
     run no user code get none. The Kueue Workload's podSets are the pods made later."""
     from hybridflow_operator import manifests as mf
     from hybridflow_operator.environments import environment_pod
-    from hybridflow_operator.handlers import make_workload
+    from hybridflow_operator.workloads import make_workload
 
     _, policy = _rendered(["--set", "jobPolicy.sandboxRuntimeClassName=gvisor-strict"])
     assert policy.sandbox_runtime_class == "gvisor-strict"

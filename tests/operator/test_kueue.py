@@ -251,7 +251,7 @@ def test_an_elastic_rollout_pool_stays_within_the_pods_kueue_admitted():
 
 
 def test_pods_ready_uses_kueues_reasons_and_the_queue_is_the_one_accepted():
-    from hybridflow_operator.handlers import queue_of
+    from hybridflow_operator.accept import queue_of
 
     job = _job()
     adm = _admitted(job)

@@ -16,7 +16,7 @@ def test_an_accepted_job_is_compared_resolved_and_an_edit_it_may_not_have_is_onl
     """A spec accepted by an older operator (resumeFrom below the whole claim's mount, a relative cacheDir) is the
     same job, not an edit; once accepted, an edit naming another namespace's checkpoint or object storage without
     credentials is a change to ignore (the job keeps running), not a SpecError that fails it."""
-    from hybridflow_operator.handlers import accepted_job
+    from hybridflow_operator.accept import accepted_job
 
     def job(**trainer):
         raw = _with_trainer(kubernetes={"checkpointPvc": "ck"}, **trainer)
@@ -87,24 +87,24 @@ def test_the_accepted_spec_is_json_only_and_never_replaced_by_an_edited_live_one
     """Issue 24 N7: a spec ConfigMap without job.json (an older operator's job.yaml, or a YAML alias bomb) is not
     the job's spec, even owned by the job: YAML is never parsed. N1: once a digest is recorded, a spec ConfigMap
     that is gone is not replaced by the live spec unless that is exactly the one accepted."""
-    from hybridflow_operator import handlers
+    from hybridflow_operator import accept
 
     raw = _raw("tiny-grpo.yaml")
     live = parse_job(raw)
     text = mf.spec_text(live)
     yaml_only = _Cluster(**{"ConfigMap:tiny-grpo-spec": _owned("1234-abcd", **{"job.yaml": yaml.safe_dump(raw)})})
     with pytest.raises(SpecError, match=r"does not hold the spec this job started with \(digest none \(no key job"):
-        handlers.accepted_job(yaml_only, live, "1234-abcd", {}, {})
+        accept.accepted_job(yaml_only, live, "1234-abcd", {}, {})
     gone = _Cluster()
     accepted = {"acceptedSpecDigest": mf.content_digest(text)}
-    assert handlers.accepted_job(gone, live, "1234-abcd", accepted, {}) == (live, False)  # a create to retry
+    assert accept.accepted_job(gone, live, "1234-abcd", accepted, {}) == (live, False)  # a create to retry
     edited = parse_job(_raw("tiny-grpo.yaml", kubernetes={"rayAuthSecret": "builder-token"}))
     with pytest.raises(SpecError, match="which held the spec this job was accepted with, is gone"):
-        handlers.accepted_job(gone, edited, "1234-abcd", accepted, {})
+        accept.accepted_job(gone, edited, "1234-abcd", accepted, {})
 
 
 def test_a_reward_copy_is_used_only_when_it_is_the_jobs_and_remade_only_from_the_accepted_file():
-    from hybridflow_operator import handlers
+    from hybridflow_operator import children
     from hybridflow_operator.policy import Policy
 
     raw = _files_job(rewardConfigMap="my-reward")
@@ -114,7 +114,7 @@ def test_a_reward_copy_is_used_only_when_it_is_the_jobs_and_remade_only_from_the
     marked = {"metadata": {"labels": {"hybridflow.io/for-jobs": "true"}}}
 
     def copy_in(world: _Cluster):
-        return handlers.reward_to_copy(world, Policy.from_env(), job, raw["metadata"]["uid"], status, None)
+        return children.reward_to_copy(world, Policy.from_env(), job, raw["metadata"]["uid"], status, None)
 
     # there, and the job's: nothing to make
     assert copy_in(_Cluster(**{"ConfigMap:word-problems-reward": _owned("1234-abcd", **{key: good})})) is None
@@ -223,7 +223,7 @@ def test_every_code_file_is_copied_and_checked_and_a_missing_key_is_named():
     """Issue 51 M5: the copy must hold every key status.codeDigests recorded, and nothing else; a key missing from
     the user's ConfigMap holds the job Pending naming it; a job accepted before codeDigests (status.rewardDigest
     only) keeps its copy."""
-    from hybridflow_operator import handlers
+    from hybridflow_operator import accept, children
     from hybridflow_operator.policy import Policy
 
     raw = _agent_job(rewardConfigMap="my-code")
@@ -234,7 +234,7 @@ def test_every_code_file_is_copied_and_checked_and_a_missing_key_is_named():
     marked = {"labels": {"hybridflow.io/for-jobs": "true"}}
 
     def copy_in(world: _Cluster, st=status):
-        return handlers.reward_to_copy(world, Policy.from_env(), job, uid, st, None)
+        return children.reward_to_copy(world, Policy.from_env(), job, uid, st, None)
 
     assert copy_in(_Cluster(**{"ConfigMap:word-problems-reward": _owned(uid, **files)})) is None
     for bad in ({**files, "tools.py": "import os\n"}, {k: v for k, v in files.items() if k != "game.py"},
@@ -251,9 +251,9 @@ def test_every_code_file_is_copied_and_checked_and_a_missing_key_is_named():
                    legacy) is None
     # a key missing from the user's ConfigMap: named, with the field that names it; nothing read to copy
     world = _Cluster(**{"ConfigMap:my-code": {"metadata": marked, "data": {reward: files[reward], "tools.py": "x"}}})
-    why, found = handlers.look_up_inputs(world, Policy.from_env(), job, "ml", {})
+    why, found = accept.look_up_inputs(world, Policy.from_env(), job, "ml", {})
     assert why == ("spec.rollout.agent.environmentFile: ConfigMap 'my-code' has no key 'game.py' (its keys: "
                    "tools.py, word_problem_reward.py)") and found is None
     world = _Cluster(**{"ConfigMap:my-code": {"metadata": marked, "data": files}})
-    assert handlers.look_up_inputs(world, Policy.from_env(), job, "ml", {}) == ("", files)
-    assert handlers.look_up_inputs(world, Policy.from_env(), job, "ml", status) == ("", None)  # copied already
+    assert accept.look_up_inputs(world, Policy.from_env(), job, "ml", {}) == ("", files)
+    assert accept.look_up_inputs(world, Policy.from_env(), job, "ml", status) == ("", None)  # copied already

@@ -167,7 +167,7 @@ def test_the_followed_childrens_watches_are_filtered_by_the_api_server():
     """The pod, Service and NetworkPolicy watches ask the API server (labelSelector) for the jobs' objects only, not
     for every pod, Service and NetworkPolicy of the namespaces served; nothing else is watched by this selector."""
     import kopf
-    from hybridflow_operator.handlers import watch_children_only
+    from hybridflow_operator.watch import watch_children_only
 
     settings = kopf.OperatorSettings()
     watch_children_only(settings)
@@ -212,7 +212,7 @@ def test_a_cluster_wide_operator_acts_only_in_labelled_namespaces(labelled_clust
     assert f"kubectl label namespace team-off {NAMESPACE_LABEL}" in log
     asked = [r for r in ours if r.plural == "namespaces"]
     assert {(r.method, r.status) for r in asked} <= {("GET", 200), ("GET", 404)}
-    from hybridflow_operator.handlers import NAMESPACE_TTL
+    from hybridflow_operator.state import NAMESPACE_TTL
 
     assert len(asked) <= 3 * (1 + int((time.monotonic() - t0) // NAMESPACE_TTL)), "cached: not one GET per tick"
     granted = _granted()

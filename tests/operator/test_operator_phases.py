@@ -127,7 +127,7 @@ def test_a_pod_stuck_terminating_holds_a_gang_restart_back_only_for_a_while():
                       "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}, "Unschedulable"),
 ])
 def test_pods_that_cannot_start_show_as_a_condition_and_one_event(pod_status, reason):
-    from hybridflow_operator.handlers import pod_view
+    from hybridflow_operator.watch import pod_view
 
     raw = {"metadata": {"name": "w-g0", "labels": {mf.LABEL_ROLE: "worker", mf.LABEL_GENERATION: "0"},
                         "creationTimestamp": iso(NOW)}, "status": {"phase": "Pending", **pod_status}}
@@ -224,7 +224,7 @@ def test_operator_does_not_import_torch_or_ray():
 
 @pytest.mark.parametrize("key,kind", [("containerStatuses", "container"), ("initContainerStatuses", "init container")])
 def test_pod_view_names_the_container_and_exit_code(key, kind):
-    from hybridflow_operator.handlers import pod_view
+    from hybridflow_operator.watch import pod_view
 
     pod = {"metadata": {"name": "j-default-0-g1", "labels": {mf.LABEL_GENERATION: "1"}},
            "status": {"phase": "Failed", key: [{"name": "c1", "state": {"terminated": {"exitCode": 137,
@@ -267,7 +267,7 @@ def test_a_driver_that_rejects_its_input_fails_the_job_without_restarts():
 
 def test_the_drivers_error_is_read_from_its_log_tail():
     from hybridflow.api.errors import last_error
-    from hybridflow_operator.handlers import pod_view
+    from hybridflow_operator.watch import pod_view
 
     tail = ("2026-11-30 ray started\nsome progress\nerror: /etc/hybridflow/job.yaml: cannot run here\n"
             "  spec.data.train: 'x.jsonl' does not exist\n")
@@ -400,7 +400,7 @@ def test_the_status_write_shows_both_pools_of_the_current_generation_only():
 
 
 def test_pod_view_reads_the_pool_label_and_the_ready_condition():
-    from hybridflow_operator.handlers import pod_view
+    from hybridflow_operator.watch import pod_view
 
     pod = mf.worker_pod(ASYNC, "uid", ASYNC.spec.pool("rollout"), 0, 0)
     assert (view := pod_view(pod)).pool == "rollout" and not view.ready  # created, no status yet

@@ -154,7 +154,7 @@ def test_a_queued_jobs_plan_with_more_pools_than_a_workload_holds_fails_as_at_ac
 
 
 def test_the_plan_pod_view_carries_a_succeeded_containers_termination_message():
-    from hybridflow_operator.handlers import pod_view
+    from hybridflow_operator.watch import pod_view
 
     pod = {"metadata": {"name": "j-plan", "labels": {mf.LABEL_ROLE: "plan"}},
            "status": {"phase": "Succeeded", "containerStatuses": [{"name": "plan", "state": {"terminated": {

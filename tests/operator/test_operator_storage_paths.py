@@ -21,7 +21,7 @@ from support.operator_views import K8S_VERSIONS, NOW, _raw, _all_manifests, _pod
 ])
 def test_object_storage_checkpoint_dir_stays_a_url_with_the_jobs_own_prefix_and_needs_no_pvc(checkpoint_dir,
                                                                                               expected):
-    from hybridflow_operator.handlers import look_up_inputs
+    from hybridflow_operator.accept import look_up_inputs
     from hybridflow_operator.policy import Policy
 
     trainer = {**_raw("tiny-grpo.yaml")["spec"]["trainer"], "checkpointDir": checkpoint_dir}
@@ -53,7 +53,7 @@ def test_editing_an_object_storage_checkpoint_dir_on_a_live_job_is_a_spec_change
     """The operator compares the live spec with the accepted one (all but runPolicy) to report SpecChangeIgnored.
     A checkpoint directory on the claim is the operator's own choice and never compared; an s3:// URL is the
     author's."""
-    from hybridflow_operator.handlers import spec_fields
+    from hybridflow_operator.accept import spec_fields
 
     def job(checkpoint_dir: str, **k8s):
         trainer = {**_raw("tiny-grpo.yaml")["spec"]["trainer"], "checkpointDir": checkpoint_dir}

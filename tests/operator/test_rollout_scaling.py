@@ -14,7 +14,8 @@ import yaml
 from hybridflow.api import SpecError, parse_job, pool_resource, pool_slot_resource
 from hybridflow.api.scaling import replicas_now, sized
 from hybridflow_operator import manifests as mf
-from hybridflow_operator.handlers import accepted_job, pod_view, spec_fields
+from hybridflow_operator.accept import accepted_job, spec_fields
+from hybridflow_operator.watch import pod_view
 from hybridflow_operator.phases import PodView, transition, expected_pods
 
 from support.paths import ROOT
