@@ -160,19 +160,12 @@ def test_a_bf16_megatron_actor_steps_fp32_masters_and_checkpoints_them(tmp_path)
     assert got["moved"] == got["params"] and got["published"]
 
 
-# A response's cost per token, 1024 tokens against 32, that the KV cache keeps under (wall-clock, alone on a 2-core
-# AVX-512 machine: ~1.3; at 512 against 32, ~1.2 with the cache and ~4.6 recomputing the whole prefix at every step,
-# the engine's old way; beside the e2e scenarios, 3.2 at 512 and 3.26 at 1024: so the generation's own CPU seconds
-# are measured now, not wall-clock ones).
-PER_TOKEN_GROWTH_MAX = 3.0
-
-
-@pytest.mark.slow
 def test_megatron_generation_keeps_a_kv_cache_and_chooses_what_a_full_forward_chooses():
     """The megatron generation engine (t_g > 1's fallback) decodes with megatron-core's static KV cache: greedy
     responses (one prompt left-padded) are exactly the argmax of a plain full forward over prompt + response at
-    every position, and the time per new token does not grow with the position past PER_TOKEN_GROWTH_MAX (a
-    response of 1024 tokens against one of 32). One process of its own (support/megatron_generation.py): gloo and
+    every position, and the model is fed the padded prompts once and then one token per row per step (n forward
+    tokens per row for n new ones, not O(n^2): what the cache is for; timing it instead flaked on a busy machine
+    and cost 100 s). One process of its own (support/megatron_generation.py): gloo and
     megatron's state stay out of this runner."""
     import json
     import os
@@ -180,8 +173,8 @@ def test_megatron_generation_keeps_a_kv_cache_and_chooses_what_a_full_forward_ch
     import sys
 
     spec = {"shape": {"vocab": 64, "hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2, "ffn": 256,
-                      "max_len": 2048},
-            "prompts": [[1, 2, 3, 4, 5], [7, 8, 9]], "check_tokens": 24, "lengths": [32, 1024], "weight_scale": 20.0}
+                      "max_len": 128},
+            "prompts": [[1, 2, 3, 4, 5], [7, 8, 9]], "check_tokens": 24, "weight_scale": 20.0}
     tests = TESTS
     out = subprocess.run([sys.executable, "-m", "support.megatron_generation", json.dumps(spec)], cwd=tests,
                          capture_output=True, text=True, timeout=300,
@@ -190,5 +183,4 @@ def test_megatron_generation_keeps_a_kv_cache_and_chooses_what_a_full_forward_ch
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["responses"] == got["forced"]
     assert len({t for r in got["responses"] for t in r}) > 8, "a model that repeats one token proves little"
-    per_token = {int(n): s / int(n) for n, s in got["seconds"].items()}
-    assert per_token[1024] <= PER_TOKEN_GROWTH_MAX * per_token[32], per_token
+    assert got["fed"] == [max(map(len, spec["prompts"]))] + [1] * (spec["check_tokens"] - 1), got["fed"]
