@@ -6,12 +6,17 @@ prompts, responses up to 32 tokens, no KL (no reference), one epoch over one min
 a separate old-log-prob pass, a fixed 1 GiB KV cache, every prompt's rows run unshared, no prefix caching in vLLM,
 the C library's malloc instead of tcmalloc); "defaults" leaves them on. With --each, every
 optimisation is also measured alone on top of the baseline; with --ablate, the defaults without each one in turn
-(`--ablate "shared prompt"`: only that one), which is what each is worth where the others already run.
+(`--ablate "shared prompt"`: only that one), which is what each is worth where the others already run. A feature
+the defaults leave off is ablated the other way: `--ablate lora` runs the defaults beside the defaults with
+spec.training.lora (rank 16 adapters on a frozen base, at 10x the learning rate), so the table compares full
+fine-tuning with LoRA: summed peak memory, the bytes each weight sync moves into generation, tokens/s.
 
 Prints per run: tokens/s (prompt + response tokens of the batch / iteration seconds, the paper's definition), seconds
-per stage, peak memory per rank (max) and summed over ranks, and the achieved FLOP/s of the actor update and of the
-old-log-prob pass as a fraction of this machine's matmul peak, which the bench measures itself (one thread per rank,
-as the job's ranks run, in the dtype each run computes in). Then the ratio defaults / baseline.
+per stage, peak memory per rank (max) and summed over ranks, the weight sync's bytes (into generation, and gathered
+from other ranks), and the achieved FLOP/s of the actor update and of the old-log-prob pass as a fraction of this
+machine's matmul peak, which the bench measures itself (one thread per rank, as the job's ranks run, in the dtype each
+run computes in; counted as full fine-tuning's 6N FLOPs a token, LoRA's run included). Then the ratio defaults /
+baseline.
 
 With --gpu (bench/gpu_check.sh): one GPU rank, a 0.5B-class Qwen2-style model built from its config (random
 weights, the synthetic increment task), 64 prompts x 4 responses.
@@ -66,6 +71,17 @@ OPTIMISATIONS = {
     "prefix caching": {"rollout": {"prefixCaching": False}},
     "tcmalloc": {"resourcePools": {"allocator": "system"}},  # every pool
 }
+# Each feature the defaults leave off, as the spec fields that switch it on (issue 54: LoRA against full fine-tuning,
+# at the ~10x learning rate LoRA wants).
+FEATURES = {
+    "lora": {"training": {"lora": {"rank": 16, "alpha": 32}, "actorLr": 2e-5}},
+}
+# --ablate NAME: the run beside the defaults, named "<how> NAME", and the patch that makes it
+ABLATIONS = ({n: ("without", patch) for n, patch in OPTIMISATIONS.items()}
+             | {n: ("with", patch) for n, patch in FEATURES.items()})
+# The step log's weight-sync fields (trainer/generation/weight_sync.py), in MB: into generation, gathered from others
+SYNC_FIELDS = {"sync MB into generation (max rank)": "generation_weight_bytes",
+               "sync MB gathered (mean rank)": "reshard_bytes"}
 STAGES = ("generate", "old_log_prob", "actor_update", "reshard")
 # Qwen2-0.5B's shape (494M parameters with its 151k vocabulary; 360M with this 32k one), built from config on the GPU.
 GPU_MODEL = {"vocabSize": 32000, "hiddenSize": 896, "intermediateSize": 4864, "numLayers": 24, "numHeads": 14,
@@ -96,13 +112,14 @@ def merged(base: dict, *patches: dict) -> dict:
 
 def variants(each: bool, gpu: bool, ablate: list[str] | None = None) -> dict[str, dict]:
     """The runs: the baseline and the defaults, or with `ablate` the defaults and the defaults without each named
-    optimisation (all of them when the list is empty)."""
+    optimisation (all of them when the list is empty) or with each named feature."""
     job = merged(JOB, GPU_PATCH) if gpu else JOB
     if ablate is not None:
-        unknown = sorted(set(ablate) - set(OPTIMISATIONS))
+        unknown = sorted(set(ablate) - set(ABLATIONS))
         if unknown:
-            raise SystemExit(f"--ablate: no optimisation {unknown}; there are {sorted(OPTIMISATIONS)}")
-        return {"defaults": job} | {f"without {n}": merged(job, OPTIMISATIONS[n]) for n in ablate or OPTIMISATIONS}
+            raise SystemExit(f"--ablate: no optimisation or feature {unknown}; there are {sorted(ABLATIONS)}")
+        return {"defaults": job} | {f"{ABLATIONS[n][0]} {n}": merged(job, ABLATIONS[n][1])
+                                    for n in ablate or OPTIMISATIONS}
     off = list(OPTIMISATIONS.values())
     runs = {"baseline": merged(job, *off), "defaults": job}
     if each:
@@ -133,6 +150,8 @@ def summarise(records: list[dict], dtype: str, peaks: dict[str, float], paramete
         out[f"{stage} s"] = med(lambda r: r["stages"].get(stage, 0.0))
     out["peak GB/rank (max)"] = max(r["actor_peak_memory_bytes"] for r in records) / 1e9
     out["peak GB (sum of ranks)"] = max(r["actor_peak_memory_bytes_total"] for r in records) / 1e9
+    for key, field in SYNC_FIELDS.items():
+        out[key] = med(lambda r: r.get(field, 0.0)) / 1e6
     peak = ranks * peaks[dtype]
     update_flops = lambda r: training_flops(parameters, r["tokens"]) / r["stages"]["actor_update"]  # noqa: E731
     out["update MFU (batch tokens)"] = med(update_flops) / peak
@@ -143,21 +162,26 @@ def summarise(records: list[dict], dtype: str, peaks: dict[str, float], paramete
     return out
 
 
-def rank_memory_parts(doc: dict, dtype: str, params: int, ranks: int) -> dict[str, float]:
+def rank_memory_parts(doc: dict, dtype: str, ranks: int) -> dict[str, float]:
     """What one rank holds by design, in GB, from the job's spec: the FSDP shards (fp32 masters, their gradients,
-    AdamW's two moments) and what the colocated generation engine keeps (its whole weights in the compute dtype and
-    its KV cache, as the job sizes them). Peak minus these is the runtime (Python, torch, vLLM, Ray) and the
-    activations and allocator slack of the largest micro-batch."""
+    AdamW's two moments: of every weight, or with LoRA of the adapters, beside the frozen base in the compute dtype)
+    and what the colocated generation engine keeps (its whole weights in the compute dtype and its KV cache, as the
+    job sizes them). Peak minus these is the runtime (Python, torch, vLLM, Ray) and the activations and allocator
+    slack of the largest micro-batch."""
     from hybridflow.api import parse_job
-    from hybridflow.capacity import machine_facts, rank_floor
+    from hybridflow.capacity import DTYPE_BYTES, machine_facts, rank_floor
+    from hybridflow.memory.shapes import read_shapes
+    from hybridflow.memory.terms import trained_params
 
     job = parse_job(doc)
-    shard = params * 4 / ranks / 1e9
+    held = trained_params("actor", job.spec, read_shapes(job.spec, ROOT)["actor"], True)
+    shard = held.trained * 4 / ranks / 1e9
+    frozen = {"frozen base": held.frozen * DTYPE_BYTES[dtype] / ranks / 1e9} if held.frozen else {}
     pool = job.spec.resource_pools[0]
     generation = {k: v / 1e9 for k, v in rank_floor(job.spec, pool, machine_facts(job)).items() if k != "process"}
     if dtype == "float32":  # rank_floor halves the weights wherever auto may compute in bf16
         generation = {k: v * (2 if "weights" in k else 1) for k, v in generation.items()}
-    return {"fp32 weight shard": shard, "gradient shard": shard, "AdamW moments": 2 * shard} | generation
+    return {"fp32 weight shard": shard, "gradient shard": shard, "AdamW moments": 2 * shard} | frozen | generation
 
 
 def peaks_by_step(records: list[dict]) -> list[float]:
@@ -170,7 +194,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="steps per run; the first is left out of the medians")
     ap.add_argument("--each", action="store_true", help="also each optimisation alone on top of the baseline")
     ap.add_argument("--ablate", nargs="*", metavar="NAME", help="the defaults against the defaults without each "
-                    f"named optimisation (none named: every one); names: {', '.join(OPTIMISATIONS)}")
+                    f"named optimisation (none named: every one); names: {', '.join(OPTIMISATIONS)}; or with each "
+                    f"named feature: {', '.join(FEATURES)}")
     ap.add_argument("--gpu", action="store_true", help="one GPU rank and a 0.5B-class model built from config")
     ap.add_argument("--json", help="write the table here as JSON too")
     args = ap.parse_args()
@@ -188,7 +213,7 @@ def main() -> None:
             records = run_job(doc, args.steps, Path(tmp), name)
             results[name] = summarise(records, dtype, peaks, params, ranks)
             by_step[name] = peaks_by_step(records)
-            parts[name] = rank_memory_parts(doc, dtype, params, ranks)
+            parts[name] = rank_memory_parts(doc, dtype, ranks)
     names = list(results)
     base_name = "baseline" if "baseline" in results else names[-1]
     base, new = results[base_name], results["defaults"]

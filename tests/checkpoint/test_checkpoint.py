@@ -127,6 +127,26 @@ def test_restore_refuses_an_incompatible_model(tmp_path):
     assert "spec.trainer.checkpointDir" in msg and "spec.trainer.resume: never" in msg
 
 
+def test_a_lora_checkpoint_resumes_only_a_job_training_the_same_adapters(tmp_path):
+    """The adapters' settings are part of the actor's identity (checkpointer.checkpoint_identity): a LoRA checkpoint
+    holds no base weights, so a full fine-tune (or another rank) resuming from it is refused before any read."""
+    from types import SimpleNamespace
+
+    from hybridflow.api import parse_job
+
+    def ident(lora):
+        training = {"lora": lora} if lora else {}
+        job = parse_job({"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "job-a"},
+                         "spec": {"training": training}})
+        return checkpointer.checkpoint_identity(job, SimpleNamespace(roles={"actor": None}))
+
+    ckpt = _make_for(tmp_path, 1, ident({"rank": 8}))
+    ck.check_compatible(ckpt, ident({"rank": 8}))
+    for other in (None, {"rank": 16}):
+        with pytest.raises(ck.CheckpointError, match="actor: lora"):
+            ck.check_compatible(ckpt, ident(other))
+
+
 def test_model_architecture_is_shapes_not_dtype(tmp_path):
     from hybridflow.api import ModelSource
 

@@ -90,7 +90,7 @@ def _train_protocol(name: str) -> type:
 
 
 def test_the_protocol_declares_what_the_actor_uses():
-    assert set(_protocol_methods()) == {"generate", "load_weights", "release", "weight_checksums"}
+    assert set(_protocol_methods()) == {"generate", "load_weights", "load_adapter", "release", "weight_checksums"}
 
 
 def _engine_uses(path: Path, names: tuple[str, ...] = ("engine",)) -> set[str]:
@@ -201,6 +201,10 @@ class RandomTokens:
         for name, tensor in weights:
             if "embed_tokens" in name:
                 self.embedding = float(tensor.double().sum())
+
+    def load_adapter(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """No model, so no adapter: counted as taken."""
+        return sum(t.numel() * t.element_size() for _, t in tensors)
 
     def release(self) -> None:
         """Nothing held."""

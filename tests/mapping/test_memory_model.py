@@ -13,7 +13,7 @@ from hybridflow.api.devices import GIB, PROFILES, profile
 from hybridflow.capacity import SMOLLM2_PARAMS
 from hybridflow.cli import main
 from hybridflow.memory import memory_problems, pool_plans, read_shapes, shape_from_config
-from hybridflow.memory.shapes import SMOLLM2
+from hybridflow.memory.shapes import SMOLLM2, ShapeError
 from hybridflow.memory.terms import (
     CUDA_GRAPH_POOL_BYTES, VLLM_WORKSPACE_BYTES, activation_bytes_per_token, micro_batch_tokens,
 )
@@ -160,3 +160,91 @@ def test_validate_refuses_a_gpu_job_that_cannot_fit(tmp_path, capsys):
     job.write_text(yaml.safe_dump(doc))
     assert main(["validate", str(job)]) == 0
     assert load_job(EXAMPLE).spec.resource_pools[0].accelerator == "h100-80gb"
+
+
+# Qwen2.5-7B-Instruct's LoRA at rank 16 on every projection, by hand from its config.json (hidden 3584, 28 heads of
+# 128, 4 KV heads: k/v width 512, intermediate 18944, 28 layers): rank x (in + out) per module, per layer
+#   q, o 16 x (3584 + 3584) = 114,688 each; k, v 16 x (3584 + 512) = 65,536 each; gate, up, down 16 x (3584 + 18944)
+#   = 360,448 each; 1,441,792 per layer; x 28 layers = 40,370,176
+QWEN_7B = 7_615_616_512
+QWEN_7B_LORA_16 = 40_370_176
+
+
+def _example_with_lora(**lora):
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    if lora:
+        doc["spec"]["training"]["lora"] = lora
+    spec = parse_job(doc).spec
+    [plan] = pool_plans(spec, read_shapes(spec, EXAMPLE.parent))
+    return plan
+
+
+def _lasting(plan, role, phase):
+    return sum(t.phases[phase] for t in plan.terms if t.role == role and not t.transient)
+
+
+def test_lora_trains_the_adapters_only_and_the_reference_is_the_actors_base():
+    """The 7B example on 16 H100s, with and without LoRA (rank 16, default targets): fp32 masters, moments and
+    gradients of the adapters alone, the base frozen in bf16, no reference weights; so the update phase keeps
+    exactly the base's fp32 state less the adapters' (P - A bytes per device: 16 bytes a parameter over 16 devices),
+    and the peak (generate) the base's masters and moments less the adapters'."""
+    full, lora = _example_with_lora(), _example_with_lora(rank=16)
+    P, A = QWEN_7B, QWEN_7B_LORA_16
+    t = {x.what.split(" (")[0]: x for x in lora.terms if x.role == "actor"}
+    assert t["fp32 master weights of the LoRA adapters, rank 16"].phases["generate"] == A * 4 // 16
+    assert t["fp32 AdamW moments"].phases["generate"] == A * 8 // 16
+    assert t["fp32 gradients"].phases["update"] == A * 4 // 16
+    assert t["frozen base weights"].phases == dict.fromkeys(("generate", "forward", "update", "reshard"), P * 2 // 16)
+    assert _lasting(full, "reference", "generate") == P * 2 // 16
+    assert _lasting(lora, "reference", "generate") == 0  # the actor with its adapters off
+    assert any(x.role == "reference" and x.transient for x in lora.terms)  # its forward pass still runs
+    update = sum(_lasting(full, r, "update") - _lasting(lora, r, "update") for r in ("actor", "reference"))
+    assert update == P - A
+    assert full.total("generate") - lora.total("generate") == 12 * (P - A) // 16  # masters + moments; vLLM's share
+    assert lora.peak < full.peak and lora.peak_phase == "generate"
+
+
+def test_lora_moves_only_the_adapters_into_vllm():
+    full, lora = _example_with_lora(), _example_with_lora(rank=16)
+    r = {x.what.split(" (")[0]: x for x in lora.terms if x.role == "rollout"}
+    f = {x.what.split(" (")[0]: x for x in full.terms if x.role == "rollout"}
+    assert r["weight sync transient"].phases["reshard"] == QWEN_7B_LORA_16 * 2  # bf16, gathered whole
+    assert "3D-HybridEngine transient" not in r and "weight sync transient" not in f
+    assert r["vLLM LoRA slot"].phases["generate"] == QWEN_7B_LORA_16 * 2
+    # the slot comes out of vLLM's gpuMemoryUtilization share: its KV cache is smaller by it, its share the same
+    assert f["vLLM KV cache"].phases["generate"] - r["vLLM KV cache"].phases["generate"] == QWEN_7B_LORA_16 * 2
+
+
+def test_lora_target_modules_pick_the_adapted_linears_and_a_critic_adapts_on_request():
+    qv = _spec(training={"lora": {"rank": 8, "targetModules": ["q_proj", "self_attn.v_proj"]}})
+    _, t = _terms(qv, "actor")
+    h, q, kv = SMOLLM2.hidden, SMOLLM2.heads * SMOLLM2.head_dim, SMOLLM2.kv_width
+    adapters = SMOLLM2.layers * 8 * ((h + q) + (h + kv))  # 30 x 8 x (1152 + 768) = 460,800
+    assert adapters == 460_800
+    assert t["fp32 master weights of the LoRA adapters, rank 8"].phases["update"] == adapters * 4 // 4
+    ppo = _spec(algorithm={"name": "ppo"}, training={"lora": {"rank": 8}})
+    _, critic = _terms(ppo, "critic")
+    assert critic["fp32 master weights"].phases["update"] == SMOLLM2.params * 4 // 4  # full unless lora.critic
+    # a LoRA critic is refused by the spec until the critic engine builds it; the memory model already counts it
+    training = ppo.training.model_copy(update={"lora": ppo.training.lora.model_copy(update={"critic": True})})
+    both = ppo.model_copy(update={"training": training})
+    _, critic = _terms(both, "critic")
+    _, actor = _terms(both, "actor")
+    adapted = actor["fp32 master weights of the LoRA adapters, rank 8"].phases["update"]
+    head = SMOLLM2.hidden + 1  # the value head, trained whole
+    assert critic["fp32 master weights of the LoRA adapters, rank 8"].phases["update"] == adapted + head * 4 // 4
+    with pytest.raises(ShapeError, match=r"spec\.training\.lora\.targetModules: \['lm_heads'\] name no linear"):
+        _terms(_spec(training={"lora": {"targetModules": ["lm_heads"]}}))
+
+
+def test_plan_of_the_7b_example_shows_what_lora_buys(tmp_path, capsys):
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["training"]["lora"] = {"rank": 16, "alpha": 32}
+    job = tmp_path / "lora.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    assert main(["plan", str(job), "--model-config", str(QWEN_CONFIG)]) == 0
+    out = capsys.readouterr().out
+    assert ("actor: LoRA rank 16 on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj: 40.4M trained "
+            "parameters (0.53% of the base") in out
+    assert "| reference | no weights of its own: the actor's base, adapters switched off | - | - | - | - |" in out
+    assert "peak 42.5 GiB of 79.1 GiB per device (generate phase): fits" in out  # 47.8 GiB without (above)

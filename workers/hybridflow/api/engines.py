@@ -29,6 +29,7 @@ class TrainEngineKind:
     summary: str
     model_parallel: bool = False  # tensor (and pipeline) parallel training; shards the vocabulary over TP ranks
     computes_in_model_dtype: bool = False  # no separate compute dtype: it computes in its weights' dtype
+    lora: bool = False  # trains LoRA adapters on a frozen base (spec.training.lora)
 
     def load(self) -> Any:
         return _load(self.factory)
@@ -72,6 +73,10 @@ def model_parallel_train_engines() -> list[str]:
     return [n for n in TRAIN_ENGINES.names() if TRAIN_ENGINES[n].model_parallel]
 
 
+def lora_train_engines() -> list[str]:
+    return [n for n in TRAIN_ENGINES.names() if TRAIN_ENGINES[n].lora]
+
+
 def tensor_parallel_rollout_engines() -> list[str]:
     return [n for n in ROLLOUT_ENGINES.names() if ROLLOUT_ENGINES[n].tensor_parallel]
 
@@ -84,7 +89,7 @@ def standalone_rollout_engines() -> list[str]:
 # vLLM's CPU attention kernels (vllm/v1/attention/backends/cpu_attn.py, 0.32).
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
-register_train_engine(TrainEngineKind("fsdp", "hybridflow.engines.train.fsdp:build", "torch FSDP2"))
+register_train_engine(TrainEngineKind("fsdp", "hybridflow.engines.train.fsdp:build", "torch FSDP2", lora=True))
 register_train_engine(TrainEngineKind(
     "megatron", "hybridflow.engines.train.megatron:build", "megatron-core 3D", model_parallel=True,
     computes_in_model_dtype=True))

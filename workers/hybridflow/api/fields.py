@@ -51,6 +51,8 @@ ObjectName = _matched_string(DNS1123_SUBDOMAIN, 253, "a Kubernetes object name (
 Quantity = _matched_string(QUANTITY, 64, "a Kubernetes quantity such as 4Gi, 512Mi, 2 or 500m")
 PoolName = _matched_string(POOL_NAME, 63, "lowercase letters and digits only, e.g. 'gpus' (no '-': the pods "
                        "'<job>-<pool>-<index>-g<gen>' of two jobs could otherwise get the same name)")
+# A model's module name as PEFT matches it (a suffix of the module's dotted path: `q_proj`, `self_attn.q_proj`)
+ModuleName = _matched_string(r"^[A-Za-z0-9_.]+$", 128, "a module name such as q_proj (letters, digits, '_' and '.')")
 LabelValue = Annotated[str, Field(max_length=63, json_schema_extra={"pattern": LABEL_VALUE}),
                        matching(LABEL_VALUE, "a label value: at most 63 letters, digits, '-', '_' and '.', a letter "
                                  "or digit at both ends")]

@@ -97,7 +97,8 @@ register_role(RoleKind(
     "generation: beside the actor on its engine, or replicas on a pool of their own"))
 register_role(RoleKind(
     "reference", "models.reference", lambda s: s.models.reference, _P + "ReferenceRole",
-    ((_R + "reference:ReferenceWorker", _P + "ReferenceRole"),), "the frozen initial policy, for the KL term"))
+    ((_R + "reference:ReferenceWorker", _P + "ReferenceRole"), (_R + "actor:ActorWorker", _P + "ActorRole")),
+    "the frozen initial policy, for the KL term"))  # the actor serves it with spec.training.lora (trainer.setup)
 register_role(RoleKind(
     "critic", "models.critic", lambda s: ALGORITHMS[s.algorithm.name].critic, _P + "CriticRole",
     ((_R + "critic:CriticWorker", _P + "CriticRole"),), "the value model of the reward", trained=True))

@@ -13,7 +13,7 @@ from hybridflow.api.agents import code_files, runs_user_code
 from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from hybridflow.algorithms.corrections import OFF_POLICY_CORRECTIONS
 from hybridflow.api.engines import (
-    ROLLOUT_ENGINES, TRAIN_ENGINES, model_parallel_train_engines, standalone_rollout_engines,
+    ROLLOUT_ENGINES, TRAIN_ENGINES, lora_train_engines, model_parallel_train_engines, standalone_rollout_engines,
     tensor_parallel_rollout_engines,
 )
 from hybridflow.api.names import DATA_MOUNT, reward_configmap_key
@@ -87,6 +87,7 @@ def _layout_and_pieces_problems(spec: JobFields) -> list[str]:
         out.append(f"spec.training.tensorParallel/pipelineParallel: only the "
                    f"{'/'.join(model_parallel_train_engines())} engine supports them; set 1")
     out += _hybrid_engine_problems(spec)
+    out += _lora_problems(spec)
     dp = actor_pool.world_size // mp
     if spec.trainer.prompts_per_step % dp:
         out.append(
@@ -273,6 +274,22 @@ def _rollout_mode_problems(spec: JobFields) -> list[str]:
             if getattr(r, field) != type(r).model_fields[field].default:  # a dumped spec holds every field
                 out.append(f"spec.rollout.{to_camel(field)} applies to mode async only (mode is {r.mode}); remove it "
                            "or set spec.rollout.mode: async")
+    return out
+
+
+def _lora_problems(spec: JobFields) -> list[str]:
+    """LoRA (spec.training.lora) needs an engine that builds it, and its reference policy is the actor's own base
+    (adapters off), so a reference placed apart from the actor would be a pool holding nothing."""
+    t = spec.training
+    if t.lora is None:
+        return []
+    out = []
+    if not TRAIN_ENGINES[t.engine].lora:
+        out.append(f"spec.training.lora: LoRA is not built for the {t.engine} engine; use spec.training.engine: "
+                   f"{'/'.join(lora_train_engines())} (or remove spec.training.lora)")
+    if spec.models.reference and spec.pool("reference").name != spec.pool("actor").name:
+        out.append(f"spec.placement.reference: with spec.training.lora the actor is its own reference (its base, "
+                   f"adapters off); place reference on the actor's pool ({spec.pool('actor').name})")
     return out
 
 

@@ -1,6 +1,7 @@
 """The spec's training section (`spec.training`): the training engine, batch sizes, learning rates, clipping,
-parallelism, and the throughput switches (compute dtype, padding-free and shared-prompt micro-batches, on-policy
-old log-probs), each of which changes how the work is done and never its result."""
+parallelism, LoRA (`spec.training.lora`: adapters trained on a frozen base), and the throughput switches (compute
+dtype, padding-free and shared-prompt micro-batches, on-policy old log-probs), each of which changes how the work is
+done and never its result."""
 from __future__ import annotations
 
 from typing import Literal
@@ -8,7 +9,35 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from hybridflow.api.engines import TRAIN_ENGINES
-from hybridflow.api.fields import MAX_COUNT, SpecModel, registered
+from hybridflow.api.fields import MAX_COUNT, ModuleName, SpecModel, registered
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# HF config.model_type -> the linear modules that get adapters when spec.training.lora.targetModules is empty: every
+# attention and MLP projection (what the LoRA-for-RL results train; PEFT's own default is q_proj and v_proj only).
+# Here, torch-free, because both the engine (models/lora.py) and the memory model (memory/) read it.
+LORA_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
+    family: _PROJECTIONS for family in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "olmo2")
+}
+
+
+class Lora(SpecModel):
+    """Low-rank adapters (HF peft's LoRA) trained on a frozen base model: the optimizer state and gradients are the
+    adapters' (a few MB), each weight sync moves only the adapters, and the reference policy is the base with the
+    adapters switched off, so no second model is held. PEFT's names for each field."""
+
+    rank: int = Field(16, gt=0, le=4096, description="r: the adapters' rank.")
+    alpha: float = Field(32.0, gt=0, description="lora_alpha: the adapters' output is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="lora_dropout, on the adapters' input while training.")
+    target_modules: list[ModuleName] = Field(
+        default_factory=list, max_length=64,
+        description="Names of the linear modules that get adapters (PEFT's target_modules: a module whose name ends "
+        "with one of them). Empty: the model family's default (every attention and MLP projection of llama, qwen2, "
+        "mistral...: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)."
+    )
+    critic: bool = Field(
+        False, description="The critic trains an adapter of its own too (with its value head trained whole) instead "
+        "of every weight."
+    )
 
 
 class Training(SpecModel):
@@ -46,6 +75,11 @@ class Training(SpecModel):
     on_policy_old_log_probs: bool = Field(
         True, description="When the update is on-policy (one epoch over one mini-batch, no KL in the reward), the old "
         "log-probs are the update's own forward pass, detached, instead of a separate forward over the batch."
+    )
+
+    lora: Lora | None = Field(
+        None, description="Train LoRA adapters on a frozen base instead of every weight (FSDP engine). Absent: full "
+        "fine-tuning."
     )
 
     @field_validator("engine")

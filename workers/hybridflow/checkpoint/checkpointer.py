@@ -50,10 +50,15 @@ class Position(Protocol):
 
 
 def checkpoint_identity(job: RLHFJob, w: HasRoles) -> dict[str, Any]:
-    """The job and the architecture of each checkpointed role's model (critics default to the actor's)."""
+    """The job and the architecture of each checkpointed role's model (critics default to the actor's); with LoRA
+    also the adapters' settings: such a checkpoint holds the adapters alone, which fit no other training."""
     m = job.spec.models
     sources = {"actor": m.actor, "critic": m.critic or m.actor, "cost_critic": m.critic or m.actor}
     models = {role: model_architecture(sources[role]) for role in CHECKPOINTED_ROLES if role in w.roles}
+    lora = job.spec.training.lora
+    for role in models if lora is not None else ():  # an adapter's weights load into no other shape of training
+        if role == "actor" or lora.critic:
+            models[role]["lora"] = lora.model_dump(mode="json")
     return identity(job.metadata.name, job.metadata.namespace, models)
 
 

@@ -10,6 +10,9 @@ from pathlib import Path
 from hybridflow.checkpoint import store as ckpt
 
 HF_FILES_INFIX = ".hf."
+# A LoRA role's adapter_config.json (PEFT's), beside its shards: the checkpoint's weights are then the adapter alone,
+# and `hybridflow export` writes them as an adapter directory or merges them into the base it names
+LORA_CONFIG_SUFFIX = ".lora.json"
 # Small files of an HF model directory that describe the model and its tokenizer; weights are never copied.
 _META_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -48,3 +51,19 @@ def copy_model_metadata(model_dir: Path, directory: Path, role: str) -> list[Pat
                 os.fsync(f.fileno())
         out.append(dest)
     return out
+
+
+def write_adapter_config(directory: Path, role: str, config: dict) -> Path:
+    """`config` (models.lora.adapter_config's) as `<role>.lora.json` in a checkpoint being written, fsynced."""
+    import json
+
+    dest = directory / f"{role}{LORA_CONFIG_SUFFIX}"
+    text = json.dumps(config, indent=2, sort_keys=True)
+    if ckpt.is_remote(dest):
+        dest.write_text(text)
+    else:
+        with open(dest, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    return dest

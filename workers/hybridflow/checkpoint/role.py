@@ -9,9 +9,10 @@ from typing import Any
 import torch.distributed as dist
 
 from hybridflow.checkpoint import dcp
+from hybridflow.models import lora
 from hybridflow.checkpoint.store import load_tensors, storage_path
 from hybridflow.single_controller.protocol import Dispatch, register
-from hybridflow.checkpoint.model_files import copy_model_metadata
+from hybridflow.checkpoint.model_files import copy_model_metadata, write_adapter_config
 
 
 class CheckpointMixin:
@@ -38,6 +39,9 @@ class CheckpointMixin:
         def model_files() -> None:  # what `hybridflow export` needs beside the weights
             if dist.get_rank() == 0:
                 copy_model_metadata(self.model_dir, checkpoint, self.checkpoint_name)
+                if self.engine.lora is not None:  # the weights saved are an adapter's: say which
+                    write_adapter_config(checkpoint, self.checkpoint_name, lora.adapter_config(
+                        self.engine.lora, lora.model_type(self.model_dir), str(self.model_dir)))
 
         if asynchronous:
             self._pending_save = dcp.save_async(state, target, checkpoint, model_files)

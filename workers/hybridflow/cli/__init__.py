@@ -213,7 +213,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     try:
         source = chosen_checkpoint(args.checkpoint)
-        out = export(source, Path(args.to), args.role, args.dtype, Path(args.model_dir) if args.model_dir else None)
+        out = export(source, Path(args.to), args.role, args.dtype, Path(args.model_dir) if args.model_dir else None,
+                     merge=args.merge)
     except (ckpt.CheckpointError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -343,7 +344,10 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--role", default="actor", help="actor (default), critic or cost_critic")
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                      help="cast the weights (default: the dtype they trained in)")
-    exp.add_argument("--model-dir", help="HF directory the job trained from (only for checkpoints without config)")
+    exp.add_argument("--model-dir", help="HF directory the job trained from (for checkpoints without config, and the "
+                     "base a LoRA adapter merges into when the job's own path is not here)")
+    exp.add_argument("--merge", action="store_true", help="a LoRA checkpoint: write the base model with the adapter "
+                     "merged in (default: the adapter alone, as a PEFT directory that peft and vLLM load)")
     exp.set_defaults(fn=cmd_export)
     crd = sub.add_parser("crd", help="write the RLHFJob CRD generated from the spec")
     crd.add_argument("-o", "--output", default="crds/rlhfjob.yaml", help="file, or - for stdout")

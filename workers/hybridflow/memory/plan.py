@@ -8,7 +8,8 @@ from hybridflow.api import JobSpec
 from hybridflow.api.devices import PROFILES, DeviceProfile, profile
 from hybridflow.memory.shapes import ModelShape
 from hybridflow.memory.terms import (
-    PHASES, Term, _in, compute_bytes, cuda_graphs_on, frozen_terms, rollout_terms, trained_terms,
+    PHASES, Term, _in, adapted_linears, compute_bytes, cuda_graphs_on, frozen_terms, role_lora, rollout_terms,
+    trained_params, trained_terms,
 )
 
 GIB = 1 << 30
@@ -120,6 +121,17 @@ def memory_problems(spec: JobSpec, plans: list[PoolPlan]) -> list[str]:
     return out
 
 
+def lora_summary(spec: JobSpec, role: str, s: ModelShape) -> list[str]:
+    """What LoRA trains of `role` (none without it): the plan's reader sees the trained share beside the base."""
+    lora = role_lora(role, spec)
+    if lora is None:
+        return []
+    held = trained_params(role, spec, s, TRAINED[role])
+    return [f"{role}: LoRA rank {lora.rank} on {', '.join(n.split('.')[-1] for n in adapted_linears(s, lora))}: "
+            f"{held.trained / 1e6:.1f}M trained parameters ({held.trained / held.frozen:.2%} of the base, which is "
+            "frozen; spec.training.lora)"]
+
+
 def render(spec: JobSpec, plans: list[PoolPlan], shapes: dict[str, ModelShape]) -> str:
     """The plan as a table per pool: one row per role's term, one column per phase, in GiB per device."""
     lines = []
@@ -127,6 +139,7 @@ def render(spec: JobSpec, plans: list[PoolPlan], shapes: dict[str, ModelShape]) 
         s = shapes[role]
         lines.append(f"{role}: {s.params / 1e9:.2f}B parameters ({s.layers} layers, hidden {s.hidden}, vocabulary "
                      f"{s.vocab}) from {s.source}")
+        lines += lora_summary(spec, role, s)
     for p in plans:
         on_gpu = spec.resource_pools[p.index].device == "gpu"
         graphs = f"; CUDA graphs {'on' if cuda_graphs_on(spec) else 'off (eager)'}" if on_gpu else ""

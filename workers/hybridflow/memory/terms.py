@@ -7,17 +7,21 @@ A device's memory is the sum of what its colocated roles hold in each phase; its
   reshard   the 3D-HybridEngine's transition: vLLM's weights woken and filled bucket by bucket
 Trained models keep fp32 master weights, fp32 gradients and fp32 AdamW moments, sharded by FSDP over the pool's
 world size or by megatron over TP x PP, and compute in the compute dtype (training.computeDtype; auto: bf16 on a
-GPU or where models.*.dtype is bfloat16). Frozen models are held in their own dtype.
+GPU or where models.*.dtype is bfloat16). Frozen models are held in their own dtype. With spec.training.lora the
+trained parameters are the adapters' (`TrainedParams`): the base is held frozen in the compute dtype, the reference
+is the actor with its adapters switched off (no weights of its own) and the weight sync moves the adapters only.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from hybridflow.api import JobSpec, ResourcePool
 from hybridflow.api.engines import TRAIN_ENGINES
 from hybridflow.api.devices import DeviceProfile
+from hybridflow.api.training import LORA_DEFAULT_TARGETS, Lora
 from hybridflow.capacity import DTYPE_BYTES, kv_cache_bytes
-from hybridflow.memory.shapes import ModelShape
+from hybridflow.memory.shapes import ModelShape, ShapeError
 
 PHASES = ("generate", "forward", "update", "reshard")
 MB = 1 << 20
@@ -95,11 +99,70 @@ def logits_bytes(s: ModelShape, response_tokens: int, c: int, trained: bool) -> 
     return response_tokens * s.vocab * per
 
 
-def fsdp_transients(s: ModelShape, c: int, trained: bool) -> tuple[int, int]:
+def fsdp_transients(s: ModelShape, c: int, trained: TrainedParams | None) -> tuple[int, int]:
     """(gathered compute-dtype weights, unsharded fp32 gradients) of FSDP2: two decoder layers (the one running and
-    the one prefetched) and the root unit (embeddings, LM head, final norm) held whole while it runs."""
+    the one prefetched) and the root unit (embeddings, LM head, final norm) held whole while it runs; gradients
+    exist for the trained parameters only (with LoRA, the adapters of one layer)."""
     gathered = (2 * s.layer_params + s.root_params) * c
-    return gathered, ((s.layer_params + s.root_params) * 4 if trained else 0)
+    return gathered, ((trained.layer + trained.root) * 4 if trained else 0)
+
+
+# role -> whether spec.training.lora gives it adapters: the actor always, a critic (and the cost critic) only when
+# lora.critic asks; every other role is frozen or generates
+LORA_ROLES: dict[str, Callable[[Lora], bool]] = {
+    "actor": lambda lora: True, "critic": lambda lora: lora.critic, "cost_critic": lambda lora: lora.critic}
+
+
+@dataclass(frozen=True)
+class TrainedParams:
+    """How a trained model's parameters are held, before sharding: the trained ones carry fp32 master weights, fp32
+    gradients and fp32 AdamW moments; the frozen ones (LoRA's base) only their weights, in the compute dtype."""
+
+    layer: int  # trained parameters per decoder layer (FSDP unshards one layer's gradients at a time)
+    root: int  # trained parameters outside the layers (the root unit; a LoRA critic's value head)
+    layers: int
+    frozen: int
+    what: str  # how the plan names the trained parameters after "fp32 master weights" (LoRA: "of the adapters")
+
+    @property
+    def trained(self) -> int:
+        return self.layers * self.layer + self.root
+
+
+def role_lora(role: str, spec: JobSpec) -> Lora | None:
+    """The adapters `role` trains (spec.training.lora), or None: it trains every weight, or nothing."""
+    lora = spec.training.lora
+    return lora if lora is not None and LORA_ROLES.get(role, lambda _: False)(lora) else None
+
+
+def adapted_linears(s: ModelShape, lora: Lora) -> dict[str, tuple[int, int]]:
+    """The linear modules of a decoder layer that get adapters, with PEFT's rule (a module whose name is a target or
+    ends with "." + a target; no targets: the model family's default); none matched is refused, as PEFT refuses it."""
+    targets = lora.target_modules or LORA_DEFAULT_TARGETS.get(s.family, ())
+    if not targets:
+        raise ShapeError(f"spec.training.lora.targetModules: no default for model type {s.family!r} ({s.source}); "
+                         "name the linear modules to adapt, e.g. [q_proj, v_proj]")
+    out = {n: io for n, io in s.linears.items() if any(n == t or n.endswith(f".{t}") for t in targets)}
+    if not out:
+        raise ShapeError(f"spec.training.lora.targetModules: {list(targets)} name no linear module of a decoder "
+                         f"layer of {s.source} ({', '.join(s.linears)})")
+    return out
+
+
+def adapter_layer_params(s: ModelShape, lora: Lora) -> int:
+    """One decoder layer's adapter parameters: A (rank x in) and B (out x rank) on every adapted linear module."""
+    return sum(lora.rank * (n_in + n_out) for n_in, n_out in adapted_linears(s, lora).values())
+
+
+def trained_params(role: str, spec: JobSpec, s: ModelShape, lm: bool) -> TrainedParams:
+    """Every weight trained (full fine-tuning), or with LoRA the adapters (and a critic's value head, trained whole)
+    on a frozen base."""
+    lora = role_lora(role, spec)
+    if lora is None:
+        return TrainedParams(s.layer_params, s.root_params, s.layers, 0, "")
+    head = 0 if lm else s.hidden + 1  # AutoModelForTokenClassification's score layer, bias included
+    return TrainedParams(adapter_layer_params(s, lora), head, s.layers, s.params,
+                         f" of the LoRA adapters, rank {lora.rank}")
 
 
 def trained_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c: int, lm: bool) -> list[Term]:
@@ -110,12 +173,16 @@ def trained_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c
     shard = model_parallel if megatron_like else pool.world_size
     dp = max(1, pool.world_size // model_parallel)
     tokens, response = micro_batch_tokens(spec, dp)
-    P = s.params
+    held = trained_params(role, spec, s, lm)
+    P = held.trained
     how = f"1/{shard}, {'TP x PP' if megatron_like else 'FSDP over the pool'}"
     pool_field = "spec.resourcePools[].devicesPerNode"
-    out = [Term(role, f"fp32 master weights ({how})", pool_field, _in(PHASES, P * 4 // shard)),
+    out = [Term(role, f"fp32 master weights{held.what} ({how})", pool_field, _in(PHASES, P * 4 // shard)),
            Term(role, "fp32 AdamW moments", "spec.resourcePools[].devicesPerNode", _in(PHASES, P * 8 // shard)),
            Term(role, "fp32 gradients", "spec.resourcePools[].devicesPerNode", _in(("update",), P * 4 // shard))]
+    if held.frozen:
+        out.append(Term(role, f"frozen base weights (compute dtype, {how}; no master, gradients or moments)",
+                        "spec.training.lora", _in(PHASES, held.frozen * c // shard)))
     module = DTYPE_BYTES[spec.models.actor.dtype]
     if megatron_like and module < 4:  # its module computes in its own dtype: a copy beside the masters
         out += [Term(role, f"{spec.models.actor.dtype} module weights (beside the fp32 masters)",
@@ -123,7 +190,7 @@ def trained_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c
                 Term(role, f"{spec.models.actor.dtype} module gradients", "spec.models.actor.dtype",
                      _in(("update",), P * module // shard))]
     if not megatron_like:
-        gathered, grads = fsdp_transients(s, c, True)
+        gathered, grads = fsdp_transients(s, c, held)
         out.append(Term(role, "FSDP gathered layers + root, fp32 unsharded grads", "spec.training.computeDtype",
                         _in(("update",), gathered + grads), transient=True))
     acts = tokens * activation_bytes_per_token(s, c) // t.tensor_parallel
@@ -135,16 +202,25 @@ def trained_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c
     return out
 
 
+def reference_is_actor_base(role: str, spec: JobSpec) -> bool:
+    """With LoRA the reference policy is the actor's frozen base (its adapters switched off for the call,
+    models/lora.py), so the reference holds no model of its own; its forward pass still runs."""
+    return role == "reference" and spec.training.lora is not None
+
+
 def frozen_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c: int, dtype: str,
                  lm: bool) -> list[Term]:
     """A scoring model (reference, reward): weights in its own dtype, FSDP-sharded, and one forward's transient."""
     tokens, response = micro_batch_tokens(spec, pool.world_size)
     b = DTYPE_BYTES[dtype]
-    gathered, _ = fsdp_transients(s, c, False)
+    gathered, _ = fsdp_transients(s, c, None)
     forward = gathered + tokens * (2 * s.intermediate + 2 * s.hidden) * c + (
         logits_bytes(s, response, c, False) if lm else 0)
-    return [Term(role, f"{dtype} weights (1/{pool.world_size}, FSDP)", "spec.resourcePools[].devicesPerNode",
-                 _in(PHASES, s.params * b // pool.world_size)),
+    weights = (Term(role, "no weights of its own: the actor's base, adapters switched off", "spec.training.lora",
+                    _in(PHASES, 0)) if reference_is_actor_base(role, spec) else
+               Term(role, f"{dtype} weights (1/{pool.world_size}, FSDP)", "spec.resourcePools[].devicesPerNode",
+                    _in(PHASES, s.params * b // pool.world_size)))
+    return [weights,
             Term(role, "forward pass (gathered layers, one layer's activations, logits)",
                  "spec.training.microBatchSize", _in(("forward",), forward), transient=True)]
 
@@ -160,13 +236,14 @@ def rollout_terms(spec: JobSpec, pool: ResourcePool, s: ModelShape, c: int, devi
     """vLLM on its pool. On GPU it takes gpuMemoryUtilization x the device while awake (weights, workspace, and a
     KV cache of whatever is left), sleeps through scoring and the update (weights and KV cache freed; the CUDA-graph
     pool stays), and wakes its weights for the transition. On CPU its KV cache is sized from the job and stays; its
-    weights are released during the update."""
+    weights are released during the update. With LoRA, vLLM's slot for the adapter comes out of its share too."""
     r = spec.rollout
     weights = s.params * c // r.tensor_parallel
+    adapter = adapter_bytes(spec, s, c)
     where = "the transition" if colocated else "the weight stream"
     if gpu:
         share = int(r.gpu_memory_utilization * device.capacity_bytes)
-        kv = share - weights - VLLM_WORKSPACE_BYTES
+        kv = share - weights - VLLM_WORKSPACE_BYTES - adapter // r.tensor_parallel
         out = [Term("rollout", f"vLLM weights (1/{r.tensor_parallel}), woken for {where}",
                     "spec.rollout.tensorParallel", _in(("generate", "reshard"), weights)),
                Term("rollout", "vLLM workspace (activations, sampler)", "spec.rollout.gpuMemoryUtilization",
@@ -184,7 +261,25 @@ def rollout_terms(spec: JobSpec, pool: ResourcePool, s: ModelShape, c: int, devi
         out = [Term("rollout", f"vLLM weights (1/{r.tensor_parallel}), released in the update",
                     "spec.rollout.tensorParallel", _in(("generate", "forward", "reshard"), weights)),
                Term("rollout", "vLLM KV cache (sized from the job)", "spec.rollout.kvCacheGib", _in(PHASES, kv))]
-    largest = max(s.vocab * s.hidden, s.hidden * s.intermediate) * c
-    out.append(Term("rollout", f"3D-HybridEngine transient (shard M/(t_g p_g) = the weights above; one bucket)",
-                    "spec.rollout.tensorParallel", _in(("reshard",), max(BUCKET_BYTES, largest))))
+    if adapter:
+        out.append(Term("rollout", f"vLLM LoRA slot (enable_lora: one adapter, 1/{r.tensor_parallel})",
+                        "spec.training.lora.rank", _in(("generate", "reshard"), adapter // r.tensor_parallel)))
+    out.append(sync_transient(s, c, adapter))
     return out
+
+
+def adapter_bytes(spec: JobSpec, s: ModelShape, c: int) -> int:
+    """The actor's LoRA adapters whole, in the compute dtype (0 without LoRA): what each weight sync moves and what
+    vLLM's LoRA slot holds beside the base weights, which never change."""
+    lora = role_lora("actor", spec)
+    return 0 if lora is None else s.layers * adapter_layer_params(s, lora) * c
+
+
+def sync_transient(s: ModelShape, c: int, adapter: int) -> Term:
+    """The weight sync's transient: the 3D-HybridEngine's bucket (or the largest tensor) of the whole model, or with
+    LoRA the adapters alone, gathered whole."""
+    largest = max(BUCKET_BYTES, max(s.vocab * s.hidden, s.hidden * s.intermediate) * c)
+    what = ("weight sync transient (the LoRA adapters, gathered whole)" if adapter else
+            "3D-HybridEngine transient (shard M/(t_g p_g) = the weights above; one bucket)")
+    field = "spec.training.lora.rank" if adapter else "spec.rollout.tensorParallel"
+    return Term("rollout", what, field, _in(("reshard",), adapter or largest))

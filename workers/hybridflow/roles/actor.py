@@ -28,11 +28,13 @@ from hybridflow.engines.bridge.stream import (
     StreamRendezvous, WeightSender, WeightStreamError, pool_peers, stream_group,
 )
 from hybridflow.engines.bridge.transfer import full_tensor_checksums, train_dp_rank
+from hybridflow.models.lora import LoraSettings, adapters_disabled
 from hybridflow.engines.train.base import TrainEngine, TrainEngineFactory, TrainSettings
 from hybridflow.flops import matmul_peak_flops, training_flops
 from hybridflow.models.builders import local_model_dir
 from hybridflow.roles.common import memory_phase, release_free_memory
 from hybridflow.roles.config import ActorConfig, off_policy_correction
+from hybridflow.roles.reference import reference_log_probs
 
 
 class ActorWorker(CheckpointMixin):
@@ -48,7 +50,7 @@ class ActorWorker(CheckpointMixin):
         self.engine: TrainEngine = build_trainer(ctx, TrainSettings(
             self.model_dir, config.model.dtype, lr=t.actor_lr, grad_clip=t.grad_clip, compute_dtype=t.compute_dtype,
             dynamic_batch_size=t.dynamic_batch_size, shared_prompt=t.shared_prompt, tensor_parallel=t.tensor_parallel,
-            pipeline_parallel=t.pipeline_parallel, seed=config.seed))
+            pipeline_parallel=t.pipeline_parallel, seed=config.seed, lora=LoraSettings.from_spec(t.lora)))
         self._dp_rank = train_dp_rank(ctx, config.train_engine, t.tensor_parallel, t.pipeline_parallel)
         release_free_memory()  # the whole model it loaded before sharding
         self.parameters = self.engine.num_parameters()  # collective where the engine gathers to count
@@ -78,6 +80,17 @@ class ActorWorker(CheckpointMixin):
             logp, entropy = self.engine.forward_micro(batch, self.config.training.micro_batch_size, fn)
         self._log_prob_peak = max(self._log_prob_peak, phase.bytes)
         return Batch({"old_log_probs": logp.cpu(), "entropy": entropy.cpu()})
+
+    @register(Dispatch.DP_COMPUTE, blocking=False)
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """The reference stage of a LoRA actor (trainer.setup routes "reference" here): the base policy is this
+        model with its adapters switched off, so no second copy of it is held."""
+        if self.engine.lora is None:
+            raise ValueError("compute_ref_log_prob on the actor needs spec.training.lora (the reference policy is "
+                             "then the actor's base); without it the reference role runs its own model")
+        with adapters_disabled(self.engine.module):
+            return reference_log_probs(self.engine, batch, self.config.training.micro_batch_size,
+                                       self.config.rollout.temperature)
 
     @register(Dispatch.DP_COMPUTE)
     def update_actor(self, batch: Batch) -> dict[str, float]:
@@ -184,7 +197,8 @@ def _old_log_prob_stats(engine: TrainEngine, old: torch.Tensor, logits: torch.Te
 
 class WeightSending:
     """The actor's side of the cross-pool weight stream (a rollout pool of its own): every rank gathers whole
-    tensors (full_params is collective), rank 0 streams them, cast to the generation dtype, to every rollout rank."""
+    tensors (sync_params is collective: every weight, or with LoRA the adapters alone, the replicas holding the
+    base from the model's files), rank 0 streams them, cast to the generation dtype, to every rollout rank."""
 
     def __init__(self, ctx: WorkerContext, engine: TrainEngine) -> None:
         self.ctx, self.engine = ctx, engine
@@ -209,7 +223,7 @@ class WeightSending:
 
     def send(self, version: int, dtype: torch.dtype) -> dict[str, float]:
         t0 = time.perf_counter()
-        whole = ((name, t.to(dtype)) for name, t in self.engine.full_params())
+        whole = ((name, t.to(dtype)) for name, t in self.engine.sync_params())
         if self.ctx.rank != 0:
             for _ in whole:  # the gathers are collective: every rank takes part, rank 0 alone sends
                 pass

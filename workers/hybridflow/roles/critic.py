@@ -10,6 +10,7 @@ from hybridflow.checkpoint.role import CheckpointMixin
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.protocol import Dispatch, register
 from hybridflow.single_controller.context import WorkerContext
+from hybridflow.models.lora import LoraSettings
 from hybridflow.engines.train.base import TrainEngine, TrainEngineFactory, TrainSettings
 from hybridflow.engines.train.fsdp import response_outputs
 from hybridflow.models.builders import local_model_dir
@@ -19,6 +20,12 @@ from hybridflow.roles.config import CriticConfig
 def response_values(model: nn.Module, batch: Batch, shared: bool = False) -> torch.Tensor:
     """V(s_t) for each response position t, read where the token that precedes it sits: (B, R)."""
     return response_outputs(model, batch, shared, lm=False)[..., 0].float()
+
+
+def critic_lora(config: CriticConfig) -> LoraSettings | None:
+    """The critic's own adapter (spec.training.lora.critic; its value head trains whole), or None: every weight."""
+    lora = config.training.lora
+    return LoraSettings.from_spec(lora) if lora is not None and lora.critic else None
 
 
 class CriticWorker(CheckpointMixin):
@@ -35,7 +42,7 @@ class CriticWorker(CheckpointMixin):
         self.engine: TrainEngine = build(ctx, TrainSettings(
             self.model_dir, config.dtype, head="value", lr=t.critic_lr, grad_clip=t.grad_clip,
             compute_dtype=t.compute_dtype, dynamic_batch_size=t.dynamic_batch_size, shared_prompt=t.shared_prompt,
-            seed=config.seed))
+            seed=config.seed, lora=critic_lora(config)))
 
     @register(Dispatch.DP_COMPUTE, blocking=False)
     def compute_values(self, batch: Batch) -> Batch:

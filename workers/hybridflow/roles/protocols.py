@@ -31,8 +31,14 @@ class CheckpointedRole(Protocol):
     def load_checkpoint(self, directory: str) -> list[None]: ...
 
 
-class ActorRole(CheckpointedRole, Protocol):
-    """The policy being trained (hybridflow.roles.actor.ActorWorker)."""
+class ReferenceRole(Protocol):
+    """The frozen initial policy (hybridflow.roles.reference.ReferenceWorker; a LoRA actor's base, adapters off)."""
+
+    def compute_ref_log_prob(self, batch: BatchIn) -> Pending[Batch]: ...
+
+
+class ActorRole(CheckpointedRole, ReferenceRole, Protocol):
+    """The policy being trained (hybridflow.roles.actor.ActorWorker); with LoRA also the reference (its base)."""
 
     def compute_log_prob(self, batch: BatchIn) -> Pending[Batch]: ...
     def update_actor(self, batch: BatchIn) -> list[dict[str, float]]: ...
@@ -68,12 +74,6 @@ class PooledRolloutRole(RolloutRole, Protocol):
     def sync_weights(self, version: int) -> Pending[list[dict[str, float]]]: ...
     def continue_generation(self, batch: BatchIn) -> Pending[list[dict[str, Any]]]: ...
     def policy_version(self) -> list[int]: ...
-
-
-class ReferenceRole(Protocol):
-    """The frozen initial policy (hybridflow.roles.reference.ReferenceWorker)."""
-
-    def compute_ref_log_prob(self, batch: BatchIn) -> Pending[Batch]: ...
 
 
 class CriticRole(CheckpointedRole, Protocol):

@@ -1,4 +1,6 @@
-"""The reference policy: a frozen, sharded copy of the initial actor that scores responses for the KL term."""
+"""The reference policy: a frozen, sharded copy of the initial actor that scores responses for the KL term. A LoRA
+actor (spec.training.lora) is its own reference, its adapters switched off (roles.actor), and no ReferenceWorker
+runs."""
 from __future__ import annotations
 
 import torch
@@ -23,9 +25,13 @@ class ReferenceWorker:
 
     @register(Dispatch.DP_COMPUTE, blocking=False)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        temp = self.config.temperature
+        return reference_log_probs(self.engine, batch, self.config.micro_batch_size, self.config.temperature)
 
-        def fn(model: nn.Module, mb: Batch) -> torch.Tensor:
-            return self.engine.log_probs(model, mb, temp)[0]
 
-        return Batch({"ref_log_probs": self.engine.forward_micro(batch, self.config.micro_batch_size, fn).cpu()})
+def reference_log_probs(engine: TrainEngine, batch: Batch, micro_batch_size: int, temperature: float) -> Batch:
+    """The stage's output, `ref_log_probs`, from whichever engine holds the reference policy (this worker's, or a
+    LoRA actor's with its adapters off)."""
+    def fn(model: nn.Module, mb: Batch) -> torch.Tensor:
+        return engine.log_probs(model, mb, temperature)[0]
+
+    return Batch({"ref_log_probs": engine.forward_micro(batch, micro_batch_size, fn).cpu()})

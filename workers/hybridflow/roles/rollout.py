@@ -13,6 +13,10 @@ Two placements, one generation code:
 
 Both count the policy version they generate with (0: the initial weights; +1 per sync) and report it with every
 generation, so the controller tags each token with the version that produced it.
+
+With spec.training.lora both build their engine with the LoRA settings: it generates with the base from the model's
+files (version 0: the trainer's adapters start as a no-op) and every sync, in memory or streamed, brings the
+adapters alone (the trainer's `sync_params`) into its `load_adapter`.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from hybridflow.engines.bridge.stream import (
     WeightReceiver, WeightStreamError, pool_peers, stream_group, stream_store,
 )
 from hybridflow.engines.bridge.transfer import weight_transfer
+from hybridflow.models.lora import LoraSettings
 from hybridflow.engines.precision import compute_dtype, dtype_name
 from hybridflow.engines.rollout.base import (
     Generation, RolloutEngine, RolloutEngineFactory, RolloutSetup, SamplingConfig,
@@ -122,7 +127,7 @@ class RolloutWorker:
         generator = build_rollout(ctx, RolloutSetup(
             actor.model_dir, r, config.model.dtype, self.generation_dtype, seed,
             sequences=-(-config.generation_batch // self.transfer.generation_replicas), device=actor.engine.device,
-            trainer=actor.engine, transfer=self.transfer))
+            trainer=actor.engine, transfer=self.transfer, lora=actor.engine.lora))
         self.gen = _Generator.of(generator, config, stop_token_ids, actor.model_dir)
         self.generator = generator
         self.sleep_freed_bytes = 0.0  # what the last release freed (vLLM on GPU: sleep), reported with the sync
@@ -130,7 +135,8 @@ class RolloutWorker:
 
     def release(self) -> None:
         """Generate -> train (the actor calls it before every update): the engine frees its memory (vLLM on GPU:
-        sleep level 2), measured here so the step reports it (`rollout_sleep_freed_bytes`)."""
+        sleep level 2; with LoRA level 1, its base kept in host memory), measured here so the step reports it
+        (`rollout_sleep_freed_bytes`)."""
         before = memory_in_use_bytes()
         self.generator.release()
         self.sleep_freed_bytes = float(before - memory_in_use_bytes())
@@ -167,7 +173,7 @@ class RolloutWorker:
     @register(Dispatch.ONE_TO_ALL)
     def weight_checksums(self) -> dict[str, float]:
         """Sums of the generation engine's whole tensors: lets tests see that a transition really landed.
-        megatron generation: every parameter; vLLM/HF: the embedding."""
+        megatron generation: every parameter; vLLM/HF: the embedding (with LoRA: the adapter)."""
         return self.generator.weight_checksums()
 
     @register(Dispatch.ONE_TO_ALL)
@@ -198,7 +204,7 @@ class PooledRolloutWorker:
         generator = build_rollout(ctx, RolloutSetup(
             here, r, config.model.dtype, self.generation_dtype,
             seed=config.seed + 1000 * ctx.rank, sequences=-(-config.generation_batch // ctx.world_size),
-            device=device, trainer=None, transfer=None))
+            device=device, trainer=None, transfer=None, lora=LoraSettings.from_spec(config.training.lora)))
         self.gen = _Generator.of(generator, config, stop_token_ids, here)
         self.generator = generator
         self.receiver: WeightReceiver | None = None
@@ -226,8 +232,9 @@ class PooledRolloutWorker:
         Ray actor runs one call at a time, so this is a safe point)."""
         if self.receiver is None:
             raise RuntimeError("sync_weights before join_weight_stream")
+        load = self.generator.load_weights if self.config.training.lora is None else self.generator.load_adapter
         try:
-            stats = self.receiver.sync(self.generator.load_weights)
+            stats = self.receiver.sync(load)
         except WeightStreamError as e:  # the group is unusable now: the controller forms a new one, or recovers
             raise type(e)(f"{e} [waiting for policy version {version}]") from e
         if stats.version != version:

@@ -63,8 +63,11 @@ class Workers:
 
     @property
     def pools(self) -> dict[str, str]:
-        """Role -> the name of the pool hosting it."""
-        return {role: g.pool.name for g in self.groups for role in g.roles}
+        """Role -> the name of the pool hosting it (a LoRA actor's pool hosts the reference too: actor_is_reference)."""
+        pools = {role: g.pool.name for g in self.groups for role in g.roles}
+        if "reference" in self.roles and actor_is_reference(self.spec):
+            pools["reference"] = pools["actor"]
+        return pools
 
     def shutdown(self) -> None:
         if self.replicas is not None:
@@ -79,6 +82,12 @@ def _slots(s: JobSpec, pool: ResourcePool) -> list[int] | None:
     if not s.replica_pool(pool.name):
         return None
     return list(range(s.rollout_pool.min_replicas if s.rollout_pool is not None else pool.nodes))
+
+
+def actor_is_reference(s: JobSpec) -> bool:
+    """Whether the actor serves the reference stage itself: with LoRA (spec.training.lora) the reference policy is
+    its base with the adapters off, so no reference model is loaded and the "reference" handle is the actor's."""
+    return s.training.lora is not None
 
 
 def close_groups(groups: list[WorkerGroup]) -> None:
@@ -110,7 +119,7 @@ def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | 
         RoleSpec(RolloutWorker, {"config": actor, "stop_token_ids": task.stop_token_ids}, colocated=("actor",)),
     }
     runs = set(s.roles())  # the one list of the job's roles (status.pools shows the same)
-    if "reference" in runs:
+    if "reference" in runs and not actor_is_reference(s):
         wanted["reference"] = RoleSpec(ReferenceWorker, {"config": rc.reference_config(s), "model_dir": str(model_dir)})
     if "critic" in runs:
         wanted["critic"] = RoleSpec(CriticWorker, critic)
@@ -148,6 +157,8 @@ def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | 
                                 process_env=allocator, collective_timeout_s=collective_timeout(s.run_policy))
             groups.append(group)
             roles.update({r: group[r] for r in group.roles})
+        if "reference" in runs and actor_is_reference(s):
+            roles["reference"] = roles["actor"]  # its compute_ref_log_prob: the base, adapters off
         devices = sum(g.pool.world_size for g in groups)
         replicas = None
         if apart:

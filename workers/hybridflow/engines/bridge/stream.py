@@ -250,7 +250,7 @@ class _Bounded:
 
 class WeightSender(_Bounded):
     """The sending side: the one trainer rank in the group that holds whole tensors (FSDP's rank 0 after
-    full_params()). `send` streams one policy version; versions must increase."""
+    sync_params()). `send` streams one policy version; versions must increase."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device | str = "cpu",
                  bucket_bytes: int = BUCKET_BYTES, timeout_s: float = STREAM_TIMEOUT_S,
@@ -335,9 +335,10 @@ class WeightReceiver(_Bounded):
         self.version: int | None = None
         self.stats: SyncStats | None = None  # the last complete sync's
 
-    def sync(self, load: Callable[[Iterable[tuple[str, torch.Tensor]]], None]) -> SyncStats:
-        """One version into `load` (a load_weights). A load that stops early would leave the stream out of step
-        with the sender, so what it left is drained, and that is an error."""
+    def sync(self, load: Callable[[Iterable[tuple[str, torch.Tensor]]], object]) -> SyncStats:
+        """One version into `load` (a load_weights, or with LoRA a load_adapter: what it returns is unused). A load
+        that stops early would leave the stream out of step with the sender, so what it left is drained, and that
+        is an error."""
         stream = self.receive()
         load(stream)
         left = sum(1 for _ in stream)

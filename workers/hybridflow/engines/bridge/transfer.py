@@ -2,7 +2,8 @@
 rollout kind) pair by their registered facts (hybridflow.api.engines), never by their names:
 
 * a trainer that is not model parallel (FSDP) hands over full tensors: each parameter all-gathered whole, under HF
-  names, straight into the generation engine's `load_weights`;
+  names, straight into the generation engine's `load_weights`; with LoRA (the trainer's `lora`) only the adapters,
+  into its `load_adapter` (the base it loaded from the model directory never changes);
 * a model-parallel trainer (megatron) goes through the 3D-HybridEngine: its TP shards all-gathered inside micro-DP
   groups (reshard.gather_micro_dp) into generation shards, installed as they are by a tensor-parallel generation
   engine (megatron names), or converted to HF names for one that generates whole (t_g = 1).
@@ -29,6 +30,7 @@ from hybridflow.engines.bridge.hybrid_engine import HybridEngine, training_dp_ra
 from hybridflow.engines.bridge import layout as lay
 from hybridflow.engines.bridge.layout import Layout
 from hybridflow.engines.bridge.reshard import ReshardStats
+from hybridflow.models.lora import adapter_checksum
 from hybridflow.engines.rollout.base import GenerationFeed, RolloutEngine
 from hybridflow.engines.train import megatron_model as mm
 from hybridflow.engines.train.base import ModelParallelTrainEngine, TrainEngine
@@ -86,17 +88,22 @@ class FullTensorTransfer:
         return DPRank(self.ctx.rank, self.ctx.world_size, True)
 
     def push(self, rollout: RolloutEngine) -> ReshardStats:
+        """`sync_params` (every weight, or with LoRA the adapters alone) into the engine; the stats count what
+        moved, so with LoRA they are the adapter's bytes."""
         stats = ReshardStats()
 
         def whole() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in self.engine.full_params():
+            for name, tensor in self.engine.sync_params():
                 n = tensor.numel() * tensor.element_size()
                 stats.generation_bytes += n
                 stats.peak_transient_bytes = max(stats.peak_transient_bytes, n)
                 yield name, tensor
 
         t0 = time.perf_counter()
-        rollout.load_weights(whole())
+        if self.engine.lora is not None:
+            rollout.load_adapter(whole())
+        else:
+            rollout.load_weights(whole())
         world = self.ctx.world_size
         stats.bytes_received = stats.generation_bytes * (world - 1) // world
         stats.seconds = time.perf_counter() - t0
@@ -108,7 +115,10 @@ class FullTensorTransfer:
 
 def full_tensor_checksums(engine: TrainEngine, dtype: torch.dtype) -> dict[str, float]:
     """The embedding's sum in the generation dtype, as an engine fed whole HF tensors (vLLM, HF) reports it
-    (collective: full_params gathers; every rank stops at the same parameter)."""
+    (collective: full_params gathers; every rank stops at the same parameter). With LoRA the adapters' sum
+    instead: the base never moves, the adapters are what a sync must have delivered."""
+    if engine.lora is not None:
+        return {"adapter": adapter_checksum(engine.sync_params(), dtype)}
     for name, tensor in engine.full_params():
         if "embed_tokens" in name:
             return {"embedding": float(tensor.to(dtype).double().sum())}

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from hybridflow.api import Rollout
 from hybridflow.capacity import kv_cache_bytes
+from hybridflow.models.lora import LoraSettings
 from hybridflow.single_controller.context import WorkerContext
 
 if TYPE_CHECKING:
@@ -48,11 +49,18 @@ class RolloutEngine(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the weights in memory from HF-named tensors (whole, or the engine's own shards)."""
 
+    def load_adapter(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """With spec.training.lora: the trainer's LoRA adapters (module names, `...q_proj.lora_A.default.weight`)
+        on top of the base the engine loaded from the model directory, which never changes and is never re-sent.
+        Replaces the adapter generation runs with; returns the bytes of the tensors it took."""
+
     def release(self) -> None:
-        """Free what generation holds that training does not need (a no-op where the engine cannot)."""
+        """Free what generation holds that training does not need (a no-op where the engine cannot). With LoRA the
+        base must survive: it is never sent again, only adapters are."""
 
     def weight_checksums(self) -> dict[str, float]:
-        """Sums of the weights it generates with, to check that a transition landed."""
+        """Sums of the weights it generates with, to check that a transition landed: with LoRA, of the adapter
+        (`{"adapter": models.lora.adapter_checksum}`: the base is the model directory's and never moves)."""
 
 
 class GenerationFeed(Protocol):
@@ -91,6 +99,7 @@ class RolloutSetup:
     # model shape), and how its weights reach this engine (and the generation process group).
     trainer: TrainEngine | None
     transfer: GenerationFeed | None
+    lora: LoraSettings | None = None  # spec.training.lora: the engine takes adapters (load_adapter) on its base
 
 
 class RolloutEngineFactory(Protocol):

@@ -82,6 +82,11 @@ class MegatronRollout:
         if seen != set(self.shapes):
             raise KeyError(f"generation shards missing: {sorted(set(self.shapes) - seen)[:3]}")
 
+    def load_adapter(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Refused: these layers hold megatron shards with no LoRA modules (and the megatron trainer trains none)."""
+        raise NotImplementedError("spec.training.lora: megatron generation takes no LoRA adapters; use "
+                                  "spec.rollout.engine vllm or hf (with spec.training.engine fsdp)")
+
     def weight_checksums(self) -> dict[str, float]:
         """Sums of every whole (TP-gathered) tensor: tests compare them with training's (collective over TP)."""
         return {name: self._checksum(name) for name in sorted(self.shapes)}

@@ -11,22 +11,34 @@ vLLM is reached through its public API only (`LLM.collective_rpc`, `LLM.apply_mo
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) these run on the engine's one worker in this process and hand it our objects as
 they are (weight iterators, the model back), unpickled. Weights are always copied into the storage vLLM allocated:
 on a GPU that storage belongs to sleep mode's allocator (what `sleep` unmaps and `wake_up` maps back) and is what
-captured CUDA graphs read, so new storage would be neither freed by sleep nor seen by the graphs."""
+captured CUDA graphs read, so new storage would be neither freed by sleep nor seen by the graphs.
+
+With spec.training.lora the base is loaded from the model directory once and never replaced: every sync brings the
+trainer's adapters (`load_adapter`), written as a PEFT adapter directory and registered as a new `LoRARequest`
+(a new id and name per version) that every generation passes (vLLM's LoRA path, CPU included: punica_cpu)."""
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 import uuid
+import weakref
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import torch
 
 from hybridflow.capacity import GIB, KV_BLOCK_TOKENS
 from hybridflow.single_controller.context import WorkerContext
 from hybridflow.engines.precision import dtype_name
+from hybridflow.models import lora
+from hybridflow.models.lora import LoraSettings
 from hybridflow.engines.rollout.base import Generation, RolloutSetup, SamplingConfig, model_kv_cache_bytes
 from hybridflow.engines import collectives
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
 
 
 def build(ctx: WorkerContext, setup: RolloutSetup) -> VLLMRollout:
@@ -46,7 +58,23 @@ def build(ctx: WorkerContext, setup: RolloutSetup) -> VLLMRollout:
                        seed=setup.seed, kv_cache_bytes=kv_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
                        on_gpu=on_gpu, prefix_caching=r.prefix_caching,
                        tensor_parallel=r.tensor_parallel, rank_order=rank_order,
-                       enforce_eager=enforce_eager(r.cuda_graphs, on_gpu, r.tensor_parallel))
+                       enforce_eager=enforce_eager(r.cuda_graphs, on_gpu, r.tensor_parallel), lora=setup.lora)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """vLLM's `max_lora_rank` for spec.training.lora.rank: vLLM 0.32 accepts only the ranks of its
+    `MaxLoRARanks` (1, 8, 16, 32, 64, 128, 256, 320, 512), so the next one up (an adapter of a lower rank runs
+    zero-padded in its buffers: the same output, a little more memory); above its largest, refused."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    accepted = sorted(get_args(MaxLoRARanks))
+    for allowed in accepted:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"spec.training.lora.rank = {rank}: vLLM serves LoRA ranks up to {accepted[-1]}; use a lower "
+                     f"rank or spec.rollout.engine: hf")
 
 
 def enforce_eager(cuda_graphs: str, on_gpu: bool, tensor_parallel: int) -> bool:
@@ -72,10 +100,12 @@ def enforce_eager(cuda_graphs: str, on_gpu: bool, tensor_parallel: int) -> bool:
 class VLLMRollout:
     def __init__(self, model_dir: Path, max_model_len: int, dtype: str, seed: int, kv_cache_bytes: int,
                  gpu_memory_utilization: float, on_gpu: bool, prefix_caching: bool = True, tensor_parallel: int = 1,
-                 rank_order: list[int] | None = None, enforce_eager: bool = True) -> None:
+                 rank_order: list[int] | None = None, enforce_eager: bool = True,
+                 lora: LoraSettings | None = None) -> None:
         """`kv_cache_bytes` sizes the KV cache on CPU; on GPU `gpu_memory_utilization` does (and sleep mode frees
         weights and cache during training). `rank_order`: the world's ranks with each TP group's consecutive.
-        `enforce_eager`: no CUDA graphs (the module's `enforce_eager` decides it from spec.rollout.cudaGraphs)."""
+        `enforce_eager`: no CUDA graphs (the module's `enforce_eager` decides it from spec.rollout.cudaGraphs).
+        `lora`: LoRA on, one adapter at a time (the current policy's), at the next rank vLLM accepts."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         import gc
@@ -91,6 +121,14 @@ class VLLMRollout:
                                                                     "block_size": KV_BLOCK_TOKENS}
         if dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if lora is not None:
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora.rank), max_loras=1)
+        self.model_dir, self.lora = model_dir, lora
+        self.adapter: LoRARequest | None = None  # the current adapter (None: the base alone, before the first sync)
+        self.adapter_sum = 0.0  # weight_checksums' with LoRA: the current adapter's, as vLLM holds it (its dtype)
+        self.lora_dtype = getattr(torch, dtype)
+        self.adapters_dir = _adapters_root() / f"hybridflow-lora-{uuid.uuid4().hex}"
+        weakref.finalize(self, shutil.rmtree, self.adapters_dir, True)  # the current version's files, at the end
         self.on_gpu = on_gpu
         self.asleep = False
         self._emptied: list[tuple[torch.nn.Parameter, torch.Size]] = []  # parameters release() gave back (CPU)
@@ -118,7 +156,8 @@ class VLLMRollout:
 
         if self.asleep:
             raise RuntimeError("vLLM's weights were released for training and no weights were loaded since: "
-                               "the train -> generate transition (load_weights) must run before generation")
+                               "the train -> generate transition (load_weights, load_adapter with LoRA) must run "
+                               "before generation")
 
         def params(cfg: SamplingConfig) -> SamplingParams:
             return SamplingParams(
@@ -133,7 +172,7 @@ class VLLMRollout:
 
         made = {cfg: params(cfg) for cfg in set(cfgs)}
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], [made[c] for c in cfgs],
-                                 use_tqdm=False)
+                                 use_tqdm=False, lora_request=self.adapter)
         result = []
         for o in outs:
             done = o.outputs[0]
@@ -164,15 +203,59 @@ class VLLMRollout:
         self.asleep = False
         self.llm.reset_prefix_cache()
 
+    def load_adapter(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """The trainer's adapters as the next version: a PEFT directory of its own (models.lora.write_adapter,
+        under /dev/shm where there is one), registered now under a new id and name (vLLM reads the files here, not
+        at the next generation) and used by every generation from now on; the previous one is removed from vLLM and
+        its directory deleted. No prefix-cache reset: vLLM keys cached blocks by the adapter's name and path
+        (v1/core/kv_cache_utils._gen_lora_extra_hash_keys), both new per version, so KV computed with an older
+        adapter is never reused. On GPU the engine wakes from release()'s level-1 sleep first (its base comes back
+        from host memory). Returns the bytes of the adapter tensors."""
+        from vllm.lora.request import LoRARequest
+
+        if self.lora is None:
+            raise RuntimeError("load_adapter on a vLLM engine started without LoRA (spec.training.lora)")
+        if self.asleep and self.on_gpu:
+            self.llm.wake_up()
+        self.asleep = False
+        held: list[tuple[str, torch.Tensor]] = []
+
+        def kept() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in tensors:
+                held.append((name, t.detach().to(self.lora_dtype)))
+                yield name, t
+
+        version = 1 if self.adapter is None else self.adapter.lora_int_id + 1
+        directory = self.adapters_dir / f"v{version}"
+        nbytes = lora.write_adapter(directory, kept(), self.lora, lora.model_type(self.model_dir),
+                                    str(self.model_dir))
+        request = LoRARequest(f"policy-v{version}", version, str(directory))
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the adapter of version {version} from {directory}")
+        previous, self.adapter = self.adapter, request
+        self.adapter_sum = lora.adapter_checksum(held)
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        return nbytes
+
     def release(self) -> None:
-        """Free the generation weights during training (the transition brings new ones anyway). On GPU: sleep mode
-        level 2, weights and KV cache. On CPU vLLM has no sleep mode. Where its build has the kernels (oneDNN, on
-        the AVX-512 and the AVX2 machines seen here; sgl with AMX), vLLM keeps its weights only as packed GEMMs (the
-        handles; the parameters are emptied); elsewhere its GEMMs are plain `linear` calls on the parameters.
+        """Free the generation weights during training (the transition brings new ones anyway). With LoRA the
+        transition brings adapters only, so the base stays: on GPU sleep level 1 (the weights offloaded to host
+        memory, the KV cache dropped; load_adapter wakes it), on CPU nothing (vLLM's KV cache there is sized from
+        the job and stays anyway). Without LoRA, on GPU: sleep mode level 2, weights and KV cache. On CPU vLLM has
+        no sleep mode. Where its build has the kernels (oneDNN, on the AVX-512 and the AVX2 machines seen here; sgl
+        with AMX), vLLM keeps its weights only as packed GEMMs (the handles; the parameters are emptied); elsewhere
+        its GEMMs are plain `linear` calls on the parameters.
         Either way reload_weights rebuilds both from its own record of the layers, so dropping the GEMMs and
         emptying the parameters frees the weights (SmolLM2 in bf16: 0.27 GB of resident memory per rank); the KV
         cache, sized from the job, stays."""
         if self.asleep:
+            return
+        if self.lora is not None:
+            if self.on_gpu:
+                self.llm.sleep(level=1)
+                self.asleep = True
             return
         if self.on_gpu:
             self.llm.sleep(level=2)
@@ -188,7 +271,10 @@ class VLLMRollout:
         self.asleep = True
 
     def weight_checksums(self) -> dict[str, float]:
-        """The embedding's sum (over the TP group: each rank holds a vocabulary shard)."""
+        """The embedding's sum (over the TP group: each rank holds a vocabulary shard); with LoRA the current
+        adapter's (models.lora.adapter_checksum in vLLM's LoRA dtype; 0 before the first), the base never moving."""
+        if self.lora is not None:
+            return {"adapter": self.adapter_sum}
         total = self.model.model.embed_tokens.weight.detach().double().sum().reshape(1)
         if self.tensor_parallel > 1:
             from vllm.distributed import parallel_state as vps
@@ -315,6 +401,13 @@ def _install_shards_in_worker(worker: Any, shards: Iterable[tuple[str, torch.Ten
 
     with set_current_vllm_config(worker.vllm_config):
         install_shards(worker.get_model(), shards)
+
+
+def _adapters_root() -> Path:
+    """Where adapter directories go: memory-backed /dev/shm where there is one (a sync writes one per version and
+    vLLM reads it back at once), else the temporary directory."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
 def _itself(model: torch.nn.Module) -> torch.nn.Module:

@@ -20,6 +20,7 @@ from hybridflow.api import Training
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.context import WorkerContext
 from hybridflow.data.packing import merge_rows, micro_batches, to_count
+from hybridflow.models.lora import LoraSettings
 
 LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, dict[str, float]]]
 
@@ -52,6 +53,7 @@ class TrainSettings:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     seed: int = 0
+    lora: LoraSettings | None = None  # spec.training.lora: adapters trained on a frozen base (models.lora)
 
 
 class TrainEngine(Protocol):
@@ -64,6 +66,7 @@ class TrainEngine(Protocol):
     compute_dtype: torch.dtype  # forward, backward and generation run in it
     dynamic_batch_size: bool
     shared_prompt: bool  # rows with the same prompt run as one sequence (engines.train.shared_prompt)
+    lora: LoraSettings | None  # adapters trained on a frozen base (models.lora); None: every weight trains
 
     def forward_micro(self, batch: Batch, micro_batch_size: int, fn: Callable[[nn.Module, Batch], Any]) -> Any:
         """`fn` over micro-batches, outputs merged back in the batch's row order (no gradients)."""
@@ -86,7 +89,13 @@ class TrainEngine(Protocol):
         """Reduce gradients as the layout needs, clip them to `grad_clip`, return the global norm before clipping."""
 
     def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter whole under HF names (collective): what a generation engine fed full tensors loads."""
+        """Every parameter whole under HF names (collective): what a generation engine fed full tensors loads. With
+        LoRA the policy's weights: each adapted one merged (base + scaling * B @ A), no adapter among them."""
+
+    def sync_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a generation engine that holds the base must receive after an update, whole (collective): every
+        parameter as `full_params` gives it, or with LoRA the adapter tensors alone under module names
+        (`model.layers.0.self_attn.q_proj.lora_A.default.weight`)."""
 
     def num_parameters(self) -> int:
         """The whole model's parameter count (collective where the engine must gather to count)."""
@@ -95,13 +104,14 @@ class TrainEngine(Protocol):
         """This rank's part of the model and optimizer state for torch.distributed.checkpoint, as (D)Tensors under
         names that do not depend on the layout (HF parameter names, whole-tensor shapes): each rank writes its own
         shards, and a load re-shards them to another world size or tensor-parallel size. The same call on a freshly
-        built engine gives the template that a load fills in place."""
+        built engine gives the template that a load fills in place. With LoRA "model" holds the adapters alone
+        (module names; the base is the model directory's, never changed)."""
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         """Take `state` (a `checkpoint_state()` that a load filled in) as the engine's model and optimizer state."""
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole state, HF-named full tensors (the single-file checkpoint format)."""
+        """The whole state, HF-named full tensors (the single-file checkpoint format); with LoRA the adapters'."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a `state_dict()`."""
@@ -134,9 +144,18 @@ class TrainLoop:
     device: torch.device
     dynamic_batch_size: bool = False  # token-budget micro-batches cut to their own lengths (data/packing.py)
     shared_prompt: bool = False  # micro-batches keep a prompt's rows together, and forwards pack them
+    lora: LoraSettings | None = None  # spec.training.lora, on an engine that builds it (FSDP); None: every weight
 
     def clip_grad_norm(self) -> torch.Tensor:
         raise NotImplementedError
+
+    def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def sync_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a generation engine takes after an update (collective): every weight whole; an engine training
+        LoRA adapters, the adapters alone."""
+        yield from self.full_params()
 
     def micro_batch_count(self, own: int) -> int:
         """How many micro-batches this rank runs when it cut its own rows into `own`: the same count on every rank

@@ -14,10 +14,12 @@ from torch import nn
 
 from hybridflow.algorithms.core import entropy_from_logits
 from hybridflow.engines import collectives
+from hybridflow.models import lora
 from hybridflow.data.packing import padded_positions
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.context import WorkerContext
-from hybridflow.engines.precision import compute_dtype, master_dtype
+from hybridflow.models.lora import LoraSettings
+from hybridflow.engines.precision import compute_dtype, dtype_name, master_dtype
 from hybridflow.engines.train.base import TrainLoop, TrainSettings, optimizer_settings, restore_optimizer_settings
 from hybridflow.engines.train.shared_prompt import can_share, packed_outputs, shared_layout
 
@@ -111,7 +113,9 @@ def load_sharded_weights(module: nn.Module, model_dir: Path, on_disk: set[str], 
 
     Parameters the files lack (a new value head on a causal LM's checkpoint) are initialised as HF would
     (normal(0, initializer_range), biases zero), identically on every rank; a tied copy (lm_head = embed_tokens)
-    is loaded once, under the name the file has. Returns the names initialised."""
+    is loaded once, under the name the file has. LoRA adapters are initialised as PEFT does (lora.initial_adapters)
+    and an adapted layer's base weight is read under its HF name (lora.hf_name). Returns the names initialised
+    (adapters aside)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -119,10 +123,11 @@ def load_sharded_weights(module: nn.Module, model_dir: Path, on_disk: set[str], 
     aliases: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
-    loaded = {n for names in aliases.values() if any(a in on_disk for a in names) for n in names}
-    wanted = {k: v for k, v in state.items() if k in on_disk}
-    dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(str(model_dir)))
-    fresh = sorted(k for k in state if k not in loaded)
+    loaded = {n for names in aliases.values() if any(lora.hf_name(a) in on_disk for a in names) for n in names}
+    wanted = {k: v for k, v in state.items() if lora.hf_name(k) in on_disk}
+    dcp.load({lora.hf_name(k): v for k, v in wanted.items()},
+             storage_reader=dcp.HuggingFaceStorageReader(str(model_dir)))
+    fresh = sorted(k for k in state if k not in loaded and not lora.is_adapter(k))
     generator = torch.Generator().manual_seed(0)
     new = {}
     for k in fresh:  # small (a head): whole on every rank, then sharded by the full-state-dict path
@@ -131,6 +136,7 @@ def load_sharded_weights(module: nn.Module, model_dir: Path, on_disk: set[str], 
         if t.dim() > 1:
             whole.normal_(0.0, init_std, generator=generator)
         new[k] = whole
+    new.update(lora.initial_adapters({k: v for k, v in state.items() if lora.is_adapter(k)}))
     set_model_state_dict(module, wanted, options=StateDictOptions(strict=False))
     if new:
         set_model_state_dict(module, new, options=StateDictOptions(full_state_dict=True, strict=False))
@@ -141,24 +147,52 @@ def load_causal_lm(model_dir: Path, dtype: str) -> nn.Module:
     return load_hf_model(model_dir, dtype, "lm")
 
 
+def weights_dtype(settings: TrainSettings, compute: torch.dtype) -> str | None:
+    """The dtype the model is loaded and held in: a trained model's fp32 master, a frozen one's own
+    (engines.precision). With LoRA the base is frozen and nothing steps it, so it is held in the compute dtype (no
+    fp32 copy of the whole model); the adapters alone get fp32 masters (`with_adapters`)."""
+    if settings.lora is not None and settings.trainable:
+        return dtype_name(compute)
+    return master_dtype(settings.dtype, settings.trainable)
+
+
+def with_adapters(model: nn.Module, settings: LoraSettings, train_head: bool = False) -> nn.Module:
+    """`model` with LoRA adapters injected before it is sharded (on the meta device too: `load_sharded_weights`
+    initialises them), the base frozen, the adapters fp32: FSDP2 all-gathers both in the compute dtype, and it asks
+    only the trained parameters of a layer to share one dtype. `train_head`: what lies outside the base model (a
+    critic's value head, new and not low-rank) trains whole, in fp32 too."""
+    lora.inject(model, settings)
+    for layer in lora.adapter_layers(model):
+        layer.lora_A.float()
+        layer.lora_B.float()
+    if train_head:
+        for name, child in model.named_children():
+            if name != model.base_model_prefix:
+                child.float().requires_grad_(True)
+    return model
+
+
 def build(ctx: WorkerContext, settings: TrainSettings) -> FSDPEngine:
     """A trained model in fp32 (its master copy, whatever its dtype, which is the compute dtype:
-    engines.precision), a frozen one in its dtype; `auto` compute dtype agreed over the world.
+    engines.precision), a frozen one in its dtype; `auto` compute dtype agreed over the world. With
+    `settings.lora`, adapters on a base held in the compute dtype (`weights_dtype`).
 
     The model is built on the meta device, sharded, and each rank then reads only its own shards from the
     safetensors files (`load_sharded_weights`): a rank's peak while loading is its 1/N of the model, not the whole
     model (30 GB per GPU for a 7B one in fp32, and a 32B one could not start). A checkpoint without safetensors
     files (.bin) is loaded whole on every rank and then sharded, as before."""
     s = settings
-    dtype = master_dtype(s.dtype, s.trainable)
+    computes = compute_dtype(s.compute_dtype, ctx.device, model_dtype=s.dtype)
+    dtype = weights_dtype(s, computes)
     on_disk = safetensors_keys(s.model_dir)
     if on_disk is None:
         model = load_hf_model(s.model_dir, dtype, s.head)
     else:
         model = empty_hf_model(s.model_dir, dtype, s.head)
-    engine = FSDPEngine(model, s.lr, s.grad_clip, ctx.device, trainable=s.trainable,
-                        compute_dtype=compute_dtype(s.compute_dtype, ctx.device, model_dtype=s.dtype),
-                        dynamic_batch_size=s.dynamic_batch_size, shared_prompt=s.shared_prompt)
+    if s.lora is not None:
+        model = with_adapters(model, s.lora, train_head=s.head == "value")
+    engine = FSDPEngine(model, s.lr, s.grad_clip, ctx.device, trainable=s.trainable, compute_dtype=computes,
+                        dynamic_batch_size=s.dynamic_batch_size, shared_prompt=s.shared_prompt, lora=s.lora)
     if on_disk is not None:
         fresh = load_sharded_weights(engine.module, s.model_dir, on_disk, model.config.initializer_range)
         if fresh and ctx.rank == 0:
@@ -174,17 +208,19 @@ class FSDPEngine(TrainLoop):
     Where each copy lives (a trained model): the fp32 shard of every parameter (1/N of it) and its fp32 gradient
     and AdamW moments stay on the rank; a layer's whole weights exist, in the compute dtype, only while that layer
     runs (FSDP's all-gather before it, freed after it); the generation engine holds its own compute-dtype copy,
-    loaded by the weight sync."""
+    loaded by the weight sync. With `lora` only the adapters train (their fp32 shards, gradients and moments);
+    the base's shards are frozen, in the compute dtype."""
 
     def __init__(self, module: nn.Module, lr: float, grad_clip: float, device: str, trainable: bool = True,
                  compute_dtype: torch.dtype | None = None, dynamic_batch_size: bool = False,
-                 shared_prompt: bool = False) -> None:
+                 shared_prompt: bool = False, lora: LoraSettings | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.device = torch.device("cuda" if device == "gpu" else "cpu")
         self.dynamic_batch_size = dynamic_batch_size
         self.shared_prompt = shared_prompt
+        self.lora = lora
         on_meta = any(p.is_meta for p in module.parameters())  # empty_hf_model's: sharded first, filled later
         buffers = {name: b.to(self.device) for name, b in module.named_buffers()}
         if not on_meta:
@@ -206,11 +242,14 @@ class FSDPEngine(TrainLoop):
         self.grad_clip = grad_clip
         # fused: one kernel over all shards, no temporaries; the default foreach path allocates parameter-sized
         # intermediates at the step (measured on CPU, 272 MB of fp32 shards: +272 MB peak and 6x the time)
-        self.optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.0,
-                                           fused=True) if trainable else None
         if not trainable:
             module.requires_grad_(False)
             module.eval()
+        # with LoRA the adapters (and a critic's head) alone; named once: PEFT's switch clears the adapters' flags
+        self.trained_names = {n for n, p in module.named_parameters() if p.requires_grad}
+        self.trained = [p for n, p in module.named_parameters() if n in self.trained_names]
+        self.optimizer = torch.optim.AdamW(self.trained, lr=lr, weight_decay=0.0,
+                                           fused=True) if trainable else None
 
     def micro_batch_count(self, own: int) -> int:
         """The most micro-batches any rank cut its rows into: every forward all-gathers each layer over the world,
@@ -221,7 +260,7 @@ class FSDPEngine(TrainLoop):
         return int(count.item())
 
     def clip_grad_norm(self) -> torch.Tensor:
-        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.trained, self.grad_clip)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def log_probs(self, model: nn.Module, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,11 +276,34 @@ class FSDPEngine(TrainLoop):
         self.module.reshard()
         return self.module
 
-    def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter gathered whole (an all-gather per tensor), HF names; what a generation engine loads."""
+    def gathered(self, adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Parameters gathered whole (an all-gather per tensor), module names; `adapters_only`: LoRA's alone."""
         for name, p in self.resharded().named_parameters():
+            if adapters_only and not lora.is_adapter(name):
+                continue
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             yield name, full.detach()
+
+    def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter whole, HF names; what a generation engine loads. With LoRA the merged policy weights."""
+        if self.lora is None:
+            yield from self.gathered()
+            return
+        yield from lora.merged(self.gathered(), self.lora.scaling)
+
+    def sync_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """After an update: every weight, or with LoRA the adapters alone (the base never changes)."""
+        if self.lora is None:
+            yield from self.full_params()
+            return
+        yield from self.gathered(adapters_only=True)
+
+    def saved(self, model_state: dict[str, Any]) -> dict[str, Any]:
+        """What a checkpoint keeps of the model's state: all of it, or with LoRA what trains (the adapters, and a
+        critic's value head; the base is the model directory's, never changed)."""
+        if self.lora is None:
+            return model_state
+        return {k: v for k, v in model_state.items() if k in self.trained_names}
 
     def num_parameters(self) -> int:
         return int(sum(p.numel() for p in self.module.parameters()))  # DTensor.numel() is the global size
@@ -250,20 +312,21 @@ class FSDPEngine(TrainLoop):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         if self.optimizer is None:
-            return {"model": get_model_state_dict(self.resharded())}
+            return {"model": self.saved(get_model_state_dict(self.resharded()))}
         # sharded DTensors under HF names; a fresh optimizer gets zero state first, so the template has every slot
         model_sd, optim_sd = get_state_dict(self.resharded(), self.optimizer)
-        return {"model": model_sd, "optimizer": optim_sd}
+        return {"model": self.saved(model_sd), "optimizer": optim_sd}
 
     def load_checkpoint_state(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
+        opts = StateDictOptions(strict=self.lora is None)  # with LoRA the state holds the adapters alone
         if self.optimizer is None or "optimizer" not in state:
-            set_model_state_dict(self.resharded(), state["model"])
+            set_model_state_dict(self.resharded(), state["model"], options=opts)
             return
         settings = optimizer_settings(self.optimizer)
         set_state_dict(self.resharded(), self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+                       optim_state_dict=state["optimizer"], options=opts)
         restore_optimizer_settings(self.optimizer, settings)  # the moments from the checkpoint, lr from the spec
 
     def state_dict(self) -> dict:
@@ -273,14 +336,14 @@ class FSDPEngine(TrainLoop):
         if self.optimizer is None:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-            return {"model": get_model_state_dict(self.resharded(), options=opts)}
+            return {"model": self.saved(get_model_state_dict(self.resharded(), options=opts))}
         model_sd, optim_sd = get_state_dict(self.resharded(), self.optimizer, options=opts)
-        return {"model": model_sd, "optimizer": optim_sd}
+        return {"model": self.saved(model_sd), "optimizer": optim_sd}
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False, strict=self.lora is None)
         set_state_dict(
             self.resharded(),  # after a no-grad forward the root's parameters are not the optimizer's DTensors
             self.optimizer or [],

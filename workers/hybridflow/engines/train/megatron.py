@@ -86,6 +86,8 @@ def build(ctx: WorkerContext, settings: TrainSettings) -> MegatronEngine:
     s = settings
     if s.head != "lm" or s.dtype is None or not s.trainable:
         raise ValueError("the megatron engine trains causal LMs (the actor) in a given dtype")
+    if s.lora is not None:  # the spec's rules refuse it first (api.rules)
+        raise ValueError("spec.training.lora: LoRA is not built for the megatron engine; use engine fsdp")
     engine = MegatronEngine(s.model_dir, s.dtype, s.tensor_parallel, s.lr, s.grad_clip, ctx.device, s.seed,
                             pp=s.pipeline_parallel)
     engine.dynamic_batch_size = s.dynamic_batch_size

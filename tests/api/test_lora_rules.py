@@ -1,0 +1,39 @@
+"""The spec's rules for LoRA (spec.training.lora, api.rules): what is not built is refused at validation, naming the
+field and the way out, before any pod or process starts."""
+import pytest
+
+from hybridflow.api import SpecError, parse_job
+
+
+def _job(training: dict, **spec) -> dict:
+    return {"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "t"},
+            "spec": {"training": training, **spec}}
+
+
+LORA = {"rank": 4, "alpha": 8}
+POOLS = {"resourcePools": [{"name": "a", "nodes": 1, "devicesPerNode": 1},
+                           {"name": "b", "nodes": 1, "devicesPerNode": 1}]}
+
+
+def test_lora_on_the_fsdp_engine_is_accepted():
+    assert parse_job(_job({"lora": LORA})).spec.training.lora.rank == 4
+
+
+def test_lora_on_the_megatron_engine_is_refused_naming_the_field_and_the_engine_that_builds_it():
+    with pytest.raises(SpecError, match=r"spec.training.lora: LoRA is not built for the megatron engine; use "
+                                        r"spec.training.engine: fsdp"):
+        parse_job(_job({"engine": "megatron", "lora": LORA}, rollout={"engine": "megatron"}))
+
+
+def test_a_lora_job_keeps_its_reference_on_the_actors_pool():
+    apart = {"actor": "a", "rollout": "a", "reference": "b"}
+    with pytest.raises(SpecError, match=r"spec.placement.reference: with spec.training.lora the actor is its own "
+                                        r"reference .* \(a\)"):
+        parse_job(_job({"lora": LORA}, placement=apart, **POOLS))
+    parse_job(_job({}, placement=apart, **POOLS))  # without LoRA the reference has a model of its own to place
+    parse_job(_job({"lora": LORA}, placement={**apart, "reference": "a"}, **POOLS))
+
+
+
+def test_a_lora_critic_is_accepted():
+    assert parse_job(_job({"lora": {**LORA, "critic": True}}, algorithm={"name": "ppo"})).spec.training.lora.critic
