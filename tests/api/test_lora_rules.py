@@ -19,10 +19,23 @@ def test_lora_on_the_fsdp_engine_is_accepted():
     assert parse_job(_job({"lora": LORA})).spec.training.lora.rank == 4
 
 
-def test_lora_on_the_megatron_engine_is_refused_naming_the_field_and_the_engine_that_builds_it():
-    with pytest.raises(SpecError, match=r"spec.training.lora: LoRA is not built for the megatron engine; use "
-                                        r"spec.training.engine: fsdp"):
+def test_lora_on_the_megatron_engine_trains_at_tp1_and_generates_where_adapters_load():
+    parse_job(_job({"engine": "megatron", "lora": LORA}, rollout={"engine": "hf"}))
+    with pytest.raises(SpecError, match=r"spec.rollout.engine: the megatron generation engine takes no LoRA "
+                                        r"adapters; use spec.rollout.engine: hf/vllm"):
         parse_job(_job({"engine": "megatron", "lora": LORA}, rollout={"engine": "megatron"}))
+
+
+def test_what_the_generation_engine_and_the_model_cannot_take_is_refused_naming_the_field():
+    with pytest.raises(SpecError, match=r"spec.training.lora.rank = 1024: the vllm generation engine serves LoRA "
+                                        r"ranks up to 512"):
+        parse_job(_job({"lora": {"rank": 1024}}))
+    parse_job(_job({"lora": {"rank": 1024}}, rollout={"engine": "hf"}))  # plain torch: any rank
+    with pytest.raises(SpecError, match=r"spec.training.lora.targetModules: \['lm_head'\] are not a decoder "
+                                        r"layer's linear projections"):
+        parse_job(_job({"lora": {"targetModules": ["q_proj", "lm_head"]}}))
+    with pytest.raises(SpecError, match=r"spec.training.lora.critic: this job has no critic"):
+        parse_job(_job({"lora": {"critic": True}}))  # GRPO
 
 
 def test_a_lora_job_keeps_its_reference_on_the_actors_pool():

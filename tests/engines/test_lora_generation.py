@@ -109,6 +109,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # vLLM in a child process (12-16 s)
 def test_vllm_generates_with_each_adapter_version_as_hf_with_peft_does(model_dir, tmp_path):
     """vLLM (CPU, in a child process: it sets up torch.distributed state of its own), built by its factory from a
     RolloutSetup with the LoRA settings (rank 4, served at vLLM's rank 8): the base alone
@@ -138,6 +139,11 @@ def test_vllm_lora_ranks_round_up_to_the_next_it_accepts():
     assert [vllm_lora_rank(r) for r in (1, 4, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
     with pytest.raises(ValueError, match="spec.training.lora.rank = 600"):
         vllm_lora_rank(600)
+    from hybridflow.api.engines import ROLLOUT_ENGINES
+
+    assert vllm_lora_rank(ROLLOUT_ENGINES["vllm"].max_lora_rank) == ROLLOUT_ENGINES["vllm"].max_lora_rank  # the
+    with pytest.raises(ValueError):  # spec's rule (api.rules) refuses exactly the ranks this vLLM cannot serve
+        vllm_lora_rank(ROLLOUT_ENGINES["vllm"].max_lora_rank + 1)
 
 
 def test_the_hf_engine_takes_each_adapter_version_as_peft_computes_it(model_dir, tmp_path):

@@ -176,10 +176,17 @@ def test_the_actor_without_lora_refuses_the_reference_stage(one_rank, tiny_dir):
         one_rank_actor(tiny_dir, {}).compute_ref_log_prob(ragged_batch_with_uids())
 
 
-def test_computing_in_bf16_the_frozen_base_is_held_in_bf16_and_the_adapters_train_in_fp32(one_rank, tiny_dir):
-    """No fp32 master of a weight nothing steps; FSDP2 gathers the fp32 adapters and the bf16 base alike in bf16."""
+@pytest.mark.parametrize("reference_first", [False, True])
+def test_computing_in_bf16_the_frozen_base_is_held_in_bf16_and_the_adapters_train_in_fp32(one_rank, tiny_dir,
+                                                                                          reference_first):
+    """No fp32 master of a weight nothing steps; FSDP2 gathers the fp32 adapters and the bf16 base alike in bf16.
+    `reference_first`: the engine's first forward is the reference's, adapters off (a default GRPO step's order:
+    the update makes its own old log-probs), and the update after it still trains the fp32 adapters."""
     engine = build(CPU, TrainSettings(tiny_dir, "float32", lr=1e-2, compute_dtype="bfloat16", lora=SETTINGS))
     assert engine.compute_dtype == torch.bfloat16
+    if reference_first:
+        with lora.adapters_disabled(engine.module):
+            masked_log_probs(engine, ragged_batch(), 3)
     dtypes = {n: p.dtype for n, p in engine.module.named_parameters()}
     assert {d for n, d in dtypes.items() if lora.is_adapter(n)} == {torch.float32}
     assert {d for n, d in dtypes.items() if not lora.is_adapter(n)} == {torch.bfloat16}
@@ -260,7 +267,11 @@ def _rank_work(rank: int, store: str, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    from datetime import timedelta
+
+    # bounded: a rank whose peer died fails in a minute instead of outliving the test run
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
     try:
         engine = build(WorkerContext(rank, 2, rank, "cpu"), TrainSettings(
             model_dir, "float32", lr=1e-2, compute_dtype="float32", lora=SETTINGS))
@@ -279,7 +290,8 @@ def _rank_work(rank: int, store: str, model_dir: str, out: str) -> None:
 def test_two_ranks_train_the_same_adapters_and_their_checkpoint_loads_on_one(one_rank, tiny_dir, tmp_path):
     import torch.multiprocessing as mp
 
-    mp.start_processes(_two_ranks, args=(str(tmp_path / "store"), str(tiny_dir), str(tmp_path)), nprocs=2,
+    # a store of their own: the one_rank fixture's group (this process) has tmp_path / "store"
+    mp.start_processes(_two_ranks, args=(str(tmp_path / "two-rank-store"), str(tiny_dir), str(tmp_path)), nprocs=2,
                        join=True, start_method="spawn")
     two = torch.load(tmp_path / "gathered.pt")
     one = _engine(tiny_dir)
@@ -304,7 +316,8 @@ def test_the_reference_stage_of_a_lora_job_runs_on_the_actors_pool():
     the stage on the actor's pool."""
     from types import SimpleNamespace
 
-    from hybridflow.trainer.setup import Workers, actor_is_reference
+    from hybridflow.api.training import actor_is_reference
+    from hybridflow.trainer.setup import Workers
 
     def workers(training: dict) -> Workers:
         spec = parse_job({"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "t"},
@@ -314,5 +327,5 @@ def test_the_reference_stage_of_a_lora_job_runs_on_the_actors_pool():
         return Workers({"actor": actor, "rollout": object(), "reference": actor}, [group], 1, None, spec)
 
     lora_job = workers({"lora": {"rank": 4, "alpha": 8}})
-    assert actor_is_reference(lora_job.spec) and lora_job.pools["reference"] == "default"
-    assert not actor_is_reference(workers({}).spec)
+    assert actor_is_reference(lora_job.spec.training) and lora_job.pools["reference"] == "default"
+    assert not actor_is_reference(workers({}).spec.training)

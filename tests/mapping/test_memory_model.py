@@ -248,3 +248,13 @@ def test_plan_of_the_7b_example_shows_what_lora_buys(tmp_path, capsys):
             "parameters (0.53% of the base") in out
     assert "| reference | no weights of its own: the actor's base, adapters switched off | - | - | - | - |" in out
     assert "peak 42.5 GiB of 79.1 GiB per device (generate phase): fits" in out  # 47.8 GiB without (above)
+
+
+def test_a_cpu_vllm_keeps_its_base_through_a_lora_update():
+    """Without LoRA a CPU vLLM empties its weights for the update (the transition brings new ones); with LoRA the
+    transition brings adapters alone, so the base stays resident in every phase."""
+    cpu = [{"name": "cpus", "devicesPerNode": 2}]
+    _, full = _terms(_spec(resourcePools=cpu), "rollout")
+    _, lora = _terms(_spec(resourcePools=cpu, training={"lora": {"rank": 8}}), "rollout")
+    assert full["vLLM weights"].phases["update"] == 0 < full["vLLM weights"].phases["generate"]
+    assert lora["vLLM weights"].phases["update"] == lora["vLLM weights"].phases["generate"] > 0

@@ -175,17 +175,18 @@ def _base_dir(config: dict, model_dir: Path | None, checkpoint: Path) -> Path:
 
 
 def _merged(base: Path, state: dict, config: dict, dtype: str | None):
-    """The base model with the adapter merged into its weights (peft's merge_and_unload), in fp32 while merging."""
+    """The base model with the adapter merged into its weights (peft's merge_and_unload), in fp32 while merging,
+    then in `dtype` or the base's own (a bf16 base is not written back twice its size)."""
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from hybridflow.models import lora
 
+    own = getattr(AutoConfig.from_pretrained(base), "dtype", None) or torch.float32
+    own = getattr(torch, own) if isinstance(own, str) else own
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     with tempfile.TemporaryDirectory(prefix="export-adapter-") as adapter:
         lora.save_adapter(Path(adapter), state.items(), config)
         merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
-    if dtype:
-        merged = merged.to(getattr(torch, dtype))
-    return merged.eval()
+    return merged.to(getattr(torch, dtype) if dtype else own).eval()

@@ -50,6 +50,7 @@ class RolloutEngineKind:
     kv_cache: bool = False  # preallocates a KV cache (counted by capacity)
     per_row_sampling: bool = True  # one call may give each row its own sampling settings (multi-turn budgets)
     cuda_graphs: bool = False  # can capture CUDA graphs (spec.rollout.cudaGraphs)
+    max_lora_rank: int | None = None  # the largest LoRA rank it serves (spec.training.lora); None: any, 0: no LoRA
 
     def load(self) -> Any:
         return _load(self.factory)
@@ -91,13 +92,13 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 register_train_engine(TrainEngineKind("fsdp", "hybridflow.engines.train.fsdp:build", "torch FSDP2", lora=True))
 register_train_engine(TrainEngineKind(
-    "megatron", "hybridflow.engines.train.megatron:build", "megatron-core 3D", model_parallel=True,
-    computes_in_model_dtype=True))
+    "megatron", "hybridflow.engines.train.megatron_build:build", "megatron-core 3D", model_parallel=True,
+    computes_in_model_dtype=True, lora=True))  # LoRA at tensorParallel 1, pipelineParallel 1 (api.rules)
 register_rollout_engine(RolloutEngineKind(
     "vllm", "hybridflow.engines.rollout.vllm:build", "in-process vLLM", head_sizes=VLLM_CPU_HEAD_SIZES, kv_cache=True,
-    tensor_parallel=True, vocab_padding=64, cuda_graphs=True))
+    tensor_parallel=True, vocab_padding=64, cuda_graphs=True, max_lora_rank=512))  # vLLM's MaxLoRARanks
 register_rollout_engine(RolloutEngineKind("hf", "hybridflow.engines.rollout.hf:build", "plain torch generation"))
 register_rollout_engine(RolloutEngineKind(
     "megatron", "hybridflow.engines.rollout.megatron:build", "tensor-parallel generation with megatron-core layers "
     "on the 3D-HybridEngine's generation groups", tensor_parallel=True, megatron_shards=True,
-    fed_by=frozenset({"megatron"}), per_row_sampling=False))
+    fed_by=frozenset({"megatron"}), per_row_sampling=False, max_lora_rank=0))  # its layers hold no LoRA modules

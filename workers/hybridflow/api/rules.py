@@ -277,6 +277,9 @@ def _rollout_mode_problems(spec: JobFields) -> list[str]:
     return out
 
 
+_NOT_LORA_TARGETS = {"embed_tokens", "lm_head", "score", "norm", "model.norm"}
+
+
 def _lora_problems(spec: JobFields) -> list[str]:
     """LoRA (spec.training.lora) needs an engine that builds it, and its reference policy is the actor's own base
     (adapters off), so a reference placed apart from the actor would be a pool holding nothing."""
@@ -284,9 +287,28 @@ def _lora_problems(spec: JobFields) -> list[str]:
     if t.lora is None:
         return []
     out = []
-    if not TRAIN_ENGINES[t.engine].lora:
+    kind = TRAIN_ENGINES[t.engine]
+    if not kind.lora:
         out.append(f"spec.training.lora: LoRA is not built for the {t.engine} engine; use spec.training.engine: "
                    f"{'/'.join(lora_train_engines())} (or remove spec.training.lora)")
+    elif kind.model_parallel and (t.tensor_parallel, t.pipeline_parallel) != (1, 1):
+        out.append(f"spec.training.tensorParallel = {t.tensor_parallel}, spec.training.pipelineParallel = "
+                   f"{t.pipeline_parallel}: LoRA on the {t.engine} engine trains at tensorParallel 1 and "
+                   "pipelineParallel 1 (data parallel only); set both to 1 or remove spec.training.lora")
+    most = ROLLOUT_ENGINES[spec.rollout.engine].max_lora_rank
+    if most == 0:
+        loading = [n for n in ROLLOUT_ENGINES.names() if ROLLOUT_ENGINES[n].max_lora_rank != 0]
+        out.append(f"spec.rollout.engine: the {spec.rollout.engine} generation engine takes no LoRA adapters; use "
+                   f"spec.rollout.engine: {'/'.join(loading)} (or remove spec.training.lora)")
+    elif most is not None and t.lora.rank > most:
+        out.append(f"spec.training.lora.rank = {t.lora.rank}: the {spec.rollout.engine} generation engine serves "
+                   f"LoRA ranks up to {most}; use a lower rank")
+    not_linear = sorted(set(t.lora.target_modules) & _NOT_LORA_TARGETS)
+    if not_linear:
+        out.append(f"spec.training.lora.targetModules: {not_linear} are not a decoder layer's linear projections "
+                   "(embeddings and heads are not adapted here); name projections such as q_proj, v_proj")
+    if t.lora.critic and "critic" not in spec.roles():
+        out.append("spec.training.lora.critic: this job has no critic (its algorithm uses none); remove it")
     if spec.models.reference and spec.pool("reference").name != spec.pool("actor").name:
         out.append(f"spec.placement.reference: with spec.training.lora the actor is its own reference (its base, "
                    f"adapters off); place reference on the actor's pool ({spec.pool('actor').name})")

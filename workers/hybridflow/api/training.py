@@ -86,3 +86,19 @@ class Training(SpecModel):
     @classmethod
     def _engine_registered(cls, value: str) -> str:
         return registered(TRAIN_ENGINES, value)
+
+
+def role_lora(role: str, training: Training) -> Lora | None:
+    """The adapters `role` trains: the actor's whenever spec.training.lora is set, a critic's (critic, cost_critic)
+    only with `lora.critic`; None: the role trains every weight, or nothing. The one place that says which roles
+    LoRA reaches (the engines, checkpoints' identity and the memory model read it)."""
+    lora = training.lora
+    if lora is None or not (role == "actor" or (role.endswith("critic") and lora.critic)):
+        return None
+    return lora
+
+
+def actor_is_reference(training: Training) -> bool:
+    """Whether the actor serves the reference stage itself: with LoRA the reference policy is its base with the
+    adapters switched off, so no reference model is loaded (and none can sit on a pool of its own)."""
+    return training.lora is not None

@@ -20,6 +20,7 @@ from hybridflow.checkpoint.store import (
 )
 from hybridflow.api import RLHFJob, SpecError
 from hybridflow.api.roles import trained_roles
+from hybridflow.api.training import role_lora
 
 log = logging.getLogger("hybridflow.checkpoint")
 
@@ -55,10 +56,10 @@ def checkpoint_identity(job: RLHFJob, w: HasRoles) -> dict[str, Any]:
     m = job.spec.models
     sources = {"actor": m.actor, "critic": m.critic or m.actor, "cost_critic": m.critic or m.actor}
     models = {role: model_architecture(sources[role]) for role in CHECKPOINTED_ROLES if role in w.roles}
-    lora = job.spec.training.lora
-    for role in models if lora is not None else ():  # an adapter's weights load into no other shape of training
-        if role == "actor" or lora.critic:
-            models[role]["lora"] = lora.model_dump(mode="json")
+    for role in models:  # an adapter's weights load into no other shape of training
+        lora = role_lora(role, job.spec.training)
+        if lora is not None:  # what shapes and scales the saved adapters (dropout may change on resume)
+            models[role]["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": lora.target_modules}
     return identity(job.metadata.name, job.metadata.namespace, models)
 
 

@@ -6,9 +6,10 @@ from dataclasses import dataclass, replace
 
 from hybridflow.api import JobSpec
 from hybridflow.api.devices import PROFILES, DeviceProfile, profile
+from hybridflow.api.training import role_lora
 from hybridflow.memory.shapes import ModelShape
 from hybridflow.memory.terms import (
-    PHASES, Term, _in, adapted_linears, compute_bytes, cuda_graphs_on, frozen_terms, role_lora, rollout_terms,
+    PHASES, Term, _in, adapted_linears, compute_bytes, cuda_graphs_on, frozen_terms, rollout_terms,
     trained_params, trained_terms,
 )
 
@@ -123,7 +124,7 @@ def memory_problems(spec: JobSpec, plans: list[PoolPlan]) -> list[str]:
 
 def lora_summary(spec: JobSpec, role: str, s: ModelShape) -> list[str]:
     """What LoRA trains of `role` (none without it): the plan's reader sees the trained share beside the base."""
-    lora = role_lora(role, spec)
+    lora = role_lora(role, spec.training)
     if lora is None:
         return []
     held = trained_params(role, spec, s, TRAINED[role])

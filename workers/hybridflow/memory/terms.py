@@ -14,12 +14,11 @@ is the actor with its adapters switched off (no weights of its own) and the weig
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 from hybridflow.api import JobSpec, ResourcePool
 from hybridflow.api.engines import TRAIN_ENGINES
 from hybridflow.api.devices import DeviceProfile
-from hybridflow.api.training import LORA_DEFAULT_TARGETS, Lora
+from hybridflow.api.training import LORA_DEFAULT_TARGETS, Lora, actor_is_reference, role_lora
 from hybridflow.capacity import DTYPE_BYTES, kv_cache_bytes
 from hybridflow.memory.shapes import ModelShape, ShapeError
 
@@ -109,10 +108,6 @@ def fsdp_transients(s: ModelShape, c: int, trained: TrainedParams | None) -> tup
 
 # role -> whether spec.training.lora gives it adapters: the actor always, a critic (and the cost critic) only when
 # lora.critic asks; every other role is frozen or generates
-LORA_ROLES: dict[str, Callable[[Lora], bool]] = {
-    "actor": lambda lora: True, "critic": lambda lora: lora.critic, "cost_critic": lambda lora: lora.critic}
-
-
 @dataclass(frozen=True)
 class TrainedParams:
     """How a trained model's parameters are held, before sharding: the trained ones carry fp32 master weights, fp32
@@ -127,12 +122,6 @@ class TrainedParams:
     @property
     def trained(self) -> int:
         return self.layers * self.layer + self.root
-
-
-def role_lora(role: str, spec: JobSpec) -> Lora | None:
-    """The adapters `role` trains (spec.training.lora), or None: it trains every weight, or nothing."""
-    lora = spec.training.lora
-    return lora if lora is not None and LORA_ROLES.get(role, lambda _: False)(lora) else None
 
 
 def adapted_linears(s: ModelShape, lora: Lora) -> dict[str, tuple[int, int]]:
@@ -157,7 +146,7 @@ def adapter_layer_params(s: ModelShape, lora: Lora) -> int:
 def trained_params(role: str, spec: JobSpec, s: ModelShape, lm: bool) -> TrainedParams:
     """Every weight trained (full fine-tuning), or with LoRA the adapters (and a critic's value head, trained whole)
     on a frozen base."""
-    lora = role_lora(role, spec)
+    lora = role_lora(role, spec.training)
     if lora is None:
         return TrainedParams(s.layer_params, s.root_params, s.layers, 0, "")
     head = 0 if lm else s.hidden + 1  # AutoModelForTokenClassification's score layer, bias included
@@ -205,7 +194,7 @@ def trained_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c
 def reference_is_actor_base(role: str, spec: JobSpec) -> bool:
     """With LoRA the reference policy is the actor's frozen base (its adapters switched off for the call,
     models/lora.py), so the reference holds no model of its own; its forward pass still runs."""
-    return role == "reference" and spec.training.lora is not None
+    return role == "reference" and actor_is_reference(spec.training)
 
 
 def frozen_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c: int, dtype: str,
@@ -258,8 +247,10 @@ def rollout_terms(spec: JobSpec, pool: ResourcePool, s: ModelShape, c: int, devi
         per_rank = -(-sequences // max(1, pool.world_size // r.tensor_parallel))
         kv = int(r.kv_cache_gib * (1 << 30)) or kv_cache_bytes(
             s.layers, s.kv_heads, s.head_dim, c, per_rank, r.max_prompt_length + r.max_response_length)
-        out = [Term("rollout", f"vLLM weights (1/{r.tensor_parallel}), released in the update",
-                    "spec.rollout.tensorParallel", _in(("generate", "forward", "reshard"), weights)),
+        # with LoRA the base is never sent again, so a CPU engine (no sleep mode) keeps it through the update
+        held = PHASES if adapter else ("generate", "forward", "reshard")
+        out = [Term("rollout", f"vLLM weights (1/{r.tensor_parallel}), " + ("kept: the LoRA base" if adapter else
+                    "released in the update"), "spec.rollout.tensorParallel", _in(held, weights)),
                Term("rollout", "vLLM KV cache (sized from the job)", "spec.rollout.kvCacheGib", _in(PHASES, kv))]
     if adapter:
         out.append(Term("rollout", f"vLLM LoRA slot (enable_lora: one adapter, 1/{r.tensor_parallel})",
@@ -271,7 +262,7 @@ def rollout_terms(spec: JobSpec, pool: ResourcePool, s: ModelShape, c: int, devi
 def adapter_bytes(spec: JobSpec, s: ModelShape, c: int) -> int:
     """The actor's LoRA adapters whole, in the compute dtype (0 without LoRA): what each weight sync moves and what
     vLLM's LoRA slot holds beside the base weights, which never change."""
-    lora = role_lora("actor", spec)
+    lora = role_lora("actor", spec.training)
     return 0 if lora is None else s.layers * adapter_layer_params(s, lora) * c
 
 

@@ -104,8 +104,12 @@ def inject(model: nn.Module, settings: LoraSettings) -> nn.Module:
     from peft import inject_adapter_in_model
 
     config = peft_config(settings, model.config.model_type)
-    model = inject_adapter_in_model(config, model, adapter_name=ADAPTER,
-                                    low_cpu_mem_usage=any(p.is_meta for p in model.parameters()))
+    try:
+        model = inject_adapter_in_model(config, model, adapter_name=ADAPTER,
+                                        low_cpu_mem_usage=any(p.is_meta for p in model.parameters()))
+    except ValueError as err:  # PEFT's "Target modules {...} not found in the base model"
+        raise ValueError(f"spec.training.lora.targetModules: {err} (name linear modules of the model, e.g. q_proj, "
+                         f"v_proj; empty: the family's default)") from err
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name))
     return model
@@ -119,15 +123,25 @@ def adapter_layers(model: nn.Module) -> Iterator[nn.Module]:
 
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """The base model alone while inside (the reference policy of a LoRA actor: no second copy of the model)."""
+    """The base model alone while inside (the reference policy of a LoRA actor: no second copy of the model).
+
+    Only the layers' switch moves: PEFT's `enable_adapters(False)` also marks the adapters frozen, and FSDP2 fixes a
+    layer group's gradient dtypes from the parameters that require grad at its first forward, so a reference pass
+    that ran first (the default GRPO step's first forward) left bf16 compute unable to assign the adapters' fp32
+    gradients ("attempting to assign a gradient with dtype 'BFloat16' to a tensor with grad_dtype 'Float'")."""
     layers = list(adapter_layers(model))
+    trained = [(p, p.requires_grad) for layer in layers for p in layer.parameters()]
     for layer in layers:
         layer.enable_adapters(False)
+    for p, flag in trained:
+        p.requires_grad_(flag)
     try:
         yield
     finally:
         for layer in layers:
             layer.enable_adapters(True)
+        for p, flag in trained:
+            p.requires_grad_(flag)
 
 
 def initial_adapters(adapters: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ from hybridflow.engines.bridge.stream import (
     StreamRendezvous, WeightSender, WeightStreamError, pool_peers, stream_group,
 )
 from hybridflow.engines.bridge.transfer import full_tensor_checksums, train_dp_rank
-from hybridflow.models.lora import LoraSettings, adapters_disabled
+from hybridflow.models.lora import LoraSettings
 from hybridflow.engines.train.base import TrainEngine, TrainEngineFactory, TrainSettings
 from hybridflow.flops import matmul_peak_flops, training_flops
 from hybridflow.models.builders import local_model_dir
@@ -88,7 +88,7 @@ class ActorWorker(CheckpointMixin):
         if self.engine.lora is None:
             raise ValueError("compute_ref_log_prob on the actor needs spec.training.lora (the reference policy is "
                              "then the actor's base); without it the reference role runs its own model")
-        with adapters_disabled(self.engine.module):
+        with self.engine.adapters_off():
             return reference_log_probs(self.engine, batch, self.config.training.micro_batch_size,
                                        self.config.rollout.temperature)
 

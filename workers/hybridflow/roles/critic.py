@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from hybridflow.algorithms.core import value_loss
+from hybridflow.api.training import role_lora
 from hybridflow.checkpoint.role import CheckpointMixin
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.protocol import Dispatch, register
@@ -24,8 +25,7 @@ def response_values(model: nn.Module, batch: Batch, shared: bool = False) -> tor
 
 def critic_lora(config: CriticConfig) -> LoraSettings | None:
     """The critic's own adapter (spec.training.lora.critic; its value head trains whole), or None: every weight."""
-    lora = config.training.lora
-    return LoraSettings.from_spec(lora) if lora is not None and lora.critic else None
+    return LoraSettings.from_spec(role_lora("critic", config.training))
 
 
 class CriticWorker(CheckpointMixin):

@@ -23,6 +23,7 @@ from hybridflow.single_controller.worker_group import RoleHandle, RoleSpec, Work
 from hybridflow.roles.protocols import PooledRolloutRole, RolloutRole
 from hybridflow.roles import config as rc
 from hybridflow.api import JobSpec, ResourcePool, RLHFJob
+from hybridflow.api.training import actor_is_reference
 
 
 @dataclass
@@ -65,7 +66,7 @@ class Workers:
     def pools(self) -> dict[str, str]:
         """Role -> the name of the pool hosting it (a LoRA actor's pool hosts the reference too: actor_is_reference)."""
         pools = {role: g.pool.name for g in self.groups for role in g.roles}
-        if "reference" in self.roles and actor_is_reference(self.spec):
+        if "reference" in self.roles and actor_is_reference(self.spec.training):
             pools["reference"] = pools["actor"]
         return pools
 
@@ -82,12 +83,6 @@ def _slots(s: JobSpec, pool: ResourcePool) -> list[int] | None:
     if not s.replica_pool(pool.name):
         return None
     return list(range(s.rollout_pool.min_replicas if s.rollout_pool is not None else pool.nodes))
-
-
-def actor_is_reference(s: JobSpec) -> bool:
-    """Whether the actor serves the reference stage itself: with LoRA (spec.training.lora) the reference policy is
-    its base with the adapters off, so no reference model is loaded and the "reference" handle is the actor's."""
-    return s.training.lora is not None
 
 
 def close_groups(groups: list[WorkerGroup]) -> None:
@@ -119,7 +114,7 @@ def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | 
         RoleSpec(RolloutWorker, {"config": actor, "stop_token_ids": task.stop_token_ids}, colocated=("actor",)),
     }
     runs = set(s.roles())  # the one list of the job's roles (status.pools shows the same)
-    if "reference" in runs and not actor_is_reference(s):
+    if "reference" in runs and not actor_is_reference(s.training):
         wanted["reference"] = RoleSpec(ReferenceWorker, {"config": rc.reference_config(s), "model_dir": str(model_dir)})
     if "critic" in runs:
         wanted["critic"] = RoleSpec(CriticWorker, critic)
@@ -157,7 +152,7 @@ def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | 
                                 process_env=allocator, collective_timeout_s=collective_timeout(s.run_policy))
             groups.append(group)
             roles.update({r: group[r] for r in group.roles})
-        if "reference" in runs and actor_is_reference(s):
+        if "reference" in runs and actor_is_reference(s.training):
             roles["reference"] = roles["actor"]  # its compute_ref_log_prob: the base, adapters off
         devices = sum(g.pool.world_size for g in groups)
         replicas = None

@@ -133,6 +133,7 @@ class MicroDPTransfer:
     def __init__(self, ctx: WorkerContext, engine: ModelParallelTrainEngine, layout: Layout,
                  native_shards: bool) -> None:
         self.engine, self.native_shards = engine, native_shards
+        self.adapters = FullTensorTransfer(ctx, engine) if engine.lora is not None else None
         self.hybrid = HybridEngine(layout, ctx.rank)
         self.generation_replica = self.hybrid.generation_replica
         self.generation_replicas = layout.d * layout.d_g
@@ -144,6 +145,10 @@ class MicroDPTransfer:
         return self.hybrid.dp_rank(mesh)
 
     def push(self, rollout: RolloutEngine) -> ReshardStats:
+        """The shards regrouped for generation; with LoRA (trained at TP 1, PP 1: every rank holds the adapters
+        whole) the adapters alone, as a non-model-parallel trainer sends them."""
+        if self.adapters is not None:
+            return self.adapters.push(rollout)
         stats = ReshardStats()
         shards = self.hybrid.transition(self.engine.named_shards(), stats, self.engine.shape.layers // self.hybrid.L.p)
         rollout.load_weights(shards if self.native_shards else mm.megatron_to_hf_items(shards, self.hf_shape))
@@ -151,7 +156,9 @@ class MicroDPTransfer:
 
     def train_checksums(self, dtype: torch.dtype) -> dict[str, float]:
         """Every whole tensor for an engine fed shards (it sums all of its own); the embedding for one fed HF
-        tensors. Megatron generation computes in the weights' dtype, so no cast."""
+        tensors. Megatron generation computes in the weights' dtype, so no cast. With LoRA the adapters' sum."""
+        if self.adapters is not None:
+            return self.adapters.train_checksums(dtype)
         sums = {n: float(t.double().sum()) for n, t in self.engine.whole_shards()}
         if self.native_shards:
             return dict(sorted(sums.items()))

@@ -125,7 +125,9 @@ class VLLMRollout:
             kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora.rank), max_loras=1)
         self.model_dir, self.lora = model_dir, lora
         self.adapter: LoRARequest | None = None  # the current adapter (None: the base alone, before the first sync)
-        self.adapter_sum = 0.0  # weight_checksums' with LoRA: the current adapter's, as vLLM holds it (its dtype)
+        # weight_checksums' with LoRA: the sum of the adapter this engine wrote and vLLM registered (in vLLM's dtype);
+        # what vLLM then holds is read from those files by vLLM itself, not read back here
+        self.adapter_sum = 0.0
         self.lora_dtype = getattr(torch, dtype)
         self.adapters_dir = _adapters_root() / f"hybridflow-lora-{uuid.uuid4().hex}"
         weakref.finalize(self, shutil.rmtree, self.adapters_dir, True)  # the current version's files, at the end
@@ -222,8 +224,11 @@ class VLLMRollout:
 
         def kept() -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in tensors:
-                held.append((name, t.detach().to(self.lora_dtype)))
-                yield name, t
+                # copies: a streamed tensor is valid only until the next one is asked for (engines.bridge.stream),
+                # and both the checksum and the file's tensors are kept until all of them arrived
+                own = t.detach().clone()
+                held.append((name, own.to(self.lora_dtype)))
+                yield name, own
 
         version = 1 if self.adapter is None else self.adapter.lora_int_id + 1
         directory = self.adapters_dir / f"v{version}"

@@ -8,6 +8,7 @@ Each kind is registered by name in `hybridflow.api.engines.TRAIN_ENGINES` with a
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,10 @@ class TrainEngine(Protocol):
     def num_parameters(self) -> int:
         """The whole model's parameter count (collective where the engine must gather to count)."""
 
+    def adapters_off(self) -> contextlib.AbstractContextManager[None]:
+        """The base model alone while inside (a LoRA actor's reference policy: no second copy of the model); without
+        adapters, the model itself."""
+
     def checkpoint_state(self) -> dict[str, Any]:
         """This rank's part of the model and optimizer state for torch.distributed.checkpoint, as (D)Tensors under
         names that do not depend on the layout (HF parameter names, whole-tensor shapes): each rank writes its own
@@ -144,13 +149,17 @@ class TrainLoop:
     device: torch.device
     dynamic_batch_size: bool = False  # token-budget micro-batches cut to their own lengths (data/packing.py)
     shared_prompt: bool = False  # micro-batches keep a prompt's rows together, and forwards pack them
-    lora: LoraSettings | None = None  # spec.training.lora, on an engine that builds it (FSDP); None: every weight
+    lora: LoraSettings | None = None  # spec.training.lora (FSDP; megatron at TP 1, PP 1); None: every weight
 
     def clip_grad_norm(self) -> torch.Tensor:
         raise NotImplementedError
 
     def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         raise NotImplementedError
+
+    def adapters_off(self) -> contextlib.AbstractContextManager[None]:
+        """No adapters here: the model is its base (an engine training LoRA adapters switches them off)."""
+        return contextlib.nullcontext()
 
     def sync_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """What a generation engine takes after an update (collective): every weight whole; an engine training

@@ -4,6 +4,7 @@ Device-agnostic: gloo on CPU, NCCL on GPU. The engine knows nothing of RL; roles
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any, Iterator
@@ -106,7 +107,8 @@ def safetensors_keys(model_dir: Path) -> set[str] | None:
     return keys
 
 
-def load_sharded_weights(module: nn.Module, model_dir: Path, on_disk: set[str], init_std: float) -> list[str]:
+def load_sharded_weights(module: nn.Module, model_dir: Path, on_disk: set[str], init_std: float,
+                         seed: int = 0) -> list[str]:
     """Fill a sharded, materialised module (FSDP2's DTensors, uninitialised) from the model's safetensors files.
     Each rank reads only the rows of its own shards (DCP's HF reader: safetensors slices over mmap) and converts
     them to its dtype as it copies: no rank ever holds a whole tensor of the checkpoint. Collective over the world.
@@ -136,7 +138,7 @@ def load_sharded_weights(module: nn.Module, model_dir: Path, on_disk: set[str], 
         if t.dim() > 1:
             whole.normal_(0.0, init_std, generator=generator)
         new[k] = whole
-    new.update(lora.initial_adapters({k: v for k, v in state.items() if lora.is_adapter(k)}))
+    new.update(lora.initial_adapters({k: v for k, v in state.items() if lora.is_adapter(k)}, seed))
     set_model_state_dict(module, wanted, options=StateDictOptions(strict=False))
     if new:
         set_model_state_dict(module, new, options=StateDictOptions(full_state_dict=True, strict=False))
@@ -194,7 +196,7 @@ def build(ctx: WorkerContext, settings: TrainSettings) -> FSDPEngine:
     engine = FSDPEngine(model, s.lr, s.grad_clip, ctx.device, trainable=s.trainable, compute_dtype=computes,
                         dynamic_batch_size=s.dynamic_batch_size, shared_prompt=s.shared_prompt, lora=s.lora)
     if on_disk is not None:
-        fresh = load_sharded_weights(engine.module, s.model_dir, on_disk, model.config.initializer_range)
+        fresh = load_sharded_weights(engine.module, s.model_dir, on_disk, model.config.initializer_range, s.seed)
         if fresh and ctx.rank == 0:
             logging.getLogger(__name__).info("%s: initialised %s (not in the checkpoint)", s.model_dir, fresh)
     return engine
@@ -307,6 +309,10 @@ class FSDPEngine(TrainLoop):
 
     def num_parameters(self) -> int:
         return int(sum(p.numel() for p in self.module.parameters()))  # DTensor.numel() is the global size
+
+    def adapters_off(self) -> contextlib.AbstractContextManager[None]:
+        """PEFT's adapters switched off while inside (models.lora.adapters_disabled): the base policy."""
+        return lora.adapters_disabled(self.module)
 
     def checkpoint_state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict

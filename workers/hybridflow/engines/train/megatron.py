@@ -20,11 +20,9 @@ from torch import nn
 
 from hybridflow.data.packing import padded_positions
 from hybridflow.single_controller.batch import Batch
-from hybridflow.single_controller.context import WorkerContext
 from hybridflow.engines.train import megatron_model as mm
 from hybridflow.engines.train.megatron_pipeline import catalog, run_schedule, stage_ranks
-from hybridflow.engines.train.shared_prompt import say_once
-from hybridflow.engines.train.base import TrainLoop, TrainSettings
+from hybridflow.engines.train.base import TrainLoop
 from hybridflow.engines.train.master_weights import MasterWeights
 from hybridflow.engines import collectives
 
@@ -80,24 +78,6 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     return z.log() - tp_sum((e * shifted).sum(-1)) / z
 
 
-def build(ctx: WorkerContext, settings: TrainSettings) -> MegatronEngine:
-    """A causal LM only (no value heads), computing in its weights' dtype (the spec's rules refuse a narrower
-    compute dtype for it)."""
-    s = settings
-    if s.head != "lm" or s.dtype is None or not s.trainable:
-        raise ValueError("the megatron engine trains causal LMs (the actor) in a given dtype")
-    if s.lora is not None:  # the spec's rules refuse it first (api.rules)
-        raise ValueError("spec.training.lora: LoRA is not built for the megatron engine; use engine fsdp")
-    engine = MegatronEngine(s.model_dir, s.dtype, s.tensor_parallel, s.lr, s.grad_clip, ctx.device, s.seed,
-                            pp=s.pipeline_parallel)
-    engine.dynamic_batch_size = s.dynamic_batch_size
-    if s.shared_prompt:
-        say_once("shared-prompt packing is off for the megatron engine: its rotary embeddings follow each token's "
-                 "place in the sequence, not position ids, so a response after another's slot would see the prompt "
-                 "at the wrong distance; rows of a group run unshared")
-    return engine
-
-
 class MegatronEngine(TrainLoop):
     def __init__(self, model_dir: Path, dtype: str, tp: int, lr: float, grad_clip: float, device: str,
                  seed: int = 0, pp: int = 1) -> None:
@@ -134,13 +114,18 @@ class MegatronEngine(TrainLoop):
                                           range(self.layer_offset, self.layer_offset + per_stage)))
         self.grad_clip = grad_clip
         # below fp32 the optimizer steps fp32 masters, cast back into the module after each step (master_weights)
-        self.masters = MasterWeights(list(self.module.parameters())) if self.dtype != torch.float32 else None
-        stepped = self.masters.masters if self.masters else self.module.parameters()
+        trained = self.adapt()
+        self.masters = MasterWeights(trained) if any(p.dtype != torch.float32 for p in trained) else None
+        stepped = self.masters.masters if self.masters else trained
         self.optimizer = torch.optim.AdamW(stepped, lr=lr, weight_decay=0.0)
         if self.masters:
             self.optimizer.register_step_post_hook(lambda *_: self.masters.publish())
         self._device_mesh: Any = None  # made on first use by sharded checkpoints (_mesh)
         self._stages: list | None = None  # every stage's whole tensors, made on first use by whole_shards
+
+    def adapt(self) -> list[nn.Parameter]:
+        """What the optimizer steps: every parameter (a LoRA engine injects its adapters here: megatron_lora)."""
+        return list(self.module.parameters())
 
     @property
     def tp_rank(self) -> int:

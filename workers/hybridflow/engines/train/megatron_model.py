@@ -110,17 +110,19 @@ _LAYER_RENAMES = {  # plain one-to-one names inside a layer: HF -> megatron
 }
 
 
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: DecoderShape) -> torch.Tensor:
+    """HF's q, k and v rows (weights, biases, or a LoRA's lora_B) as megatron's linear_qkv holds them: per query
+    group, [that group's q heads; its k; its v] (the inverse of `megatron_to_hf_items`' split)."""
+    G, D = shape.kv_heads, shape.kv_channels
+    per_group = shape.heads // G
+    rest = q.shape[1:]
+    return torch.cat([q.reshape(G, per_group * D, *rest), k.reshape(G, D, *rest), v.reshape(G, D, *rest)],
+                     dim=1).reshape(-1, *rest)
+
+
 def hf_to_megatron(hf: dict[str, torch.Tensor], shape: DecoderShape) -> dict[str, torch.Tensor]:
     """Whatever part of the model `hf` holds (a pipeline stage's layers, or the whole model): callers that need all
     of it check the result against their own parameters."""
-    G, D = shape.kv_heads, shape.kv_channels
-    per_group = shape.heads // G
-
-    def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        rest = q.shape[1:]
-        return torch.cat([q.reshape(G, per_group * D, *rest), k.reshape(G, D, *rest), v.reshape(G, D, *rest)],
-                         dim=1).reshape(-1, *rest)
-
     out = {}
     for a, b in (("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
                  ("model.norm.weight", "decoder.final_layernorm.weight")) + (
@@ -132,9 +134,11 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: DecoderShape) -> dict[str
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         for a, b in _LAYER_RENAMES.items():
             out[m + b] = hf[h + a]
-        out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(*(hf[f"{h}self_attn.{x}_proj.weight"] for x in "qkv"))
+        out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            *(hf[f"{h}self_attn.{x}_proj.weight"] for x in "qkv"), shape)
         if shape.qkv_bias:
-            out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(*(hf[f"{h}self_attn.{x}_proj.bias"] for x in "qkv"))
+            out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(*(hf[f"{h}self_attn.{x}_proj.bias"] for x in "qkv"),
+                                                                 shape)
         out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]])
     return out
 
