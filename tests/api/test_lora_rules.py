@@ -26,6 +26,20 @@ def test_lora_on_the_megatron_engine_trains_at_tp1_and_generates_where_adapters_
         parse_job(_job({"engine": "megatron", "lora": LORA}, rollout={"engine": "megatron"}))
 
 
+def test_megatron_lora_targets_take_its_fused_projections_whole():
+    """Its one adapter per fused linear (q/k/v, gate/up): a part of a group, or a dotted name, fails at validation,
+    not when the engine is built on the workers; FSDP takes both."""
+    megatron = {"engine": "megatron"}
+    for targets, problem in ((["q_proj", "v_proj"], r"fuses \['q_proj', 'k_proj', 'v_proj'\] into one linear"),
+                             (["self_attn.q_proj"], r"\['self_attn.q_proj'\]: the megatron engine adapts the "
+                                                    r"layers' projections by their bare names")):
+        with pytest.raises(SpecError, match=problem):
+            parse_job(_job({**megatron, "lora": {"targetModules": targets}}, rollout={"engine": "hf"}))
+        parse_job(_job({"lora": {"targetModules": targets}}))  # FSDP: PEFT's own matching
+    parse_job(_job({**megatron, "lora": {"targetModules": ["q_proj", "k_proj", "v_proj", "down_proj"]}},
+                   rollout={"engine": "hf"}))
+
+
 def test_what_the_generation_engine_and_the_model_cannot_take_is_refused_naming_the_field():
     with pytest.raises(SpecError, match=r"spec.training.lora.rank = 1024: the vllm generation engine serves LoRA "
                                         r"ranks up to 512"):

@@ -20,6 +20,7 @@ from hybridflow.api.names import DATA_MOUNT, reward_configmap_key
 from hybridflow.api.roles import ROLE_KINDS
 from hybridflow.api.scaling import elastic_problems
 from hybridflow.api.sections import JobFields
+from hybridflow.api.training import LORA_PROJECTIONS
 from hybridflow.api.sources import REWARD_SOURCES, RewardSpec
 from hybridflow.api.storage import is_url
 from hybridflow.rewards.rules import RULES, TASK_DEFAULT_RULE
@@ -278,6 +279,25 @@ def _rollout_mode_problems(spec: JobFields) -> list[str]:
 
 
 _NOT_LORA_TARGETS = {"embed_tokens", "lm_head", "score", "norm", "model.norm"}
+# The projections megatron-core fuses into one linear (linear_qkv, linear_fc1): its LoRA engine puts one adapter on
+# each fused linear (engines/train/megatron_lora.py HF_PARTS), so a target set takes all of a group or none of it
+_MEGATRON_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _megatron_targets_problem(targets: list[str]) -> str:
+    """What the megatron LoRA engine cannot adapt of spec.training.lora.targetModules ("" if nothing): bare
+    projection names only, fused groups whole (empty targets: every projection)."""
+    names = set(targets)
+    if not names:
+        return ""
+    if names - set(LORA_PROJECTIONS):
+        return (f"spec.training.lora.targetModules: {sorted(names - set(LORA_PROJECTIONS))}: the megatron engine "
+                f"adapts the layers' projections by their bare names ({', '.join(LORA_PROJECTIONS)})")
+    for group in _MEGATRON_FUSED:
+        if names & set(group) and not set(group) <= names:
+            return (f"spec.training.lora.targetModules: the megatron engine fuses {list(group)} into one linear; "
+                    f"target all of them or none")
+    return ""
 
 
 def _lora_problems(spec: JobFields) -> list[str]:
@@ -291,6 +311,8 @@ def _lora_problems(spec: JobFields) -> list[str]:
     if not kind.lora:
         out.append(f"spec.training.lora: LoRA is not built for the {t.engine} engine; use spec.training.engine: "
                    f"{'/'.join(lora_train_engines())} (or remove spec.training.lora)")
+    elif kind.model_parallel and _megatron_targets_problem(t.lora.target_modules):
+        out.append(_megatron_targets_problem(t.lora.target_modules))
     elif kind.model_parallel and (t.tensor_parallel, t.pipeline_parallel) != (1, 1):
         out.append(f"spec.training.tensorParallel = {t.tensor_parallel}, spec.training.pipelineParallel = "
                    f"{t.pipeline_parallel}: LoRA on the {t.engine} engine trains at tensorParallel 1 and "

@@ -11,12 +11,12 @@ from pydantic import Field, field_validator
 from hybridflow.api.engines import TRAIN_ENGINES
 from hybridflow.api.fields import MAX_COUNT, ModuleName, SpecModel, registered
 
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # HF config.model_type -> the linear modules that get adapters when spec.training.lora.targetModules is empty: every
 # attention and MLP projection (what the LoRA-for-RL results train; PEFT's own default is q_proj and v_proj only).
 # Here, torch-free, because both the engine (models/lora.py) and the memory model (memory/) read it.
 LORA_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
-    family: _PROJECTIONS for family in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "olmo2")
+    family: LORA_PROJECTIONS for family in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "olmo2")
 }
 
 
@@ -78,8 +78,8 @@ class Training(SpecModel):
     )
 
     lora: Lora | None = Field(
-        None, description="Train LoRA adapters on a frozen base instead of every weight (FSDP engine). Absent: full "
-        "fine-tuning."
+        None, description="Train LoRA adapters on a frozen base instead of every weight (the FSDP engine; megatron at "
+        "tensorParallel 1 and pipelineParallel 1). Absent: full fine-tuning."
     )
 
     @field_validator("engine")

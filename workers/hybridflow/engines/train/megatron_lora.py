@@ -197,7 +197,7 @@ class MegatronLoraEngine(MegatronEngine):
         for p, n in names.items():  # the moments from the checkpoint; lr and betas stay the spec's
             entry = saved[_parts(n)[2][0]]  # its scalars (the step): the first projection's
             self.optimizer.state[p] = {
-                k: megatron_adapter(n, {hf: e[k] for hf, e in saved.items()}, self.shape)
+                k: megatron_adapter(n, {hf: e[k] for hf, e in saved.items()}, self.shape).to(p.device)
                 if torch.is_tensor(v) and v.dim() else v for k, v in entry.items()}
 
     def state_dict(self) -> dict[str, Any]:
