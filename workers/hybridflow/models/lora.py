@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from hybridflow.api.training import Lora
 
 ADAPTER = "default"  # peft's name for the one adapter a module holds (part of every adapter parameter's name)
-DEFAULT_TARGETS = LORA_DEFAULT_TARGETS  # model_type -> the modules adapted when targetModules is empty (api.training)
 PEFT_PREFIX = "base_model.model."  # what PEFT's save_pretrained puts before a module's name
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -59,11 +58,11 @@ def target_modules(settings: LoraSettings, model_type: str) -> list[str]:
     """The spec's modules, or the family's default; a family without one is refused, naming the field."""
     if settings.target_modules:
         return list(settings.target_modules)
-    if model_type not in DEFAULT_TARGETS:
+    if model_type not in LORA_DEFAULT_TARGETS:
         raise ValueError(f"spec.training.lora.targetModules: no default for model type {model_type!r} (defaults for "
-                         f"{', '.join(sorted(DEFAULT_TARGETS))}); name the linear modules to adapt, e.g. "
+                         f"{', '.join(sorted(LORA_DEFAULT_TARGETS))}); name the linear modules to adapt, e.g. "
                          f"[q_proj, v_proj]")
-    return list(DEFAULT_TARGETS[model_type])
+    return list(LORA_DEFAULT_TARGETS[model_type])
 
 
 def peft_config(settings: LoraSettings, model_type: str, inference_mode: bool = False) -> "LoraConfig":
@@ -209,6 +208,7 @@ def save_adapter(directory: Path, tensors: Iterable[tuple[str, torch.Tensor]], c
     save_file(saved, str(directory / ADAPTER_WEIGHTS))
     (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
     return sum(t.numel() * t.element_size() for t in saved.values())
+
 
 def model_type(model_dir: Path) -> str:
     """The HF config's model_type of a model directory (which family's default target modules apply)."""
