@@ -15,8 +15,8 @@ Prints per run: tokens/s (prompt + response tokens of the batch / iteration seco
 per stage, peak memory per rank (max) and summed over ranks, the weight sync's bytes (into generation, and gathered
 from other ranks), and the achieved FLOP/s of the actor update and of the old-log-prob pass as a fraction of this
 machine's matmul peak, which the bench measures itself (one thread per rank, as the job's ranks run, in the dtype each
-run computes in; counted as full fine-tuning's 6N FLOPs a token, LoRA's run included). Then the ratio defaults /
-baseline.
+run computes in; 6N FLOPs a token, with LoRA 4N + 2 x the adapters': its frozen base has no weight gradients).
+Then the ratio defaults / baseline.
 
 With --gpu (bench/gpu_check.sh): one GPU rank, a 0.5B-class Qwen2-style model built from its config (random
 weights, the synthetic increment task), 64 prompts x 4 responses.
@@ -141,7 +141,7 @@ def run_job(doc: dict, steps: int, work: Path, name: str) -> list[dict]:
 
 
 def summarise(records: list[dict], dtype: str, peaks: dict[str, float], parameters: int,
-              ranks: int) -> dict[str, float]:
+              ranks: int, trained: int | None = None) -> dict[str, float]:
     rec = records[1:] or records  # the first step pays one-off costs (first vLLM call, allocator warm-up)
     med = lambda f: statistics.median(f(r) for r in rec)  # noqa: E731
     out = {"tokens/s": med(lambda r: r["throughput_tokens_per_s"]),
@@ -153,7 +153,7 @@ def summarise(records: list[dict], dtype: str, peaks: dict[str, float], paramete
     for key, field in SYNC_FIELDS.items():
         out[key] = med(lambda r: r.get(field, 0.0)) / 1e6
     peak = ranks * peaks[dtype]
-    update_flops = lambda r: training_flops(parameters, r["tokens"]) / r["stages"]["actor_update"]  # noqa: E731
+    update_flops = lambda r: training_flops(parameters, r["tokens"], trained) / r["stages"]["actor_update"]  # noqa: E731
     out["update MFU (batch tokens)"] = med(update_flops) / peak
     logp = med(lambda r: r["stages"].get("old_log_prob", 0.0))
     out["log-prob MFU"] = med(lambda r: forward_flops(parameters, r["tokens"])) / logp / peak if logp else 0.0
@@ -162,25 +162,32 @@ def summarise(records: list[dict], dtype: str, peaks: dict[str, float], paramete
     return out
 
 
-def rank_memory_parts(doc: dict, dtype: str, ranks: int) -> dict[str, float]:
-    """What one rank holds by design, in GB, from the job's spec: the FSDP shards (fp32 masters, their gradients,
-    AdamW's two moments: of every weight, or with LoRA of the adapters, beside the frozen base in the compute dtype)
-    and what the colocated generation engine keeps (its whole weights in the compute dtype and its KV cache, as the
-    job sizes them). Peak minus these is the runtime (Python, torch, vLLM, Ray) and the activations and allocator
-    slack of the largest micro-batch."""
+def actor_params_held(doc: dict):
+    """How the job's actor holds its parameters (hybridflow.memory.terms.TrainedParams): trained and frozen."""
     from hybridflow.api import parse_job
-    from hybridflow.capacity import DTYPE_BYTES, machine_facts, rank_floor
     from hybridflow.memory.shapes import read_shapes
     from hybridflow.memory.terms import trained_params
 
     job = parse_job(doc)
-    held = trained_params("actor", job.spec, read_shapes(job.spec, ROOT)["actor"], True)
+    return trained_params("actor", job.spec, read_shapes(job.spec, ROOT)["actor"], True)
+
+
+def rank_memory_parts(doc: dict, dtype: str, ranks: int) -> dict[str, float]:
+    """What one rank holds by design through the update (whose peak the table shows), in GB, from the job's spec:
+    the FSDP shards (fp32 masters, their gradients, AdamW's two moments: of every weight, or with LoRA of the
+    adapters, beside the frozen base in the compute dtype) and what the colocated generation engine keeps (its KV
+    cache, as the job sizes it; a CPU vLLM releases its weights for the update, with LoRA too). Peak minus these is
+    the runtime (Python, torch, vLLM, Ray) and the activations and allocator slack of the largest micro-batch."""
+    from hybridflow.api import parse_job
+    from hybridflow.capacity import DTYPE_BYTES, machine_facts, rank_floor
+
+    job = parse_job(doc)
+    held = actor_params_held(doc)
     shard = held.trained * 4 / ranks / 1e9
     frozen = {"frozen base": held.frozen * DTYPE_BYTES[dtype] / ranks / 1e9} if held.frozen else {}
     pool = job.spec.resource_pools[0]
-    generation = {k: v / 1e9 for k, v in rank_floor(job.spec, pool, machine_facts(job)).items() if k != "process"}
-    if dtype == "float32":  # rank_floor halves the weights wherever auto may compute in bf16
-        generation = {k: v * (2 if "weights" in k else 1) for k, v in generation.items()}
+    generation = {k: v / 1e9 for k, v in rank_floor(job.spec, pool, machine_facts(job)).items()
+                  if k != "process" and "weights" not in k}
     return {"fp32 weight shard": shard, "gradient shard": shard, "AdamW moments": 2 * shard} | frozen | generation
 
 
@@ -211,7 +218,8 @@ def main() -> None:
             dtype = doc["spec"]["training"].get("computeDtype", "bfloat16" if _bf16_native(device) else "float32")
             params = tiny_params(TinyModel(**_snake(GPU_MODEL))) if args.gpu else SMOLLM2_PARAMS
             records = run_job(doc, args.steps, Path(tmp), name)
-            results[name] = summarise(records, dtype, peaks, params, ranks)
+            held = actor_params_held(doc)
+            results[name] = summarise(records, dtype, peaks, params, ranks, held.trained if held.frozen else None)
             by_step[name] = peaks_by_step(records)
             parts[name] = rank_memory_parts(doc, dtype, ranks)
     names = list(results)

@@ -90,6 +90,9 @@ def test_an_update_moves_the_adapters_alone_and_the_reference_stays_the_base(one
     trained = {id(p) for p in engine.optimizer.state}
     names = {n for n, p in engine.module.named_parameters() if id(p) in trained}
     assert names == set(adapters)  # moments for the adapters alone
+    # the update's weight gradients are the adapters' alone (training_flops' `trained`); full fine-tuning: all of them
+    assert engine.num_trained_parameters() == sum(t.numel() for t in adapters.values()) < engine.num_parameters()
+    assert plain.num_trained_parameters() == plain.num_parameters()
 
 
 def test_checkpoints_hold_the_adapters_and_their_moments_and_restore_the_policy(one_rank, tiny_dir, tmp_path):

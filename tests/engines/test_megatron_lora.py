@@ -109,6 +109,8 @@ def test_a_fresh_engine_scores_exactly_as_its_base_with_adapters_alone_trainable
         assert t.dtype == torch.float32
         assert (not t.any()) if ".lora_B." in name else t.abs().max() <= 1 / t.shape[1] ** 0.5 and t.std() > 0, name
     assert run["num_parameters"][0] == run["num_parameters"][1]  # the policy's count: the adapters merged in
+    # the update's weight gradients: the adapters' alone, every parameter's without LoRA
+    assert run["num_trained_parameters"] == (sum(t.numel() for t in adapters.values()), run["num_parameters"][1])
 
 
 def test_an_update_leaves_the_base_bit_for_bit_moves_every_adapter_and_the_reference_is_the_base(run):

@@ -131,6 +131,7 @@ def test_compute_dtype_settings_and_flops():
     assert compute_dtype("bfloat16", "cpu") is torch.bfloat16
     assert compute_dtype("auto", "cpu") in (torch.float32, torch.bfloat16)
     assert training_flops(10, 7) == 3 * forward_flops(10, 7) == 420
+    assert training_flops(10, 7, trained=1) == (4 * 10 + 2 * 1) * 7  # LoRA: no weight gradients for the base
     # FLOP/s, not GFLOP/s: billions on any CPU, yet a 10 ms sample measured 8e7 on 2 cores at load 14
     assert matmul_peak_flops(torch.float32, size=128, seconds=0.01) > 1e6
 

@@ -264,6 +264,19 @@ def test_layout_keeps_tensor_parallel_inside_a_node_and_dividing_the_heads():
     assert Layout("megatron", 8, 16, 8, 4) in got and all(48 % l.pp == 0 for l in got)  # 48 layers
 
 
+def test_a_lora_jobs_candidates_train_megatron_at_t1_p1_and_each_resolves():
+    """Megatron trains LoRA at tensorParallel = pipelineParallel = 1 only, and a LoRA actor is its own reference
+    (api.rules): the planner offers no other megatron layout and no reference apart from the actor for a LoRA job,
+    so every candidate it emits resolves to a spec the rules accept."""
+    job = _job(training={"lora": {"rank": 16}})
+    cands = list(enumerate_candidates(job.spec, _shapes(), 8, H100))
+    megatron = [c for c in cands if c.layout.engine == "megatron"]
+    assert megatron and all((c.layout.tp, c.layout.pp, c.layout.tg) == (1, 1, 1) for c in megatron)
+    assert any(c.layout.tp * c.layout.pp > 1 for c in enumerate_candidates(_job().spec, _shapes(), 8, H100))  # no LoRA
+    for cand in random.Random(54).sample(cands, min(40, len(cands))):
+        assert resolve(job, cand, H100).spec.training.lora.rank == 16  # raises SpecError where a rule refuses
+
+
 def _tiny_job_and_candidates():
     """The calibration job of bench/plan.py (examples/tiny-grpo-megatron.yaml) and a few of its 2-device candidates."""
     from hybridflow.mapping import Candidate, Placement

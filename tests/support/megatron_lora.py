@@ -121,6 +121,7 @@ def main(model_dir: Path, out: Path, work: Path) -> None:
     got["peft"], peft_merged = peft_log_probs(model_dir, got["synced"], work / "adapter", batch)
     got["merged"], got["peft_merged"] = dict(e.full_params()), peft_merged
     got["num_parameters"] = (e.num_parameters(), plain.num_parameters())
+    got["num_trained_parameters"] = (e.num_trained_parameters(), plain.num_trained_parameters())
     got["pushed"], got["checksums"] = push(e)
 
     state = e.checkpoint_state()

@@ -12,9 +12,11 @@ def forward_flops(parameters: int, tokens: int) -> float:
     return 2.0 * parameters * tokens
 
 
-def training_flops(parameters: int, tokens: int) -> float:
-    """Forward and backward (3 x forward)."""
-    return 6.0 * parameters * tokens
+def training_flops(parameters: int, tokens: int, trained: int | None = None) -> float:
+    """Forward (2 FLOPs a parameter and token), the backward's input gradients (2 more) and its weight gradients (2
+    a trained parameter): 6N a token in full fine-tuning (`trained` unset: every parameter), about 4N with LoRA,
+    whose frozen base has no weight gradients."""
+    return (4.0 * parameters + 2.0 * (parameters if trained is None else trained)) * tokens
 
 
 def matmul_peak_flops(dtype: torch.dtype, device: str = "cpu", size: int = 1024, seconds: float = 0.1) -> float:

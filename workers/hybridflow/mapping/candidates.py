@@ -17,6 +17,7 @@ from hybridflow.algorithms import ALGORITHMS
 from hybridflow.api import JobSpec
 from hybridflow.api.devices import DeviceProfile
 from hybridflow.api.engines import ROLLOUT_ENGINES, TRAIN_ENGINES
+from hybridflow.api.training import actor_is_reference
 from hybridflow.mapping.workload import TRAINED
 from hybridflow.memory.shapes import ModelShape
 
@@ -90,11 +91,14 @@ def rollout_can_stand_alone(spec: JobSpec) -> bool:
 
 def placements(spec: JobSpec, modes: Iterable[str] = MODES) -> Iterator[Placement]:
     """Each partition of the models with rollout beside the actor (sync only: the other modes generate while the
-    actor trains) or on a pool of its own (any mode the job's algorithm allows: async not with a greedy baseline)."""
+    actor trains) or on a pool of its own (any mode the job's algorithm allows: async not with a greedy baseline).
+    With LoRA the reference is the actor's own base, so it stays in the actor's block (api.rules)."""
     modes = tuple(modes)
     greedy = ALGORITHMS[spec.algorithm.name].greedy_baseline
     own_modes = [m for m in modes if not (m == "async" and greedy)]
     for part in set_partitions(placed_models(spec)):
+        if actor_is_reference(spec.training) and any("reference" in b and "actor" not in b for b in part):
+            continue
         if "sync" in modes:
             yield Placement(((*part[0], "rollout"),) + part[1:], "sync")
         if rollout_can_stand_alone(spec):
@@ -128,12 +132,14 @@ def _powers(limit: int) -> list[int]:
 def train_engines(spec: JobSpec, allowed: Iterable[str] | None = None) -> list[str]:
     """The training engines a candidate may use: those registered (or `allowed`) that the job's rules accept: a
     generation engine fed by one engine's shards keeps that engine; an engine that computes in the model's dtype
-    needs a bfloat16 actor when computeDtype is bfloat16."""
+    needs a bfloat16 actor when computeDtype is bfloat16; spec.training.lora needs an engine that builds LoRA."""
     out = []
     generator = ROLLOUT_ENGINES[spec.rollout.engine]
     for name in (allowed if allowed is not None else TRAIN_ENGINES.names()):
         kind = TRAIN_ENGINES[name]
         if generator.fed_by is not None and name not in generator.fed_by:
+            continue
+        if spec.training.lora is not None and not kind.lora:
             continue
         if kind.computes_in_model_dtype and spec.training.compute_dtype == "bfloat16" and \
                 spec.models.actor.dtype != "bfloat16":
@@ -147,14 +153,14 @@ def layouts(spec: JobSpec, shapes: dict[str, ModelShape], device: DeviceProfile,
     """The shared layouts: per engine, t up to a node (TP stays on the node's fast link) dividing every trained
     model's heads and key/value heads, p dividing their layers, t_g dividing t (tensor-parallel generation only
     where the generation engine has it and the actor is model-parallel), and the micro-batch sizes (with the job's
-    own)."""
+    own). A model-parallel engine trains LoRA at t = p = 1 only (api.rules)."""
     r, m = spec.rollout, spec.models.actor
     generator = ROLLOUT_ENGINES[r.engine]
     trained = [shapes[role] for role in spec.roles() if role in TRAINED]
     micros = sorted(set(micro_batches) | {spec.training.micro_batch_size})
     out = []
     for engine in train_engines(spec, engines):
-        if not TRAIN_ENGINES[engine].model_parallel:
+        if not TRAIN_ENGINES[engine].model_parallel or spec.training.lora is not None:
             grid = [(1, 1, 1)]
         else:
             grid = []

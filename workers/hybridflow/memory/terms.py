@@ -247,10 +247,10 @@ def rollout_terms(spec: JobSpec, pool: ResourcePool, s: ModelShape, c: int, devi
         per_rank = -(-sequences // max(1, pool.world_size // r.tensor_parallel))
         kv = int(r.kv_cache_gib * (1 << 30)) or kv_cache_bytes(
             s.layers, s.kv_heads, s.head_dim, c, per_rank, r.max_prompt_length + r.max_response_length)
-        # with LoRA the base is never sent again, so a CPU engine (no sleep mode) keeps it through the update
-        held = PHASES if adapter else ("generate", "forward", "reshard")
-        out = [Term("rollout", f"vLLM weights (1/{r.tensor_parallel}), " + ("kept: the LoRA base" if adapter else
-                    "released in the update"), "spec.rollout.tensorParallel", _in(held, weights)),
+        # released in the update; with LoRA the base comes back from the model's files at the transition
+        out = [Term("rollout", f"vLLM weights (1/{r.tensor_parallel}), released in the update" + (
+                    " (the LoRA base: read back from the model directory)" if adapter else ""),
+                    "spec.rollout.tensorParallel", _in(("generate", "forward", "reshard"), weights)),
                Term("rollout", "vLLM KV cache (sized from the job)", "spec.rollout.kvCacheGib", _in(PHASES, kv))]
     if adapter:
         out.append(Term("rollout", f"vLLM LoRA slot (enable_lora: one adapter, 1/{r.tensor_parallel})",

@@ -54,6 +54,7 @@ class ActorWorker(CheckpointMixin):
         self._dp_rank = train_dp_rank(ctx, config.train_engine, t.tensor_parallel, t.pipeline_parallel)
         release_free_memory()  # the whole model it loaded before sharding
         self.parameters = self.engine.num_parameters()  # collective where the engine gathers to count
+        self.trained = self.engine.num_trained_parameters()  # with LoRA the adapters: the update's weight gradients
         self.peak_flops = matmul_peak_flops(self.engine.compute_dtype, ctx.device)  # MFU's denominator, per rank
         self._releases: list[Callable[[], None]] = []
         self._log_prob_peak = 0  # the peak of this step's log-prob passes, reported with the update
@@ -149,7 +150,7 @@ class ActorWorker(CheckpointMixin):
         if self._log_prob_peak:
             out["log_prob_peak_memory_bytes"], self._log_prob_peak = float(self._log_prob_peak), 0
         tokens = float(computed_tokens(batch, self.engine.shared_prompt)) * t.ppo_epochs
-        out["update_flops_per_s"] = training_flops(self.parameters, tokens) / max(out["update_seconds"], 1e-9)
+        out["update_flops_per_s"] = training_flops(self.parameters, tokens, self.trained) / max(out["update_seconds"], 1e-9)
         out["mfu"] = out["update_flops_per_s"] / self.peak_flops
         return out
 

@@ -13,9 +13,11 @@ they are (weight iterators, the model back), unpickled. Weights are always copie
 on a GPU that storage belongs to sleep mode's allocator (what `sleep` unmaps and `wake_up` maps back) and is what
 captured CUDA graphs read, so new storage would be neither freed by sleep nor seen by the graphs.
 
-With spec.training.lora the base is loaded from the model directory once and never replaced: every sync brings the
-trainer's adapters (`load_adapter`), written as a PEFT adapter directory and registered as a new `LoRARequest`
-(a new id and name per version) that every generation passes (vLLM's LoRA path, CPU included: punica_cpu)."""
+With spec.training.lora the base never comes from the trainer: every sync brings the trainer's adapters
+(`load_adapter`), written as a PEFT adapter directory and registered as a new `LoRARequest` (a new id and name per
+version) that every generation passes (vLLM's LoRA path, CPU included: punica_cpu). The base is loaded from the model
+directory; on a GPU it sleeps through the update in host memory, on a CPU (no sleep mode) it is released as a full
+fine-tuning job's weights are and read back from the model directory at the transition."""
 from __future__ import annotations
 
 import contextlib
@@ -191,9 +193,7 @@ class VLLMRollout:
         """Whole HF tensors (t_g = 1: vLLM's loaders take its shard), or this rank's TP shards (t_g > 1)."""
         if self.asleep and self.on_gpu:  # weights come back first (into fresh memory), the KV cache once in place
             self.llm.wake_up(tags=["weights"])
-        for weight, shape in self._emptied:  # the reload writes into the parameters it finds: their storage again
-            weight.data = torch.empty(shape, dtype=weight.dtype, device=weight.device)
-        self._emptied = []
+        self._restore_emptied()
         if self.tensor_parallel > 1:
             self.llm.collective_rpc(_install_shards_in_worker, args=(weights,))
         else:  # the worker's reload_weights: vLLM's loaders in its config context, into the existing storage (on
@@ -219,6 +219,8 @@ class VLLMRollout:
             raise RuntimeError("load_adapter on a vLLM engine started without LoRA (spec.training.lora)")
         if self.asleep and self.on_gpu:
             self.llm.wake_up()
+        elif self.asleep:
+            self._reload_base()
         self.asleep = False
         held: list[tuple[str, torch.Tensor]] = []
 
@@ -240,29 +242,38 @@ class VLLMRollout:
         previous, self.adapter = self.adapter, request
         self.adapter_sum = lora.adapter_checksum(held)
         if previous is not None:
-            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)  # False where a base reload dropped it already
             shutil.rmtree(previous.lora_path, ignore_errors=True)
         return nbytes
 
+    def _reload_base(self) -> None:
+        """A CPU engine's LoRA base, emptied by release(), read back from the model's own files (vLLM's in-place
+        reload_weights from disk, which re-packs the GEMMs and drops the registered adapters): not a transfer."""
+        self._restore_emptied()
+        self.llm.collective_rpc("reload_weights")
+        self.llm.apply_model(_repack_tied_lm_head)
+
+    def _restore_emptied(self) -> None:
+        for weight, shape in self._emptied:  # the reload writes into the parameters it finds: their storage again
+            weight.data = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+        self._emptied = []
+
     def release(self) -> None:
         """Free the generation weights during training (the transition brings new ones anyway). With LoRA the
-        transition brings adapters only, so the base stays: on GPU sleep level 1 (the weights offloaded to host
-        memory, the KV cache dropped; load_adapter wakes it), on CPU nothing (vLLM's KV cache there is sized from
-        the job and stays anyway). Without LoRA, on GPU: sleep mode level 2, weights and KV cache. On CPU vLLM has
-        no sleep mode. Where its build has the kernels (oneDNN, on the AVX-512 and the AVX2 machines seen here; sgl
-        with AMX), vLLM keeps its weights only as packed GEMMs (the handles; the parameters are emptied); elsewhere
-        its GEMMs are plain `linear` calls on the parameters.
+        transition brings adapters only: on GPU sleep level 1 (the base offloaded to host memory, the KV cache
+        dropped; load_adapter wakes it); on CPU the base is released as below and load_adapter reads it back from
+        the model directory (vLLM's KV cache there is sized from the job and stays). Without LoRA, on GPU: sleep
+        mode level 2, weights and KV cache. On CPU vLLM has no sleep mode. Where its build has the kernels (oneDNN,
+        on the AVX-512 and the AVX2 machines seen here; sgl with AMX), vLLM keeps its weights only as packed GEMMs
+        (the handles; the parameters are emptied); elsewhere its GEMMs are plain `linear` calls on the parameters.
         Either way reload_weights rebuilds both from its own record of the layers, so dropping the GEMMs and
         emptying the parameters frees the weights (SmolLM2 in bf16: 0.27 GB of resident memory per rank); the KV
         cache, sized from the job, stays."""
         if self.asleep:
             return
-        if self.lora is not None:
-            if self.on_gpu:
-                self.llm.sleep(level=1)
-                self.asleep = True
-            return
-        if self.on_gpu:
+        if self.lora is not None and self.on_gpu:
+            self.llm.sleep(level=1)
+        elif self.on_gpu:
             self.llm.sleep(level=2)
         else:
             for module in self.model.modules():

@@ -101,6 +101,10 @@ class TrainEngine(Protocol):
     def num_parameters(self) -> int:
         """The whole model's parameter count (collective where the engine must gather to count)."""
 
+    def num_trained_parameters(self) -> int:
+        """What the update computes weight gradients for: every parameter, or with LoRA the adapters (and a critic's
+        value head): the update's FLOPs (hybridflow.flops.training_flops). Collective as num_parameters."""
+
     def adapters_off(self) -> contextlib.AbstractContextManager[None]:
         """The base model alone while inside (a LoRA actor's reference policy: no second copy of the model); without
         adapters, the model itself."""

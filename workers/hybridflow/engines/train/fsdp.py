@@ -310,6 +310,9 @@ class FSDPEngine(TrainLoop):
     def num_parameters(self) -> int:
         return int(sum(p.numel() for p in self.module.parameters()))  # DTensor.numel() is the global size
 
+    def num_trained_parameters(self) -> int:
+        return self.num_parameters() if self.lora is None else int(sum(p.numel() for p in self.trained))
+
     def adapters_off(self) -> contextlib.AbstractContextManager[None]:
         """PEFT's adapters switched off while inside (models.lora.adapters_disabled): the base policy."""
         return lora.adapters_disabled(self.module)

@@ -92,7 +92,7 @@ class MegatronEngine(TrainLoop):
             raise ValueError(f"spec.training.pipelineParallel = {pp} must divide the model's {self.shape.layers} "
                              "layers (every stage holds as many)")
         init_model_parallel(tp, pp, seed)
-        self.ps = ps
+        self.ps, self.seed = ps, seed
         self.device = torch.device("cuda" if device == "gpu" else "cpu")
         self.dtype = getattr(torch, dtype)
         self.compute_dtype = self.dtype  # megatron computes in its weights' dtype; below fp32, fp32 masters step
@@ -292,6 +292,9 @@ class MegatronEngine(TrainLoop):
 
     def num_parameters(self) -> int:
         return int(sum(t.numel() for _, t in self.full_params()))  # collective: every rank counts
+
+    def num_trained_parameters(self) -> int:
+        return self.num_parameters()
 
     def state_dict(self) -> dict:
         """HF-named whole weights (loadable by the FSDP engine or `from_pretrained`), plus every model-parallel

@@ -81,10 +81,10 @@ class LoraLinear(nn.Module):
         return out + (self.scaling * delta).to(out.dtype), bias
 
 
-def inject(module: nn.Module, settings: LoraSettings, linears: list[str]) -> list[LoraLinear]:
+def inject(module: nn.Module, settings: LoraSettings, linears: list[str], seed: int = 0) -> list[LoraLinear]:
     """`linears` of every decoder layer wrapped in place, the base frozen (megatron's linears then take their
     frozen-weight path: no weight gradient is computed), the adapters initialised as PEFT does, identically on
-    every rank (a seeded generator: data-parallel replicas must start equal)."""
+    every rank (generated from the job's seed: data-parallel replicas must start equal)."""
     module.requires_grad_(False)
     wrapped = []
     for layer in module.decoder.layers:
@@ -95,7 +95,7 @@ def inject(module: nn.Module, settings: LoraSettings, linears: list[str]) -> lis
             setattr(parent, name, wrapped[-1])
     adapters = {n: p for n, p in module.named_parameters() if lora.is_adapter(n)}
     with torch.no_grad():
-        for name, value in lora.initial_adapters(adapters).items():
+        for name, value in lora.initial_adapters(adapters, seed).items():
             adapters[name].copy_(value)
     for p in adapters.values():
         p.requires_grad_(True)
@@ -152,7 +152,7 @@ class MegatronLoraEngine(MegatronEngine):
         if (self.tp_size, self.pp_size) != (1, 1):  # the spec's rules refuse it first (api.rules)
             raise ValueError(f"spec.training.lora on the megatron engine trains at tensorParallel 1 and "
                              f"pipelineParallel 1, not {self.tp_size} and {self.pp_size}")
-        self.adapters = inject(self.module, self.lora, self.linears)
+        self.adapters = inject(self.module, self.lora, self.linears, self.seed)
         return [p for _, p in self.trained_parameters()]
 
     @contextlib.contextmanager
@@ -165,6 +165,10 @@ class MegatronLoraEngine(MegatronEngine):
         finally:
             for layer in self.adapters:
                 layer.enabled = True
+
+    def num_trained_parameters(self) -> int:
+        """The adapters' (TP 1 x PP 1: this rank holds them whole)."""
+        return int(sum(p.numel() for _, p in self.trained_parameters()))
 
     def trained_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The adapters (fp32: stepped as they are, no masters), megatron names."""
