@@ -68,9 +68,15 @@ class _Worker:
             raise wire.WireError(f"the worker is gone ({err})") from None
         return self.reader.receive(timeout)
 
-    def death(self) -> str:
-        """How the worker ended, for the report."""
-        rc = self.box.popen.poll()
+    def death(self, grace: float = 2.0) -> str:
+        """How the worker ended, for the report, once its pipe failed: a worker whose code exited closed its pipe a
+        moment before the sandbox's launcher exits with its status, so that status is waited for up to `grace`
+        seconds (under load the launcher ends later than the pipe closes, and the report said "it stopped
+        answering" of a worker that had exited: the flake of test_agent_bad_input's sandbox-killing file)."""
+        try:
+            rc = self.box.popen.wait(grace)
+        except subprocess.TimeoutExpired:
+            rc = None
         if rc is None:
             return "it stopped answering"
         sig = self.box.signal_of(rc)
