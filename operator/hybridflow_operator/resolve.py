@@ -10,7 +10,7 @@ from typing import Any
 from hybridflow.api import (
     DATA_MOUNT, REWARD_MOUNT, JobSpec, ModelSource, RLHFJob, SpecError, dump_job, reward_configmap_key,
 )
-from hybridflow.api.agents import code_files
+from hybridflow.api.agents import code_files, kubernetes_unsupported_problems
 from hybridflow.api.names import names
 from hybridflow.api.rules import kubernetes_code_problems
 from hybridflow.api.storage import (
@@ -33,7 +33,7 @@ def resolved_job(job: RLHFJob) -> RLHFJob:
     s.metrics.address = "0.0.0.0"
     ns, name = run.metadata.namespace or "default", run.metadata.name
     # (parse_job refuses code on the data claim already: here too, for a spec changed since it was parsed)
-    problems = _credential_problems(s) + kubernetes_code_problems(s)
+    problems = _credential_problems(s) + kubernetes_code_problems(s) + kubernetes_unsupported_problems(s)
     problems += _resolve_checkpoints(s, ns, name) + _resolve_models(s) + _resolve_cache_dir(s)
     if problems:
         raise SpecError("; ".join(problems))

@@ -70,6 +70,8 @@ def test_verl_parquet_layout_loads_unchanged(word_problems, tokenizer, tmp_path)
     text = tokenizer.decode(s.prompt)
     assert row["prompt"][0]["content"] in text and text.rstrip().endswith("<|im_start|>assistant")  # SmolLM2's template
     assert files.eval[0].extra_info["split"] == "test"
+    # the prompt column as the file has it (chat messages), for an agent program to render in its own calls
+    assert [dict(m) for m in s.raw_prompt] == row["prompt"]
 
 
 def test_own_columns_a_held_out_split_and_a_system_prompt(word_problems, tokenizer, tmp_path):
@@ -82,6 +84,7 @@ def test_own_columns_a_held_out_split_and_a_system_prompt(word_problems, tokeniz
     assert not held & {tuple(s.prompt) for s in files.train}, "a held-out prompt is trained on"
     s = files.train[0]
     assert isinstance(s.truth, int) and s.extra_info == {"level": s.extra_info["level"]}
+    assert isinstance(s.raw_prompt, str) and s.raw_prompt in tokenizer.decode(s.prompt)  # a string column: the text
     assert s.data_source == "word_problems"  # the directory's name: the file is a bare split name
     text = tokenizer.decode(s.prompt)
     assert "Answer with a number." in text and "helpful AI assistant" not in text  # replaces the template's default

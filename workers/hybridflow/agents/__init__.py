@@ -7,4 +7,9 @@ sessions in sandboxes on this machine), wire (the JSON-lines protocol spoken wit
 and env_worker (what runs inside each sandbox: standard library only), loop (many episodes at once over one
 generation engine), envs (the built-in environments). The environment pool's HTTP server and client (remote,
 server) speak the same protocol over the network.
+
+A user's own agent program (spec.rollout.agent.program) instead of the loop: endpoint (an OpenAI-compatible server
+on a Unix socket, recording each call's exact token ids) with openai_wire (its requests and responses, pure),
+trajectory (an episode's calls assembled into what is trained, pure), program_loop (many programs at once over one
+generation engine), program (each run in a sandbox of its own) and program_worker (what runs inside it).
 """

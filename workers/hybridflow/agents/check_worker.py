@@ -1,12 +1,13 @@
-"""A user's tools file or environment file loaded as its workers will load it, inside a sandbox of its own, to find
-what would fail every call or every episode (`python -m hybridflow.agents.check_worker`): reads one JSON line, answers
-one JSON line {"problems": [{"line": int | None, "message": str}]}, exits. Standard library only.
+"""A user's tools file, environment file or agent program loaded as its workers will load it, inside a sandbox of its
+own, to find what would fail every call or every episode (`python -m hybridflow.agents.check_worker`): reads one JSON
+line, answers one JSON line {"problems": [{"line": int | None, "message": str}]}, exits. Standard library only.
 
 The request: {"path", "source", "tools": {name: {"line", "parameters"}}} (the tools and schema parameters the driver
-read from the file without running it) or {"path", "source", "class": name}. Checked: the file loads (its top-level
-code runs: an import the sandbox lacks fails here); each tool is still a plain function once loaded and takes the
-parameters its schema offers (a decorator may change both); the environment class exists, is made with no
-arguments, and has reset(sample) and step(action), each callable with its one argument and not async."""
+read from the file without running it), {"path", "source", "class": name} or {"path", "source", "program": true}.
+Checked: the file loads (its top-level code runs: an import the sandbox lacks fails here); each tool is still a plain
+function once loaded and takes the parameters its schema offers (a decorator may change both); the environment class
+exists, is made with no arguments, and has reset(sample) and step(action), each callable with its one argument and
+not async; the program defines `run`, an `async def` called as run(client, sample)."""
 from __future__ import annotations
 
 import ast
@@ -98,6 +99,40 @@ def _environment(module: Any, name: str, source: str) -> list[Problem]:
     return out
 
 
+def _binds(node: ast.stmt, name: str) -> bool:
+    """Whether a top-level statement defines or assigns `name`."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return node.name == name
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    return any(isinstance(t, ast.Name) and t.id == name for t in targets)
+
+
+def _program(module: Any, source: str) -> list[Problem]:
+    """An agent program's `run`: there once the file has run, an async function, called as run(client, sample)."""
+    binds = [n.lineno for n in ast.parse(source).body if _binds(n, "run")]
+    line = binds[-1] if binds else None  # the last top-level line that binds it
+    fn = getattr(module, "run", None)
+    if fn is None:
+        functions = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_"))
+        return [{"line": None, "message": "defines no `async def run(client, sample)` once it has run; its "
+                 f"functions: {', '.join(functions) or 'none'}"}]
+    line = _line(fn) or line
+    if not callable(fn):
+        return [{"line": line, "message": f"run is {type(fn).__name__}, not `async def run(client, sample)`"}]
+    if not inspect.iscoroutinefunction(inspect.unwrap(fn)):
+        return [{"line": line, "message": "run is a plain function; it must be `async def run(client, sample)` "
+                 "(it is awaited, and its client's calls are awaited in it)"}]
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []
+    try:
+        sig.bind("client", "sample")
+    except TypeError:
+        return [{"line": line, "message": f"run takes {sig}, but it is called as run(client, sample)"}]
+    return []
+
+
 def check(request: dict[str, Any]) -> list[Problem]:
     try:
         module = load_module(str(request["path"]), str(request["source"]))
@@ -107,6 +142,8 @@ def check(request: dict[str, Any]) -> list[Problem]:
         return [{"line": lines[-1] if lines else None, "message": f"loading it raised {type(err).__name__}: {err}"}]
     if "tools" in request:
         return _tools(module, dict(request["tools"]))
+    if request.get("program"):
+        return _program(module, str(request["source"]))
     return _environment(module, str(request["class"]), str(request["source"]))
 
 

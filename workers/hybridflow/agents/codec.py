@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from hybridflow.agents.toolcalls import tool_response_text
+from hybridflow.agents.toolcalls import plain_tools_text, tool_call_text, tool_response_text
 
 _MARK = "\x00HYBRIDFLOW-CONTENT\x00"
 
@@ -69,3 +69,35 @@ class ObservationCodec:
     def observation_ids(self, parts: Sequence[tuple[str, str]], closed: bool) -> list[int]:
         text = self.observation_text(parts, closed)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # -- an agent program's chat requests (hybridflow.agents.endpoint) ------------------------------------------------
+
+    def prompt_ids(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> list[int]:
+        """A whole conversation rendered fresh, as the model's template renders it for its next turn (the tools in
+        the template's own form); without a template, the plain-text form. Used only where the conversation does not
+        continue the episode's previous call: the model's own earlier text is then tokenized again (a break)."""
+        if not self.template:
+            head = [plain_tools_text(tools)] if tools else []
+            text = "".join(f"{t}\n" for t in head + [m.get("content") or "" for m in messages])
+        else:
+            shown = [self._shown(m) for m in messages]
+            text = self.tokenizer.apply_chat_template(shown, chat_template=self.template, tokenize=False,
+                                                      add_generation_prompt=True, tools=list(tools) if tools else None)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _shown(self, m: dict[str, Any]) -> dict[str, Any]:
+        """A tool's message as observation_text shows it (a user message where the template has no tool role)."""
+        if m["role"] == "tool" and not self.tool_role:
+            return {"role": "user", "content": tool_response_text(m.get("content") or "")}
+        calls = m.get("tool_calls") or []
+        if m["role"] != "assistant" or not calls:
+            return m
+        if "tool_calls" in (self.template or ""):  # templates that render calls read their arguments as a mapping
+            return {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": c["arguments"]}}
+                                        for c in calls]}
+        written = "".join(tool_call_text(c["function"]["name"], c["arguments"]) for c in calls)
+        return {"role": "assistant", "content": (m.get("content") or "") + written}
+
+    def text_ids(self, text: str) -> list[int]:
+        """Text the model did not write (a completion request's appended prompt), tokenized as prompts are."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []

@@ -50,12 +50,16 @@ class EnvironmentCode:
 
 
 class _Worker:
-    """A sandboxed worker process and the driver's end of its pipes."""
+    """A sandboxed worker process and the driver's end of its pipes (tools, environment sessions, file checks, and
+    agent programs: hybridflow.agents.program). `binds`: more paths bound in read-only, beside `code_path`'s
+    (sandbox.code_binds of each: an agent program's endpoint socket); `name`: the worker as its errors call it."""
 
     def __init__(self, module: str, limits: Limits, layers: sandbox.Layers, code_path: str | None,
-                 private: Sequence[str]) -> None:
+                 private: Sequence[str], binds: Sequence[str] = (), name: str = "the worker") -> None:
+        bound = [b for path in (code_path, *binds) if path for b in sandbox.code_binds(path)]
+        self.name = name
         self.box = sandbox.spawn(sandbox.python_module(module), limits, layers, env=sandbox.clean_env(),
-                                 binds=sandbox.code_binds(code_path) if code_path else [], private=private,
+                                 binds=sorted(set(bound)), private=private,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         assert self.box.popen.stdin is not None and self.box.popen.stdout is not None
         self.reader = wire.LineReader(self.box.popen.stdout.fileno())
@@ -65,7 +69,7 @@ class _Worker:
         try:
             wire.send(self.box.popen.stdin, message)
         except OSError as err:
-            raise wire.WireError(f"the worker is gone ({err})") from None
+            raise wire.WireError(f"{self.name} is gone ({err})") from None
         return self.reader.receive(timeout)
 
     def death(self, grace: float = 2.0) -> str:

@@ -25,8 +25,8 @@ GATHER_SECONDS = 0.05  # after the first answer, how long the loop waits for mor
 RETRIES = 2  # an episode whose session's replica is lost starts again this many times, then fails
 # What failed an episode (Episode.failure): the step's report counts them by kind (hybridflow.trainer.episodes).
 # The user's code failed: counted against spec.rollout.agent.maxFailedFraction
-RESET, STEP, TOOL = "environment reset", "environment step", "tool crash"
-USER_CODE = frozenset({RESET, STEP, TOOL})
+RESET, STEP, TOOL, PROGRAM = "environment reset", "environment step", "tool crash", "agent program"
+USER_CODE = frozenset({RESET, STEP, TOOL, PROGRAM})
 # The places that run it failed (a replica lost, no sandbox could start, a replica's HTTP error): reported, not counted
 LOST, NOT_RUN, UNAVAILABLE = "replica lost", "not run", "sandbox unavailable"
 
@@ -82,6 +82,11 @@ class Episode:
     # tools crashed (ToolResult.crashed: the episode went on); the user's code's first failure before any other
     error: str | None = None
     failure: str | None = None  # the kind of that failure: one of USER_CODE, LOST, NOT_RUN or UNAVAILABLE
+    # an agent program's episode (hybridflow.agents.program_loop): the prompt it trained on (its first call's, not
+    # the data set's: None for the loop's episodes), and how often its calls did not continue each other
+    prompt_ids: list[int] | None = None
+    trajectory_breaks: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)  # what its program returned beside its reward
 
     def add(self, ids: Sequence[int], model: bool, log_probs: Sequence[float] = ()) -> None:
         self.tokens.extend(ids)

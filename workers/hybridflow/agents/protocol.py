@@ -114,14 +114,51 @@ def _no_requests() -> dict[str, int]:
     return {}
 
 
+@dataclass(frozen=True)
+class EndpointAddress:
+    """Where an agent program reaches the job's OpenAI-compatible endpoint for one episode: a Unix socket (bound
+    into the program's sandbox, which has no network) and the episode's bearer token, which the endpoint accepts
+    for that episode only and forgets when the episode ends. The client's base URL is BASE_URL over that socket."""
+
+    socket_path: str
+    token: str
+
+    BASE_URL = "http://hybridflow/v1"
+
+
+@dataclass(frozen=True)
+class ProgramResult:
+    """What one run of a user's agent program (spec.rollout.agent.program) came to: its reward and metrics, or why
+    it failed (`error`, with the program's file and line where there is one; `failure`, the kind, one of
+    hybridflow.agents.loop's failure kinds: PROGRAM when the user's code failed, else the places')."""
+
+    reward: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    failure: str | None = None
+
+
+class Programs(Protocol):
+    """Where a job's agent programs run: each run in a sandbox of its own, the endpoint's socket bound in."""
+
+    def run(self, sample: Info, endpoint: EndpointAddress, timeout: float) -> ProgramResult:
+        """`await run(client, sample)` of the user's file, `client` an openai.AsyncOpenAI at `endpoint`, within
+        `timeout` seconds; never raises for the program's own failures (they are the result's error)."""
+
+    def close(self) -> None:
+        """Kills the runs still going (their `run` returns them failed); later runs still start (a rollout whose
+        engine failed closes its programs, and the job's next rollout runs on the same Programs)."""
+
+
 @dataclass
 class Places:
-    """Where a job's tools and environment sessions run (None: the job has none), and the requests sent so far to
-    each replica of its environment pool (none when they run on this machine)."""
+    """Where a job's tools, environment sessions and agent programs run (None: the job has none), and the requests
+    sent so far to each replica of its environment pool (none when they run on this machine)."""
 
     tools: Tools | None = None
     sessions: Sessions | None = None
     request_counts: Callable[[], dict[str, int]] = _no_requests
+    programs: Programs | None = None
 
 
 class AgentSettings(Protocol):

@@ -77,3 +77,8 @@ def template_renders_tools(template: str | None) -> bool:
 def tool_response_text(text: str) -> str:
     """A tool's answer in the plain-text form (also the content of a `user` message standing in for a tool role)."""
     return f"<tool_response>\n{text}\n</tool_response>"
+
+
+def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """A call in the standard form, as a model writes it (for a template that does not render `tool_calls`)."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from hybridflow.agents.registry import ENVIRONMENTS, TOOLS
 from hybridflow.api.fields import MAX_COUNT, FilePath, PythonName, Quantity, SpecModel, registered
@@ -37,6 +37,25 @@ class Agent(SpecModel):
         None, description="A user's tools: a Python file whose top-level functions with a docstring become tools "
         "(their parameters' annotations str, int, float, bool, list, dict give the JSON schema). Each call runs in a "
         "fresh sandbox. On Kubernetes a key of kubernetes.rewardConfigMap (the job's code ConfigMap).")
+    program: FilePath | None = Field(
+        None, description="Bring your own agent: a Python file defining `async def run(client, sample)`, run once per "
+        "episode in the sandbox. `client` is an openai.AsyncOpenAI pointed at the job's OpenAI-compatible endpoint "
+        "(the policy being trained, over a Unix socket: the sandbox has no other way out); `sample` is {prompt, "
+        "ground_truth, data_source, extra_info}. It returns the episode's reward (a finite number), or a dict with "
+        "'reward' and other numeric metrics. Every call it makes to the endpoint is trained (see trajectory). The "
+        "program runs its own tools: tools, toolsFile, environment and environmentFile are unset with it, and its "
+        "reward is the episode's score (score environment). Runs on this machine (`hybridflow run`) only, not yet "
+        "on Kubernetes.")
+    program_timeout_seconds: float = Field(300.0, gt=0, le=86400, description="Deadline of one run of program (one "
+                                           "episode, all its calls); past it the run is killed and the episode "
+                                           "fails, reported with its sample.")
+    trajectory: Literal["merged"] = Field(
+        "merged", description="How a program's calls to the endpoint become a trained sequence. merged: calls whose "
+        "prompts continue each other (each call's messages are the previous call's, the model's answer as it wrote "
+        "it, then new ones: tool results, user turns) are one sequence, the model's own tokens trained and the tokens "
+        "between them masked. A call that does not continue the previous one (the program edited or dropped earlier "
+        "messages, or changed its tools) starts a new chain; the last chain, which holds the final answer, is "
+        "trained, and the breaks are counted (agent_trajectory_breaks).")
     max_turns: int = Field(4, ge=1, le=1024, description="Model turns per episode at most.")
     max_tokens_per_turn: int | None = Field(None, gt=0, le=MAX_COUNT, description="New tokens of one model turn at "
                                             "most (default: what is left of maxResponseLength).")
@@ -46,7 +65,8 @@ class Agent(SpecModel):
                                         "model reads that the tool timed out, and the episode goes on.")
     score: Literal["reward", "environment", "both"] | None = Field(
         None, description="What an episode's score is: reward (the job's reward over the model's own text), "
-        "environment (its rewards summed) or both, added. Default: environment when there is one, else reward.")
+        "environment (its rewards summed; with program, the reward the program returns) or both, added. Default: "
+        "environment when there is one or a program, else reward.")
     concurrent_episodes: int = Field(64, ge=1, le=4096, description="Episodes one rollout rank runs at once (their "
                                      "turns share the engine's batches).")
     max_failed_fraction: float = Field(
@@ -69,13 +89,29 @@ class Agent(SpecModel):
             raise ValueError(f"a tool is named twice in {value}")
         return value
 
+    @model_validator(mode="after")
+    def _program_alone(self) -> "Agent":
+        """A program runs its own tools and scores its own episodes: what the built-in loop would offer the model
+        beside it would never be called."""
+        if self.program is None:
+            return self
+        for field, value in (("tools", self.tools), ("toolsFile", self.tools_file),
+                             ("environment", self.environment), ("environmentFile", self.environment_file)):
+            if value:
+                raise ValueError(f"spec.rollout.agent.program and spec.rollout.agent.{field} are both set: a program "
+                                 f"runs its own tools and environment in its code; drop {field}, or drop program")
+        if self.score not in (None, "environment"):
+            raise ValueError(f"spec.rollout.agent.score: {self.score} with program; a program's episode is scored by "
+                             "the reward it returns (score environment, the default with a program)")
+        return self
+
     @property
     def has_environment(self) -> bool:
         return self.environment is not None or self.environment_file is not None
 
     @property
     def episode_score(self) -> str:
-        return self.score or ("environment" if self.has_environment else "reward")
+        return self.score or ("environment" if self.has_environment or self.program is not None else "reward")
 
 
 class EnvironmentPool(SpecModel):

@@ -11,8 +11,8 @@ from hybridflow.sandbox_pool import URLS_ENV as ENVIRONMENT_URLS_ENV
 # the sandbox pool's names the operator reads here (it may import hybridflow.api only, not hybridflow.sandbox_pool)
 REEXPORTED = (ENVIRONMENT_URLS_ENV, REWARD_URLS_ENV)
 __all__ = ["REEXPORTED", "Agent", "EnvironmentPool", "Sandbox", "ENVIRONMENT_URLS_ENV", "REWARD_URLS_ENV",
-           "SERVES_AGENTS", "SERVES_ALL", "SERVES_REWARDS", "code_files", "rewards_apart", "runs_user_code",
-           "sandbox_pool", "sandbox_replicas"]
+           "SERVES_AGENTS", "SERVES_ALL", "SERVES_REWARDS", "code_files", "kubernetes_unsupported_problems",
+           "rewards_apart", "runs_user_code", "sandbox_pool", "sandbox_replicas"]
 
 
 def runs_user_code(spec: JobFields) -> bool:
@@ -34,6 +34,19 @@ def code_files(spec: JobFields) -> dict[str, str]:
         if agent.environment_file:
             out["spec.rollout.agent.environmentFile"] = agent.environment_file
     return out
+
+
+def kubernetes_unsupported_problems(spec: JobFields) -> list[str]:
+    """What a spec may say for `hybridflow run` but not yet on Kubernetes, where the operator refuses it at
+    acceptance (a spec does not say where it will run: the same file runs on both). An agent program
+    (spec.rollout.agent.program) runs in this machine's sandboxes beside the rollout's endpoint; the sandbox pool
+    does not run programs yet."""
+    agent = spec.rollout.agent
+    if agent is None or agent.program is None:
+        return []
+    return ["spec.rollout.agent.program: agent programs run with `hybridflow run` only for now; the sandbox pool "
+            "that runs a Kubernetes job's user code does not run them yet. Run the job locally, or give the agent "
+            "tools and an environment (tools, toolsFile, environment, environmentFile) instead"]
 
 
 def rewards_apart(spec: JobFields) -> bool:

@@ -411,12 +411,13 @@ def _agent_problems(spec: JobFields) -> list[str]:
         out.append("spec.rollout.partialRolloutTokens: partial rollouts continue a response token-wise, an episode "
                    "turn-wise; with rollout.agent set it to 0 (episodes started before new weights arrive finish "
                    "with the weights they began with)")
-    if not a.tools and not a.tools_file and not a.has_environment:
-        out.append("spec.rollout.agent: names no tools (tools, toolsFile) and no environment (environment, "
-                   "environmentFile): an episode would be a single turn; drop rollout.agent, or give it some")
+    if not a.tools and not a.tools_file and not a.has_environment and a.program is None:
+        out.append("spec.rollout.agent: names no tools (tools, toolsFile), no environment (environment, "
+                   "environmentFile) and no program: an episode would be a single turn; drop rollout.agent, or give "
+                   "it some")
     if a.environment is not None and a.environment_file is not None:
         out.append("spec.rollout.agent: environment and environmentFile are both set; keep one")
-    if a.episode_score != "reward" and not a.has_environment:
+    if a.episode_score != "reward" and not a.has_environment and a.program is None:
         out.append(f"spec.rollout.agent.score: {a.episode_score} needs an environment (environment or "
                    "environmentFile), whose rewards it adds")
     if not ROLLOUT_ENGINES[r.engine].per_row_sampling:

@@ -300,7 +300,8 @@ class FileSamples(Sequence[Sample]):
         if isinstance(row.get("extra_info"), Mapping):
             extra.update(row["extra_info"])
         truth = get_path(row, self.data.answer_key) if self.data.answer_key else None
-        return Sample(list(row[IDS]), truth, str(row.get("data_source") or self.default_source), extra)
+        return Sample(list(row[IDS]), truth, str(row.get("data_source") or self.default_source), extra,
+                      get_path(row, self.data.prompt_key))
 
 
 @dataclass

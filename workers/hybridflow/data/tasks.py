@@ -17,6 +17,9 @@ class Sample:
     truth: Any
     data_source: str = ""  # verl's reward arguments: which data set the sample is from, and anything else it carries
     extra_info: Mapping[str, Any] = field(default_factory=dict)
+    # the prompt as the data gives it, before the chat template (a string, or chat messages as verl's prompt column):
+    # what a user's agent program reads as sample["prompt"] and sends in its own calls
+    raw_prompt: Any = None
 
 
 def increment_samples(n: int, vocab: int, prompt_len: int, seed: int) -> list[Sample]:
@@ -40,7 +43,8 @@ def arithmetic_samples(n: int, seed: int, encode: Callable[[str], list[int]], ma
     out = []
     for _ in range(n):
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        out.append(Sample(encode(f"What is {a} + {b}? Answer with the number only."), a + b, "arithmetic"))
+        text = f"What is {a} + {b}? Answer with the number only."
+        out.append(Sample(encode(text), a + b, "arithmetic", raw_prompt=text))
     return out
 
 
@@ -65,8 +69,8 @@ def products_samples(n: int, seed: int, encode: Callable[[Any], list[int]]) -> l
     out = []
     for _ in range(n):
         a, b = rng.randint(100, 999), rng.randint(10, 99)
-        out.append(Sample(encode([*TOOL_EXAMPLES, {"role": "user", "content": f"What is {a} * {b}?"}]), a * b,
-                          "products"))
+        messages = [*TOOL_EXAMPLES, {"role": "user", "content": f"What is {a} * {b}?"}]
+        out.append(Sample(encode(messages), a * b, "products", raw_prompt=messages))
     return out
 
 

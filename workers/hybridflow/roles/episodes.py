@@ -1,11 +1,18 @@
 """The rollout's multi-turn side (spec.rollout.agent): one episode per row through hybridflow.agents.loop over
 this rank's generation engine, packed as the single-turn rollout packs its responses plus the loss mask and the
 episodes' own columns, so that every later stage (log-probs, advantages, every algorithm's loss) reads the same
-batch layout with the model's tokens marked."""
+batch layout with the model's tokens marked.
+
+With spec.rollout.agent.program the user's program drives each episode instead (hybridflow.agents.program_loop);
+its row's prompt is the prompt of the program's trained chain (its first call's), not the data set's. A prompt
+longer than spec.rollout.maxPromptLength is not refused (the program, not the data set, made it): its first
+maxPromptLength tokens are the row's prompt and the rest opens the response, loss mask 0 (fit_prompt). The endpoint
+refuses a prompt of maxPromptLength + maxResponseLength tokens or more (the engine's context) and ends each completion
+within that context, so that the model's tokens fit the row."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -13,7 +20,8 @@ import numpy as np
 import torch
 
 from hybridflow.agents.codec import ObservationCodec
-from hybridflow.agents.loop import Episode, EpisodeSettings, run_episodes
+from hybridflow.agents.loop import PROGRAM, Episode, EpisodeSettings, run_episodes
+from hybridflow.agents.program_loop import run_program_episodes
 from hybridflow.agents.places import job_places
 from hybridflow.agents.protocol import Places
 from hybridflow.api.agents import Agent
@@ -25,10 +33,10 @@ log = logging.getLogger("hybridflow.roles.episodes")
 # Per-episode columns of the batch (float, one value per row); the step's summary turns them into metrics.
 EPISODE_COLUMNS = ("agent_turns", "agent_tool_calls", "agent_tool_errors", "agent_tool_timeouts",
                    "agent_tool_seconds", "env_reward", "agent_env_steps", "agent_retries", "agent_truncated",
-                   "agent_failed")
-# Non-tensor columns (str, "" for none): what failed each episode and its kind, for the controller's report and its
-# bound, spec.rollout.agent.maxFailedFraction (hybridflow.trainer.episodes)
-FAILURE_COLUMNS = ("agent_error", "agent_failure")
+                   "agent_failed", "agent_trajectory_breaks")
+# Non-tensor columns: what failed each episode and its kind (str, "" for none), for the controller's report and its
+# bound, spec.rollout.agent.maxFailedFraction (hybridflow.trainer.episodes); an agent program's own metrics (a dict)
+NON_TENSOR_COLUMNS = ("agent_error", "agent_failure", "agent_metrics")
 
 
 @dataclass
@@ -52,7 +60,7 @@ class EpisodeRunner:
     def run(self, generator: RolloutEngine, sampling: Callable[[bool, bool, int], SamplingConfig], batch: Any,
             flags: Sequence[bool], want_log_probs: bool, prompt_width: int) -> dict[str, Any]:
         """The episodes of `batch`'s rows (non-tensor prompt_ids, truth, data_source, extra_info), packed: tensors,
-        and the FAILURE_COLUMNS as arrays of str."""
+        and the NON_TENSOR_COLUMNS as arrays of str."""
         prompts = [list(p) for p in batch["prompt_ids"]]
         # numpy values (a Parquet row's) stay as they are: hybridflow.wire encodes them for every place
         samples = [{"prompt": self.codec.decode(p), "ground_truth": t, "data_source": str(s), "extra_info": dict(x)}
@@ -69,8 +77,20 @@ class EpisodeRunner:
         settings = EpisodeSettings(self.max_tokens, a.max_turns, a.max_tokens_per_turn, a.has_environment,
                                    a.concurrent_episodes)
         sent = sum(self.places.request_counts().values())
-        episodes = run_episodes(prompts, samples, Turns(), self.codec, settings, self.places.tools,
-                                self.places.sessions)
+        if a.program is not None:
+            if self.places.programs is None:
+                raise RuntimeError("spec.rollout.agent.program is set but this rank has no place to run programs")
+            # a program reads the prompt as the data gives it (chat messages or text) and renders it in its calls
+            raw = batch["raw_prompt"] if "raw_prompt" in batch else [None] * len(samples)
+            given = [{**x, "prompt": r} if r is not None else x for x, r in zip(samples, raw)]
+            episodes = run_program_episodes(given, Turns(), self.codec, self.places.programs, settings,
+                                            a.program_timeout_seconds, max_context=prompt_width + self.max_tokens)
+            fitted = [fit_prompt(e.prompt_ids if e.prompt_ids is not None else p, e, prompt_width, self.max_tokens)
+                      for p, e in zip(prompts, episodes)]
+            prompts, episodes = [p for p, _ in fitted], [e for _, e in fitted]
+        else:
+            episodes = run_episodes(prompts, samples, Turns(), self.codec, settings, self.places.tools,
+                                    self.places.sessions)
         failed = [(i, e) for i, e in enumerate(episodes) if e.error]
         if failed:  # this rank's log; the controller reports the step's on the console and bounds them
             i, e = failed[0]
@@ -86,13 +106,36 @@ class EpisodeRunner:
         packed["agent_environment_requests"] = torch.zeros(len(episodes))
         if episodes:
             packed["agent_environment_requests"][0] = sum(self.places.request_counts().values()) - sent
-        return {**packed, **failure_columns(episodes)}
+        return {**packed, **non_tensor_columns(episodes)}
 
     def close(self) -> None:
+        if self.places.programs is not None:
+            self.places.programs.close()
         if self.places.sessions is not None:
             self.places.sessions.shutdown()
         if self.places.tools is not None:
             self.places.tools.close()
+
+
+def fit_prompt(prompt: list[int], episode: Episode, width: int, response_width: int) -> tuple[list[int], Episode]:
+    """A program's prompt within the row's prompt width: its first `width` tokens, the rest moved to the front of
+    the response (loss mask 0, log-prob 0), the rewards' positions moved with it. The endpoint keeps each call
+    within width + response_width tokens (its max_context), so the model's tokens fit the row; an episode pushed
+    past the response width is cut there when packed (truncated). One whose row would hold no trained token (a
+    prompt that filled it) fails, with no reward, rather than train a reward on a masked position."""
+    fitted, length = episode, len(prompt)
+    if length > width:
+        extra = prompt[width:]
+        prompt, fitted = prompt[:width], replace(
+            episode, tokens=extra + episode.tokens,
+            truncated=episode.truncated or len(extra) + len(episode.tokens) > response_width,
+            loss_mask=[0] * len(extra) + episode.loss_mask, log_probs=[0.0] * len(extra) + episode.log_probs,
+            turn_rewards=[(p + len(extra), r) for p, r in episode.turn_rewards])
+    if fitted.error is None and not any(fitted.loss_mask[:response_width]):
+        fitted = replace(fitted, error=f"no token of the model's fits the row ({width} + {response_width} tokens): "
+                                       f"the program's prompt is {length} tokens", failure=PROGRAM, env_reward=0.0,
+                         turn_rewards=[])
+    return prompt, fitted
 
 
 def placed_rewards(episodes: Sequence[Episode], width: int) -> torch.Tensor:
@@ -105,10 +148,11 @@ def placed_rewards(episodes: Sequence[Episode], width: int) -> torch.Tensor:
     return out
 
 
-def failure_columns(episodes: Sequence[Episode]) -> dict[str, np.ndarray]:
-    out = {k: np.empty(len(episodes), dtype=object) for k in FAILURE_COLUMNS}
+def non_tensor_columns(episodes: Sequence[Episode]) -> dict[str, np.ndarray]:
+    out = {k: np.empty(len(episodes), dtype=object) for k in NON_TENSOR_COLUMNS}
     out["agent_error"][:] = [e.error or "" for e in episodes]
     out["agent_failure"][:] = [e.failure or ("" if e.error is None else "failed") for e in episodes]
+    out["agent_metrics"][:] = [dict(e.metrics) for e in episodes]
     return out
 
 
@@ -120,6 +164,7 @@ def episode_columns(episodes: Sequence[Episode]) -> dict[str, torch.Tensor]:
         "agent_tool_seconds": [e.tool_seconds for e in episodes], "env_reward": [e.env_reward for e in episodes],
         "agent_env_steps": [e.env_steps for e in episodes], "agent_retries": [e.retries for e in episodes],
         "agent_truncated": [float(e.truncated) for e in episodes],
-        "agent_failed": [float(e.error is not None) for e in episodes]}
+        "agent_failed": [float(e.error is not None) for e in episodes],
+        "agent_trajectory_breaks": [e.trajectory_breaks for e in episodes]}
     return {k: torch.tensor(v, dtype=torch.float32) for k, v in values.items()}
 

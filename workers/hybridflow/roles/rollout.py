@@ -38,7 +38,7 @@ from hybridflow.models.builders import local_model_dir
 from hybridflow.roles.actor import ActorWorker
 from hybridflow.roles.common import memory_in_use_bytes
 from hybridflow.roles.config import ActorConfig, wants_rollout_log_probs
-from hybridflow.roles.episodes import FAILURE_COLUMNS, EpisodeRunner
+from hybridflow.roles.episodes import NON_TENSOR_COLUMNS, EpisodeRunner
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.context import WorkerContext
 from hybridflow.single_controller.protocol import Dispatch, DPRank, register
@@ -94,7 +94,7 @@ class _Generator:
                 packed["rollout_log_probs"] = pad_log_probs([g.log_probs for g in out], r.max_response_length)
         # this rank's rows, tagged by the version it holds (ranks of one call may hold different versions)
         packed["token_versions"] = versions_of(packed["response_mask"], self.version)
-        apart = {k: packed.pop(k) for k in FAILURE_COLUMNS if k in packed}  # an episode's failure: not a tensor
+        apart = {k: packed.pop(k) for k in NON_TENSOR_COLUMNS if k in packed}  # an episode's failure: not a tensor
         result = Batch(packed, {**batch.non_tensors, **apart})
         result.meta["generate_seconds"] = time.perf_counter() - t0
         return result

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.agents.loop import USER_CODE
+from hybridflow.agents.loop import PROGRAM, USER_CODE
 from hybridflow.single_controller.batch import Batch
 
 log = logging.getLogger("hybridflow.trainer.episodes")
@@ -30,6 +30,14 @@ def _sample(batch: Batch, i: int) -> str:
         if column in batch and (column != "extra_info" or "truth" not in batch or batch["truth"][i] is None):
             parts.append(f"{name} {batch[column][i]!r:.80}")
     return f"sample {i}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def _advice(kind: str) -> str:
+    """What to do about failures whose first is of `kind`: an agent program's, or an environment's or tools'."""
+    if kind == PROGRAM:
+        return ("Fix spec.rollout.agent.program (run it on that sample), raise spec.rollout.agent."
+                "programTimeoutSeconds if its runs time out, or raise maxFailedFraction")
+    return "Fix the environment or tools file (run its reset and step on that sample), or raise maxFailedFraction"
 
 
 def _by_kind(kinds: Counter) -> str:
@@ -84,8 +92,7 @@ class EpisodeFailures:
             raise AgentFailure(
                 f"{len(ours)} of {len(errors)} episodes failed in {self.what} "
                 f"({_by_kind(Counter(str(kinds[i]) for i in ours))}), more than spec.rollout.agent.maxFailedFraction"
-                f" = {self.max_fraction:g}; first: {self._describe(batch, ours[0])}. Fix the environment or tools "
-                "file (run its reset and step on that sample), or raise maxFailedFraction"
+                f" = {self.max_fraction:g}; first: {self._describe(batch, ours[0])}. {_advice(str(kinds[ours[0]]))}"
                 + (f" ({sum(pool.values())} more failed in the sandbox pool, not counted: {_by_kind(pool)})"
                    if pool else ""))
 
@@ -123,13 +130,25 @@ def episode_failures(agent: Any, what: str = "this step") -> EpisodeFailures | N
     return None if agent is None else EpisodeFailures(agent.max_failed_fraction, what, agent.tool_timeout_seconds)
 
 
+def program_metrics(batch: Batch) -> dict[str, float]:
+    """An agent program's own metrics (what its `run` returned beside `reward`), each the mean over the episodes
+    that returned it: `agent_program_<name>_mean`."""
+    if "agent_metrics" not in batch:
+        return {}
+    values: dict[str, list[float]] = {}
+    for row in batch["agent_metrics"]:
+        for name, value in (row or {}).items():
+            values.setdefault(str(name), []).append(float(value))
+    return {f"agent_program_{name}_mean": sum(v) / len(v) for name, v in sorted(values.items())}
+
+
 def episode_stats(batch: Batch) -> dict[str, float]:
     """Multi-turn rollouts' metrics over the trained batch: turns and tool calls per episode, the tool calls' error
     and timeout rates and seconds, the environment's reward, and episodes that failed or were retried."""
     if "agent_turns" not in batch:
         return {}
     calls = float(batch["agent_tool_calls"].sum())
-    return {"agent_turns_mean": float(batch["agent_turns"].mean()),
+    return program_metrics(batch) | {"agent_turns_mean": float(batch["agent_turns"].mean()),
             "agent_tool_calls_mean": float(batch["agent_tool_calls"].mean()),
             "agent_tool_call_rate": float((batch["agent_tool_calls"] > 0).float().mean()),
             "agent_tool_error_rate": float(batch["agent_tool_errors"].sum()) / calls if calls else 0.0,
@@ -143,4 +162,7 @@ def episode_stats(batch: Batch) -> dict[str, float]:
             else 0.0,
             "agent_episodes_retried": float((batch["agent_retries"] > 0).float().sum()),
             "agent_episodes_truncated": float(batch["agent_truncated"].sum()),
+            # an agent program's calls that did not extend the conversation before (hybridflow.agents.trajectory)
+            "agent_trajectory_breaks": float(batch["agent_trajectory_breaks"].sum())
+            if "agent_trajectory_breaks" in batch else 0.0,
             "agent_environment_requests": float(batch["agent_environment_requests"].sum())}

@@ -64,8 +64,8 @@ def check_runtime_paths(job: RLHFJob) -> list[str]:
 
 
 def _agent_file_problems(job: RLHFJob) -> list[str]:
-    """A multi-turn job's environment and tools files: there, Python, and (the tools file) holding tools the model
-    can call, none with a listed built-in's name. What only loading them can tell: hybridflow.agents.file_check."""
+    """A multi-turn job's environment and tools files and agent program: there, Python, and (the tools file)
+    holding tools the model can call, none with a listed built-in's name. What only loading them can tell: hybridflow.agents.file_check."""
     from hybridflow.agents.places import job_tools
     from hybridflow.agents.tool_file import ToolFileError
     from hybridflow.user_files import UserFileError, parse_user_file
@@ -80,6 +80,11 @@ def _agent_file_problems(job: RLHFJob) -> list[str]:
             parse_user_file(p, "environment file not found; fix the path")
         except UserFileError as err:
             out.append(f"spec.rollout.agent.environmentFile: {err}")
+    if a.program:
+        try:
+            parse_user_file(Path(a.program), "agent program not found; fix the path")
+        except UserFileError as err:
+            out.append(f"spec.rollout.agent.program: {err}")
     if a.tools_file:
         try:
             job_tools(a)

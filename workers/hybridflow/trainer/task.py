@@ -194,6 +194,7 @@ def prompt_batch(samples: Sequence[Sample], uid_offset: int = 0) -> Batch:
             "truth": [s.truth for s in samples],
             "data_source": [s.data_source for s in samples],
             "extra_info": [s.extra_info for s in samples],
+            "raw_prompt": [s.raw_prompt for s in samples],
             "uid": list(range(uid_offset, uid_offset + len(samples))),
         }
     )
