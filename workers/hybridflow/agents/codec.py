@@ -27,9 +27,11 @@ class ObservationCodec:
             except Exception:  # noqa: BLE001 - a template that cannot render this way: the plain form
                 self.template = None
 
-    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool,
+                tools: Sequence[dict[str, Any]] | None = None) -> str:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+                                                  add_generation_prompt=generation_prompt,
+                                                  tools=list(tools) if tools else None)
 
     def _learn_template(self) -> None:
         system = [{"role": "system", "content": "S"}]
@@ -67,8 +69,7 @@ class ObservationCodec:
         return (self._after_stop if closed else self.end_of_turn) + self._messages_text(shown)
 
     def observation_ids(self, parts: Sequence[tuple[str, str]], closed: bool) -> list[int]:
-        text = self.observation_text(parts, closed)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.text_ids(self.observation_text(parts, closed))
 
     # -- an agent program's chat requests (hybridflow.agents.endpoint) ------------------------------------------------
 
@@ -80,10 +81,8 @@ class ObservationCodec:
             head = [plain_tools_text(tools)] if tools else []
             text = "".join(f"{t}\n" for t in head + [m.get("content") or "" for m in messages])
         else:
-            shown = [self._shown(m) for m in messages]
-            text = self.tokenizer.apply_chat_template(shown, chat_template=self.template, tokenize=False,
-                                                      add_generation_prompt=True, tools=list(tools) if tools else None)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            text = self._render([self._shown(m) for m in messages], True, tools)
+        return self.text_ids(text)
 
     def _shown(self, m: dict[str, Any]) -> dict[str, Any]:
         """A tool's message as observation_text shows it (a user message where the template has no tool role)."""
@@ -99,5 +98,6 @@ class ObservationCodec:
         return {"role": "assistant", "content": (m.get("content") or "") + written}
 
     def text_ids(self, text: str) -> list[int]:
-        """Text the model did not write (a completion request's appended prompt), tokenized as prompts are."""
+        """Text the model did not write (answers between turns, a rendered prompt, a completion request's appended
+        prompt), tokenized as prompts are."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []

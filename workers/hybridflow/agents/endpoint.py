@@ -278,9 +278,9 @@ class Endpoint:
     # -- requests (handler threads) --------------------------------------------------------------------------------
 
     def _budget(self, e: _Episode, prompt_ids: list[int], asked: int | None) -> int:
+        """What this call may write: the chain's budget, the context's room, the turn's and the request's caps (past
+        max_turns no call gets here: _may_call answers it first)."""
         left = self.settings.max_tokens - (len(prompt_ids) - e.chain_start)
-        if len(e.calls) >= self.settings.max_turns:
-            return 0
         room = left if self.settings.max_context is None else self.settings.max_context - len(prompt_ids)
         return max(0, min(left, room, self.settings.max_tokens_per_turn or left, asked or left))
 

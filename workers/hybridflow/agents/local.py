@@ -96,8 +96,10 @@ class _Worker:
                     pass
 
 
-def _probe(require: bool | None, what: str) -> sandbox.Layers:
-    layers = sandbox.probe(WORKER_CHECK)
+def _probe(require: bool | None, what: str, check: Sequence[str] = WORKER_CHECK) -> sandbox.Layers:
+    """The sandbox's layers on this machine, found by running `check` (a worker's imports) in one; refused as
+    SandboxUnavailable where `require` (or the environment's HYBRIDFLOW_SANDBOX) requires them all."""
+    layers = sandbox.probe(check)
     sandbox.check_required(layers, what, require)
     return layers
 

@@ -21,7 +21,7 @@ from typing import Protocol, Sequence
 
 from hybridflow import sandbox, wire
 from hybridflow.agents import program_worker
-from hybridflow.agents.local import _Worker
+from hybridflow.agents.local import _probe, _Worker
 from hybridflow.agents.loop import NOT_RUN, PROGRAM
 from hybridflow.agents.protocol import AgentSettings, EndpointAddress, Info, ProgramResult
 from hybridflow.sandbox import Limits
@@ -66,10 +66,7 @@ class LocalPrograms:
         p = Path(path).resolve()
         self.path, self.source = str(p), p.read_text()  # read once: every run runs the same code
         self.private, self.limits = tuple(private), limits
-        if layers is None:
-            layers = sandbox.probe(WORKER_CHECK)
-            sandbox.check_required(layers, "the agent program", require_sandbox)
-        self.layers = layers
+        self.layers = layers or _probe(require_sandbox, "the agent program", WORKER_CHECK)
         self._live: set[_Worker] = set()
         self._lock = threading.Lock()
 

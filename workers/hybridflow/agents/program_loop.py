@@ -109,17 +109,15 @@ def assemble(result: ProgramResult, calls: Sequence[Call], max_tokens: int) -> E
     are the environment's verdicts on the model's turns, and the failure is often the model's doing (a tool's
     arguments, a step's text). A failed program leaves no reward at all: the reward 0 it would be trained on is
     no verdict on the model's tokens, and a program's bug or deadline would push the model away from them."""
-    trajectory, breaks = merged(calls)
-    e = Episode(turns=len(calls), trajectory_breaks=breaks)
-    if trajectory is not None:
-        e.prompt_ids = trajectory.prompt_ids
-        e.tokens, e.loss_mask, e.log_probs = trajectory.tokens, trajectory.loss_mask, trajectory.log_probs
-        e.truncated = len(e.tokens) >= max_tokens
+    trained, breaks = merged(calls)
+    e = trained or Episode()
+    e.turns, e.trajectory_breaks = len(calls), breaks
+    e.truncated = trained is not None and len(e.tokens) >= max_tokens
     error, failure = result.error, result.failure
     reward = result.reward
     if error is None and (reward is None or not math.isfinite(reward)):
         error, failure = f"the program returned no finite reward (it returned {reward!r})", PROGRAM
-    elif error is None and trajectory is None:
+    elif error is None and trained is None:
         error, failure = "the program made no call to the model", PROGRAM
     if error is not None:
         e.error, e.failure = error, failure or PROGRAM

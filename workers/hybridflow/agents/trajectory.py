@@ -13,8 +13,10 @@ earlier chains are counted (`breaks`, the agent_trajectory_breaks metric) but no
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
+
+from hybridflow.agents.loop import Episode
 
 
 @dataclass(frozen=True)
@@ -28,43 +30,30 @@ class Call:
     extends_previous: bool
 
 
-@dataclass
-class Trajectory:
-    """One trained sequence: its prompt, then tokens with their loss mask (1: the model's) and log-probs."""
-
-    prompt_ids: list[int]
-    tokens: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    calls: int = 0
-
-    def add(self, ids: Sequence[int], model: bool, log_probs: Sequence[float] = ()) -> None:
-        self.tokens.extend(ids)
-        self.loss_mask.extend([1 if model else 0] * len(ids))
-        self.log_probs.extend(list(log_probs) if model and len(log_probs) == len(ids) else [0.0] * len(ids))
-
-
-def chains(calls: Sequence[Call]) -> list[Trajectory]:
-    """Every chain of `calls`, in order. Raises ValueError when a call says it extends the previous one but its
-    prompt does not start with the previous prompt and completion (the endpoint's bug, never the program's)."""
-    out: list[Trajectory] = []
+def chains(calls: Sequence[Call]) -> list[Episode]:
+    """Every chain of `calls`, in order, each an Episode's sequence: its prompt (`prompt_ids`), then tokens with
+    their loss mask (1: the model's) and log-probs (the engine's, 0 where it gave none), and its calls (`turns`).
+    Raises ValueError when a call says it extends the previous one but its prompt does not start with the previous
+    prompt and completion (the endpoint's bug, never the program's)."""
+    out: list[Episode] = []
     previous: Call | None = None
     for c in calls:
         if not c.extends_previous or previous is None or not out:
-            out.append(Trajectory(list(c.prompt_ids)))
+            out.append(Episode(prompt_ids=list(c.prompt_ids)))
         else:
             before = list(previous.prompt_ids) + list(previous.completion_ids)
             if list(c.prompt_ids[: len(before)]) != before:
                 raise ValueError("a call marked as extending the previous one does not start with its prompt and "
                                  "completion")
             out[-1].add(c.prompt_ids[len(before):], model=False)
-        out[-1].add(c.completion_ids, model=True, log_probs=c.log_probs)
-        out[-1].calls += 1
+        given = c.log_probs if len(c.log_probs) == len(c.completion_ids) else ()
+        out[-1].add(c.completion_ids, model=True, log_probs=given)
+        out[-1].turns += 1
         previous = c
     return out
 
 
-def merged(calls: Sequence[Call]) -> tuple[Trajectory | None, int]:
+def merged(calls: Sequence[Call]) -> tuple[Episode | None, int]:
     """The trained sequence of an episode (its last chain; None without calls) and its number of breaks."""
     found = chains(calls)
     return (found[-1] if found else None), max(0, len(found) - 1)
