@@ -16,7 +16,8 @@ from support.paths import TESTS
 
 from hybridflow.api import SpecError, parse_job
 from hybridflow.engines.train import megatron_model as mm
-from hybridflow.engines.train.megatron_lora import HF_PARTS, adapted_linears, hf_adapters, megatron_adapter
+from hybridflow.api.training import MEGATRON_LINEAR_PARTS
+from hybridflow.engines.train.megatron_lora import adapted_linears, hf_adapters, megatron_adapter
 from hybridflow.models import lora
 from hybridflow.models.lora import LoraSettings
 
@@ -55,7 +56,7 @@ def test_a_fused_adapter_is_exactly_the_per_projection_adapters_with_lora_a_copi
         per_projection = dict(mm.megatron_to_hf_items([(f"{name}.weight", fused.T)], shape))
         split = dict(hf_adapters([(f"{name}.lora_A.default.weight", a), (f"{name}.lora_B.default.weight", b)],
                                  shape))
-        assert len(split) == 2 * len(HF_PARTS[linear])
+        assert len(split) == 2 * len(MEGATRON_LINEAR_PARTS[linear])
         for weight, want in per_projection.items():
             module = weight.removesuffix(".weight")
             got = x @ (split[f"{module}.lora_B.default.weight"] @ split[f"{module}.lora_A.default.weight"]).T
@@ -74,7 +75,7 @@ def test_lora_a_copies_that_differ_are_refused():
 
 
 def test_the_targets_map_onto_megatrons_linears_and_a_half_targeted_fused_linear_is_refused():
-    assert adapted_linears(SETTINGS, "qwen2") == list(HF_PARTS)  # the family's default: every projection
+    assert adapted_linears(SETTINGS, "qwen2") == list(MEGATRON_LINEAR_PARTS)  # the family's default: every one
     assert adapted_linears(LoraSettings(4, 8.0, target_modules=("o_proj", "down_proj")), "llama") == [
         "self_attention.linear_proj", "mlp.linear_fc2"]
     with pytest.raises(ValueError, match=r"targetModules: the megatron engine fuses \['k_proj', 'q_proj', 'v_proj'\]"):

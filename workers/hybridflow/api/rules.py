@@ -20,7 +20,7 @@ from hybridflow.api.names import DATA_MOUNT, reward_configmap_key
 from hybridflow.api.roles import ROLE_KINDS
 from hybridflow.api.scaling import elastic_problems
 from hybridflow.api.sections import JobFields
-from hybridflow.api.training import LORA_PROJECTIONS
+from hybridflow.api.training import LORA_PROJECTIONS, MEGATRON_LINEAR_PARTS
 from hybridflow.api.sources import REWARD_SOURCES, RewardSpec
 from hybridflow.api.storage import is_url
 from hybridflow.rewards.rules import RULES, TASK_DEFAULT_RULE
@@ -279,9 +279,10 @@ def _rollout_mode_problems(spec: JobFields) -> list[str]:
 
 
 _NOT_LORA_TARGETS = {"embed_tokens", "lm_head", "score", "norm", "model.norm"}
-# The projections megatron-core fuses into one linear (linear_qkv, linear_fc1): its LoRA engine puts one adapter on
-# each fused linear (engines/train/megatron_lora.py HF_PARTS), so a target set takes all of a group or none of it
-_MEGATRON_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# The projections megatron-core fuses into one linear (linear_qkv, linear_fc1): a target set takes all of a group or
+# none of it
+_MEGATRON_FUSED = tuple(tuple(p.split(".")[-1] for p in parts) for parts in MEGATRON_LINEAR_PARTS.values()
+                        if len(parts) > 1)
 
 
 def _megatron_targets_problem(targets: list[str]) -> str:

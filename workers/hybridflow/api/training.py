@@ -12,6 +12,15 @@ from hybridflow.api.engines import TRAIN_ENGINES
 from hybridflow.api.fields import MAX_COUNT, ModuleName, SpecModel, registered
 
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# megatron-core's linears of a decoder layer -> the HF projections each one is (q/k/v and gate/up fused): its LoRA
+# engine puts one adapter on each linear (engines/train/megatron_lora.py), so a target set takes all of a fused
+# group or none of it (api.rules). Here, torch-free, because both read it.
+MEGATRON_LINEAR_PARTS: dict[str, tuple[str, ...]] = {
+    "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attention.linear_proj": ("self_attn.o_proj",),
+    "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.linear_fc2": ("mlp.down_proj",),
+}
 # HF config.model_type -> the linear modules that get adapters when spec.training.lora.targetModules is empty: every
 # attention and MLP projection (what the LoRA-for-RL results train; PEFT's own default is q_proj and v_proj only).
 # Here, torch-free, because both the engine (models/lora.py) and the memory model (memory/) read it.

@@ -22,6 +22,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from hybridflow.api.training import MEGATRON_LINEAR_PARTS
 from hybridflow.engines.train import megatron_model as mm
 from hybridflow.engines.train.megatron import MegatronEngine
 from hybridflow.models import lora
@@ -29,22 +30,14 @@ from hybridflow.models.lora import LoraSettings
 
 log = logging.getLogger(__name__)
 
-# megatron's linear inside a layer -> the HF projections it fuses, in the order its rows hold them
-HF_PARTS: dict[str, tuple[str, ...]] = {
-    "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attention.linear_proj": ("self_attn.o_proj",),
-    "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.linear_fc2": ("mlp.down_proj",),
-}
-
 
 def adapted_linears(settings: LoraSettings, model_type: str) -> list[str]:
-    """The megatron linears (HF_PARTS' keys) the spec's target modules adapt. A fused linear needs all of its
-    projections targeted (its one lora_A feeds them all); a target that is no layer projection (lm_head) has no
-    adapter here. Both are refused naming the field."""
+    """The megatron linears (MEGATRON_LINEAR_PARTS' keys) the spec's target modules adapt. A fused linear needs all
+    of its projections targeted (its one lora_A feeds them all); a target that is no layer projection (lm_head) has
+    no adapter here. Both are refused naming the field."""
     targets = set(lora.target_modules(settings, model_type))
     out, covered = [], set()
-    for linear, parts in HF_PARTS.items():
+    for linear, parts in MEGATRON_LINEAR_PARTS.items():
         names = {p.rsplit(".", 1)[1] for p in parts}
         if names & targets and not names <= targets:
             raise ValueError(f"spec.training.lora.targetModules: the megatron engine fuses {sorted(names)} into one "
@@ -106,7 +99,8 @@ def _parts(name: str) -> tuple[str, str, list[str]]:
     """A megatron adapter tensor's (linear's whole name, "A" or "B", the PEFT names of its projections' tensors)."""
     linear, kind = name.split(".lora_")
     _, _, i, inner = linear.split(".", 3)
-    return linear, kind[0], [f"model.layers.{i}.{p}.lora_{kind[0]}.{lora.ADAPTER}.weight" for p in HF_PARTS[inner]]
+    return linear, kind[0], [f"model.layers.{i}.{p}.lora_{kind[0]}.{lora.ADAPTER}.weight"
+                             for p in MEGATRON_LINEAR_PARTS[inner]]
 
 
 def hf_adapters(items: Iterable[tuple[str, torch.Tensor]],
