@@ -102,7 +102,8 @@ def model_sources(s: JobSpec) -> dict[str, ModelSource]:
     """The spec's models that may come from a directory, by field."""
     m = s.models
     found = {"spec.models.actor": m.actor, "spec.models.critic": m.critic, "spec.models.reward.model":
-             m.reward.model, "spec.models.cost.model": m.cost.model if m.cost is not None else None}
+             m.reward.model, "spec.models.reward.judge.model": m.reward.judge.model if m.reward.judge else None,
+             "spec.models.cost.model": m.cost.model if m.cost is not None else None}
     return {field: src for field, src in found.items() if src is not None}
 
 

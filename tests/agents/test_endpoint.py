@@ -155,26 +155,32 @@ def test_the_trained_ids_are_the_engines_ids_call_by_call_and_rewritten_text_is_
                                     EpisodeSettings(200, max_turns=4, concurrent=4), timeout=60)
     calls = [(r, c, t) for call in recorder.calls for r, c, t in call]
     assert len(recorder.calls) < len(calls) == 12  # the episodes' requests shared engine calls
-    for i, e in enumerate(episodes):
-        assert e.error is None and e.turns == 3 and e.env_reward == 0.5, e.error
+    for i, rows in enumerate(episodes):
+        e = rows[0]
+        assert all(r.error is None and r.env_reward == 0.5 for r in rows) and sum(r.turns for r in rows) == 3
         contexts = [c for r, c, _ in calls if r == i]
         outs = [t for r, _, t in calls if r == i]
-        trained = [t for t, m in zip(e.tokens, e.loss_mask) if m]
+        trained = [[t for t, m in zip(r.tokens, r.loss_mask) if m] for r in rows]
         if not samples[i]["edit"]:
-            assert e.trajectory_breaks == 0 and e.prompt_ids == contexts[0]
+            assert len(rows) == 1 and e.trajectory_breaks == 0 and e.prompt_ids == contexts[0]
             for context, out in zip(contexts, outs):  # each call: the context it read, then the ids it wrote
                 k = len(context) - len(e.prompt_ids)
                 assert e.prompt_ids + e.tokens[:k] == context
                 assert e.tokens[k:k + len(out)] == out and e.loss_mask[k:k + len(out)] == [1] * len(out)
-            assert trained == [t for out in outs for t in out]  # exactly the engine's ids, nothing else
+            assert trained == [[t for out in outs for t in out]]  # exactly the engine's ids, nothing else
             assert e.turn_rewards == [(max(j for j, m in enumerate(e.loss_mask) if m), 0.5)]
         else:
-            # the third call's messages hold a rewritten answer: it does not continue, so only it is trained and
-            # the rewritten text is in its (untrained) prompt
-            assert e.trajectory_breaks == 1 and e.prompt_ids == contexts[2]
-            assert trained == outs[2] and e.tokens == outs[2]
-            assert "EDITED BY THE PROGRAM" in tok.decode(e.prompt_ids)
-            assert "EDITED" not in tok.decode(trained)
+            # the third call's messages hold a rewritten answer: it does not continue, so it starts a second
+            # sequence (merged: each chain is a row, both trained), and the rewritten text is in its (untrained)
+            # prompt, never among the model's tokens
+            (first, last), breaks = rows, sum(r.trajectory_breaks for r in rows)
+            assert breaks == 1 and first.prompt_ids == contexts[0] and last.prompt_ids == contexts[2]
+            assert trained == [outs[0] + outs[1], outs[2]] and last.tokens == outs[2]
+            assert (first.turns, last.turns) == (2, 1)
+            assert "EDITED BY THE PROGRAM" in tok.decode(last.prompt_ids)
+            assert not any("EDITED" in tok.decode(t) for t in trained)
+            for r in rows:  # the episode's reward on each row's last model token
+                assert r.turn_rewards == [(max(j for j, m in enumerate(r.loss_mask) if m), 0.5)]
 
 
 def test_log_probs_are_the_engines(tok, codec, engine):
@@ -187,7 +193,7 @@ def test_log_probs_are_the_engines(tok, codec, engine):
             seen.extend(out)
             return out
 
-    (e,) = run_program_episodes([{"prompt": "Hi.", "edit": False}], Keep(engine, tok.eos_token_id), codec,
+    ((e,),) = run_program_episodes([{"prompt": "Hi.", "edit": False}], Keep(engine, tok.eos_token_id), codec,
                                 InProcessPrograms(three_turns), EpisodeSettings(200, concurrent=1), timeout=60)
     assert [lp for lp, m in zip(e.log_probs, e.loss_mask) if m] == [lp for _, lps in seen for lp in lps]
     assert all(lp == 0.0 for lp, m in zip(e.log_probs, e.loss_mask) if not m)
@@ -327,8 +333,8 @@ def test_a_program_that_fails_or_never_calls_the_model_is_a_failed_episode(tok, 
 
     episodes = run_program_episodes([{}, {}], ScriptedText(tok, "x"), codec, InProcessPrograms(boom),
                                     EpisodeSettings(50), timeout=10)
-    assert all(e.failure == PROGRAM and "ZeroDivisionError" in e.error for e in episodes)
-    (e,) = run_program_episodes([{}], ScriptedText(tok, "x"), codec, InProcessPrograms(silent), EpisodeSettings(50),
+    assert all(e.failure == PROGRAM and "ZeroDivisionError" in e.error for (e,) in episodes)
+    ((e,),) = run_program_episodes([{}], ScriptedText(tok, "x"), codec, InProcessPrograms(silent), EpisodeSettings(50),
                                 timeout=10)
     assert e.failure == PROGRAM and "no call to the model" in e.error
 
@@ -498,9 +504,9 @@ def test_the_rollout_gives_the_endpoint_the_engines_context(codec, monkeypatch, 
 
     seen: dict[str, Any] = {}
 
-    def fake(samples, model, codec, programs, settings, timeout, max_context=None):
+    def fake(samples, model, codec, programs, settings, timeout, max_context=None, trajectory="merged"):
         seen["max_context"] = max_context
-        return [Episode(tokens=[5], loss_mask=[1], log_probs=[0.0]) for _ in samples]
+        return [[Episode(tokens=[5], loss_mask=[1], log_probs=[0.0])] for _ in samples]
 
     monkeypatch.setattr(episodes, "run_program_episodes", fake)
     program = tmp_path / "agent.py"

@@ -71,5 +71,5 @@ def test_the_calculator_program_calls_its_tool_and_is_scored(codec: ObservationC
 
 def test_plan_then_answer_is_one_chain(codec: ObservationCodec) -> None:
     result, calls = run_example(codec, "plan_then_answer.py", ["Multiply.", "5535"], SAMPLE | {"ground_truth": "5535"})
-    assert result == ProgramResult(reward=1.0, metrics={"plan_chars": 9.0})
+    assert result == ProgramResult(reward=1.0, metrics={"plan_chars": 9.0, "answer_only": 1.0})
     assert [c.extends_previous for c in calls] == [False, True]

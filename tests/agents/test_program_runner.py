@@ -2,11 +2,13 @@
 small HTTP server on a Unix socket that stands in for the job's endpoint (FakeEndpointForTheRunner: the real
 endpoint, hybridflow.agents.endpoint, is tested with these programs at integration). What the program returns comes
 back as the episode's reward and metrics; what it does wrong comes back as the episode's error, naming its file and
-line, counted as the program's failure (loop.PROGRAM); the sandbox still has no network, the socket is its only way
-out."""
+line, counted as the program's failure (loop.PROGRAM), and ends with the last lines of what it wrote to stderr (its
+print()s and logging), bounded and sanitized, none of it shown for a run that succeeds; the sandbox still has no
+network, the socket is its only way out."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import socketserver
@@ -23,7 +25,7 @@ import pytest
 from hybridflow import sandbox
 from hybridflow.agents import program as program_mod
 from hybridflow.agents.loop import NOT_RUN, PROGRAM, EpisodeSettings
-from hybridflow.agents.program import LocalPrograms
+from hybridflow.agents.program import TAIL_CHARS, TAIL_LINES, LocalPrograms, tail_text, with_stderr
 from hybridflow.agents.program_loop import EngineFailed, run_program_episodes
 from hybridflow.agents.protocol import EndpointAddress
 
@@ -213,7 +215,6 @@ def test_a_sandbox_that_cannot_start_is_not_run(tmp_path: Path, endpoint: Any,
     assert result.failure == NOT_RUN and "could not start" in result.error
 
 
-
 def test_a_program_whose_pipe_closed_before_its_sandbox_exited_is_reported_by_its_exit_status(
         tmp_path: Path, endpoint: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The reply pipe closes a moment before the sandbox's launcher exits with the program's status (under load,
@@ -228,6 +229,111 @@ def test_a_program_whose_pipe_closed_before_its_sandbox_exited_is_reported_by_it
     assert result.failure == PROGRAM
     assert result.error.startswith("the agent program agent.py failed after "), result.error
     assert result.error.endswith(": the worker closed its pipe; it exited with status 3"), result.error
+
+
+# -- the program's stderr in its failure ----------------------------------------------------------------------------
+
+PRINTS = """\
+import logging
+import sys
+
+logging.basicConfig(format="%(levelname)s %(message)s")
+log = logging.getLogger("agent"); log.setLevel(logging.INFO)
+"""
+
+
+@pytest.mark.parametrize("ends, says", [
+    ("raise ValueError('no plan')", "ValueError: no plan at agent.py:13"),
+    ("return {'score': 1}", "run returned a dict without 'reward' (its keys: score) (run at agent.py:7)"),
+    ("import os; os._exit(3)", "the agent program agent.py failed after "),
+    ("import asyncio; await asyncio.sleep(600)", "the agent program agent.py timed out after 10 s "
+                                                  "(spec.rollout.agent.programTimeoutSeconds)"),
+], ids=["raises", "bad-return", "crash", "deadline"])
+def test_a_failed_runs_error_ends_with_what_the_program_printed(tmp_path: Path, endpoint: Any, ends: str,
+                                                                 says: str) -> None:
+    result = programs(tmp_path, PRINTS + f"""
+async def run(client, sample):
+    print("thinking about", sample["prompt"], flush=True)
+    log.info("calling the model")
+    answer = await client.chat.completions.create(model="p", messages=[{{"role": "user", "content": "hi"}}])
+    print("the model said", answer.choices[0].message.content, file=sys.stderr, flush=True)
+    print("\\x1b[31mred\\x1b[0m\\tand\\x07 a bell\\rprogress 100%", flush=True)
+    {ends}
+""").run(SAMPLE, endpoint[1], timeout=10 if "sleep" in ends else 60)
+    assert result.failure == PROGRAM and result.reward is None
+    error, _, tail = result.error.partition(" (the program's stderr, ")
+    assert error.startswith(says), result.error
+    assert tail == ("its last 4 lines:\n"
+                    "  | thinking about What is 6 * 7?\n"
+                    "  | INFO calling the model\n"
+                    "  | the model said 42\n"
+                    "  | progress 100%\n"
+                    ")"), result.error
+
+
+def test_a_run_that_succeeds_shows_no_stderr_and_one_that_prints_much_is_not_blocked(
+        tmp_path: Path, endpoint: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """4 MB of stderr (a pipe holds 64 KiB): the run ends as fast as it prints; on success nothing of it is logged
+    or returned, on failure only its last TAIL_LINES lines within TAIL_CHARS characters."""
+    body = """\
+import sys
+
+async def run(client, sample):
+    for i in range(40000):
+        print(f"line {i} " + "x" * 50, file=sys.stderr)
+    if sample["ground_truth"] == "fail":
+        raise RuntimeError("after much output")
+    return 1
+"""
+    runner = programs(tmp_path, body)
+    caplog.set_level(logging.DEBUG)
+    t0 = time.monotonic()
+    ok = runner.run(SAMPLE, endpoint[1], timeout=60)
+    assert (ok.error, ok.reward) == (None, 1.0)
+    assert time.monotonic() - t0 < 30
+    assert not [r for r in caplog.records if "line 39999" in r.getMessage()]
+    failed = runner.run(SAMPLE | {"ground_truth": "fail"}, endpoint[1], timeout=60)
+    error, _, tail = failed.error.partition(" (the program's stderr, ")
+    assert error == "RuntimeError: after much output at agent.py:7"
+    lines = tail.split("\n")
+    assert lines[0] == f"its last {TAIL_LINES} lines:" and lines[-1] == ")"
+    assert len(lines) == TAIL_LINES + 2 and len(tail) <= TAIL_CHARS + 8 * TAIL_LINES
+    assert lines[-2] == "  | line 39999 " + "x" * 50
+
+
+def test_a_program_that_prints_nothing_fails_with_its_error_alone(tmp_path: Path, endpoint: Any) -> None:
+    result = programs(tmp_path, "async def run(client, sample):\n    raise KeyError('k')\n").run(
+        SAMPLE, endpoint[1], timeout=60)
+    assert result.error == "KeyError: 'k' at agent.py:2"
+
+
+def test_the_tail_is_sanitized_and_bounded() -> None:
+    raw = ("partial first line\n"
+           "\x1b]0;a title\x07\x1b[1;32mgreen\x1b[0m text\n"
+           "bidi \u202eevil\u202c and \u2028 separator\n"
+           "nul \x00 and \x1b[2K\x1b[1Gdel \x7f and c1 \x9b done\n"
+           "a\r\n"
+           "10%\r50%\r100%\n"
+           "\tindented\n").encode() + b"bad utf-8 \xff\xfe\n\n\n"
+    assert tail_text(raw, cut=True).split("\n") == [
+        "green text", "bidi ?evil? and ? separator", "nul ? and del ? and c1 ? done", "a", "100%",
+        "    indented", "bad utf-8 \ufffd\ufffd"]
+    assert tail_text(raw).split("\n")[0] == "partial first line"
+    many = "".join(f"{i}\n" for i in range(100)).encode()
+    assert tail_text(many).split("\n") == [str(i) for i in range(100 - TAIL_LINES, 100)]
+    wide = tail_text(("y" * 5000 + "\nlast\n").encode())
+    assert len(wide) == TAIL_CHARS and wide.startswith("...y") and wide.endswith("y\nlast")
+    assert tail_text(b"") == tail_text(b"\n \n") == ""
+
+
+def test_the_error_and_its_stderr() -> None:
+    assert with_stderr("E", "") == "E"
+    assert with_stderr("E", "one") == "E (the program's stderr, its last 1 line:\n  | one\n)"
+    assert with_stderr("E", "a\nb") == "E (the program's stderr, its last 2 lines:\n  | a\n  | b\n)"
+
+
+def test_a_pipe_that_cannot_be_read_leaves_no_tail() -> None:
+    assert program_mod.StderrTail(None).text(0.1) == ""
 
 
 class _Codec:
@@ -277,5 +383,21 @@ def test_an_engine_error_kills_the_programs_names_the_rows_and_leaves_the_progra
                                  "(ground truth '42', data source 'test'): ValueError: CUDA error: an illegal memory "
                                  "access (the rollout's programs were stopped)")
     assert isinstance(failed.value.__cause__, ValueError)
-    (e,) = run_program_episodes(samples[:1], _Model(fail=False), codec, runner, settings, timeout=60)
+    ((e,),) = run_program_episodes(samples[:1], _Model(fail=False), codec, runner, settings, timeout=60)
     assert (e.error, e.env_reward, e.tokens, e.loss_mask) == (None, 1.0, [5, 0], [1, 1])
+
+
+def test_the_stderr_thread_and_its_pipe_end_even_while_a_process_that_outlived_the_kill_holds_it_open():
+    import os
+
+    from hybridflow.agents.program import StderrTail
+
+    r, w = os.pipe()  # the write end stays open: a writer that outlived the kill
+    try:
+        tail = StderrTail(os.fdopen(r, "rb"))
+        os.write(w, b"last words\n")
+        assert tail.text(0.5) == "last words"  # no EOF: what came by then
+        tail.close()
+        assert not tail._thread.is_alive() and tail._stream.closed
+    finally:
+        os.close(w)

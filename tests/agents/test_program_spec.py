@@ -52,6 +52,16 @@ def test_a_program_is_an_agent_alone_scored_by_its_reward(tmp_path: Path) -> Non
     assert _job(tmp_path, program=prog, score="environment").spec.rollout.agent.episode_score == "environment"
 
 
+def test_a_greedy_baseline_refuses_one_sequence_per_call(tmp_path: Path) -> None:
+    prog = str(_write(tmp_path / "agent.py", GOOD))
+    remax = {"algorithm": {"name": "remax"}}
+    with pytest.raises(ValidationError, match="per_call makes an episode several sequences, and remax's greedy"):
+        RLHFJob.model_validate({"spec": {**_job(tmp_path, program=prog, trajectory="per_call").spec.model_dump(
+            by_alias=True, exclude_unset=True), **remax}})
+    assert RLHFJob.model_validate({"spec": {**_job(tmp_path, program=prog).spec.model_dump(
+        by_alias=True, exclude_unset=True), **remax}}).spec.rollout.agent.trajectory == "merged"
+
+
 def test_kubernetes_refuses_a_program_and_the_pool_cannot_run_one(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     prog = str(_write(tmp_path / "agent.py", GOOD))

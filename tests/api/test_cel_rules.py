@@ -13,6 +13,7 @@ import re2
 import yaml
 
 from hybridflow.api.crd import build_crd, immutable_field_rule
+from hybridflow.api.names import ROLES
 from hybridflow.api import MAX_JOB_NAME, RLHFJob, SpecError, dump_job, parse_job
 
 from support.paths import ROOT
@@ -281,7 +282,7 @@ BAD = [
     ("spec.models.actor.path", "p" * 4097, "spec.models.actor.path"),
     ("spec.models.reward.function", {"path": "r.py", "name": "not-a-name"}, "spec.models.reward.function.name"),
     ("spec.metrics.address", "", "spec.metrics.address"),
-    ("spec.placement", {f"r{i}": "default" for i in range(8)}, "spec.placement"),
+    ("spec.placement", {f"r{i}": "default" for i in range(len(ROLES) + 1)}, "spec.placement"),
     # (a 64-character placement key: the CRD no longer refuses it, since `placement` is a map or `auto`, a node a
     # structural schema leaves untyped, and CEL over an untyped map exceeds the API server's cost budget; the spec
     # refuses it, naming only its length and start: test_spec's test_a_placement_key_is_bounded_and_never_quoted_whole)

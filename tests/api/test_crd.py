@@ -147,7 +147,7 @@ def test_train_and_eval_are_the_only_untyped_spec_fields():
     untyped = [p for p, n in _walk(_schema()["properties"]["spec"], "spec") if "type" not in n]
     assert untyped == ["spec.data.train", "spec.data.eval", "spec.placement"]
     placement = _schema()["properties"]["spec"]["properties"]["placement"]
-    assert (placement["maxProperties"], placement["maxLength"]) == (7, 4) and "enum" not in placement
+    assert (placement["maxProperties"], placement["maxLength"]) == (8, 4) and "enum" not in placement
     node = _schema()["properties"]["spec"]["properties"]["data"]["properties"]["train"]
     assert node["x-kubernetes-preserve-unknown-fields"] is True
     assert (node["minLength"], node["maxLength"], node["maxItems"]) == (1, 4096, 1024)

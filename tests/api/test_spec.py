@@ -96,7 +96,7 @@ BAD = [
     ({"algorithm": {"name": "safe_rlhf"}, "models": {"cost": {"type": "scorer", "scorers": [{"name": "math"}]}}},
      "spec.models.cost.type: a cost is a rule or a model"),
     ({"placement": {"critic": "gpus"}}, "spec.placement.critic: no resource pool named 'gpus'"),
-    ({"placement": {"judge": "default"}}, "spec.placement.judge: unknown role"),
+    ({"placement": {"grader": "default"}}, "spec.placement.grader: unknown role"),
     ({"models": {"actor": {"tiny": {"hiddenSize": 48, "numHeads": 3, "numKvHeads": 1}}}}, "head size"),
     ({"models": {"actor": {"tiny": {"hiddenSize": 64, "numHeads": 3}}}}, "must be divisible by numHeads"),
     ({"algorithm": {"klCoef": 0.1}, "models": {"reference": False}}, "klCoef > 0 needs spec.models.reference"),
@@ -161,7 +161,7 @@ BAD = [
      "spec.models.reward.type is 'scorer' but spec.models.reward.model is given"),
     ({"models": {"reward": {"function": {"path": "r.py"}, "scorers": [{"name": "math"}]}}},
      "spec.models.reward.scorers, spec.models.reward.function are given together; keep the one you mean (it sets "
-     "spec.models.reward.type) or set spec.models.reward.type"),
+     "spec.models.reward.type), set spec.models.reward.type, or weigh them in spec.models.reward.weights to sum them"),
     ({"algorithm": {"name": "safe_rlhf"}, "models": {"cost": {"type": "rule", "model": {}}}},
      "spec.models.cost.type is 'rule' but spec.models.cost.model is given"),
     ({"algorithm": {"name": "safe_rlhf"}, "models": {"cost": {"function": {"path": "c.py"}}}},

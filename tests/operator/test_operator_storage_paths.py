@@ -218,6 +218,20 @@ def test_model_claim_is_mounted_read_only_by_each_models_subpath():
     assert {m["subPath"] for per in _claim_mounts(objs, "models") for m in per} == {"team/base"}
 
 
+def test_a_judges_model_on_the_model_claim_is_mounted_by_its_subpath():
+    """A judge's `path` model is a model of the job like the others: its path resolved onto the claim, its
+    directory mounted on the pods that load it."""
+    base = _raw("gpu-grpo-7b.yaml")["spec"]
+    judges = {**base["resourcePools"][0], "name": "judges", "nodes": 1}
+    raw = _raw("gpu-grpo-7b.yaml", models={**base["models"], "reward": {
+        "weights": {"scorers": 0.5, "judge": 0.5}, "scorers": base["models"]["reward"]["scorers"],
+        "judge": {"model": {"source": "path", "path": "team/judge"}, "parser": "matches"}}},
+        resourcePools=[base["resourcePools"][0], judges], placement={"judge": "judges"})
+    objs = _all_manifests(raw)
+    assert _ran(objs).spec.models.reward.judge.model.path == "/models/team/judge"
+    assert "team/judge" in {m["subPath"] for per in _claim_mounts(objs, "models") for m in per}
+
+
 @pytest.mark.parametrize("path", ["/opt/models/x", "/models/../etc", "team/../../etc"])
 def test_a_model_path_off_the_model_claim_is_refused(path):
     models = {**_raw("gpu-grpo-7b.yaml")["spec"]["models"], "actor": {"source": "path", "path": path}}

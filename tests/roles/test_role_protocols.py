@@ -35,7 +35,7 @@ def driver_return(worker_return: str, dispatch: Dispatch, blocking: bool) -> str
 
 
 def test_the_roles_tuple_is_the_registry_of_role_definitions():
-    assert ROLES == ("actor", "rollout", "reference", "critic", "reward", "cost", "cost_critic")
+    assert ROLES == ("actor", "rollout", "reference", "critic", "reward", "judge", "cost", "cost_critic")
     assert tuple(ROLE_KINDS) == ROLES
     assert trained_roles() == ("actor", "critic", "cost_critic")
     for role in ROLES:  # each worker's Protocol is (a refinement of) the role's own

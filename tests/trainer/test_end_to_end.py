@@ -277,6 +277,22 @@ def test_smollm2_on_prompt_files(tmp_path, model_cache, ray_tmp, run_here, word_
         assert any("reward_product_correct_mean" in r for r in records), records
 
 
+def test_the_judge_example_scores_with_a_served_smollm2_beside_the_actor(tmp_path, run_here):
+    """examples/smollm2-arithmetic-judge.yaml for one step: the judge role's vLLM is built beside the actor's (two
+    vLLM engines in one process), the combined reward asks it through the controller, and its costs
+    and agreement with the task's rule reach the step log and the progress line."""
+    ckpt = tmp_path / "run"
+    job = job_variant(tmp_path, ROOT / "examples" / "smollm2-arithmetic-judge.yaml", trainer__steps=1,
+                      trainer__promptsPerStep=4, trainer__eval=False, trainer__checkpointDir=str(ckpt))
+    rc, printed = run_here(job, cwd=tmp_path)
+    assert rc == 0, printed[-3000:]
+    assert re.search(r"pool default: actor, rollout, reference, judge", printed), printed[-3000:]
+    assert re.search(r"judge \d+\.\d\ds, agrees with the rule \d+%", printed), printed[-3000:]
+    (record,) = _steps(ckpt)
+    assert 0 < record["judge_requests"] <= 16 and record["judge_tokens_per_s"] > 0, record
+    assert record["judge_rule_agreement"] >= 0.5, record  # measured 0.91-0.94 in the example's runs
+
+
 def test_a_reward_function_that_fails_stops_the_job_naming_the_sample(tmp_path, model_cache, ray_tmp):
     reward = tmp_path / "bad_reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"

@@ -62,6 +62,14 @@ STEP_GAUGES = {
                               "notice (scale-down, eviction, drain), each after the call it was in."),
     "replica_join_seconds": ("replica_join_seconds", "Seconds from a pod joining the rollout pool until its replica "
                              "took work (set at the step it joined)."),
+    # A generative judge (spec.models.reward.judge), over the last step's batch:
+    "judge_requests": ("judge_requests", "Questions the judge answered (after its cache and de-duplication)."),
+    "judge_cache_hits": ("judge_cache_hits", "Responses scored from the judge's cache of earlier verdicts."),
+    "judge_parse_failures": ("judge_parse_failures", "Judge answers its parser could not read (scored errorScore)."),
+    "judge_seconds": ("judge_seconds", "Seconds the judge's engine call took (its latency per step)."),
+    "judge_tokens_per_s": ("judge_tokens_per_s", "The judge's answer tokens per second."),
+    "judge_rule_agreement": ("judge_rule_agreement", "Share of responses on which the judge and the task's rule give "
+                             "the same verdict (pass: score >= 0.5)."),
     # Multi-turn rollouts (spec.rollout.agent), over the trained batch's episodes:
     "agent_turns_mean": ("agent_turns_mean", "Model turns per episode (mean)."),
     "agent_tool_calls_mean": ("agent_tool_calls_mean", "Tool calls per episode (mean)."),

@@ -4,10 +4,11 @@ serving
 
     POST /v1/chat/completions, POST /v1/completions, GET /v1/models
 
-Each episode has its own bearer token (`open(row)`), accepted until `close(token)`, which returns the episode's
-calls (hybridflow.agents.trajectory.Call); a request without a live token answers 401. The socket lies in a
-private temporary directory that other users may traverse but not list, and is itself connectable by any user
-(the sandbox runs as another uid): the token is the authentication.
+Each episode has its own bearer token (`open(row)`), accepted until `end(token)`, which returns the episode's
+calls (hybridflow.agents.trajectory.Call) and which of them ran out (Ended; `close(token)`: the calls alone); a
+request without a live token answers 401. The socket lies in a private temporary directory that other users may
+traverse but not list, and is itself connectable by any user (the sandbox runs as another uid): the token is the
+authentication (hybridflow.agents.unix_http serves it).
 
 Exact token capture: a chat request whose messages are the episode's previous request's messages, then the
 assistant message the endpoint returned for it (its content and tool calls, unchanged), then new messages, is
@@ -23,7 +24,10 @@ or past `max_turns` calls, gets an empty completion with finish_reason "length" 
 checks finish_reason stops there, and one that does not cannot run the job out of tokens. A call's completion is also
 at most `max_context` (the engine's context: maxPromptLength + maxResponseLength) less its prompt's length, and a
 prompt of `max_context` tokens or more answers 400 (OpenAI's code context_length_exceeded), as do token ids outside
-the vocabulary: no request reaches the engine with what the engine would refuse.
+the vocabulary: no request reaches the engine with what the engine would refuse. A chain that runs out (a
+completion cut by the chain's budget or the context, or a request continuing the chain refused for either) is
+marked at its last recorded call (Ended.cut): the row trained from it is truncated, as run_episodes marks an
+episode that ran out of its tokens (a turn's cap or max_turns is no such end, there or here).
 
 Connections: at most `max_connections` at once (one more: 503, closed); a request's token is checked right after
 its headers, before its body (401, the body unread); a body is at most MAX_BODY bytes (413), in within BODY_SECONDS
@@ -38,7 +42,6 @@ dropped before the engine call, answered 503. What is honoured of a request: hyb
 """
 from __future__ import annotations
 
-import contextlib
 import hmac
 import json
 import logging
@@ -46,13 +49,11 @@ import os
 import queue
 import secrets
 import shutil
-import socket
-import socketserver
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from hybridflow.agents import openai_wire as wire
@@ -60,6 +61,7 @@ from hybridflow.agents.codec import ObservationCodec
 from hybridflow.agents.loop import GATHER_SECONDS, Model
 from hybridflow.agents.toolcalls import tool_call_text
 from hybridflow.agents.trajectory import Call
+from hybridflow.agents.unix_http import UnixHTTPServer
 
 log = logging.getLogger("hybridflow.agents.endpoint")
 
@@ -68,7 +70,6 @@ REQUEST_SECONDS = 60.0  # a connection that sends nothing for this long is dropp
 BODY_SECONDS = 30.0  # a request's whole body must arrive within this long of its headers
 MAX_CONNECTIONS = 256  # connections served at once (each holds a thread)
 CHARS_PER_TOKEN = 64  # a text of more characters than this per token of the context cannot fit it
-BUSY = wire.raw_answer("503 Service Unavailable", wire.ApiError(503, "too many connections", kind="server_error"))
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,16 @@ class _Episode:
     recorded_chain: int = -1  # the chain of the last recorded call
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
+    cut: set[int] = field(default_factory=set)  # Ended.cut
+
+
+@dataclass(frozen=True)
+class Ended:
+    """An ended episode's calls, and `cut`: the indices of the calls after which their chain ran out of its budget
+    or the engine's context (the call's completion cut there, or the next request continuing it refused)."""
+
+    calls: list[Call]
+    cut: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -117,45 +128,6 @@ class _Pending:
     done: threading.Event = field(default_factory=threading.Event)
     result: tuple[list[int], list[float]] | None = None
     error: str | None = None
-
-
-class _UnixHTTPServer(ThreadingHTTPServer):
-    """A thread per connection, at most `connections` at once: one more is answered BUSY and closed."""
-
-    address_family = socket.AF_UNIX
-    daemon_threads = True
-
-    def __init__(self, path: str, handler: type[BaseHTTPRequestHandler], connections: int) -> None:
-        self._slots = threading.BoundedSemaphore(connections)
-        super().__init__(path, handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            with contextlib.suppress(OSError):
-                request.settimeout(1.0)
-                request.sendall(BUSY)
-                request.setblocking(False)  # what it sent already is read, so that closing does not reset it
-                request.recv(1 << 16)
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:  # a program that went: no traceback
-        log.debug("agent endpoint connection failed", exc_info=True)
-
-    def server_bind(self) -> None:  # HTTPServer's would resolve the path as a host name
-        socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = "hybridflow", 0
 
 
 class Endpoint:
@@ -175,7 +147,7 @@ class Endpoint:
         self.socket_path = os.path.join(self._dir, "openai.sock")
         self.vocab = len(codec.tokenizer)  # token ids the engine accepts: [0, vocab)
         self.max_chars = min(MAX_BODY, CHARS_PER_TOKEN * (settings.max_context or MAX_BODY))
-        self._server = _UnixHTTPServer(self.socket_path, _handler(self), settings.max_connections)
+        self._server = UnixHTTPServer(self.socket_path, _handler(self), settings.max_connections)
         os.chmod(self.socket_path, 0o666)  # connecting needs write permission on the socket; the token is the auth
         self._thread = threading.Thread(target=self._server.serve_forever, name="agent-endpoint", daemon=True)
         self._thread.start()
@@ -208,15 +180,18 @@ class Endpoint:
             self._episodes[token] = _Episode(row)
         return token
 
-    def close(self, token: str) -> list[Call]:
-        """The episode's calls; its token is refused from now on, and a call in flight is not recorded (calls are
-        recorded under the same lock: each is in the list returned or never recorded)."""
+    def end(self, token: str) -> Ended:
+        """The episode's calls and which ran out; its token is refused from now on, and a call in flight is not
+        recorded (calls are recorded under the same lock: each is in the list returned or never recorded)."""
         with self._lock:
             e = self._episodes.pop(token, None)
             if e is None:
-                return []
+                return Ended([])
             e.closed = True
-            return list(e.calls)
+            return Ended(list(e.calls), frozenset(e.cut))
+
+    def close(self, token: str) -> list[Call]:
+        return self.end(token).calls
 
     def episode(self, authorization: str | None) -> _Episode | None:
         given = (authorization or "").removeprefix("Bearer ").strip()
@@ -277,20 +252,31 @@ class Endpoint:
 
     # -- requests (handler threads) --------------------------------------------------------------------------------
 
-    def _budget(self, e: _Episode, prompt_ids: list[int], asked: int | None) -> int:
+    def _budget(self, e: _Episode, prompt_ids: list[int], asked: int | None) -> tuple[int, int]:
         """What this call may write: the chain's budget, the context's room, the turn's and the request's caps (past
-        max_turns no call gets here: _may_call answers it first)."""
+        max_turns no call gets here: _may_call answers it first); and the first two's minimum, the chain's room."""
         left = self.settings.max_tokens - (len(prompt_ids) - e.chain_start)
-        room = left if self.settings.max_context is None else self.settings.max_context - len(prompt_ids)
-        return max(0, min(left, room, self.settings.max_tokens_per_turn or left, asked or left))
+        room = min(left, left if self.settings.max_context is None else self.settings.max_context - len(prompt_ids))
+        return max(0, min(room, self.settings.max_tokens_per_turn or left, asked or left)), room
+
+    def _ran_out(self, e: _Episode, extends: bool) -> None:
+        """A request continuing e's chain is refused for its budget or the context: the chain ends at its last
+        recorded call."""
+        with self._lock:
+            if extends and e.calls and e.recorded_chain == e.chain and not e.closed:
+                e.cut.add(len(e.calls) - 1)
 
     def _may_call(self, e: _Episode) -> bool:  # False: past max_turns; a closed episode is refused
         if e.closed:
             raise wire.ApiError(401, "the episode ended: its token is no longer accepted", kind="authentication_error")
         return len(e.calls) < self.settings.max_turns
 
-    def _bound_text(self, chars: int, param: str) -> None:  # before it is tokenized
-        wire.bound_text(chars, self.max_chars, self.settings.max_context, param)
+    def _bound_text(self, e: _Episode, extends: bool, chars: int, param: str) -> None:  # before it is tokenized
+        try:
+            wire.bound_text(chars, self.max_chars, self.settings.max_context, param)
+        except wire.ApiError:
+            self._ran_out(e, extends)
+            raise
 
     def chat(self, e: _Episode, req: wire.ChatRequest) -> dict[str, Any]:
         with e.lock:
@@ -303,13 +289,13 @@ class Endpoint:
                        and wire.same_as_returned(req.messages[len(prev.messages)], prev.reply))
             if extends and prev is not None and prev.messages is not None:
                 new = req.messages[len(prev.messages) + 1:]
-                self._bound_text(wire.text_size(new), "messages")
+                self._bound_text(e, True, wire.text_size(new), "messages")
                 closed = bool(prev.completion_ids) and prev.completion_ids[-1] in self.codec.stop_token_ids
                 with self._codec_lock:
                     after = self.codec.observation_ids([(m["role"], self._text(m)) for m in new], closed)
                 prompt_ids = prev.prompt_ids + prev.completion_ids + after
             else:
-                self._bound_text(wire.text_size(req.messages, req.tools), "messages")
+                self._bound_text(e, False, wire.text_size(req.messages, req.tools), "messages")
                 with self._codec_lock:
                     prompt_ids = self.codec.prompt_ids(req.messages, req.tools)
             tokens, log_probs, r = self._call(e, prompt_ids, req.max_tokens, extends, "messages")
@@ -336,12 +322,12 @@ class Endpoint:
                 before_text = prev.prompt + prev.reply.text
                 extends = req.prompt.startswith(before_text)
                 if extends:
-                    self._bound_text(len(req.prompt) - len(before_text), "prompt")
+                    self._bound_text(e, True, len(req.prompt) - len(before_text), "prompt")
                     with self._codec_lock:
                         more = self.codec.text_ids(req.prompt[len(before_text):])
                     prompt_ids = prev.prompt_ids + prev.completion_ids + more
             if not extends:
-                self._bound_text(len(req.prompt) if isinstance(req.prompt, str) else 0, "prompt")
+                self._bound_text(e, False, len(req.prompt) if isinstance(req.prompt, str) else 0, "prompt")
                 with self._codec_lock:
                     prompt_ids = list(req.prompt) if isinstance(req.prompt, list) else self.codec.text_ids(req.prompt)
             tokens, log_probs, r = self._call(e, prompt_ids, req.max_tokens, extends, "prompt")
@@ -351,18 +337,27 @@ class Endpoint:
 
     def _call(self, e: _Episode, prompt_ids: list[int], asked: int | None, extends: bool,
               param: str) -> tuple[list[int], list[float], wire.Reply]:
-        wire.check_context(len(prompt_ids), self.settings.max_context, param)  # what the engine would refuse
+        try:
+            wire.check_context(len(prompt_ids), self.settings.max_context, param)  # what the engine would refuse
+        except wire.ApiError:
+            self._ran_out(e, extends)
+            raise
         if not extends:
             e.chain_start, e.chain = len(prompt_ids), e.chain + 1
-        budget = self._budget(e, prompt_ids, asked)
+        budget, room = self._budget(e, prompt_ids, asked)
         if budget <= 0:
+            if room <= 0:
+                self._ran_out(e, extends)
             return [], [], wire.Reply("", "", [], "length")
         tokens, log_probs = self._generate(e, prompt_ids, budget)
-        with self._lock:  # ordered with close(): recorded only while the episode is open
-            if not e.closed:  # it extends the last recorded call only if that call is in its chain
-                e.calls.append(Call(list(prompt_ids), list(tokens), list(log_probs), e.recorded_chain == e.chain))
-                e.recorded_chain = e.chain
         closed = bool(tokens) and tokens[-1] in self.codec.stop_token_ids
+        with self._lock:  # ordered with end(): recorded only while the episode is open
+            if not e.closed:  # it extends the last recorded call only if that call is in its chain
+                cut = not closed and len(tokens) >= room  # it wrote up to the chain's budget or the context
+                e.calls.append(Call(list(prompt_ids), list(tokens), list(log_probs), e.recorded_chain == e.chain, cut))
+                e.recorded_chain = e.chain
+                if cut:  # Ended.cut; Call.cut: its own completion (per_call marks no call for a refusal after it)
+                    e.cut.add(len(e.calls) - 1)
         with self._codec_lock:
             text = self.codec.decode(tokens)
         return tokens, log_probs, wire.reply(text, closed)

@@ -52,15 +52,17 @@ class EnvironmentCode:
 class _Worker:
     """A sandboxed worker process and the driver's end of its pipes (tools, environment sessions, file checks, and
     agent programs: hybridflow.agents.program). `binds`: more paths bound in read-only, beside `code_path`'s
-    (sandbox.code_binds of each: an agent program's endpoint socket); `name`: the worker as its errors call it."""
+    (sandbox.code_binds of each: an agent program's endpoint socket); `name`: the worker as its errors call it;
+    `stderr`: where its stderr goes (a pipe: the caller reads it, as an agent program's runner does)."""
 
     def __init__(self, module: str, limits: Limits, layers: sandbox.Layers, code_path: str | None,
-                 private: Sequence[str], binds: Sequence[str] = (), name: str = "the worker") -> None:
+                 private: Sequence[str], binds: Sequence[str] = (), name: str = "the worker",
+                 stderr: int = subprocess.DEVNULL) -> None:
         bound = [b for path in (code_path, *binds) if path for b in sandbox.code_binds(path)]
         self.name = name
         self.box = sandbox.spawn(sandbox.python_module(module), limits, layers, env=sandbox.clean_env(),
                                  binds=sorted(set(bound)), private=private,
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)
         assert self.box.popen.stdin is not None and self.box.popen.stdout is not None
         self.reader = wire.LineReader(self.box.popen.stdout.fileno())
 

@@ -17,10 +17,10 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Sequence
 
 from hybridflow.agents.codec import ObservationCodec
-from hybridflow.agents.endpoint import Endpoint, EndpointSettings
+from hybridflow.agents.endpoint import Endpoint, EndpointSettings, Ended
 from hybridflow.agents.loop import NOT_RUN, PROGRAM, Episode, EpisodeSettings, Model
 from hybridflow.agents.protocol import EndpointAddress, Info, ProgramResult, Programs
-from hybridflow.agents.trajectory import Call, merged
+from hybridflow.agents.trajectory import Call, sequences
 
 PUMP_SECONDS = 0.05  # how long the engine's thread waits for a request before it looks at the programs again
 STOP_SECONDS = 0.5  # after an error: how often the programs still running are killed until none is left
@@ -59,9 +59,10 @@ def _engine_failure(rows: Sequence[int], samples: Sequence[Info], err: BaseExcep
 
 def run_program_episodes(samples: Sequence[Info], model: Model, codec: ObservationCodec, programs: Programs,
                          settings: EpisodeSettings, timeout: float,
-                         max_context: int | None = None) -> list[Episode]:
-    """Every sample's episode: its program run to its end (or `timeout` seconds), its calls assembled. Episode i's
-    engine calls carry row i (Model.generate's `rows`), so that per-row sampling settings (greedy rows) hold."""
+                         max_context: int | None = None, trajectory: str = "merged") -> list[list[Episode]]:
+    """Every sample's episode: its program run to its end (or `timeout` seconds), its calls assembled into its
+    trained sequences (`trajectory`: merged or per_call; `assemble`). Episode i's engine calls carry row i
+    (Model.generate's `rows`), so that per-row sampling settings (greedy rows) hold."""
     n = len(samples)
     if n == 0:
         return []
@@ -69,15 +70,15 @@ def run_program_episodes(samples: Sequence[Info], model: Model, codec: Observati
                                                 settings.max_turns, max_context=max_context))
     pool = ThreadPoolExecutor(max(1, min(settings.concurrent, n)), thread_name_prefix="agent-program")
 
-    def one(i: int) -> tuple[ProgramResult, list[Call]]:
+    def one(i: int) -> tuple[ProgramResult, Ended]:
         token = endpoint.open(i)
         try:
             result = programs.run(samples[i], EndpointAddress(endpoint.socket_path, token), timeout)
         except Exception as err:  # noqa: BLE001 - Programs.run raises only when no sandbox could run it
             result = ProgramResult(error=f"{type(err).__name__}: {err}", failure=NOT_RUN)
         finally:
-            calls = endpoint.close(token)
-        return result, calls
+            ended = endpoint.end(token)
+        return result, ended
 
     engine = _Engine(model)
     futures: list[Future] = []
@@ -85,7 +86,8 @@ def run_program_episodes(samples: Sequence[Info], model: Model, codec: Observati
         futures = [pool.submit(one, i) for i in range(n)]
         while not all(f.done() for f in futures):
             endpoint.pump(engine, PUMP_SECONDS)
-        return [assemble(*f.result(), settings.max_tokens) for f in futures]
+        return [assemble(r, ended.calls, settings.max_tokens, trajectory, ended.cut)
+                for r, ended in (f.result() for f in futures)]
     except Exception as err:
         if engine.failed_rows is None:
             raise
@@ -99,33 +101,44 @@ def run_program_episodes(samples: Sequence[Info], model: Model, codec: Observati
         pool.shutdown(wait=True)
 
 
-def assemble(result: ProgramResult, calls: Sequence[Call], max_tokens: int) -> Episode:
-    """One episode from its program's result and its calls (a pure function): the trained chain's tokens, the
-    program's reward on the model's last token, the failure if any.
+def assemble(result: ProgramResult, calls: Sequence[Call], max_tokens: int, trajectory: str = "merged",
+             cut: frozenset[int] = frozenset()) -> list[Episode]:
+    """One episode's trained sequences (its rows in the batch, at least one) from its program's result and its calls
+    (a pure function): its calls cut by `trajectory` (hybridflow.agents.trajectory.sequences), each sequence with
+    the program's reward on its last model token (every row of the episode carries the episode's reward:
+    env_reward), the failure if any. A sequence holding no token of the model's is dropped (a row scored 0 beside
+    its episode's would skew its group's baseline). Each row counts its own calls (`turns`, the calls it holds);
+    the episode's breaks and its program's metrics are on its first row only, so that sums over rows are the
+    episode's.
 
-    A failed episode (the program raised, timed out, returned no finite reward) keeps its tokens and log-probs for
-    the rollout's log, but its loss mask is all 0: it contributes no gradient. The built-in loop (loop.run_episodes)
-    trains its failed episodes as they are, on the rewards the environment gave before the failure: those rewards
-    are the environment's verdicts on the model's turns, and the failure is often the model's doing (a tool's
-    arguments, a step's text). A failed program leaves no reward at all: the reward 0 it would be trained on is
-    no verdict on the model's tokens, and a program's bug or deadline would push the model away from them."""
-    trained, breaks = merged(calls)
-    e = trained or Episode()
-    e.turns, e.trajectory_breaks = len(calls), breaks
-    e.truncated = trained is not None and len(e.tokens) >= max_tokens
+    A failed episode (the program raised, timed out, returned no finite reward) is one row, its last sequence,
+    kept for the rollout's log with its tokens and log-probs, but its loss mask is all 0: it contributes no
+    gradient. The built-in loop (loop.run_episodes) trains its failed episodes as they are, on the rewards the
+    environment gave before the failure: those rewards are the environment's verdicts on the model's turns, and
+    the failure is often the model's doing (a tool's arguments, a step's text). A failed program leaves no reward
+    at all: the reward 0 it would be trained on is no verdict on the model's tokens, and a program's bug or
+    deadline would push the model away from them."""
+    found, breaks = sequences(calls, trajectory, cut)
+    rows = [e for e in found if any(e.loss_mask)] or found[-1:] or [Episode()]
+    for e in rows:
+        e.truncated = e.truncated or (bool(found) and len(e.tokens) >= max_tokens)
+    rows[0].trajectory_breaks = breaks
     error, failure = result.error, result.failure
     reward = result.reward
     if error is None and (reward is None or not math.isfinite(reward)):
         error, failure = f"the program returned no finite reward (it returned {reward!r})", PROGRAM
-    elif error is None and trained is None:
+    elif error is None and not found:
         error, failure = "the program made no call to the model", PROGRAM
     if error is not None:
+        e = rows[-1]
+        e.turns, e.trajectory_breaks = len(calls), breaks
         e.error, e.failure = error, failure or PROGRAM
         e.loss_mask = [0] * len(e.tokens)
-        return e
-    e.env_reward = float(reward or 0.0)
-    e.metrics = dict(result.metrics)
-    model_positions = [j for j, m in enumerate(e.loss_mask) if m]
-    if e.env_reward and model_positions:
-        e.turn_rewards.append((model_positions[-1], e.env_reward))
-    return e
+        return [e]
+    rows[0].metrics = dict(result.metrics)
+    for e in rows:
+        e.env_reward = float(reward or 0.0)
+        model_positions = [j for j, m in enumerate(e.loss_mask) if m]
+        if e.env_reward and model_positions:
+            e.turn_rewards.append((model_positions[-1], e.env_reward))
+    return rows

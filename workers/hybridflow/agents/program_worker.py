@@ -7,7 +7,8 @@ at its deadline.
 
 What the program returns is turned into plain numbers here, so that only JSON goes back, and anything else is an
 error naming what was returned: the episode's reward must be a finite number. What the program prints goes to
-stderr (protocol_streams), never onto the protocol pipe. Loads the standard library, the openai client and httpx."""
+stderr (protocol_streams), never onto the protocol pipe: the driver shows its last lines with a failed run's error
+(hybridflow.agents.program.StderrTail). Loads the standard library, the openai client and httpx."""
 from __future__ import annotations
 
 import asyncio

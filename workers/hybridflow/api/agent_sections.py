@@ -49,13 +49,17 @@ class Agent(SpecModel):
     program_timeout_seconds: float = Field(300.0, gt=0, le=86400, description="Deadline of one run of program (one "
                                            "episode, all its calls); past it the run is killed and the episode "
                                            "fails, reported with its sample.")
-    trajectory: Literal["merged"] = Field(
-        "merged", description="How a program's calls to the endpoint become a trained sequence. merged: calls whose "
-        "prompts continue each other (each call's messages are the previous call's, the model's answer as it wrote "
-        "it, then new ones: tool results, user turns) are one sequence, the model's own tokens trained and the tokens "
-        "between them masked. A call that does not continue the previous one (the program edited or dropped earlier "
-        "messages, or changed its tools) starts a new chain; the last chain, which holds the final answer, is "
-        "trained, and the breaks are counted (agent_trajectory_breaks).")
+    trajectory: Literal["merged", "per_call"] = Field(
+        "merged", description="How a program's calls to the endpoint become trained sequences (rows of the batch). "
+        "merged: calls whose prompts continue each other (each call's messages are the previous call's, the model's "
+        "answer as it wrote it, then new ones: tool results, user turns) are one sequence, the model's own tokens "
+        "trained and the tokens between them masked; a call that does not continue the previous one (the program "
+        "edited or dropped earlier messages, or changed its tools) starts a new chain, and every chain is a sequence "
+        "of its own (the breaks are counted: agent_trajectory_breaks). per_call: every call is a sequence, its "
+        "prompt then its completion (all trained). Every sequence of an episode carries the episode's reward and its "
+        "prompt's group: group advantages (grpo, rloo) count each sequence as a response, so an episode of more "
+        "sequences weighs more in its group's mean and std. The batch is padded with untrained rows to divide "
+        "among the training ranks. ReMax (a greedy baseline per response) needs one sequence per episode.")
     max_turns: int = Field(4, ge=1, le=1024, description="Model turns per episode at most.")
     max_tokens_per_turn: int | None = Field(None, gt=0, le=MAX_COUNT, description="New tokens of one model turn at "
                                             "most (default: what is left of maxResponseLength).")

@@ -27,6 +27,9 @@ class _Scorer(Protocol):  # a RewardSpec
     @property
     def model(self) -> object: ...  # its reward model, if any
 
+    @property
+    def judge(self) -> object: ...  # its generative judge, if any
+
 
 class _RoleModels(Protocol):  # spec.models (api.sources.Models)
     @property
@@ -105,6 +108,9 @@ register_role(RoleKind(
 register_role(RoleKind(
     "reward", "models.reward", lambda s: s.models.reward.model is not None, _P + "RewardModelRole",
     ((_R + "reward_model:RewardModelWorker", _P + "RewardModelRole"),), "a reward model"))
+register_role(RoleKind(
+    "judge", "models.reward.judge", lambda s: s.models.reward.judge is not None, _P + "JudgeRole",
+    ((_R + "judge:JudgeWorker", _P + "JudgeRole"),), "a generative judge of the responses (its own engine)"))
 register_role(RoleKind(
     "cost", "models.cost", lambda s: s.models.cost is not None and s.models.cost.model is not None,
     _P + "RewardModelRole", ((_R + "reward_model:RewardModelWorker", _P + "RewardModelRole"),),

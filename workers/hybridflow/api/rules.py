@@ -21,25 +21,9 @@ from hybridflow.api.roles import ROLE_KINDS
 from hybridflow.api.scaling import elastic_problems
 from hybridflow.api.sections import JobFields
 from hybridflow.api.training import LORA_PROJECTIONS, MEGATRON_LINEAR_PARTS
-from hybridflow.api.sources import REWARD_SOURCES, RewardSpec
+from hybridflow.api.reward_rules import judge_problems, reward_source_problems
 from hybridflow.api.storage import is_url
 from hybridflow.rewards.rules import RULES, TASK_DEFAULT_RULE
-
-
-def reward_source_problems(field: str, r: RewardSpec) -> list[str]:
-    """A reward whose `type` and source fields disagree: `type: rule` with a function (it would be ignored), or
-    several sources and no type to pick one."""
-    given = r.sources_given()
-    if "type" not in r.model_fields_set and len(given) > 1:
-        return [f"{field}: {', '.join(f'{field}.{f}' for f in given)} are given together; keep the one you mean (it "
-                f"sets {field}.type) or set {field}.type"]
-    own = next(f for f, t in REWARD_SOURCES.items() if t == r.type)  # the field this type reads
-    out = []
-    for f in (f for f in given if REWARD_SOURCES[f] != r.type):
-        other_fix = f"remove {field}.{f}" if own in given or own == "rule" else f"give {field}.{own} in place of {f}"
-        out.append(f"{field}.type is '{r.type}' but {field}.{f} is given; remove {field}.type ({f} alone means type "
-                   f"{REWARD_SOURCES[f]}) or {other_fix}")
-    return out
 
 
 def cross_field_problems(spec: JobFields) -> list[str]:
@@ -73,6 +57,7 @@ def _layout_and_pieces_problems(spec: JobFields) -> list[str]:
     if out:
         return out
     out += _rollout_mode_problems(spec)
+    out += judge_problems(spec)
     out += _agent_problems(spec)
     out += _cuda_graph_problems(spec)
     t = spec.training
@@ -110,7 +95,7 @@ def _layout_and_pieces_problems(spec: JobFields) -> list[str]:
         spec.models.actor.source == "tiny"
     ):
         out.append("spec.models.reward.rule: arithmetic_exact needs a model with a tokenizer (source smollm2 or path)")
-    if r.type in ("scorer", "function") and spec.models.actor.source == "tiny":
+    if r.type in ("scorer", "function", "judge", "combined") and spec.models.actor.source == "tiny":
         out.append(f"spec.models.reward.type: {r.type} scores decoded text and needs a model with a tokenizer "
                    "(source smollm2 or path)")
     m = spec.models.actor
@@ -199,6 +184,9 @@ def _data_problems(spec: JobFields) -> list[str]:
         # An episode scored by its environment alone needs no job reward; any other reward source is checked by
         # reward_source_problems.
         env_scored = spec.rollout.agent is not None and spec.rollout.agent.episode_score == "environment"
+        if r.type == "combined" and "rule" in r.weights:
+            out.append("spec.models.reward.weights.rule: a rule scores the token ids of a generated task; for "
+                       "prompts from files weigh scorers, function or judge")
         if r.type == "rule" and r.sources_given() in ([], ["rule"]) and not env_scored:
             out.append("spec.models.reward.type: rule scores the token ids of a generated task; for prompts from "
                        "files use scorer (e.g. scorers: [{name: math}]), function or model")
@@ -223,7 +211,8 @@ def kubernetes_code_problems(spec: JobFields) -> list[str]:
         if not files:
             out.append("spec.kubernetes.rewardConfigMap: holds the job's code files, and this job names none: set "
                        "spec.models.reward.function.path, rollout.agent.toolsFile or rollout.agent.environmentFile "
-                       "to a key of it (a reward function needs spec.models.reward.type function), or drop it")
+                       "to a key of it (a reward function needs spec.models.reward.type function or combined), or "
+                       "drop it")
         for field, path in files.items():
             if not _CONFIGMAP_KEY.fullmatch(reward_configmap_key(path)):
                 example = "my_reward.py" if field.startswith("spec.models") else "tools.py"
@@ -418,6 +407,10 @@ def _agent_problems(spec: JobFields) -> list[str]:
                    "it some")
     if a.environment is not None and a.environment_file is not None:
         out.append("spec.rollout.agent: environment and environmentFile are both set; keep one")
+    if a.program is not None and a.trajectory == "per_call" and ALGORITHMS[spec.algorithm.name].greedy_baseline:
+        out.append(f"spec.rollout.agent.trajectory: per_call makes an episode several sequences, and "
+                   f"{spec.algorithm.name}'s greedy baseline needs one per episode; use trajectory merged (a step "
+                   "where a program still breaks its chain stops, saying so) or another algorithm")
     if a.episode_score != "reward" and not a.has_environment and a.program is None:
         out.append(f"spec.rollout.agent.score: {a.episode_score} needs an environment (environment or "
                    "environmentFile), whose rewards it adds")

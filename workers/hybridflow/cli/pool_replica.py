@@ -73,7 +73,7 @@ def replica_halves(job: RLHFJob, spec_file: str, serves: str) -> tuple[Agent | N
         raise SpecError(f"{spec_file}: the sandbox pool runs a job's reward function (spec.models.reward.function) "
                         "and its agent's tools and environment (spec.rollout.agent); this spec has neither")
     agent = agent if serves != SERVES_REWARDS else None
-    function = reward.function if reward.type == "function" and serves != SERVES_AGENTS else None
+    function = reward.function if serves != SERVES_AGENTS else None
     if agent is not None and agent.environment_file and not Path(agent.environment_file).is_file():
         raise SpecError(f"spec.rollout.agent.environmentFile: {agent.environment_file}: no such file here (on "
                         "Kubernetes put it in kubernetes.rewardConfigMap, the job's code ConfigMap, under that key)")

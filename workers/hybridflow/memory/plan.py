@@ -9,7 +9,7 @@ from hybridflow.api.devices import PROFILES, DeviceProfile, profile
 from hybridflow.api.training import role_lora
 from hybridflow.memory.shapes import ModelShape
 from hybridflow.memory.terms import (
-    PHASES, Term, _in, adapted_linears, compute_bytes, cuda_graphs_on, frozen_terms, rollout_terms,
+    PHASES, Term, _in, adapted_linears, compute_bytes, cuda_graphs_on, frozen_terms, judge_terms, rollout_terms,
     trained_params, trained_terms,
 )
 
@@ -74,6 +74,8 @@ def pool_plans(spec: JobSpec, shapes: dict[str, ModelShape], native_bf16: bool =
             elif role == "rollout":
                 colocated = spec.pool("actor").name == pool.name
                 terms += rollout_terms(spec, pool, s, c, dev or PROFILES["h100-80gb"], gpu, colocated)
+            elif role == "judge":
+                terms += judge_terms(spec, pool, s, c, dev or PROFILES["h100-80gb"], gpu)
             else:
                 src = spec.models.actor if role == "reference" else getattr(spec.models, role).model
                 terms += frozen_terms(role, spec, pool, s, c, src.dtype, role == "reference")

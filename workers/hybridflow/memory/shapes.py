@@ -122,6 +122,8 @@ def read_shapes(spec: JobSpec, job_dir: Path, given: Path | None = None) -> dict
     out["critic"] = out["cost_critic"] = critic
     if m.reward.model is not None:
         out["reward"] = source_shape("spec.models.reward.model", m.reward.model, job_dir)
+    if m.reward.judge is not None:
+        out["judge"] = source_shape("spec.models.reward.judge.model", m.reward.judge.model, job_dir)
     if m.cost is not None and m.cost.model is not None:
         out["cost"] = source_shape("spec.models.cost.model", m.cost.model, job_dir)
     return out

@@ -274,3 +274,20 @@ def sync_transient(s: ModelShape, c: int, adapter: int) -> Term:
             "3D-HybridEngine transient (shard M/(t_g p_g) = the weights above; one bucket)")
     field = "spec.training.lora.rank" if adapter else "spec.rollout.tensorParallel"
     return Term("rollout", what, field, _in(("reshard",), adapter or largest))
+
+
+def judge_terms(spec: JobSpec, pool: ResourcePool, s: ModelShape, c: int, device: DeviceProfile,
+                gpu: bool) -> list[Term]:
+    """A generative judge's engine on each rank of its pool, awake all the time (it never trains nor syncs): on a
+    GPU vLLM's share of the device (judge.gpuMemoryUtilization; the pool is the judge's alone: api.rules), on a CPU
+    its weights in the compute dtype and a KV cache for batchSize requests."""
+    j = spec.models.reward.judge
+    assert j is not None
+    if gpu:
+        share = int(j.gpu_memory_utilization * device.capacity_bytes)
+        return [Term("judge", f"vLLM (gpuMemoryUtilization {j.gpu_memory_utilization} x device: weights, "
+                     "workspace, KV cache)", "spec.models.reward.judge.gpuMemoryUtilization", _in(PHASES, share))]
+    kv = kv_cache_bytes(s.layers, s.kv_heads, s.head_dim, c, j.batch_size, j.max_prompt_length + j.max_tokens)
+    return [Term("judge", "judge weights (whole, each rank)", "spec.models.reward.judge.model",
+                 _in(PHASES, s.params * c)),
+            Term("judge", "judge KV cache (batchSize requests)", "spec.models.reward.judge.batchSize", _in(PHASES, kv))]

@@ -49,11 +49,21 @@ class RewardFailure(RuntimeError):
     """Too many samples of a batch could not be scored."""
 
 
+def check_failures(what: str, errors: Sequence[RewardError], n: int, spec: RewardSettings) -> None:
+    """The job's error policy: more failed samples than maxErrorFraction of the batch stop the job, naming the
+    first."""
+    if errors and len(errors) / max(1, n) > spec.max_error_fraction:
+        raise RewardFailure(
+            f"reward {what}: {len(errors)} of {n} samples failed, more than spec.models.reward.maxErrorFraction = "
+            f"{spec.max_error_fraction:g}; first: {errors[0]}")
+
+
 class TextReward:
-    def __init__(self, spec: RewardSettings) -> None:
+    def __init__(self, spec: RewardSettings, kind: str | None = None) -> None:
+        """`kind`: function or scorer (default: the spec's type), one part of a combined reward."""
         self.spec = spec
         self.function: RewardFunction | RemoteRewardFunction | None = None
-        if spec.type == "function":
+        if (kind or spec.type) == "function":
             assert spec.function is not None
             f = spec.function
             self.what = f"{f.path}:{f.name}"
@@ -85,9 +95,5 @@ class TextReward:
                 except Exception as err:  # noqa: BLE001 - reported with its sample, like a user's function
                     out.errors.append(RewardError(i, solutions[i], ground_truths[i], f"{type(err).__name__}: {err}"))
                     out.scores.append(self.spec.error_score)
-        n = max(1, len(solutions))
-        if out.errors and len(out.errors) / n > self.spec.max_error_fraction:
-            raise RewardFailure(
-                f"reward {self.what}: {len(out.errors)} of {len(solutions)} samples failed, more than "
-                f"spec.models.reward.maxErrorFraction = {self.spec.max_error_fraction:g}; first: {out.errors[0]}")
+        check_failures(self.what, out.errors, len(solutions), self.spec)
         return out

@@ -93,6 +93,27 @@ class ScoringConfig(_Section):
     shared_prompt: bool = False  # a reward model scores whole sequences, one per row
 
 
+class JudgeConfig(_Section):
+    """A generative judge (spec.models.reward.judge): its model and engine, and its engine's rollout settings."""
+
+    model: ModelSource
+    rollout: Rollout  # the judge's engine's: its context, answer length and engine name (greedy, no agent)
+    compute_dtype: str
+    seed: int
+    rollout_engine: RolloutEngineKind
+    sequences: int  # the most requests one engine call holds on a rank (spec.models.reward.judge.batchSize)
+
+
+def judge_config(spec: JobSpec) -> JudgeConfig:
+    j = spec.models.reward.judge
+    if j is None:
+        raise ValueError("spec.models.reward.judge is not set: there is no judge to run")
+    rollout = Rollout(engine=j.engine, max_prompt_length=j.max_prompt_length, max_response_length=j.max_tokens,
+                      responses_per_prompt=1, temperature=1.0, gpu_memory_utilization=j.gpu_memory_utilization)
+    return JudgeConfig(model=j.model, rollout=rollout, compute_dtype=spec.training.compute_dtype,
+                       seed=spec.trainer.seed, rollout_engine=ROLLOUT_ENGINES[j.engine], sequences=j.batch_size)
+
+
 def actor_config(spec: JobSpec) -> ActorConfig:
     r = spec.rollout
     per_call = max(spec.trainer.prompts_per_step * (r.responses_per_prompt + 1), spec.data.eval_prompts)
@@ -117,7 +138,7 @@ def reference_config(spec: JobSpec) -> ScoringConfig:
                          train_engine=TRAIN_ENGINES[SCORING_TRAIN_ENGINE], shared_prompt=t.shared_prompt)
 
 
-def judge_config(spec: JobSpec, judges: str) -> ScoringConfig:
+def scoring_model_config(spec: JobSpec, judges: str) -> ScoringConfig:
     """The reward model (`judges="reward"`) or the cost model (`"cost"`)."""
     judged = spec.models.reward if judges == "reward" else spec.models.cost
     if judged is None or judged.model is None:

@@ -37,6 +37,13 @@ EPISODE_COLUMNS = ("agent_turns", "agent_tool_calls", "agent_tool_errors", "agen
 # Non-tensor columns: what failed each episode and its kind (str, "" for none), for the controller's report and its
 # bound, spec.rollout.agent.maxFailedFraction (hybridflow.trainer.episodes); an agent program's own metrics (a dict)
 NON_TENSOR_COLUMNS = ("agent_error", "agent_failure", "agent_metrics")
+# What `EpisodeRunner.run` returns beside its columns: each row's input row. An agent program's episode can be
+# several rows (spec.rollout.agent.trajectory: hybridflow.agents.trajectory), so the rollout repeats each input
+# row's columns (uid, truth, ...) over its rows: they share its group and its sample.
+ROW_SOURCE = "agent_row_source"
+# (B,) float: 1 on the first row of its episode, 0 on its others (and on the controller's padding rows,
+# hybridflow.trainer.rows): what counts episodes, not rows (hybridflow.trainer.episodes)
+EPISODE_FIRST = "agent_episode_first"
 
 
 @dataclass
@@ -60,7 +67,8 @@ class EpisodeRunner:
     def run(self, generator: RolloutEngine, sampling: Callable[[bool, bool, int], SamplingConfig], batch: Any,
             flags: Sequence[bool], want_log_probs: bool, prompt_width: int) -> dict[str, Any]:
         """The episodes of `batch`'s rows (non-tensor prompt_ids, truth, data_source, extra_info), packed: tensors,
-        and the NON_TENSOR_COLUMNS as arrays of str."""
+        the NON_TENSOR_COLUMNS as arrays of str, and ROW_SOURCE (each row's input row: an agent program's episode
+        may be several rows, adjacent, in order)."""
         prompts = [list(p) for p in batch["prompt_ids"]]
         # numpy values (a Parquet row's) stay as they are: hybridflow.wire encodes them for every place
         samples = [{"prompt": self.codec.decode(p), "ground_truth": t, "data_source": str(s), "extra_info": dict(x)}
@@ -83,19 +91,22 @@ class EpisodeRunner:
             # a program reads the prompt as the data gives it (chat messages or text) and renders it in its calls
             raw = batch["raw_prompt"] if "raw_prompt" in batch else [None] * len(samples)
             given = [{**x, "prompt": r} if r is not None else x for x, r in zip(samples, raw)]
-            episodes = run_program_episodes(given, Turns(), self.codec, self.places.programs, settings,
-                                            a.program_timeout_seconds, max_context=prompt_width + self.max_tokens)
-            fitted = [fit_prompt(e.prompt_ids if e.prompt_ids is not None else p, e, prompt_width, self.max_tokens)
-                      for p, e in zip(prompts, episodes)]
+            per_sample = run_program_episodes(given, Turns(), self.codec, self.places.programs, settings,
+                                              a.program_timeout_seconds, max_context=prompt_width + self.max_tokens,
+                                              trajectory=a.trajectory)
+            source = [i for i, rows in enumerate(per_sample) for _ in rows]  # each row's input row
+            fitted = [fit_prompt(e.prompt_ids if e.prompt_ids is not None else prompts[i], e, prompt_width,
+                                 self.max_tokens) for i, e in zip(source, (e for rows in per_sample for e in rows))]
             prompts, episodes = [p for p, _ in fitted], [e for _, e in fitted]
         else:
             episodes = run_episodes(prompts, samples, Turns(), self.codec, settings, self.places.tools,
                                     self.places.sessions)
+            source = list(range(len(episodes)))
         failed = [(i, e) for i, e in enumerate(episodes) if e.error]
         if failed:  # this rank's log; the controller reports the step's on the console and bounds them
             i, e = failed[0]
             log.info("%d of %d episodes failed; first: sample %d (ground truth %r): %s: %s", len(failed),
-                     len(episodes), i, samples[i]["ground_truth"], e.failure, e.error)
+                     len(episodes), source[i], samples[source[i]]["ground_truth"], e.failure, e.error)
         packed = pack_rollout(prompts, [e.tokens for e in episodes], prompt_width, self.max_tokens,
                               loss_masks=[e.loss_mask for e in episodes])
         if want_log_probs:
@@ -106,6 +117,8 @@ class EpisodeRunner:
         packed["agent_environment_requests"] = torch.zeros(len(episodes))
         if episodes:
             packed["agent_environment_requests"][0] = sum(self.places.request_counts().values()) - sent
+        packed[ROW_SOURCE] = np.asarray(source, dtype=np.int64)
+        packed[EPISODE_FIRST] = torch.tensor([float(i == 0 or source[i] != source[i - 1]) for i in range(len(source))])
         return {**packed, **non_tensor_columns(episodes)}
 
     def close(self) -> None:

@@ -87,3 +87,10 @@ class RewardModelRole(Protocol):
     """A reward or cost model (hybridflow.roles.reward_model.RewardModelWorker)."""
 
     def compute_rm_scores(self, batch: BatchIn) -> Pending[Batch]: ...
+
+
+class JudgeRole(Protocol):
+    """A generative judge (hybridflow.roles.judge.JudgeWorker): the controller's reward sends it rendered questions
+    (column `judge_prompt_ids`) and reads its greedy answers' ids (`verdict_ids`)."""
+
+    def judge(self, batch: BatchIn) -> Batch: ...

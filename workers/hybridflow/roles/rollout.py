@@ -38,7 +38,7 @@ from hybridflow.models.builders import local_model_dir
 from hybridflow.roles.actor import ActorWorker
 from hybridflow.roles.common import memory_in_use_bytes
 from hybridflow.roles.config import ActorConfig, wants_rollout_log_probs
-from hybridflow.roles.episodes import NON_TENSOR_COLUMNS, EpisodeRunner
+from hybridflow.roles.episodes import NON_TENSOR_COLUMNS, ROW_SOURCE, EpisodeRunner
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.context import WorkerContext
 from hybridflow.single_controller.protocol import Dispatch, DPRank, register
@@ -95,7 +95,9 @@ class _Generator:
         # this rank's rows, tagged by the version it holds (ranks of one call may hold different versions)
         packed["token_versions"] = versions_of(packed["response_mask"], self.version)
         apart = {k: packed.pop(k) for k in NON_TENSOR_COLUMNS if k in packed}  # an episode's failure: not a tensor
-        result = Batch(packed, {**batch.non_tensors, **apart})
+        source = packed.pop(ROW_SOURCE, None)  # an agent program's episode may be several rows: its columns repeat
+        given = batch.non_tensors if source is None else {k: v[source] for k, v in batch.non_tensors.items()}
+        result = Batch(packed, {**given, **apart})
         result.meta["generate_seconds"] = time.perf_counter() - t0
         return result
 

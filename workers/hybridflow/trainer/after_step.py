@@ -138,6 +138,9 @@ def progress_line(rec: dict[str, Any], total: int) -> str:
     ]
     if "cost_mean" in rec:
         parts.insert(2, f"cost {rec['cost_mean']:.3f} (lambda {rec['lagrange_multiplier']:.2f})")
+    if "judge_requests" in rec:  # a generative judge: what it cost, and how often it agrees with the task's rule
+        agrees = f", agrees with the rule {rec['judge_rule_agreement']:.0%}" if "judge_rule_agreement" in rec else ""
+        parts.insert(3, f"judge {rec.get('judge_seconds', 0):.2f}s{agrees}")
     if "trainer_idle_fraction" in rec:  # rollout on a pool of its own: how far behind, and who waited
         queued = f", queue {rec['queue_depth']:.0f}" if "queue_depth" in rec else ""
         if rec.get("rollout_replicas_working", 0) < rec.get("rollout_replicas", 0):  # one lost, being rebuilt

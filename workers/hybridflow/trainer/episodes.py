@@ -12,8 +12,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import torch
+
 from hybridflow.agents.loop import PROGRAM, USER_CODE
+from hybridflow.roles.episodes import EPISODE_FIRST
 from hybridflow.single_controller.batch import Batch
+from hybridflow.trainer.rows import is_padding
 
 log = logging.getLogger("hybridflow.trainer.episodes")
 CHECKED = "agent_failures_counted"  # a batch's meta: its episodes are counted already (it flows through stages)
@@ -73,12 +78,15 @@ class EpisodeFailures:
         if "agent_error" not in batch or batch.meta.get(CHECKED):
             return
         batch.meta[CHECKED] = True
+        batch = batch.index(~is_padding(batch))  # the rows added to divide among the ranks hold no episode
         errors, kinds = batch["agent_error"], batch["agent_failure"]
         if "agent_tool_calls" in batch:
             self.tool_calls += int(batch["agent_tool_calls"].sum())
             self.tool_timeouts += int(batch["agent_tool_timeouts"].sum())
-        failed = [i for i, e in enumerate(errors) if e]
-        self.episodes += len(errors)
+        first = first_rows(batch)  # an agent program's episode may be several rows: count each once
+        failed = [i for i, e in enumerate(errors) if e and first[i]]
+        episodes = int(first.sum())
+        self.episodes += episodes
         if not failed:
             return
         self.kinds.update(str(kinds[i]) for i in failed)
@@ -87,10 +95,10 @@ class EpisodeFailures:
             self.first, self.first_is_the_pools = self._describe(batch, ours[0]), False
         elif self.first is None:
             self.first, self.first_is_the_pools = self._describe(batch, failed[0]), True
-        if len(ours) / len(errors) > self.max_fraction:
+        if len(ours) / max(episodes, 1) > self.max_fraction:
             pool = Counter(str(kinds[i]) for i in failed if str(kinds[i]) not in USER_CODE)
             raise AgentFailure(
-                f"{len(ours)} of {len(errors)} episodes failed in {self.what} "
+                f"{len(ours)} of {episodes} episodes failed in {self.what} "
                 f"({_by_kind(Counter(str(kinds[i]) for i in ours))}), more than spec.rollout.agent.maxFailedFraction"
                 f" = {self.max_fraction:g}; first: {self._describe(batch, ours[0])}. {_advice(str(kinds[ours[0]]))}"
                 + (f" ({sum(pool.values())} more failed in the sandbox pool, not counted: {_by_kind(pool)})"
@@ -130,6 +138,23 @@ def episode_failures(agent: Any, what: str = "this step") -> EpisodeFailures | N
     return None if agent is None else EpisodeFailures(agent.max_failed_fraction, what, agent.tool_timeout_seconds)
 
 
+def first_rows(batch: Batch) -> np.ndarray:
+    """(B,) bool: the rows that open an episode (EPISODE_FIRST); every row without the column (one row each)."""
+    if EPISODE_FIRST not in batch:
+        return np.ones(len(batch), dtype=bool)
+    return batch[EPISODE_FIRST].numpy() > 0
+
+
+def _per_episode(batch: Batch, column: str, reduce: str = "sum") -> torch.Tensor:
+    """(episodes,) `column` reduced over each episode's rows (adjacent, the first marked by EPISODE_FIRST; a part
+    before the batch's first marked row counts as one)."""
+    ids = torch.as_tensor(np.maximum(np.cumsum(first_rows(batch)) - 1, 0))
+    n = int(ids.max()) + 1 if len(ids) else 0
+    out = torch.zeros(n).index_reduce_(0, ids, batch[column].float(), "amax", include_self=False) \
+        if reduce == "max" else torch.zeros(n).index_add_(0, ids, batch[column].float())
+    return out
+
+
 def program_metrics(batch: Batch) -> dict[str, float]:
     """An agent program's own metrics (what its `run` returned beside `reward`), each the mean over the episodes
     that returned it: `agent_program_<name>_mean`."""
@@ -147,21 +172,28 @@ def episode_stats(batch: Batch) -> dict[str, float]:
     and timeout rates and seconds, the environment's reward, and episodes that failed or were retried."""
     if "agent_turns" not in batch:
         return {}
-    calls = float(batch["agent_tool_calls"].sum())
-    return program_metrics(batch) | {"agent_turns_mean": float(batch["agent_turns"].mean()),
-            "agent_tool_calls_mean": float(batch["agent_tool_calls"].mean()),
-            "agent_tool_call_rate": float((batch["agent_tool_calls"] > 0).float().mean()),
+    batch = batch.index(~is_padding(batch))  # the rows added to divide among the ranks hold no episode
+    # per episode, not per row (an agent program's episode may be several rows): its rows' sums (each row counts its
+    # own calls and steps), or its first row (every row carries the episode's reward; a failed episode is one row)
+    first = torch.as_tensor(first_rows(batch))
+    turns, tools = _per_episode(batch, "agent_turns"), _per_episode(batch, "agent_tool_calls")
+    calls = float(tools.sum())
+    episodes = int(first.sum())
+    mean = (lambda x: float(x.sum()) / episodes) if episodes else (lambda x: 0.0)
+    return program_metrics(batch) | {"agent_turns_mean": mean(turns),
+            "agent_tool_calls_mean": mean(tools),
+            "agent_tool_call_rate": mean((tools > 0).float()),
             "agent_tool_error_rate": float(batch["agent_tool_errors"].sum()) / calls if calls else 0.0,
             "agent_tool_timeout_rate": float(batch["agent_tool_timeouts"].sum()) / calls if calls else 0.0,
             "agent_tool_seconds": float(batch["agent_tool_seconds"].sum()),
-            "agent_env_reward_mean": float(batch["env_reward"].mean()),
-            "agent_env_steps_mean": float(batch["agent_env_steps"].mean()),
-            "agent_episodes_failed": float(batch["agent_failed"].sum()),
-            "agent_episodes_failed_infrastructure": float(sum(bool(k) and str(k) not in USER_CODE for k in
-                                                              batch["agent_failure"])) if "agent_failure" in batch
-            else 0.0,
-            "agent_episodes_retried": float((batch["agent_retries"] > 0).float().sum()),
-            "agent_episodes_truncated": float(batch["agent_truncated"].sum()),
+            "agent_env_reward_mean": mean(batch["env_reward"][first]),
+            "agent_env_steps_mean": mean(_per_episode(batch, "agent_env_steps")),
+            "agent_episodes_failed": float(batch["agent_failed"][first].sum()),
+            "agent_episodes_failed_infrastructure": float(sum(bool(k) and str(k) not in USER_CODE for k, f in
+                                                              zip(batch["agent_failure"], first) if f))
+            if "agent_failure" in batch else 0.0,
+            "agent_episodes_retried": float((_per_episode(batch, "agent_retries", "max") > 0).float().sum()),
+            "agent_episodes_truncated": float((_per_episode(batch, "agent_truncated", "max") > 0).float().sum()),
             # an agent program's calls that did not extend the conversation before (hybridflow.agents.trajectory)
             "agent_trajectory_breaks": float(batch["agent_trajectory_breaks"].sum())
             if "agent_trajectory_breaks" in batch else 0.0,

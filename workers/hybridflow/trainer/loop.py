@@ -67,7 +67,7 @@ def build_step(job: RLHFJob, w: Workers, task: Task, *, rollouts: Rollouts | Non
     s = job.spec
     shape = functools.partial(generation_rows, n=s.rollout.responses_per_prompt)  # as Workers.rollouts shapes them
     source = rollouts or Rollouts(s, w.roles["rollout"], w.weights, no_more, shape)
-    return Step(s, w.roles, w.pools, task.reward.scorers(), algorithm or AlgorithmState.for_spec(s), source,
+    return Step(s, w.roles, w.pools, task.reward.scorers(w.roles), algorithm or AlgorithmState.for_spec(s), source,
                 skipped_stages(s) if skipped is None else skipped)
 
 

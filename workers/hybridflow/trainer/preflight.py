@@ -34,7 +34,7 @@ def check_runtime_paths(job: RLHFJob) -> list[str]:
             if not (d / "config.json").is_file():
                 out.append(f"{field}.path: '{d}' is not an HF model directory (no config.json); fix the path")
     fn = job.spec.models.reward.function
-    if job.spec.models.reward.type == "function" and fn is not None:
+    if fn is not None:  # type function, or a combined reward weighing it
         try:
             check_reward_file(fn.path, fn.name, fn.batched)
         except RewardFileError as err:
@@ -101,7 +101,7 @@ def loaded_code_problems(job: RLHFJob) -> list[str]:
     `driver` (on Kubernetes the sandbox pool loads user code, never a pod with the job's credentials)."""
     out: list[str] = []
     fn = job.spec.models.reward.function
-    if job.spec.models.reward.type == "function" and fn is not None:
+    if fn is not None:  # type function, or a combined reward weighing it
         from hybridflow.rewards.sandbox import RewardFunction
 
         try:

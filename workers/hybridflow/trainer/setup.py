@@ -120,11 +120,19 @@ def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | 
         wanted["critic"] = RoleSpec(CriticWorker, critic)
     if "cost_critic" in runs:
         wanted["cost_critic"] = RoleSpec(CriticWorker, {**critic, "prefix": "cost_"})
+    if "judge" in runs:
+        from hybridflow.roles.judge import JudgeWorker
+
+        if task.reward.judge is None:
+            raise ValueError("the job's judge model was not materialized (prepare() gives its directory)")
+        j = task.reward.judge
+        wanted["judge"] = RoleSpec(JudgeWorker, {"config": rc.judge_config(s), "model_dir": str(j.model_dir),
+                                                 "stop_token_ids": j.stop_token_ids})
     for judge, where in (("reward", rm_dir), ("cost", cost_dir)):
         if judge in runs:
             if where is None:
                 raise ValueError(f"the job's {judge} model was not materialized (prepare() gives its directory)")
-            wanted[judge] = RoleSpec(RewardModelWorker, {"config": rc.judge_config(s, judge), "model_dir": str(where)})
+            wanted[judge] = RoleSpec(RewardModelWorker, {"config": rc.scoring_model_config(s, judge), "model_dir": str(where)})
     by_pool: dict[str, dict[str, RoleSpec]] = {}
     for role, rs in wanted.items():
         by_pool.setdefault(s.pool(role).name, {})[role] = rs
@@ -201,7 +209,8 @@ def prepare(job: RLHFJob, progress: bool = True) -> Prepared:
     rm_dir = materialize(s.models.reward.model, cache, s.trainer.seed) if s.models.reward.model else None
     cost = s.models.cost.model if s.models.cost is not None else None
     cost_dir = materialize(cost, cache, s.trainer.seed) if cost is not None else None
-    task = build_task(job, model_dir)
+    judge = s.models.reward.judge
+    task = build_task(job, model_dir, materialize(judge.model, cache, s.trainer.seed) if judge else None)
     if progress:
         print(f"prompts: {len(task.train)} for training, {len(task.eval)} held out")
     return Prepared(model_dir, critic_dir, rm_dir, task, cost_dir)

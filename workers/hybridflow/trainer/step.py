@@ -30,6 +30,7 @@ from hybridflow.roles.config import old_log_probs_from_update
 from hybridflow.roles.stages import STAGES, optional_stages, remote_stages
 from hybridflow.trainer.episodes import episode_failures, episode_stats
 from hybridflow.trainer.generation.rollouts import Rollouts
+from hybridflow.trainer.rows import dp_divisor, fitted, is_padding, padded, prompt_groups
 from hybridflow.api import JobSpec
 
 # stage -> (role, worker method), and the stages skipped without their role: derived from the registry
@@ -150,6 +151,8 @@ class Step:
         n = self.responses_per_prompt
         t0 = time.perf_counter()
         out = self.rollouts.generate(prompts, functools.partial(generation_rows, n=n, greedy_baseline=greedy_baseline))
+        if self.spec.rollout.agent is not None and self.spec.rollout.agent.program is not None:  # rows per episode vary
+            out = fitted(out, dp_divisor(self.roles), (n + 1) * len(prompts) if greedy_baseline else None)
         if isinstance(out, PendingResult):
             self._clock_generation(out, t0)
         else:  # generated before it was asked for (async): the trainer's wait is the stage's time
@@ -287,7 +290,7 @@ class Step:
 
     def groups_with_varied_scores(self, batch: Batch) -> list[Batch]:
         """The batch's groups (responses to one prompt) whose scores are not all equal."""
-        groups = batch.chunk(len(batch) // self.responses_per_prompt)
+        groups = prompt_groups(batch)  # each prompt's rows (an agent program's episode may be several)
         kept = [g for g in groups if _varied(g)]
         self.stats["sampled_groups"] = self.stats.get("sampled_groups", 0.0) + len(groups)
         self.stats["kept_groups"] = self.stats.get("kept_groups", 0.0) + len(kept)
@@ -297,9 +300,9 @@ class Step:
         """promptsPerStep groups: the informative ones first; if the last round left it short, the last round's
         uniform groups (zero advantage: they keep the batch its size and teach nothing)."""
         need = self.prompts_per_step
-        uniform = [g for g in spare.chunk(len(spare) // self.responses_per_prompt) if not _varied(g)]
+        uniform = [g for g in prompt_groups(spare) if not _varied(g)]
         self.stats["filler_groups"] = float(max(0, need - len(groups)))
-        return Batch.concat((groups + uniform)[:need])
+        return padded(Batch.concat((groups + uniform)[:need]), dp_divisor(self.roles))
 
     # -- updates -------------------------------------------------------------------------------------------------
 
@@ -341,9 +344,11 @@ class Step:
             self.failures.report()  # one console line for a step whose episodes failed
         # an on-policy update already put entropy, KL and the rollout gap in self.stats; the batch's own say more,
         # and what was told above has the last word; kl_coef is the coefficient this step trained with
-        out = {**self.stats, "kl_coef": float(self.state.kl.value), **trained_batch_stats(batch.tensors, kl)}
+        real = ~is_padding(batch)  # the rows added to divide among the ranks: no sample, no reward, no tokens trained
+        out = {**self.stats, "kl_coef": float(self.state.kl.value),
+               **trained_batch_stats(batch.index(real).tensors, None if kl is None else kl[torch.as_tensor(real)])}
         if "kl_mean" in out:
-            self.state.kl.update(out["kl_mean"], len(batch))
+            self.state.kl.update(out["kl_mean"], int(real.sum()))
         return {**out, **told}
 
 
@@ -381,6 +386,9 @@ def rollout_records(batch: Batch, decode: Callable[[list[int]], str] | None = No
     batch only."""
     from hybridflow.data.packing import unpack_prompts, unpack_responses, unpack_trajectories
 
+    keep = ~is_padding(batch)  # the rows added to divide among the ranks are no sample
+    ages = [a for a, k in zip(batch.meta.get("staleness", ()), keep) if k]  # per row, as the batch was
+    batch = batch.index(keep)
     prompts, responses = unpack_prompts(batch), unpack_responses(batch)
     multi_turn = "agent_turns" in batch
     trajectories = unpack_trajectories(batch) if multi_turn else None
@@ -409,7 +417,7 @@ def rollout_records(batch: Batch, decode: Callable[[list[int]], str] | None = No
         if "token_versions" in batch:  # the policy version of each response token, and how stale it was trained
             rec["token_versions"] = batch["token_versions"][i][real[i]].tolist()
         if "staleness" in batch.meta:
-            rec.update(trainer_version=batch.meta["trainer_version"], staleness=batch.meta["staleness"][i])
+            rec.update(trainer_version=batch.meta["trainer_version"], staleness=ages[i])
         out.append(rec)
     return out
 

@@ -3,6 +3,7 @@ once, how responses are scored: on the controller (a rule over token ids, a rewa
 decoded text, an environment's episode rewards, or these summed) or by the job's reward and cost models."""
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -14,13 +15,16 @@ import torch
 from hybridflow.agents.places import job_tools
 from hybridflow.api.storage import is_url
 from hybridflow.single_controller.batch import Batch
-from hybridflow.single_controller.worker_group import resolve
+from hybridflow.single_controller.worker_group import RoleHandle, resolve
 from hybridflow.trainer.step import Scorer
 from hybridflow.data.files import PromptRenderer, load_prompt_files
 from hybridflow.data.packing import unpack_prompts, unpack_responses
 from hybridflow.data.tasks import Sample, arithmetic_samples, increment_samples, products_samples, split_train_eval
 from hybridflow.rewards.rules import TASK_DEFAULT_RULE, RewardRule, get_rule
-from hybridflow.rewards.text import TextReward
+from hybridflow.rewards.judge import Generate, Judge
+from hybridflow.rewards.text import TextReward, check_failures
+from hybridflow.rewards.verdicts import agreement, question_text
+from hybridflow.roles.protocols import JudgeRole
 from hybridflow.api import JobSpec, RLHFJob, SpecError
 
 log = logging.getLogger("hybridflow.trainer.task")
@@ -29,23 +33,49 @@ Decode = Callable[[list[int]], str]
 
 
 @dataclass
+class JobJudge:
+    """The controller's end of the judge role: the verdicts (templates, cache, parser) and the judge model's files,
+    which its workers load."""
+
+    verdicts: Judge
+    model_dir: Path
+    stop_token_ids: list[int]
+
+    def asker(self, role: RoleHandle[Any]) -> Generate:
+        """The judge role as a Generate: requests padded to a multiple of its data-parallel size (a shard per rank),
+        answers back in order."""
+        ranks = role.dp_sizes["train"]
+
+        def generate(ids: list[list[int]]) -> list[list[int]]:
+            padded = ids + [ids[-1]] * (-len(ids) % ranks)
+            out = resolve(role.typed(JudgeRole).call.judge(Batch(non_tensors={"judge_prompt_ids": padded})))
+            return [list(a) for a in out["verdict_ids"][:len(ids)]]
+
+        return generate
+
+
+@dataclass
 class Reward:
     """How the job's responses are scored, decided here once and asked by the step's stages and the held-out
     evaluation alike: `scorers` are the stages scored on the controller; every other stage is its model's."""
 
-    rule: Callable[..., float] | None = None  # reward type rule: over token ids
-    text: TextReward | None = None  # reward types scorer/function: scored on decoded responses
+    rule: Callable[..., float] | None = None  # over token ids (a generated task's)
+    texts: dict[str, TextReward] = field(default_factory=dict)  # "function", "scorers": over decoded responses
     decode: Decode | None = None
     episode_score: str | None = None  # multi-turn rollouts: reward, environment or both (spec.rollout.agent.score)
     cost_rule: RewardRule | None = None  # safe_rlhf with a cost rule
+    judge: JobJudge | None = None  # a generative judge (its role asked through `scorers(roles)`)
+    weights: dict[str, float] = field(default_factory=dict)  # the summed parts (empty: the rule, if any)
+    error_policy: Any = None  # spec.models.reward (errorScore, maxErrorFraction) for the judge's failures
 
-    def scorers(self) -> dict[str, Scorer]:
-        """The stages scored on the controller rather than by a model: rules, reward functions and environments.
-        (A generated task always has its rule: with a reward model, the model scores training and the rule the
-        held-out evaluation.)"""
+    def scorers(self, roles: Mapping[str, Any] | None = None) -> dict[str, Scorer]:
+        """The stages scored on the controller rather than by a model: rules, reward functions, judges and
+        environments. (A generated task always has its rule: with a reward model, the model scores training and
+        the rule the held-out evaluation.) `roles`: the job's, where a judge's are asked."""
         out: dict[str, Scorer] = {}
-        if self.rule is not None or self.text is not None or self.episode_score not in (None, "reward"):
-            out["reward"] = self.score
+        ask = self.judge.asker(roles["judge"]) if self.judge is not None and roles and "judge" in roles else None
+        if self.rule is not None or self.weights or self.episode_score not in (None, "reward"):
+            out["reward"] = functools.partial(self.score, ask=ask)
         if self.cost_rule is not None:
             out["cost"] = self.cost
         return out
@@ -53,7 +83,7 @@ class Reward:
     def held_out(self, batch: Batch, roles: Mapping[str, Any]) -> tuple[float, float | None]:
         """Mean reward and cost (None: the job has none) of the batch's responses, each by its controller scorer
         where there is one, else by its model."""
-        scorers = self.scorers()
+        scorers = self.scorers(roles)
 
         def mean(stage: str) -> float | None:
             if stage in scorers:
@@ -66,32 +96,58 @@ class Reward:
         assert reward is not None
         return reward, mean("cost")
 
-    def score(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Scores of the batch's responses by the rule or text reward (plus or instead the environment's), and
-        reward statistics for the step log (failed samples, and the means of a reward function's extra metrics)."""
+    def score(self, batch: Batch, ask: Generate | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """Scores of the batch's responses: the weighted sum of the rule, text rewards and judge the job names (plus
+        or instead the environment's), and reward statistics for the step log (failed samples, a reward function's
+        extra metrics, the judge's costs and its agreement with the rule)."""
         if self.episode_score is not None and self.episode_score != "reward":  # the environment's rewards
             env = batch["env_reward"].float()
             if self.episode_score == "environment":
                 return env, {}
-            scores, stats = replace(self, episode_score=None).score(batch)
+            scores, stats = replace(self, episode_score=None).score(batch, ask)
             return scores + env, stats
         prompts, responses = unpack_prompts(batch), unpack_responses(batch)
-        if self.text is None:
+        texts = [self.decode(r) for r in responses] if self.decode is not None and (self.texts or self.judge) else []
+        weights = self.weights or {"rule": 1.0}
+        parts: dict[str, list[float]] = {}
+        stats: dict[str, float] = {}
+        if "rule" in weights or ("judge" in weights and self.rule is not None):  # the judge's agreement with it
             assert self.rule is not None
-            scores = [self.rule(p, r, t, self.decode) for p, r, t in zip(prompts, responses, batch["truth"])]
-            return torch.tensor(scores, dtype=torch.float32), {}
-        assert self.decode is not None
-        n = len(responses)
-        out = self.text.score(list(batch["data_source"]), [self.decode(r) for r in responses],
-                              list(batch["truth"]), [dict(x) for x in batch["extra_info"]])
-        stats = {"reward_errors": float(len(out.errors))}
-        for key, values in out.extras.items():
-            got = [v for v in values if v == v]  # NaN: that sample's result had no such key
-            if got:
-                stats[f"reward_{key}_mean"] = float(np.mean(got))
-        if out.errors:
-            log.warning("%d of %d samples could not be scored; first: %s", len(out.errors), n, out.errors[0])
-        return torch.tensor(out.scores, dtype=torch.float32), stats
+            parts["rule"] = [self.rule(p, r, t, self.decode) for p, r, t in zip(prompts, responses, batch["truth"])]
+        for name, text in self.texts.items():
+            out = text.score(list(batch["data_source"]), texts, list(batch["truth"]),
+                             [dict(x) for x in batch["extra_info"]])
+            parts[name] = out.scores
+            stats["reward_errors"] = stats.get("reward_errors", 0.0) + len(out.errors)
+            for key, values in out.extras.items():
+                got = [v for v in values if v == v]  # NaN: that sample's result had no such key
+                if got:
+                    stats[f"reward_{key}_mean"] = float(np.mean(got))
+            if out.errors:
+                log.warning("%d of %d samples could not be scored; first: %s", len(out.errors), len(texts),
+                            out.errors[0])
+        if "judge" in weights:
+            parts["judge"] = self._judged(batch, texts, ask, stats, parts.get("rule"))
+        total = sum(w * torch.tensor(parts[name], dtype=torch.float32) for name, w in weights.items())
+        return torch.as_tensor(total, dtype=torch.float32), stats
+
+    def _judged(self, batch: Batch, texts: list[str], ask: Generate | None, stats: dict[str, float],
+                rule: list[float] | None) -> list[float]:
+        """The judge's scores of the batch (its costs, failures and agreement with the rule's `rule` into
+        `stats`)."""
+        if self.judge is None or ask is None:
+            raise RuntimeError("the reward weighs a judge, and this job's judge role was not given to the scorer")
+        questions = [question_text(q) for q in batch["raw_prompt"]] if "raw_prompt" in batch else [""] * len(texts)
+        call = self.judge.verdicts.score(ask, questions, texts, list(batch["truth"]))
+        stats.update(call.stats())
+        stats["reward_errors"] = stats.get("reward_errors", 0.0) + len(call.result.errors)
+        if call.result.errors:
+            log.warning("the judge could not score %d of %d samples; first: %s", len(call.result.errors), len(texts),
+                        call.result.errors[0])
+            check_failures("judge", call.result.errors, len(texts), self.error_policy)
+        if rule is not None:
+            stats["judge_rule_agreement"] = agreement(call.result.scores, rule)
+        return call.result.scores
 
     def cost(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """The cost rule over each response (safe_rlhf with spec.models.cost.type rule)."""
@@ -101,19 +157,41 @@ class Reward:
         return torch.tensor(costs, dtype=torch.float32), {}
 
     def close(self) -> None:
-        if self.text is not None:
-            self.text.close()  # a reward function's worker processes
+        for text in self.texts.values():
+            text.close()  # a reward function's worker processes
 
 
-def build_reward(s: JobSpec, decode: Decode | None) -> Reward:
+def build_reward(s: JobSpec, decode: Decode | None, judge_dir: Path | None = None) -> Reward:
     """The job's one Reward, from spec.models.reward and .cost and the agent's episode score."""
     r, c = s.models.reward, s.models.cost
     # A generated task always has its rule: with a reward model it still scores the held-out evaluation.
     rule = get_rule(r.rule or TASK_DEFAULT_RULE[s.data.task]) if s.data.source == "generated" else None
-    text = TextReward(r) if r.type in ("scorer", "function") else None
+    weights = {part: w for part, w in r.parts().items() if part != "model"}
+    texts = {part: TextReward(r, "function" if part == "function" else "scorer")
+             for part in weights if part in ("function", "scorers")}
+    judge = None
+    if "judge" in weights:
+        from transformers import AutoTokenizer
+
+        assert r.judge is not None and judge_dir is not None
+        tok = AutoTokenizer.from_pretrained(judge_dir)
+        judge = JobJudge(Judge(r.judge, tok, r.error_score), judge_dir, _stop_ids(tok.eos_token_id, judge_dir))
     cost_rule = get_rule(c.rule) if c is not None and c.type == "rule" and c.rule else None
     score = s.rollout.agent.episode_score if s.rollout.agent else None
-    return Reward(rule, text, decode, score, cost_rule)
+    return Reward(rule, texts, decode, score, cost_rule, judge, weights, r)
+
+
+def _stop_ids(eos: int | None, model_dir: Path) -> list[int]:
+    """Where a model's answer ends: its tokenizer's end of sequence and its generation config's (a chat model's end
+    of turn, e.g. Llama 3's <|eot_id|>, is often only there)."""
+    import json
+
+    ids = [] if eos is None else [eos]
+    config = model_dir / "generation_config.json"
+    if config.is_file():
+        found = json.loads(config.read_text()).get("eos_token_id")
+        ids += [int(i) for i in (found if isinstance(found, list) else [found]) if isinstance(i, int)]
+    return list(dict.fromkeys(ids))
 
 
 @dataclass
@@ -139,7 +217,7 @@ def data_cache_default(checkpoint_dir: str) -> Path:
     return Path(checkpoint_dir) / "data-cache"
 
 
-def build_task(job: RLHFJob, model_dir: Path) -> Task:
+def build_task(job: RLHFJob, model_dir: Path, judge_dir: Path | None = None) -> Task:
     """The prompts (generated, or the user's files tokenized once) and how responses are scored."""
     s = job.spec
     decode, stop, fingerprint = None, [], None
@@ -178,7 +256,7 @@ def build_task(job: RLHFJob, model_dir: Path) -> Task:
                         f"dropped (the {s.data.task} task has few distinct prompts), fewer than "
                         f"spec.trainer.promptsPerStep = {s.trainer.prompts_per_step}; raise trainPrompts or lower "
                         "promptsPerStep or evalPrompts")
-    return Task(train, held_out, build_reward(s, decode), decode, stop, fingerprint)
+    return Task(train, held_out, build_reward(s, decode, judge_dir), decode, stop, fingerprint)
 
 
 def _vocab_size(model_dir: Path) -> int:

@@ -32,6 +32,7 @@ from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.worker_group import PendingResult, resolve, wait_done
 from hybridflow.trainer.generation.replicas import RolloutReplicas
 from hybridflow.trainer.generation.weight_sync import WeightSync
+from hybridflow.trainer.rows import prompt_groups
 from hybridflow.trainer.generation.trajectories import (
     Trajectory, oldest_versions, pack_trajectories, staleness, too_stale,
 )
@@ -324,8 +325,8 @@ class AsyncRollouts(Rollouts):
             if not self._stop.is_set():  # a replica was lost: they are generated again
                 self._hand_back(prompts)
             return
-        out = out.index(slice(0, len(rows)))
-        self._finished(out.chunk(len(prompts)), float(out.meta.get("generate_seconds", 0.0)))
+        # each prompt's rows (an agent program's episode may be several), the padding's left out (its uid < 0)
+        self._finished(prompt_groups(out), float(out.meta.get("generate_seconds", 0.0)))
 
     def _produce_partial(self) -> None:
         """Partial rollouts: every call advances each unfinished response by at most partialRolloutTokens; weights
@@ -371,8 +372,13 @@ def _padded(rows: list[Any], ranks: int) -> list[Any]:
 
 def _padded_batch(rows: Batch, ranks: int) -> Batch:
     """`rows` with its first rows repeated up to a multiple of `ranks` (fewer replicas than the pool has: the
-    prompts need not divide); the padding's output is cut off by the caller."""
-    return rows if not len(rows) % ranks else rows.index(np.array(_padded(list(range(len(rows))), ranks)))
+    prompts need not divide); the padding's output is left out by the caller: its uid is below 0 (trainer.rows)."""
+    if not len(rows) % ranks:
+        return rows
+    out = rows.index(np.array(_padded(list(range(len(rows))), ranks)))
+    if "uid" in out.non_tensors:
+        out.non_tensors["uid"][len(rows):] = [-1 - i for i in range(len(out) - len(rows))]
+    return out
 
 
 # spec.rollout.mode -> its source (the schema lists the same names; tests/trainer/test_rollouts.py checks they agree)
