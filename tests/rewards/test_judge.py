@@ -1,6 +1,7 @@
-"""A generative judge with its real engine: SmolLM2-135M served by vLLM in this process (the judge role's engine,
-without Ray), asked through the controller's Judge and the job's Reward, which sums it with a rule and a user's
-sandboxed function."""
+"""A generative judge with a real engine: SmolLM2-135M generating in this process (the HF engine: the judge role's
+vLLM is exercised through Ray by tests/trainer/test_end_to_end.py's judge example, and an in-process vLLM would
+leave torch.distributed up for the tests after), asked through the controller's Judge and the job's Reward, which
+sums it with a rule and a user's sandboxed function."""
 from __future__ import annotations
 
 import random
@@ -19,8 +20,6 @@ from hybridflow.single_controller.batch import Batch
 from hybridflow.trainer.task import JobJudge, Reward
 from support.paths import ROOT
 
-pytestmark = pytest.mark.slow
-
 EXTRACT = ("Here is a student's solution:\n\n{response}\n\nWhat is the student's final answer? Reply with the number "
            "only.")
 FUNCTION = ROOT / "examples" / "rewards" / "arithmetic_reward.py"
@@ -32,12 +31,12 @@ def smollm2(model_cache):
 
     from hybridflow.api.sources import ModelSource
     from hybridflow.engines.rollout.base import SamplingConfig
-    from hybridflow.engines.rollout.vllm import VLLMRollout
+    from hybridflow.engines.rollout.hf import HFRollout
     from hybridflow.models.builders import materialize
 
     directory = materialize(ModelSource(source="smollm2"), model_cache, 0)
     tok = AutoTokenizer.from_pretrained(directory)
-    engine = VLLMRollout(directory, 400, "float32", 0, 1 << 28, 0.9, on_gpu=False)
+    engine = HFRollout(directory, "float32", torch.device("cpu"), 0)
     greedy = SamplingConfig(12, greedy=True, stop_token_ids=(tok.eos_token_id,))
     asked: list[int] = []  # how many requests each engine call held
 
