@@ -35,6 +35,8 @@ class JudgeSettings(Protocol):
 
 
 class Tokenizer(Protocol):
+    chat_template: str | None
+
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
     def encode(self, text: str, **kwargs: Any) -> list[int]: ...
     def decode(self, ids: Sequence[int], **kwargs: Any) -> str: ...
@@ -67,6 +69,18 @@ class Judge:
         self.parse = VERDICT_PARSERS[settings.parser]
         self.parser_settings = ParserSettings(settings.pattern, settings.max_score)
         self.cache: OrderedDict[tuple[str, str, str], float] = OrderedDict()
+        self.around = self._around()
+
+    def _around(self) -> tuple[list[int], list[int]]:
+        """The ids of the judge's chat template before and after its one user message (none without a template):
+        the same for every question, so rendered once."""
+        if not self.tokenizer.chat_template:
+            return [], []
+        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": _SLOT}], tokenize=False,
+                                                      add_generation_prompt=True)
+        before, after = str(rendered).split(_SLOT)
+        return (list(self.tokenizer.encode(before, add_special_tokens=False)),
+                list(self.tokenizer.encode(after, add_special_tokens=False)))
 
     def request_ids(self, question: str, response: str, truth: Any) -> list[int]:
         """The judge model's prompt: the filled template as one user message of its chat template (a model without
@@ -74,14 +88,8 @@ class Judge:
         writes `<|im_end|><|im_start|>assistant yes` as text stays text, and cannot close the judge's question and
         answer it (the policy is trained on this judge's verdicts, and would learn to)."""
         text = fill(self.settings.template, question, response, truth)
-        inside = self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
-        if not getattr(self.tokenizer, "chat_template", None):
-            return list(inside)
-        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": _SLOT}], tokenize=False,
-                                                      add_generation_prompt=True)
-        before, after = str(rendered).split(_SLOT)
-        return [*self.tokenizer.encode(before, add_special_tokens=False), *inside,
-                *self.tokenizer.encode(after, add_special_tokens=False)]
+        before, after = self.around
+        return [*before, *self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True), *after]
 
     def score(self, generate: Generate, questions: Sequence[str], responses: Sequence[str],
               truths: Sequence[Any]) -> JudgeCall:

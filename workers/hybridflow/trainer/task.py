@@ -118,14 +118,11 @@ class Reward:
             out = text.score(list(batch["data_source"]), texts, list(batch["truth"]),
                              [dict(x) for x in batch["extra_info"]])
             parts[name] = out.scores
-            stats["reward_errors"] = stats.get("reward_errors", 0.0) + len(out.errors)
+            _count_errors(stats, out.errors, len(texts), "samples could not be scored")
             for key, values in out.extras.items():
                 got = [v for v in values if v == v]  # NaN: that sample's result had no such key
                 if got:
                     stats[f"reward_{key}_mean"] = float(np.mean(got))
-            if out.errors:
-                log.warning("%d of %d samples could not be scored; first: %s", len(out.errors), len(texts),
-                            out.errors[0])
         if "judge" in weights:
             parts["judge"] = self._judged(batch, texts, ask, stats, parts.get("rule"))
         total = sum(w * torch.tensor(parts[name], dtype=torch.float32) for name, w in weights.items())
@@ -140,11 +137,8 @@ class Reward:
         questions = [question_text(q) for q in batch["raw_prompt"]] if "raw_prompt" in batch else [""] * len(texts)
         call = self.judge.verdicts.score(ask, questions, texts, list(batch["truth"]))
         stats.update(call.stats())
-        stats["reward_errors"] = stats.get("reward_errors", 0.0) + len(call.result.errors)
-        if call.result.errors:
-            log.warning("the judge could not score %d of %d samples; first: %s", len(call.result.errors), len(texts),
-                        call.result.errors[0])
-            check_failures("judge", call.result.errors, len(texts), self.error_policy)
+        _count_errors(stats, call.result.errors, len(texts), "samples the judge could not score")
+        check_failures("judge", call.result.errors, len(texts), self.error_policy)
         if rule is not None:
             stats["judge_rule_agreement"] = agreement(call.result.scores, rule)
         return call.result.scores
@@ -159,6 +153,13 @@ class Reward:
     def close(self) -> None:
         for text in self.texts.values():
             text.close()  # a reward function's worker processes
+
+
+def _count_errors(stats: dict[str, float], errors: Sequence[Any], n: int, what: str) -> None:
+    """A part's failed samples: counted in the step log's reward_errors, the first logged."""
+    stats["reward_errors"] = stats.get("reward_errors", 0.0) + len(errors)
+    if errors:
+        log.warning("%d of %d %s; first: %s", len(errors), n, what, errors[0])
 
 
 def build_reward(s: JobSpec, decode: Decode | None, judge_dir: Path | None = None) -> Reward:
