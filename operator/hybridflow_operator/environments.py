@@ -1,17 +1,18 @@
 """The sandbox pool on Kubernetes (spec.environments, or one default replica for a job with user code: the reward
-function, an agent's tools and environments): its pods, their headless Service, their NetworkPolicy and token
-Secret, and the pure plan that keeps the pool at its size. Pure functions, no I/O, like manifests and phases.
+function, an agent's tools and environments or its program): its pods, their headless Service, their NetworkPolicy
+and token Secret, and the pure plan that keeps the pool at its size. Pure functions, no I/O, like manifests and phases.
 
 The pool is where a Kubernetes job's untrusted code runs, and the only place: its pods hold no Ray token, no storage
-or tracking keys and no ServiceAccount token, reach nothing (egress denied), run under spec.sandbox's runtime class
+or tracking keys and no ServiceAccount token, reach nothing (egress denied; an agent program's runs, the rollout's
+endpoint ports alone), run under spec.sandbox's runtime class
 when one is given, and answer only callers with the job's sandbox token, which opens nothing else.
 
 The pool is not part of the gang: its pods carry no generation, a gang restart leaves them running (their sessions
 are lost only if they die), and one that fails is deleted and made again under the same name, reachable at the same
 address (env-<index>.<job>-env.<namespace>.svc), while training goes on: the rollout sees SessionLost for the
 episodes it held and starts them again elsewhere. They run user code (tools, environments) in sandboxes, so they get
-the least of the job's pods: no credentials, no checkpoint or model volumes, no egress at all, and ingress only from
-the job's own pods, on the pool's port.
+the least of the job's pods: no credentials, no checkpoint or model volumes, no egress (but an agent program's
+calls to the rollout's endpoint ports), and ingress only from the job's own pods, on the pool's port.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from hybridflow.api.agents import SERVES_ALL, SERVES_REWARDS, code_files, sandbo
 from hybridflow.api.names import LABEL_INDEX, LABEL_JOB, LABEL_ROLE, names
 from hybridflow.api.status import Phase
 
-from hybridflow_operator.manifests import REWARD_MOUNT, reward_configmap_key, token_secret
+from hybridflow_operator.manifests import (
+    REWARD_MOUNT, agent_endpoint_ports, gang_selector, reward_configmap_key, runs_program, token_secret,
+)
 from hybridflow_operator.meta import (
     ENVIRONMENT_PORT, ENVIRONMENT_ROLE, SANDBOX_ENV, SANDBOX_PARTIAL, SANDBOX_REQUIRED, SCRATCH_MOUNT, SCRATCH_SIZE,
     SPEC_KEY, SPEC_MOUNT, object_meta,
@@ -140,10 +143,14 @@ environment_policy_name = environment_service_name
 
 
 def environment_policy(job: RLHFJob, uid: str) -> dict[str, Any]:
-    """The environment pods' fence: no egress at all (not even DNS: they call nothing), and ingress only from the
-    job's own pods on the pool's port. The job's other policy does not select them (manifests.network_policy), so
-    nothing adds egress back."""
+    """The environment pods' fence: no egress at all (not even DNS: they call nothing by name), but, for a job with
+    an agent program, to the rollout endpoints' ports (AGENT_ENDPOINT_PORTS) on the job's other pods, where its runs
+    call the model (relayed by the pool's process: the sandboxes themselves have no network); and ingress only from
+    the job's own pods on the pool's port. The job's other policy does not select them (manifests.network_policy),
+    so nothing adds egress back."""
     name = job.metadata.name
+    egress = [{"to": [{"podSelector": gang_selector(name)}], "ports": [agent_endpoint_ports()]}] \
+        if runs_program(job) else []
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -153,7 +160,7 @@ def environment_policy(job: RLHFJob, uid: str) -> dict[str, Any]:
             "policyTypes": ["Ingress", "Egress"],
             "ingress": [{"from": [{"podSelector": {"matchLabels": {LABEL_JOB: name}}}],
                          "ports": [{"protocol": "TCP", "port": ENVIRONMENT_PORT}]}],
-            "egress": [],
+            "egress": egress,
         },
     }
 

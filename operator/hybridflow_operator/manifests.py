@@ -11,7 +11,7 @@ from typing import Any
 
 from hybridflow.api import API_GROUP as GROUP
 from hybridflow.api import REWARD_MOUNT, RLHFJob, reward_configmap_key
-from hybridflow.api.agents import ENVIRONMENT_URLS_ENV, sandbox_pool
+from hybridflow.api.agents import ENDPOINT_PORTS_ENV, ENVIRONMENT_URLS_ENV, POD_IP_ENV, sandbox_pool
 from hybridflow.api.names import (
     LABEL_GENERATION, LABEL_INDEX, LABEL_JOB, LABEL_POOL, LABEL_ROLE, head_pod_name, names, worker_pod_name,
 )
@@ -19,14 +19,15 @@ from hybridflow.api.scaling import sized
 from hybridflow.api.storage import CHECKPOINT_MOUNT, is_url, job_checkpoint_url
 
 from hybridflow_operator.meta import (
-    ENVIRONMENT_PORT, ENVIRONMENT_ROLE, FS_GROUP, MANAGED_BY, MODEL_CACHE, MODELS_MOUNT, RAY_AGENT_PORT, RAY_PORT,
-    RESUME_MOUNT, SANDBOX_ENV, SANDBOX_PARTIAL, SANDBOX_REQUIRED, SANDBOX_TOKEN_ENV, SANDBOX_TOKEN_KEY, SCRATCH_MOUNT,
-    SCRATCH_SIZE, SPEC_KEY, SPEC_MOUNT, object_meta, job_labels, job_namespace, owner_reference, ray_token_secret_name,
-    selector,
+    AGENT_ENDPOINT_PORTS, ENVIRONMENT_PORT, ENVIRONMENT_ROLE, FS_GROUP, MANAGED_BY, MODEL_CACHE, MODELS_MOUNT,
+    RAY_AGENT_PORT, RAY_PORT, RESUME_MOUNT, SANDBOX_ENV, SANDBOX_PARTIAL, SANDBOX_REQUIRED, SANDBOX_TOKEN_ENV,
+    SANDBOX_TOKEN_KEY, SCRATCH_MOUNT, SCRATCH_SIZE, SPEC_KEY, SPEC_MOUNT, object_meta, job_labels, job_namespace,
+    owner_reference, ray_token_secret_name, selector,
 )
 from hybridflow_operator.pods import (
-    CONTAINER_SECURITY, POD_SECURITY, environment_pod_name, environment_service_name, environment_urls, gang_pods,
-    head_pod, leave_grace_seconds, sandbox_token_env, sandbox_urls_env, worker_pod,
+    CONTAINER_SECURITY, POD_SECURITY, agent_endpoint_ports, environment_pod_name, environment_service_name,
+    environment_urls, gang_pods, head_pod, leave_grace_seconds, runs_program, sandbox_token_env, sandbox_urls_env,
+    worker_pod,
 )
 from hybridflow_operator.policy import Egress
 from hybridflow_operator.resolve import (
@@ -43,6 +44,7 @@ __all__ = [  # what the operator's modules and tests reach through this module
     "job_namespace", "owner_reference", "ray_token_secret_name", "selector", "CONTAINER_SECURITY", "POD_SECURITY",
     "environment_pod_name", "environment_service_name", "environment_urls", "gang_pods", "head_pod",
     "leave_grace_seconds", "sandbox_token_env", "sandbox_urls_env", "worker_pod", "MAX_CONFIGMAP_BYTES",
+    "agent_endpoint_ports", "runs_program", "AGENT_ENDPOINT_PORTS", "ENDPOINT_PORTS_ENV", "POD_IP_ENV",
     "code_copy_problem", "code_digests", "code_keys", "configmap", "content_digest", "resolved_job",
     "reward_configmap", "reward_copy_problem", "reward_key", "spec_text", "head_service", "podgroup", "token_secret",
     "ray_token_secret", "network_policy", "pod_references", "accepted_references", "foreign_references",
@@ -111,7 +113,14 @@ def network_policy(job: RLHFJob, uid: str, metrics_namespaces: list[str],
     had when it was ingress only (`<job>-ingress`), so jobs running across an upgrade keep one policy each."""
     name = job.metadata.name
     own = {"podSelector": {"matchLabels": {LABEL_JOB: name}}}
-    rules: list[dict[str, Any]] = [{"from": [own]}]
+    pool = sandbox_pool(job.spec) is not None
+    # Ingress from the job's pods but its sandbox pods (which run user code), and from those only to the rollout's
+    # endpoint ports when the job has an agent program (its runs call the endpoint back; nothing else of theirs may
+    # reach the gang): environments.environment_policy lets them out there only.
+    rules: list[dict[str, Any]] = [{"from": [{"podSelector": gang_selector(name)} if pool else own]}]
+    if pool and runs_program(job):
+        rules.append({"from": [{"podSelector": {"matchLabels": {LABEL_JOB: name, LABEL_ROLE: ENVIRONMENT_ROLE}}}],
+                      "ports": [agent_endpoint_ports()]})
     if job.spec.metrics.port and metrics_namespaces:
         rules.append({
             "from": [{"namespaceSelector": {"matchExpressions": [{"key": "kubernetes.io/metadata.name",
@@ -122,11 +131,9 @@ def network_policy(job: RLHFJob, uid: str, metrics_namespaces: list[str],
     trainer = job.spec.trainer
     object_storage = is_url(trainer.checkpoint_dir) or bool(trainer.resume_from and is_url(trainer.resume_from))
     out_rules = [{"to": [own]}, *(egress or Egress()).rules(object_storage)]
-    selected: dict[str, Any] = {"matchLabels": {LABEL_JOB: name}}
-    if sandbox_pool(job.spec) is not None:
-        # Policies add up: selecting the environment pods here too would grant them this policy's egress. Theirs
-        # (environments.environment_policy) denies all of it.
-        selected["matchExpressions"] = [{"key": LABEL_ROLE, "operator": "NotIn", "values": [ENVIRONMENT_ROLE]}]
+    # Policies add up: selecting the environment pods here too would grant them this policy's egress. Theirs
+    # (environments.environment_policy) denies all of it (but a program's calls to the endpoint ports).
+    selected = gang_selector(name) if pool else {"matchLabels": {LABEL_JOB: name}}
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -134,6 +141,12 @@ def network_policy(job: RLHFJob, uid: str, metrics_namespaces: list[str],
         "spec": {"podSelector": selected, "policyTypes": ["Ingress", "Egress"],
                  "ingress": rules, "egress": out_rules},
     }
+
+
+def gang_selector(name: str) -> dict[str, Any]:
+    """The job's pods but its sandbox pods (ENVIRONMENT_ROLE)."""
+    return {"matchLabels": {LABEL_JOB: name},
+            "matchExpressions": [{"key": LABEL_ROLE, "operator": "NotIn", "values": [ENVIRONMENT_ROLE]}]}
 
 
 def pod_references(pods: list[dict[str, Any]]) -> set[tuple[str, str]]:

@@ -36,6 +36,10 @@ FS_GROUP = 1000  # group of what pods write to volumes (the images' users are 10
 # replicas set apart for reward functions), the names hybridflow.sandbox_pool reads.
 ENVIRONMENT_ROLE = "environment"
 ENVIRONMENT_PORT = 8100
+# A job's agent program (spec.rollout.agent.program) runs in the pool and calls the rollout's OpenAI-compatible
+# endpoint back: each rollout's endpoint listens on the first free port of this range at its pod's address
+# (hybridflow.sandbox_pool.ENDPOINT_PORTS_ENV), and the pool's pods may reach the gang's pods on these ports only.
+AGENT_ENDPOINT_PORTS = (8400, 8463)
 # hybridflow.sandbox's switch: "require" refuses to run user code without every layer of the sandbox. The
 # sandbox pods exist to run untrusted code; a pod whose runtime refuses user namespaces fails, saying so, instead
 # of running it with fewer layers, unless spec.sandbox.allowPartial says the pod's own containment is enough.

@@ -10,7 +10,8 @@ from typing import Any
 
 from hybridflow.api import DATA_MOUNT, REWARD_MOUNT, JobSpec, RLHFJob, ResourcePool, pool_resource, pool_slot_resource
 from hybridflow.api.agents import (
-    ENVIRONMENT_URLS_ENV, REWARD_URLS_ENV, SERVES_AGENTS, SERVES_ALL, SERVES_REWARDS, sandbox_replicas,
+    ENDPOINT_PORTS_ENV, ENVIRONMENT_URLS_ENV, REWARD_URLS_ENV, SERVES_AGENTS, SERVES_ALL, SERVES_REWARDS,
+    sandbox_replicas,
 )
 from hybridflow.api.names import (
     LABEL_GENERATION, LABEL_INDEX, LABEL_POOL, LABEL_ROLE, head_pod_name, names, worker_pod_name,
@@ -19,9 +20,9 @@ from hybridflow.api.scaling import sized
 from hybridflow.api.storage import CHECKPOINT_MOUNT, STORAGE_CREDENTIAL_KEYS, TRACKING_CREDENTIAL_KEYS
 
 from hybridflow_operator.meta import (
-    ENVIRONMENT_PORT, FS_GROUP, MODEL_CACHE, MODEL_CACHE_SIZE, MODELS_MOUNT, RAY_PORT, RESUME_MOUNT, SANDBOX_ENV,
-    SANDBOX_REQUIRED, SANDBOX_TOKEN_ENV, SANDBOX_TOKEN_KEY, SCRATCH_MOUNT, SCRATCH_SIZE, SPEC_KEY, SPEC_MOUNT, object_meta,
-    job_namespace, ray_token_secret_name,
+    AGENT_ENDPOINT_PORTS, ENVIRONMENT_PORT, FS_GROUP, MODEL_CACHE, MODEL_CACHE_SIZE, MODELS_MOUNT, RAY_PORT,
+    RESUME_MOUNT, SANDBOX_ENV, SANDBOX_REQUIRED, SANDBOX_TOKEN_ENV, SANDBOX_TOKEN_KEY, SCRATCH_MOUNT, SCRATCH_SIZE,
+    SPEC_KEY, SPEC_MOUNT, object_meta, job_namespace, ray_token_secret_name,
 )
 from hybridflow_operator.resolve import is_below, model_sources, resolved_job
 
@@ -46,14 +47,28 @@ def environment_urls(job: RLHFJob, serving: str = SERVES_AGENTS) -> list[str]:
 
 def sandbox_urls_env(job: RLHFJob) -> list[dict[str, Any]]:
     """The gang's env for the sandbox pool: its replicas (those set apart for reward functions on their own
-    variable) and the sandbox token; [] without a pool."""
+    variable), the ports a rollout's endpoint takes for an agent program run there, and the sandbox token; [] without
+    a pool."""
     if not (agents := environment_urls(job)):
         return []
     out = [{"name": ENVIRONMENT_URLS_ENV, "value": ",".join(agents)}]
     if (rewards := environment_urls(job, SERVES_REWARDS)) != agents:
         out.append({"name": REWARD_URLS_ENV, "value": ",".join(rewards)})
+    if runs_program(job):
+        out.append({"name": ENDPOINT_PORTS_ENV, "value": "-".join(map(str, AGENT_ENDPOINT_PORTS))})
     return [*out, sandbox_token_env(job)]
 
+
+
+def runs_program(job: RLHFJob) -> bool:
+    """An agent program (spec.rollout.agent.program): its runs in the pool call the rollout's endpoint back."""
+    return job.spec.rollout.agent is not None and job.spec.rollout.agent.program is not None
+
+
+def agent_endpoint_ports() -> dict[str, Any]:
+    """The NetworkPolicyPort of the rollout endpoints' ports (AGENT_ENDPOINT_PORTS), for a job with a program."""
+    first, last = AGENT_ENDPOINT_PORTS
+    return {"protocol": "TCP", "port": first, "endPort": last}
 
 
 def sandbox_token_env(job: RLHFJob) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 from hybridflow.api import (
     DATA_MOUNT, REWARD_MOUNT, JobSpec, ModelSource, RLHFJob, SpecError, dump_job, reward_configmap_key,
 )
-from hybridflow.api.agents import code_files, kubernetes_unsupported_problems
+from hybridflow.api.agents import code_files
 from hybridflow.api.names import names
 from hybridflow.api.rules import kubernetes_code_problems
 from hybridflow.api.storage import (
@@ -24,16 +24,16 @@ def resolved_job(job: RLHFJob) -> RLHFJob:
     """The spec as it runs in pods: metrics on all interfaces, checkpoints in the job's own directory (under the
     object-storage URL trainer.checkpointDir names, else on the PVC when one is given), trainer.resumeFrom, model
     paths and data.cacheDir confined to what this job may read or write, prompt files inside the data volume and
-    the code files (reward function, tools, environment) inside the mount of the job's copy of its code ConfigMap.
-    Idempotent (the accepted spec is resolved again when compared with the live one). A spec that names what its
-    pods may not have (another namespace's checkpoint, a path outside its claims, object storage without
-    kubernetes.checkpointSecret, a code file on the data claim) raises SpecError, naming the fields."""
+    the code files (reward function, tools, environment, agent program) inside the mount of the job's copy of its
+    code ConfigMap. Idempotent (the accepted spec is resolved again when compared with the live one). A spec that
+    names what its pods may not have (another namespace's checkpoint, a path outside its claims, object storage
+    without kubernetes.checkpointSecret, a code file on the data claim) raises SpecError, naming the fields."""
     run = job.model_copy(deep=True)
     s, k8s = run.spec, run.spec.kubernetes
     s.metrics.address = "0.0.0.0"
     ns, name = run.metadata.namespace or "default", run.metadata.name
     # (parse_job refuses code on the data claim already: here too, for a spec changed since it was parsed)
-    problems = _credential_problems(s) + kubernetes_code_problems(s) + kubernetes_unsupported_problems(s)
+    problems = _credential_problems(s) + kubernetes_code_problems(s)
     problems += _resolve_checkpoints(s, ns, name) + _resolve_models(s) + _resolve_cache_dir(s)
     if problems:
         raise SpecError("; ".join(problems))
@@ -48,6 +48,8 @@ def resolved_job(job: RLHFJob) -> RLHFJob:
                 agent.environment_file = _inside(REWARD_MOUNT, agent.environment_file)
             if agent.tools_file:
                 agent.tools_file = _inside(REWARD_MOUNT, agent.tools_file)
+            if agent.program:
+                agent.program = _inside(REWARD_MOUNT, agent.program)
     return run
 
 
@@ -196,8 +198,8 @@ def reward_key(job: RLHFJob) -> str:
 
 def code_keys(job: RLHFJob) -> dict[str, str]:
     """The job's code files in kubernetes.rewardConfigMap (the job's code ConfigMap), key -> the field naming it:
-    the reward function's, the agent's tools file and environment file ({} without that ConfigMap). Each is copied
-    into the job's own ConfigMap at acceptance, its digest recorded in status.codeDigests."""
+    the reward function's, the agent's tools file, environment file and program ({} without that ConfigMap). Each is
+    copied into the job's own ConfigMap at acceptance, its digest recorded in status.codeDigests."""
     if not job.spec.kubernetes.reward_config_map:
         return {}
     out: dict[str, str] = {}

@@ -303,7 +303,8 @@ def test_tokens_are_per_episode_and_bad_requests_get_openais_errors(tok, codec):
         mode = os.stat(endpoint.socket_path).st_mode
         assert stat.S_ISSOCK(mode) and mode & 0o002  # the sandbox's uid can connect; the token is the auth
         assert stat.S_IMODE(os.stat(os.path.dirname(endpoint.socket_path)).st_mode) == 0o711
-        assert endpoint._server.socket.family == socket.AF_UNIX  # no TCP port at all
+        # no TCP port unless the rollout's programs run in the sandbox pool (test_program_pool.py)
+        assert endpoint.url is None and [s.socket.family for s in endpoint._servers.servers] == [socket.AF_UNIX]
 
 
 def test_a_spent_budget_answers_an_empty_completion_cut_by_length(tok, codec):
@@ -345,7 +346,7 @@ def test_the_rollout_packs_a_programs_episodes_with_its_own_prompt_and_the_engin
     """EpisodeRunner with spec.rollout.agent.program: each row's prompt is the program's first call's (its excess
     over maxPromptLength opens the response, untrained), the trained positions are the engine's ids, and the
     breaks are a column."""
-    from hybridflow.agents.protocol import Places
+    from hybridflow.agents.protocol import Listen, Places
     from hybridflow.api.agents import Agent
     from hybridflow.engines.rollout.base import SamplingConfig
     from hybridflow.roles.episodes import EpisodeRunner
@@ -499,13 +500,13 @@ def test_a_row_that_would_hold_no_trained_token_is_a_failed_episode():
 
 def test_the_rollout_gives_the_endpoint_the_engines_context(codec, monkeypatch, tmp_path):
     import hybridflow.roles.episodes as episodes
-    from hybridflow.agents.protocol import Places
+    from hybridflow.agents.protocol import Listen, Places
     from hybridflow.api.agents import Agent
 
     seen: dict[str, Any] = {}
 
-    def fake(samples, model, codec, programs, settings, timeout, max_context=None, trajectory="merged"):
-        seen["max_context"] = max_context
+    def fake(samples, model, codec, programs, settings, timeout, max_context=None, trajectory="merged", listen=None):
+        seen["max_context"], seen["listen"] = max_context, listen
         return [[Episode(tokens=[5], loss_mask=[1], log_probs=[0.0])] for _ in samples]
 
     monkeypatch.setattr(episodes, "run_program_episodes", fake)
@@ -515,6 +516,11 @@ def test_the_rollout_gives_the_endpoint_the_engines_context(codec, monkeypatch, 
     batch = {"prompt_ids": [[28, 29]], "truth": ["a"], "data_source": ["d"], "extra_info": [{}]}
     runner.run(None, lambda *a: None, batch, [False], False, 16)
     assert seen["max_context"] == 16 + 120  # maxPromptLength + maxResponseLength: vLLM's max_model_len
+    assert seen["listen"] is None  # the places' (programs on this machine: the endpoint's socket alone)
+    pool = Places(programs=InProcessPrograms(None), listen=Listen("10.0.0.7", (8400, 8463)))  # programs in the pool
+    episodes.EpisodeRunner(Agent(program=str(program)), codec, pool, 120).run(None, lambda *a: None, batch, [False],
+                                                                              False, 16)
+    assert seen["listen"] == Listen("10.0.0.7", (8400, 8463))
 
 
 def test_a_request_without_a_token_is_refused_before_its_body_and_a_body_has_a_deadline(codec, monkeypatch):

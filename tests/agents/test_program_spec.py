@@ -1,6 +1,7 @@
 """spec.rollout.agent.program (bring your own agent over an OpenAI-compatible endpoint): what the spec accepts beside
-it, its score, Kubernetes' refusal, and the checks before any work (issue 56's standard): `validate` and `run` load
-the program in the sandbox and a program that cannot work is a problem naming the field, the file and the line."""
+it, its score, where it runs with a sandbox pool (Kubernetes), and the checks before any work (issue 56's
+standard): `validate` and `run` load the program in the sandbox and a program that cannot work is a problem naming
+the field, the file and the line."""
 from __future__ import annotations
 
 import textwrap
@@ -17,7 +18,9 @@ from hybridflow.agents.file_check import loaded_file_problems
 from hybridflow.agents.program import LocalPrograms
 from hybridflow.api import RLHFJob
 from hybridflow.api.agents import Agent
-from hybridflow.api.agents import kubernetes_unsupported_problems
+from hybridflow.agents.protocol import Listen
+from hybridflow.agents.remote_programs import RemotePrograms
+from hybridflow.sandbox_pool import ENDPOINT_PORTS_ENV, POD_IP_ENV, TOKEN_ENV, URLS_ENV
 from hybridflow.trainer.preflight import check_runtime_paths
 
 GOOD = "async def run(client, sample):\n    return 1.0\n"
@@ -62,15 +65,21 @@ def test_a_greedy_baseline_refuses_one_sequence_per_call(tmp_path: Path) -> None
         by_alias=True, exclude_unset=True), **remax}}).spec.rollout.agent.trajectory == "merged"
 
 
-def test_kubernetes_refuses_a_program_and_the_pool_cannot_run_one(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_with_a_sandbox_pool_the_program_runs_there_and_the_endpoint_listens_on_the_pods_address(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     prog = str(_write(tmp_path / "agent.py", GOOD))
-    (problem,) = kubernetes_unsupported_problems(_job(tmp_path, program=prog).spec)
-    assert problem.startswith("spec.rollout.agent.program: agent programs run with `hybridflow run` only")
-    assert kubernetes_unsupported_problems(_job(tmp_path, tools=["calculator"]).spec) == []
-    monkeypatch.setattr(places, "pool_from_env", lambda: object())
-    with pytest.raises(places.ProgramsUnsupported, match="spec.rollout.agent.program"):
+    for name, value in ((URLS_ENV, "http://env-0.j-env.ns.svc:8100"), (TOKEN_ENV, "t" * 16),
+                        (POD_IP_ENV, "10.1.2.3"), (ENDPOINT_PORTS_ENV, "8400-8463")):
+        monkeypatch.setenv(name, value)
+    got = places.job_places(Agent.model_validate({"program": prog}))
+    assert isinstance(got.programs, RemotePrograms) and got.tools is None and got.sessions is None
+    assert got.listen == Listen("10.1.2.3", (8400, 8463))
+    monkeypatch.setenv(ENDPOINT_PORTS_ENV, "8400-")
+    with pytest.raises(ValueError, match=ENDPOINT_PORTS_ENV):
         places.job_places(Agent.model_validate({"program": prog}))
+    monkeypatch.delenv(URLS_ENV)  # no pool: this machine's sandboxes, the endpoint on its Unix socket alone
+    local = places.job_places(Agent.model_validate({"program": prog}))
+    assert isinstance(local.programs, LocalPrograms) and local.listen is None
 
 
 def test_local_places_run_the_program(tmp_path: Path) -> None:

@@ -10,7 +10,9 @@ import base64
 import kubernetes_validate
 import yaml
 
-from hybridflow.sandbox_pool import REWARD_URLS_ENV, TOKEN_ENV, URLS_ENV, parse_urls
+from hybridflow.sandbox_pool import (
+    ENDPOINT_PORTS_ENV, POD_IP_ENV, REWARD_URLS_ENV, TOKEN_ENV, URLS_ENV, parse_urls,
+)
 from hybridflow.api.agents import sandbox_pool
 from hybridflow.api import parse_job
 from hybridflow_operator import environments as envs
@@ -287,3 +289,66 @@ def test_sandbox_pods_started_with_a_token_made_anew_since_are_replaced():
     plan = envs.plan_pool(job, "Running", views, creating_gang=False, token_uid="new-uid")
     assert plan.delete == ["agent-env-0"] and plan.create == []
     assert envs.plan_pool(job, "Running", views, creating_gang=False, token_uid="").delete == []
+
+
+def _program_job(**changes):
+    """_job with an agent program (a key of the code ConfigMap) instead of its tools and environment."""
+    doc = _job().model_dump(by_alias=True, exclude_none=True)
+    doc["spec"]["rollout"]["agent"] = {"program": "agent.py"}
+    for key, value in changes.items():
+        doc["spec"][key] = value
+    return parse_job(doc)
+
+
+def test_an_agent_program_runs_in_the_pool_which_holds_its_file():
+    job = _program_job()
+    assert mf.code_keys(job) == {"agent.py": "spec.rollout.agent.program"}  # copied at acceptance, pinned
+    assert mf.resolved_job(job).spec.rollout.agent.program == f"{mf.REWARD_MOUNT}/agent.py"  # accepted, not refused
+    pod = envs.environment_pod(job, UID, 0)
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["reward"]["configMap"]["name"] == "agent-reward"  # the job's copy, never the user's ConfigMap
+    mounts = {m["name"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["reward"] == {"name": "reward", "mountPath": mf.REWARD_MOUNT, "readOnly": True}
+    # a pool split in two (allowPartial): the program reaches the agents' replicas only, the reward file the others
+    split = _program_job(models={**job.model_dump(by_alias=True)["spec"]["models"],
+                                 "reward": {"type": "function", "function": {"path": "reward.py", "name": "score"}}},
+                         sandbox={"allowPartial": True})
+    items = [[i["key"] for i in next(v for v in envs.environment_pod(split, UID, i)["spec"]["volumes"]
+                                      if v["name"] == "reward")["configMap"]["items"]] for i in (0, 3)]
+    assert items == [["agent.py"], ["reward.py"]]
+
+
+def test_sandbox_pods_may_call_the_rollout_endpoint_back_on_its_ports_only():
+    job = _program_job()
+    objs = _children(job)
+    for obj in objs:
+        if obj["kind"] != "PodGroup":
+            kubernetes_validate.validate(obj, "1.33", strict=True)  # endPort included
+    ports = [{"protocol": "TCP", "port": mf.AGENT_ENDPOINT_PORTS[0], "endPort": mf.AGENT_ENDPOINT_PORTS[1]}]
+    policies = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "NetworkPolicy"}
+    labels = {o["metadata"]["name"]: o["metadata"]["labels"] for o in objs if o["kind"] == "Pod"}
+    head, worker, sandbox = labels["agent-head-g0"], labels["agent-default-0-g0"], labels["agent-env-0"]
+    # the sandbox pods: out to the gang's pods on the endpoint's ports, nowhere else (not even DNS)
+    (out,) = policies["agent-env"]["egress"]
+    assert out["ports"] == ports and len(out["to"]) == 1
+    to = out["to"][0]["podSelector"]
+    assert _selects(to, head) and _selects(to, worker) and not _selects(to, sandbox)
+    # the gang's pods: in from the job's other pods on any port, from the sandbox pods on those ports only
+    own, back = policies["agent-ingress"]["ingress"][:2]
+    assert "ports" not in own and not _selects(own["from"][0]["podSelector"], sandbox)
+    assert _selects(own["from"][0]["podSelector"], worker)
+    assert back["ports"] == ports and _selects(back["from"][0]["podSelector"], sandbox)
+    assert not _selects(back["from"][0]["podSelector"], head)
+    # the rollout's endpoint takes a port of that range at the pod's address (the names the runtime reads)
+    assert (mf.ENDPOINT_PORTS_ENV, mf.POD_IP_ENV) == (ENDPOINT_PORTS_ENV, POD_IP_ENV)
+    for name in ("agent-head-g0", "agent-default-0-g0"):
+        pod = next(o for o in objs if o["metadata"]["name"] == name)
+        env = _env(pod["spec"]["containers"][0])
+        assert env[ENDPOINT_PORTS_ENV] == "8400-8463" and POD_IP_ENV in env
+    # a job without a program: the sandbox pods reach nothing, and nothing of theirs reaches the gang
+    plain = _children(_job())
+    policies = {o["metadata"]["name"]: o["spec"] for o in plain if o["kind"] == "NetworkPolicy"}
+    assert policies["agent-env"]["egress"] == []
+    assert not any(_selects(p["podSelector"], sandbox) for rule in policies["agent-ingress"]["ingress"]
+                   for p in rule["from"] if "podSelector" in p)
+    assert all(ENDPOINT_PORTS_ENV not in _env(c) for o in plain if o["kind"] == "Pod" for c in o["spec"]["containers"])

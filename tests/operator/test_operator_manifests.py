@@ -151,14 +151,7 @@ def _restricted_problems(pod: dict) -> list[str]:
     return out
 
 
-def _local_only(path) -> bool:
-    """An example the operator refuses, runnable with `hybridflow run` only (an agent program, for now)."""
-    from hybridflow.api.agents import kubernetes_unsupported_problems
-
-    return bool(kubernetes_unsupported_problems(parse_job(yaml.safe_load(path.read_text())).spec))
-
-
-@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.yaml") if not _local_only(p)))
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.yaml")))
 def test_every_pod_of_every_example_meets_the_restricted_pod_security_standard(example):
     pods = [o for o in _all_manifests(_raw(example)) if o["kind"] == "Pod"]
     assert pods

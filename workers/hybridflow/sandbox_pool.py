@@ -34,6 +34,10 @@ URLS_ENV = "HYBRIDFLOW_ENVIRONMENT_URLS"  # comma-separated replicas serving too
 # rewards_apart); unset: the replicas of URLS_ENV serve reward functions too
 REWARD_URLS_ENV = "HYBRIDFLOW_REWARD_URLS"
 TOKEN_ENV = "HYBRIDFLOW_SANDBOX_TOKEN"  # the job's sandbox token (set by the operator from the job's Secret)
+# Where a rollout's agent endpoint listens on TCP for programs run in the pool (hybridflow.agents.protocol.Listen):
+# the pod's address (the operator's downward-API variable) and the ports it may take, "first-last" (unset: one the
+# OS chooses); the pool's NetworkPolicy lets its pods reach the gang's pods on those ports only.
+POD_IP_ENV, ENDPOINT_PORTS_ENV = "POD_IP", "HYBRIDFLOW_AGENT_ENDPOINT_PORTS"
 MARGIN_SECONDS = 10.0  # the network, the sandbox's start and a busy replica, on top of the server's deadline
 MAX_ANSWER = 64 << 20  # a reward batch's scores and metrics, a tool's answer or an observation: far less
 COOL_DOWN_SECONDS = 30.0  # a replica that did not answer gets no new session for this long (it is being replaced)
@@ -51,6 +55,20 @@ def pool_from_env(serving: str = SERVES_AGENTS) -> "PoolClient | None":
     urls = {SERVES_AGENTS: agents, SERVES_REWARDS: rewards or agents,
             SERVES_ANY: list(dict.fromkeys(agents + rewards))}[serving]
     return PoolClient(urls, os.environ.get(TOKEN_ENV, "")) if urls else None
+
+
+def endpoint_ports_from_env() -> tuple[int, int] | None:
+    """ENDPOINT_PORTS_ENV's range (None when unset); ValueError naming it when it is no "first-last" range."""
+    given = os.environ.get(ENDPOINT_PORTS_ENV, "").strip()
+    if not given:
+        return None
+    first, sep, last = given.partition("-")
+    if not (first.isdigit() and (last or first).isdigit()) or (sep and not last):
+        raise ValueError(f"{ENDPOINT_PORTS_ENV}={given!r}: expected a port range, first-last")
+    ports = (int(first), int(last or first))
+    if not 0 < ports[0] <= ports[1] <= 65535:
+        raise ValueError(f"{ENDPOINT_PORTS_ENV}={given!r}: expected ports 1-65535, the first at most the last")
+    return ports
 
 
 class PoolError(RuntimeError):

@@ -1,14 +1,14 @@
 """The OpenAI-compatible endpoint that a job's agent programs (spec.rollout.agent.program) call for one rollout:
-HTTP on a Unix socket (no TCP port at all: the program's sandbox has no network, the socket is bound into it),
-serving
+HTTP on a Unix socket (the program's sandbox has no network, the socket is bound into it) and, for programs run in
+the sandbox pool (`listen`), on TCP at the pod's address, which the pool's replica relays their sockets to; serving
 
     POST /v1/chat/completions, POST /v1/completions, GET /v1/models
 
 Each episode has its own bearer token (`open(row)`), accepted until `end(token)`, which returns the episode's
 calls (hybridflow.agents.trajectory.Call) and which of them ran out (Ended; `close(token)`: the calls alone); a
-request without a live token answers 401. The socket lies in a private temporary directory that other users may
-traverse but not list, and is itself connectable by any user (the sandbox runs as another uid): the token is the
-authentication (hybridflow.agents.unix_http serves it).
+request without a live token answers 401, on either listener. The socket lies in a private temporary directory
+that other users may traverse but not list, and is itself connectable by any user (the sandbox runs as another uid):
+the token is the authentication (hybridflow.agents.unix_http serves both).
 
 Exact token capture: a chat request whose messages are the episode's previous request's messages, then the
 assistant message the endpoint returned for it (its content and tool calls, unchanged), then new messages, is
@@ -59,9 +59,10 @@ from typing import Any
 from hybridflow.agents import openai_wire as wire
 from hybridflow.agents.codec import ObservationCodec
 from hybridflow.agents.loop import GATHER_SECONDS, Model
+from hybridflow.agents.protocol import Listen
 from hybridflow.agents.toolcalls import tool_call_text
 from hybridflow.agents.trajectory import Call
-from hybridflow.agents.unix_http import UnixHTTPServer
+from hybridflow.agents.unix_http import Listeners
 
 log = logging.getLogger("hybridflow.agents.endpoint")
 
@@ -132,9 +133,9 @@ class _Pending:
 
 class Endpoint:
     """One rollout's endpoint: start it, `open` a token per episode, run `pump` on the engine's thread until the
-    programs end, `close` each token, `stop` it (also as a context manager)."""
+    programs end, `close` each token, `stop` it (also as a context manager). `listen`: its TCP listener too (`url`)."""
 
-    def __init__(self, codec: ObservationCodec, settings: EndpointSettings) -> None:
+    def __init__(self, codec: ObservationCodec, settings: EndpointSettings, listen: Listen | None = None) -> None:
         self.codec, self.settings = codec, settings
         self._episodes: dict[str, _Episode] = {}
         self._lock = threading.Lock()
@@ -147,10 +148,12 @@ class Endpoint:
         self.socket_path = os.path.join(self._dir, "openai.sock")
         self.vocab = len(codec.tokenizer)  # token ids the engine accepts: [0, vocab)
         self.max_chars = min(MAX_BODY, CHARS_PER_TOKEN * (settings.max_context or MAX_BODY))
-        self._server = UnixHTTPServer(self.socket_path, _handler(self), settings.max_connections)
-        os.chmod(self.socket_path, 0o666)  # connecting needs write permission on the socket; the token is the auth
-        self._thread = threading.Thread(target=self._server.serve_forever, name="agent-endpoint", daemon=True)
-        self._thread.start()
+        try:
+            self._servers = Listeners(self.socket_path, _handler(self), settings.max_connections, listen)
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+        self.url = self._servers.url  # "http://host:port" of the TCP listener (None: the socket alone)
 
     def __enter__(self) -> "Endpoint":
         return self
@@ -161,8 +164,7 @@ class Endpoint:
     def stop(self) -> None:
         """No more requests; waiting ones answer 503; the socket and its directory go."""
         self._stopped = True
-        self._server.shutdown()
-        self._server.server_close()
+        self._servers.stop()
         while True:
             try:
                 p = self._queue.get_nowait()
@@ -372,7 +374,7 @@ def _handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
             log.debug(format, *args)
 
         def address_string(self) -> str:  # a Unix socket's peer has no address
-            return "unix"
+            return "unix" if isinstance(self.client_address, (str, bytes)) else str(self.client_address[0])
 
         def _send(self, status: int, body: dict[str, Any]) -> None:
             data = json.dumps(body).encode()

@@ -1,21 +1,18 @@
 """Where a job's tools, environment sessions and agent program run, from its spec: in sandboxes on this machine, or
-in the job's environment pool (spec.environments) when the operator handed its replicas' addresses to this process
-(tools and environments only: the pool does not run agent programs yet, and the operator refuses a Kubernetes job
-with one, api.rules.kubernetes_unsupported_problems)."""
+in the job's sandbox pool (spec.environments) when the operator handed its replicas' addresses to this process. An
+agent program run in the pool reaches the rollout's endpoint on TCP at this pod's address (Places.listen), relayed
+by its replica (hybridflow.agents.pool_programs)."""
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 from hybridflow.agents.local import EnvironmentCode, LocalSessions, LocalTools
 from hybridflow.agents.program import LocalPrograms, ProgramSettings
-from hybridflow.agents.protocol import AgentSettings, Places
+from hybridflow.agents.protocol import AgentSettings, Listen, Places
 from hybridflow.agents.registry import ENVIRONMENTS, TOOLS, ToolSpec
 from hybridflow.agents.tool_file import ToolFileError, read_tools_file
-from hybridflow.sandbox_pool import pool_from_env
-
-
-class ProgramsUnsupported(RuntimeError):
-    """The places this job was given cannot run its agent program."""
+from hybridflow.sandbox_pool import POD_IP_ENV, endpoint_ports_from_env, pool_from_env
 
 
 def job_tools(agent: AgentSettings) -> dict[str, ToolSpec]:
@@ -51,14 +48,15 @@ def local_places(agent: ProgramSettings, private: Sequence[str] = ()) -> Places:
 
 
 def job_places(agent: ProgramSettings, private: Sequence[str] = ()) -> Places:
-    """The sandbox pool's replicas when this process was given them, else this machine's sandboxes. Raises
-    ProgramsUnsupported for an agent program with a pool (a spec the operator accepted before it refused them)."""
+    """The sandbox pool's replicas when this process was given them, else this machine's sandboxes."""
     client = pool_from_env()
     if client is None:
         return local_places(agent, private)
     if agent.program:
-        raise ProgramsUnsupported("spec.rollout.agent.program: the sandbox pool (a Kubernetes job's) does not run "
-                                  "agent programs yet; run the job with `hybridflow run`")
+        from hybridflow.agents.remote_programs import RemotePrograms
+
+        listen = Listen(os.environ.get(POD_IP_ENV) or "127.0.0.1", endpoint_ports_from_env())
+        return Places(programs=RemotePrograms(client), request_counts=client.request_counts, listen=listen)
     from hybridflow.agents.remote import remote_places
 
     return remote_places(agent, client)

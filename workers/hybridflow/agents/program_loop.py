@@ -9,6 +9,10 @@ episodes' requests share its batches as run_episodes' turns do. The endpoint sto
 error included: then the programs still running are killed (Programs.close, every STOP_SECONDS until none is left:
 a run may have started its sandbox a moment after the last kill) rather than waited for to their deadlines, and the
 error raised (EngineFailed) names the rows and the first sample whose requests the engine failed on.
+
+Programs run in the job's sandbox pool (hybridflow.agents.remote_programs) reach the endpoint on TCP (`listen`); an
+episode whose replica was lost (failure LOST) is run again from its prompt with a new token, at most loop.RETRIES
+times, its lost run's calls dropped (as run_episodes starts an episode again after SessionLost).
 """
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ from typing import Sequence
 
 from hybridflow.agents.codec import ObservationCodec
 from hybridflow.agents.endpoint import Endpoint, EndpointSettings, Ended
-from hybridflow.agents.loop import NOT_RUN, PROGRAM, Episode, EpisodeSettings, Model
-from hybridflow.agents.protocol import EndpointAddress, Info, ProgramResult, Programs
+from hybridflow.agents.loop import LOST, NOT_RUN, PROGRAM, RETRIES, Episode, EpisodeSettings, Model
+from hybridflow.agents.protocol import EndpointAddress, Info, Listen, ProgramResult, Programs
 from hybridflow.agents.trajectory import Call, sequences
 
 PUMP_SECONDS = 0.05  # how long the engine's thread waits for a request before it looks at the programs again
@@ -59,25 +63,33 @@ def _engine_failure(rows: Sequence[int], samples: Sequence[Info], err: BaseExcep
 
 def run_program_episodes(samples: Sequence[Info], model: Model, codec: ObservationCodec, programs: Programs,
                          settings: EpisodeSettings, timeout: float,
-                         max_context: int | None = None, trajectory: str = "merged") -> list[list[Episode]]:
+                         max_context: int | None = None, trajectory: str = "merged",
+                         listen: Listen | None = None) -> list[list[Episode]]:
     """Every sample's episode: its program run to its end (or `timeout` seconds), its calls assembled into its
     trained sequences (`trajectory`: merged or per_call; `assemble`). Episode i's engine calls carry row i
-    (Model.generate's `rows`), so that per-row sampling settings (greedy rows) hold."""
+    (Model.generate's `rows`), so that per-row sampling settings (greedy rows) hold. `listen`: the endpoint's TCP
+    listener too (Places.listen), for programs run in the sandbox pool."""
     n = len(samples)
     if n == 0:
         return []
     endpoint = Endpoint(codec, EndpointSettings(settings.max_tokens, settings.max_tokens_per_turn,
-                                                settings.max_turns, max_context=max_context))
+                                                settings.max_turns, max_context=max_context), listen)
     pool = ThreadPoolExecutor(max(1, min(settings.concurrent, n)), thread_name_prefix="agent-program")
 
     def one(i: int) -> tuple[ProgramResult, Ended]:
-        token = endpoint.open(i)
-        try:
-            result = programs.run(samples[i], EndpointAddress(endpoint.socket_path, token), timeout)
-        except Exception as err:  # noqa: BLE001 - Programs.run raises only when no sandbox could run it
-            result = ProgramResult(error=f"{type(err).__name__}: {err}", failure=NOT_RUN)
-        finally:
-            ended = endpoint.end(token)
+        for runs in range(1, RETRIES + 2):
+            token = endpoint.open(i)
+            try:
+                result = programs.run(samples[i], EndpointAddress(endpoint.socket_path, token, endpoint.url), timeout)
+            except Exception as err:  # noqa: BLE001 - Programs.run raises only when no sandbox could run it
+                result = ProgramResult(error=f"{type(err).__name__}: {err}", failure=NOT_RUN)
+            finally:
+                ended = endpoint.end(token)
+            if result.failure != LOST:
+                break
+        if result.failure == LOST:
+            result = ProgramResult(error=f"its sandbox replica was lost {runs} times ({result.error})",
+                                   failure=LOST)
         return result, ended
 
     engine = _Engine(model)

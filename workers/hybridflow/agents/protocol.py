@@ -122,8 +122,22 @@ class EndpointAddress:
 
     socket_path: str
     token: str
+    # the endpoint's TCP listener, "http://host:port" (Listen), when the job's programs run in its sandbox pool:
+    # the replica serves the program a socket of its own that relays to it (hybridflow.agents.relay); None: the
+    # endpoint listens on its Unix socket alone (programs run in this machine's sandboxes)
+    url: str | None = None
 
     BASE_URL = "http://hybridflow/v1"
+
+
+@dataclass(frozen=True)
+class Listen:
+    """Where the rollout's endpoint also listens on TCP, for programs run in the sandbox pool: `host` (the pod's
+    address), and `ports`, the range (first, last) it takes the first free port of (None: one the OS chooses).
+    Every request there needs a live episode token too (401 otherwise), as on the Unix socket."""
+
+    host: str
+    ports: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -139,7 +153,9 @@ class ProgramResult:
 
 
 class Programs(Protocol):
-    """Where a job's agent programs run: each run in a sandbox of its own, the endpoint's socket bound in."""
+    """Where a job's agent programs run: each run in a sandbox of its own, the endpoint's socket bound in (a socket
+    of the sandbox pool's replica relaying to the endpoint's TCP listener, EndpointAddress.url, where it runs
+    there)."""
 
     def run(self, sample: Info, endpoint: EndpointAddress, timeout: float) -> ProgramResult:
         """`await run(client, sample)` of the user's file, `client` an openai.AsyncOpenAI at `endpoint`, within
@@ -159,6 +175,7 @@ class Places:
     sessions: Sessions | None = None
     request_counts: Callable[[], dict[str, int]] = _no_requests
     programs: Programs | None = None
+    listen: Listen | None = None  # the endpoint's TCP listener, for programs run elsewhere (None: its socket alone)
 
 
 class AgentSettings(Protocol):

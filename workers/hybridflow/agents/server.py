@@ -1,7 +1,7 @@
-"""The sandbox pool's HTTP server: one replica's tools, environment sessions (hybridflow.agents.local's sandboxes)
-and reward function (hybridflow.rewards.sandbox's workers) offered to the job over the network, as `hybridflow
-environments serve` runs it in a sandbox pod: on Kubernetes the job's untrusted code runs only there, in pods that
-hold none of its credentials.
+"""The sandbox pool's HTTP server: one replica's tools, environment sessions (hybridflow.agents.local's sandboxes),
+agent program runs (hybridflow.agents.pool_programs) and reward function (hybridflow.rewards.sandbox's workers)
+offered to the job over the network, as `hybridflow environments serve` runs it in a sandbox pod: on Kubernetes the
+job's untrusted code runs only there, in pods that hold none of its credentials.
 
 Every request but GET /healthz and GET /metrics carries the job's sandbox token (`Authorization: Bearer <token>`,
 compared in constant time; not the Ray token); without it the answer is 401 and nothing runs. /metrics says how many requests of each kind came
@@ -29,6 +29,7 @@ the client's SessionLost) instead of naming a new session that happens to reuse 
     POST   /v1/sessions               {sample}                     -> {session, observation}
     POST   /v1/sessions/<id>/step     {action}                     -> Observation
     DELETE /v1/sessions/<id>                                       -> {}
+    POST   /v1/programs/run           {sample, endpoint, token}    -> ProgramResult (hybridflow.agents.pool_programs)
 """
 from __future__ import annotations
 
@@ -41,10 +42,11 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from hybridflow.agents.local import EnvironmentLoadError
+from hybridflow.agents.pool_metrics import PoolMetrics
+from hybridflow.agents.pool_programs import PoolPrograms
 from hybridflow.sandbox_pool import SERVES_ALL
 from hybridflow.agents.protocol import Info, Observation, Sessions, Tools, ToolResult
 from hybridflow import wire
@@ -92,29 +94,6 @@ def _field(body: Info, name: str, kind: type | tuple[type, ...]) -> Any:
     return value
 
 
-class PoolMetrics:
-    """Requests by kind and open sessions, in a registry of this server's own (a test may run several in one
-    process)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter("hybridflow_environment_requests", "Authenticated requests served, by kind "
-                                "(tool, open, step, close) and outcome code.", ["kind", "code"],
-                                registry=self.registry)
-        self.refused = Counter("hybridflow_environment_refused_requests", "Requests refused for a missing or "
-                               "wrong token.", registry=self.registry)
-        self.reaped = Counter("hybridflow_environment_reaped_sessions", "Sessions closed for being idle longer "
-                              "than the server's idle limit (their rollout stopped stepping them).",
-                              registry=self.registry)
-        self.expired = Counter("hybridflow_environment_expired_sessions", "Sessions closed for being older than "
-                               "the server's session lifetime.", registry=self.registry)
-        self.open_sessions = Gauge("hybridflow_environment_open_sessions", "Environment sessions open now.",
-                                   registry=self.registry)
-
-    def text(self) -> bytes:
-        return generate_latest(self.registry)
-
-
 class PoolService:
     """What the endpoints do, apart from HTTP: the boot-scoped session ids over one Tools and one Sessions."""
 
@@ -122,12 +101,13 @@ class PoolService:
                  idle_seconds: float = IDLE_SESSION_SECONDS, max_sessions: int = MAX_SESSIONS,
                  rewards: Callable[[Info], Info] | None = None, layers: Info | None = None,
                  max_session_seconds: float = MAX_SESSION_SECONDS, max_reply: int = MAX_REPLY,
-                 serves: str = SERVES_ALL) -> None:
+                 serves: str = SERVES_ALL, programs: PoolPrograms | None = None) -> None:
         """None: the job has no tools, no environment, or no reward function, or this replica does not serve them
         (`serves`, a replica of a pool split in two: hybridflow.api.agents.rewards_apart); its requests answer 404,
         naming which. `rewards` scores one batch (hybridflow.rewards.remote.serve_rewards: the body of POST
         /v1/rewards/score in, its answer out); it is called one batch at a time, as its worker pool is one."""
         self.tools, self.sessions, self.rewards, self.serves = tools, sessions, rewards, serves
+        self.programs = programs  # the job's agent program (None: it has none, or this replica serves rewards only)
         # what GET /v1/sandbox answers: this replica's sandbox, {"how", "missing": [[layer, why], ...]}
         self.layers = layers or {"how": "", "missing": []}
         self._scoring = threading.Lock()
@@ -166,6 +146,15 @@ class PoolService:
             raise BadRequest("data_sources, solutions, ground_truths and extra_infos must be lists of one length")
         with self._scoring:
             return self.rewards(body)
+
+    def run_program(self, body: Info) -> Info:
+        if self.programs is None:
+            raise NotServed(self._apart("agent programs") or "this job has no agent program (spec.rollout.agent."
+                            "program is unset)")
+        try:
+            return self.programs.run(body)
+        except ValueError as err:
+            raise BadRequest(str(err)) from None
 
     def _apart(self, what: str) -> str:
         """Why a replica of a split pool refuses `what` ("" when it serves everything)."""
@@ -289,6 +278,8 @@ class PoolService:
             self.sessions.shutdown()
         if self.tools is not None:
             self.tools.close()
+        if self.programs is not None:
+            self.programs.close()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -390,6 +381,8 @@ class _Handler(BaseHTTPRequestHandler):
             return "open", lambda body: (200, service.open(body))
         if method == "POST" and self.path == "/v1/rewards/score":
             return "reward", lambda body: (200, service.score(body))
+        if method == "POST" and self.path == "/v1/programs/run":
+            return "program", lambda body: (200, service.run_program(body))
         found = SESSION_PATH.match(self.path)
         if found is None:
             return None

@@ -1,7 +1,8 @@
 """The spec's multi-turn sections: `rollout.agent` (what an episode is: its environment, tools, turns and
-deadlines), `environments` (where on Kubernetes tools and environments run: a pool of sandbox pods) and `sandbox`
-(how those pods contain the job's code). Names are checked against the registries in hybridflow.agents.registry.
-What a whole spec says about them (its user code, its sandbox pool) is api.agents, above the spec's fields."""
+deadlines), `environments` (where on Kubernetes tools, environments and programs run: a pool of sandbox pods) and
+`sandbox` (how those pods contain the job's code). Names are checked against the registries in
+hybridflow.agents.registry. What a whole spec says about them (its user code, its sandbox pool) is api.agents, above
+the spec's fields."""
 from __future__ import annotations
 
 from typing import Annotated, Literal
@@ -44,8 +45,8 @@ class Agent(SpecModel):
         "ground_truth, data_source, extra_info}. It returns the episode's reward (a finite number), or a dict with "
         "'reward' and other numeric metrics. Every call it makes to the endpoint is trained (see trajectory). The "
         "program runs its own tools: tools, toolsFile, environment and environmentFile are unset with it, and its "
-        "reward is the episode's score (score environment). Runs on this machine (`hybridflow run`) only, not yet "
-        "on Kubernetes.")
+        "reward is the episode's score (score environment). On Kubernetes a key of kubernetes.rewardConfigMap (the "
+        "job's code ConfigMap), run in the job's sandbox pool, whose pods relay the socket to the rollout's endpoint.")
     program_timeout_seconds: float = Field(300.0, gt=0, le=86400, description="Deadline of one run of program (one "
                                            "episode, all its calls); past it the run is killed and the episode "
                                            "fails, reported with its sample.")
@@ -120,9 +121,10 @@ class Agent(SpecModel):
 
 class EnvironmentPool(SpecModel):
     """On Kubernetes: the job's sandbox pool, the pods that run its untrusted code (its reward function, its agent's
-    tools and environment sessions, each in a sandbox of its own) apart from every pod that holds one of the job's
-    credentials, serving them over HTTP authenticated with a sandbox token of the job's own; a NetworkPolicy denies
-    them all egress and admits only the job's own pods. The operator runs one replica with these defaults for a
+    tools and environment sessions or program runs, each in a sandbox of its own) apart from every pod that holds one
+    of the job's credentials, serving them over HTTP authenticated with a sandbox token of the job's own; a
+    NetworkPolicy denies them all egress (but, for a program, the rollout endpoint's ports on the job's other pods)
+    and admits only the job's own pods. The operator runs one replica with these defaults for a
     job with such code when the spec leaves this unset. `hybridflow run` runs them on the machine instead."""
 
     replicas: int = Field(1, ge=1, le=1024, description="Sandbox pods; sessions spread over them and stay on "

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from hybridflow.api.agent_sections import Agent, EnvironmentPool, Sandbox
 from hybridflow.api.sections import JobFields
-from hybridflow.sandbox_pool import REWARD_URLS_ENV, SERVES_AGENTS, SERVES_ALL, SERVES_REWARDS
+from hybridflow.sandbox_pool import (
+    ENDPOINT_PORTS_ENV, POD_IP_ENV, REWARD_URLS_ENV, SERVES_AGENTS, SERVES_ALL, SERVES_REWARDS,
+)
 from hybridflow.sandbox_pool import URLS_ENV as ENVIRONMENT_URLS_ENV
 
 # the sandbox pool's names the operator reads here (it may import hybridflow.api only, not hybridflow.sandbox_pool)
-REEXPORTED = (ENVIRONMENT_URLS_ENV, REWARD_URLS_ENV)
+REEXPORTED = (ENVIRONMENT_URLS_ENV, REWARD_URLS_ENV, ENDPOINT_PORTS_ENV, POD_IP_ENV)
 __all__ = ["REEXPORTED", "Agent", "EnvironmentPool", "Sandbox", "ENVIRONMENT_URLS_ENV", "REWARD_URLS_ENV",
-           "SERVES_AGENTS", "SERVES_ALL", "SERVES_REWARDS", "code_files", "kubernetes_unsupported_problems",
+           "SERVES_AGENTS", "SERVES_ALL", "SERVES_REWARDS", "ENDPOINT_PORTS_ENV", "POD_IP_ENV", "code_files",
            "rewards_apart", "runs_user_code", "sandbox_pool", "sandbox_replicas"]
 
 
@@ -23,8 +25,8 @@ def runs_user_code(spec: JobFields) -> bool:
 
 def code_files(spec: JobFields) -> dict[str, str]:
     """The files of the user's code the spec names, by field (as messages name them): the reward function's, the
-    agent's tools file and environment file. On Kubernetes they are keys of kubernetes.rewardConfigMap (the job's
-    code ConfigMap), copied into the job's own immutable ConfigMap at acceptance."""
+    agent's tools file, environment file and program. On Kubernetes they are keys of kubernetes.rewardConfigMap (the
+    job's code ConfigMap), copied into the job's own immutable ConfigMap at acceptance."""
     out: dict[str, str] = {}
     if (fn := spec.models.reward.function) is not None:
         out["spec.models.reward.function.path"] = fn.path
@@ -33,20 +35,9 @@ def code_files(spec: JobFields) -> dict[str, str]:
             out["spec.rollout.agent.toolsFile"] = agent.tools_file
         if agent.environment_file:
             out["spec.rollout.agent.environmentFile"] = agent.environment_file
+        if agent.program:
+            out["spec.rollout.agent.program"] = agent.program
     return out
-
-
-def kubernetes_unsupported_problems(spec: JobFields) -> list[str]:
-    """What a spec may say for `hybridflow run` but not yet on Kubernetes, where the operator refuses it at
-    acceptance (a spec does not say where it will run: the same file runs on both). An agent program
-    (spec.rollout.agent.program) runs in this machine's sandboxes beside the rollout's endpoint; the sandbox pool
-    does not run programs yet."""
-    agent = spec.rollout.agent
-    if agent is None or agent.program is None:
-        return []
-    return ["spec.rollout.agent.program: agent programs run with `hybridflow run` only for now; the sandbox pool "
-            "that runs a Kubernetes job's user code does not run them yet. Run the job locally, or give the agent "
-            "tools and an environment (tools, toolsFile, environment, environmentFile) instead"]
 
 
 def rewards_apart(spec: JobFields) -> bool:

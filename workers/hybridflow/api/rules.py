@@ -200,19 +200,20 @@ def _data_problems(spec: JobFields) -> list[str]:
 
 
 def kubernetes_code_problems(spec: JobFields) -> list[str]:
-    """On Kubernetes the job's code files (its reward function's, its agent's tools and environment files) come
-    from kubernetes.rewardConfigMap, the job's code ConfigMap, each under the key its field names: the operator
-    copies them at acceptance into an immutable ConfigMap of the job's own and records their digests, so the code a
-    job runs is the code it was accepted with. A code file on kubernetes.dataPvc cannot be pinned (the operator
-    cannot read a claim, and anyone who may write to it could change the code under a running job): refused."""
+    """On Kubernetes the job's code files (its reward function's, its agent's tools file, environment file and
+    program) come from kubernetes.rewardConfigMap, the job's code ConfigMap, each under the key its field names: the
+    operator copies them at acceptance into an immutable ConfigMap of the job's own and records their digests, so
+    the code a job runs is the code it was accepted with. A code file on kubernetes.dataPvc cannot be pinned (the
+    operator cannot read a claim, and anyone who may write to it could change the code under a running job):
+    refused."""
     k, files = spec.kubernetes, code_files(spec)
     out = []
     if k.reward_config_map:
         if not files:
             out.append("spec.kubernetes.rewardConfigMap: holds the job's code files, and this job names none: set "
-                       "spec.models.reward.function.path, rollout.agent.toolsFile or rollout.agent.environmentFile "
-                       "to a key of it (a reward function needs spec.models.reward.type function or combined), or "
-                       "drop it")
+                       "spec.models.reward.function.path, rollout.agent.toolsFile, rollout.agent.environmentFile or "
+                       "rollout.agent.program to a key of it (a reward function needs spec.models.reward.type function "
+                       "or combined), or drop it")
         for field, path in files.items():
             if not _CONFIGMAP_KEY.fullmatch(reward_configmap_key(path)):
                 example = "my_reward.py" if field.startswith("spec.models") else "tools.py"

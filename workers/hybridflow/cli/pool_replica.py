@@ -1,7 +1,7 @@
 """`hybridflow environments serve`: one replica of a job's sandbox pool (a sandbox pod on Kubernetes), assembled
-from the job's spec: its reward function's workers and its agent's tools and environment sessions, each in the
-sandbox, behind the pool's HTTP server. Its own module: it draws on rewards and agents, which may not import each
-other."""
+from the job's spec: its reward function's workers and its agent's tools and environment sessions or its agent
+program's runs, each in the sandbox, behind the pool's HTTP server. Its own module: it draws on rewards and agents,
+which may not import each other."""
 from __future__ import annotations
 
 import argparse
@@ -15,9 +15,9 @@ from hybridflow.sandbox_pool import SERVES_AGENTS, SERVES_REWARDS
 
 
 def cmd_environments_serve(args: argparse.Namespace) -> int:
-    """One replica of the job's sandbox pool (a sandbox pod): its reward function, tools and environment sessions
-    over HTTP, each request authenticated with the job's sandbox token (HYBRIDFLOW_SANDBOX_TOKEN, never the Ray
-    token: these pods hold no credential of the job's), until SIGTERM or SIGINT."""
+    """One replica of the job's sandbox pool (a sandbox pod): its reward function, tools and environment sessions or
+    agent program over HTTP, each request authenticated with the job's sandbox token (HYBRIDFLOW_SANDBOX_TOKEN,
+    never the Ray token: these pods hold no credential of the job's), until SIGTERM or SIGINT."""
     import signal
     import threading
 
@@ -48,10 +48,15 @@ def cmd_environments_serve(args: argparse.Namespace) -> int:
         rewards = serve_rewards(RewardFunction(f.path, f.name, f.batched, workers=reward.workers,
                                                timeout_seconds=reward.timeout_seconds,
                                                error_score=reward.error_score))
+    programs = None
+    if places is not None and places.programs is not None and agent is not None:
+        from hybridflow.agents.pool_programs import PoolPrograms
+
+        programs = PoolPrograms(places.programs, agent.program_timeout_seconds)
     service = PoolService(places.tools if places else None, places.sessions if places else None,
                           idle_seconds=args.idle_session_seconds, max_sessions=args.max_sessions, rewards=rewards,
-                          max_session_seconds=args.max_session_seconds, serves=args.serves,
-                          layers=_pool_layers(layers, places is not None, rewards is not None))
+                          max_session_seconds=args.max_session_seconds, serves=args.serves, programs=programs,
+                          layers=_pool_layers(layers, places is not None, rewards is not None, programs is not None))
     server = PoolServer(service, token, args.address, args.port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -74,20 +79,22 @@ def replica_halves(job: RLHFJob, spec_file: str, serves: str) -> tuple[Agent | N
                         "and its agent's tools and environment (spec.rollout.agent); this spec has neither")
     agent = agent if serves != SERVES_REWARDS else None
     function = reward.function if serves != SERVES_AGENTS else None
-    if agent is not None and agent.environment_file and not Path(agent.environment_file).is_file():
-        raise SpecError(f"spec.rollout.agent.environmentFile: {agent.environment_file}: no such file here (on "
-                        "Kubernetes put it in kubernetes.rewardConfigMap, the job's code ConfigMap, under that key)")
+    for field, path in (("environmentFile", agent.environment_file), ("program", agent.program)) if agent else ():
+        if path and not Path(path).is_file():
+            raise SpecError(f"spec.rollout.agent.{field}: {path}: no such file here (on Kubernetes put it in "
+                            "kubernetes.rewardConfigMap, the job's code ConfigMap, under that key)")
     return agent, function
 
 
-def _pool_layers(first: Any, agent: bool, reward: bool) -> dict[str, Any]:
+def _pool_layers(first: Any, agent: bool, reward: bool, program: bool = False) -> dict[str, Any]:
     """What GET /v1/sandbox tells the job: the layers missing from any kind of sandbox this replica's workers run in
     (each kind's probe, cached, is the one its workers use; a worker may land on a weaker kind than the first)."""
     from hybridflow import sandbox
     from hybridflow.agents.local import WORKER_CHECK as AGENT_CHECK
+    from hybridflow.agents.program import WORKER_CHECK as PROGRAM_CHECK
     from hybridflow.rewards.sandbox import WORKER_CHECK as REWARD_CHECK
 
-    kinds = [first, *([sandbox.probe(AGENT_CHECK)] if agent else []),
+    kinds = [first, *([sandbox.probe(PROGRAM_CHECK if program else AGENT_CHECK)] if agent else []),
              *([sandbox.probe(REWARD_CHECK)] if reward else [])]
     missing = {name: why for layers in kinds for name, why in layers.required_missing}
     return {"how": "; ".join(sorted({k.how for k in kinds})), "missing": [[k, v] for k, v in sorted(missing.items())]}

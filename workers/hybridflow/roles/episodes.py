@@ -93,7 +93,7 @@ class EpisodeRunner:
             given = [{**x, "prompt": r} if r is not None else x for x, r in zip(samples, raw)]
             per_sample = run_program_episodes(given, Turns(), self.codec, self.places.programs, settings,
                                               a.program_timeout_seconds, max_context=prompt_width + self.max_tokens,
-                                              trajectory=a.trajectory)
+                                              trajectory=a.trajectory, listen=self.places.listen)
             source = [i for i, rows in enumerate(per_sample) for _ in rows]  # each row's input row
             fitted = [fit_prompt(e.prompt_ids if e.prompt_ids is not None else prompts[i], e, prompt_width,
                                  self.max_tokens) for i, e in zip(source, (e for rows in per_sample for e in rows))]
