@@ -210,8 +210,8 @@ def test_the_colocated_sync_moves_the_fsdp_engines_adapters_alone(one_rank, mode
     assert trained and all(lora.is_adapter(n) for n in trained)
 
     class OneRank:  # test double of the rollout role's handle: the call on its one rank, as a list per rank
-        def sync_weights(self, version: int) -> list[dict[str, float]]:
-            return [rollout.sync_weights(version)]
+        def sync_weights(self, version: int, profile: bool = False) -> list[dict[str, float]]:
+            return [rollout.sync_weights(version, profile)]
 
     rollout.release()  # generate -> train, as before every update: the base must survive it
     stats = ColocatedWeightSync(OneRank()).sync(1)

@@ -257,7 +257,7 @@ def test_release_and_sync_report_what_generation_freed_and_took_back():
     class RolloutRoleDouble:
         """Test double of the rollout role's handle: two ranks' sync statistics."""
 
-        def sync_weights(self, version: int) -> list[dict[str, float]]:
+        def sync_weights(self, version: int, profile: bool = False) -> list[dict[str, float]]:
             return [stats, {**stats, "sleep_freed_bytes": 1.0, "wake_bytes": 2.0}]
 
     step = ColocatedWeightSync(RolloutRoleDouble()).sync(1)

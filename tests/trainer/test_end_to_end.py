@@ -76,10 +76,17 @@ def test_ppo_with_hf_generation_and_a_reward_model(tmp_path, run_here):
     job = job_variant(tmp_path, ROOT / "examples" / "tiny-ppo.yaml", models__reward={"type": "model", "model": {
         "source": "tiny", "tiny": {"vocabSize": 16, "hiddenSize": 64, "numHeads": 2, "numKvHeads": 1}}})
     rc, printed = run_here(job, {"spec.rollout.engine": "hf", "spec.trainer.steps": 2,
-                                 "spec.trainer.checkpointDir": str(ckpt)}, cwd=tmp_path)
+                                 "spec.trainer.checkpointDir": str(ckpt), "spec.trainer.profileSteps": [2]},
+                           cwd=tmp_path)
     assert rc == 0, printed[-3000:]
     records = _steps(ckpt)
     assert len(records) == 2
+    # step 2 profiled (spec.trainer.profileSteps): the actor's update, the generation and the transition, by kind
+    assert not any(k.startswith("profile_") for k in records[0])
+    for stage in ("update", "generate", "reshard"):
+        assert records[1][f"profile_{stage}_wall_s"] > 0, stage
+        assert f"| {stage}: kind | seconds |" in printed, printed[-3000:]
+    assert records[1]["profile_update_matmul_s"] > 0 and records[1]["profile_generate_matmul_s"] > 0
     for r in records:
         assert r["stages"]["values"] > 0 and r["stages"]["critic_update"] > 0
         assert "critic_vf_loss" in r and "kl_mean" in r

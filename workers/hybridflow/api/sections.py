@@ -315,6 +315,13 @@ class Trainer(SpecModel):
         "values and returns where the algorithm has them). A resumed job deletes the files of the steps it redoes."
     )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for sampling and initialisation.")
+    profile_steps: list[Annotated[int, Field(gt=0, le=MAX_STEPS)]] = Field(
+        default_factory=list, max_length=64, description="Steps whose stages are profiled (torch's profiler): the "
+        "actor's update and generation, each broken down by kind of operation (matmul, attention, softmax, "
+        "elementwise, copies and casts, communication, optimizer, time outside any op...) into the step's "
+        "statistics (profile_<stage>_<kind>_s, averaged over ranks) and a table in the log. A profiled step runs a "
+        "little slower than the others. Empty: nothing is profiled."
+    )
 
     @field_validator("checkpoint_dir", "resume_from")
     @classmethod

@@ -85,6 +85,19 @@ class Training(SpecModel):
         True, description="When the update is on-policy (one epoch over one mini-batch, no KL in the reward), the old "
         "log-probs are the update's own forward pass, detached, instead of a separate forward over the batch."
     )
+    keep_gathered_for_backward: Literal["auto", "on", "off"] = Field(
+        "auto", description="FSDP: a micro-batch's backward reuses the layer weights its forward gathered from the "
+        "other ranks instead of gathering them again (one all-gather of each layer per micro-batch, not two), "
+        "holding the whole model in the compute dtype on each rank between forward and backward. auto: on for CPU "
+        "pools (there a gather is a copy on the cores that compute, and host memory is ample), off on GPUs (NCCL's "
+        "gathers overlap compute; device memory is not ample). Quote \"on\" and \"off\"."
+    )
+    reduce_gradients_per_step: Literal["auto", "on", "off"] = Field(
+        "auto", description="FSDP: gradients are reduce-scattered once per optimizer step, after the last "
+        "micro-batch, instead of after each: the micro-batches accumulate the whole model's fp32 gradients on each "
+        "rank (4 bytes a parameter instead of 4 / ranks). auto: on for CPU pools, off on GPUs (as "
+        "keepGatheredForBackward). Quote \"on\" and \"off\"."
+    )
 
     lora: Lora | None = Field(
         None, description="Train LoRA adapters on a frozen base instead of every weight (the FSDP engine; megatron at "
@@ -95,6 +108,15 @@ class Training(SpecModel):
     @classmethod
     def _engine_registered(cls, value: str) -> str:
         return registered(TRAIN_ENGINES, value)
+
+
+def fsdp_switch_on(switch: str, device: str) -> bool:
+    """An FSDP communication switch (training.keepGatheredForBackward, reduceGradientsPerStep) on a pool of
+    `device`: auto is on for CPU pools, where a gather or a reduction is a copy through gloo on the very cores that
+    compute (measured: bench/throughput.py --ablate), and off on GPUs, whose NCCL collectives overlap compute on
+    their own stream and whose memory the whole model's gathered weights or gradients would take. The engine
+    (engines.train.fsdp) and the memory model (memory.terms) both read it here."""
+    return switch == "on" or (switch == "auto" and device != "gpu")
 
 
 def role_lora(role: str, training: Training) -> Lora | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from hybridflow.api import JobSpec, ResourcePool
 from hybridflow.api.engines import TRAIN_ENGINES
 from hybridflow.api.devices import DeviceProfile
-from hybridflow.api.training import LORA_DEFAULT_TARGETS, Lora, actor_is_reference, role_lora
+from hybridflow.api.training import LORA_DEFAULT_TARGETS, Lora, actor_is_reference, fsdp_switch_on, role_lora
 from hybridflow.capacity import DTYPE_BYTES, kv_cache_bytes
 from hybridflow.memory.shapes import ModelShape, ShapeError
 
@@ -98,12 +98,17 @@ def logits_bytes(s: ModelShape, response_tokens: int, c: int, trained: bool) -> 
     return response_tokens * s.vocab * per
 
 
-def fsdp_transients(s: ModelShape, c: int, trained: TrainedParams | None) -> tuple[int, int]:
+def fsdp_transients(s: ModelShape, c: int, trained: TrainedParams | None, keep_gathered: bool = False,
+                    reduce_per_step: bool = False) -> tuple[int, int]:
     """(gathered compute-dtype weights, unsharded fp32 gradients) of FSDP2: two decoder layers (the one running and
-    the one prefetched) and the root unit (embeddings, LM head, final norm) held whole while it runs; gradients
-    exist for the trained parameters only (with LoRA, the adapters of one layer)."""
-    gathered = (2 * s.layer_params + s.root_params) * c
-    return gathered, ((trained.layer + trained.root) * 4 if trained else 0)
+    the one prefetched) and the root unit (embeddings, LM head, final norm) held whole while it runs, or every layer
+    where a backward keeps what its forward gathered (training.keepGatheredForBackward); gradients exist for the
+    trained parameters only (with LoRA, the adapters), one layer's at a time, or all of them where they are reduced
+    once per step (training.reduceGradientsPerStep)."""
+    gathered = ((s.layers if keep_gathered else 2) * s.layer_params + s.root_params) * c
+    if trained is None:
+        return gathered, 0
+    return gathered, (trained.trained if reduce_per_step else trained.layer + trained.root) * 4
 
 
 # role -> whether spec.training.lora gives it adapters: the actor always, a critic (and the cost critic) only when
@@ -179,7 +184,8 @@ def trained_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c
                 Term(role, f"{spec.models.actor.dtype} module gradients", "spec.models.actor.dtype",
                      _in(("update",), P * module // shard))]
     if not megatron_like:
-        gathered, grads = fsdp_transients(s, c, held)
+        gathered, grads = fsdp_transients(s, c, held, fsdp_switch_on(t.keep_gathered_for_backward, pool.device),
+                                          fsdp_switch_on(t.reduce_gradients_per_step, pool.device))
         out.append(Term(role, "FSDP gathered layers + root, fp32 unsharded grads", "spec.training.computeDtype",
                         _in(("update",), gathered + grads), transient=True))
     acts = tokens * activation_bytes_per_token(s, c) // t.tensor_parallel

@@ -31,6 +31,7 @@ from hybridflow.engines.bridge.transfer import full_tensor_checksums, train_dp_r
 from hybridflow.models.lora import LoraSettings
 from hybridflow.engines.train.base import TrainEngine, TrainEngineFactory, TrainSettings
 from hybridflow.flops import matmul_peak_flops, training_flops
+from hybridflow.profiling import PROFILE, profiled
 from hybridflow.models.builders import local_model_dir
 from hybridflow.roles.common import memory_phase, release_free_memory
 from hybridflow.roles.config import ActorConfig, off_policy_correction
@@ -50,7 +51,9 @@ class ActorWorker(CheckpointMixin):
         self.engine: TrainEngine = build_trainer(ctx, TrainSettings(
             self.model_dir, config.model.dtype, lr=t.actor_lr, grad_clip=t.grad_clip, compute_dtype=t.compute_dtype,
             dynamic_batch_size=t.dynamic_batch_size, shared_prompt=t.shared_prompt, tensor_parallel=t.tensor_parallel,
-            pipeline_parallel=t.pipeline_parallel, seed=config.seed, lora=LoraSettings.from_spec(t.lora)))
+            pipeline_parallel=t.pipeline_parallel, seed=config.seed, lora=LoraSettings.from_spec(t.lora),
+            keep_gathered_for_backward=t.keep_gathered_for_backward,
+            reduce_gradients_per_step=t.reduce_gradients_per_step))
         self._dp_rank = train_dp_rank(ctx, config.train_engine, t.tensor_parallel, t.pipeline_parallel)
         release_free_memory()  # the whole model it loaded before sharding
         self.parameters = self.engine.num_parameters()  # collective where the engine gathers to count
@@ -143,8 +146,9 @@ class ActorWorker(CheckpointMixin):
                 stats["kl_loss"] = kl.item()
             return loss, stats
 
-        with memory_phase() as phase:  # the update's own peak, generation's memory released above
+        with memory_phase() as phase, profiled("update", bool(batch.meta.get(PROFILE))) as profile:
             out = self.engine.ppo_update(batch, t, c.prompts_per_step, loss_fn, per)
+        out.update(profile)
         release_free_memory()  # activations: generation comes next
         out["peak_memory_bytes"] = float(phase.bytes)
         if self._log_prob_peak:

@@ -42,7 +42,8 @@ class CriticWorker(CheckpointMixin):
         self.engine: TrainEngine = build(ctx, TrainSettings(
             self.model_dir, config.dtype, head="value", lr=t.critic_lr, grad_clip=t.grad_clip,
             compute_dtype=t.compute_dtype, dynamic_batch_size=t.dynamic_batch_size, shared_prompt=t.shared_prompt,
-            seed=config.seed, lora=critic_lora(config)))
+            seed=config.seed, lora=critic_lora(config), keep_gathered_for_backward=t.keep_gathered_for_backward,
+            reduce_gradients_per_step=t.reduce_gradients_per_step))
 
     @register(Dispatch.DP_COMPUTE, blocking=False)
     def compute_values(self, batch: Batch) -> Batch:

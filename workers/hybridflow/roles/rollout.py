@@ -35,6 +35,7 @@ from hybridflow.engines.rollout.base import (
     Generation, RolloutEngine, RolloutEngineFactory, RolloutSetup, SamplingConfig,
 )
 from hybridflow.models.builders import local_model_dir
+from hybridflow.profiling import GENERATION_PROFILE, PROFILE, profiled
 from hybridflow.roles.actor import ActorWorker
 from hybridflow.roles.common import memory_in_use_bytes
 from hybridflow.roles.config import ActorConfig, wants_rollout_log_probs
@@ -78,20 +79,13 @@ class _Generator:
     def packed(self, batch: Batch, greedy: bool) -> Batch:
         """Prompts (non-tensor column `prompt_ids`; rows flagged in `greedy` decode greedily) -> packed
         prompt+response tensors and the engine's own log-probs; other columns pass through."""
-        r = self.config.rollout
         want = self.wants_log_probs(greedy)
         sampled = self.sampling(greedy, want)
         flags = batch["greedy"] if "greedy" in batch else [greedy] * len(batch)
         t0 = time.perf_counter()
         prompts = [list(p) for p in batch["prompt_ids"]]
-        if self.episodes is not None:
-            packed = self.episodes.run(self.generator, self.sampling, batch, list(flags), want, r.max_prompt_length)
-        else:
-            greedy_cfg = replace(sampled, greedy=True)
-            out = self.generator.generate(prompts, [greedy_cfg if g else sampled for g in flags]) if prompts else []
-            packed = pack_rollout(prompts, [g.tokens for g in out], r.max_prompt_length, r.max_response_length)
-            if want:
-                packed["rollout_log_probs"] = pad_log_probs([g.log_probs for g in out], r.max_response_length)
+        with profiled("generate", bool(batch.meta.get(PROFILE))) as profile:
+            packed = self._generated(batch, prompts, list(flags), sampled, want)
         # this rank's rows, tagged by the version it holds (ranks of one call may hold different versions)
         packed["token_versions"] = versions_of(packed["response_mask"], self.version)
         apart = {k: packed.pop(k) for k in NON_TENSOR_COLUMNS if k in packed}  # an episode's failure: not a tensor
@@ -99,7 +93,23 @@ class _Generator:
         given = batch.non_tensors if source is None else {k: v[source] for k, v in batch.non_tensors.items()}
         result = Batch(packed, {**given, **apart})
         result.meta["generate_seconds"] = time.perf_counter() - t0
+        if profile:
+            result.meta[GENERATION_PROFILE] = profile
         return result
+
+    def _generated(self, batch: Batch, prompts: list[list[int]], flags: list[bool], sampled: SamplingConfig,
+                   want: bool) -> dict[str, Any]:
+        """The packed rollout of `prompts` (rows flagged greedy decode greedily): the episode runner's when the
+        job's rollouts are multi-turn, one engine call otherwise."""
+        r = self.config.rollout
+        if self.episodes is not None:
+            return self.episodes.run(self.generator, self.sampling, batch, flags, want, r.max_prompt_length)
+        greedy_cfg = replace(sampled, greedy=True)
+        out = self.generator.generate(prompts, [greedy_cfg if g else sampled for g in flags]) if prompts else []
+        packed = pack_rollout(prompts, [g.tokens for g in out], r.max_prompt_length, r.max_response_length)
+        if want:
+            packed["rollout_log_probs"] = pad_log_probs([g.log_probs for g in out], r.max_response_length)
+        return packed
 
     def continued(self, batch: Batch) -> dict[str, Any]:
         """Partial rollouts: each row's prompt plus the response so far (`prompt_ids`, `response_ids`), at most
@@ -152,20 +162,21 @@ class RolloutWorker:
         return self.gen.packed(batch, greedy)
 
     @register(Dispatch.ONE_TO_ALL)
-    def sync_weights(self, version: int | None = None) -> dict[str, float]:
+    def sync_weights(self, version: int | None = None, profile: bool = False) -> dict[str, float]:
         """Train -> generate, in memory, through the bridge, as policy `version` (default: the next). Returns what
         this rank received, the largest transient buffer it held, and the generation weights it now holds (bytes),
         plus seconds; and the memory the engine freed before the update and took back now (vLLM on GPU: sleep and
-        wake)."""
+        wake). `profile`: the transition's seconds by kind of op too (hybridflow.profiling)."""
         t0 = time.perf_counter()
         before = memory_in_use_bytes()
-        stats = self.transfer.push(self.generator)
+        with profiled("reshard", profile) as profile_stats:
+            stats = self.transfer.push(self.generator)
         woken = memory_in_use_bytes() - before  # vLLM on GPU: weights and KV cache mapped back (wake_up)
         self.gen.version = self.gen.version + 1 if version is None else version
         return {"seconds": time.perf_counter() - t0, "bytes": float(stats.bytes_received),
                 "peak_bytes": float(stats.peak_transient_bytes), "generation_bytes": float(stats.generation_bytes),
                 "version": float(self.gen.version), "sleep_freed_bytes": self.sleep_freed_bytes,
-                "wake_bytes": float(woken)}
+                "wake_bytes": float(woken), **profile_stats}
 
     @register(Dispatch.RANK_ZERO)
     def generation_dtype_name(self) -> str:

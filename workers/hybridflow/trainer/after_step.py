@@ -14,6 +14,7 @@ from hybridflow.api import RLHFJob
 from hybridflow.checkpoint.checkpointer import Checkpointer
 from hybridflow.data.tasks import PromptStream
 from hybridflow.metrics import JobMetrics, step_scalars
+from hybridflow.profiling import profile_report
 from hybridflow.single_controller.batch import Batch
 from hybridflow.trainer.generation.rollouts import Rollouts
 from hybridflow.trainer.recovery import Recoveries
@@ -66,9 +67,19 @@ def after_step(job: RLHFJob, checkpoints: Checkpointer, *, rollouts: Rollouts, s
         lambda done: checkpoints.log_step(done.record),  # after its checkpoint, which carries it in case of a crash
         lambda done: metrics.record_step(done.record, done.stages),
         lambda done: progress(progress_line(done.record, run.total)),
+        report_profile(progress),
         lambda done: records.append(done.record),
         lambda done: track(trackers, done.step, lambda: step_scalars(metrics.job, done.record)),
     ]
+
+
+def report_profile(progress: Callable[[str], None]) -> AfterStep:
+    """A profiled step's tables (spec.trainer.profileSteps), after its progress line; nothing for other steps."""
+    def report(done: StepDone) -> None:
+        text = profile_report(done.record)
+        if text:
+            progress(f"step {done.step} profiled:\n{text}")
+    return report
 
 
 def write_rollouts(checkpoints: Checkpointer, decode: Decode | None) -> AfterStep:

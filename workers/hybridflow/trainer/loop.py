@@ -71,10 +71,11 @@ def build_step(job: RLHFJob, w: Workers, task: Task, *, rollouts: Rollouts | Non
                 skipped_stages(s) if skipped is None else skipped)
 
 
-def run_iteration(step: Step, prompts: Batch | None = None) -> tuple[dict[str, float], dict[str, float]]:
+def run_iteration(step: Step, prompts: Batch | None = None,
+                  profiled: bool = False) -> tuple[dict[str, float], dict[str, float]]:
     """One iteration of the job's algorithm on `step`: (statistics, seconds per stage). `prompts` None: the
-    iteration's prompts are its rollouts' next."""
-    step.begin()
+    iteration's prompts are its rollouts' next. `profiled`: its stages are profiled (spec.trainer.profileSteps)."""
+    step.begin(profiled)
     prompts = step.next_prompts() if prompts is None else prompts
     return run_program(step.spec, step, prompts)
 
@@ -128,8 +129,9 @@ def fit(job: RLHFJob, w: Workers, task: Task, metrics: JobMetrics, progress: Cal
 def _step(w: Workers, step: Step, n: int) -> StepDone:
     """Step `n` of `fit`: the algorithm's program on the rollouts' next prompts."""
     t0 = time.perf_counter()
-    step.rollouts.start_step(last=n == step.spec.trainer.steps)
-    stats, stages = run_iteration(step)
+    profiled = n in step.spec.trainer.profile_steps
+    step.rollouts.start_step(last=n == step.spec.trainer.steps, profiled=profiled)
+    stats, stages = run_iteration(step, profiled=profiled)
     if w.rollout_apart:  # what each side of an overlapped step spent waiting for the other
         it = time.perf_counter() - t0
         stats.update(trainer_idle_fraction=min(1.0, stats.get("trainer_wait_seconds", 0.0) / it),

@@ -31,6 +31,7 @@ from hybridflow.roles.stages import STAGES, optional_stages, remote_stages
 from hybridflow.trainer.episodes import episode_failures, episode_stats
 from hybridflow.trainer.generation.rollouts import Rollouts
 from hybridflow.trainer.rows import dp_divisor, fitted, is_padding, padded, prompt_groups
+from hybridflow.profiling import PROFILE
 from hybridflow.api import JobSpec
 
 # stage -> (role, worker method), and the stages skipped without their role: derived from the registry
@@ -115,9 +116,11 @@ class Step:
         self.skipped = skipped  # the stages the program names that this job leaves out (`skipped_stages`)
         self.begin()
 
-    def begin(self) -> None:
+    def begin(self, profiled: bool = False) -> None:
         """A new iteration: built once, a Step is begun afresh for each (its clock, statistics, trained batch and
-        episode failures are the iteration's own)."""
+        episode failures are the iteration's own). `profiled`: the roles profile their generation and update
+        (hybridflow.profiling), told through the batches' meta."""
+        self.profiled = profiled
         self.clock = StageClock()
         self.stats: dict[str, float] = {}
         self.trained: Batch | None = None
@@ -150,6 +153,7 @@ class Step:
         stage's: the rollout role's futures go on to the next stage without the controller fetching them."""
         n = self.responses_per_prompt
         t0 = time.perf_counter()
+        prompts.meta[PROFILE] = self.profiled  # what was generated ahead (the async modes) was not profiled
         out = self.rollouts.generate(prompts, functools.partial(generation_rows, n=n, greedy_baseline=greedy_baseline))
         if self.spec.rollout.agent is not None and self.spec.rollout.agent.program is not None:  # rows per episode vary
             out = fitted(out, dp_divisor(self.roles), (n + 1) * len(prompts) if greedy_baseline else None)
@@ -313,6 +317,7 @@ class Step:
 
     def update_actor(self, batch: Batch) -> None:
         batch.meta["kl_coef"] = self.state.kl.value
+        batch.meta[PROFILE] = self.profiled
         self._generated()
         self.rollouts.trained(batch)
         with self.clock("actor_update"):
@@ -428,8 +433,10 @@ def _plain(x: Any) -> Any:
 
 
 def mean_stats(per_rank: list[dict[str, float]], prefix: str) -> dict[str, float]:
-    keys = per_rank[0].keys()
-    out = {f"{prefix}{k}": float(np.mean([r[k] for r in per_rank])) for k in keys}
+    """Each statistic's mean over the ranks that report it (a profile, spec.trainer.profileSteps, may be missing
+    where a rank's profiler could not run), memory peaks' max and sum."""
+    keys = dict.fromkeys(k for r in per_rank for k in r)
+    out = {f"{prefix}{k}": float(np.mean([r[k] for r in per_rank if k in r])) for k in keys}
     if "peak_memory_bytes" in keys:
         out[f"{prefix or 'actor_'}peak_memory_bytes"] = float(max(r["peak_memory_bytes"] for r in per_rank))
         out[f"{prefix or 'actor_'}peak_memory_bytes_total"] = float(sum(r["peak_memory_bytes"] for r in per_rank))

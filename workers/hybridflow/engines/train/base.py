@@ -55,6 +55,8 @@ class TrainSettings:
     pipeline_parallel: int = 1
     seed: int = 0
     lora: LoraSettings | None = None  # spec.training.lora: adapters trained on a frozen base (models.lora)
+    keep_gathered_for_backward: str = "off"  # spec.training.keepGatheredForBackward: auto, on, off (FSDP)
+    reduce_gradients_per_step: str = "off"  # spec.training.reduceGradientsPerStep: auto, on, off (FSDP)
 
 
 class TrainEngine(Protocol):
@@ -187,13 +189,18 @@ class TrainLoop:
         `fn` returns (loss, output) and the loss's gradients accumulate. Here one module runs them all; a pipeline
         engine runs them through its stages' schedule instead (engines.train.megatron_pipeline)."""
         outs = []
-        for mb in micro:
+        for i, mb in enumerate(micro):
             out = fn(self.module, mb.to(self.device))
             if backward:
                 loss, out = out
+                self.gradient_sync(i == len(micro) - 1)
                 loss.backward()
             outs.append(out)
         return outs
+
+    def gradient_sync(self, last: bool) -> None:
+        """Before a micro-batch's backward (`last`: the optimizer step's last): whether its gradients are reduced
+        over the data-parallel ranks now. Here they always are (an engine that can defer it overrides this)."""
 
     @torch.no_grad()
     def forward_micro(self, batch: Batch, micro_batch_size: int, fn: Callable[[nn.Module, Batch], Any]) -> Any:

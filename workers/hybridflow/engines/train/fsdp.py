@@ -23,6 +23,7 @@ from hybridflow.models.lora import LoraSettings
 from hybridflow.engines.precision import compute_dtype, dtype_name, master_dtype
 from hybridflow.engines.train.base import TrainLoop, TrainSettings, optimizer_settings, restore_optimizer_settings
 from hybridflow.engines.train.shared_prompt import can_share, packed_outputs, shared_layout
+from hybridflow.api.training import fsdp_switch_on
 
 
 def sequence_inputs(batch: Batch) -> dict[str, torch.Tensor]:
@@ -194,7 +195,9 @@ def build(ctx: WorkerContext, settings: TrainSettings) -> FSDPEngine:
     if s.lora is not None:
         model = with_adapters(model, s.lora, train_head=s.head == "value")
     engine = FSDPEngine(model, s.lr, s.grad_clip, ctx.device, trainable=s.trainable, compute_dtype=computes,
-                        dynamic_batch_size=s.dynamic_batch_size, shared_prompt=s.shared_prompt, lora=s.lora)
+                        dynamic_batch_size=s.dynamic_batch_size, shared_prompt=s.shared_prompt, lora=s.lora,
+                        keep_gathered=s.trainable and fsdp_switch_on(s.keep_gathered_for_backward, ctx.device),
+                        reduce_per_step=s.trainable and fsdp_switch_on(s.reduce_gradients_per_step, ctx.device))
     if on_disk is not None:
         fresh = load_sharded_weights(engine.module, s.model_dir, on_disk, model.config.initializer_range, s.seed)
         if fresh and ctx.rank == 0:
@@ -215,7 +218,8 @@ class FSDPEngine(TrainLoop):
 
     def __init__(self, module: nn.Module, lr: float, grad_clip: float, device: str, trainable: bool = True,
                  compute_dtype: torch.dtype | None = None, dynamic_batch_size: bool = False,
-                 shared_prompt: bool = False, lora: LoraSettings | None = None) -> None:
+                 shared_prompt: bool = False, lora: LoraSettings | None = None, keep_gathered: bool = False,
+                 reduce_per_step: bool = False) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -223,6 +227,7 @@ class FSDPEngine(TrainLoop):
         self.dynamic_batch_size = dynamic_batch_size
         self.shared_prompt = shared_prompt
         self.lora = lora
+        self.reduce_per_step = reduce_per_step
         on_meta = any(p.is_meta for p in module.parameters())  # empty_hf_model's: sharded first, filled later
         buffers = {name: b.to(self.device) for name, b in module.named_buffers()}
         if not on_meta:
@@ -233,8 +238,8 @@ class FSDPEngine(TrainLoop):
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         inner = getattr(module, "model", None) or getattr(module, getattr(module, "base_model_prefix", ""), None)
         for layer in getattr(inner, "layers", []):
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(module, mesh=mesh, mp_policy=mp)
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep_gathered)
+        fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep_gathered)
         if on_meta:  # every rank's shards get storage (uninitialised until loaded), the buffers their values back
             module.to_empty(device=self.device)
             with torch.no_grad():
@@ -261,6 +266,20 @@ class FSDPEngine(TrainLoop):
         collectives.all_reduce(count, op=dist.ReduceOp.MAX)
         return int(count.item())
 
+    def gradient_sync(self, last: bool) -> None:
+        """With `reduce_per_step`, only the last micro-batch's backward reduce-scatters: the ones before accumulate
+        unsharded fp32 gradients (FSDP2 upcasts them to its reduce dtype), reduced once with the last one's."""
+        if self.reduce_per_step:
+            self.module.set_requires_gradient_sync(last)
+
+    def forward_micro(self, batch: Batch, micro_batch_size: int, fn: Any) -> Any:
+        """TrainLoop's, then every layer back to its shard: a forward without backward leaves the layers that keep
+        their gathered weights for backward (keepGatheredForBackward) whole until something reshards them, and the
+        generation engine comes next."""
+        out = super().forward_micro(batch, micro_batch_size, fn)
+        self.resharded()
+        return out
+
     def clip_grad_norm(self) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_(self.trained, self.grad_clip)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -274,8 +293,13 @@ class FSDPEngine(TrainLoop):
 
     def resharded(self) -> nn.Module:
         """The module with every parameter back to its (master-dtype) shard: FSDP2 keeps the root's parameters
-        gathered, in the compute dtype, after a forward pass without backward."""
-        self.module.reshard()
+        gathered, in the compute dtype, after a forward pass without backward (and every layer's, where they keep
+        their gathered weights for backward)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
         return self.module
 
     def gathered(self, adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

@@ -27,6 +27,7 @@ import numpy as np
 
 from hybridflow.api import JobSpec
 from hybridflow.data.tasks import PromptStream
+from hybridflow.profiling import GENERATION_PROFILE
 from hybridflow.registry import Registry
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.worker_group import PendingResult, resolve, wait_done
@@ -55,13 +56,15 @@ class Rollouts:
         self.stats: dict[str, float] = {}
         self.last_step = False
         self.rollout_busy = 0.0
+        self.profiled = False
 
     @property
     def version(self) -> int:
         return self.weights.version
 
-    def start_step(self, last: bool) -> None:
-        self.stats, self.last_step, self.rollout_busy = {}, last, 0.0
+    def start_step(self, last: bool, profiled: bool = False) -> None:
+        """A new step (`last`: the job's last; `profiled`: its weight sync is profiled, spec.trainer.profileSteps)."""
+        self.stats, self.last_step, self.rollout_busy, self.profiled = {}, last, 0.0, profiled
 
     def next_prompts(self) -> Batch:
         return self._prompts()
@@ -70,7 +73,7 @@ class Rollouts:
         return self.rollout.generate(shape(prompts))
 
     def sync(self) -> dict[str, float]:
-        return self.weights.sync(self.version + 1)
+        return self.weights.sync(self.version + 1, self.profiled)
 
     def data_position(self, stream: PromptStream) -> int:
         """The stream's position less the batches drawn and not trained yet (generated ahead): what a checkpoint
@@ -82,6 +85,7 @@ class Rollouts:
         the version that made it, `token_versions`, tagged by the rank that generated it): its staleness into the
         step's statistics and the batch's meta (the rollout log writes them)."""
         self.rollout_busy += float(batch.meta.get("generate_seconds", 0.0))
+        self.stats.update(batch.meta.get(GENERATION_PROFILE, {}))  # one rank's (the last), where it was profiled
         ages = [staleness(self.version, int(v)) for v in oldest_versions(batch)]
         batch.meta.update(trainer_version=self.version, staleness=ages)
         self.stats.update(staleness_mean=float(np.mean(ages)), staleness_max=float(max(ages)))

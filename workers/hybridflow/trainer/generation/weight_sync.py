@@ -17,14 +17,16 @@ import numpy as np
 
 from hybridflow.roles.protocols import ActorRole, ColocatedRolloutRole
 from hybridflow.single_controller.worker_group import PendingResult, RoleHandle, resolve
+from hybridflow.profiling import PREFIX
 from hybridflow.trainer.generation.replicas import Replacement, RolloutReplicas
 
 
 class WeightSync(Protocol):
     version: int  # updates the trainer has made and generation holds (0: the initial weights)
 
-    def sync(self, version: int) -> dict[str, float]:
-        """The trainer's weights, as policy `version`, into every generation engine; the step's statistics."""
+    def sync(self, version: int, profile: bool = False) -> dict[str, float]:
+        """The trainer's weights, as policy `version`, into every generation engine; the step's statistics.
+        `profile`: the transition's seconds by kind of op too, where it runs in the trainer's processes."""
 
     def settle(self) -> None:
         """Every generation engine holds the trainer's latest weights (replicas rebuilt since the last sync take
@@ -40,10 +42,11 @@ class ColocatedWeightSync:
     def __init__(self, rollout: ColocatedRolloutRole) -> None:
         self.rollout, self.version = rollout, 0
 
-    def sync(self, version: int) -> dict[str, float]:
-        per_rank = self.rollout.sync_weights(version)
+    def sync(self, version: int, profile: bool = False) -> dict[str, float]:
+        per_rank = self.rollout.sync_weights(version, profile)
         self.version = version
-        return {"reshard_bytes": float(np.mean([x["bytes"] for x in per_rank])),
+        profiled = {k: float(np.mean([x[k] for x in per_rank])) for k in per_rank[0] if k.startswith(PREFIX)}
+        return {**profiled, "reshard_bytes": float(np.mean([x["bytes"] for x in per_rank])),
                 "reshard_peak_bytes": float(max(x["peak_bytes"] for x in per_rank)),
                 "generation_weight_bytes": float(max(x["generation_bytes"] for x in per_rank)),
                 # generation's memory freed before the update (vLLM on GPU: sleep) and taken back by this sync
@@ -81,7 +84,8 @@ class StreamedWeightSync:
             resolve(pending)
         self.members = members
 
-    def sync(self, version: int) -> dict[str, float]:
+    def sync(self, version: int, profile: bool = False) -> dict[str, float]:
+        """`profile` is not taken: the stream crosses processes of two pools, each side's time its own."""
         while True:
             with self.replicas.claimed(joining_too=True) as members:  # (a pod leaving waits for this sync to end)
                 if not members:  # every replica lost: the rebuilt ones get this version when they join
