@@ -32,7 +32,9 @@ from hybridflow_operator.meta import (
     SPEC_KEY, SPEC_MOUNT, object_meta,
 )
 from hybridflow_operator.plan import PodPhase, PodView
-from hybridflow_operator.pods import pod_manifest, environment_pod_name, environment_service_name, sandbox_token_env
+from hybridflow_operator.pods import (
+    endpoint_ports_env, environment_pod_name, environment_service_name, pod_manifest, sandbox_token_env,
+)
 from hybridflow_operator.resolve import code_keys
 
 # Phases in which the pool runs (its pods are made, and made again when one dies); in every other phase they go.
@@ -80,10 +82,13 @@ def _volumes(job: RLHFJob, serves: str = SERVES_ALL) -> tuple[list[dict[str, Any
 
 def sandbox_env(job: RLHFJob) -> list[dict[str, Any]]:
     """All a sandbox pod's environment: the sandbox token, require (or partial, spec.sandbox.allowPartial), HOME in
-    its scratch; no Ray token, no storage or tracking key."""
+    its scratch, the endpoints' ports for a program's runs; no Ray token, no storage or tracking key."""
     mode = SANDBOX_PARTIAL if job.spec.sandbox.allow_partial else SANDBOX_REQUIRED
+    # a job's agent program: the endpoints' ports, the only ones its runs' relays connect to (the request names the
+    # address; a NetworkPolicy does not see the pod's own loopback)
+    ports = [endpoint_ports_env()] if runs_program(job) else []
     return [{"name": SANDBOX_ENV, "value": mode}, sandbox_token_env(job), {"name": "HOME", "value": SCRATCH_MOUNT},
-            {"name": "AWS_EC2_METADATA_DISABLED", "value": "true"}]
+            {"name": "AWS_EC2_METADATA_DISABLED", "value": "true"}, *ports]
 
 
 def environment_pod(job: RLHFJob, uid: str, index: int, runtime_class: str = "",

@@ -55,7 +55,7 @@ def sandbox_urls_env(job: RLHFJob) -> list[dict[str, Any]]:
     if (rewards := environment_urls(job, SERVES_REWARDS)) != agents:
         out.append({"name": REWARD_URLS_ENV, "value": ",".join(rewards)})
     if runs_program(job):
-        out.append({"name": ENDPOINT_PORTS_ENV, "value": "-".join(map(str, AGENT_ENDPOINT_PORTS))})
+        out.append(endpoint_ports_env())
     return [*out, sandbox_token_env(job)]
 
 
@@ -63,6 +63,12 @@ def sandbox_urls_env(job: RLHFJob) -> list[dict[str, Any]]:
 def runs_program(job: RLHFJob) -> bool:
     """An agent program (spec.rollout.agent.program): its runs in the pool call the rollout's endpoint back."""
     return job.spec.rollout.agent is not None and job.spec.rollout.agent.program is not None
+
+
+def endpoint_ports_env() -> dict[str, Any]:
+    """ENDPOINT_PORTS_ENV: the ports a rollout's endpoint takes (the gang's pods) and the only ones a sandbox pod's
+    relay connects to (hybridflow.agents.relay.allowed_target)."""
+    return {"name": ENDPOINT_PORTS_ENV, "value": "-".join(map(str, AGENT_ENDPOINT_PORTS))}
 
 
 def agent_endpoint_ports() -> dict[str, Any]:

@@ -452,12 +452,15 @@ def raw(path: str, data: bytes, seconds: float = 3.0) -> bytes:
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(seconds)
         s.connect(path)
-        s.sendall(data)
         out = b""
+        try:  # a connection past the cap is answered and closed as it connects: maybe before `data` is sent
+            s.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
         try:
             while chunk := s.recv(65536):
                 out += chunk
-        except TimeoutError:
+        except (TimeoutError, ConnectionResetError):
             pass
         return out
 

@@ -345,6 +345,10 @@ def test_sandbox_pods_may_call_the_rollout_endpoint_back_on_its_ports_only():
         pod = next(o for o in objs if o["metadata"]["name"] == name)
         env = _env(pod["spec"]["containers"][0])
         assert env[ENDPOINT_PORTS_ENV] == "8400-8463" and POD_IP_ENV in env
+    # the sandbox pods' relays connect to those ports alone (the request names the address: a token holder may not
+    # point them at another port of the gang's pods, nor at the sandbox pod's own loopback, which no policy sees)
+    assert _env(next(o for o in objs if o["metadata"]["name"] == "agent-env-0")["spec"]["containers"][0])[
+        ENDPOINT_PORTS_ENV] == "8400-8463"
     # a job without a program: the sandbox pods reach nothing, and nothing of theirs reaches the gang
     plain = _children(_job())
     policies = {o["metadata"]["name"]: o["spec"] for o in plain if o["kind"] == "NetworkPolicy"}

@@ -2,7 +2,8 @@
 run in a sandbox of this replica exactly as `hybridflow run` runs it (hybridflow.agents.program.LocalPrograms: the
 same limits, deadline, stderr tail and failure kinds), except that the socket bound into its sandbox is one of this
 process's (hybridflow.agents.relay.Relay) relaying to the rollout's endpoint over TCP, at the address the request
-names; the request also carries the episode's bearer token, which the program's client sends with each call.
+names (an IP address, on one of the endpoints' ports: relay.allowed_target); the request also carries the
+episode's bearer token, which the program's client sends with each call.
 
 The deadline is this replica's own spec's (spec.rollout.agent.programTimeoutSeconds), never the request's."""
 from __future__ import annotations
@@ -11,15 +12,17 @@ from dataclasses import asdict
 
 from hybridflow.agents.loop import NOT_RUN
 from hybridflow.agents.protocol import EndpointAddress, Info, ProgramResult, Programs
-from hybridflow.agents.relay import Relay, endpoint_address
+from hybridflow.agents.relay import Relay, allowed_target
 
 
 class PoolPrograms:
     """`run(body)`: {sample, endpoint: "http://host:port", token} -> the ProgramResult as JSON. Raises ValueError
-    for a request that lacks a field or names no endpoint (the server's 400)."""
+    for a request that lacks a field or names no endpoint the relay may reach (relay.allowed_target; the server's
+    400)."""
 
-    def __init__(self, programs: Programs, timeout_seconds: float) -> None:
-        self.programs, self.timeout = programs, timeout_seconds
+    def __init__(self, programs: Programs, timeout_seconds: float, ports: tuple[int, int] | None = None) -> None:
+        """`ports`: the rollout endpoints' ports (ENDPOINT_PORTS_ENV) the relay may connect to (None: any)."""
+        self.programs, self.timeout, self.ports = programs, timeout_seconds, ports
 
     def run(self, body: Info) -> Info:
         sample, url, token = body.get("sample"), body.get("endpoint"), body.get("token")
@@ -27,7 +30,7 @@ class PoolPrograms:
             raise ValueError("field 'sample' must be an object")
         if not isinstance(url, str) or not isinstance(token, str) or not token:
             raise ValueError("fields 'endpoint' (http://host:port) and 'token' (the episode's) must be strings")
-        target = endpoint_address(url)
+        target = allowed_target(url, self.ports)
         try:
             relay = Relay(target)
         except OSError as err:  # this machine could not make the socket: not the program's failure

@@ -12,7 +12,8 @@ error raised (EngineFailed) names the rows and the first sample whose requests t
 
 Programs run in the job's sandbox pool (hybridflow.agents.remote_programs) reach the endpoint on TCP (`listen`); an
 episode whose replica was lost (failure LOST) is run again from its prompt with a new token, at most loop.RETRIES
-times, its lost run's calls dropped (as run_episodes starts an episode again after SessionLost).
+times, its lost run's calls dropped (as run_episodes starts an episode again after SessionLost); a PoolError (the
+pool refused the job's token or request) ends the rollout as an engine error does.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from hybridflow.agents.endpoint import Endpoint, EndpointSettings, Ended
 from hybridflow.agents.loop import LOST, NOT_RUN, PROGRAM, RETRIES, Episode, EpisodeSettings, Model
 from hybridflow.agents.protocol import EndpointAddress, Info, Listen, ProgramResult, Programs
 from hybridflow.agents.trajectory import Call, sequences
+from hybridflow.sandbox_pool import PoolError
 
 PUMP_SECONDS = 0.05  # how long the engine's thread waits for a request before it looks at the programs again
 STOP_SECONDS = 0.5  # after an error: how often the programs still running are killed until none is left
@@ -81,7 +83,9 @@ def run_program_episodes(samples: Sequence[Info], model: Model, codec: Observati
             token = endpoint.open(i)
             try:
                 result = programs.run(samples[i], EndpointAddress(endpoint.socket_path, token, endpoint.url), timeout)
-            except Exception as err:  # noqa: BLE001 - Programs.run raises only when no sandbox could run it
+            except PoolError:  # the pool refused the job itself (its token, the request): the rollout fails, saying why
+                raise
+            except Exception as err:  # noqa: BLE001 - else Programs.run raises only when no sandbox could run it
                 result = ProgramResult(error=f"{type(err).__name__}: {err}", failure=NOT_RUN)
             finally:
                 ended = endpoint.end(token)

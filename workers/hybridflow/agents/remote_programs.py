@@ -6,8 +6,11 @@ program's socket there.
 
 A replica that does not answer (refused, reset, past the run's deadline plus the sandbox's start and MARGIN_SECONDS)
 loses the episode: its result is failure LOST, and run_program_episodes runs it again from its prompt, with a new
-token, on another replica (as the built-in loop does for SessionLost). A replica that answers an HTTP error could not
-run it (failure UNAVAILABLE); neither counts against spec.rollout.agent.maxFailedFraction."""
+token, on another replica (as the built-in loop does for SessionLost). A replica that answers a server error (5xx)
+could not run it (failure UNAVAILABLE); neither counts against spec.rollout.agent.maxFailedFraction. A refusal that
+no other replica or later step mends, of its sandbox token (401) or of the request (400, 404: a replica that serves no
+program, an endpoint its relay may not reach), raises PoolError, as RemoteTools and RemoteSessions do: counted
+nowhere, every episode would fail that way, step after step, and the job would train on nothing."""
 from __future__ import annotations
 
 import math
@@ -47,15 +50,15 @@ class RemotePrograms:
         index = self._pick()
         url = self.client.replicas[index].url
         body = {"sample": sample, "endpoint": endpoint.url, "token": endpoint.token}
-        try:
+        try:  # PoolError (a wrong token, an answer too large) is raised: the job stops, saying why
             code, out = self.client.request(index, "POST", PATH, body, timeout + LOAD_SECONDS + MARGIN_SECONDS)
         except Unreachable as err:
             return ProgramResult(error=str(err), failure=LOST)
-        except PoolError as err:  # a wrong token, an answer too large: the pool's, not the program's
-            return ProgramResult(error=str(err), failure=UNAVAILABLE)
         finally:
             with self._lock:
                 self._running[index] -= 1
+        if code in (400, 404):  # the request refused (no program here, an endpoint it may not reach): every episode's
+            raise unexpected(url, "an agent program's run", code, out)  # would be, and none would be counted
         if code != 200:
             return ProgramResult(error=str(unexpected(url, "an agent program's run", code, out)), failure=UNAVAILABLE)
         try:

@@ -67,9 +67,11 @@ class UnixHTTPServer(BoundedHTTPServer):
 
 
 class TCPHTTPServer(BoundedHTTPServer):
-    """On `listen.host`, at the first free port of `listen.ports` (None: the OS chooses one)."""
+    """On `listen.host` (an IPv4 or IPv6 address: a pod's may be either), at the first free port of `listen.ports`
+    (None: the OS chooses one)."""
 
     def __init__(self, listen: Listen, handler: type[BaseHTTPRequestHandler], connections: int) -> None:
+        self.address_family = socket.AF_INET6 if ":" in listen.host else socket.AF_INET
         first, last = listen.ports or (0, 0)
         for port in range(first, last + 1):
             try:
@@ -83,7 +85,7 @@ class TCPHTTPServer(BoundedHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class Listeners:

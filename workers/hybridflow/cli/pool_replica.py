@@ -51,8 +51,10 @@ def cmd_environments_serve(args: argparse.Namespace) -> int:
     programs = None
     if places is not None and places.programs is not None and agent is not None:
         from hybridflow.agents.pool_programs import PoolPrograms
+        from hybridflow.sandbox_pool import endpoint_ports_from_env
 
-        programs = PoolPrograms(places.programs, agent.program_timeout_seconds)
+        # the relay connects only to the endpoints' ports the operator named (its NetworkPolicy's), none else
+        programs = PoolPrograms(places.programs, agent.program_timeout_seconds, endpoint_ports_from_env())
     service = PoolService(places.tools if places else None, places.sessions if places else None,
                           idle_seconds=args.idle_session_seconds, max_sessions=args.max_sessions, rewards=rewards,
                           max_session_seconds=args.max_session_seconds, serves=args.serves, programs=programs,
