@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable
 import httpx
 import openai
 import pytest
-import torch
+from support.recording_engine import RecordingEngine, tiny_qwen2_engine
 
 from hybridflow.agents.codec import ObservationCodec
 from hybridflow.agents.endpoint import Endpoint, EndpointSettings
@@ -50,34 +50,7 @@ def codec(tok):
 
 @pytest.fixture(scope="module")
 def engine(tok, tmp_path_factory):
-    """The HF generation engine over a random one-layer Qwen2 with SmolLM2's vocabulary (its ids are the
-    tokenizer's, so that decoding and tokenizing again would not give them back)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from hybridflow.engines.rollout.hf import HFRollout
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                      tie_word_embeddings=True, pad_token_id=0)
-    directory = tmp_path_factory.mktemp("tiny-qwen2")
-    Qwen2ForCausalLM(cfg).save_pretrained(directory)
-    return HFRollout(directory, "float32", torch.device("cpu"), 0)
-
-
-class RecordingEngine:
-    """loop.Model over the real engine (sampled, with log-probs), recording each call: its rows, contexts, ids."""
-
-    def __init__(self, engine: Any, eos: int) -> None:
-        self.engine, self.eos, self.calls = engine, eos, []
-
-    def generate(self, rows, contexts, max_tokens):
-        from hybridflow.engines.rollout.base import SamplingConfig
-
-        cfgs = [SamplingConfig(m, 1.0, 1.0, False, (self.eos,), True) for m in max_tokens]
-        out = [(list(g.tokens), list(g.log_probs)) for g in self.engine.generate([list(c) for c in contexts], cfgs)]
-        self.calls.append([(r, list(c), t) for r, c, (t, _) in zip(rows, contexts, out)])
-        return out
+    return tiny_qwen2_engine(len(tok), tmp_path_factory.mktemp("tiny-qwen2"))
 
 
 class ScriptedText:
@@ -153,7 +126,7 @@ def test_the_trained_ids_are_the_engines_ids_call_by_call_and_rewritten_text_is_
     samples = [{"prompt": f"Count to {i}.", "edit": i >= 2} for i in range(4)]
     episodes = run_program_episodes(samples, recorder, codec, InProcessPrograms(three_turns),
                                     EpisodeSettings(200, max_turns=4, concurrent=4), timeout=60)
-    calls = [(r, c, t) for call in recorder.calls for r, c, t in call]
+    calls = recorder.rows()
     assert len(recorder.calls) < len(calls) == 12  # the episodes' requests shared engine calls
     for i, rows in enumerate(episodes):
         e = rows[0]
@@ -346,7 +319,7 @@ def test_the_rollout_packs_a_programs_episodes_with_its_own_prompt_and_the_engin
     """EpisodeRunner with spec.rollout.agent.program: each row's prompt is the program's first call's (its excess
     over maxPromptLength opens the response, untrained), the trained positions are the engine's ids, and the
     breaks are a column."""
-    from hybridflow.agents.protocol import Listen, Places
+    from hybridflow.agents.protocol import Places
     from hybridflow.api.agents import Agent
     from hybridflow.engines.rollout.base import SamplingConfig
     from hybridflow.roles.episodes import EpisodeRunner

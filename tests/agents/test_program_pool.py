@@ -16,10 +16,10 @@ import textwrap
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
-import torch
+from support.recording_engine import RecordingEngine, tiny_qwen2_engine
 import yaml
 
 from hybridflow.agents.codec import ObservationCodec
@@ -59,33 +59,7 @@ def codec(tok) -> ObservationCodec:
 
 @pytest.fixture(scope="module")
 def engine(tok, tmp_path_factory):
-    """The HF generation engine over a random one-layer Qwen2 with SmolLM2's vocabulary."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from hybridflow.engines.rollout.hf import HFRollout
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                      tie_word_embeddings=True, pad_token_id=0)
-    directory = tmp_path_factory.mktemp("tiny-qwen2")
-    Qwen2ForCausalLM(cfg).save_pretrained(directory)
-    return HFRollout(directory, "float32", torch.device("cpu"), 0)
-
-
-class RecordingEngine:
-    """loop.Model over the real engine (sampled, with log-probs), recording each call's contexts and ids."""
-
-    def __init__(self, engine: Any, eos: int) -> None:
-        self.engine, self.eos, self.calls = engine, eos, []
-
-    def generate(self, rows, contexts, max_tokens):
-        from hybridflow.engines.rollout.base import SamplingConfig
-
-        cfgs = [SamplingConfig(m, 1.0, 1.0, False, (self.eos,), True) for m in max_tokens]
-        out = [(list(g.tokens), list(g.log_probs)) for g in self.engine.generate([list(c) for c in contexts], cfgs)]
-        self.calls += [(r, list(c), t) for r, c, (t, _) in zip(rows, contexts, out)]
-        return out
+    return tiny_qwen2_engine(len(tok), tmp_path_factory.mktemp("tiny-qwen2"))
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +119,7 @@ def test_a_program_runs_in_the_pool_and_what_is_trained_is_what_the_engine_wrote
     for i, ((e,), sample) in enumerate(zip(rows, SAMPLES)):
         assert e.error is None, e.error
         assert e.env_reward == sample["ground_truth"] and "chars" in e.metrics
-        ((row, context, written),) = [c for c in model.calls if c[0] == i]
+        ((row, context, written),) = [c for c in model.rows() if c[0] == i]
         assert written and e.prompt_ids == context and e.tokens == written  # the engine's ids, never re-tokenized
         assert e.loss_mask == [1] * len(written)
     assert programs.request_counts() == {replica: 2} and programs.running_counts() == {replica: 0}
