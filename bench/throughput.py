@@ -23,7 +23,12 @@ weights, the synthetic increment task), 64 prompts x 4 responses.
 
 Prints first what the CPU can do (AVX-512, native bf16) and the compute dtype `auto` chose on it.
 
-Usage: python bench/throughput.py [--steps 4] [--each] [--ablate [NAME ...]] [--gpu] [--json OUT]
+With --model qwen2-0.5b the CPU job's actor is a random Qwen2-0.5B-shaped model (bench/model_dirs.py). With --trl,
+TRL's GRPOTrainer then runs the same job on the same model directory (bench/trl_grpo.py, in its own venv .venv-trl:
+`bash bench/trl_venv.sh`), and a side-by-side table prints tokens/s and summed peak memory, ours (the defaults) / TRL.
+
+Usage: python bench/throughput.py [--steps 4] [--each] [--ablate [NAME ...]] [--gpu] [--model {smollm2,qwen2-0.5b}]
+       [--trl] [--json OUT]
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ sys.path.insert(0, str(ROOT / "workers"))
 from hybridflow.capacity import SMOLLM2_PARAMS, tiny_params  # noqa: E402
 from hybridflow.flops import forward_flops, matmul_peak_flops, training_flops  # noqa: E402
 from hybridflow.api import TinyModel  # noqa: E402
+from hybridflow.profiling import profile_report  # noqa: E402
 
 RANKS = 2
 JOB = {
@@ -70,6 +76,8 @@ OPTIMISATIONS = {
     "shared prompt": {"training": {"sharedPrompt": False}},
     "prefix caching": {"rollout": {"prefixCaching": False}},
     "tcmalloc": {"resourcePools": {"allocator": "system"}},  # every pool
+    "keep gathered for backward": {"training": {"keepGatheredForBackward": "off"}},
+    "reduce gradients per step": {"training": {"reduceGradientsPerStep": "off"}},
 }
 # Each feature the defaults leave off, as the spec fields that switch it on (issue 54: LoRA against full fine-tuning,
 # at the ~10x learning rate LoRA wants).
@@ -196,6 +204,57 @@ def peaks_by_step(records: list[dict]) -> list[float]:
     return [r["actor_peak_memory_bytes_total"] / 1e9 for r in records]
 
 
+BENCH_MODELS = ("smollm2", "qwen2-0.5b")  # bench/model_dirs.py's
+MODEL_TITLES = {"smollm2": "SmolLM2-135M", "qwen2-0.5b": "Qwen2-0.5B-shaped (random weights)"}
+TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
+
+
+def _model_dirs():
+    """bench/model_dirs.py (the bench models' directories), loaded from its file: bench/ is not a package."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_model_dirs", ROOT / "bench" / "model_dirs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def with_model(doc: dict, model: str) -> tuple[dict, int]:
+    """--model: the job with that bench model as its actor (source: path, its directory, built once), and the
+    model's parameter count (for the FLOP/s columns)."""
+    dirs = _model_dirs()
+    directory = dirs.model_dir(model)
+    return merged(doc, {"models": {"actor": {"source": "path", "path": str(directory)}}}), dirs.param_count(directory)
+
+
+def run_trl(model: str, steps: int) -> dict:
+    """bench/trl_grpo.py in .venv-trl on the same model directory; its JSON line."""
+    directory = _model_dirs().model_dir(model)
+    print(f"[TRL GRPOTrainer] running {steps} steps on {directory} ...", flush=True)
+    out = subprocess.run([str(TRL_PYTHON), str(ROOT / "bench" / "trl_grpo.py"), "--steps", str(steps),
+                          "--model-dir", str(directory)], check=True, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    return json.loads(next(line for line in reversed(out.stdout.splitlines())
+                           if line.startswith('{"bench": "trl_grpo"')))
+
+
+def trl_side_by_side(ours: dict, model: str, steps: int) -> dict:
+    """Runs TRL on the same job and prints ours (the defaults) against it: tokens/s (medians of steps 2..N, the same
+    definition: prompt + response tokens of the step's batch / its wall seconds) and the summed peak memory (ours:
+    ru_maxrss summed over the ranks; TRL: its one process's, plus its children's)."""
+    trl = run_trl(model, steps)
+    rows = {"tokens/s": (ours["tokens/s"], trl["tokens_per_s_median"]),
+            "peak GB (summed)": (ours["peak GB (sum of ranks)"], trl["peak_rss_gb"])}
+    print(f"\n{MODEL_TITLES[model]} GRPO, 16 prompts x 4, responses <= 32 tokens; medians of steps 2..{steps}; "
+          f"ours: defaults, {RANKS} CPU ranks; TRL {trl['trl']}: one process ({trl['threads']} threads), "
+          f"{trl['generation']}, {trl['dtype']}")
+    print(f"{'':<18}{'hybridflow':>12}{'TRL':>12}{'ours/TRL':>10}")
+    for key, (a, b) in rows.items():
+        print(f"{key:<18}{a:>12.2f}{b:>12.2f}" + (f"{a / b:>9.2f}x" if b else f"{'-':>10}"))
+    print("TRL tokens/s by step: " + " ".join(f"{x:.1f}" for x in trl["tokens_per_s"])
+          + "; its generate seconds by step: " + " ".join(f"{x:.1f}" for x in trl["generate_seconds"]))
+    return trl
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=4, help="steps per run; the first is left out of the medians")
@@ -204,20 +263,40 @@ def main() -> None:
                     f"named optimisation (none named: every one); names: {', '.join(OPTIMISATIONS)}; or with each "
                     f"named feature: {', '.join(FEATURES)}")
     ap.add_argument("--gpu", action="store_true", help="one GPU rank and a 0.5B-class model built from config")
+    ap.add_argument("--model", choices=BENCH_MODELS, default="smollm2", help="the actor (bench/model_dirs.py): "
+                    "SmolLM2-135M-Instruct, the job's own; or a random Qwen2-0.5B-shaped model with SmolLM2's "
+                    "tokenizer, written once to ~/.cache/hybridflow-bench (spec.models.actor source: path)")
+    ap.add_argument("--trl", action="store_true", help="then TRL's GRPOTrainer on the same job and model directory "
+                    "(bench/trl_grpo.py in .venv-trl: `bash bench/trl_venv.sh` creates it) and a side-by-side table "
+                    "against the defaults")
+    ap.add_argument("--profile", type=int, metavar="STEP", help="profile step STEP of every run (spec.trainer."
+                    "profileSteps): its update's and generation's seconds by kind of op, a table per run")
     ap.add_argument("--json", help="write the table here as JSON too")
     args = ap.parse_args()
+    if args.gpu and args.model != "smollm2":
+        ap.error("--gpu builds its own 0.5B-class model; --model is for the CPU job")
+    if args.trl and args.gpu:
+        ap.error("--trl runs the CPU job's side by side")
+    if args.trl and not TRL_PYTHON.is_file():
+        ap.error(f"--trl: no {TRL_PYTHON.relative_to(ROOT)}; create it with `bash bench/trl_venv.sh`")
     device, ranks = ("gpu", 1) if args.gpu else ("cpu", RANKS)
     torch.set_num_threads(1)  # one thread per rank, as the job's ranks compute
     print(_capabilities(device))
     peaks = {d: matmul_peak_flops(getattr(torch, d), device, seconds=1.0) for d in ("float32", "bfloat16")}
     print(f"matmul peak ({'one GPU' if args.gpu else 'one thread'}): "
           + ", ".join(f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in peaks.items()))
-    results, by_step, parts = {}, {}, {}
+    results, by_step, parts, profiles = {}, {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="throughput") as tmp:
         for name, doc in variants(args.each, args.gpu, args.ablate).items():
             dtype = doc["spec"]["training"].get("computeDtype", "bfloat16" if _bf16_native(device) else "float32")
             params = tiny_params(TinyModel(**_snake(GPU_MODEL))) if args.gpu else SMOLLM2_PARAMS
+            if args.model != "smollm2":
+                doc, params = with_model(doc, args.model)
+            if args.profile:
+                doc = merged(doc, {"trainer": {"profileSteps": [args.profile]}})
             records = run_job(doc, args.steps, Path(tmp), name)
+            if args.profile:
+                profiles[name] = profile_report(records[args.profile - 1])
             held = actor_params_held(doc)
             results[name] = summarise(records, dtype, peaks, params, ranks, held.trained if held.frozen else None)
             by_step[name] = peaks_by_step(records)
@@ -227,7 +306,7 @@ def main() -> None:
     base, new = results[base_name], results["defaults"]
     width = max(len(k) for k in base) + 2
     what = ("0.5B-class model, 64 prompts x 4, responses <= 128 tokens, 1 GPU" if args.gpu else
-            f"SmolLM2-135M GRPO, 16 prompts x 4, responses <= 32 tokens, {RANKS} CPU ranks")
+            f"{MODEL_TITLES[args.model]} GRPO, 16 prompts x 4, responses <= 32 tokens, {RANKS} CPU ranks")
     print(f"\n{what}; medians of steps 2..{args.steps}")
     col = max(26, *(len(n) + 2 for n in names))
     ratio_name = f"defaults/{base_name}"
@@ -244,6 +323,11 @@ def main() -> None:
         print(f"{n}, one rank's peak {results[n]['peak GB/rank (max)']:.2f} GB: "
               + ", ".join(f"{k} {v:.2f}" for k, v in held.items())
               + f"; the rest (runtime, activations, allocator slack) {rest:.2f}")
+    for n, text in profiles.items():
+        print(f"\n{n}, step {args.profile} profiled (one rank's update; the last rank's generation; seconds are "
+              f"the ops' own, 'outside_ops' what no op covers):\n{text}")
+    if args.trl:
+        trl_side_by_side(results["defaults"], args.model, args.steps)
     if args.json:
         Path(args.json).write_text(json.dumps({"matmul_peak": peaks, "runs": results, "peak_gb_by_step": by_step},
                                               indent=1))
