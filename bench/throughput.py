@@ -150,7 +150,8 @@ def run_job(doc: dict, steps: int, work: Path, name: str) -> list[dict]:
 
 def summarise(records: list[dict], dtype: str, peaks: dict[str, float], parameters: int,
               ranks: int, trained: int | None = None) -> dict[str, float]:
-    rec = records[1:] or records  # the first step pays one-off costs (first vLLM call, allocator warm-up)
+    # the first step pays one-off costs (first vLLM call, allocator warm-up); a profiled step pays the profiler's
+    rec = [r for r in records[1:] if not any(k.startswith("profile_") for k in r)] or records[1:] or records
     med = lambda f: statistics.median(f(r) for r in rec)  # noqa: E731
     out = {"tokens/s": med(lambda r: r["throughput_tokens_per_s"]),
            "iteration s": med(lambda r: r["iteration_seconds"])}
@@ -307,7 +308,8 @@ def main() -> None:
     width = max(len(k) for k in base) + 2
     what = ("0.5B-class model, 64 prompts x 4, responses <= 128 tokens, 1 GPU" if args.gpu else
             f"{MODEL_TITLES[args.model]} GRPO, 16 prompts x 4, responses <= 32 tokens, {RANKS} CPU ranks")
-    print(f"\n{what}; medians of steps 2..{args.steps}")
+    skipped = f" but the profiled step {args.profile}" if args.profile and args.profile > 1 else ""
+    print(f"\n{what}; medians of steps 2..{args.steps}{skipped}")
     col = max(26, *(len(n) + 2 for n in names))
     ratio_name = f"defaults/{base_name}"
     print(f"{'':<{width}}" + "".join(f"{n:>{col}}" for n in names) + f"{ratio_name:>{len(ratio_name) + 2}}")
@@ -324,8 +326,8 @@ def main() -> None:
               + ", ".join(f"{k} {v:.2f}" for k, v in held.items())
               + f"; the rest (runtime, activations, allocator slack) {rest:.2f}")
     for n, text in profiles.items():
-        print(f"\n{n}, step {args.profile} profiled (one rank's update; the last rank's generation; seconds are "
-              f"the ops' own, 'outside_ops' what no op covers):\n{text}")
+        print(f"\n{n}, step {args.profile} profiled (the update and the transition averaged over the ranks, the "
+              f"last rank's generation; seconds are the ops' own, 'outside_ops' what no op covers):\n{text}")
     if args.trl:
         trl_side_by_side(results["defaults"], args.model, args.steps)
     if args.json:

@@ -5,14 +5,11 @@ norm, weights and log-probs as the plain one, and a forward pass without backwar
 shard (the generation engine comes next). `auto` is on for CPU pools and off on GPUs."""
 from __future__ import annotations
 
-import os
-import sys
-import traceback
-
 import torch
 
 from hybridflow.api.training import fsdp_switch_on
 from hybridflow.engines.train.fsdp import FSDPEngine, load_hf_model
+from support.rank_process import run_rank
 from support.tiny_actor import masked_log_probs, ragged_batch
 
 MICRO = 1  # rows per micro-batch: each rank's 4 rows in 4 micro-batches, so accumulation and deferral both happen
@@ -37,33 +34,33 @@ def _run(model_dir: str, keep: bool, reduce: bool) -> dict:
         stats = engine.train_mini_batch(batch, MICRO, _loss(engine))
     calls = {e.key: e.count for e in prof.key_averages()}
     grads = {n: p.grad.full_tensor() for n, p in engine.module.named_parameters()}  # kept until the next step
+    layers = engine.module.model.layers
+    seen = []  # while the last layer runs a forward without backward, whether the first is back in its shard
+    hook = layers[-1].register_forward_pre_hook(
+        lambda *_: seen.append(type(layers[0].self_attn.q_proj.weight).__name__ == "DTensor"))
     logp = masked_log_probs(engine, batch, MICRO)
+    hook.remove()
     sharded = all(type(p).__name__ == "DTensor" for p in engine.module.parameters())
-    return {"stats": stats, "log_probs": logp, "grads": grads, "reductions": calls.get("c10d::_reduce_scatter_base_", 0),
+    return {"stats": stats, "log_probs": logp, "grads": grads, "resharded_during_forward": all(seen) and seen != [], "reductions": calls.get("c10d::_reduce_scatter_base_", 0),
             "gathers": calls.get("c10d::_allgather_base_", 0), "params": dict(engine.full_params()), "sharded_after_forward": sharded}
 
 
-def _two_ranks(rank: int, store: str, model_dir: str, out: str) -> None:
-    code = 1
-    try:
-        import torch.distributed as dist
-        from datetime import timedelta
+def _rank_work(rank: int, store: str, model_dir: str, out: str) -> None:
+    import torch.distributed as dist
+    from datetime import timedelta
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                                timeout=timedelta(seconds=60))
-        try:
-            runs = {"plain": _run(model_dir, False, False), "both": _run(model_dir, True, True)}
-            torch.save(runs, f"{out}/rank{rank}.pt")
-        finally:
-            dist.destroy_process_group()
-        code = 0
-    except BaseException:
-        traceback.print_exc()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        runs = {"plain": _run(model_dir, False, False), "both": _run(model_dir, True, True)}
+        torch.save(runs, f"{out}/rank{rank}.pt")
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        dist.destroy_process_group()
+
+
+def _two_ranks(rank: int, store: str, model_dir: str, out: str) -> None:
+    run_rank(_rank_work, rank, store, model_dir, out)
 
 
 def test_fewer_gathers_and_one_reduction_per_step_compute_the_same_update(tiny_dir, tmp_path):
@@ -90,6 +87,8 @@ def test_fewer_gathers_and_one_reduction_per_step_compute_the_same_update(tiny_d
             torch.testing.assert_close(both["params"][name], plain["params"][name], rtol=0, atol=1e-4, msg=name)
         torch.testing.assert_close(both["log_probs"], plain["log_probs"], rtol=1e-5, atol=1e-7)
         assert both["sharded_after_forward"] and plain["sharded_after_forward"]
+        # a forward without backward holds two gathered layers at a time, not the whole model, either way
+        assert both["resharded_during_forward"] and plain["resharded_during_forward"]
 
 
 def test_auto_switches_on_for_cpu_pools_and_off_on_gpus():

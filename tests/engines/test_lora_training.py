@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from support.rank_process import run_rank
 from support.tiny_actor import P, R, masked_log_probs, ragged_batch, ragged_batch_with_uids
 
 from hybridflow.api import parse_job
@@ -245,23 +246,8 @@ def test_the_critic_gets_an_adapter_of_its_own_only_when_the_spec_asks():
 
 
 def _two_ranks(rank: int, store: str, model_dir: str, out: str) -> None:
-    """One of two gloo ranks (`_rank_work`), ended with os._exit as tests/checkpoint/test_checkpoint_resize.py's
-    ranks are: FSDP2 keeps the gloo group's threads alive, and a normal exit (a failure's too) can hang in their
-    teardown; a failure exits 1, which the parent's join reports."""
-    import os
-    import sys
-    import traceback
-
-    code = 1
-    try:
-        _rank_work(rank, store, model_dir, out)
-        code = 0
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    """One of two gloo ranks (`_rank_work`), ended by support.rank_process."""
+    run_rank(_rank_work, rank, store, model_dir, out)
 
 
 def _rank_work(rank: int, store: str, model_dir: str, out: str) -> None:

@@ -60,9 +60,10 @@ def test_a_steps_statistics_become_one_table_per_stage():
     stats = {"profile_update_wall_s": 10.0, "profile_update_matmul_s": 7.0, "profile_update_fsdp_s": 2.0,
              "profile_update_gpu_matmul_s": 1.0, "critic_profile_update_wall_s": 5.0, "reward_mean": 0.3,
              "profile_generate_wall_s": 4.0, "profile_generate_matmul_s": 3.0, "profile_update_ops": 100.0}
+    stats["critic_profile_update_matmul_s"] = 4.0
     tables = profile_tables(stats)
-    assert tables == {"update": {"matmul": 7.0, "fsdp": 2.0}, "update (gpu)": {"matmul": 1.0},
-                      "generate": {"matmul": 3.0}}
+    assert tables == {"update": ({"matmul": 7.0, "fsdp": 2.0}, 10.0), "update (gpu)": ({"matmul": 1.0}, 10.0),
+                      "generate": ({"matmul": 3.0}, 4.0), "critic_update": ({"matmul": 4.0}, 5.0)}
     text = profile_report(stats)
     assert "| update: kind | seconds | share of 10.00 s |" in text and "| matmul | 7.000 | 70.0% |" in text
     assert "| generate: kind | seconds | share of 4.00 s |" in text
@@ -79,3 +80,29 @@ def test_profile_steps_are_step_numbers():
     assert parse_job(job([2, 5])).spec.trainer.profile_steps == [2, 5]
     with pytest.raises(Exception, match="profileSteps"):
         parse_job(job([0]))
+
+
+def test_a_profiler_that_cannot_start_leaves_the_work_done_and_the_profile_empty(caplog, monkeypatch):
+    """A profiler that fails to start (a Kineto or CUPTI failure, which this machine cannot produce: a test double
+    of torch's start raises it) costs the step its profile, said once in the log, never the step."""
+    from torch.profiler import profile
+
+    def failing_start(self):  # test double: torch's profiler start failing as a broken CUPTI makes it fail
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED (test double)")
+
+    monkeypatch.setattr(profile, "start", failing_start)
+    a = torch.randn(64, 64)
+    with caplog.at_level("WARNING", logger="hybridflow.profiling"):
+        with profiled("update", True) as stats:
+            b = a @ a
+    assert stats == {} and b.shape == (64, 64)
+    assert "profile not taken: the profiler could not start (CUPTI_ERROR_NOT_INITIALIZED" in caplog.text
+
+
+def test_an_error_in_the_profiled_work_is_the_error_seen():
+    with pytest.raises(ZeroDivisionError):
+        with profiled("update", True):
+            1 / 0
+    with profiled("update", True) as again:  # the profiler was stopped: a later stage profiles as before
+        torch.randn(8, 8) @ torch.randn(8, 8)
+    assert again["profile_update_matmul_s"] > 0

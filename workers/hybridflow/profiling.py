@@ -14,9 +14,13 @@ Profiling slows what it measures (a few microseconds an op): a profiled step's o
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import time
-from typing import Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
+
+log = logging.getLogger(__name__)
+_said: set[str] = set()
 
 # kind -> patterns (re.search) over op names as torch's profiler records them: aten::mm, FSDP::all_gather_copy_in,
 # autograd::engine::evaluate_function: MmBackward0, Optimizer.step#AdamW.step, c10d::allgather_ ...
@@ -84,11 +88,32 @@ def stage_stats(stage: str, wall: float, by_kind: Mapping[str, float], ops: int,
 @contextlib.contextmanager
 def profiled(stage: str, on: bool) -> Iterator[dict[str, float]]:
     """Profile what runs inside when `on`; the dict yielded is filled with `stage_stats` on the way out (left empty
-    when off: nothing is recorded, nothing slows)."""
+    when off: nothing is recorded, nothing slows). A profiler that cannot start or be read (a Kineto or CUPTI
+    failure) or that recorded nothing leaves it empty too, said once in the log: a profile never fails the step it
+    measures."""
     out: dict[str, float] = {}
-    if not on:
+    prof = _started_profiler() if on else None
+    if prof is None:
         yield out
         return
+    t0 = time.perf_counter()
+    try:
+        yield out
+    except BaseException:
+        with contextlib.suppress(Exception):  # the work's own error is the one to see
+            prof.stop()
+        raise
+    wall = time.perf_counter() - t0
+    try:
+        prof.stop()
+        out.update(_read(prof, stage, wall))
+    except Exception as e:  # noqa: BLE001 - the measurement is optional, the step's work is not
+        _say_once(f"profile of '{stage}' not taken: the profiler could not be read ({e})")
+
+
+def _started_profiler() -> Any:
+    """torch's profiler, started (CPU ops, and CUDA kernels where this process uses a GPU); None where it cannot
+    start."""
     import os
 
     os.environ.setdefault("KINETO_LOG_LEVEL", "99")  # read at the profiler's first start: no "USDT: profiler_start"
@@ -96,39 +121,55 @@ def profiled(stage: str, on: bool) -> Iterator[dict[str, float]]:
     from torch.profiler import ProfilerActivity, profile
 
     gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        yield out
-        wall = time.perf_counter() - t0
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else []))
+    try:
+        prof.start()
+    except Exception as e:  # noqa: BLE001 - a Kineto or CUPTI failure
+        _say_once(f"profile not taken: the profiler could not start ({e})")
+        return None
+    prof.with_gpu = gpu  # type: ignore[attr-defined]
+    return prof
+
+
+def _read(prof: Any, stage: str, wall: float) -> dict[str, float]:
     averages = prof.key_averages()
+    if not averages:  # no table of zeros passed off as a profile
+        raise RuntimeError("it recorded no op")
     by_kind = seconds_by_kind(((e.key, e.self_cpu_time_total / 1e6) for e in averages), wall)
     gpu_by_kind = None
-    if gpu:
+    if prof.with_gpu:
         gpu_by_kind = seconds_by_kind(((e.key, e.self_device_time_total / 1e6) for e in averages), 0.0)
         del gpu_by_kind[OUTSIDE]
-    out.update(stage_stats(stage, wall, by_kind, sum(e.count for e in averages), gpu_by_kind))
+    return stage_stats(stage, wall, by_kind, sum(e.count for e in averages), gpu_by_kind)
 
 
-def profile_tables(stats: Mapping[str, float]) -> dict[str, dict[str, float]]:
-    """stage -> {kind: seconds} from a step's statistics (a role may prefix its own: `critic_profile_update_...`);
-    a stage's device time on a GPU is a stage of its own, "<stage> (gpu)"."""
-    tables: dict[str, dict[str, float]] = {}
-    pattern = re.compile(rf"(?:^|_){PREFIX}(\w+?)_(gpu_)?({'|'.join(KINDS)})_s$")
+def _say_once(reason: str) -> None:
+    if reason not in _said:
+        _said.add(reason)
+        log.warning(reason)
+
+
+_KEY = re.compile(rf"^((?:\w+?_)?){PREFIX}(\w+?)_(gpu_)?({'|'.join(KINDS)})_s$")
+
+
+def profile_tables(stats: Mapping[str, float]) -> dict[str, tuple[dict[str, float], float]]:
+    """stage -> ({kind: seconds}, its wall seconds) from a step's statistics. A role that prefixes its own keeps its
+    prefix in the stage's name (`critic_profile_update_...`: "critic_update"); a stage's device time on a GPU is a
+    stage of its own, "<stage> (gpu)"."""
+    tables: dict[str, tuple[dict[str, float], float]] = {}
     for key, value in stats.items():
-        m = pattern.search(key)
+        m = _KEY.match(key)
         if m:
-            stage = m.group(1) + (" (gpu)" if m.group(2) else "")
-            tables.setdefault(stage, {})[m.group(3)] = value
+            role, stage, gpu, kind = m.groups()
+            name = f"{role}{stage}" + (" (gpu)" if gpu else "")
+            wall = float(stats.get(f"{role}{PREFIX}{stage}_wall_s", 0.0))
+            tables.setdefault(name, ({}, wall))[0][kind] = value
     return tables
 
 
 def profile_report(stats: Mapping[str, float]) -> str:
     """Every profiled stage's table in a step's statistics, one after another ("" when nothing was profiled)."""
-    tables = profile_tables(stats)
-    walls = {stage: next((v for k, v in stats.items() if k.endswith(f"{PREFIX}{stage.split()[0]}_wall_s")), 0.0)
-             for stage in tables}
-    return "\n\n".join(format_table(stage, by_kind, walls[stage]) for stage, by_kind in tables.items())
+    return "\n\n".join(format_table(stage, by_kind, wall) for stage, (by_kind, wall) in profile_tables(stats).items())
 
 
 def format_table(stage: str, by_kind: Mapping[str, float], wall: float) -> str:

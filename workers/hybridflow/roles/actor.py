@@ -146,7 +146,8 @@ class ActorWorker(CheckpointMixin):
                 stats["kl_loss"] = kl.item()
             return loss, stats
 
-        with memory_phase() as phase, profiled("update", bool(batch.meta.get(PROFILE))) as profile:
+        # the profiler outside the memory phase: its event buffers are not the update's memory
+        with profiled("update", bool(batch.meta.get(PROFILE))) as profile, memory_phase() as phase:
             out = self.engine.ppo_update(batch, t, c.prompts_per_step, loss_fn, per)
         out.update(profile)
         release_free_memory()  # activations: generation comes next

@@ -199,8 +199,9 @@ class TrainLoop:
         return outs
 
     def gradient_sync(self, last: bool) -> None:
-        """Before a micro-batch's backward (`last`: the optimizer step's last): whether its gradients are reduced
-        over the data-parallel ranks now. Here they always are (an engine that can defer it overrides this)."""
+        """Before a micro-batch's backward (`last`: the optimizer step's last): an engine that can defer reducing
+        its gradients over the data-parallel ranks to the last one (FSDP with reduceGradientsPerStep) says so here.
+        Here nothing changes: the engine reduces as its layout does (megatron: once per step, in clip_grad_norm)."""
 
     @torch.no_grad()
     def forward_micro(self, batch: Batch, micro_batch_size: int, fn: Callable[[nn.Module, Batch], Any]) -> Any:

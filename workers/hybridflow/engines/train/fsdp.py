@@ -227,6 +227,7 @@ class FSDPEngine(TrainLoop):
         self.dynamic_batch_size = dynamic_batch_size
         self.shared_prompt = shared_prompt
         self.lora = lora
+        self.keep_gathered = keep_gathered
         self.reduce_per_step = reduce_per_step
         on_meta = any(p.is_meta for p in module.parameters())  # empty_hf_model's: sharded first, filled later
         buffers = {name: b.to(self.device) for name, b in module.named_buffers()}
@@ -273,10 +274,16 @@ class FSDPEngine(TrainLoop):
             self.module.set_requires_gradient_sync(last)
 
     def forward_micro(self, batch: Batch, micro_batch_size: int, fn: Any) -> Any:
-        """TrainLoop's, then every layer back to its shard: a forward without backward leaves the layers that keep
-        their gathered weights for backward (keepGatheredForBackward) whole until something reshards them, and the
-        generation engine comes next."""
-        out = super().forward_micro(batch, micro_batch_size, fn)
+        """TrainLoop's, each layer resharded right after its forward as without keepGatheredForBackward (no
+        backward will reuse it: the pass holds two gathered layers, not the whole model), then the root too (FSDP2
+        keeps the root gathered after a forward without backward, and the generation engine comes next)."""
+        if self.keep_gathered:
+            self.module.set_reshard_after_forward(True)
+        try:
+            out = super().forward_micro(batch, micro_batch_size, fn)
+        finally:
+            if self.keep_gathered:
+                self.module.set_reshard_after_forward(False)
         self.resharded()
         return out
 

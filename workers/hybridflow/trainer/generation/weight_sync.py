@@ -45,7 +45,8 @@ class ColocatedWeightSync:
     def sync(self, version: int, profile: bool = False) -> dict[str, float]:
         per_rank = self.rollout.sync_weights(version, profile)
         self.version = version
-        profiled = {k: float(np.mean([x[k] for x in per_rank])) for k in per_rank[0] if k.startswith(PREFIX)}
+        keys = dict.fromkeys(k for x in per_rank for k in x if k.startswith(PREFIX))  # where a rank's profiler ran
+        profiled = {k: float(np.mean([x[k] for x in per_rank if k in x])) for k in keys}
         return {**profiled, "reshard_bytes": float(np.mean([x["bytes"] for x in per_rank])),
                 "reshard_peak_bytes": float(max(x["peak_bytes"] for x in per_rank)),
                 "generation_weight_bytes": float(max(x["generation_bytes"] for x in per_rank)),
