@@ -86,9 +86,10 @@ class Training(SpecModel):
         "log-probs are the update's own forward pass, detached, instead of a separate forward over the batch."
     )
     keep_gathered_for_backward: Literal["auto", "on", "off"] = Field(
-        "auto", description="FSDP: a micro-batch's backward reuses the layer weights its forward gathered from the "
-        "other ranks instead of gathering them again (one all-gather of each layer per micro-batch, not two), "
-        "holding the whole model in the compute dtype on each rank between forward and backward. auto: on for CPU "
+        "auto", description="FSDP: the layer weights gathered from the other ranks for an optimizer step's first "
+        "forward stay whole through its last micro-batch's backward (one all-gather of each layer per optimizer "
+        "step instead of two per micro-batch), holding the whole model in the compute dtype on each rank through "
+        "the update; a forward without backward still reshards each layer after it. auto: on for CPU "
         "pools (there a gather is a copy on the cores that compute, and host memory is ample), off on GPUs (NCCL's "
         "gathers overlap compute; device memory is not ample). Quote \"on\" and \"off\"."
     )

@@ -269,9 +269,14 @@ class FSDPEngine(TrainLoop):
 
     def gradient_sync(self, last: bool) -> None:
         """With `reduce_per_step`, only the last micro-batch's backward reduce-scatters: the ones before accumulate
-        unsharded fp32 gradients (FSDP2 upcasts them to its reduce dtype), reduced once with the last one's."""
+        unsharded fp32 gradients (FSDP2 upcasts them to its reduce dtype), reduced once with the last one's. With
+        `keep_gathered`, the weights gathered by the first micro-batch's forward stay whole until the last one's
+        backward: one gather of each layer per optimizer step, for no more memory than the pass already holds (the
+        whole model, between a forward and its backward)."""
         if self.reduce_per_step:
             self.module.set_requires_gradient_sync(last)
+        if self.keep_gathered:
+            self.module.set_reshard_after_backward(last)
 
     def forward_micro(self, batch: Batch, micro_batch_size: int, fn: Any) -> Any:
         """TrainLoop's, each layer resharded right after its forward as without keepGatheredForBackward (no
