@@ -6,10 +6,10 @@ kinds are what a change can remove (an elementwise block fused, a copy or cast a
 so the table says which lever is worth building. The kinds are data (`OP_KINDS`, patterns over the profiler's op
 names, the first kind that matches wins); an op no pattern names counts as "other", which the table shows too.
 
-The numbers travel as the stage's own statistics (`profile_<stage>_<kind>_s`, averaged over ranks like every
-worker statistic), so they reach the step log, the progress line and a bench's output the way every metric does,
-on a laptop and on Kubernetes alike. On a GPU the device time of each kind comes beside it (`..._gpu_<kind>_s`).
-Profiling slows what it measures (a few microseconds an op): a profiled step's own seconds read a little high.
+The numbers travel as the stage's own statistics (`profile_<stage>_<kind>_s`), so they reach the step log
+(steps.jsonl), a table in the job's log and a bench's output the way a stage's statistics do, on a laptop and on
+Kubernetes alike. On a GPU the device time of each kind comes beside it (`..._gpu_<kind>_s`). Profiling slows what
+it measures (an update on CPU: 24.5 s against 17.7 s) and holds a record of every op until the stage ends.
 """
 from __future__ import annotations
 
@@ -177,5 +177,6 @@ def format_table(stage: str, by_kind: Mapping[str, float], wall: float) -> str:
     lines = [f"| {stage}: kind | seconds | share of {wall:.2f} s |", "|---|---:|---:|"]
     for kind, seconds in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         if seconds > 0:
-            lines.append(f"| {kind} | {seconds:.3f} | {seconds / wall:.1%} |" if wall else f"| {kind} | {seconds:.3f} | |")
+            share = f" {seconds / wall:.1%} " if wall else " "
+            lines.append(f"| {kind} | {seconds:.3f} |{share}|")
     return "\n".join(lines)
