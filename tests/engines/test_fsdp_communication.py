@@ -91,6 +91,7 @@ def test_fewer_gathers_and_one_reduction_per_step_compute_the_same_update(tiny_d
         assert both["resharded_during_forward"] and plain["resharded_during_forward"]
 
 
-def test_auto_switches_on_for_cpu_pools_and_off_on_gpus():
-    assert fsdp_switch_on("auto", "cpu") and not fsdp_switch_on("auto", "gpu")
-    assert fsdp_switch_on("on", "gpu") and not fsdp_switch_on("off", "cpu")
+def test_auto_switches_on_for_cpu_pools_of_several_ranks_and_off_on_one_rank_and_gpus():
+    assert fsdp_switch_on("auto", "cpu", 2) and not fsdp_switch_on("auto", "gpu", 2)
+    assert not fsdp_switch_on("auto", "cpu", 1)  # one rank: nothing to gather, a model's worth of memory to lose
+    assert fsdp_switch_on("on", "gpu", 2) and fsdp_switch_on("on", "cpu", 1) and not fsdp_switch_on("off", "cpu", 2)

@@ -90,14 +90,15 @@ class Training(SpecModel):
         "forward stay whole through its last micro-batch's backward (one all-gather of each layer per optimizer "
         "step instead of two per micro-batch), holding the whole model in the compute dtype on each rank through "
         "the update; a forward without backward still reshards each layer after it. auto: on for CPU "
-        "pools (there a gather is a copy on the cores that compute, and host memory is ample), off on GPUs (NCCL's "
-        "gathers overlap compute; device memory is not ample). Quote \"on\" and \"off\"."
+        "pools of more than one rank (there a gather is a copy on the cores that compute, and host memory is ample), "
+        "off on one rank (nothing to gather: only memory to lose) and on GPUs (NCCL's gathers overlap compute; "
+        "device memory is not ample). Quote \"on\" and \"off\"."
     )
     reduce_gradients_per_step: Literal["auto", "on", "off"] = Field(
         "auto", description="FSDP: gradients are reduce-scattered once per optimizer step, after the last "
         "micro-batch, instead of after each: the micro-batches accumulate the whole model's fp32 gradients on each "
-        "rank (4 bytes a parameter instead of 4 / ranks). auto: on for CPU pools, off on GPUs (as "
-        "keepGatheredForBackward). Quote \"on\" and \"off\"."
+        "rank (4 bytes a parameter instead of 4 / ranks). auto: on for CPU pools of more than one rank, off on one rank and on "
+        "GPUs (as keepGatheredForBackward). Quote \"on\" and \"off\"."
     )
 
     lora: Lora | None = Field(
@@ -111,13 +112,16 @@ class Training(SpecModel):
         return registered(TRAIN_ENGINES, value)
 
 
-def fsdp_switch_on(switch: str, device: str) -> bool:
+def fsdp_switch_on(switch: str, device: str, ranks: int) -> bool:
     """An FSDP communication switch (training.keepGatheredForBackward, reduceGradientsPerStep) on a pool of
-    `device`: auto is on for CPU pools, where a gather or a reduction is a copy through gloo on the very cores that
-    compute (measured: bench/throughput.py --ablate), and off on GPUs, whose NCCL collectives overlap compute on
-    their own stream and whose memory the whole model's gathered weights or gradients would take. The engine
-    (engines.train.fsdp) and the memory model (memory.terms) both read it here."""
-    return switch == "on" or (switch == "auto" and device != "gpu")
+    `ranks` ranks of `device`: auto is on for CPU pools of more than one rank, where a gather or a reduction is a copy
+    through gloo on the very cores that compute (measured: bench/throughput.py --ablate), and off on GPUs, whose
+    NCCL collectives overlap compute on their own stream and whose memory the whole model's gathered weights or
+    gradients would take. On one rank there is nothing to gather or reduce: a gather is a copy of the rank's own
+    weights, so keeping it whole or accumulating unsharded gradients only adds a model's worth of memory (measured
+    on SmolLM2, one rank of two threads: 0.6 GB more for the same update seconds). The engine (engines.train.fsdp)
+    and the memory model (memory.terms) both read it here."""
+    return switch == "on" or (switch == "auto" and device != "gpu" and ranks > 1)
 
 
 def role_lora(role: str, training: Training) -> Lora | None:

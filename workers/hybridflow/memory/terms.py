@@ -184,8 +184,9 @@ def trained_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c
                 Term(role, f"{spec.models.actor.dtype} module gradients", "spec.models.actor.dtype",
                      _in(("update",), P * module // shard))]
     if not megatron_like:
-        gathered, grads = fsdp_transients(s, c, held, fsdp_switch_on(t.keep_gathered_for_backward, pool.device),
-                                          fsdp_switch_on(t.reduce_gradients_per_step, pool.device))
+        gathered, grads = fsdp_transients(s, c, held,
+                                          fsdp_switch_on(t.keep_gathered_for_backward, pool.device, shard),
+                                          fsdp_switch_on(t.reduce_gradients_per_step, pool.device, shard))
         out.append(Term(role, "FSDP gathered layers + root, fp32 unsharded grads", "spec.training.computeDtype",
                         _in(("update",), gathered + grads), transient=True))
     acts = tokens * activation_bytes_per_token(s, c) // t.tensor_parallel

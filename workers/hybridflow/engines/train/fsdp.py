@@ -194,10 +194,11 @@ def build(ctx: WorkerContext, settings: TrainSettings) -> FSDPEngine:
         model = empty_hf_model(s.model_dir, dtype, s.head)
     if s.lora is not None:
         model = with_adapters(model, s.lora, train_head=s.head == "value")
+    switch = lambda value: s.trainable and fsdp_switch_on(value, ctx.device, ctx.world_size)  # noqa: E731
     engine = FSDPEngine(model, s.lr, s.grad_clip, ctx.device, trainable=s.trainable, compute_dtype=computes,
                         dynamic_batch_size=s.dynamic_batch_size, shared_prompt=s.shared_prompt, lora=s.lora,
-                        keep_gathered=s.trainable and fsdp_switch_on(s.keep_gathered_for_backward, ctx.device),
-                        reduce_per_step=s.trainable and fsdp_switch_on(s.reduce_gradients_per_step, ctx.device))
+                        keep_gathered=switch(s.keep_gathered_for_backward),
+                        reduce_per_step=switch(s.reduce_gradients_per_step))
     if on_disk is not None:
         fresh = load_sharded_weights(engine.module, s.model_dir, on_disk, model.config.initializer_range, s.seed)
         if fresh and ctx.rank == 0:
