@@ -10,6 +10,8 @@ optimisation is also measured alone on top of the baseline; with --ablate, the d
 the defaults leave off is ablated the other way: `--ablate lora` runs the defaults beside the defaults with
 spec.training.lora (rank 16 adapters on a frozen base, at 10x the learning rate), so the table compares full
 fine-tuning with LoRA: summed peak memory, the bytes each weight sync moves into generation, tokens/s.
+`--ablate "one rank"` runs the same cores as one rank of two threads (spec.resourcePools[].devicesPerNode 1,
+cpusPerDevice 2) beside the defaults' two ranks of one thread.
 
 Prints per run: tokens/s (prompt + response tokens of the batch / iteration seconds, the paper's definition), seconds
 per stage, peak memory per rank (max) and summed over ranks, the weight sync's bytes (into generation, and gathered
@@ -83,6 +85,8 @@ OPTIMISATIONS = {
 # at the ~10x learning rate LoRA wants).
 FEATURES = {
     "lora": {"training": {"lora": {"rank": 16, "alpha": 32}, "actorLr": 2e-5}},
+    # the same cores as one rank of RANKS threads: no gathers, one runtime and one vLLM engine instead of RANKS
+    "one rank": {"resourcePools": {"devicesPerNode": 1, "cpusPerDevice": RANKS}},
 }
 # --ablate NAME: the run beside the defaults, named "<how> NAME", and the patch that makes it
 ABLATIONS = ({n: ("without", patch) for n, patch in OPTIMISATIONS.items()}
@@ -148,8 +152,15 @@ def run_job(doc: dict, steps: int, work: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (ckpt / "steps.jsonl").read_text().splitlines()]
 
 
+def pool_shape(doc: dict) -> tuple[int, int]:
+    """The job's ranks and the cores they compute on (ranks x cpusPerDevice; a GPU rank counts one)."""
+    pool = doc["spec"]["resourcePools"][0]
+    ranks = int(pool.get("devicesPerNode", RANKS))
+    return ranks, ranks if pool.get("device") == "gpu" else int(ranks * pool.get("cpusPerDevice", 1))
+
+
 def summarise(records: list[dict], dtype: str, peaks: dict[str, float], parameters: int,
-              ranks: int, trained: int | None = None) -> dict[str, float]:
+              cores: int, trained: int | None = None) -> dict[str, float]:
     # the first step pays one-off costs (first vLLM call, allocator warm-up); a profiled step pays the profiler's
     rec = [r for r in records[1:] if not any(k.startswith("profile_") for k in r)] or records[1:] or records
     med = lambda f: statistics.median(f(r) for r in rec)  # noqa: E731
@@ -161,7 +172,7 @@ def summarise(records: list[dict], dtype: str, peaks: dict[str, float], paramete
     out["peak GB (sum of ranks)"] = max(r["actor_peak_memory_bytes_total"] for r in records) / 1e9
     for key, field in SYNC_FIELDS.items():
         out[key] = med(lambda r: r.get(field, 0.0)) / 1e6
-    peak = ranks * peaks[dtype]
+    peak = cores * peaks[dtype]  # the one-thread (or one-GPU) peak on every core the job computes on
     update_flops = lambda r: training_flops(parameters, r["tokens"], trained) / r["stages"]["actor_update"]  # noqa: E731
     out["update MFU (batch tokens)"] = med(update_flops) / peak
     logp = med(lambda r: r["stages"].get("old_log_prob", 0.0))
@@ -181,7 +192,7 @@ def actor_params_held(doc: dict):
     return trained_params("actor", job.spec, read_shapes(job.spec, ROOT)["actor"], True)
 
 
-def rank_memory_parts(doc: dict, dtype: str, ranks: int) -> dict[str, float]:
+def rank_memory_parts(doc: dict, dtype: str) -> dict[str, float]:
     """What one rank holds by design through the update (whose peak the table shows), in GB, from the job's spec:
     the FSDP shards (fp32 masters, their gradients, AdamW's two moments: of every weight, or with LoRA of the
     adapters, beside the frozen base in the compute dtype) and what the colocated generation engine keeps (its KV
@@ -192,6 +203,7 @@ def rank_memory_parts(doc: dict, dtype: str, ranks: int) -> dict[str, float]:
 
     job = parse_job(doc)
     held = actor_params_held(doc)
+    ranks = pool_shape(doc)[0]
     shard = held.trained * 4 / ranks / 1e9
     frozen = {"frozen base": held.frozen * DTYPE_BYTES[dtype] / ranks / 1e9} if held.frozen else {}
     pool = job.spec.resource_pools[0]
@@ -238,19 +250,20 @@ def run_trl(model: str, steps: int) -> dict:
                            if line.startswith('{"bench": "trl_grpo"')))
 
 
-def trl_side_by_side(ours: dict, model: str, steps: int) -> dict:
-    """Runs TRL on the same job and prints ours (the defaults) against it: tokens/s (medians of steps 2..N, the same
+def trl_side_by_side(ours: dict[str, dict], model: str, steps: int) -> dict:
+    """Runs TRL on the same job and prints each of our runs against it: tokens/s (medians of steps 2..N, the same
     definition: prompt + response tokens of the step's batch / its wall seconds) and the summed peak memory (ours:
-    ru_maxrss summed over the ranks; TRL: its one process's, plus its children's)."""
+    the update's peak summed over the ranks; TRL: its one process's, plus its children's)."""
     trl = run_trl(model, steps)
-    rows = {"tokens/s": (ours["tokens/s"], trl["tokens_per_s_median"]),
-            "peak GB (summed)": (ours["peak GB (sum of ranks)"], trl["peak_rss_gb"])}
     print(f"\n{MODEL_TITLES[model]} GRPO, 16 prompts x 4, responses <= 32 tokens; medians of steps 2..{steps}; "
-          f"ours: defaults, {RANKS} CPU ranks; TRL {trl['trl']}: one process ({trl['threads']} threads), "
-          f"{trl['generation']}, {trl['dtype']}")
-    print(f"{'':<18}{'hybridflow':>12}{'TRL':>12}{'ours/TRL':>10}")
-    for key, (a, b) in rows.items():
-        print(f"{key:<18}{a:>12.2f}{b:>12.2f}" + (f"{a / b:>9.2f}x" if b else f"{'-':>10}"))
+          f"TRL {trl['trl']}: one process ({trl['threads']} threads), {trl['generation']}, {trl['dtype']}")
+    width = max(20, *(len(n) + 2 for n in ours))
+    print(f"{'':<{width}}{'tokens/s':>10}{'/TRL':>8}{'peak GB':>10}{'/TRL':>8}")
+    rows = {f"hybridflow {n}": (r["tokens/s"], r["peak GB (sum of ranks)"]) for n, r in ours.items()}
+    for name, (speed, memory) in rows.items():
+        print(f"{name:<{width}}{speed:>10.1f}{speed / trl['tokens_per_s_median']:>7.2f}x"
+              f"{memory:>10.2f}{memory / trl['peak_rss_gb']:>7.2f}x")
+    print(f"{'TRL':<{width}}{trl['tokens_per_s_median']:>10.1f}{'':>8}{trl['peak_rss_gb']:>10.2f}")
     print("TRL tokens/s by step: " + " ".join(f"{x:.1f}" for x in trl["tokens_per_s"])
           + "; its generate seconds by step: " + " ".join(f"{x:.1f}" for x in trl["generate_seconds"]))
     return trl
@@ -280,7 +293,7 @@ def main() -> None:
         ap.error("--trl runs the CPU job's side by side")
     if args.trl and not TRL_PYTHON.is_file():
         ap.error(f"--trl: no {TRL_PYTHON.relative_to(ROOT)}; create it with `bash bench/trl_venv.sh`")
-    device, ranks = ("gpu", 1) if args.gpu else ("cpu", RANKS)
+    device = "gpu" if args.gpu else "cpu"
     torch.set_num_threads(1)  # one thread per rank, as the job's ranks compute
     print(_capabilities(device))
     peaks = {d: matmul_peak_flops(getattr(torch, d), device, seconds=1.0) for d in ("float32", "bfloat16")}
@@ -299,9 +312,10 @@ def main() -> None:
             if args.profile:
                 profiles[name] = profile_report(records[args.profile - 1])
             held = actor_params_held(doc)
-            results[name] = summarise(records, dtype, peaks, params, ranks, held.trained if held.frozen else None)
+            results[name] = summarise(records, dtype, peaks, params, pool_shape(doc)[1],
+                                      held.trained if held.frozen else None)
             by_step[name] = peaks_by_step(records)
-            parts[name] = rank_memory_parts(doc, dtype, ranks)
+            parts[name] = rank_memory_parts(doc, dtype)
     names = list(results)
     base_name = "baseline" if "baseline" in results else names[-1]
     base, new = results[base_name], results["defaults"]
@@ -329,7 +343,7 @@ def main() -> None:
         print(f"\n{n}, step {args.profile} profiled (the update and the transition averaged over the ranks, the "
               f"last rank's generation; seconds are the ops' own, 'outside_ops' what no op covers):\n{text}")
     if args.trl:
-        trl_side_by_side(results["defaults"], args.model, args.steps)
+        trl_side_by_side(results, args.model, args.steps)
     if args.json:
         Path(args.json).write_text(json.dumps({"matmul_peak": peaks, "runs": results, "peak_gb_by_step": by_step},
                                               indent=1))

@@ -51,9 +51,20 @@ def test_the_table_has_the_sync_bytes_and_a_lora_ranks_parts():
     assert row["sync MB into generation (max rank)"] == pytest.approx(9.8 * 2.5)  # median of steps 2..3
     assert row["sync MB gathered (mean rank)"] == 0.0
     runs = tp.variants(False, False, ["lora"])
-    full = tp.rank_memory_parts(runs["defaults"], "float32", 2)
-    lora = tp.rank_memory_parts(runs["with lora"], "float32", 2)
+    full = tp.rank_memory_parts(runs["defaults"], "float32")
+    lora = tp.rank_memory_parts(runs["with lora"], "float32")
     assert full["fp32 weight shard"] == pytest.approx(tp.SMOLLM2_PARAMS * 4 / 2 / 1e9) and "frozen base" not in full
     assert lora["fp32 weight shard"] == pytest.approx(SMOLLM2_LORA_16 * 4 / 2 / 1e9)
     assert lora["AdamW moments"] == pytest.approx(SMOLLM2_LORA_16 * 8 / 2 / 1e9)
     assert lora["frozen base"] == pytest.approx(tp.SMOLLM2_PARAMS * 4 / 2 / 1e9)  # fp32 compute: the base in fp32
+
+
+def test_ablate_one_rank_runs_the_same_cores_as_one_rank_and_counts_its_whole_model():
+    runs = tp.variants(False, False, ["one rank"])
+    assert list(runs) == ["defaults", "with one rank"]
+    base, one = (parse_job(doc).spec.resource_pools[0] for doc in runs.values())
+    assert (base.devices_per_node, base.cpus_per_device) == (2, 1)
+    assert (one.devices_per_node, one.cpus_per_device) == (1, 2)
+    assert tp.pool_shape(runs["defaults"]) == (2, 2) and tp.pool_shape(runs["with one rank"]) == (1, 2)
+    whole = tp.rank_memory_parts(runs["with one rank"], "float32")
+    assert whole["fp32 weight shard"] == pytest.approx(tp.SMOLLM2_PARAMS * 4 / 1e9)  # one rank holds all of it

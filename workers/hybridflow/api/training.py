@@ -97,8 +97,8 @@ class Training(SpecModel):
     reduce_gradients_per_step: Literal["auto", "on", "off"] = Field(
         "auto", description="FSDP: gradients are reduce-scattered once per optimizer step, after the last "
         "micro-batch, instead of after each: the micro-batches accumulate the whole model's fp32 gradients on each "
-        "rank (4 bytes a parameter instead of 4 / ranks). auto: on for CPU pools of more than one rank, off on one rank and on "
-        "GPUs (as keepGatheredForBackward). Quote \"on\" and \"off\"."
+        "rank (4 bytes a parameter instead of 4 / ranks). auto: on for CPU pools of more than one rank, off on one "
+        "rank and on GPUs (as keepGatheredForBackward). Quote \"on\" and \"off\"."
     )
 
     lora: Lora | None = Field(
