@@ -316,7 +316,8 @@ class Trainer(SpecModel):
     )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for sampling and initialisation.")
     profile_steps: list[Annotated[int, Field(gt=0, le=MAX_STEPS)]] = Field(
-        default_factory=list, max_length=64, description="Steps profiled with torch's profiler: the actor's update, "
+        default_factory=list, max_length=64, description="Steps profiled with torch's profiler (each once, none "
+        "beyond steps): the actor's update, "
         "the step's generation (sync mode: in the async modes a step's batch was generated before it) and the "
         "weight transition (generation beside the actor), each broken down by kind of operation (matmul, "
         "attention, softmax, elementwise, copies and casts, FSDP, communication, optimizer, time outside any op...) "
@@ -325,6 +326,14 @@ class Trainer(SpecModel):
         "op of a stage in host memory until the stage ends and slows the stage (an update on CPU: 24.5 s against "
         "17.7 s), so name a few steps. Empty: nothing is profiled."
     )
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _profiled_steps_run(cls, v: list[int], info: ValidationInfo) -> list[int]:
+        problem = profile_steps_problem(v, info.data.get("steps"))  # no steps: invalid itself, said on its own
+        if problem:
+            raise ValueError(problem)
+        return v
 
     @field_validator("checkpoint_dir", "resume_from")
     @classmethod
@@ -335,6 +344,19 @@ class Trainer(SpecModel):
         if info.field_name == "resume_from" and v is not None and not is_url(v) and ".." in PurePosixPath(v).parts:
             raise ValueError(f"'{v}' climbs out of its directory ('..'); name the checkpoint's own path")
         return v
+
+
+def profile_steps_problem(profiled: list[int], steps: int | None) -> str | None:
+    """Why spec.trainer.profileSteps would not profile what it names (None when it would): a step named twice is
+    profiled once (a typo for another step?), and one beyond the job's `steps` never runs."""
+    twice = sorted({n for n in profiled if profiled.count(n) > 1})
+    if twice:
+        return f"steps {twice} are named more than once; name each step once"
+    beyond = sorted(n for n in profiled if steps is not None and n > steps)
+    if beyond:
+        return (f"steps {beyond} are beyond spec.trainer.steps = {steps}: the job never runs them; name steps from "
+                f"1 to {steps}, or raise spec.trainer.steps")
+    return None
 
 
 class Metrics(SpecModel):
