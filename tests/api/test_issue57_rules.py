@@ -1,5 +1,6 @@
 """Issue 57's fields, refused at validation with the field named and the way out: spec.trainer.profileSteps names
-steps the job runs, each once."""
+steps the job runs, each once; FSDP's communication switches (spec.training.keepGatheredForBackward,
+reduceGradientsPerStep) are not "on" with an engine that gathers nothing, which would ignore them."""
 import pytest
 
 from hybridflow.api import SpecError, parse_job
@@ -24,3 +25,14 @@ def test_profile_steps_are_steps_the_job_runs_each_once():
         parse_job(_job(trainer={"steps": 0, "profileSteps": [3]}))
     assert "spec.trainer.steps: Input should be greater than 0" in str(err.value)
     assert "profileSteps" not in str(err.value)
+
+
+@pytest.mark.parametrize("field", ["keepGatheredForBackward", "reduceGradientsPerStep"])
+def test_an_fsdp_switch_on_with_an_engine_that_gathers_nothing_is_refused(field):
+    with pytest.raises(SpecError, match=rf'spec.training.{field}: "on" does nothing with the megatron engine, which '
+                                        r'shards by tensorParallel x pipelineParallel and gathers nothing \(the switch '
+                                        r'is FSDP\'s\); leave it "auto" or set it "off"'):
+        parse_job(_job(training={"engine": "megatron", field: "on"}))
+    for value in ("auto", "off"):
+        parse_job(_job(training={"engine": "megatron", field: value}))
+    parse_job(_job(training={field: "on"}))  # FSDP gathers

@@ -293,6 +293,16 @@ def _tiny_job_and_candidates():
     return job, _shapes_of(job), cands
 
 
+def test_the_planner_offers_no_model_parallel_engine_to_a_job_with_an_fsdp_switch_on():
+    """api.rules refuses keepGatheredForBackward or reduceGradientsPerStep "on" with an engine that gathers nothing,
+    so no candidate trains with one."""
+    from hybridflow.mapping.candidates import train_engines
+
+    assert "megatron" in train_engines(_job().spec)
+    for field in ("keepGatheredForBackward", "reduceGradientsPerStep"):
+        assert train_engines(_job(training={field: "on"}).spec) == ["fsdp"]
+
+
 def test_fixed_costs_are_monotone_and_appear_in_the_predictions():
     """Each fixed cost of the cpu calibration (stage_time.Calibration's second group) adds to every prediction that
     pays it and takes from none: more of it, a slower step; the cpu profile gets its calibration by default, the

@@ -74,6 +74,7 @@ def _layout_and_pieces_problems(spec: JobFields) -> list[str]:
                    f"{'/'.join(model_parallel_train_engines())} engine supports them; set 1")
     out += _hybrid_engine_problems(spec)
     out += _lora_problems(spec)
+    out += _fsdp_switch_problems(spec)
     dp = actor_pool.world_size // mp
     if spec.trainer.prompts_per_step % dp:
         out.append(
@@ -326,6 +327,17 @@ def _lora_problems(spec: JobFields) -> list[str]:
         out.append(f"spec.placement.reference: with spec.training.lora the actor is its own reference (its base, "
                    f"adapters off); place reference on the actor's pool ({spec.pool('actor').name})")
     return out
+
+
+def _fsdp_switch_problems(spec: JobFields) -> list[str]:
+    """FSDP's communication switches set "on" for a model-parallel engine, which would silently ignore them."""
+    t = spec.training
+    if not TRAIN_ENGINES[t.engine].model_parallel:
+        return []
+    return [f"spec.training.{field}: \"on\" does nothing with the {t.engine} engine, which shards by tensorParallel x "
+            f"pipelineParallel and gathers nothing (the switch is FSDP's); leave it \"auto\" or set it \"off\""
+            for field, value in (("keepGatheredForBackward", t.keep_gathered_for_backward),
+                                 ("reduceGradientsPerStep", t.reduce_gradients_per_step)) if value == "on"]
 
 
 _CONFIGMAP_KEY = re.compile(r"[-._a-zA-Z0-9]+")

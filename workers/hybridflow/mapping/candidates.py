@@ -132,7 +132,8 @@ def _powers(limit: int) -> list[int]:
 def train_engines(spec: JobSpec, allowed: Iterable[str] | None = None) -> list[str]:
     """The training engines a candidate may use: those registered (or `allowed`) that the job's rules accept: a
     generation engine fed by one engine's shards keeps that engine; an engine that computes in the model's dtype
-    needs a bfloat16 actor when computeDtype is bfloat16; spec.training.lora needs an engine that builds LoRA."""
+    needs a bfloat16 actor when computeDtype is bfloat16; spec.training.lora needs an engine that builds LoRA; an
+    FSDP communication switch set "on" needs an engine that gathers (not a model-parallel one)."""
     out = []
     generator = ROLLOUT_ENGINES[spec.rollout.engine]
     for name in (allowed if allowed is not None else TRAIN_ENGINES.names()):
@@ -140,6 +141,9 @@ def train_engines(spec: JobSpec, allowed: Iterable[str] | None = None) -> list[s
         if generator.fed_by is not None and name not in generator.fed_by:
             continue
         if spec.training.lora is not None and not kind.lora:
+            continue
+        if kind.model_parallel and "on" in (spec.training.keep_gathered_for_backward,
+                                            spec.training.reduce_gradients_per_step):
             continue
         if kind.computes_in_model_dtype and spec.training.compute_dtype == "bfloat16" and \
                 spec.models.actor.dtype != "bfloat16":
