@@ -25,8 +25,8 @@ from hybridflow.mapping.candidates import (
 from hybridflow.mapping.fit import RoleMemory, layout_spec, pool_fits, role_memory, sized_pool
 from hybridflow.mapping.resolve import placement_label, resolve
 from hybridflow.mapping.stage_time import (
-    STALENESS, Calibration, Generation, Parallel, calibration_for, generate_s, pass_s, side_by_side, step_s, stream_s,
-    transition_s,
+    STALENESS, Calibration, Generation, Parallel, calibration_for, fsdp_switched, generate_s, pass_s, side_by_side,
+    step_s, stream_s, transition_s,
 )
 from hybridflow.mapping.workload import (
     GENERATE, PREPARE, TRAINED, UPDATE, Workload, on_policy_update, role_passes, workload,
@@ -112,7 +112,8 @@ class _Tables:
             and self.spec.models.actor.dtype == "float32")  # the trained models share the actor's dtype here
         if role in TRAINED and TRAIN_ENGINES[layout.engine].model_parallel:
             return Parallel(size, layout.tp, layout.pp, fsdp=False, micro=layout.micro, fp32=fp32)
-        return Parallel(size, fsdp=True, micro=layout.micro, fp32=fp32)
+        par = Parallel(size, fsdp=True, micro=layout.micro, fp32=fp32)
+        return fsdp_switched(par, self.spec.training, self._pools[size].device) if role in TRAINED else par
 
     def times(self, role: str, size: int, layout: Layout, kv: int | None, mode: str = "sync") -> dict[str, float]:
         """A role's seconds per stage in rollout mode `mode` (sync, or any overlapped one: they price alike)."""

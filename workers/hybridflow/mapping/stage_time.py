@@ -4,14 +4,15 @@ After the paper's section 6: training and scoring passes are compute-bound (6 x 
 2 x to score) at a calibrated fraction of the device's peak (MFU), plus what does not hide behind the compute:
 tensor-parallel all-reduces (two per layer forward, two more backward), pipeline bubbles ((p - 1) / m of the
 compute for m micro-batches per flush), pipeline sends, the data-parallel gradient all-reduce, and FSDP's gathers
-(overlapped with the compute as far as comm_overlap says: on GPUs the slower of the two counts). Generation is
-bound by memory bandwidth: each decode step reads the device's weights and its sequences' KV cache, with a batch
-capped by the KV cache the memory model leaves; prefill is compute-bound. The transition is the 3D-HybridEngine's
-all-gather inside each micro-DP group, (t p - t_g p_g) / (t_g p_g t p) x M per device (p_g = 1 here; FSDP gathers
-the whole model); a rollout pool of its own gets the weights as a broadcast over the network. Colocated roles add
-up per stage; pools run each stage side by side (the slowest counts, and the others as far as pool_overlap says);
-one_step_off and async overlap generation with the trainer's stages, which run the actor's own old-log-prob pass
-there, and async pays for the stale batches its queue drops (step_s).
+and reduce-scatters (overlapped with the compute as far as comm_overlap says: on GPUs the slower of the two counts;
+how many a training pass makes follows spec.training's switches as the engine resolves them, `fsdp_switched`).
+Generation is bound by memory bandwidth: each decode step reads the device's weights and its sequences' KV cache,
+with a batch capped by the KV cache the memory model leaves; prefill is compute-bound. The transition is the
+3D-HybridEngine's all-gather inside each micro-DP group, (t p - t_g p_g) / (t_g p_g t p) x M per device (p_g = 1
+here; FSDP gathers the whole model); a rollout pool of its own gets the weights as a broadcast over the network.
+Colocated roles add up per stage; pools run each stage side by side (the slowest counts, and the others as far as
+pool_overlap says); one_step_off and async overlap generation with the trainer's stages, which run the actor's own
+old-log-prob pass there, and async pays for the stale batches its queue drops (step_s).
 
 Besides FLOPs and bytes, a step pays fixed costs (`Calibration`'s second group): each remote call of a pass (Ray's
 dispatch, the batch there and back), each layer of each micro-batch (an eager framework's per-op dispatch), each
@@ -26,11 +27,12 @@ item 4): its defaults are assumptions, not measurements; CALIBRATIONS holds thos
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from hybridflow.api.devices import DeviceProfile
+from hybridflow.api.training import Training, fsdp_switch_on
 from hybridflow.mapping.workload import Workload
 from hybridflow.memory.shapes import ModelShape
 
@@ -79,7 +81,9 @@ class Calibration:
 # (1196 GFLOP/s in bfloat16, 161 in float32, one thread): 171 and 23 GFLOP/s effective. comm_overlap is 0 by
 # construction (gloo computes and communicates on the same cores), not fitted; kernel_step_s came out 0 (vLLM's
 # per-step cost is per sequence here: decode_row_s); prefill/decode MFU, bandwidth and link efficiency and
-# max_num_seqs keep their defaults: the tiny job's generation does not depend on them.
+# max_num_seqs keep their defaults: the tiny job's generation does not depend on them. The runs predate
+# training.keepGatheredForBackward and reduceGradientsPerStep (issue 57): they gathered and reduced per micro-batch,
+# so the fit prices them with both switches "off" (tests/mapping/test_mapping.py refits so).
 CALIBRATIONS: dict[str, Calibration] = {
     "cpu": Calibration(
         train_mfu=0.143, forward_mfu=0.143,
@@ -144,13 +148,23 @@ class Parallel:
     size: int
     tp: int = 1
     pp: int = 1
-    fsdp: bool = True  # parameters sharded over the whole pool and gathered per micro-batch
+    fsdp: bool = True  # parameters sharded over the whole pool and gathered for each pass (see the switches below)
     micro: int = 1  # rows per micro-batch (training.microBatchSize: a token budget of micro x sequence length)
     fp32: bool = False  # computes in float32 (the device's fp32_peak_flops): megatron with float32 weights
+    keep_gathered: bool = False  # FSDP training: each layer gathered once per optimizer step, not twice a micro-batch
+    reduce_per_step: bool = False  # FSDP training: gradients reduce-scattered once per optimizer step
 
     @property
     def dp(self) -> int:
         return max(1, self.size // (self.tp * self.pp))
+
+
+def fsdp_switched(par: Parallel, training: Training, device: str) -> Parallel:
+    """`par`, a trained model's FSDP layout on a pool of `device` ("cpu" or "gpu"), with spec.training's
+    keepGatheredForBackward and reduceGradientsPerStep resolved over its `size` ranks by the engine's own rule
+    (api.training.fsdp_switch_on), so that the estimate counts the collectives the engine makes."""
+    return replace(par, keep_gathered=fsdp_switch_on(training.keep_gathered_for_backward, device, par.size),
+                   reduce_per_step=fsdp_switch_on(training.reduce_gradients_per_step, device, par.size))
 
 
 def pass_s(shape: ModelShape, work: Workload, tokens: int, kind: str, par: Parallel, dev: DeviceProfile,
@@ -174,15 +188,20 @@ def pass_s(shape: ModelShape, work: Workload, tokens: int, kind: str, par: Paral
     ops = micro_batches * (shape.layers / par.pp + 1) * cal.layer_op_s * (3 if train else 1)
     steps = flushes * epochs if train else 0
     if par.fsdp:
-        # per micro-batch and per FSDP unit (each layer, and the root): the compute-dtype weights gathered (forward,
-        # and again for backward) and the fp32 gradients reduce-scattered, prefetched behind the compute where the
-        # device can (comm_overlap); each optimizer step all-reduces the gradient norm
+        # per FSDP unit (each layer, and the root): the compute-dtype weights gathered for each forward and again
+        # for its backward (keep_gathered: once per optimizer step, kept through its micro-batches; a forward without
+        # backward gathers each time) and the fp32 gradients reduce-scattered after each backward (reduce_per_step:
+        # once per optimizer step), prefetched behind the compute where the device can (comm_overlap); each
+        # optimizer step all-reduces the gradient norm
         link, units = _link(dev, par.size), shape.layers + 1
-        per_micro = all_gather_s(params * BF16, par.size, link, cal, units) * (2 if train else 1)
+        gathers, reduces = micro_batches, 0
         if train:
-            per_micro += all_gather_s(params * FP32, par.size, link, cal, units)
+            gathers = steps if par.keep_gathered else 2 * micro_batches
+            reduces = steps if par.reduce_per_step else micro_batches
+        comm = (gathers * all_gather_s(params * BF16, par.size, link, cal, units)
+                + reduces * all_gather_s(params * FP32, par.size, link, cal, units))
         optimizer = steps * (cal.optimizer_step_s + all_reduce_s(FP32, par.size, link, cal))
-        return cal.call_s + _overlapped(compute + ops, micro_batches * per_micro, cal) + optimizer
+        return cal.call_s + _overlapped(compute + ops, comm, cal) + optimizer
     bubble = (compute + ops) * (par.pp - 1) / per_flush
     layers = shape.layers / par.pp
     activation = micro_tokens * shape.hidden * BF16
