@@ -14,7 +14,7 @@ import torch
 
 from hybridflow.api import TinyModel
 from hybridflow.data.packing import computed_tokens, micro_batches, pack_rollout, prompt_groups, slots_per_sequence
-from hybridflow.engines.train import shared_prompt
+from hybridflow import logs
 from hybridflow.engines.train.fsdp import FSDPEngine, response_outputs
 from hybridflow.engines.train.shared_prompt import can_share, packed_outputs, shared_layout
 from hybridflow.models.builders import tiny_config
@@ -191,8 +191,8 @@ def test_a_prompt_with_many_long_responses_is_cut_into_sequences_whose_attention
 
 def test_an_attention_backend_without_custom_masks_runs_unshared_and_says_why_once(caplog):
     gpu_only = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="flash_attention_2"))
-    shared_prompt._said.clear()
-    with caplog.at_level(logging.WARNING, logger=shared_prompt.__name__):
+    logs._said.clear()
+    with caplog.at_level(logging.WARNING, logger="hybridflow.engines.train.shared_prompt"):
         assert not can_share(gpu_only) and not can_share(gpu_only)
     assert [r.getMessage() for r in caplog.records if "flash_attention_2" in r.getMessage()] == [
         "shared-prompt packing is off: the model's attention implementation 'flash_attention_2' takes no custom mask "

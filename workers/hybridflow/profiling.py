@@ -19,8 +19,9 @@ import re
 import time
 from typing import Any, Iterable, Iterator, Mapping
 
+from hybridflow.logs import say_once
+
 log = logging.getLogger(__name__)
-_said: set[str] = set()
 
 # kind -> patterns (re.search) over op names as torch's profiler records them: aten::mm, FSDP::all_gather_copy_in,
 # autograd::engine::evaluate_function: MmBackward0, Optimizer.step#AdamW.step, c10d::allgather_ ...
@@ -108,7 +109,7 @@ def profiled(stage: str, on: bool) -> Iterator[dict[str, float]]:
         prof.stop()
         out.update(_read(prof, stage, wall))
     except Exception as e:  # noqa: BLE001 - the measurement is optional, the step's work is not
-        _say_once(f"profile of '{stage}' not taken: the profiler could not be read ({e})")
+        say_once(log, f"profile of '{stage}' not taken: the profiler could not be read ({e})")
 
 
 def _started_profiler() -> Any:
@@ -125,7 +126,7 @@ def _started_profiler() -> Any:
     try:
         prof.start()
     except Exception as e:  # noqa: BLE001 - a Kineto or CUPTI failure
-        _say_once(f"profile not taken: the profiler could not start ({e})")
+        say_once(log, f"profile not taken: the profiler could not start ({e})")
         return None
     prof.with_gpu = gpu  # type: ignore[attr-defined]
     return prof
@@ -141,12 +142,6 @@ def _read(prof: Any, stage: str, wall: float) -> dict[str, float]:
         gpu_by_kind = seconds_by_kind(((e.key, e.self_device_time_total / 1e6) for e in averages), 0.0)
         del gpu_by_kind[OUTSIDE]
     return stage_stats(stage, wall, by_kind, sum(e.count for e in averages), gpu_by_kind)
-
-
-def _say_once(reason: str) -> None:
-    if reason not in _said:
-        _said.add(reason)
-        log.warning(reason)
 
 
 _KEY = re.compile(rf"^((?:\w+?_)?){PREFIX}(\w+?)_(gpu_)?({'|'.join(KINDS)})_s$")

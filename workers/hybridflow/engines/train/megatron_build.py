@@ -4,11 +4,15 @@ subclass imports the engine's module, and sibling modules import each other one 
 pyproject.toml's import-linter)."""
 from __future__ import annotations
 
+import logging
+
 from hybridflow.engines.train.base import TrainSettings
 from hybridflow.engines.train.megatron import MegatronEngine
 from hybridflow.engines.train.megatron_lora import MegatronLoraEngine
-from hybridflow.engines.train.shared_prompt import say_once
+from hybridflow.logs import say_once
 from hybridflow.single_controller.context import WorkerContext
+
+log = logging.getLogger(__name__)
 
 
 def build(ctx: WorkerContext, settings: TrainSettings) -> MegatronEngine:
@@ -22,7 +26,7 @@ def build(ctx: WorkerContext, settings: TrainSettings) -> MegatronEngine:
               else MegatronLoraEngine(s.lora, *args, pp=s.pipeline_parallel))
     engine.dynamic_batch_size = s.dynamic_batch_size
     if s.shared_prompt:
-        say_once("shared-prompt packing is off for the megatron engine: its rotary embeddings follow each token's "
-                 "place in the sequence, not position ids, so a response after another's slot would see the prompt "
-                 "at the wrong distance; rows of a group run unshared")
+        say_once(log, "shared-prompt packing is off for the megatron engine: its rotary embeddings follow each "
+                 "token's place in the sequence, not position ids, so a response after another's slot would see the "
+                 "prompt at the wrong distance; rows of a group run unshared")
     return engine

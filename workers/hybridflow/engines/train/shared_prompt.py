@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 from hybridflow.data.packing import padded_positions, prompt_groups
+from hybridflow.logs import say_once
 from hybridflow.single_controller.batch import Batch
 
 log = logging.getLogger(__name__)
 
 MASK_KINDS = {"sdpa": "bool", "eager": "additive"}  # HF attention implementations that take a custom 4D mask
-_said: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -110,15 +110,9 @@ def can_share(model: nn.Module) -> bool:
     backend = attention_backend(model)
     if backend in MASK_KINDS:
         return True
-    say_once(f"shared-prompt packing is off: the model's attention implementation '{backend}' takes no custom "
+    say_once(log, f"shared-prompt packing is off: the model's attention implementation '{backend}' takes no custom "
              f"mask (it works with {' or '.join(MASK_KINDS)}); rows of a group run unshared")
     return False
-
-
-def say_once(reason: str) -> None:
-    if reason not in _said:
-        _said.add(reason)
-        log.warning(reason)
 
 
 def packed_outputs(model: nn.Module, packed: PackedGroups, keep_arg: bool = True) -> torch.Tensor:
