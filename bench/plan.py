@@ -51,7 +51,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workers"))
 
-from hybridflow.api import RLHFJob, dump_job, load_job  # noqa: E402
+from hybridflow.api import RLHFJob, dump_job, load_job, parse_job  # noqa: E402
 from hybridflow.api.devices import PROFILES, DeviceProfile, calibrated  # noqa: E402
 from hybridflow.mapping import Candidate, Layout, Placement, resolve  # noqa: E402
 from hybridflow.mapping.candidates import enumerate_candidates  # noqa: E402
@@ -66,6 +66,22 @@ MEASURED_SECONDS = 6.0  # about this many seconds of measured steps a run (from 
 CO = (("actor", "reference", "rollout"),)
 OWN = (("actor", "reference"), ("rollout",))
 REF_APART = (("actor", "rollout"), ("reference",))
+
+
+# The FSDP switches of issue 57 (spec.training): runs kept before they existed (a --json file without this key)
+# gathered and reduced per micro-batch, so they are priced with both off; runs measured now record what they ran.
+SWITCHES = ("keepGatheredForBackward", "reduceGradientsPerStep")
+BEFORE_SWITCHES = {k: "off" for k in SWITCHES}
+
+
+def as_measured(job: RLHFJob, kept: dict[str, Any]) -> RLHFJob:
+    """The job as the kept runs ran it: with the FSDP switches they recorded (both off for runs that predate
+    them); `job` itself when nothing is kept (the runs measure it now)."""
+    if not kept:
+        return job
+    doc = dump_job(job)
+    doc["spec"].setdefault("training", {}).update(kept.get("fsdp_switches", BEFORE_SWITCHES))
+    return parse_job(doc)
 
 
 @dataclass(frozen=True)
@@ -302,9 +318,9 @@ def main() -> int:
         ap.error(f"--fit {args.fit}: fit on runs that are measured here (of --runs {args.runs}), not with --predict")
     if args.steps is not None and args.steps < WARMUP + 2:
         ap.error(f"--steps {args.steps}: at least {WARMUP + 2} (the warm-up steps, one measured, the last)")
-    job = load_job(JOB)
-    shapes = read_shapes(job.spec, JOB.parent)
     kept = json.loads(Path(args.from_json.split(",")[0]).read_text()) if args.from_json else {}
+    job = as_measured(load_job(JOB), kept)
+    shapes = read_shapes(job.spec, JOB.parent)
     if kept.get("peak_flops"):  # the peak measured with those runs: their predictions, again
         device = calibrated(PROFILES["cpu"], kept["peak_flops"], kept.get("fp32_peak_flops") or None)
     else:
@@ -350,6 +366,7 @@ def main() -> int:
             "machine": machine(), "command": " ".join(["bench/plan.py", *sys.argv[1:]]),
             "date": time.strftime("%Y-%m-%d %H:%M"), "peak_flops": device.peak_flops,
             "fp32_peak_flops": device.fp32_peak_flops,
+            "fsdp_switches": {k: dump_job(job)["spec"].get("training", {}).get(k, "auto") for k in SWITCHES},
             "runs": {k: [slim(x) for x in v] for k, v in measured.items()}, "predicted": {
             k: {"step": s, "stages": st} for k, (s, st) in predicted.items()}}, indent=1))
     return 0

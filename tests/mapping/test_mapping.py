@@ -14,6 +14,7 @@ import pytest
 
 from hybridflow.api import dump_job, load_job, parse_job
 from hybridflow.api.devices import GPU_PROFILES, PROFILES, calibrated
+from hybridflow.api.training import fsdp_switch_on
 from hybridflow.cli import main
 from hybridflow.mapping import enumerate_candidates, resolve, search
 from hybridflow.mapping.candidates import (
@@ -405,8 +406,8 @@ def test_the_search_scores_a_candidate_as_predict_does():
 def test_the_cpu_calibration_is_the_fit_of_the_runs_kept_beside_the_bench():
     """CALIBRATIONS["cpu"] is what `bench/plan.py --from-json bench/plan_fit.json --fit abcefgj` fits (its
     provenance), to the 3 significant digits kept; and the held-out placements' predictions are within 25% there.
-    The kept runs predate the FSDP switches (issue 57): they gathered and reduced per micro-batch, so they are priced
-    with both switches off."""
+    The kept runs predate the FSDP switches (issue 57): they gathered and reduced per micro-batch, so the bench prices
+    them with both switches off (bench/plan.py as_measured)."""
     import importlib.util
     import json
     import sys
@@ -420,7 +421,9 @@ def test_the_cpu_calibration_is_the_fit_of_the_runs_kept_beside_the_bench():
         spec.loader.exec_module(bench)
         kept = json.loads((ROOT / "bench" / "plan_fit.json").read_text())
         device = calibrated(PROFILES["cpu"], kept["peak_flops"], kept["fp32_peak_flops"])
-        job = _fsdp_switches(load_job(bench.JOB), keepGatheredForBackward="off", reduceGradientsPerStep="off")
+        job = bench.as_measured(load_job(bench.JOB), kept)
+        assert all(fsdp_switch_on(getattr(job.spec.training, f), "cpu", 2) is False
+                   for f in ("keep_gathered_for_backward", "reduce_gradients_per_step"))  # kept before the switches
         shapes = _shapes_of(job)
         measured = bench.load_measured(str(ROOT / "bench" / "plan_fit.json"))
         runs = [r for r in bench.RUNS if r.key in "abcefgj"]
