@@ -145,4 +145,5 @@ def test_a_resumed_engine_keeps_its_own_learning_rate_and_takes_the_checkpoints_
     assert [g["lr"] for g in resumed.optimizer.param_groups] == [LR / 10]
     (p_saved, s_saved), (p_res, s_res) = [next(iter(e.optimizer.state.items())) for e in (saved, resumed)]
     assert float(s_res["step"]) == float(s_saved["step"]) == 2
-    assert torch.equal(s_res["exp_avg"].full_tensor(), s_saved["exp_avg"].full_tensor())
+    assert not resumed.sharded  # one rank computing in its weights' dtype: a plain module, its moments whole
+    assert torch.equal(s_res["exp_avg"], s_saved["exp_avg"])

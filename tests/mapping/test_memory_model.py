@@ -260,3 +260,16 @@ def test_a_cpu_vllm_releases_its_base_in_a_lora_update_as_in_full_fine_tuning():
     assert full["vLLM weights"].phases["update"] == 0 < full["vLLM weights"].phases["generate"]
     assert lora["vLLM weights"].phases["update"] == 0 < lora["vLLM weights"].phases["generate"]
     assert lora["vLLM weights"].phases["generate"] == full["vLLM weights"].phases["generate"]
+
+
+def test_one_cpu_rank_computing_in_fp32_holds_no_fsdp_copies():
+    """The engine's rule (api.training.fsdp_unsharded): one rank whose weights are in the compute dtype trains a
+    plain module, so the model counts no gathered layers or unsharded gradients for it; two ranks, or a narrower
+    compute dtype, do."""
+    def fsdp_term(ranks: int, dtype: str):
+        spec = _spec(training={"computeDtype": dtype},
+                     resourcePools=[{"name": "cpus", "devicesPerNode": ranks, "device": "cpu"}])
+        return _terms(spec, "actor")[1].get("FSDP gathered layers + root, fp32 unsharded grads")
+
+    assert fsdp_term(1, "float32") is None
+    assert fsdp_term(2, "float32") is not None and fsdp_term(1, "bfloat16") is not None

@@ -4,7 +4,7 @@ dtype, padding-free and shared-prompt micro-batches, on-policy old log-probs), e
 done and never its result."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Collection, Literal
 
 from pydantic import Field, field_validator
 
@@ -122,6 +122,17 @@ def fsdp_switch_on(switch: str, device: str, ranks: int) -> bool:
     on SmolLM2, one rank of two threads: 0.6 GB more for the same update seconds). The engine (engines.train.fsdp)
     and the memory model (memory.terms) both read it here."""
     return switch == "on" or (switch == "auto" and device != "gpu" and ranks > 1)
+
+
+def fsdp_unsharded(ranks: int, weight_dtypes: Collection[str], compute_dtype: str) -> bool:
+    """Whether the FSDP engine trains a model as a plain module instead of under FSDP2: on one rank whose weights are
+    all in the compute dtype (fp32 masters computing in fp32, on an AVX2 CPU) there is nothing to shard, gather,
+    reduce or cast, and FSDP2 would still copy every layer into a gathered buffer for each forward and backward
+    (measured on SmolLM2, one rank of two threads: about 1 s of a 19-s update, or with the weights kept gathered 0.5
+    GB more). Weights in another dtype than the compute's (fp32 masters computing in bf16; LoRA's fp32 adapters on a
+    bf16 base) keep FSDP2, whose mixed-precision policy casts each layer for compute. The engine
+    (engines.train.fsdp) and the memory model (memory.terms) both read it here."""
+    return ranks == 1 and set(weight_dtypes) == {compute_dtype}
 
 
 def role_lora(role: str, training: Training) -> Lora | None:

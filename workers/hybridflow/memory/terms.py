@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from hybridflow.api import JobSpec, ResourcePool
 from hybridflow.api.engines import TRAIN_ENGINES
 from hybridflow.api.devices import DeviceProfile
-from hybridflow.api.training import LORA_DEFAULT_TARGETS, Lora, actor_is_reference, fsdp_switch_on, role_lora
+from hybridflow.api.training import (LORA_DEFAULT_TARGETS, Lora, actor_is_reference, fsdp_switch_on, fsdp_unsharded,
+                                     role_lora)
 from hybridflow.capacity import DTYPE_BYTES, kv_cache_bytes
 from hybridflow.memory.shapes import ModelShape, ShapeError
 
@@ -59,6 +60,11 @@ def compute_bytes(spec: JobSpec, gpu: bool, native_bf16: bool = True) -> int:
     if setting != "auto":
         return DTYPE_BYTES[setting]
     return 2 if spec.models.actor.dtype == "bfloat16" or gpu or native_bf16 else 4
+
+
+def dtype_of(c: int) -> str:
+    """The compute dtype's name from its bytes per element (compute_bytes's)."""
+    return next(name for name, size in DTYPE_BYTES.items() if size == c)
 
 
 def micro_batch_tokens(spec: JobSpec, dp: int) -> tuple[int, int]:
@@ -183,7 +189,9 @@ def trained_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c
                      "spec.models.actor.dtype", _in(PHASES, P * module // shard)),
                 Term(role, f"{spec.models.actor.dtype} module gradients", "spec.models.actor.dtype",
                      _in(("update",), P * module // shard))]
-    if not megatron_like:
+    # the engine's weights: fp32 masters, or with LoRA the base in the compute dtype beside fp32 adapters
+    weights = {"float32"} | ({dtype_of(c)} if held.frozen else set())
+    if not megatron_like and not fsdp_unsharded(shard, weights, dtype_of(c)):
         gathered, grads = fsdp_transients(s, c, held,
                                           fsdp_switch_on(t.keep_gathered_for_backward, pool.device, shard),
                                           fsdp_switch_on(t.reduce_gradients_per_step, pool.device, shard))
@@ -209,7 +217,7 @@ def frozen_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c:
     """A scoring model (reference, reward): weights in its own dtype, FSDP-sharded, and one forward's transient."""
     tokens, response = micro_batch_tokens(spec, pool.world_size)
     b = DTYPE_BYTES[dtype]
-    gathered, _ = fsdp_transients(s, c, None)
+    gathered = 0 if fsdp_unsharded(pool.world_size, {dtype}, dtype_of(c)) else fsdp_transients(s, c, None)[0]
     forward = gathered + tokens * (2 * s.intermediate + 2 * s.hidden) * c + (
         logits_bytes(s, response, c, False) if lm else 0)
     weights = (Term(role, "no weights of its own: the actor's base, adapters switched off", "spec.training.lora",

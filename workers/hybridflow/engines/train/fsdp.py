@@ -23,7 +23,7 @@ from hybridflow.models.lora import LoraSettings
 from hybridflow.engines.precision import compute_dtype, dtype_name, master_dtype
 from hybridflow.engines.train.base import TrainLoop, TrainSettings, optimizer_settings, restore_optimizer_settings
 from hybridflow.engines.train.shared_prompt import can_share, packed_outputs, shared_layout
-from hybridflow.api.training import fsdp_switch_on
+from hybridflow.api.training import fsdp_switch_on, fsdp_unsharded
 
 
 def sequence_inputs(batch: Batch) -> dict[str, torch.Tensor]:
@@ -215,7 +215,8 @@ class FSDPEngine(TrainLoop):
     and AdamW moments stay on the rank; a layer's whole weights exist, in the compute dtype, only while that layer
     runs (FSDP's all-gather before it, freed after it); the generation engine holds its own compute-dtype copy,
     loaded by the weight sync. With `lora` only the adapters train (their fp32 shards, gradients and moments);
-    the base's shards are frozen, in the compute dtype."""
+    the base's shards are frozen, in the compute dtype. On one rank computing in its weights' dtype the module stays
+    a plain one (`api.training.fsdp_unsharded`: nothing to shard, gather or cast), the rest as above."""
 
     def __init__(self, module: nn.Module, lr: float, grad_clip: float, device: str, trainable: bool = True,
                  compute_dtype: torch.dtype | None = None, dynamic_batch_size: bool = False,
@@ -228,22 +229,26 @@ class FSDPEngine(TrainLoop):
         self.dynamic_batch_size = dynamic_batch_size
         self.shared_prompt = shared_prompt
         self.lora = lora
-        self.keep_gathered = keep_gathered
-        self.reduce_per_step = reduce_per_step
         on_meta = any(p.is_meta for p in module.parameters())  # empty_hf_model's: sharded first, filled later
         buffers = {name: b.to(self.device) for name, b in module.named_buffers()}
         if not on_meta:
             module.to(self.device)
-        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         param_dtype = next(module.parameters()).dtype
         self.compute_dtype = compute_dtype or param_dtype
-        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-        inner = getattr(module, "model", None) or getattr(module, getattr(module, "base_model_prefix", ""), None)
-        for layer in getattr(inner, "layers", []):
-            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep_gathered)
-        fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep_gathered)
+        weights = {dtype_name(p.dtype) for p in module.parameters()}
+        self.sharded = not fsdp_unsharded(dist.get_world_size(), weights, dtype_name(self.compute_dtype))
+        self.keep_gathered, self.reduce_per_step = keep_gathered and self.sharded, reduce_per_step and self.sharded
+        if self.sharded:
+            mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+            mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+            inner = getattr(module, "model", None) or getattr(module, getattr(module, "base_model_prefix", ""), None)
+            for layer in getattr(inner, "layers", []):
+                fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep_gathered)
+            fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep_gathered)
         if on_meta:  # every rank's shards get storage (uninitialised until loaded), the buffers their values back
             module.to_empty(device=self.device)
+            if not self.sharded:  # to_empty gives each module a parameter of its own: a tied head again shares
+                module.tie_weights()
             with torch.no_grad():
                 for name, b in buffers.items():
                     module.get_buffer(name).copy_(b)
