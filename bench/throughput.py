@@ -257,9 +257,9 @@ def trl_side_by_side(ours: dict[str, dict], model: str, steps: int) -> dict:
     trl = run_trl(model, steps)
     print(f"\n{MODEL_TITLES[model]} GRPO, 16 prompts x 4, responses <= 32 tokens; medians of steps 2..{steps}; "
           f"TRL {trl['trl']}: one process ({trl['threads']} threads), {trl['generation']}, {trl['dtype']}")
-    width = max(20, *(len(n) + 2 for n in ours))
-    print(f"{'':<{width}}{'tokens/s':>10}{'/TRL':>8}{'peak GB':>10}{'/TRL':>8}")
     rows = {f"hybridflow {n}": (r["tokens/s"], r["peak GB (sum of ranks)"]) for n, r in ours.items()}
+    width = max(len(n) + 2 for n in rows)
+    print(f"{'':<{width}}{'tokens/s':>10}{'/TRL':>8}{'peak GB':>10}{'/TRL':>8}")
     for name, (speed, memory) in rows.items():
         print(f"{name:<{width}}{speed:>10.1f}{speed / trl['tokens_per_s_median']:>7.2f}x"
               f"{memory:>10.2f}{memory / trl['peak_rss_gb']:>7.2f}x")
