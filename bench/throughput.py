@@ -260,9 +260,10 @@ def trl_side_by_side(ours: dict[str, dict], model: str, steps: int) -> dict:
     rows = {f"hybridflow {n}": (r["tokens/s"], r["peak GB (sum of ranks)"]) for n, r in ours.items()}
     width = max(len(n) + 2 for n in rows)
     print(f"{'':<{width}}{'tokens/s':>10}{'/TRL':>8}{'peak GB':>10}{'/TRL':>8}")
+    ratio = lambda a, b: f"{a / b:>7.2f}x" if b else f"{'-':>8}"  # noqa: E731
     for name, (speed, memory) in rows.items():
-        print(f"{name:<{width}}{speed:>10.1f}{speed / trl['tokens_per_s_median']:>7.2f}x"
-              f"{memory:>10.2f}{memory / trl['peak_rss_gb']:>7.2f}x")
+        print(f"{name:<{width}}{speed:>10.1f}{ratio(speed, trl['tokens_per_s_median'])}"
+              f"{memory:>10.2f}{ratio(memory, trl['peak_rss_gb'])}")
     print(f"{'TRL':<{width}}{trl['tokens_per_s_median']:>10.1f}{'':>8}{trl['peak_rss_gb']:>10.2f}")
     print("TRL tokens/s by step: " + " ".join(f"{x:.1f}" for x in trl["tokens_per_s"])
           + "; its generate seconds by step: " + " ".join(f"{x:.1f}" for x in trl["generate_seconds"]))

@@ -122,12 +122,13 @@ def tiny_dirs(tmp_path_factory):
     return {tie: build_tiny(TinyModel(**shape, tie_embeddings=tie), out / f"tied-{tie}", seed=1) for tie in (True, False)}
 
 
-def _build(model_dir, dtype="bfloat16", head="lm", trainable=True, lr=1e-3):
+def _build(model_dir, dtype="bfloat16", head="lm", trainable=True, lr=1e-3, compute="auto"):
     from hybridflow.engines.train import fsdp
     from hybridflow.engines.train.base import TrainSettings
     from hybridflow.single_controller.context import WorkerContext
 
-    return fsdp.build(WorkerContext(0, 1, 0, "cpu"), TrainSettings(model_dir, dtype, head, lr=lr, trainable=trainable))
+    return fsdp.build(WorkerContext(0, 1, 0, "cpu"), TrainSettings(model_dir, dtype, head, lr=lr, trainable=trainable,
+                                                                   compute_dtype=compute))
 
 
 def _loss(engine):
@@ -162,15 +163,18 @@ def test_a_frozen_model_is_held_in_its_own_dtype(one_rank, tiny_dirs):
     assert {p.dtype for p in engine.resharded().parameters()} == {torch.bfloat16}
 
 
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_meta_init_loads_the_same_weights_as_a_whole_load_without_one(one_rank, tiny_dirs, monkeypatch, tied):
+def test_meta_init_loads_the_same_weights_as_a_whole_load_without_one(one_rank, tiny_dirs, monkeypatch, tied, compute):
     """Sharded before any weight exists, then filled from the safetensors shards: every parameter equals the
-    whole-model load's (a tied head stays tied), and the whole-model loader is never called."""
+    whole-model load's (a tied head stays tied), and the whole-model loader is never called. Computing in fp32 the
+    one rank's module is a plain one (nothing to shard or cast), in bf16 an FSDP2 one: both load the same."""
     from hybridflow.engines.train import fsdp
 
     whole = fsdp.load_hf_model(tiny_dirs[tied], "float32")
     monkeypatch.setattr(fsdp, "load_hf_model", lambda *a, **k: pytest.fail("the whole model was loaded"))
-    engine = _build(tiny_dirs[tied], "float32")
+    engine = _build(tiny_dirs[tied], "float32", compute=compute)
+    assert engine.sharded == (compute == "bfloat16")
     got = dict(engine.full_params())
     assert set(got) == {n for n, _ in whole.named_parameters()}
     for name, p in whole.named_parameters():
@@ -191,11 +195,12 @@ def test_a_scorer_without_a_dtype_is_held_in_the_dtype_its_whole_load_had(one_ra
     assert {p.dtype for p in engine.resharded().parameters()} == {next(whole.parameters()).dtype}
 
 
-def test_a_value_head_the_checkpoint_lacks_is_initialised_and_the_body_loaded(one_rank, tiny_dirs):
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])  # a plain module, an FSDP2 one
+def test_a_value_head_the_checkpoint_lacks_is_initialised_and_the_body_loaded(one_rank, tiny_dirs, compute):
     from hybridflow.engines.train import fsdp
 
     whole = dict(fsdp.load_hf_model(tiny_dirs[False], "float32").named_parameters())
-    got = dict(_build(tiny_dirs[False], "float32", head="value").full_params())
+    got = dict(_build(tiny_dirs[False], "float32", head="value", compute=compute).full_params())
     assert got["score.weight"].abs().sum() > 0 and got["score.weight"].std() < 0.1
     for name, t in got.items():
         if not name.startswith("score"):

@@ -273,3 +273,18 @@ def test_one_cpu_rank_computing_in_fp32_holds_no_fsdp_copies():
 
     assert fsdp_term(1, "float32") is None
     assert fsdp_term(2, "float32") is not None and fsdp_term(1, "bfloat16") is not None
+
+
+def test_a_lora_reference_is_priced_on_the_actors_engine():
+    """With LoRA the reference is the actor's engine with its adapters off: fp32 adapters beside a bf16 base keep
+    FSDP2 on one rank computing in bf16, so its forward gathers layers, where a reference of its own in bf16 (the
+    compute dtype) is a plain module that gathers nothing."""
+    def reference_forward(**training) -> int:
+        spec = _spec(algorithm={"name": "grpo", "klCoef": 0.01},
+                     models={"actor": {"source": "smollm2", "dtype": "bfloat16"}},
+                     training={"computeDtype": "bfloat16", **training},
+                     resourcePools=[{"name": "cpus", "devicesPerNode": 1, "device": "cpu"}])
+        [plan] = pool_plans(spec, read_shapes(spec, ROOT))
+        return next(t for t in plan.terms if t.role == "reference" and t.transient).phases["forward"]
+
+    assert reference_forward(lora={"rank": 8}) > reference_forward()

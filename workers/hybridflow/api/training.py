@@ -92,13 +92,15 @@ class Training(SpecModel):
         "the update; a forward without backward still reshards each layer after it. auto: on for CPU "
         "pools of more than one rank (there a gather is a copy on the cores that compute, and host memory is ample), "
         "off on one rank (nothing to gather: only memory to lose) and on GPUs (NCCL's gathers overlap compute; "
-        "device memory is not ample). Quote \"on\" and \"off\"."
+        "device memory is not ample). Quote \"on\" and \"off\". One rank whose weights are in the compute dtype "
+        "(fp32 on an AVX2 CPU) trains a plain module, not an FSDP one: there this switch does nothing."
     )
     reduce_gradients_per_step: Literal["auto", "on", "off"] = Field(
         "auto", description="FSDP: gradients are reduce-scattered once per optimizer step, after the last "
         "micro-batch, instead of after each: the micro-batches accumulate the whole model's fp32 gradients on each "
         "rank (4 bytes a parameter instead of 4 / ranks). auto: on for CPU pools of more than one rank, off on one "
-        "rank and on GPUs (as keepGatheredForBackward). Quote \"on\" and \"off\"."
+        "rank and on GPUs (as keepGatheredForBackward). Quote \"on\" and \"off\". Nothing on a plain module (as "
+        "keepGatheredForBackward)."
     )
 
     lora: Lora | None = Field(

@@ -165,6 +165,12 @@ def trained_params(role: str, spec: JobSpec, s: ModelShape, lm: bool) -> Trained
                          f" of the LoRA adapters, rank {lora.rank}")
 
 
+def trained_weight_dtypes(held: TrainedParams, c: int) -> set[str]:
+    """The dtypes a trained model's FSDP engine holds its weights in (engines.train.fsdp.weights_dtype): fp32
+    masters, or with LoRA (a frozen base) the base in the compute dtype beside the fp32 adapters."""
+    return {"float32"} | ({dtype_of(c)} if held.frozen else set())
+
+
 def trained_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c: int, lm: bool) -> list[Term]:
     """A trained model (actor, critic): master weights, AdamW moments, gradients, the update's transients."""
     t = spec.training
@@ -189,9 +195,7 @@ def trained_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c
                      "spec.models.actor.dtype", _in(PHASES, P * module // shard)),
                 Term(role, f"{spec.models.actor.dtype} module gradients", "spec.models.actor.dtype",
                      _in(("update",), P * module // shard))]
-    # the engine's weights: fp32 masters, or with LoRA the base in the compute dtype beside fp32 adapters
-    weights = {"float32"} | ({dtype_of(c)} if held.frozen else set())
-    if not megatron_like and not fsdp_unsharded(shard, weights, dtype_of(c)):
+    if not megatron_like and not fsdp_unsharded(shard, trained_weight_dtypes(held, c), dtype_of(c)):
         gathered, grads = fsdp_transients(s, c, held,
                                           fsdp_switch_on(t.keep_gathered_for_backward, pool.device, shard),
                                           fsdp_switch_on(t.reduce_gradients_per_step, pool.device, shard))
@@ -217,7 +221,10 @@ def frozen_terms(role: str, spec: JobSpec, pool: ResourcePool, s: ModelShape, c:
     """A scoring model (reference, reward): weights in its own dtype, FSDP-sharded, and one forward's transient."""
     tokens, response = micro_batch_tokens(spec, pool.world_size)
     b = DTYPE_BYTES[dtype]
-    gathered = 0 if fsdp_unsharded(pool.world_size, {dtype}, dtype_of(c)) else fsdp_transients(s, c, None)[0]
+    # the engine it runs on holds weights in these dtypes: the actor's with LoRA (its base, adapters off), else its own
+    held = (trained_weight_dtypes(trained_params("actor", spec, s, True), c) if reference_is_actor_base(role, spec)
+            else {dtype})
+    gathered = 0 if fsdp_unsharded(pool.world_size, held, dtype_of(c)) else fsdp_transients(s, c, None)[0]
     forward = gathered + tokens * (2 * s.intermediate + 2 * s.hidden) * c + (
         logits_bytes(s, response, c, False) if lm else 0)
     weights = (Term(role, "no weights of its own: the actor's base, adapters switched off", "spec.training.lora",

@@ -93,7 +93,8 @@ class TrainEngine(Protocol):
 
     def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter whole under HF names (collective): what a generation engine fed full tensors loads. With
-        LoRA the policy's weights: each adapted one merged (base + scaling * B @ A), no adapter among them."""
+        LoRA the policy's weights: each adapted one merged (base + scaling * B @ A), no adapter among them. A tensor
+        may be the live weight itself (an unsharded engine's): copy it before the next update."""
 
     def sync_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """What a generation engine that holds the base must receive after an update, whole (collective): every
