@@ -20,7 +20,7 @@ from hybridflow.api.names import DATA_MOUNT, reward_configmap_key
 from hybridflow.api.roles import ROLE_KINDS
 from hybridflow.api.scaling import elastic_problems
 from hybridflow.api.sections import JobFields
-from hybridflow.api.training import LORA_PROJECTIONS, MEGATRON_LINEAR_PARTS
+from hybridflow.api.training import LORA_PROJECTIONS, MEGATRON_LINEAR_PARTS, fsdp_switches_forced_on
 from hybridflow.api.reward_rules import judge_problems, reward_source_problems
 from hybridflow.api.storage import is_url
 from hybridflow.rewards.rules import RULES, TASK_DEFAULT_RULE
@@ -336,8 +336,7 @@ def _fsdp_switch_problems(spec: JobFields) -> list[str]:
         return []
     return [f"spec.training.{field}: \"on\" does nothing with the {t.engine} engine, which shards by tensorParallel x "
             f"pipelineParallel and gathers nothing (the switch is FSDP's); leave it \"auto\" or set it \"off\""
-            for field, value in (("keepGatheredForBackward", t.keep_gathered_for_backward),
-                                 ("reduceGradientsPerStep", t.reduce_gradients_per_step)) if value == "on"]
+            for field in fsdp_switches_forced_on(t)]
 
 
 _CONFIGMAP_KEY = re.compile(r"[-._a-zA-Z0-9]+")

@@ -126,6 +126,14 @@ def fsdp_switch_on(switch: str, device: str, ranks: int) -> bool:
     return switch == "on" or (switch == "auto" and device != "gpu" and ranks > 1)
 
 
+def fsdp_switches_forced_on(training: Training) -> list[str]:
+    """The FSDP communication switches the spec sets "on" (camelCase field names): what an engine that gathers
+    nothing (megatron, model parallel) cannot honour. The rules refuse such a pair and the planner offers none."""
+    return [field for field, value in (("keepGatheredForBackward", training.keep_gathered_for_backward),
+                                       ("reduceGradientsPerStep", training.reduce_gradients_per_step))
+            if value == "on"]
+
+
 def fsdp_unsharded(ranks: int, weight_dtypes: Collection[str], compute_dtype: str) -> bool:
     """Whether the FSDP engine trains a model as a plain module instead of under FSDP2: on one rank whose weights are
     all in the compute dtype (fp32 masters computing in fp32, on an AVX2 CPU) there is nothing to shard, gather,

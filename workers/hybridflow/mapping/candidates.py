@@ -17,7 +17,7 @@ from hybridflow.algorithms import ALGORITHMS
 from hybridflow.api import JobSpec
 from hybridflow.api.devices import DeviceProfile
 from hybridflow.api.engines import ROLLOUT_ENGINES, TRAIN_ENGINES
-from hybridflow.api.training import actor_is_reference
+from hybridflow.api.training import actor_is_reference, fsdp_switches_forced_on
 from hybridflow.mapping.workload import TRAINED
 from hybridflow.memory.shapes import ModelShape
 
@@ -142,8 +142,7 @@ def train_engines(spec: JobSpec, allowed: Iterable[str] | None = None) -> list[s
             continue
         if spec.training.lora is not None and not kind.lora:
             continue
-        if kind.model_parallel and "on" in (spec.training.keep_gathered_for_backward,
-                                            spec.training.reduce_gradients_per_step):
+        if kind.model_parallel and fsdp_switches_forced_on(spec.training):
             continue
         if kind.computes_in_model_dtype and spec.training.compute_dtype == "bfloat16" and \
                 spec.models.actor.dtype != "bfloat16":
