@@ -8,7 +8,7 @@ import torch
 
 from hybridflow.api import parse_job
 from hybridflow.profiling import (
-    OTHER, OUTSIDE, format_table, op_kind, profile_report, profile_tables, profiled, seconds_by_kind,
+    OTHER, OUTSIDE, format_table, op_kind, profile_report, profile_tables, profiled, rank_means, seconds_by_kind,
 )
 
 # names as torch's profiler records them in a CPU update (FSDP2 on gloo), vLLM's CPU generation and the optimizer
@@ -106,3 +106,10 @@ def test_an_error_in_the_profiled_work_is_the_error_seen():
     with profiled("update", True) as again:  # the profiler was stopped: a later stage profiles as before
         torch.randn(8, 8) @ torch.randn(8, 8)
     assert again["profile_update_matmul_s"] > 0
+
+
+def test_a_rank_without_a_profile_leaves_the_others_mean():
+    """A rank whose profiler could not run reports no profile: the mean is the reporting ranks', not diluted."""
+    per_rank = [{"profile_update_matmul_s": 2.0, "loss": 1.0}, {"loss": 3.0}]
+    assert rank_means(per_rank, "profile_") == {"profile_update_matmul_s": 2.0}
+    assert rank_means(per_rank) == {"profile_update_matmul_s": 2.0, "loss": 2.0}

@@ -19,6 +19,8 @@ import re
 import time
 from typing import Any, Iterable, Iterator, Mapping
 
+import numpy as np
+
 from hybridflow.logs import say_once
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,14 @@ _COMPILED = [(kind, [re.compile(p) for p in patterns]) for kind, patterns in OP_
 PREFIX = "profile_"
 PROFILE = "profile"  # a batch's meta: the role that gets it profiles what it does with it (the step is profiled)
 GENERATION_PROFILE = "generation_profile"  # a generated batch's meta: its generation's stage_stats
+
+
+def rank_means(per_rank: Iterable[Mapping[str, float]], prefix: str = "") -> dict[str, float]:
+    """Each statistic (those starting with `prefix`) as its mean over the ranks that report it: a rank whose
+    profiler could not start or recorded nothing reports no profile, and the others' still count."""
+    per_rank = list(per_rank)
+    keys = dict.fromkeys(k for r in per_rank for k in r if k.startswith(prefix))
+    return {k: float(np.mean([r[k] for r in per_rank if k in r])) for k in keys}
 
 
 def op_kind(name: str) -> str:

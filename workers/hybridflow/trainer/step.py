@@ -31,7 +31,7 @@ from hybridflow.roles.stages import STAGES, optional_stages, remote_stages
 from hybridflow.trainer.episodes import episode_failures, episode_stats
 from hybridflow.trainer.generation.rollouts import Rollouts
 from hybridflow.trainer.rows import dp_divisor, fitted, is_padding, padded, prompt_groups
-from hybridflow.profiling import PROFILE
+from hybridflow.profiling import PROFILE, rank_means
 from hybridflow.api import JobSpec
 
 # stage -> (role, worker method), and the stages skipped without their role: derived from the registry
@@ -436,7 +436,7 @@ def mean_stats(per_rank: list[dict[str, float]], prefix: str) -> dict[str, float
     """Each statistic's mean over the ranks that report it (a profile, spec.trainer.profileSteps, may be missing
     where a rank's profiler could not run), memory peaks' max and sum."""
     keys = dict.fromkeys(k for r in per_rank for k in r)
-    out = {f"{prefix}{k}": float(np.mean([r[k] for r in per_rank if k in r])) for k in keys}
+    out = {f"{prefix}{k}": v for k, v in rank_means(per_rank).items()}
     if "peak_memory_bytes" in keys:
         out[f"{prefix or 'actor_'}peak_memory_bytes"] = float(max(r["peak_memory_bytes"] for r in per_rank))
         out[f"{prefix or 'actor_'}peak_memory_bytes_total"] = float(sum(r["peak_memory_bytes"] for r in per_rank))

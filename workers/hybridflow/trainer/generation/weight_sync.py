@@ -17,7 +17,7 @@ import numpy as np
 
 from hybridflow.roles.protocols import ActorRole, ColocatedRolloutRole
 from hybridflow.single_controller.worker_group import PendingResult, RoleHandle, resolve
-from hybridflow.profiling import PREFIX
+from hybridflow.profiling import PREFIX, rank_means
 from hybridflow.trainer.generation.replicas import Replacement, RolloutReplicas
 
 
@@ -45,9 +45,7 @@ class ColocatedWeightSync:
     def sync(self, version: int, profile: bool = False) -> dict[str, float]:
         per_rank = self.rollout.sync_weights(version, profile)
         self.version = version
-        keys = dict.fromkeys(k for x in per_rank for k in x if k.startswith(PREFIX))  # where a rank's profiler ran
-        profiled = {k: float(np.mean([x[k] for x in per_rank if k in x])) for k in keys}
-        return {**profiled, "reshard_bytes": float(np.mean([x["bytes"] for x in per_rank])),
+        return {**rank_means(per_rank, PREFIX), "reshard_bytes": float(np.mean([x["bytes"] for x in per_rank])),
                 "reshard_peak_bytes": float(max(x["peak_bytes"] for x in per_rank)),
                 "generation_weight_bytes": float(max(x["generation_bytes"] for x in per_rank)),
                 # generation's memory freed before the update (vLLM on GPU: sleep) and taken back by this sync
