@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT / "workers"))
 from hybridflow.capacity import SMOLLM2_PARAMS, tiny_params  # noqa: E402
 from hybridflow.flops import forward_flops, matmul_peak_flops, training_flops  # noqa: E402
 from hybridflow.api import TinyModel  # noqa: E402
-from hybridflow.profiling import profile_report  # noqa: E402
+from hybridflow.profiling import PREFIX, profile_report  # noqa: E402
 
 RANKS = 2
 JOB = {
@@ -162,7 +162,7 @@ def pool_shape(doc: dict) -> tuple[int, int]:
 def summarise(records: list[dict], dtype: str, peaks: dict[str, float], parameters: int,
               cores: int, trained: int | None = None) -> dict[str, float]:
     # the first step pays one-off costs (first vLLM call, allocator warm-up); a profiled step pays the profiler's
-    rec = [r for r in records[1:] if not any(k.startswith("profile_") for k in r)] or records[1:] or records
+    rec = [r for r in records[1:] if not any(k.startswith(PREFIX) for k in r)] or records[1:] or records
     med = lambda f: statistics.median(f(r) for r in rec)  # noqa: E731
     out = {"tokens/s": med(lambda r: r["throughput_tokens_per_s"]),
            "iteration s": med(lambda r: r["iteration_seconds"])}
