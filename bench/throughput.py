@@ -195,21 +195,16 @@ def actor_params_held(doc: dict):
 def rank_memory_parts(doc: dict, dtype: str) -> dict[str, float]:
     """What one rank holds by design through the update (whose peak the table shows), in GB, from the job's spec:
     the FSDP shards (fp32 masters, their gradients, AdamW's two moments: of every weight, or with LoRA of the
-    adapters, beside the frozen base in the compute dtype) and what the colocated generation engine keeps (its KV
-    cache, as the job sizes it; a CPU vLLM releases its weights for the update, with LoRA too). Peak minus these is
-    the runtime (Python, torch, vLLM, Ray) and the activations and allocator slack of the largest micro-batch."""
-    from hybridflow.api import parse_job
-    from hybridflow.capacity import DTYPE_BYTES, machine_facts, rank_floor
+    adapters, beside the frozen base in the compute dtype). The colocated generation engine keeps nothing of its
+    own by design: a CPU vLLM releases its weights and its KV cache for the update, with LoRA too. Peak minus these
+    is the runtime (Python, torch, vLLM, Ray) and the activations and allocator slack of the largest micro-batch."""
+    from hybridflow.capacity import DTYPE_BYTES
 
-    job = parse_job(doc)
     held = actor_params_held(doc)
     ranks = pool_shape(doc)[0]
     shard = held.trained * 4 / ranks / 1e9
     frozen = {"frozen base": held.frozen * DTYPE_BYTES[dtype] / ranks / 1e9} if held.frozen else {}
-    pool = job.spec.resource_pools[0]
-    generation = {k: v / 1e9 for k, v in rank_floor(job.spec, pool, machine_facts(job)).items()
-                  if k != "process" and "weights" not in k}
-    return {"fp32 weight shard": shard, "gradient shard": shard, "AdamW moments": 2 * shard} | frozen | generation
+    return {"fp32 weight shard": shard, "gradient shard": shard, "AdamW moments": 2 * shard} | frozen
 
 
 def peaks_by_step(records: list[dict]) -> list[float]:

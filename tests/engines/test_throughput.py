@@ -267,9 +267,11 @@ embed = engine.model.model.embed_tokens.weight
 where = embed.data_ptr()
 engine.load_weights((k, v.to(torch.bfloat16)) for k, v in load_file(str(model_dir / "model.safetensors")).items())
 same_storage = embed.data_ptr() == where and engine.model.model.embed_tokens.weight is embed
+weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
 before = rss()
 engine.release()
 released = rss()
+kv_left = sum(t.untyped_storage().nbytes() for t in rpc(lambda w: w.model_runner.kv_caches)[0])  # not spied
 try:
     engine.generate(prompts, [cfg] * len(prompts))
     error = ""
@@ -292,7 +294,7 @@ again = [g.tokens for g in engine.generate(prompts, [cfg] * len(prompts))]
 engine.release()
 engine.load_weights((k, v.to(torch.bfloat16)) for k, v in load_file(str(model_dir / "model.safetensors")).items())
 after_sync = cached(group, 1)
-print(json.dumps({"freed": before - released, "error": error, "same": again == first, "in_group": in_group,
+print(json.dumps({"freed": before - released, "weights": weights, "kv_left": kv_left, "error": error, "same": again == first, "in_group": in_group,
                   "later": later, "after_sync": after_sync, "calls": calls, "same_storage": same_storage}))
 """
 
@@ -301,8 +303,9 @@ print(json.dumps({"freed": before - released, "error": error, "same": again == f
 def test_vllm_on_cpu_frees_its_weights_for_training_and_gets_them_back_with_the_next_sync_and_a_clear_cache(
         model_cache):
     """vLLM on CPU holds its weights as packed GEMMs (AVX-512) or as plain parameters its `linear` calls use (AVX2):
-    release() drops either (SmolLM2 in bf16 is 0.27 GB of weights), generation before the next load_weights is a
-    clear error rather than stale output, and load_weights brings them back, so greedy output is what it was. (On
+    release() drops either (SmolLM2 in bf16 is 0.27 GB of weights) and the KV cache, generation before the next
+    load_weights is a clear error rather than stale output, and load_weights brings them back, so greedy output is
+    what it was (after a release, generating in a KV cache that was freed and zeroed again). (On
     an AVX2 machine release() used to free nothing.) Every reload is vLLM's public collective_rpc("reload_weights")
     and, awake, writes into the storage vLLM allocated. In a child process: vLLM sets up its own torch.distributed
     state."""
@@ -318,7 +321,9 @@ def test_vllm_on_cpu_frees_its_weights_for_training_and_gets_them_back_with_the_
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["freed"] > 200e6, result
+    # the weights and the KV cache (32 MiB here; the views vLLM's layers hold stay bound to its emptied storage)
+    assert result["kv_left"] == 0, result
+    assert result["freed"] > result["weights"] * 0.9 + (24 << 20), result
     assert "released for training" in result["error"]
     assert result["same"]
     # prefix caching (rollout.prefixCaching) in 32-token blocks: a group's samples share the prompt's whole block,
@@ -327,5 +332,7 @@ def test_vllm_on_cpu_frees_its_weights_for_training_and_gets_them_back_with_the_
     assert result["later"] == [32] and result["after_sync"] == [0], result
     # every reload went through vLLM's public RPC, the worker's reload_weights (in its config context; issue 50),
     # and wrote into the storage vLLM allocated (on a GPU: sleep mode's, and what CUDA graphs read)
-    assert result["calls"] == [["reload_weights", ["weights_iterator"]]] * 3, result["calls"]
+    # (and each release reached the KV cache the same way)
+    reload, kv = ["reload_weights", ["weights_iterator"]], ["_kv_caches_in_worker", []]
+    assert result["calls"] == [reload, kv, reload, kv, reload], result["calls"]
     assert result["same_storage"]

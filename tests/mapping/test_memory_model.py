@@ -288,3 +288,13 @@ def test_a_lora_reference_is_priced_on_the_actors_engine():
         return next(t for t in plan.terms if t.role == "reference" and t.transient).phases["forward"]
 
     assert reference_forward(lora={"rank": 8}) > reference_forward()
+
+
+def test_vllm_on_cpu_holds_its_kv_cache_and_weights_outside_the_update_only():
+    """On CPU release() frees vLLM's weights and its KV cache for the update (engines/rollout/vllm.py), so neither
+    adds to the update's phase, where the trainer's gradients and activations are."""
+    spec = _spec(resourcePools=[{"name": "cpus", "devicesPerNode": 2, "device": "cpu"}])
+    _, t = _terms(spec, "rollout")
+    for what in ("vLLM weights", "vLLM KV cache"):
+        assert t[what].phases["update"] == 0, what
+        assert t[what].phases["generate"] == t[what].phases["reshard"] > 0, what

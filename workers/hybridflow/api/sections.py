@@ -196,7 +196,7 @@ class Rollout(SpecModel):
     max_response_length: int = Field(8, gt=0, le=MAX_COUNT, description="New tokens per response.")
     kv_cache_gib: float = Field(
         0.0, ge=0, le=4096, description="vLLM KV cache size on CPU in GiB (0: sized from the job: every sequence of "
-        "one generation call, prompt + response, at once)."
+        "one generation call, prompt + response, at once); freed during each update beside the actor."
     )
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory fraction (GPU only).")
     cuda_graphs: Literal["auto", "on", "off"] = Field(

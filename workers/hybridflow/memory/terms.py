@@ -246,7 +246,7 @@ def rollout_terms(spec: JobSpec, pool: ResourcePool, s: ModelShape, c: int, devi
                   gpu: bool, colocated: bool) -> list[Term]:
     """vLLM on its pool. On GPU it takes gpuMemoryUtilization x the device while awake (weights, workspace, and a
     KV cache of whatever is left), sleeps through scoring and the update (weights and KV cache freed; the CUDA-graph
-    pool stays), and wakes its weights for the transition. On CPU its KV cache is sized from the job and stays; its
+    pool stays), and wakes its weights for the transition. On CPU its KV cache is sized from the job; it and the
     weights are released during the update. With LoRA, vLLM's slot for the adapter comes out of its share too."""
     r = spec.rollout
     weights = s.params * c // r.tensor_parallel
@@ -269,11 +269,14 @@ def rollout_terms(spec: JobSpec, pool: ResourcePool, s: ModelShape, c: int, devi
         per_rank = -(-sequences // max(1, pool.world_size // r.tensor_parallel))
         kv = int(r.kv_cache_gib * (1 << 30)) or kv_cache_bytes(
             s.layers, s.kv_heads, s.head_dim, c, per_rank, r.max_prompt_length + r.max_response_length)
-        # released in the update; with LoRA the base comes back from the model's files at the transition
+        # both released in the update (engines/rollout/vllm.py: release); with LoRA the base comes back from the
+        # model's files at the transition
+        held = ("generate", "forward", "reshard")
         out = [Term("rollout", f"vLLM weights (1/{r.tensor_parallel}), released in the update" + (
                     " (the LoRA base: read back from the model directory)" if adapter else ""),
-                    "spec.rollout.tensorParallel", _in(("generate", "forward", "reshard"), weights)),
-               Term("rollout", "vLLM KV cache (sized from the job)", "spec.rollout.kvCacheGib", _in(PHASES, kv))]
+                    "spec.rollout.tensorParallel", _in(held, weights)),
+               Term("rollout", "vLLM KV cache (sized from the job), released in the update",
+                    "spec.rollout.kvCacheGib", _in(held, kv))]
     if adapter:
         out.append(Term("rollout", f"vLLM LoRA slot (enable_lora: one adapter, 1/{r.tensor_parallel})",
                         "spec.training.lora.rank", _in(("generate", "reshard"), adapter // r.tensor_parallel)))
