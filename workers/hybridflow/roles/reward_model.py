@@ -24,8 +24,8 @@ class RewardModelWorker:
     def __init__(self, ctx: WorkerContext, config: ScoringConfig, model_dir: str) -> None:
         self.config = config
         build: TrainEngineFactory = config.train_engine.load()
-        self.engine: TrainEngine = build(ctx, TrainSettings(  # the score head in the checkpoint's own dtype
-            local_model_dir(model_dir, config.model, config.seed), None, head="value", trainable=False,
+        self.engine: TrainEngine = build(ctx, TrainSettings(  # held in the dtype its spec names (models.*.dtype)
+            local_model_dir(model_dir, config.model, config.seed), config.model.dtype, head="value", trainable=False,
             compute_dtype=config.compute_dtype, dynamic_batch_size=config.dynamic_batch_size, seed=config.seed))
 
     @register(Dispatch.DP_COMPUTE, blocking=False)
