@@ -15,9 +15,12 @@ cpusPerDevice 2) beside the defaults' two ranks of one thread.
 
 Prints per run: tokens/s (prompt + response tokens of the batch / iteration seconds, the paper's definition), seconds
 per stage, peak memory per rank (max) and summed over ranks, the weight sync's bytes (into generation, and gathered
-from other ranks), and the achieved FLOP/s of the actor update and of the old-log-prob pass as a fraction of this
-machine's matmul peak, which the bench measures itself (one thread per rank, as the job's ranks run, in the dtype each
-run computes in; 6N FLOPs a token, with LoRA 4N + 2 x the adapters': its frozen base has no weight gradients).
+from other ranks), and the actor update's and the old-log-prob pass's FLOP/s over this machine's matmul peak, which
+the bench measures itself (one thread's on every core the job computes on, in the dtype each run computes in; 6N
+FLOPs a token, with LoRA 4N + 2 x the adapters': its frozen base has no weight gradients). Those count the batch's
+tokens, every row's prompt (throughput-equivalent): with shared prompts the ranks compute a group's prompt once, so
+the ratio is not an MFU and can pass 1. The job's own MFU (its step records' `mfu`: the tokens computed, over the
+peaks its ranks measured) comes beside them.
 Then the ratio defaults / baseline.
 
 With --gpu (bench/gpu_check.sh): one GPU rank, a 0.5B-class Qwen2-style model built from its config (random
@@ -174,9 +177,10 @@ def summarise(records: list[dict], dtype: str, peaks: dict[str, float], paramete
         out[key] = med(lambda r: r.get(field, 0.0)) / 1e6
     peak = cores * peaks[dtype]  # the one-thread (or one-GPU) peak on every core the job computes on
     update_flops = lambda r: training_flops(parameters, r["tokens"], trained) / r["stages"]["actor_update"]  # noqa: E731
-    out["update MFU (batch tokens)"] = med(update_flops) / peak
+    out["update FLOP/s / peak (batch tokens)"] = med(update_flops) / peak  # not an MFU: see the module's docstring
     logp = med(lambda r: r["stages"].get("old_log_prob", 0.0))
-    out["log-prob MFU"] = med(lambda r: forward_flops(parameters, r["tokens"])) / logp / peak if logp else 0.0
+    out["log-prob FLOP/s / peak (batch tokens)"] = (med(lambda r: forward_flops(parameters, r["tokens"])) / logp / peak
+                                                    if logp else 0.0)
     out["update MFU (job's metric)"] = med(lambda r: r["mfu"])
     out["reward (last step)"] = records[-1]["reward_mean"]
     return out

@@ -101,8 +101,8 @@ STEP_GAUGES = {
                          "in-place recovery (runPolicy.restartPolicy failedPod)."),
     "last_iteration_seconds": ("iteration_seconds", "Wall time of the last RLHF iteration (what the operator's "
                                "default progress deadline scales with)."),
-    "actor_update_mfu": ("mfu", "Actor update FLOP/s over the rank's own measured matmul peak in the compute "
-                         "dtype (model FLOPs utilisation), mean over ranks."),
+    "actor_update_mfu": ("mfu", "Actor update FLOP/s over the matmul peak the ranks measured in the compute dtype "
+                         "(model FLOPs utilisation): every rank's FLOP/s over every rank's peak, summed."),
 }
 
 

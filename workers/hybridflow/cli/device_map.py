@@ -49,10 +49,8 @@ def this_cpu(job: RLHFJob) -> DeviceProfile:
     torch.set_num_threads(max(1, int(job.spec.resource_pools[0].cpus_per_device)))
     try:
         dtype = compute_dtype(job.spec.training.compute_dtype, "cpu", model_dtype=job.spec.models.actor.dtype)
-        # the best of three: other work on the machine only ever lowers a measurement
-        best = lambda d: max(matmul_peak_flops(d) for _ in range(3))  # noqa: E731
-        peak = best(dtype)
-        return calibrated(PROFILES["cpu"], peak, peak if dtype == torch.float32 else best(torch.float32))
+        peak = matmul_peak_flops(dtype)  # the best of a few windows: other work only ever lowers one
+        return calibrated(PROFILES["cpu"], peak, peak if dtype == torch.float32 else matmul_peak_flops(torch.float32))
     finally:
         torch.set_num_threads(threads)
 

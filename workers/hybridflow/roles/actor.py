@@ -58,7 +58,7 @@ class ActorWorker(CheckpointMixin):
         release_free_memory()  # the whole model it loaded before sharding
         self.parameters = self.engine.num_parameters()  # collective where the engine gathers to count
         self.trained = self.engine.num_trained_parameters()  # with LoRA the adapters: the update's weight gradients
-        self.peak_flops = matmul_peak_flops(self.engine.compute_dtype, ctx.device)  # MFU's denominator, per rank
+        self.peak_flops = 0.0  # MFU's denominator, this rank's: measured at its first update (update_actor)
         self._releases: list[Callable[[], None]] = []
         self._log_prob_peak = 0  # the peak of this step's log-prob passes, reported with the update
         self.stream = WeightSending(ctx, self.engine)
@@ -118,6 +118,9 @@ class ActorWorker(CheckpointMixin):
         kl_loss = algo.kl_in == "loss" and kl_coef > 0
         for release in self._releases:  # generate -> train: generation memory goes, training shards never left
             release()
+        if not self.peak_flops:  # here, not at start: every rank has loaded and started generation, and measures
+            # beside the others as the update runs beside them, on the threads the update computes on
+            self.peak_flops = matmul_peak_flops(self.engine.compute_dtype, self.ctx.device)
         release_free_memory()
         correction = off_policy_correction(algo)
 
@@ -156,6 +159,7 @@ class ActorWorker(CheckpointMixin):
             out["log_prob_peak_memory_bytes"], self._log_prob_peak = float(self._log_prob_peak), 0
         tokens = float(computed_tokens(batch, self.engine.shared_prompt)) * t.ppo_epochs
         out["update_flops_per_s"] = training_flops(self.parameters, tokens, self.trained) / max(out["update_seconds"], 1e-9)
+        out["peak_flops"] = self.peak_flops  # the job's MFU sums these (flops.pooled_mfu), not the ranks' ratios
         out["mfu"] = out["update_flops_per_s"] / self.peak_flops
         return out
 

@@ -58,12 +58,24 @@ def settle_heap() -> None:
     gc.freeze()
 
 
+def use_threads(env: dict[str, str]) -> None:
+    """torch computes on the threads `env`'s OMP_NUM_THREADS names (the pool's cpusPerDevice). Setting the variable
+    in the running process does not do it: torch read its thread count when it was imported, before the host's
+    `env` arrived, from what the process started with (Ray's floor of the actor's CPUs, unless the driver had
+    exported OMP_NUM_THREADS: then every rank took the driver's, whatever its pool's cpusPerDevice)."""
+    if "OMP_NUM_THREADS" in env:
+        import torch
+
+        torch.set_num_threads(max(1, int(env["OMP_NUM_THREADS"])))
+
+
 @ray.remote
 class WorkerHost:
     """One process per device. Sets up torch.distributed, then hosts any number of colocated role objects."""
 
     def __init__(self, rank: int, world_size: int, device: str, env: dict[str, str]) -> None:
         os.environ.update(env)
+        use_threads(env)
         self.ctx = WorkerContext(rank, world_size, 0, device)  # its local rank once the group knows (use_local_device)
         self.roles: dict[str, Any] = {}
         self._store: Any = None

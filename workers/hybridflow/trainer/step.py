@@ -24,6 +24,7 @@ from hybridflow.algorithms.core import overlong_penalty, token_rewards, trained_
 from hybridflow.algorithms.dataflow import Carried
 from hybridflow.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from hybridflow.data.packing import response_lengths
+from hybridflow.flops import pooled_mfu
 from hybridflow.single_controller.batch import Batch
 from hybridflow.single_controller.worker_group import PendingResult, RoleHandle, resolve, stuck, wait_done
 from hybridflow.roles.config import old_log_probs_from_update
@@ -433,10 +434,12 @@ def _plain(x: Any) -> Any:
 
 
 def mean_stats(per_rank: list[dict[str, float]], prefix: str) -> dict[str, float]:
-    """Each statistic's mean over the ranks that report it (a profile, spec.trainer.profileSteps, may be missing
-    where a rank's profiler could not run), memory peaks' max and sum."""
+    """Each statistic's mean over the ranks that report it (a profile may be missing where a rank's profiler could
+    not run), memory peaks' max and sum; the MFU pooled, not the ranks' ratios' mean (flops.pooled_mfu)."""
     keys = dict.fromkeys(k for r in per_rank for k in r)
     out = {f"{prefix}{k}": v for k, v in rank_means(per_rank).items()}
+    if (mfu := pooled_mfu(per_rank)) is not None:
+        out[f"{prefix}mfu"] = mfu
     if "peak_memory_bytes" in keys:
         out[f"{prefix or 'actor_'}peak_memory_bytes"] = float(max(r["peak_memory_bytes"] for r in per_rank))
         out[f"{prefix or 'actor_'}peak_memory_bytes_total"] = float(sum(r["peak_memory_bytes"] for r in per_rank))
