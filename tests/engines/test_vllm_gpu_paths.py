@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from hybridflow.api import SpecError, parse_job
-from hybridflow.engines.rollout.vllm import enforce_eager, install_shards
+from hybridflow.engines.rollout.vllm import enforce_eager
+from hybridflow.engines.rollout.vllm_tp import install_shards
 from hybridflow.roles import common
 from hybridflow.roles.rollout import RolloutWorker
 from hybridflow.trainer.generation.weight_sync import ColocatedWeightSync
