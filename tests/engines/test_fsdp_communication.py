@@ -9,6 +9,7 @@ import torch
 
 from hybridflow.api.training import fsdp_switch_on
 from hybridflow.engines.train.fsdp import FSDPEngine, load_hf_model
+from support.gradients import gradients_at_step
 from support.rank_process import run_rank
 from support.tiny_actor import masked_log_probs, ragged_batch
 
@@ -30,10 +31,10 @@ def _run(model_dir: str, keep: bool, reduce: bool) -> dict:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     batch = ragged_batch()
     batch = batch.with_columns(advantages=batch["advantages"].double()).index(torch.arange(rank, len(batch), world))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, \
+            gradients_at_step(engine.optimizer, engine.module.named_parameters, lambda g: g.full_tensor()) as grads:
         stats = engine.train_mini_batch(batch, MICRO, _loss(engine))
     calls = {e.key: e.count for e in prof.key_averages()}
-    grads = {n: p.grad.full_tensor() for n, p in engine.module.named_parameters()}  # kept until the next step
     layers = engine.module.model.layers
     seen = []  # while the last layer runs a forward without backward, whether the first is back in its shard
     hook = layers[-1].register_forward_pre_hook(

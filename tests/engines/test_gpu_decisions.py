@@ -23,6 +23,7 @@ from hybridflow.single_controller.local_devices import (
     process_group_backend,
 )
 
+from support.gradients import gradients_at_step
 from support.paths import ROOT
 
 ENGINES = ROOT / "workers" / "hybridflow" / "engines"
@@ -149,9 +150,11 @@ def test_a_bf16_model_trains_with_fp32_master_weights_gradients_and_adam_state(o
     before = {n: p.full_tensor().clone() for n, p in engine.resharded().named_parameters()}
     assert {t.dtype for t in before.values()} == {torch.float32}
     batch = Batch({"input_ids": torch.randint(0, 64, (4, 6)), "responses": torch.zeros(4, 2, dtype=torch.long)})
-    engine.train_mini_batch(batch, 4, _loss(engine))
+    with gradients_at_step(engine.optimizer, engine.resharded().named_parameters, lambda g: g) as grads:
+        engine.train_mini_batch(batch, 4, _loss(engine))
     params = dict(engine.resharded().named_parameters())
-    assert {p.grad.dtype for p in params.values() if p.grad is not None} == {torch.float32}
+    assert {g.dtype for g in grads.values() if g is not None} == {torch.float32}
+    assert all(p.grad is None for p in params.values())  # freed once stepped: they live in the update only
     state = [s for s in engine.optimizer.state.values()]
     assert state and {s["exp_avg"].dtype for s in state} | {s["exp_avg_sq"].dtype for s in state} == {torch.float32}
     moved = [n for n, p in params.items() if not torch.equal(p.full_tensor(), before[n])]

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from hybridflow.api.training import fsdp_unsharded
 from hybridflow.engines.train import fsdp
 from hybridflow.engines.train.fsdp import FSDPEngine, load_hf_model
+from support.gradients import gradients_at_step
 from support.tiny_actor import masked_log_probs, ragged_batch
 
 MICRO = 2  # rows per micro-batch: the 8 rows in 4, so gradients accumulate
@@ -28,10 +29,11 @@ def _step(model_dir) -> dict:
 
     batch = ragged_batch()
     batch = batch.with_columns(advantages=batch["advantages"].double())
-    stats = engine.train_mini_batch(batch, MICRO, loss_fn)
-    whole = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    whole = lambda t: t.full_tensor() if isinstance(t, DTensor) else t.clone()  # noqa: E731
+    with gradients_at_step(engine.optimizer, engine.module.named_parameters, whole) as grads:
+        stats = engine.train_mini_batch(batch, MICRO, loss_fn)
     return {"sharded": engine.sharded, "stats": stats, "log_probs": masked_log_probs(engine, batch, MICRO),
-            "grads": {n: whole(p.grad) for n, p in engine.module.named_parameters()},
+            "grads": grads,
             "params": dict(engine.full_params()),
             "dtensors": any(isinstance(p, DTensor) for p in engine.module.parameters())}
 

@@ -20,6 +20,7 @@ from hybridflow.engines.train.shared_prompt import can_share, packed_outputs, sh
 from hybridflow.models.builders import tiny_config
 from hybridflow.roles.critic import response_values
 from hybridflow.single_controller.batch import Batch
+from support.gradients import gradients_at_step
 
 P, R = 6, 5
 A, B, C = [3, 4, 5], [6, 7, 8, 9, 10, 11], [12]
@@ -218,9 +219,9 @@ def test_the_fsdp_engine_takes_the_same_step_with_shared_prompts(one_rank, monke
     for shared in (False, True):
         engine = FSDPEngine(_model("sdpa"), 1e-2, 1e9, "cpu", compute_dtype=torch.float64, dynamic_batch_size=True,
                             shared_prompt=shared)
-        stats[shared] = engine.train_mini_batch(batch, 2, loss_fn, per="tokens")
+        with gradients_at_step(engine.optimizer, engine.module.named_parameters) as after[shared]:  # Adam's first step
+            stats[shared] = engine.train_mini_batch(batch, 2, loss_fn, per="tokens")
         assert not engine.sharded  # one rank computing in its weights' dtype: a plain module, its gradients whole
-        after[shared] = {n: p.grad.clone() for n, p in engine.module.named_parameters()}  # Adam's first step
         # is lr x sign(g): a float32-rounding-sized gradient would flip it, so the gradients are what is compared
         assert bool(packed_calls) == shared
     assert stats[True]["loss"] == pytest.approx(stats[False]["loss"], rel=1e-6)

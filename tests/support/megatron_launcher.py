@@ -51,8 +51,11 @@ def run_rank(rank: int, world: int, init: str, cfg: dict) -> None:
         loss = objective(lp, engine.entropy(logits))
         return loss, {"loss": loss.detach()}
 
-    stats = engine.train_mini_batch(mine, micro, loss_fn)  # averages over DP; grad_clip is huge: nothing is scaled
-    grads = {n: engine.gather_tp(n, p.grad) for n, p in engine.named_parameters() if p is not engine.tied_copy}
+    from gradients import gradients_at_step  # a rank runs this file as a script: its directory is on sys.path
+
+    with gradients_at_step(engine.optimizer, engine.named_parameters) as raw:  # freed once stepped
+        stats = engine.train_mini_batch(mine, micro, loss_fn)  # averages over DP; grad_clip is huge: nothing scaled
+    grads = {n: engine.gather_tp(n, raw[n]) for n, p in engine.named_parameters() if p is not engine.tied_copy}
     every: list = [None] * world
     dist.all_gather_object(every, (engine.dp_rank, engine.dp_size, stats["loss"], logp, grads))
     if rank == 0:

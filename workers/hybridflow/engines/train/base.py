@@ -244,6 +244,10 @@ class TrainLoop:
         stats["grad_norm"] = float(norm)
         if torch.isfinite(norm):
             self.optimizer.step()
+        # Gradients live in the update only (as the memory model prices them): held until the next step's
+        # zero_grad they would sit beside the generation engine's weights and KV cache (on a GPU, vLLM woken
+        # from sleep into memory they still take).
+        self.optimizer.zero_grad(set_to_none=True)
         return stats
 
     def ppo_update(self, batch: Batch, t: Training, prompts_per_step: int, loss_fn: LossFn,
