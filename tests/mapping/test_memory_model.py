@@ -290,11 +290,21 @@ def test_a_lora_reference_is_priced_on_the_actors_engine():
     assert reference_forward(lora={"rank": 8}) > reference_forward()
 
 
-def test_vllm_on_cpu_holds_its_kv_cache_and_weights_outside_the_update_only():
-    """On CPU release() frees vLLM's weights and its KV cache for the update (engines/rollout/vllm.py), so neither
-    adds to the update's phase, where the trainer's gradients and activations are."""
+def test_vllm_on_cpu_holds_its_kv_cache_and_weights_outside_the_update_only_beside_the_actor():
+    """On CPU release() frees vLLM's weights and its KV cache for the updates (engines/rollout/vllm.py; a critic on
+    the same devices releases them first), so neither adds to the update's phase, where the trainer's gradients and
+    activations are. On a pool of its own nothing releases them: they count in every phase."""
     spec = _spec(resourcePools=[{"name": "cpus", "devicesPerNode": 2, "device": "cpu"}])
     _, t = _terms(spec, "rollout")
     for what in ("vLLM weights", "vLLM KV cache"):
         assert t[what].phases["update"] == 0, what
         assert t[what].phases["generate"] == t[what].phases["reshard"] > 0, what
+    apart = _spec(algorithm={"name": "grpo"}, rollout={"mode": "async", "maxPromptLength": 48, "maxResponseLength": 16},
+                  resourcePools=[{"name": "cpus", "devicesPerNode": 2, "device": "cpu"},
+                                 {"name": "gen", "devicesPerNode": 1, "device": "cpu"}],
+                  placement={"rollout": "gen"})
+    plans = pool_plans(apart, read_shapes(apart, ROOT))
+    gen = next(p for p in plans if any(t.role == "rollout" for t in p.terms))
+    for t in gen.terms:
+        if t.what.startswith(("vLLM weights", "vLLM KV cache")):
+            assert t.phases["update"] == t.phases["generate"] > 0, t.what

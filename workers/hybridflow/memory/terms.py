@@ -269,9 +269,10 @@ def rollout_terms(spec: JobSpec, pool: ResourcePool, s: ModelShape, c: int, devi
         per_rank = -(-sequences // max(1, pool.world_size // r.tensor_parallel))
         kv = int(r.kv_cache_gib * (1 << 30)) or kv_cache_bytes(
             s.layers, s.kv_heads, s.head_dim, c, per_rank, r.max_prompt_length + r.max_response_length)
-        # both released in the update (engines/rollout/vllm.py: release); with LoRA the base comes back from the
-        # model's files at the transition
-        held = ("generate", "forward", "reshard")
+        # beside the actor both are released for the updates (engines/rollout/vllm.py: release; a critic on these
+        # devices releases them before its own); with LoRA the base comes back from the model's files at the
+        # transition. On a pool of its own nothing releases them.
+        held = ("generate", "forward", "reshard") if colocated else PHASES
         out = [Term("rollout", f"vLLM weights (1/{r.tensor_parallel}), released in the update" + (
                     " (the LoRA base: read back from the model directory)" if adapter else ""),
                     "spec.rollout.tensorParallel", _in(held, weights)),

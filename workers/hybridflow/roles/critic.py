@@ -2,6 +2,8 @@
 reward; Safe-RLHF a second one for the cost (columns prefixed `cost_`)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -15,7 +17,11 @@ from hybridflow.models.lora import LoraSettings
 from hybridflow.engines.train.base import TrainEngine, TrainEngineFactory, TrainSettings
 from hybridflow.engines.train.fsdp import response_outputs
 from hybridflow.models.builders import local_model_dir
+from hybridflow.roles.common import release_free_memory
 from hybridflow.roles.config import CriticConfig
+
+if TYPE_CHECKING:
+    from hybridflow.roles.rollout import RolloutWorker
 
 
 def response_values(model: nn.Module, batch: Batch, shared: bool = False) -> torch.Tensor:
@@ -31,8 +37,12 @@ def critic_lora(config: CriticConfig) -> LoraSettings | None:
 class CriticWorker(CheckpointMixin):
     checkpoint_name = "critic"
 
-    def __init__(self, ctx: WorkerContext, config: CriticConfig, model_dir: str, prefix: str = "") -> None:
+    def __init__(self, ctx: WorkerContext, config: CriticConfig, model_dir: str, prefix: str = "",
+                 rollout: RolloutWorker | None = None) -> None:
+        """`rollout`: the generation engine beside the actor when this critic shares its devices (PPO's critic
+        updates first): it is released before this update too, so the update never runs beside it."""
         self.prefix = prefix  # reads `{prefix}values` and `{prefix}returns`
+        self.rollout = rollout
         self.checkpoint_name = f"{prefix}critic"
         self.config = config
         torch.manual_seed(config.seed + 7)
@@ -54,6 +64,9 @@ class CriticWorker(CheckpointMixin):
     @register(Dispatch.DP_COMPUTE)
     def update_critic(self, batch: Batch) -> dict[str, float]:
         t = self.config.training
+        if self.rollout is not None:  # generate -> train, as the actor's update does it
+            self.rollout.release()
+            release_free_memory()
 
         def loss_fn(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
             v = response_values(model, mb, self.engine.shared_prompt)

@@ -143,15 +143,20 @@ class RolloutWorker:
         self.gen = _Generator.of(generator, config, stop_token_ids, actor.model_dir)
         self.generator = generator
         self.sleep_freed_bytes = 0.0  # what the last release freed (vLLM on GPU: sleep), reported with the sync
+        self.released = False  # since the last transition
         actor.before_training(self.release)
 
     def release(self) -> None:
-        """Generate -> train (the actor calls it before every update): the engine frees its memory (vLLM on GPU:
-        sleep level 2; with LoRA level 1, its base kept in host memory), measured here so the step reports it
-        (`rollout_sleep_freed_bytes`)."""
+        """Generate -> train (the actor calls it before every update, a critic on these devices before its own,
+        whichever comes first): the engine frees its memory (vLLM on GPU: sleep level 2; with LoRA level 1, its base
+        kept in host memory), measured here so the step reports it (`rollout_sleep_freed_bytes`). Once per step:
+        the next transition brings the weights back."""
+        if self.released:
+            return
         before = memory_in_use_bytes()
         self.generator.release()
         self.sleep_freed_bytes = float(before - memory_in_use_bytes())
+        self.released = True
 
     def dp_rank(self, mesh: str) -> DPRank:
         """Generation replicas ("rollout") can outnumber training replicas ("train") under the 3D-HybridEngine."""
@@ -171,6 +176,7 @@ class RolloutWorker:
         before = memory_in_use_bytes()
         with profiled("reshard", profile) as profile_stats:
             stats = self.transfer.push(self.generator)
+        self.released = False
         woken = memory_in_use_bytes() - before  # vLLM on GPU: weights and KV cache mapped back (wake_up)
         self.gen.version = self.gen.version + 1 if version is None else version
         return {"seconds": time.perf_counter() - t0, "bytes": float(stats.bytes_received),
