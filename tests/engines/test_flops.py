@@ -69,3 +69,10 @@ def test_the_actor_measures_its_peak_at_its_first_update(one_rank, tiny_dir, mon
         stats = worker.update_actor(batch)
     assert measured == [(torch.float32, "cpu")]
     assert stats["peak_flops"] == 1e12 and stats["mfu"] == pytest.approx(stats["update_flops_per_s"] / 1e12)
+    # one rank of each model-parallel replica answers (a TP x PP = 2 layout: world 2, one data-parallel rank): its
+    # FLOP/s are the replica's, so its peak is both ranks'
+    from hybridflow.single_controller.protocol import DPRank
+
+    worker.ctx, worker._dp_rank = WorkerContext(0, 2, 0, "cpu"), DPRank(0, 1, True)
+    stats = worker.update_actor(batch)
+    assert stats["peak_flops"] == 2e12 and stats["mfu"] == pytest.approx(stats["update_flops_per_s"] / 2e12)

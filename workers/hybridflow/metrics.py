@@ -102,7 +102,7 @@ STEP_GAUGES = {
     "last_iteration_seconds": ("iteration_seconds", "Wall time of the last RLHF iteration (what the operator's "
                                "default progress deadline scales with)."),
     "actor_update_mfu": ("mfu", "Actor update FLOP/s over the matmul peak the ranks measured in the compute dtype "
-                         "(model FLOPs utilisation): every rank's FLOP/s over every rank's peak, summed."),
+                         "(model FLOPs utilisation): the FLOP/s of every data-parallel replica over the peaks of all its ranks, summed."),
 }
 
 

@@ -159,8 +159,10 @@ class ActorWorker(CheckpointMixin):
             out["log_prob_peak_memory_bytes"], self._log_prob_peak = float(self._log_prob_peak), 0
         tokens = float(computed_tokens(batch, self.engine.shared_prompt)) * t.ppo_epochs
         out["update_flops_per_s"] = training_flops(self.parameters, tokens, self.trained) / max(out["update_seconds"], 1e-9)
-        out["peak_flops"] = self.peak_flops  # the job's MFU sums these (flops.pooled_mfu), not the ranks' ratios
-        out["mfu"] = out["update_flops_per_s"] / self.peak_flops
+        # the job's MFU sums these (flops.pooled_mfu), not the ranks' ratios. The statistics come from one rank of
+        # each model-parallel replica (its TP x PP ranks computed the replica's FLOPs together): its peak is theirs
+        out["peak_flops"] = self.peak_flops * (self.ctx.world_size // self._dp_rank.dp_size)
+        out["mfu"] = out["update_flops_per_s"] / out["peak_flops"]
         return out
 
     @register(Dispatch.RANK_ZERO)
