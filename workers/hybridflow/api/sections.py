@@ -252,7 +252,8 @@ class ResourcePool(SpecModel):
     devices_per_node: int = Field(2, gt=0, le=MAX_DEVICES_PER_NODE, description="Devices (GPUs, or CPU ranks on CPU) "
                                   "per node.")
     device: Literal["cpu", "gpu"] = Field("cpu", description="Device type.")
-    cpus_per_device: float = Field(1.0, gt=0, le=1024, description="CPU cores reserved per device process.")
+    cpus_per_device: float = Field(1.0, gt=0, le=1024, description="CPU cores reserved per device process; its "
+                                   "torch computes on that many threads (at least 1).")
     allocator: str = Field(
         "auto", json_schema_extra={"enum": allocator_choices()}, description="The C heap allocator of the pool's worker processes: auto takes tcmalloc where the node "
         "has it (the worker images do; apt-get install libtcmalloc-minimal4), else the C library's malloc; "
