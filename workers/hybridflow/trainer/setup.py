@@ -116,6 +116,7 @@ def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | 
     runs = set(s.roles())  # the one list of the job's roles (status.pools shows the same)
     if "reference" in runs and not actor_is_reference(s.training):
         wanted["reference"] = RoleSpec(ReferenceWorker, {"config": rc.reference_config(s), "model_dir": str(model_dir)})
+
     def beside(role: str) -> tuple[str, ...]:  # a critic on the actor's devices: the generation engine there, to
         return ("rollout",) if not apart and s.pool(role).name == s.pool("actor").name else ()  # free before it trains
 
