@@ -248,10 +248,13 @@ def test_release_and_sync_report_what_generation_freed_and_took_back():
     generator = GeneratorDouble()
     generator.weights = _touch(200 * MB)
     worker = SimpleNamespace(generator=generator, transfer=TransferDouble(), gen=SimpleNamespace(version=0),
-                             sleep_freed_bytes=0.0)
+                             sleep_freed_bytes=0.0, released=False)
     RolloutWorker.release(worker)  # type: ignore[arg-type]
     assert worker.sleep_freed_bytes == pytest.approx(200 * MB, rel=0.1)
+    RolloutWorker.release(worker)  # type: ignore[arg-type]  # a second update this step: nothing more to free
+    assert worker.sleep_freed_bytes == pytest.approx(200 * MB, rel=0.1)
     stats = RolloutWorker.sync_weights(worker)  # type: ignore[arg-type]
+    assert not worker.released  # the transition brought the weights back: the next update frees them again
     assert stats["sleep_freed_bytes"] == worker.sleep_freed_bytes
     assert stats["wake_bytes"] == pytest.approx(150 * MB, rel=0.1)
 
