@@ -83,6 +83,7 @@ OPTIMISATIONS = {
     "tcmalloc": {"resourcePools": {"allocator": "system"}},  # every pool
     "keep gathered for backward": {"training": {"keepGatheredForBackward": "off"}},
     "reduce gradients per step": {"training": {"reduceGradientsPerStep": "off"}},
+    "skip zero-advantage rows": {"training": {"skipZeroAdvantageRows": False}},
 }
 # Each feature the defaults leave off, as the spec fields that switch it on (issue 54: LoRA against full fine-tuning,
 # at the ~10x learning rate LoRA wants).
@@ -182,6 +183,8 @@ def summarise(records: list[dict], dtype: str, peaks: dict[str, float], paramete
     out["log-prob FLOP/s / peak (batch tokens)"] = (med(lambda r: forward_flops(parameters, r["tokens"])) / logp / peak
                                                     if logp else 0.0)
     out["update MFU (job's metric)"] = med(lambda r: r["mfu"])
+    # the share of rows whose advantages were all zero, left out of the update (training.skipZeroAdvantageRows)
+    out["update rows skipped"] = med(lambda r: r.get("update_rows_skipped", 0.0))
     out["reward (last step)"] = records[-1]["reward_mean"]
     return out
 

@@ -49,14 +49,15 @@ def masked_log_probs(engine: FSDPEngine, batch: Batch, micro: int) -> torch.Tens
     return engine.forward_micro(batch, micro, fn) * batch["response_mask"]
 
 
-def one_rank_actor(model_dir, algorithm: dict):
+def one_rank_actor(model_dir, algorithm: dict, training: dict | None = None):
     """The actor worker (FSDP2, float32, micro-batches of 3, HF rollout lengths P and R) on a one-rank group that the
-    caller made (the `one_rank` fixture), with `algorithm` over token-mean loss aggregation."""
+    caller made (the `one_rank` fixture), with `algorithm` over token-mean loss aggregation; `training` adds to the
+    spec's training section."""
     from hybridflow.roles.actor import ActorWorker
 
     job = parse_job({"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "t"},
                      "spec": {"algorithm": {"lossAgg": "token-mean", **algorithm},
                               "rollout": {"engine": "hf", "maxPromptLength": P, "maxResponseLength": R},
-                              "training": {"microBatchSize": 3, "computeDtype": "float32"},
+                              "training": {"microBatchSize": 3, "computeDtype": "float32", **(training or {})},
                               "trainer": {"promptsPerStep": 8}}})
     return ActorWorker(WorkerContext(0, 1, 0, "cpu"), actor_config(job.spec), str(model_dir))

@@ -49,13 +49,16 @@ def _clipped_objective(ratio: Tensor, adv: Tensor, clip: ClipConfig) -> TokenLos
     return TokenLosses(capped.where(negative, loss), clipped > unclipped, negative & (capped < loss))
 
 
-@POLICY_LOSSES.register("ppo", clip=None)  # None: training.clipRatio
+# advantage_weighted: every token's loss (and gradient) is a multiple of its advantage, so a row whose advantages
+# are all zero adds nothing to the update (training.skipZeroAdvantageRows leaves it out)
+@POLICY_LOSSES.register("ppo", clip=None, advantage_weighted=True)  # None: training.clipRatio
 def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, clip: ClipConfig) -> TokenLosses:
     """PPO-clip per token: max(-A*r, -A*clip(r, 1-low, 1+high)), r = pi/pi_old; dual-clip when `clip.dual`."""
     return _clipped_objective((logp - old_logp).clamp(-20, 20).exp(), adv, clip)
 
 
-@POLICY_LOSSES.register("gspo", clip=(3e-4, 4e-4))  # a sequence's ratio moves far less than a token's
+# a sequence's ratio moves far less than a token's
+@POLICY_LOSSES.register("gspo", clip=(3e-4, 4e-4), advantage_weighted=True)
 def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, clip: ClipConfig) -> TokenLosses:
     """GSPO: one importance ratio per sequence, exp(mean over its tokens of log pi/pi_old), clipped as a whole.
 

@@ -85,6 +85,15 @@ class Training(SpecModel):
         True, description="When the update is on-policy (one epoch over one mini-batch, no KL in the reward), the old "
         "log-probs are the update's own forward pass, detached, instead of a separate forward over the batch."
     )
+    skip_zero_advantage_rows: bool = Field(
+        True, description="The actor's update leaves out of its forward and backward the rows whose advantages are "
+        "all exactly zero (a GRPO group whose samples all scored the same), still counting them in what the loss "
+        "averages over: their policy-loss gradient is zero, so the optimizer step is the same for less compute. "
+        "Only where that holds: no entropy bonus (algorithm.entropyCoef 0), no KL term in the loss, and a policy "
+        "loss weighted by the advantage (ppo, gspo). The update's statistics (pg_loss, clip_frac and, when the update "
+        "gives the old log-probs, entropy) are then means over the rows it computed; actor/update_rows_skipped says "
+        "what share it left out."
+    )
     keep_gathered_for_backward: Literal["auto", "on", "off"] = Field(
         "auto", description="FSDP: the layer weights gathered from the other ranks for an optimizer step's first "
         "forward stay whole through its last micro-batch's backward (one all-gather of each layer per optimizer "

@@ -19,6 +19,7 @@ from torch import nn
 from hybridflow.algorithms.core import masked_mean
 from hybridflow.algorithms.kl import KL_ESTIMATORS
 from hybridflow.algorithms.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, ClipConfig
+from hybridflow.api import Algorithm
 from hybridflow.checkpoint.role import CheckpointMixin
 from hybridflow.data.packing import computed_tokens
 from hybridflow.single_controller.batch import Batch
@@ -116,6 +117,7 @@ class ActorWorker(CheckpointMixin):
         clip = ClipConfig(algo.clip_ratio_low or t.clip_ratio, algo.clip_ratio_high or t.clip_ratio, algo.dual_clip)
         kl_coef = float(batch.meta.get("kl_coef", algo.kl_coef))
         kl_loss = algo.kl_in == "loss" and kl_coef > 0
+        inert = zero_gradient_rows(batch, algo, kl_loss) if t.skip_zero_advantage_rows else None
         for release in self._releases:  # generate -> train: generation memory goes, training shards never left
             release()
         if not self.peak_flops:  # here, not at start: every rank has loaded and started generation, and measures
@@ -151,13 +153,15 @@ class ActorWorker(CheckpointMixin):
 
         # the profiler outside the memory phase: its event buffers are not the update's memory
         with profiled("update", bool(batch.meta.get(PROFILE))) as profile, memory_phase() as phase:
-            out = self.engine.ppo_update(batch, t, c.prompts_per_step, loss_fn, per)
+            out = self.engine.ppo_update(batch, t, c.prompts_per_step, loss_fn, per, inert)
         out.update(profile)
         release_free_memory()  # activations: generation comes next
         out["peak_memory_bytes"] = float(phase.bytes)
         if self._log_prob_peak:
             out["log_prob_peak_memory_bytes"], self._log_prob_peak = float(self._log_prob_peak), 0
-        tokens = float(computed_tokens(batch, self.engine.shared_prompt)) * t.ppo_epochs
+        computed = batch if inert is None else batch.index(torch.nonzero(~inert).flatten())
+        out["update_rows_skipped"] = 1.0 - len(computed) / max(len(batch), 1)
+        tokens = float(computed_tokens(computed, self.engine.shared_prompt)) * t.ppo_epochs
         out["update_flops_per_s"] = training_flops(self.parameters, tokens, self.trained) / max(out["update_seconds"], 1e-9)
         # the job's MFU sums these (flops.pooled_mfu), not the ranks' ratios. The statistics come from one rank of
         # each model-parallel replica (its TP x PP ranks computed the replica's FLOPs together): its peak is theirs
@@ -189,6 +193,15 @@ class ActorWorker(CheckpointMixin):
     def weight_checksums_as(self, dtype: str) -> dict[str, float]:
         """The sums a rollout engine fed whole tensors reports once these weights landed (collective)."""
         return full_tensor_checksums(self.engine, getattr(torch, dtype))
+
+
+def zero_gradient_rows(batch: Batch, algo: Algorithm, kl_loss: bool) -> torch.Tensor | None:
+    """The rows whose policy loss has no gradient (training.skipZeroAdvantageRows): every advantage on their
+    response tokens exactly zero (a GRPO group whose samples all scored the same), under a loss that is a multiple
+    of the advantage with nothing else per token (no entropy bonus, no KL term). None where the loss is not such."""
+    if algo.entropy_coef > 0 or kl_loss or not POLICY_LOSSES.info(algo.policy_loss or "").get("advantage_weighted"):
+        return None
+    return ((batch["advantages"] == 0) | (batch["response_mask"] == 0)).all(dim=1)
 
 
 @torch.no_grad()

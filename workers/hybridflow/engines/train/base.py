@@ -74,12 +74,12 @@ class TrainEngine(Protocol):
     def forward_micro(self, batch: Batch, micro_batch_size: int, fn: Callable[[nn.Module, Batch], Any]) -> Any:
         """`fn` over micro-batches, outputs merged back in the batch's row order (no gradients)."""
 
-    def train_mini_batch(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn,
-                         per: str = "rows") -> dict[str, float]:
-        """One optimizer step over `batch`."""
+    def train_mini_batch(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn, per: str = "rows",
+                         inert: torch.Tensor | None = None) -> dict[str, float]:
+        """One optimizer step over `batch`; `inert` (B,) bool: rows whose loss has no gradient, not computed."""
 
-    def ppo_update(self, batch: Batch, t: Training, prompts_per_step: int, loss_fn: LossFn,
-                   per: str = "rows") -> dict[str, float]:
+    def ppo_update(self, batch: Batch, t: Training, prompts_per_step: int, loss_fn: LossFn, per: str = "rows",
+                   inert: torch.Tensor | None = None) -> dict[str, float]:
         """`ppoEpochs` passes over this rank's shard, one optimizer step per mini-batch."""
 
     def log_probs(self, model: nn.Module, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,25 +215,33 @@ class TrainLoop:
         kept = [(out, idx) for out, (idx, _) in zip(outs, split) if idx]  # padding micro-batches' outputs go
         return merge_rows([out for out, _ in kept], [idx for _, idx in kept], width)
 
-    def train_mini_batch(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn,
-                         per: str = "rows") -> dict[str, float]:
+    def train_mini_batch(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn, per: str = "rows",
+                         inert: torch.Tensor | None = None) -> dict[str, float]:
         """One optimizer step over `batch`, accumulating micro-batches weighted by their share of what the loss
         averages over (`per`: "rows", or "tokens" for a token mean), so the step is the same however the rows were
-        grouped (length-sorted micro-batches hold few long rows or many short ones)."""
+        grouped (length-sorted micro-batches hold few long rows or many short ones).
+
+        `inert` (B,) bool: rows whose loss the caller knows has no gradient (an advantage-weighted loss on rows of
+        zero advantage). They are not computed, yet still count in what the loss averages over, so the gradient is
+        the whole batch's; the statistics are means over the rows computed. Where every row is inert one row runs,
+        weighing nothing: the optimizer steps on zero gradients, as it would have."""
         assert self.optimizer is not None, "this engine was built frozen"
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         size = (lambda b: float(b["response_mask"].sum())) if per == "tokens" else len  # noqa: E731
         total = size(batch)
+        computed = batch if inert is None else batch.index(torch.nonzero(~inert.bool()).flatten())
+        counted = size(computed)
 
-        split = self.split_micro(batch, micro_batch_size)
-        # each micro-batch's weight, taken in the order the loop runs them (a padding one weighs nothing)
-        shares = iter([size(mb) / total if total and idx else 0.0 for idx, mb in split])
+        split = self.split_micro(computed if len(computed) else batch.index(slice(0, 1)), micro_batch_size)
+        # each micro-batch's weight in the loss and in the statistics, taken in the order the loop runs them (a
+        # padding one, or the one row run where every row is inert, weighs nothing)
+        shares = iter([(size(mb) / total, size(mb) / counted) if counted and idx else (0.0, 0.0) for idx, mb in split])
 
         def step(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-            share = next(shares)
+            share, stat_share = next(shares)
             loss, mstats = loss_fn(model, mb)
-            return loss * share, {k: float(v) * share for k, v in mstats.items()}
+            return loss * share, {k: float(v) * stat_share for k, v in mstats.items()}
 
         micro = [mb for _, mb in split]
         stats: dict[str, float] = {}
@@ -250,11 +258,12 @@ class TrainLoop:
         self.optimizer.zero_grad(set_to_none=True)
         return stats
 
-    def ppo_update(self, batch: Batch, t: Training, prompts_per_step: int, loss_fn: LossFn,
-                   per: str = "rows") -> dict[str, float]:
+    def ppo_update(self, batch: Batch, t: Training, prompts_per_step: int, loss_fn: LossFn, per: str = "rows",
+                   inert: torch.Tensor | None = None) -> dict[str, float]:
         """`ppoEpochs` passes over this rank's shard, one optimizer step per mini-batch; stats averaged over steps.
 
         A mini-batch is `miniBatchSize` prompts of the global batch, i.e. the same fraction of this rank's rows.
+        `inert`: rows whose loss has no gradient (train_mini_batch).
         """
         t0 = time.perf_counter()
         prompts = prompts_per_step
@@ -262,8 +271,10 @@ class TrainLoop:
         totals: dict[str, float] = {}
         steps = 0
         for _ in range(t.ppo_epochs):
-            for mini in batch.split(rows):
-                for k, v in self.train_mini_batch(mini, t.micro_batch_size, loss_fn, per).items():
+            minis = batch.split(rows)
+            inerts = [None] * len(minis) if inert is None else list(inert.split(rows))
+            for mini, mini_inert in zip(minis, inerts):
+                for k, v in self.train_mini_batch(mini, t.micro_batch_size, loss_fn, per, mini_inert).items():
                     totals[k] = totals.get(k, 0.0) + v
                 steps += 1
         out = {k: v / steps for k, v in totals.items()}
