@@ -49,8 +49,14 @@ def test_the_update_leaves_out_zero_advantage_rows_and_steps_on_the_same_gradien
     assert skip["grad_norm"] == pytest.approx(full["grad_norm"], rel=1e-5) and full["grad_norm"] > 0
     for name, g in full_grads.items():
         torch.testing.assert_close(skip_grads[name], g, rtol=1e-4, atol=1e-7, msg=name)
-    # the statistics are the computed rows' means: entropy over 5 rows differs from entropy over 8
+    # the statistics are the computed rows' means: entropy over 5 rows differs from entropy over 8, and the policy
+    # loss, zero on the rows left out, is the same sum over fewer tokens (or rows)
     assert skip["entropy_mean"] != pytest.approx(full["entropy_mean"], rel=1e-6)
+    mask = batch["response_mask"]
+    counted = (lambda rows: float(mask[rows].sum())) if agg == "token-mean" else len  # noqa: E731
+    kept = [i for i in range(len(batch)) if i not in ZERO]
+    assert skip["pg_loss"] * counted(kept) == pytest.approx(full["pg_loss"] * counted(list(range(len(batch)))),
+                                                            rel=1e-5)
     # the FLOP/s count the tokens computed, so the MFU does not read the rows left out as work done
     assert skip["update_flops_per_s"] * skip["update_seconds"] < 0.8 * full["update_flops_per_s"] * full["update_seconds"]
 
@@ -60,6 +66,7 @@ def test_a_batch_of_only_zero_advantages_still_takes_its_optimizer_step(one_rank
     parameter without a gradient would be skipped, and its moments would not decay as the full update's do)."""
     stats, grads, rows, engine = _update(tiny_dir, _batch(list(range(8))), True, {})
     assert stats["update_rows_skipped"] == 1.0 and stats["grad_norm"] == 0.0 and rows == 1
+    assert "pg_loss" not in stats and "entropy_mean" not in stats  # no rows, no means: not zeros in the step's mean
     assert grads and all(g is not None and not g.any() for g in grads.values())
     assert all(int(engine.optimizer.state[p]["step"]) == 1 for p in engine.trained)
 

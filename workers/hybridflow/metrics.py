@@ -27,7 +27,10 @@ STEP_GAUGES = {
     "reward_mean": ("reward_mean", "Mean sequence reward of the step's responses."),
     "response_length_tokens_mean": ("response_length_mean", "Mean response length in tokens."),
     "kl_mean": ("kl_mean", "Mean per-token KL(actor || reference) estimate."),
-    "entropy_mean": ("entropy_mean", "Mean per-token entropy of the actor on its samples."),
+    "entropy_mean": ("entropy_mean", "Mean per-token entropy of the actor on its samples (those its update computed, "
+                     "where the update gives the old log-probs)."),
+    "update_rows_skipped": ("update_rows_skipped", "Share of the actor's rows whose advantages were all zero, left "
+                            "out of its update (training.skipZeroAdvantageRows)."),
     "clip_fraction": ("clip_frac", "Fraction of tokens where the PPO ratio was clipped."),
     "grad_norm": ("grad_norm", "Actor gradient norm before clipping."),
     "kl_coefficient": ("kl_coef", "KL coefficient in use (moves with klController adaptive)."),

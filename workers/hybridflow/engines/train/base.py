@@ -241,7 +241,9 @@ class TrainLoop:
         def step(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
             share, stat_share = next(shares)
             loss, mstats = loss_fn(model, mb)
-            return loss * share, {k: float(v) * stat_share for k, v in mstats.items()}
+            # a micro-batch that weighs nothing reports nothing: a rank that computed no row has no statistics of
+            # its own (the step's mean is over the ranks that report one), rather than zeros
+            return loss * share, {k: float(v) * stat_share for k, v in mstats.items()} if stat_share else {}
 
         micro = [mb for _, mb in split]
         stats: dict[str, float] = {}
@@ -269,14 +271,14 @@ class TrainLoop:
         prompts = prompts_per_step
         rows = max(1, len(batch) * (t.mini_batch_size or prompts) // prompts)
         totals: dict[str, float] = {}
-        steps = 0
+        counts: dict[str, int] = {}  # the optimizer steps that reported each statistic (train_mini_batch)
         for _ in range(t.ppo_epochs):
             minis = batch.split(rows)
             inerts = [None] * len(minis) if inert is None else list(inert.split(rows))
             for mini, mini_inert in zip(minis, inerts):
                 for k, v in self.train_mini_batch(mini, t.micro_batch_size, loss_fn, per, mini_inert).items():
                     totals[k] = totals.get(k, 0.0) + v
-                steps += 1
-        out = {k: v / steps for k, v in totals.items()}
+                    counts[k] = counts.get(k, 0) + 1
+        out = {k: v / counts[k] for k, v in totals.items()}
         out["update_seconds"] = time.perf_counter() - t0
         return out
