@@ -59,6 +59,18 @@ def test_grpo_advantages_match_reference():
                 assert adv[i, t].item() == pytest.approx(expect * float(mask[i, t]), abs=1e-5)
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_a_group_that_scored_alike_has_exactly_zero_advantage(estimator):
+    """Eight responses all scoring 0.7 in float32: their mean misses 0.7 by an ulp (6e-8), and over a std of the same
+    size that read as advantages of +-0.056, noise the update trained on (and could not skip: training.
+    skipZeroAdvantageRows takes exact zeros). The other group is normalised as before."""
+    scores = torch.tensor([0.7] * 8 + [0.0, 1.0], dtype=torch.float32)
+    group = torch.tensor([0] * 8 + [1, 1])
+    adv, _ = ADVANTAGE_ESTIMATORS[estimator](_outcome_inputs(scores, group, torch.ones(10, 2)))
+    assert (adv[:8] == 0).all()
+    assert (adv[8:, 0] < 0).tolist() == [True, False]
+
+
 def test_grpo_without_std_is_centred_only():
     scores = torch.tensor([1.0, 3.0])
     inputs = _outcome_inputs(scores, torch.tensor([0, 0]), torch.ones(2, 1), norm_by_std=False)

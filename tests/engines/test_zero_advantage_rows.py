@@ -9,9 +9,11 @@ import torch
 
 from hybridflow.algorithms.losses import POLICY_LOSSES
 from hybridflow.api import parse_job
+from hybridflow.engines.train.fsdp import FSDPEngine, load_hf_model
 from hybridflow.roles.actor import zero_gradient_rows
 from support.gradients import gradients_at_step
-from support.tiny_actor import one_rank_actor, ragged_batch_with_uids
+from support.rank_process import run_rank
+from support.tiny_actor import one_rank_actor, ragged_batch, ragged_batch_with_uids
 
 ZERO = [1, 3, 4]  # rows whose group scored alike: every advantage 0
 
@@ -49,14 +51,18 @@ def test_the_update_leaves_out_zero_advantage_rows_and_steps_on_the_same_gradien
     assert skip["grad_norm"] == pytest.approx(full["grad_norm"], rel=1e-5) and full["grad_norm"] > 0
     for name, g in full_grads.items():
         torch.testing.assert_close(skip_grads[name], g, rtol=1e-4, atol=1e-7, msg=name)
-    # the statistics are the computed rows' means: entropy over 5 rows differs from entropy over 8, and the policy
-    # loss, zero on the rows left out, is the same sum over fewer tokens (or rows)
-    assert skip["entropy_mean"] != pytest.approx(full["entropy_mean"], rel=1e-6)
-    mask = batch["response_mask"]
-    counted = (lambda rows: float(mask[rows].sum())) if agg == "token-mean" else len  # noqa: E731
-    kept = [i for i in range(len(batch)) if i not in ZERO]
-    assert skip["pg_loss"] * counted(kept) == pytest.approx(full["pg_loss"] * counted(list(range(len(batch)))),
-                                                            rel=1e-5)
+    # the policy loss and clip fraction are 0 on a row of zero advantage: their whole-batch values, as without
+    # skipping; the entropy (observed, under the on-policy update) is the mean over the rows computed
+    assert skip["pg_loss"] == pytest.approx(full["pg_loss"], rel=1e-5) and full["pg_loss"] != 0
+    assert skip["clip_frac"] == full["clip_frac"]
+    if agg == "token-mean":
+        entropy = one_rank_actor(tiny_dir, {}).compute_log_prob(batch)["entropy"]
+        mask = batch["response_mask"].bool()
+        kept = torch.tensor([i not in ZERO for i in range(len(batch))])
+        every, computed = float(entropy[mask].mean()), float(entropy[kept][mask[kept]].mean())
+        assert abs(every - computed) > 5e-4  # the tiny model's entropies all lie near ln 32, ~1e-3 apart
+        assert full["entropy_mean"] == pytest.approx(every, abs=2e-5)
+        assert skip["entropy_mean"] == pytest.approx(computed, abs=2e-5)
     # the FLOP/s count the tokens computed, so the MFU does not read the rows left out as work done
     assert skip["update_flops_per_s"] * skip["update_seconds"] < 0.8 * full["update_flops_per_s"] * full["update_seconds"]
 
@@ -66,7 +72,8 @@ def test_a_batch_of_only_zero_advantages_still_takes_its_optimizer_step(one_rank
     parameter without a gradient would be skipped, and its moments would not decay as the full update's do)."""
     stats, grads, rows, engine = _update(tiny_dir, _batch(list(range(8))), True, {})
     assert stats["update_rows_skipped"] == 1.0 and stats["grad_norm"] == 0.0 and rows == 1
-    assert "pg_loss" not in stats and "entropy_mean" not in stats  # no rows, no means: not zeros in the step's mean
+    # the whole batch's policy loss is 0; no entropy was observed, so none is reported (not a 0 into the step's mean)
+    assert stats["pg_loss"] == 0.0 and stats["clip_frac"] == 0.0 and "entropy_mean" not in stats
     assert grads and all(g is not None and not g.any() for g in grads.values())
     assert all(int(engine.optimizer.state[p]["step"]) == 1 for p in engine.trained)
 
@@ -89,3 +96,64 @@ def test_rows_are_left_out_only_under_a_loss_whose_gradient_is_a_multiple_of_the
     nearly[1, 0] = 1e-30
     assert zero_gradient_rows(batch.with_columns(advantages=nearly), _algorithm(policyLoss="gspo"),
                               kl_loss=False).nonzero().flatten().tolist() == [3, 4]
+
+
+# --- two FSDP ranks, one with nothing to compute ---------------------------------------------------------------------
+
+def _token_mean(engine: FSDPEngine):
+    def fn(model, mb):
+        logp, _ = engine.log_probs(model, mb, 1.0)
+        mask = mb["response_mask"].double()
+        loss = -(logp * mb["advantages"] * mask).sum() / mask.sum().clamp(min=1)
+        return loss, {"loss": loss.item()}
+    return fn
+
+
+def _rank_work(rank: int, store: str, model_dir: str, out: str) -> None:
+    """Rank 0's rows all inert, rank 1's first one: rank 0 runs one row weighing nothing, padded to rank 1's count of
+    micro-batches (every forward gathers over both ranks), with the CPU pool's switches on (gathered weights kept
+    for backward, one reduction per step). Float64; the gradients the optimizer stepped on, whole."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        batch = ragged_batch()
+        batch = batch.with_columns(advantages=batch["advantages"].double()).index(torch.arange(rank, len(batch), 2))
+        inert = torch.tensor([True] * 4) if rank == 0 else torch.tensor([True, False, False, False])
+        batch = batch.with_columns(advantages=batch["advantages"] * (~inert)[:, None])
+        runs = {}
+        for name, rows in (("full", None), ("skipped", inert)):
+            engine = FSDPEngine(load_hf_model(model_dir, "float64"), 1e-2, 1e9, "cpu", compute_dtype=torch.float64,
+                                keep_gathered=True, reduce_per_step=True)
+            with gradients_at_step(engine.optimizer, engine.module.named_parameters,
+                                   lambda g: g.full_tensor()) as grads:
+                stats = engine.train_mini_batch(batch, 1, _token_mean(engine), "tokens", rows)
+            runs[name] = {"stats": stats, "grads": grads}
+        torch.save(runs, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_ranks(rank: int, store: str, model_dir: str, out: str) -> None:
+    run_rank(_rank_work, rank, store, model_dir, out)
+
+
+def test_two_fsdp_ranks_one_with_only_zero_advantages_take_the_same_step(tiny_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_two_ranks, args=(str(tmp_path / "store"), str(tiny_dir), str(tmp_path)), nprocs=2,
+                       join=True, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for runs in ranks:
+        full, skipped = runs["full"], runs["skipped"]
+        assert full["stats"]["grad_norm"] > 0
+        torch.testing.assert_close(skipped["stats"]["grad_norm"], full["stats"]["grad_norm"], rtol=1e-5, atol=0)
+        for name, g in full["grads"].items():  # reduced in fp32 (FSDP's reduce dtype), in another order
+            torch.testing.assert_close(skipped["grads"][name], g, rtol=0, atol=1e-6 * float(g.abs().max()), msg=name)
+    assert ranks[0]["skipped"]["stats"]["computed_share"] == 0.0
+    assert 0 < ranks[1]["skipped"]["stats"]["computed_share"] < 1 and "computed_share" not in ranks[1]["full"]["stats"]
+    for runs in ranks:  # each rank's loss: its whole batch's, inert rows counted as 0
+        assert runs["skipped"]["stats"]["loss"] == pytest.approx(runs["full"]["stats"]["loss"], rel=1e-9, abs=1e-12)

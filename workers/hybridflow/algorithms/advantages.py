@@ -85,6 +85,8 @@ def gae(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
 def grpo(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """(score - group mean) / group std (std dropped with normAdvByStd false: Dr. GRPO), on every token."""
     def normalised(s: Tensor) -> Tensor:
+        if bool((s == s[0]).all()):  # exactly 0, not the one-ulp gap of a float mean over its std (~1e-8 / 1e-6)
+            return s.new_zeros(s.shape)
         if not x.norm_by_std:
             return s - s.mean()
         return (s - s.mean()) / ((s.std() if s.numel() > 1 else s.new_ones(())) + x.eps)
@@ -97,7 +99,9 @@ def grpo(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
 def rloo(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """REINFORCE leave-one-out: each score minus the mean of the other responses to the same prompt."""
     def leave_one_out(s: Tensor) -> Tensor:
-        return s - (s.sum() - s) / (s.numel() - 1) if s.numel() > 1 else s * 0
+        if bool((s == s[0]).all()):  # exactly 0 where every response scored alike (a float mean may miss by an ulp)
+            return s.new_zeros(s.shape)
+        return s - (s.sum() - s) / (s.numel() - 1)
 
     out = broadcast(_within_groups(x.scores, x.group, leave_one_out), x.mask)
     return out, out

@@ -90,9 +90,10 @@ class Training(SpecModel):
         "all exactly zero (a GRPO group whose samples all scored the same), still counting them in what the loss "
         "averages over: their policy-loss gradient is zero, so the optimizer step is the same for less compute. "
         "Only where that holds: no entropy bonus (algorithm.entropyCoef 0), no KL term in the loss, and a policy "
-        "loss weighted by the advantage (ppo, gspo). The update's statistics (pg_loss, clip_frac and, when the update "
-        "gives the old log-probs, entropy) are then means over the rows it computed; actor/update_rows_skipped says "
-        "what share it left out."
+        "loss weighted by the advantage (ppo, gspo). pg_loss and clip_frac, 0 on such rows, keep their whole-batch "
+        "values; the statistics observed on the rows (entropy and KL where the update gives the old log-probs, "
+        "approx_kl, the off-policy correction's) are means over the rows computed, and a step that computed none "
+        "reports none. update_rows_skipped says what share was left out."
     )
     keep_gathered_for_backward: Literal["auto", "on", "off"] = Field(
         "auto", description="FSDP: the layer weights gathered from the other ranks for an optimizer step's first "

@@ -125,6 +125,7 @@ class ActorWorker(CheckpointMixin):
             self.peak_flops = matmul_peak_flops(self.engine.compute_dtype, self.ctx.device)
         release_free_memory()
         correction = off_policy_correction(algo)
+        observed: set[str] = set()  # statistics taken on the rows computed (all but ADVANTAGE_WEIGHTED_STATS)
 
         def loss_fn(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
             mask = mb["response_mask"]
@@ -149,12 +150,20 @@ class ActorWorker(CheckpointMixin):
                 kl = aggregate(kl_estimate(logp, mb["ref_log_probs"]), mask, max_len)
                 loss = loss + kl_coef * kl
                 stats["kl_loss"] = kl.item()
+            observed.update(stats.keys() - ADVANTAGE_WEIGHTED_STATS)
             return loss, stats
 
         # the profiler outside the memory phase: its event buffers are not the update's memory
         with profiled("update", bool(batch.meta.get(PROFILE))) as profile, memory_phase() as phase:
             out = self.engine.ppo_update(batch, t, c.prompts_per_step, loss_fn, per, inert)
         out.update(profile)
+        if inert is not None:  # rows left out count as 0 in every statistic: those observed on the rows computed
+            share = out.pop("computed_share")  # become their mean; a rank that computed none reports none of them
+            for k in observed & out.keys():
+                if share:
+                    out[k] /= share
+                else:
+                    del out[k]
         release_free_memory()  # activations: generation comes next
         out["peak_memory_bytes"] = float(phase.bytes)
         if self._log_prob_peak:
@@ -193,6 +202,11 @@ class ActorWorker(CheckpointMixin):
     def weight_checksums_as(self, dtype: str) -> dict[str, float]:
         """The sums a rollout engine fed whole tensors reports once these weights landed (collective)."""
         return full_tensor_checksums(self.engine, getattr(torch, dtype))
+
+
+# The update's statistics that are 0 on a row of zero advantage (the policy loss is a multiple of it, and neither
+# clip branch is taken there): their whole-batch value needs no row that skipZeroAdvantageRows leaves out.
+ADVANTAGE_WEIGHTED_STATS = frozenset({"pg_loss", "clip_frac", "dual_clip_frac"})
 
 
 def zero_gradient_rows(batch: Batch, algo: Algorithm, kl_loss: bool) -> torch.Tensor | None:

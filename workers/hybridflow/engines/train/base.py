@@ -223,8 +223,11 @@ class TrainLoop:
 
         `inert` (B,) bool: rows whose loss the caller knows has no gradient (an advantage-weighted loss on rows of
         zero advantage). They are not computed, yet still count in what the loss averages over, so the gradient is
-        the whole batch's; the statistics are means over the rows computed. Where every row is inert one row runs,
-        weighing nothing: the optimizer steps on zero gradients, as it would have."""
+        the whole batch's, and so do the statistics: an inert row counts as 0 in each (the whole batch's value of a
+        statistic that is 0 there, such as the policy loss). `computed_share` says what share of the batch (rows or
+        tokens) was computed, for the caller to turn a statistic observed on computed rows only into their mean.
+        Where every row is inert one row runs, weighing nothing: the optimizer steps on zero gradients, as it would
+        have."""
         assert self.optimizer is not None, "this engine was built frozen"
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -234,22 +237,22 @@ class TrainLoop:
         counted = size(computed)
 
         split = self.split_micro(computed if len(computed) else batch.index(slice(0, 1)), micro_batch_size)
-        # each micro-batch's weight in the loss and in the statistics, taken in the order the loop runs them (a
-        # padding one, or the one row run where every row is inert, weighs nothing)
-        shares = iter([(size(mb) / total, size(mb) / counted) if counted and idx else (0.0, 0.0) for idx, mb in split])
+        # each micro-batch's weight, taken in the order the loop runs them (a padding one, or the one row run where
+        # every row is inert, weighs nothing)
+        shares = iter([size(mb) / total if counted and idx else 0.0 for idx, mb in split])
 
         def step(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-            share, stat_share = next(shares)
+            share = next(shares)
             loss, mstats = loss_fn(model, mb)
-            # a micro-batch that weighs nothing reports nothing: a rank that computed no row has no statistics of
-            # its own (the step's mean is over the ranks that report one), rather than zeros
-            return loss * share, {k: float(v) * stat_share for k, v in mstats.items()} if stat_share else {}
+            return loss * share, {k: float(v) * share for k, v in mstats.items()}
 
         micro = [mb for _, mb in split]
         stats: dict[str, float] = {}
         for mstats in self.run_micro_batches(micro, step, backward=True):
             for k, v in mstats.items():
                 stats[k] = stats.get(k, 0.0) + v
+        if inert is not None:
+            stats["computed_share"] = counted / total if total else 0.0
         norm = self.clip_grad_norm()
         stats["grad_norm"] = float(norm)
         if torch.isfinite(norm):
