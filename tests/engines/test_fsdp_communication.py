@@ -10,19 +10,10 @@ import torch
 from hybridflow.api.training import fsdp_switch_on
 from hybridflow.engines.train.fsdp import FSDPEngine, load_hf_model
 from support.gradients import gradients_at_step
-from support.rank_process import run_rank
-from support.tiny_actor import masked_log_probs, ragged_batch
+from support.rank_process import gloo_ranks
+from support.tiny_actor import masked_log_probs, ragged_batch, token_mean_policy_loss
 
 MICRO = 1  # rows per micro-batch: each rank's 4 rows in 4 micro-batches, so accumulation and deferral both happen
-
-
-def _loss(engine: FSDPEngine):
-    def fn(model, mb):
-        logp, _ = engine.log_probs(model, mb, 1.0)
-        mask = mb["response_mask"].double()
-        loss = -(logp * mb["advantages"] * mask).sum() / mask.sum().clamp(min=1)
-        return loss, {"loss": loss.item()}
-    return fn
 
 
 def _run(model_dir: str, keep: bool, reduce: bool) -> dict:
@@ -33,7 +24,7 @@ def _run(model_dir: str, keep: bool, reduce: bool) -> dict:
     batch = batch.with_columns(advantages=batch["advantages"].double()).index(torch.arange(rank, len(batch), world))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, \
             gradients_at_step(engine.optimizer, engine.module.named_parameters, lambda g: g.full_tensor()) as grads:
-        stats = engine.train_mini_batch(batch, MICRO, _loss(engine))
+        stats = engine.train_mini_batch(batch, MICRO, token_mean_policy_loss(engine))
     calls = {e.key: e.count for e in prof.key_averages()}
     layers = engine.module.model.layers
     seen = []  # while the last layer runs a forward without backward, whether the first is back in its shard
@@ -46,31 +37,12 @@ def _run(model_dir: str, keep: bool, reduce: bool) -> dict:
             "gathers": calls.get("c10d::_allgather_base_", 0), "params": dict(engine.full_params()), "sharded_after_forward": sharded}
 
 
-def _rank_work(rank: int, store: str, model_dir: str, out: str) -> None:
-    import torch.distributed as dist
-    from datetime import timedelta
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-    try:
-        runs = {"plain": _run(model_dir, False, False), "both": _run(model_dir, True, True)}
-        torch.save(runs, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _two_ranks(rank: int, store: str, model_dir: str, out: str) -> None:
-    run_rank(_rank_work, rank, store, model_dir, out)
+def _both(model_dir: str) -> dict:
+    return {"plain": _run(model_dir, False, False), "both": _run(model_dir, True, True)}
 
 
 def test_fewer_gathers_and_one_reduction_per_step_compute_the_same_update(tiny_dir, tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_two_ranks, args=(str(tmp_path / "store"), str(tiny_dir), str(tmp_path)), nprocs=2,
-                       join=True, start_method="spawn")
-    for rank in range(2):
-        runs = torch.load(tmp_path / f"rank{rank}.pt")
+    for runs in gloo_ranks(_both, tmp_path, str(tiny_dir)):
         plain, both = runs["plain"], runs["both"]
         assert plain["stats"]["grad_norm"] > 0
         # 4 micro-batches over 3 FSDP units (2 layers, the root): a reduction per unit per micro-batch, or per step;

@@ -61,3 +61,14 @@ def one_rank_actor(model_dir, algorithm: dict, training: dict | None = None):
                               "training": {"microBatchSize": 3, "computeDtype": "float32", **(training or {})},
                               "trainer": {"promptsPerStep": 8}}})
     return ActorWorker(WorkerContext(0, 1, 0, "cpu"), actor_config(job.spec), str(model_dir))
+
+
+def token_mean_policy_loss(engine: FSDPEngine):
+    """A loss function for `engine.train_mini_batch`: -advantage x log-prob, the micro-batch's token mean, with its
+    value as the statistic `loss`."""
+    def fn(model, mb):
+        logp, _ = engine.log_probs(model, mb, 1.0)
+        mask = mb["response_mask"].to(logp.dtype)
+        loss = -(logp * mb["advantages"] * mask).sum() / mask.sum().clamp(min=1)
+        return loss, {"loss": loss.item()}
+    return fn
