@@ -30,7 +30,7 @@ from hybridflow.engines.bridge.stream import (
 )
 from hybridflow.engines.bridge.transfer import full_tensor_checksums, train_dp_rank
 from hybridflow.models.lora import LoraSettings
-from hybridflow.engines.train.base import TrainEngine, TrainEngineFactory, TrainSettings
+from hybridflow.engines.train.base import InertRows, TrainEngine, TrainEngineFactory, TrainSettings
 from hybridflow.flops import matmul_peak_flops, training_flops
 from hybridflow.profiling import PROFILE, profiled
 from hybridflow.models.builders import local_model_dir
@@ -117,7 +117,8 @@ class ActorWorker(CheckpointMixin):
         clip = ClipConfig(algo.clip_ratio_low or t.clip_ratio, algo.clip_ratio_high or t.clip_ratio, algo.dual_clip)
         kl_coef = float(batch.meta.get("kl_coef", algo.kl_coef))
         kl_loss = algo.kl_in == "loss" and kl_coef > 0
-        inert = zero_gradient_rows(batch, algo, kl_loss) if t.skip_zero_advantage_rows else None
+        skipped = zero_gradient_rows(batch, algo, kl_loss) if t.skip_zero_advantage_rows else None
+        inert = None if skipped is None else InertRows(skipped, ADVANTAGE_WEIGHTED_STATS)
         for release in self._releases:  # generate -> train: generation memory goes, training shards never left
             release()
         if not self.peak_flops:  # here, not at start: every rank has loaded and started generation, and measures
@@ -125,7 +126,6 @@ class ActorWorker(CheckpointMixin):
             self.peak_flops = matmul_peak_flops(self.engine.compute_dtype, self.ctx.device)
         release_free_memory()
         correction = off_policy_correction(algo)
-        observed: set[str] = set()  # statistics taken on the rows computed (all but ADVANTAGE_WEIGHTED_STATS)
 
         def loss_fn(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
             mask = mb["response_mask"]
@@ -150,25 +150,17 @@ class ActorWorker(CheckpointMixin):
                 kl = aggregate(kl_estimate(logp, mb["ref_log_probs"]), mask, max_len)
                 loss = loss + kl_coef * kl
                 stats["kl_loss"] = kl.item()
-            observed.update(stats.keys() - ADVANTAGE_WEIGHTED_STATS)
             return loss, stats
 
         # the profiler outside the memory phase: its event buffers are not the update's memory
         with profiled("update", bool(batch.meta.get(PROFILE))) as profile, memory_phase() as phase:
             out = self.engine.ppo_update(batch, t, c.prompts_per_step, loss_fn, per, inert)
         out.update(profile)
-        if inert is not None:  # rows left out count as 0 in every statistic: those observed on the rows computed
-            share = out.pop("computed_share")  # become their mean; a rank that computed none reports none of them
-            for k in observed & out.keys():
-                if share:
-                    out[k] /= share
-                else:
-                    del out[k]
         release_free_memory()  # activations: generation comes next
         out["peak_memory_bytes"] = float(phase.bytes)
         if self._log_prob_peak:
             out["log_prob_peak_memory_bytes"], self._log_prob_peak = float(self._log_prob_peak), 0
-        computed = batch if inert is None else batch.index(torch.nonzero(~inert).flatten())
+        computed = batch if skipped is None else batch.index(torch.nonzero(~skipped).flatten())
         out["update_rows_skipped"] = 1.0 - len(computed) / max(len(batch), 1)
         tokens = float(computed_tokens(computed, self.engine.shared_prompt)) * t.ppo_epochs
         out["update_flops_per_s"] = training_flops(self.parameters, tokens, self.trained) / max(out["update_seconds"], 1e-9)

@@ -26,6 +26,17 @@ from hybridflow.models.lora import LoraSettings
 LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, dict[str, float]]]
 
 
+@dataclass(frozen=True)
+class InertRows:
+    """Rows whose loss the caller knows has no gradient (an advantage-weighted loss on rows of zero advantage): the
+    update leaves them out of its forward and backward and still counts them in what the loss averages over.
+    `zero_stats`: the loss function's statistics that are 0 on such rows, so their whole-batch value needs none of
+    them computed; every other statistic is observed on the rows and is reported as the computed rows' mean."""
+
+    rows: torch.Tensor  # (B,) bool
+    zero_stats: frozenset[str] = frozenset()
+
+
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Each parameter group's settings (lr, betas, weight decay...): what a resumed job keeps from its own spec when
     it loads a checkpoint's optimizer state (saved under settings that a new job may have changed)."""
@@ -75,11 +86,11 @@ class TrainEngine(Protocol):
         """`fn` over micro-batches, outputs merged back in the batch's row order (no gradients)."""
 
     def train_mini_batch(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn, per: str = "rows",
-                         inert: torch.Tensor | None = None) -> dict[str, float]:
-        """One optimizer step over `batch`; `inert` (B,) bool: rows whose loss has no gradient, not computed."""
+                         inert: InertRows | None = None) -> dict[str, float]:
+        """One optimizer step over `batch`; `inert`: rows whose loss has no gradient, not computed."""
 
     def ppo_update(self, batch: Batch, t: Training, prompts_per_step: int, loss_fn: LossFn, per: str = "rows",
-                   inert: torch.Tensor | None = None) -> dict[str, float]:
+                   inert: InertRows | None = None) -> dict[str, float]:
         """`ppoEpochs` passes over this rank's shard, one optimizer step per mini-batch."""
 
     def log_probs(self, model: nn.Module, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,24 +227,23 @@ class TrainLoop:
         return merge_rows([out for out, _ in kept], [idx for _, idx in kept], width)
 
     def train_mini_batch(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn, per: str = "rows",
-                         inert: torch.Tensor | None = None) -> dict[str, float]:
+                         inert: InertRows | None = None) -> dict[str, float]:
         """One optimizer step over `batch`, accumulating micro-batches weighted by their share of what the loss
         averages over (`per`: "rows", or "tokens" for a token mean), so the step is the same however the rows were
         grouped (length-sorted micro-batches hold few long rows or many short ones).
 
-        `inert` (B,) bool: rows whose loss the caller knows has no gradient (an advantage-weighted loss on rows of
-        zero advantage). They are not computed, yet still count in what the loss averages over, so the gradient is
-        the whole batch's, and so do the statistics: an inert row counts as 0 in each (the whole batch's value of a
-        statistic that is 0 there, such as the policy loss). `computed_share` says what share of the batch (rows or
-        tokens) was computed, for the caller to turn a statistic observed on computed rows only into their mean.
-        Where every row is inert one row runs, weighing nothing: the optimizer steps on zero gradients, as it would
-        have."""
+        `inert`: rows whose loss the caller knows has no gradient (InertRows). They are not computed, yet still
+        count in what the loss averages over, so the gradient is the whole batch's. The statistics in
+        `inert.zero_stats` keep their whole-batch values; the others become the computed rows' means (here, where
+        every stage of a pipeline sees the statistics its last stage took), and a batch with no row computed
+        reports none of them. Where every row is inert one row runs, weighing nothing: the optimizer steps on zero
+        gradients, as it would have."""
         assert self.optimizer is not None, "this engine was built frozen"
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         size = (lambda b: float(b["response_mask"].sum())) if per == "tokens" else len  # noqa: E731
         total = size(batch)
-        computed = batch if inert is None else batch.index(torch.nonzero(~inert.bool()).flatten())
+        computed = batch if inert is None else batch.index(torch.nonzero(~inert.rows.bool()).flatten())
         counted = size(computed)
 
         split = self.split_micro(computed if len(computed) else batch.index(slice(0, 1)), micro_batch_size)
@@ -251,8 +261,13 @@ class TrainLoop:
         for mstats in self.run_micro_batches(micro, step, backward=True):
             for k, v in mstats.items():
                 stats[k] = stats.get(k, 0.0) + v
-        if inert is not None:
-            stats["computed_share"] = counted / total if total else 0.0
+        if inert is not None:  # the rows left out counted as 0 in each: what was observed on the rows computed
+            share = counted / total if total else 0.0  # becomes their mean, or nothing where none was computed
+            for k in stats.keys() - inert.zero_stats:
+                if share:
+                    stats[k] /= share
+                else:
+                    del stats[k]
         norm = self.clip_grad_norm()
         stats["grad_norm"] = float(norm)
         if torch.isfinite(norm):
@@ -264,7 +279,7 @@ class TrainLoop:
         return stats
 
     def ppo_update(self, batch: Batch, t: Training, prompts_per_step: int, loss_fn: LossFn, per: str = "rows",
-                   inert: torch.Tensor | None = None) -> dict[str, float]:
+                   inert: InertRows | None = None) -> dict[str, float]:
         """`ppoEpochs` passes over this rank's shard, one optimizer step per mini-batch; stats averaged over steps.
 
         A mini-batch is `miniBatchSize` prompts of the global batch, i.e. the same fraction of this rank's rows.
@@ -277,7 +292,8 @@ class TrainLoop:
         counts: dict[str, int] = {}  # the optimizer steps that reported each statistic (train_mini_batch)
         for _ in range(t.ppo_epochs):
             minis = batch.split(rows)
-            inerts = [None] * len(minis) if inert is None else list(inert.split(rows))
+            inerts = ([None] * len(minis) if inert is None
+                      else [InertRows(part, inert.zero_stats) for part in inert.rows.split(rows)])
             for mini, mini_inert in zip(minis, inerts):
                 for k, v in self.train_mini_batch(mini, t.micro_batch_size, loss_fn, per, mini_inert).items():
                     totals[k] = totals.get(k, 0.0) + v
