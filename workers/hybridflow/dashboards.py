@@ -125,6 +125,12 @@ JOB_OVERVIEW = Dashboard(
               width=8),
         Panel("Entropy and clip fraction", (f"avg by (rlhfjob) (hybridflow_entropy_mean{JOB})",
                                             f"avg by (rlhfjob) (hybridflow_clip_fraction{JOB})"), width=8),
+        Panel("Rows left out of the actor update", (f"avg by (rlhfjob) (hybridflow_update_rows_skipped{JOB})",),
+              unit="percentunit", legend="{{rlhfjob}}", width=8,
+              description="Share of the step's samples whose advantages were all zero (a group that scored alike), "
+                          "which the update did not compute (training.skipZeroAdvantageRows); entropy is then the "
+                          "computed samples'. Near 100%: the step learned from almost nothing (all too easy, too "
+                          "hard, or collapsed)."),
         Panel("Grad norm", (f"avg by (rlhfjob) (hybridflow_grad_norm{JOB})",), width=8),
         Panel("Iteration time p90", (
             f"histogram_quantile(0.9, sum by (le, rlhfjob) (rate(hybridflow_iteration_duration_seconds_bucket{JOB}[5m])))",),
