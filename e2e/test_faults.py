@@ -19,12 +19,14 @@ STEPS = 36
 STALL_DEADLINE = 90  # runPolicy.progressDeadlineSeconds of the first job: above its start-up, far below the default
 LONG = {"trainer": {"steps": STEPS, "saveFreq": 3}, "metrics": {"port": 8000, "lingerSeconds": 0}}
 # The first job: rollout apart from the trainer, on an elastic pool of replicas of its own (one pod to start with,
-# two at most), generating asynchronously. Its steps are made slower (one sample per micro-batch) so that its run
-# outlasts the pool's growth, a replica's rebuild, an in-place recovery and the pool's shrinking.
+# two at most), generating asynchronously. Its steps are made slower (one sample per micro-batch, and every row
+# computed: once the tiny model has learned, most groups score alike and training.skipZeroAdvantageRows would leave
+# them out, and the run ended before a rebuilt replica took work) so that its run outlasts the pool's growth, a
+# replica's rebuild, an in-place recovery and the pool's shrinking.
 ASYNC_STEPS = 170
 ASYNC = {"resourcePools": [{"name": "trainer", "devicesPerNode": 1}, {"name": "rollout", "devicesPerNode": 1}],
          "placement": {"actor": "trainer", "rollout": "rollout"}, "rollout": {"mode": "async"},
-         "rolloutPool": {"replicas": 1, "maxReplicas": 2}, "training": {"microBatchSize": 1},
+         "rolloutPool": {"replicas": 1, "maxReplicas": 2}, "training": {"microBatchSize": 1, "skipZeroAdvantageRows": False},
          "trainer": {"steps": ASYNC_STEPS, "saveFreq": 3}}
 
 
