@@ -42,6 +42,7 @@ def test_the_failure_bound_counts_episodes_not_rows():
     assert under.episodes == 4 and under.failed == 2 and "2 of 4 episodes failed" in (under.line() or "")
 
 
+@pytest.mark.filterwarnings("error")  # an agent job's log stays quiet (index_reduce printed torch's beta warning)
 def test_episode_metrics_are_per_episode():
     # two episodes of 3 rows (one call each, the reward on every row, the second truncated on two rows), one of 1
     batch = episodes([3, 3, 1], [False, False, False], agent_turns=[1.0] * 7, env_reward=[1.0] * 3 + [0.0] * 4,

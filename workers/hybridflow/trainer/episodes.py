@@ -150,7 +150,7 @@ def _per_episode(batch: Batch, column: str, reduce: str = "sum") -> torch.Tensor
     before the batch's first marked row counts as one)."""
     ids = torch.as_tensor(np.maximum(np.cumsum(first_rows(batch)) - 1, 0))
     n = int(ids.max()) + 1 if len(ids) else 0
-    out = torch.zeros(n).index_reduce_(0, ids, batch[column].float(), "amax", include_self=False) \
+    out = torch.zeros(n).scatter_reduce_(0, ids, batch[column].float(), "amax", include_self=False) \
         if reduce == "max" else torch.zeros(n).index_add_(0, ids, batch[column].float())
     return out
 
