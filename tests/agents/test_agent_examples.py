@@ -103,15 +103,25 @@ def test_calculator_example_calls_the_tool_in_multi_turn_episodes(tmp_path, mode
 
 def _surrogate(model, records):
     """GRPO's objective on a logged batch: the sum over its trained tokens (the model's own, loss mask 1) of
-    advantage x log pi(token | trajectory so far), in float32 with HF on the whole prompt + trajectory."""
+    advantage x log pi(token | trajectory so far), in float32 with HF on the prompt and then the trajectory (the
+    prompt's KV cache computed once per group: the same sums to ~1e-7, in 2.5x less time than whole sequences)."""
     import torch
 
-    total = 0.0
+    total, prompts = 0.0, {}
     with torch.no_grad():
-        for r in records:
-            ids = torch.tensor([r["prompt_ids"] + r["trajectory_ids"]])
-            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
-            own = logp[len(r["prompt_ids"]) - 1:][torch.tensor(r["loss_mask"]) == 1]
+        for r in records:  # a group's prompt (~385 tokens here) is computed once, its KV cache cropped back to it
+            key = tuple(r["prompt_ids"])
+            if key not in prompts:
+                out = model(torch.tensor([r["prompt_ids"]]), use_cache=True)
+                prompts[key] = (out.logits[0, -1:], out.past_key_values)
+            last, cache = prompts[key]
+            if extra := cache.get_seq_length() - len(key):  # the group's previous trajectory
+                cache.crop(-extra)
+            ids = torch.tensor(r["trajectory_ids"])
+            rest = model(ids[None, :-1], past_key_values=cache).logits[0] if len(ids) > 1 else last[:0]
+            logits = torch.cat([last, rest])
+            logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, None])[:, 0]
+            own = logp[torch.tensor(r["loss_mask"]) == 1]
             assert len(own) == len(r["advantages"]), r  # the trainer's tokens are the engine's, tool answers out
             total += float((own * torch.tensor(r["advantages"])).sum())
     return total
