@@ -29,6 +29,13 @@ if [ -n "${PYTEST_ARGS:-}" ]; then
   fi
   parts="pytest $(( t1 - t0 ))s, e2e ${e2e}"
 else
+  # Each stream computes on half the cores: torch's default (one thread per core) in both streams' own processes
+  # (pytest's in-process models, the ranks tests spawn) puts two busy threads on each core, and its OpenMP threads
+  # then wait at every op's barrier for a thread the kernel descheduled (measured: HF greedy episodes of
+  # test_agents.py took 39.5 s on two threads beside one busy core, 19.3 s on one; 11.5 s on two alone). A job's
+  # workers still take their pool's cpusPerDevice (worker_host.use_threads).
+  OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) > 3 ? $(nproc) / 2 : 1 ))}"
+  export OMP_NUM_THREADS
   e2e_log="$(mktemp -t e2e-log.XXXXXX)"
   light_log="$(mktemp -t light-log.XXXXXX)"
   light_status="$(mktemp -t light-status.XXXXXX)"
