@@ -26,7 +26,8 @@ LONG = {"trainer": {"steps": STEPS, "saveFreq": 3}, "metrics": {"port": 8000, "l
 ASYNC_STEPS = 170
 ASYNC = {"resourcePools": [{"name": "trainer", "devicesPerNode": 1}, {"name": "rollout", "devicesPerNode": 1}],
          "placement": {"actor": "trainer", "rollout": "rollout"}, "rollout": {"mode": "async"},
-         "rolloutPool": {"replicas": 1, "maxReplicas": 2}, "training": {"microBatchSize": 1, "skipZeroAdvantageRows": False},
+         "rolloutPool": {"replicas": 1, "maxReplicas": 2},
+         "training": {"microBatchSize": 1, "skipZeroAdvantageRows": False},
          "trainer": {"steps": ASYNC_STEPS, "saveFreq": 3}}
 
 
