@@ -22,8 +22,10 @@ LONG = {"trainer": {"steps": STEPS, "saveFreq": 3}, "metrics": {"port": 8000, "l
 # two at most), generating asynchronously. Its steps are made slower (one sample per micro-batch, and every row
 # computed: once the tiny model has learned, most groups score alike and training.skipZeroAdvantageRows would leave
 # them out, and the run ended before a rebuilt replica took work) so that its run outlasts the pool's growth, a
-# replica's rebuild, an in-place recovery and the pool's shrinking.
-ASYNC_STEPS = 170
+# replica's rebuild, an in-place recovery and the pool's shrinking. Its steps take ~0.45 s on a 2-core AVX2 machine,
+# where its faults from the rollout pod's kill to the trainer pod's take ~55 s (~120 steps); at 170 steps one CI
+# run's job ended before its trainer pod could be killed (the replica's rebuild took 45 s there, 30 s here).
+ASYNC_STEPS = 400
 ASYNC = {"resourcePools": [{"name": "trainer", "devicesPerNode": 1}, {"name": "rollout", "devicesPerNode": 1}],
          "placement": {"actor": "trainer", "rollout": "rollout"}, "rollout": {"mode": "async"},
          "rolloutPool": {"replicas": 1, "maxReplicas": 2},
@@ -99,6 +101,21 @@ def _last(world, name: str) -> dict:
     return records[-1] if records else {}
 
 
+def _where(world, name: str) -> str:
+    """The job's phase, last step logged and last checkpoint: what a wait that timed out needs first."""
+    st = world.kube.status(name)
+    return (f"phase {st.get('phase')}, step {_last(world, name).get('step')}/{ASYNC_STEPS}, last checkpoint "
+            f"{st.get('lastCheckpointStep')}")
+
+
+def _steps_to_go(world, name: str, needed: int) -> None:
+    """The next faults need the job running for ~`needed` more steps: where it has ended or is about to, the
+    scenario outran it (its steps faster than the faults' own latencies on this machine) and says so, not a timeout."""
+    step = _last(world, name).get("step", 0)
+    assert ASYNC_STEPS - step >= needed, (f"the job is at step {step} of {ASYNC_STEPS} and the faults to come need "
+                                          f"~{needed} more: raise ASYNC_STEPS; {_where(world, name)}")
+
+
 def test_killed_pods_are_replaced_alone_and_a_hung_pod_restarts_the_gang(world, tmp_path):
     """The elastic rollout pool is scaled from one pod to two on the live job: the head and the other pods are kept,
     the new pod's replica joins once its weights were checked, and steps go on meanwhile.
@@ -141,6 +158,7 @@ def test_killed_pods_are_replaced_alone_and_a_hung_pod_restarts_the_gang(world, 
     assert _uids(world, name) == before, "the new operator replaced or added pods instead of adopting them"
     assert world.kube.status(name).get("restarts", 0) == 0
 
+    _steps_to_go(world, name, 200)  # the replica's rebuild with steps meanwhile, the shrinking, the trainer's kill
     killed = time.time()  # a rollout pod: its replica is rebuilt in the replacement, training goes on
     world.kill_pod_processes(rollout[1])
     wait_for(lambda: world.kube.status(name).get("podReplacements") == 1, 120, "the rollout pod replaced alone")
@@ -173,8 +191,10 @@ def test_killed_pods_are_replaced_alone_and_a_hung_pod_restarts_the_gang(world, 
     rollout = rollout[:1]
 
     before = _uids(world, name)
+    _steps_to_go(world, name, 60)  # a checkpoint, the kill, a step after the in-place recovery, the freeze
     seen = world.kube.status(name).get("lastCheckpointStep", 0)
-    wait_for(lambda: world.kube.status(name).get("lastCheckpointStep", 0) > seen, 300, "a checkpoint since")
+    wait_for(lambda: world.kube.status(name).get("lastCheckpointStep", 0) > seen, 300,
+             lambda: f"a checkpoint since step {seen}; {_where(world, name)}; {_restart_reasons(world, name, head)}")
     killed = time.time()  # the trainer pod: replaced alone, the controller recovers in place from the checkpoint
     world.kill_pod_processes(trainer)
     wait_for(lambda: world.kube.status(name).get("podReplacements") == 2, 120, "the trainer pod replaced alone")
