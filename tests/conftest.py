@@ -7,6 +7,8 @@ import pytest
 from support.paths import ROOT
 from support.processes import kill_processes_mentioning
 
+pytest_plugins = ["support.module_claims"]  # make test's two streams share the slow tests (scripts/run-tests.sh)
+
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on 127.0.0.1 only (see STACK.md)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
