@@ -22,9 +22,9 @@ LONG = {"trainer": {"steps": STEPS, "saveFreq": 3}, "metrics": {"port": 8000, "l
 # two at most), generating asynchronously. Its steps are made slower (one sample per micro-batch, and every row
 # computed: once the tiny model has learned, most groups score alike and training.skipZeroAdvantageRows would leave
 # them out, and the run ended before a rebuilt replica took work) so that its run outlasts the pool's growth, a
-# replica's rebuild, an in-place recovery and the pool's shrinking. Its steps take ~0.45 s on a 2-core AVX2 machine,
-# where its faults from the rollout pod's kill to the trainer pod's take ~55 s (~120 steps); at 170 steps one CI
-# run's job ended before its trainer pod could be killed (the replica's rebuild took 45 s there, 30 s here).
+# replica's rebuild, an in-place recovery and the pool's shrinking. Its steps take ~0.4-0.5 s on a 2-core AMX machine,
+# where its faults from the rollout pod's kill to the trainer pod's took ~52 s (~75 steps); at 170 steps one CI
+# run's job ended before its trainer pod could be killed (the replica's rebuild took 45 s there, ~34 s here).
 ASYNC_STEPS = 400
 ASYNC = {"resourcePools": [{"name": "trainer", "devicesPerNode": 1}, {"name": "rollout", "devicesPerNode": 1}],
          "placement": {"actor": "trainer", "rollout": "rollout"}, "rollout": {"mode": "async"},
