@@ -34,7 +34,7 @@ def module_groups(items: list[pytest.Item]) -> list[list[pytest.Item]]:
 def claim(claims: Path, module: str) -> bool:
     """True for the one process that creates the module's claim first."""
     try:
-        os.close(os.open(claims / module.replace("/", "__"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        os.close(os.open(claims / (module.replace("/", "__") + ".claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return False
     return True

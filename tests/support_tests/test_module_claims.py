@@ -17,9 +17,15 @@ import pytest
 
 @pytest.fixture(scope="module")
 def held():
-    print("setup", __name__, os.getpid(), file=open(os.environ["LOG"], "a"), flush=True)
+    # both processes inside a module before either goes on: on a busy machine one could otherwise start only
+    # after the other had taken every module
+    log = os.environ["LOG"]
+    print("setup", __name__, os.getpid(), file=open(log, "a"), flush=True)
+    deadline = time.time() + 60
+    while len({line.split()[-1] for line in open(log) if line.startswith("setup")}) < 2 and time.time() < deadline:
+        time.sleep(0.02)
     yield
-    print("teardown", __name__, os.getpid(), file=open(os.environ["LOG"], "a"), flush=True)
+    print("teardown", __name__, os.getpid(), file=open(log, "a"), flush=True)
 
 @pytest.mark.parametrize("i", range(3))
 def test_it(held, i):
@@ -33,14 +39,15 @@ def test_without_the_fixture():
 
 def test_two_processes_run_each_module_once_whole_from_both_ends(tmp_path):
     modules = [f"test_m{i}" for i in range(7)]
+    (tmp_path / "tests").mkdir()
     for name in modules:
-        (tmp_path / f"{name}.py").write_text(MODULE)
+        (tmp_path / "tests" / f"{name}.py").write_text(MODULE)
     (tmp_path / "claims").mkdir()
     log = tmp_path / "log"
     env = {**os.environ, "LOG": str(log), "HYBRIDFLOW_TEST_CLAIMS": str(tmp_path / "claims"),
            "PYTHONPATH": str(ROOT / "tests")}
     procs = {end: subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "support.module_claims",
-                                    "-p", "no:cacheprovider", "-o", "pythonpath=", str(tmp_path)],
+                                    "-p", "no:cacheprovider", "-o", "pythonpath=", str(tmp_path / "tests")],
                                    cwd=tmp_path, env={**env, "HYBRIDFLOW_TEST_CLAIM_FROM": end},
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for end in ("front", "back")}
