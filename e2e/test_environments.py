@@ -183,12 +183,12 @@ def test_environment_pool_serves_the_rollout_and_survives_a_killed_replica(world
 
     wait_for(ended, 900, lambda: f"the end; {logs()}")
     st = kube.status(NAME)
-    assert st["phase"] == "Succeeded", (st, world.logs(head)[-3000:])
+    assert st["phase"] == "Succeeded", f"{st}; {world.logs(head)[-3000:]}"
     assert st["restarts"] == 0, "a dead environment pod restarted the gang"
     assert world.step_log(NAME) == list(range(1, STEPS + 1))
     records = world.step_records(NAME)
     # retried, not lost; and no rollout's environment step saw what its sandbox must keep out (its episode fails)
-    assert all(r.get("agent_episodes_failed", 0) == 0 for r in records), (records, world.logs(head)[-3000:])
+    assert all(r.get("agent_episodes_failed", 0) == 0 for r in records), f"{records}; {world.logs(head)[-3000:]}"
     assert sum(r.get("agent_env_steps_mean", 0) for r in records) > 0, records
     assert not outliving, f"daemons an environment step started outlived it: {sorted(outliving)}"
 

@@ -2,15 +2,18 @@
 default): the operator killed mid-run (the new one adopts the pods), a rollout pod killed (replaced alone, its
 replica rebuilt in it while the other one keeps generating and training goes on: no recovery, no restart), the
 trainer pod killed (replaced alone: the controller recovers in place from the checkpoint), the new trainer pod frozen
-with SIGSTOP (no step within the progress deadline: Stalled, the gang restarts); no step is lost or repeated. Another (restartPolicy gang): a kill, an eviction (restart, backoff not used) and a
-kill that exhausts backoffLimit (Failed, with why). Each records how long its first kill took to the next step
-logged (printed at the end of the run)."""
+with SIGSTOP (no step within the progress deadline: Stalled, the gang restarts); no step is lost or repeated.
+Another (restartPolicy gang): a kill, an eviction (restart, backoff not used) and a kill that exhausts backoffLimit
+(Failed, with why). Each records how long its first kill took to the next step logged (printed at the end of the
+run)."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
+from hybridflow.api.run_policy import STALL_FLOOR_SECONDS
 from kube.harness import wait_for
 
 from e2e.helpers import RECOVERY_SECONDS, job_variant, live_pod_names, phase
@@ -133,8 +136,10 @@ def test_killed_pods_are_replaced_alone_and_a_hung_pod_restarts_the_gang(world, 
     trainer pod is killed after a checkpoint: only it is replaced (the head and the rollout pods
     keep their UIDs, no gang generation is used), the controller rebuilds its worker groups and resumes from the
     checkpoint. The new trainer pod is frozen (SIGSTOP): it stays Running, no step completes, the operator finds the
-    job Stalled after runPolicy.progressDeadlineSeconds and restarts the gang. The job ends Succeeded with each step in
-    the step log once; the gang's next generation has one rollout pod.
+    job Stalled after runPolicy.progressDeadlineSeconds and restarts the gang; the deadline is then raised on the live
+    job (runPolicy is mutable) so that the new gang's start-up is not judged by the short one. The job ends Succeeded
+    with each step in the step log once, each pod replaced counted once; the gang's next generation has one rollout
+    pod.
     (A failed head restarts the gang whatever the policy: tests/operator/test_operator_phases.py; a killed pod under
     restartPolicy gang: the next test.)"""
     name = "fault-kills"
@@ -218,9 +223,18 @@ def test_killed_pods_are_replaced_alone_and_a_hung_pod_restarts_the_gang(world, 
     wait_for(lambda: world.kube.status(name).get("restarts") == 1, STALL_DEADLINE + 180,
              lambda: f"the Stalled restart; {_restart_reasons(world, name)}")
     wait_for(lambda: "Stalled" in _reasons(world, name), 30, "the Stalled event")
+    # STALL_DEADLINE was for the hang. The new gang's start-up (Ray, its workers, the checkpoint, the first
+    # generation: ~50 s on an idle 2-core AMX machine) took past it on a loaded CI machine (its rollout pod's raylet
+    # timed out reaching the GCS and was replaced) and the gang was restarted once more: from here the job gets the
+    # default deadline's floor, as a user would raise it once the hang is dealt with.
+    world.kubectl("patch", f"rlhfjob/{name}", "--type=merge", "-p",
+                  json.dumps({"spec": {"runPolicy": {"progressDeadlineSeconds": STALL_FLOOR_SECONDS}}}))
     st = _finish(world, name, current_head(world.kube, name), 1200)
-    assert st["phase"] == "Succeeded" and st["restarts"] == 1 and st["podReplacements"] == 2, (
-        st, _restart_reasons(world, name))
+    # a pod of the new gang that failed to start is replaced alone, with its event: counted, not a restart
+    later = [e.message for e in world.kube.events() if e.involved_object.name == name and e.reason == "PodReplaced"
+             and re.match(rf"pod {name}-\S+-g1 ", e.message)]
+    assert st["phase"] == "Succeeded" and st["restarts"] == 1 and st["podReplacements"] == 2 + len(later), (
+        f"{st}; {_restart_reasons(world, name)}")
     assert world.step_log(name) == list(range(1, ASYNC_STEPS + 1)), "a step was lost or repeated"
     wait_for(lambda: not [p for p in _uids(world, name) if "-rollout-" in p], 60, "the rollout pods gone at the end")
 

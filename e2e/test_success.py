@@ -89,7 +89,7 @@ def test_kubectl_apply_runs_to_succeeded(world, tmp_path):
         assert prom_value(running) == 1
     st = kube.status(NAME)
     head = current_head(kube, NAME)
-    assert st["phase"] == "Succeeded", (st, world.logs(head)[-4000:])
+    assert st["phase"] == "Succeeded", f"{st}; {world.logs(head)[-4000:]}"
     assert st["totalSteps"] == STEPS and float(st["tokensPerSecond"]) > 0
     assert "held-out reward after training" in world.logs(head)
     assert world.step_log(NAME) == list(range(1, STEPS + 1))  # every step exactly once

@@ -102,7 +102,7 @@ def test_data_on_a_pvc_and_reward_in_a_configmap(world, tmp_path):
 
     wait_for(ended, 900, lambda: f"the end; {world.logs(head)[-4000:]}")
     st = world.kube.status(name)
-    assert st["phase"] == "Succeeded", (st, world.logs(head)[-3000:])
+    assert st["phase"] == "Succeeded", f"{st}; {world.logs(head)[-3000:]}"
     assert st["restarts"] == 0 and _condition(world, name, "InputsReady")["status"] == "True"
     logs = world.logs(head)
     assert "prompts: 60 for training, 4 held out" in logs, logs[-3000:]  # 64 rows on the volume, 4 held out
