@@ -11,7 +11,8 @@ the defaults leave off is ablated the other way: `--ablate lora` runs the defaul
 spec.training.lora (rank 16 adapters on a frozen base, at 10x the learning rate), so the table compares full
 fine-tuning with LoRA: summed peak memory, the bytes each weight sync moves into generation, tokens/s.
 `--ablate "one rank"` runs the same cores as one rank of two threads (spec.resourcePools[].devicesPerNode 1,
-cpusPerDevice 2) beside the defaults' two ranks of one thread.
+cpusPerDevice 2) beside the defaults' two ranks of one thread; `"one rank kept gathered"` the same with
+keepGatheredForBackward and reduceGradientsPerStep forced on (auto leaves them off on one rank).
 
 Prints per run: tokens/s (prompt + response tokens of the batch / iteration seconds, the paper's definition), seconds
 per stage, peak memory per rank (max) and summed over ranks, the weight sync's bytes (into generation, and gathered
@@ -91,6 +92,10 @@ FEATURES = {
     "lora": {"training": {"lora": {"rank": 16, "alpha": 32}, "actorLr": 2e-5}},
     # the same cores as one rank of RANKS threads: no gathers, one runtime and one vLLM engine instead of RANKS
     "one rank": {"resourcePools": {"devicesPerNode": 1, "cpusPerDevice": RANKS}},
+    # one rank with FSDP2's bf16 copies of the weights kept through the update (where it computes in bf16 from fp32
+    # masters, each gather is a cast): fewer casts for the whole model in bf16 held through it
+    "one rank kept gathered": {"resourcePools": {"devicesPerNode": 1, "cpusPerDevice": RANKS},
+                               "training": {"keepGatheredForBackward": "on", "reduceGradientsPerStep": "on"}},
 }
 # --ablate NAME: the run beside the defaults, named "<how> NAME", and the patch that makes it
 ABLATIONS = ({n: ("without", patch) for n, patch in OPTIMISATIONS.items()}

@@ -68,3 +68,11 @@ def test_ablate_one_rank_runs_the_same_cores_as_one_rank_and_counts_its_whole_mo
     assert tp.pool_shape(runs["defaults"]) == (2, 2) and tp.pool_shape(runs["with one rank"]) == (1, 2)
     whole = tp.rank_memory_parts(runs["with one rank"], "float32")
     assert whole["fp32 weight shard"] == pytest.approx(tp.SMOLLM2_PARAMS * 4 / 1e9)  # one rank holds all of it
+
+
+def test_ablate_one_rank_kept_gathered_is_one_rank_with_both_fsdp_switches_forced_on():
+    runs = tp.variants(False, False, ["one rank", "one rank kept gathered"])
+    one, kept = (parse_job(runs[f"with {n}"]).spec for n in ("one rank", "one rank kept gathered"))
+    assert tp.pool_shape(runs["with one rank kept gathered"]) == (1, 2)
+    assert (one.training.keep_gathered_for_backward, one.training.reduce_gradients_per_step) == ("auto", "auto")
+    assert (kept.training.keep_gathered_for_backward, kept.training.reduce_gradients_per_step) == ("on", "on")
