@@ -133,8 +133,8 @@ def fsdp_switch_on(switch: str, device: str, ranks: int) -> bool:
     weights, so keeping it whole or accumulating unsharded gradients only adds a model's worth of memory (measured
     on SmolLM2, one rank of two threads: 0.6 GB more for the same update seconds; where it computes in bf16 from fp32
     masters a gather is a cast, and keeping it took 15% off the update for 0.28 GB more on an AMX Xeon, past TRL's
-    memory: docs/performance.md). The engine (engines.train.fsdp)
-    and the memory model (memory.terms) both read it here."""
+    memory: docs/performance.md). The engine (engines.train.fsdp) and the memory model (memory.terms) both read it
+    here."""
     return switch == "on" or (switch == "auto" and device != "gpu" and ranks > 1)
 
 
