@@ -1,10 +1,10 @@
 """The megatron training engine on CPU (gloo): HF weights convert both ways, and one engine step at TP=2 x DP=2,
-PP=2, TP=2 x PP=2 and PP=2 x DP=2 computes the log-probs, loss, gradients and gradient norm that plain HF autograd
-computes."""
+TP=2 x PP=2 and PP=2 x DP=2 (Llama and Qwen2) computes the log-probs, loss, gradients and gradient norm that plain
+HF autograd computes."""
 import pytest
 import torch
 from support.megatron_inputs import hf_model, tiny_batch
-from support.megatron_launcher import engine_step, objective
+from support.megatron_launcher import engine_steps, objective
 from support.paths import TESTS
 
 from hybridflow.algorithms.core import entropy_from_logits
@@ -45,18 +45,30 @@ def _hf_reference(model, batch):
     return {"loss": loss.item(), "log_probs": logp.detach(), "grads": grads, "grad_norm": float(norm)}
 
 
+# Four layouts on four ranks cover TP, DP and PP combined, with tied (qwen2: the embedding's two copies on the first
+# and last stage) and untied (llama) embeddings. Spawning the ranks (torch and megatron-core imported in each, ~25
+# CPU-s) costs far more than a step of these models: one spawn runs every layout, megatron's groups made anew for each.
+LAYOUTS = {"llama-tp2xdp2": ("llama", 2, 1), "llama-pp2xdp2": ("llama", 1, 2), "qwen2-tp2xpp2": ("qwen2", 2, 2),
+           "qwen2-pp2xdp2": ("qwen2", 1, 2)}
+
+
+@pytest.fixture(scope="module")
+def engine_steps_and_references(tmp_path_factory):
+    """{layout: (the engine's step on 4 ranks, HF autograd's on one process)}."""
+    batch, refs, dirs = tiny_batch(), {}, {}
+    for arch in ("llama", "qwen2"):
+        model = hf_model(arch)
+        dirs[arch] = tmp_path_factory.mktemp(arch) / "model"
+        model.save_pretrained(dirs[arch], safe_serialization=True)
+        refs[arch] = _hf_reference(model, batch)
+    got = engine_steps([(str(dirs[arch]), tp, pp) for arch, tp, pp in LAYOUTS.values()], batch, world=4)
+    return {name: (step, refs[arch]) for (name, (arch, _, _)), step in zip(LAYOUTS.items(), got)}
+
+
 @pytest.mark.slow
-# Each layout costs a spawn of megatron-core processes (~13 s): four cover TP, DP and PP, alone and combined, with
-# tied (qwen2: the embedding's two copies on the first and last stage) and untied (llama) embeddings.
-@pytest.mark.parametrize("arch,tp,world,pp", [("llama", 2, 4, 1), ("llama", 1, 2, 2), ("qwen2", 2, 4, 2),
-                                              ("qwen2", 1, 4, 2)],
-                         ids=["llama-tp2xdp2", "llama-pp2", "qwen2-tp2xpp2", "qwen2-pp2xdp2"])
-def test_engine_step_matches_hf_autograd(tmp_path, arch, tp, world, pp):
-    model = hf_model(arch)
-    model.save_pretrained(tmp_path / "model", safe_serialization=True)
-    batch = tiny_batch()
-    ref = _hf_reference(model, batch)
-    got = engine_step(str(tmp_path / "model"), batch, tp, world, pp)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_engine_step_matches_hf_autograd(engine_steps_and_references, layout):
+    got, ref = engine_steps_and_references[layout]
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     torch.testing.assert_close(got["log_probs"], ref["log_probs"], rtol=1e-5, atol=1e-5)
     for name, g in ref["grads"].items():

@@ -1,5 +1,6 @@
-"""Run one forward/backward of the megatron training engine on N local gloo processes (as torchrun would) and
-return what rank 0 saw: the loss, every response token's log-probability, the whole (TP-gathered) gradients under
+"""Run one forward/backward of the megatron training engine on N local gloo processes (as torchrun would), in each of
+several layouts one after another on the same processes (megatron's process groups made again for each), and
+return what rank 0 saw in each: the loss, every response token's log-probability, the whole (TP-gathered) gradients under
 HF names and the global gradient norm. Tests compare this against plain HF autograd on one process, which checks
 the weight conversion, tensor parallelism, vocab-parallel log-probs/entropy and the data-parallel reduction at once.
 
@@ -31,14 +32,26 @@ def objective(logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
     return -logp.mean() - ENTROPY_COEF * entropy.mean()
 
 
-def run_rank(rank: int, world: int, init: str, cfg: dict) -> None:
+def run_rank(rank: int, world: int, init: str, layouts: list[dict]) -> None:
+    """Each layout in turn on the same world: spawning the ranks (importing torch and megatron-core) costs far more
+    than a step of these small models, so one spawn serves every layout."""
+    from megatron.core import parallel_state as ps
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    for cfg in layouts:
+        run_layout(rank, world, cfg)
+        dist.barrier()
+        ps.destroy_model_parallel()  # the next layout makes its own groups (init_model_parallel)
+    dist.destroy_process_group()
+
+
+def run_layout(rank: int, world: int, cfg: dict) -> None:
     """The engine's own path: log-probs through `forward_micro`, then one `train_mini_batch` over two micro-batches
     (through megatron's 1F1B schedule when the layers are split into pipeline stages)."""
     from hybridflow.engines.train import megatron_model as mm
     from hybridflow.engines.train.megatron import MegatronEngine
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     engine = MegatronEngine(Path(cfg["model_dir"]), "float32", cfg["tp"], lr=1e-3, grad_clip=1e9, device="cpu",
                             pp=cfg.get("pp", 1))
     full = Batch(torch.load(cfg["batch"]))
@@ -64,20 +77,19 @@ def run_rank(rank: int, world: int, init: str, cfg: dict) -> None:
         torch.save({"loss": sum(loss for loss, _ in replicas.values()) / len(replicas),
                     "log_probs": torch.cat([replicas[dp][1] for dp in sorted(replicas)]),
                     "grads": mm.megatron_to_hf(merged, engine.shape), "grad_norm": stats["grad_norm"]}, cfg["out"])
-    dist.barrier()
-    dist.destroy_process_group()
 
 
-def engine_step(model_dir: str, batch: dict[str, torch.Tensor], tp: int, world: int, pp: int = 1,
-                timeout: float = 300) -> dict[str, Any]:
-    """Launch `world` ranks (tp * pp * dp) and return rank 0's view of one step."""
+def engine_steps(layouts: list[tuple[str, int, int]], batch: dict[str, torch.Tensor], world: int,
+                 timeout: float = 300) -> list[dict[str, Any]]:
+    """Launch `world` ranks once and return rank 0's view of one step in each layout, a (model_dir, tp, pp) whose
+    data-parallel size is world / (tp * pp)."""
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = {"model_dir": model_dir, "tp": tp, "pp": pp, "batch": os.path.join(tmp, "batch.pt"),
-               "out": os.path.join(tmp, "out.pt")}
-        torch.save(batch, cfg["batch"])
+        torch.save(batch, os.path.join(tmp, "batch.pt"))
+        cfgs = [{"model_dir": model_dir, "tp": tp, "pp": pp, "batch": os.path.join(tmp, "batch.pt"),
+                 "out": os.path.join(tmp, f"out{i}.pt")} for i, (model_dir, tp, pp) in enumerate(layouts)]
         init = f"file://{os.path.join(tmp, 'rdzv')}"
         # each rank runs this file as a script: it needs only the installed hybridflow, not tests/ on sys.path
-        procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), init, json.dumps(cfg)],
+        procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), init, json.dumps(cfgs)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                  for r in range(world)]
         try:
@@ -89,7 +101,7 @@ def engine_step(model_dir: str, batch: dict[str, torch.Tensor], tp: int, world: 
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-        return torch.load(cfg["out"])
+        return [torch.load(cfg["out"]) for cfg in cfgs]
 
 
 if __name__ == "__main__":
