@@ -1,9 +1,13 @@
 """Sharded (DCP) checkpoints of the megatron training engine are independent of the model-parallel layout: a run
-trained at TP=2 x PP=2 (tied embeddings split over the two stages) and checkpointed resumes at TP=1 x PP=1 (and a
-TP=1 x PP=1 checkpoint at TP=2 x PP=2) with the losses of the uninterrupted run, optimizer (AdamW) state included;
+trained at TP=2 x PP=2 (tied embeddings split over the two stages) and checkpointed resumes at TP=1 x PP=1 x DP=4
+(and a TP=1 checkpoint at TP=2 x PP=2) with the losses of the uninterrupted run, optimizer (AdamW) state included;
 the checkpoint names whole HF tensors, so the FSDP engine loads it too.
 
-Real megatron-core on CPU gloo: each phase runs as `world` local processes (this file is also their entry point)."""
+Real megatron-core on CPU gloo: the phases run one after another on one spawn of four local processes (this file is
+also their entry point), megatron's process groups made anew for each phase; spawning them (torch and megatron-core
+imported in each) costs more than the phases. At TP=1 the four ranks are four data-parallel replicas, each on the
+whole batch (as every rank is at TP=2 x PP=2): their averaged gradient is one rank's, so the losses are one
+process's."""
 from __future__ import annotations
 
 import json
@@ -59,55 +63,65 @@ def _resume(engine, directory: str, optimizer: bool = True) -> None:
     engine.load_checkpoint_state(state)
 
 
-def run_rank(rank: int, world: int, init: str, cfg: dict) -> None:
+def run_rank(rank: int, world: int, init: str, phases: list[dict]) -> None:
     import torch.distributed as dist
-
-    from hybridflow.single_controller.batch import Batch
+    from megatron.core import parallel_state as ps
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        batch = Batch(torch.load(cfg["batch"]))  # TP and PP only (dp = 1): every rank takes the whole batch
-        engine = _megatron(cfg)
-        out: dict = {}
-        if cfg["phase"] == "train":
-            out["before"] = _steps(engine, batch, BEFORE)
-            _save(engine, cfg["ckpt"])
-            out["after"] = _steps(engine, batch, AFTER)  # the uninterrupted run
-        else:
-            _resume(engine, cfg["ckpt"])
-            if cfg.get("resave"):  # the resumed state, checkpointed again in this layout
-                _save(engine, cfg["resave"])
-            out["after"] = _steps(engine, batch, AFTER)
-            if cfg.get("weights_only"):
-                fresh = _megatron(cfg)
-                _resume(fresh, cfg["ckpt"], optimizer=False)
-                out["weights_only"] = _steps(fresh, batch, AFTER)
-            if cfg.get("fsdp"):
-                from transformers import AutoModelForCausalLM
-
-                from hybridflow.engines.train.fsdp import FSDPEngine
-
-                hf = AutoModelForCausalLM.from_pretrained(cfg["model_dir"], dtype=torch.float32)
-                fsdp = FSDPEngine(hf, LR, CLIP, "cpu")
-                _resume(fsdp, cfg["ckpt"])
-                out["fsdp"] = _steps(fsdp, batch, AFTER)
-        if rank == 0:
-            torch.save(out, cfg["out"])
+        for cfg in phases:
+            out = run_phase(cfg)
+            if rank == 0:
+                torch.save(out, cfg["out"])
+            dist.barrier()
+            ps.destroy_model_parallel()  # the next phase makes its own groups (init_model_parallel)
     finally:
         dist.destroy_process_group()
 
 
+def run_phase(cfg: dict) -> dict:
+    from hybridflow.single_controller.batch import Batch
+
+    batch = Batch(torch.load(cfg["batch"]))  # every rank takes the whole batch (the DP replicas at TP=1 too)
+    engine = _megatron(cfg)
+    out: dict = {}
+    if cfg["phase"] == "train":
+        out["before"] = _steps(engine, batch, BEFORE)
+        _save(engine, cfg["ckpt"])
+        out["after"] = _steps(engine, batch, AFTER)  # the uninterrupted run
+    else:
+        _resume(engine, cfg["ckpt"])
+        if cfg.get("resave"):  # the resumed state, checkpointed again in this layout
+            _save(engine, cfg["resave"])
+        out["after"] = _steps(engine, batch, AFTER)
+        if cfg.get("weights_only"):
+            fresh = _megatron(cfg)
+            _resume(fresh, cfg["ckpt"], optimizer=False)
+            out["weights_only"] = _steps(fresh, batch, AFTER)
+        if cfg.get("fsdp"):
+            from transformers import AutoModelForCausalLM
+
+            from hybridflow.engines.train.fsdp import FSDPEngine
+
+            hf = AutoModelForCausalLM.from_pretrained(cfg["model_dir"], dtype=torch.float32)
+            fsdp = FSDPEngine(hf, LR, CLIP, "cpu")
+            _resume(fsdp, cfg["ckpt"])
+            out["fsdp"] = _steps(fsdp, batch, AFTER)
+    return out
+
+
 # --- the test process ---
 
-def _spawn(tmp: Path, world: int, cfg: dict, timeout: float = 300) -> dict:
-    """Run `world` ranks; the first to fail (or the timeout) ends them all, and none outlives this call."""
-    tag = f"{cfg['phase']}-tp{cfg['tp']}-pp{cfg.get('pp', 1)}-{time.monotonic_ns()}"
-    cfg = {**cfg, "out": str(tmp / f"{tag}.pt")}
+def _spawn(tmp: Path, world: int, phases: list[dict], timeout: float = 300) -> list[dict]:
+    """Run `world` ranks through the phases; the first to fail (or the timeout) ends them all, and none outlives this
+    call. Rank 0's out of each phase."""
+    tag = f"megatron-{time.monotonic_ns()}"
+    phases = [{**cfg, "out": str(tmp / f"{tag}-{i}.pt")} for i, cfg in enumerate(phases)]
     init = f"file://{tmp / f'{tag}.rdzv'}"
     logs = [open(tmp / f"{tag}-{r}.log", "w+") for r in range(world)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), init, json.dumps(cfg)], env=env,
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), init, json.dumps(phases)], env=env,
                               stdout=subprocess.DEVNULL, stderr=logs[r]) for r in range(world)]
     try:
         deadline = time.monotonic() + timeout
@@ -122,7 +136,7 @@ def _spawn(tmp: Path, world: int, cfg: dict, timeout: float = 300) -> dict:
             what = f"exited with {procs[r].returncode}" if procs[r].returncode else f"still ran after {timeout} s"
             logs[r].seek(0)
             raise RuntimeError(f"{tag} rank {r} {what}:\n{logs[r].read()[-3000:]}")
-        return torch.load(cfg["out"])
+        return [torch.load(cfg["out"]) for cfg in phases]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -132,24 +146,26 @@ def _spawn(tmp: Path, world: int, cfg: dict, timeout: float = 300) -> dict:
             f.close()
 
 
-# Every test reads `runs`: rounds of megatron-core processes training at TP=2 x PP=2 and resuming at TP=1.
+# Every test reads `runs`: megatron-core processes training at TP=2 x PP=2, resuming at TP=1 and back.
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Train at TP=2 x PP=2 and checkpoint (`ckpt`), continue uninterrupted (the reference); resume `ckpt` at TP=1,
-    also weights only and into FSDP, and re-checkpoint the resumed state at TP=1 (`resave`)."""
+    also weights only and into FSDP, and re-checkpoint the resumed state at TP=1 (`resave`); resume `resave` at
+    TP=2 x PP=2."""
     from support.megatron_inputs import hf_model, tiny_batch
 
     tmp = tmp_path_factory.mktemp("megatron-ckpt")
     hf_model("qwen2").save_pretrained(tmp / "model", safe_serialization=True)  # tied, QKV bias, 4 heads / 2 groups
     torch.save(tiny_batch(), tmp / "batch.pt")
     base = {"model_dir": str(tmp / "model"), "batch": str(tmp / "batch.pt"), "ckpt": str(tmp / "ckpt")}
-    ref = _spawn(tmp, 4, {**base, "phase": "train", "tp": 2, "pp": 2})
-    tp1 = _spawn(tmp, 1, {**base, "phase": "resume", "tp": 1, "resave": str(tmp / "resave"), "weights_only": True,
-                          "fsdp": True})
-    return {"tmp": tmp, "base": base, "ref": ref, "tp1": tp1}
+    ref, tp1, back = _spawn(tmp, 4, [
+        {**base, "phase": "train", "tp": 2, "pp": 2},
+        {**base, "phase": "resume", "tp": 1, "resave": str(tmp / "resave"), "weights_only": True, "fsdp": True},
+        {**base, "phase": "resume", "tp": 2, "pp": 2, "ckpt": str(tmp / "resave")}])
+    return {"base": base, "ref": ref, "tp1": tp1, "tp2xpp2": back}
 
 
 def test_tp2xpp2_checkpoint_resumes_at_tp1_with_optimizer_state(runs):
@@ -167,12 +183,9 @@ def test_weights_without_optimizer_state_diverge(runs):
     assert abs(got[1] - ref["after"][1]) > 1000 * REL * abs(ref["after"][1])
 
 
-@pytest.mark.slow  # one more round of processes
 def test_tp1_checkpoint_resumes_at_tp2xpp2(runs):
     """The TP=1 re-checkpoint of the resumed state, loaded at TP=2 x PP=2, continues as the uninterrupted run does."""
-    got = _spawn(runs["tmp"], 4, {**runs["base"], "phase": "resume", "tp": 2, "pp": 2,
-                                  "ckpt": str(runs["tmp"] / "resave")})
-    assert got["after"] == pytest.approx(runs["ref"]["after"], rel=REL)
+    assert runs["tp2xpp2"]["after"] == pytest.approx(runs["ref"]["after"], rel=REL)
 
 
 def test_megatron_checkpoint_loads_into_fsdp(runs):
