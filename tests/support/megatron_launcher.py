@@ -1,8 +1,9 @@
-"""Run one forward/backward of the megatron training engine on N local gloo processes (as torchrun would), in each of
-several layouts one after another on the same processes (megatron's process groups made again for each), and
-return what rank 0 saw in each: the loss, every response token's log-probability, the whole (TP-gathered) gradients under
-HF names and the global gradient norm. Tests compare this against plain HF autograd on one process, which checks
-the weight conversion, tensor parallelism, vocab-parallel log-probs/entropy and the data-parallel reduction at once.
+"""Run one forward/backward of the megatron training engine on N local gloo processes (as torchrun would), in each
+of several layouts one after another on the same processes (megatron's process groups made again for each), and
+return what rank 0 saw in each: the loss, every response token's log-probability, the whole (TP-gathered)
+gradients under HF names and the global gradient norm. Tests compare this against plain HF autograd on one
+process, which checks the weight conversion, tensor parallelism, vocab-parallel log-probs/entropy and the
+data-parallel reduction at once.
 
 With `pp` > 1 the layers are split into pipeline stages, run by megatron's own schedules (two micro-batches),
 point-to-point over gloo.

@@ -331,37 +331,6 @@ def test_failure_exits_non_zero_and_keeps_checkpoints(tmp_path, model_cache, ray
     assert "error: job failed" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_driver_joins_an_existing_ray_cluster(tmp_path, model_cache, ray_tmp):
-    """What the head pod runs: a Ray head started apart from the driver, then `hybridflow driver --address`.
-    Generation is plain HF (~10 s sooner a start): joining a cluster does not depend on the engine, and the e2e
-    scenarios run vLLM in the pods' own Ray cluster."""
-    import secrets
-
-    port = _free_port()
-    # As in the pods: head, workers and driver share a token (the operator puts it in a Secret).
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
-           "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    head = subprocess.run(
-        [ray_bin, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
-         '--resources={"hybridflow_pool_default": 2}', f"--temp-dir={ray_tmp}", "--include-dashboard=false",
-         "--object-store-memory=200000000", "--disable-usage-stats"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert head.returncode == 0, head.stderr[-2000:]
-    try:
-        ckpt = tmp_path / "run"
-        # one step: the driver's workers started on that cluster and ran the whole dataflow once
-        job = job_variant(tmp_path, TINY, trainer__steps=1, trainer__checkpointDir=str(ckpt), trainer__eval=False,
-                       rollout__engine="hf")
-        out = run_cli(["driver", str(job), "--address", f"127.0.0.1:{port}", "--metrics-port", "0"], cwd=tmp_path,
-                      env_extra={"HYBRIDFLOW_MODEL_CACHE": str(model_cache), **env}, timeout=600)
-        assert out.returncode == 0, out.stderr[-3000:]
-        assert [r["step"] for r in _steps(ckpt)] == [1]
-    finally:
-        kill_processes_mentioning(ray_tmp, grace=0)
-
-
 def _check_one_mlflow_run(tracking_uri, ckpt, steps):
     """spec.tracking.mlflow across the kill, read back through MLflow's client: one run in the job's experiment,
     FINISHED, the spec as its parameters; the latest point of each step equals the step log (the steps done again
