@@ -64,20 +64,14 @@ def _resume(engine, directory: str, optimizer: bool = True) -> None:
 
 
 def run_rank(rank: int, world: int, init: str, phases: list[dict]) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from support.megatron_launcher import in_each_layout
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        for cfg in phases:
-            out = run_phase(cfg)
-            if rank == 0:
-                torch.save(out, cfg["out"])
-            dist.barrier()
-            ps.destroy_model_parallel()  # the next phase makes its own groups (init_model_parallel)
-    finally:
-        dist.destroy_process_group()
+    def phase(cfg: dict) -> None:
+        out = run_phase(cfg)
+        if rank == 0:
+            torch.save(out, cfg["out"])
+
+    in_each_layout(rank, world, init, phases, phase)
 
 
 def run_phase(cfg: dict) -> dict:

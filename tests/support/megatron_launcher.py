@@ -8,7 +8,8 @@ data-parallel reduction at once.
 With `pp` > 1 the layers are split into pipeline stages, run by megatron's own schedules (two micro-batches),
 point-to-point over gloo.
 
-Test support, not runtime (tests/engines/test_megatron.py; tests/checkpoint/test_megatron_checkpoint.py's ranks use `objective`).
+Test support, not runtime (tests/engines/test_megatron.py; tests/checkpoint/test_megatron_checkpoint.py's ranks use
+`objective` and `in_each_layout`).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -33,18 +34,21 @@ def objective(logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
     return -logp.mean() - ENTROPY_COEF * entropy.mean()
 
 
-def run_rank(rank: int, world: int, init: str, layouts: list[dict]) -> None:
-    """Each layout in turn on the same world: spawning the ranks (importing torch and megatron-core) costs far more
-    than a step of these small models, so one spawn serves every layout."""
+def in_each_layout(rank: int, world: int, init: str, layouts: list[dict], run: Callable[[dict], None]) -> None:
+    """`run` each layout in turn on one gloo world, megatron's process groups made anew for each (the engine's
+    init_model_parallel): spawning the ranks (importing torch and megatron-core) costs far more than a step of these
+    small models, so one spawn serves every layout."""
     from megatron.core import parallel_state as ps
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    for cfg in layouts:
-        run_layout(rank, world, cfg)
-        dist.barrier()
-        ps.destroy_model_parallel()  # the next layout makes its own groups (init_model_parallel)
-    dist.destroy_process_group()
+    try:
+        for cfg in layouts:
+            run(cfg)
+            dist.barrier()
+            ps.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
 
 
 def run_layout(rank: int, world: int, cfg: dict) -> None:
@@ -106,4 +110,5 @@ def engine_steps(layouts: list[tuple[str, int, int]], batch: dict[str, torch.Ten
 
 
 if __name__ == "__main__":
-    run_rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]))
+    rank, world = int(sys.argv[1]), int(sys.argv[2])
+    in_each_layout(rank, world, sys.argv[3], json.loads(sys.argv[4]), lambda cfg: run_layout(rank, world, cfg))
