@@ -7,7 +7,7 @@ import datetime as dt
 from collections.abc import Sequence
 
 from hybridflow.api import RLHFJob
-from hybridflow.api.run_policy import progress_deadline
+from hybridflow.api.run_policy import progress_deadline, startup_deadline
 from hybridflow.api.scaling import replicas_now
 from hybridflow.api.status import TERMINAL, JobStatus, Phase
 from hybridflow_operator.meta import selector
@@ -197,19 +197,28 @@ def replaced_pods_back(st: JobStatus, current: list[PodView]) -> None:
 
 
 def stalled(job: RLHFJob, st: JobStatus, now: dt.datetime) -> str | None:
-    """Why a running job counts as stuck: no step completed within its progress deadline (api.run_policy), counted
-    from the last step the operator saw, or from Running until the first."""
+    """Why a running job counts as stuck (api.run_policy): its gang completed no step within the start-up deadline
+    of its pods all running (startupTime, until its driver's first step: progress.merge_progress), or no step
+    within the progress deadline of the last step the operator saw."""
+    policy, slowest = job.spec.run_policy, st.get("slowestStepSeconds")
+    if (started := parse_time(st.get("startupTime"))) is not None:
+        deadline, quiet = startup_deadline(policy, slowest), (now - started).total_seconds()
+        if quiet <= deadline:
+            return None
+        return (f"no step completed for {quiet:.0f}s since the gang's pods all ran (start-up deadline "
+                f"{deadline:.0f}s: " + ("runPolicy.startupDeadlineSeconds" if policy.startup_deadline_seconds else
+                                        "the default, the progress deadline and at least the floor") + ")")
     since = parse_time(st.get("lastProgressTime"))
     if since is None:
         st["lastProgressTime"] = iso(now)  # a job running before the operator knew the field: counted from now
         return None
-    deadline = progress_deadline(job.spec.run_policy, st.get("slowestStepSeconds"))
+    deadline = progress_deadline(policy, slowest)
     quiet = (now - since).total_seconds()
     if quiet <= deadline:
         return None
     last = f"after step {st['step']}" if st.get("step") else "since the job started running"
     return (f"no step completed for {quiet:.0f}s {last} (progress deadline {deadline:.0f}s: "
-            + ("runPolicy.progressDeadlineSeconds" if job.spec.run_policy.progress_deadline_seconds else
+            + ("runPolicy.progressDeadlineSeconds" if policy.progress_deadline_seconds else
                "the default, from the slowest step seen") + ")")
 
 

@@ -253,7 +253,7 @@ def _active(t: _Tick) -> Plan:
         if phase != Phase.RUNNING:
             enter(plan, Phase.RUNNING, "AllPodsRunning", f"{len(current)} pods running; training", now)
             set_condition(st, "Running", True, "AllPodsRunning", "the Ray cluster formed and the controller runs", now)
-            st["lastProgressTime"] = iso(now)  # the progress deadline counts from here until the first step
+            st["lastProgressTime"] = st["startupTime"] = iso(now)  # the start-up deadline counts from here
     elif any(p.phase != PodPhase.PENDING for p in current) and phase == Phase.PENDING:
         enter(plan, Phase.INITIALIZING, "PodsStarting", "pods scheduled; waiting for the Ray cluster", now)
     return plan

@@ -111,6 +111,8 @@ class Queue:
 
 def enter(plan: Plan, phase: Phase, reason: str, message: str, now: dt.datetime, event_type: str = "Normal") -> None:
     message = capped(message)
+    if phase != Phase.RUNNING:
+        plan.status.pop("startupTime", None)  # a gang's start-up clock runs only while it is Running (gang.stalled)
     plan.status["phase"] = phase
     plan.status["reason"] = reason
     plan.status["message"] = message

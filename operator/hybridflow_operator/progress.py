@@ -65,11 +65,15 @@ def parse_progress(text: str, job_name: str) -> dict[str, Any]:
 
 def merge_progress(status: dict[str, Any], progress: dict[str, Any], checkpoint_dir: str, now_iso: str) -> None:
     """Fold progress into status; the checkpoint time moves only when a newer checkpoint appears, the progress time
-    (the stall clock, phases._stalled) when the step moves, and the slowest step only up."""
+    (the stall clock, gang.stalled) when the step moves, and the slowest step only up. The gang's start-up ends
+    (startupTime dropped) at its driver's first step: a driver reports its last step's seconds only once it has
+    completed one, while the step it reports before that is the one it resumed from."""
     ck = progress.pop("lastCheckpointStep", None)
     step_seconds = progress.pop("lastStepSeconds", None)
     if step_seconds is not None:
         status["slowestStepSeconds"] = max(step_seconds, status.get("slowestStepSeconds", 0.0))
+        if status.pop("startupTime", None) is not None:
+            status["lastProgressTime"] = now_iso
     if "step" in progress and progress["step"] != status.get("step"):
         status["lastProgressTime"] = now_iso
     status.update(progress)

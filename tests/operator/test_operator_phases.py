@@ -473,12 +473,40 @@ def test_a_job_that_completes_no_step_within_its_progress_deadline_is_stalled_an
     assert plan.status["reason"] == "Stalled" and "runPolicy.progressDeadlineSeconds" in plan.status["message"]
     # the clock starts when the job starts Running, and moves with every step the operator polls
     started = transition(REPLACING, None, {"phase": "Initializing", "restarts": 0}, gang3(), NOW).status
-    assert started["phase"] == "Running" and started["lastProgressTime"] == iso(NOW)
+    assert started["phase"] == "Running" and started["lastProgressTime"] == started["startupTime"] == iso(NOW)
     st = {"step": 7, "lastProgressTime": "then", "slowestStepSeconds": 30.0}
     merge_progress(st, {"step": 7, "lastStepSeconds": 12.5}, "/ck", "now")
     assert st["lastProgressTime"] == "then" and st["slowestStepSeconds"] == 30.0
     merge_progress(st, {"step": 8, "lastStepSeconds": 42.0, "recoveries": 1, "lastRecoverySeconds": 31.5}, "/ck", "now")
     assert st["lastProgressTime"] == "now" and st["slowestStepSeconds"] == 42.0 and st["recoveries"] == 1
+
+
+def test_a_gangs_start_up_has_its_own_deadline_until_its_drivers_first_step():
+    """A short progressDeadlineSeconds, set for hung steps, does not judge a (re)started gang's start-up: from its
+    pods all running until its driver's first step it has startupDeadlineSeconds (default: the progress deadline, at
+    least the floor); the step a new driver reports before that (the one it resumed from) does not end it."""
+    short = parse_job(_raw("tiny-grpo-k8s.yaml", runPolicy={"progressDeadlineSeconds": 60}))
+    st = transition(short, None, {"phase": "Initializing", "restarts": 0, "step": 90}, gang3(), NOW).status
+    assert st["startupTime"] == iso(NOW)
+    at = lambda seconds: NOW + dt.timedelta(seconds=seconds)  # noqa: E731
+    assert transition(short, None, dict(st), gang3(), at(600)).status["phase"] == "Running"  # 60 s judged the step
+    plan = transition(short, None, dict(st), gang3(), at(901))
+    assert plan.status["reason"] == "Stalled" and plan.status["restarts"] == 1
+    assert "since the gang's pods all ran (start-up deadline 900s: the default" in plan.status["message"]
+    assert "startupTime" not in plan.status  # its clock runs only while Running; the next gang's starts anew
+    own = parse_job(_raw("tiny-grpo-k8s.yaml", runPolicy={"progressDeadlineSeconds": 60,
+                                                          "startupDeadlineSeconds": 120}))
+    plan = transition(own, None, dict(st), gang3(), at(121))
+    assert plan.status["reason"] == "Stalled" and "(start-up deadline 120s: runPolicy.startupDeadlineSeconds)" in (
+        plan.status["message"])
+    merge_progress(st, {"step": 75}, "/ck", iso(at(300)))  # the resumed driver's endpoint, before its first step
+    assert st["startupTime"] == iso(NOW) and transition(short, None, dict(st), gang3(), at(600)).status[
+        "phase"] == "Running"
+    merge_progress(st, {"step": 76, "lastStepSeconds": 20.0}, "/ck", iso(at(610)))  # its first step
+    assert "startupTime" not in st and st["lastProgressTime"] == iso(at(610))
+    assert transition(short, None, dict(st), gang3(), at(669)).status["phase"] == "Running"
+    plan = transition(short, None, dict(st), gang3(), at(671))
+    assert plan.status["reason"] == "Stalled" and "after step 76 (progress deadline 60s" in plan.status["message"]
 
 
 def test_a_taken_pod_name_is_a_condition_naming_the_pod_and_the_job_rests_until_it_tries_again():

@@ -3,7 +3,7 @@ run` reads only what applies to one machine: the in-place recoveries of restartP
 timeout). The only section a live job's spec may change, so each field is read afresh at every tick.
 
 Also the recovery facts both sides share, so the operator and the controller never disagree: when a job counts as
-Stalled (`progress_deadline`), how long a collective waits (`collective_timeout`)."""
+Stalled (`progress_deadline`, `startup_deadline`), how long a collective waits (`collective_timeout`)."""
 from __future__ import annotations
 
 from typing import Literal
@@ -12,7 +12,7 @@ from pydantic import Field
 
 from hybridflow.api.fields import MAX_BACKOFF, ObjectName, SpecModel
 
-STALL_FLOOR_SECONDS = 900  # the default progress deadline's floor, and all of it before the first step
+STALL_FLOOR_SECONDS = 900  # the default progress deadline's floor, and the start-up deadline's
 STALL_STEP_FACTOR = 10  # the default deadline: this many times the slowest step seen
 
 
@@ -32,10 +32,16 @@ class RunPolicy(SpecModel):
                                    "(and in-place recoveries of the controller) before the next failure restarts the "
                                    "gang instead; evictions and preemptions are not counted.")
     progress_deadline_seconds: int | None = Field(
-        None, gt=0, le=2**31 - 1, description="A running job that completes no step for this long is Stalled: its "
-        f"gang restarts (counted against backoffLimit). Default: {STALL_STEP_FACTOR} times its slowest step so far, at "
-        f"least {STALL_FLOOR_SECONDS} s (all of it before the first step). Collectives inside the job time out after it "
-        "too, naming the rank that did not answer.")
+        None, gt=0, le=2**31 - 1, description="A running job that completes no step for this long after its last one "
+        f"is Stalled: its gang restarts (counted against backoffLimit). Default: {STALL_STEP_FACTOR} times its slowest "
+        f"step so far, at least {STALL_FLOOR_SECONDS} s. A gang's start-up, until its first step, has "
+        "startupDeadlineSeconds instead. Collectives inside the job time out after it too, naming the rank that did "
+        "not answer.")
+    startup_deadline_seconds: int | None = Field(
+        None, gt=0, le=2**31 - 1, description="A gang (the first, or one restarted) that completes no step for this "
+        "long after all its pods run is Stalled: its start-up (Ray, the workers, loading the model or the checkpoint, "
+        "the engines) and its first step, judged apart from the steps after it, as a pod's startupProbe is apart from "
+        f"its livenessProbe. Default: the progress deadline, at least {STALL_FLOOR_SECONDS} s.")
     active_deadline_seconds: int | None = Field(None, gt=0, le=2**31 - 1, description="Fail the job after this many "
                                                 "seconds.")
     ttl_seconds_after_finished: int | None = Field(
@@ -48,12 +54,23 @@ class RunPolicy(SpecModel):
 
 
 def progress_deadline(policy: RunPolicy, slowest_step_seconds: float | None) -> float:
-    """Seconds without a completed step after which a running job is Stalled: runPolicy.progressDeadlineSeconds,
-    else STALL_STEP_FACTOR times its slowest step so far, never under STALL_FLOOR_SECONDS (all of it before the
-    first step: start-up, evaluation and the first step's one-off costs count against the floor)."""
+    """Seconds without a completed step, after the gang's first, after which a running job is Stalled:
+    runPolicy.progressDeadlineSeconds, else STALL_STEP_FACTOR times its slowest step so far, never under
+    STALL_FLOOR_SECONDS."""
     if policy.progress_deadline_seconds is not None:
         return float(policy.progress_deadline_seconds)
     return max(float(STALL_FLOOR_SECONDS), STALL_STEP_FACTOR * (slowest_step_seconds or 0.0))
+
+
+def startup_deadline(policy: RunPolicy, slowest_step_seconds: float | None) -> float:
+    """Seconds from a gang's pods all running to its first completed step after which it is Stalled:
+    runPolicy.startupDeadlineSeconds, else the progress deadline, never under STALL_FLOOR_SECONDS. Apart from the
+    progress deadline because a short one, set to catch a hung step, would judge a restarted gang's start-up too
+    (a large checkpoint's load, the engines' start) and restart it again and again until backoffLimit failed the
+    job."""
+    if policy.startup_deadline_seconds is not None:
+        return float(policy.startup_deadline_seconds)
+    return max(float(STALL_FLOOR_SECONDS), progress_deadline(policy, slowest_step_seconds))
 
 
 COLLECTIVE_TIMEOUT_SECONDS = 1800  # torch.distributed's own default for gloo and NCCL
