@@ -197,25 +197,24 @@ def replaced_pods_back(st: JobStatus, current: list[PodView]) -> None:
 
 
 def stalled(job: RLHFJob, st: JobStatus, now: dt.datetime) -> str | None:
-    """Why a running job counts as stuck (api.run_policy): its gang completed no step within the start-up deadline
-    of its pods all running (startupTime, until its driver's first step: progress.merge_progress), or no step
-    within the progress deadline of the last step the operator saw."""
-    policy, slowest = job.spec.run_policy, st.get("slowestStepSeconds")
-    if (started := parse_time(st.get("startupTime"))) is not None:
-        deadline, quiet = startup_deadline(policy, slowest), (now - started).total_seconds()
-        if quiet <= deadline:
-            return None
-        return (f"no step completed for {quiet:.0f}s since the gang's pods all ran (start-up deadline "
-                f"{deadline:.0f}s: " + ("runPolicy.startupDeadlineSeconds" if policy.startup_deadline_seconds else
-                                        "the default, the progress deadline and at least the floor") + ")")
+    """Why a running job counts as stuck (api.run_policy): no step completed since the operator last saw the step
+    move (or the gang start Running), within the start-up deadline while the gang has not completed its first step
+    (startupTime, dropped at its driver's first step: progress.merge_progress), the progress deadline after. The
+    clock is the same for both, so a default start-up is judged as before the start-up deadline existed."""
     since = parse_time(st.get("lastProgressTime"))
     if since is None:
         st["lastProgressTime"] = iso(now)  # a job running before the operator knew the field: counted from now
         return None
-    deadline = progress_deadline(policy, slowest)
+    policy, slowest = job.spec.run_policy, st.get("slowestStepSeconds")
+    starting = "startupTime" in st
+    deadline = (startup_deadline if starting else progress_deadline)(policy, slowest)
     quiet = (now - since).total_seconds()
     if quiet <= deadline:
         return None
+    if starting:
+        return (f"no step completed for {quiet:.0f}s of the gang's start-up (start-up deadline {deadline:.0f}s: "
+                + ("runPolicy.startupDeadlineSeconds" if policy.startup_deadline_seconds else
+                   "the default, the progress deadline and at least the floor") + ")")
     last = f"after step {st['step']}" if st.get("step") else "since the job started running"
     return (f"no step completed for {quiet:.0f}s {last} (progress deadline {deadline:.0f}s: "
             + ("runPolicy.progressDeadlineSeconds" if policy.progress_deadline_seconds else

@@ -482,17 +482,18 @@ def test_a_job_that_completes_no_step_within_its_progress_deadline_is_stalled_an
 
 
 def test_a_gangs_start_up_has_its_own_deadline_until_its_drivers_first_step():
-    """A short progressDeadlineSeconds, set for hung steps, does not judge a (re)started gang's start-up: from its
-    pods all running until its driver's first step it has startupDeadlineSeconds (default: the progress deadline, at
-    least the floor); the step a new driver reports before that (the one it resumed from) does not end it."""
+    """A short progressDeadlineSeconds, set for hung steps, does not judge a (re)started gang's start-up: until its
+    driver's first step it has startupDeadlineSeconds (default: the progress deadline, at least the floor), on the
+    same clock (from Running, and from the driver's first report of the step it resumes from, a moved step), and
+    that report does not end the start-up."""
     short = parse_job(_raw("tiny-grpo-k8s.yaml", runPolicy={"progressDeadlineSeconds": 60}))
     st = transition(short, None, {"phase": "Initializing", "restarts": 0, "step": 90}, gang3(), NOW).status
-    assert st["startupTime"] == iso(NOW)
+    assert st["startupTime"] == st["lastProgressTime"] == iso(NOW)
     at = lambda seconds: NOW + dt.timedelta(seconds=seconds)  # noqa: E731
     assert transition(short, None, dict(st), gang3(), at(600)).status["phase"] == "Running"  # 60 s judged the step
     plan = transition(short, None, dict(st), gang3(), at(901))
     assert plan.status["reason"] == "Stalled" and plan.status["restarts"] == 1
-    assert "since the gang's pods all ran (start-up deadline 900s: the default" in plan.status["message"]
+    assert "for 901s of the gang's start-up (start-up deadline 900s: the default" in plan.status["message"]
     assert "startupTime" not in plan.status  # its clock runs only while Running; the next gang's starts anew
     own = parse_job(_raw("tiny-grpo-k8s.yaml", runPolicy={"progressDeadlineSeconds": 60,
                                                           "startupDeadlineSeconds": 120}))
@@ -500,8 +501,9 @@ def test_a_gangs_start_up_has_its_own_deadline_until_its_drivers_first_step():
     assert plan.status["reason"] == "Stalled" and "(start-up deadline 120s: runPolicy.startupDeadlineSeconds)" in (
         plan.status["message"])
     merge_progress(st, {"step": 75}, "/ck", iso(at(300)))  # the resumed driver's endpoint, before its first step
-    assert st["startupTime"] == iso(NOW) and transition(short, None, dict(st), gang3(), at(600)).status[
-        "phase"] == "Running"
+    assert st["startupTime"] == iso(NOW) and st["lastProgressTime"] == iso(at(300))
+    assert transition(short, None, dict(st), gang3(), at(1150)).status["phase"] == "Running"
+    assert transition(short, None, dict(st), gang3(), at(1201)).status["reason"] == "Stalled"
     merge_progress(st, {"step": 76, "lastStepSeconds": 20.0}, "/ck", iso(at(610)))  # its first step
     assert "startupTime" not in st and st["lastProgressTime"] == iso(at(610))
     assert transition(short, None, dict(st), gang3(), at(669)).status["phase"] == "Running"

@@ -38,10 +38,11 @@ class RunPolicy(SpecModel):
         "startupDeadlineSeconds instead. Collectives inside the job time out after it too, naming the rank that did "
         "not answer.")
     startup_deadline_seconds: int | None = Field(
-        None, gt=0, le=2**31 - 1, description="A gang (the first, or one restarted) that completes no step for this "
-        "long after all its pods run is Stalled: its start-up (Ray, the workers, loading the model or the checkpoint, "
-        "the engines) and its first step, judged apart from the steps after it, as a pod's startupProbe is apart from "
-        f"its livenessProbe. Default: the progress deadline, at least {STALL_FLOOR_SECONDS} s.")
+        None, gt=0, le=2**31 - 1, description="A gang (the first, or one restarted) that has not completed its first "
+        "step this long after all its pods ran (or after its driver reported the step it starts from, once its model "
+        "is loaded) is Stalled: its start-up (Ray, the workers, loading the model or the checkpoint, the engines) "
+        "and first step are judged apart from the steps after, as a pod's startupProbe is apart from its "
+        f"livenessProbe. Default: the progress deadline, at least {STALL_FLOOR_SECONDS} s.")
     active_deadline_seconds: int | None = Field(None, gt=0, le=2**31 - 1, description="Fail the job after this many "
                                                 "seconds.")
     ttl_seconds_after_finished: int | None = Field(
@@ -63,7 +64,7 @@ def progress_deadline(policy: RunPolicy, slowest_step_seconds: float | None) -> 
 
 
 def startup_deadline(policy: RunPolicy, slowest_step_seconds: float | None) -> float:
-    """Seconds from a gang's pods all running to its first completed step after which it is Stalled:
+    """Seconds without a completed step, before the gang's first, after which it is Stalled:
     runPolicy.startupDeadlineSeconds, else the progress deadline, never under STALL_FLOOR_SECONDS. Apart from the
     progress deadline because a short one, set to catch a hung step, would judge a restarted gang's start-up too
     (a large checkpoint's load, the engines' start) and restart it again and again until backoffLimit failed the

@@ -89,7 +89,7 @@ class JobStatus(TypedDict, total=False):
     replacing: list[str]
     lastReplacement: dict[str, str]
     lastProgressTime: str  # when the operator last saw the step move (or the job start Running): the stall clock
-    startupTime: str  # while Running, until the driver's first step: when the gang's pods all ran (start-up clock)
+    startupTime: str  # while Running, until the driver's first step: when the gang's pods all ran (its start-up)
     slowestStepSeconds: float  # the slowest step polled so far: the default progress deadline scales with it
     startTime: str
     completionTime: str
