@@ -11,16 +11,11 @@ process's."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-
-from support.paths import TESTS
 
 LR, CLIP = 1e-2, 1.0  # lr large enough that Adam's moments visibly steer the steps; the clip is active (norm > 1)
 BEFORE, AFTER = 2, 2  # optimizer steps before the checkpoint, and compared after it
@@ -107,37 +102,11 @@ def run_phase(cfg: dict) -> dict:
 
 # --- the test process ---
 
-def _spawn(tmp: Path, world: int, phases: list[dict], timeout: float = 300) -> list[dict]:
-    """Run `world` ranks through the phases; the first to fail (or the timeout) ends them all, and none outlives this
-    call. Rank 0's out of each phase."""
-    tag = f"megatron-{time.monotonic_ns()}"
-    phases = [{**cfg, "out": str(tmp / f"{tag}-{i}.pt")} for i, cfg in enumerate(phases)]
-    init = f"file://{tmp / f'{tag}.rdzv'}"
-    logs = [open(tmp / f"{tag}-{r}.log", "w+") for r in range(world)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), init, json.dumps(phases)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=logs[r]) for r in range(world)]
-    try:
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        failed = [r for r, p in enumerate(procs) if p.returncode] or [r for r, p in enumerate(procs)
-                                                                     if p.poll() is None]
-        if failed:
-            r = failed[0]
-            what = f"exited with {procs[r].returncode}" if procs[r].returncode else f"still ran after {timeout} s"
-            logs[r].seek(0)
-            raise RuntimeError(f"{tag} rank {r} {what}:\n{logs[r].read()[-3000:]}")
-        return [torch.load(cfg["out"]) for cfg in phases]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        for f in logs:
-            f.close()
+def _spawn(tmp: Path, world: int, phases: list[dict]) -> list[dict]:
+    """Run `world` ranks of this file through the phases: rank 0's out of each."""
+    from support.megatron_launcher import spawn_ranks
+
+    return spawn_ranks(__file__, tmp, world, phases)
 
 
 # Every test reads `runs`: megatron-core processes training at TP=2 x PP=2, resuming at TP=1 and back.

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -90,23 +91,45 @@ def engine_steps(layouts: list[tuple[str, int, int]], batch: dict[str, torch.Ten
     data-parallel size is world / (tp * pp)."""
     with tempfile.TemporaryDirectory() as tmp:
         torch.save(batch, os.path.join(tmp, "batch.pt"))
-        cfgs = [{"model_dir": model_dir, "tp": tp, "pp": pp, "batch": os.path.join(tmp, "batch.pt"),
-                 "out": os.path.join(tmp, f"out{i}.pt")} for i, (model_dir, tp, pp) in enumerate(layouts)]
-        init = f"file://{os.path.join(tmp, 'rdzv')}"
-        # each rank runs this file as a script: it needs only the installed hybridflow, not tests/ on sys.path
-        procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), init, json.dumps(cfgs)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for r in range(world)]
-        try:
-            for p in procs:
-                _, err = p.communicate(timeout=timeout)
-                if p.returncode:
-                    raise RuntimeError(f"megatron rank exited with {p.returncode}: {err[-3000:]}")
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        return [torch.load(cfg["out"]) for cfg in cfgs]
+        cfgs = [{"model_dir": model_dir, "tp": tp, "pp": pp, "batch": os.path.join(tmp, "batch.pt")}
+                for model_dir, tp, pp in layouts]
+        return spawn_ranks(__file__, Path(tmp), world, cfgs, timeout)
+
+
+def spawn_ranks(script: str, tmp: Path, world: int, layouts: list[dict], timeout: float = 300) -> list[Any]:
+    """Run `script RANK WORLD INIT LAYOUTS` as `world` local processes (tests/ on their PYTHONPATH) and return what
+    rank 0 saved at each layout's `out`; the first rank to fail, or the timeout, ends them all (its log's end in the
+    error), and none outlives this call."""
+    from support.paths import TESTS
+
+    tag = f"megatron-{time.monotonic_ns()}"
+    layouts = [{**cfg, "out": str(tmp / f"{tag}-{i}.pt")} for i, cfg in enumerate(layouts)]
+    init = f"file://{tmp / f'{tag}.rdzv'}"
+    logs = [open(tmp / f"{tag}-{r}.log", "w+") for r in range(world)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    procs = [subprocess.Popen([sys.executable, script, str(r), str(world), init, json.dumps(layouts)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=logs[r]) for r in range(world)]
+    try:
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        failed = [r for r, p in enumerate(procs) if p.returncode] or [r for r, p in enumerate(procs)
+                                                                     if p.poll() is None]
+        if failed:
+            r = failed[0]
+            what = f"exited with {procs[r].returncode}" if procs[r].returncode else f"still ran after {timeout} s"
+            logs[r].seek(0)
+            raise RuntimeError(f"{tag} rank {r} {what}:\n{logs[r].read()[-3000:]}")
+        return [torch.load(cfg["out"]) for cfg in layouts]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for f in logs:
+            f.close()
 
 
 if __name__ == "__main__":
