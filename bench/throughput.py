@@ -88,13 +88,14 @@ OPTIMISATIONS = {
 }
 # Each feature the defaults leave off, as the spec fields that switch it on (issue 54: LoRA against full fine-tuning,
 # at the ~10x learning rate LoRA wants).
+ONE_RANK = {"devicesPerNode": 1, "cpusPerDevice": RANKS}  # every pool: the same cores as one rank
 FEATURES = {
     "lora": {"training": {"lora": {"rank": 16, "alpha": 32}, "actorLr": 2e-5}},
     # the same cores as one rank of RANKS threads: no gathers, one runtime and one vLLM engine instead of RANKS
-    "one rank": {"resourcePools": {"devicesPerNode": 1, "cpusPerDevice": RANKS}},
+    "one rank": {"resourcePools": ONE_RANK},
     # one rank with FSDP2's bf16 copies of the weights kept through the update (where it computes in bf16 from fp32
     # masters, each gather is a cast): fewer casts for the whole model in bf16 held through it
-    "one rank kept gathered": {"resourcePools": {"devicesPerNode": 1, "cpusPerDevice": RANKS},
+    "one rank kept gathered": {"resourcePools": ONE_RANK,
                                "training": {"keepGatheredForBackward": "on", "reduceGradientsPerStep": "on"}},
 }
 # --ablate NAME: the run beside the defaults, named "<how> NAME", and the patch that makes it
