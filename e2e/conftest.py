@@ -47,15 +47,11 @@ def no_job_outlives_its_scenario(world):
     they are deleted, and their processes waited for, before the next scenario starts, so that one failure shows as
     one failure (2026-12-05: a job left by the lifecycle scenario made the next one count two Running jobs)."""
     yield
-    from kube.harness import wait_for
-
-    from e2e.helpers import phase
+    from e2e.helpers import delete_job, phase
 
     for name in world.kube.jobs():
-        if phase(world, name) in ("Succeeded", "Failed"):
-            continue
-        world.kubectl("delete", "rlhfjob", name, "--wait=false", check=False)
-        wait_for(lambda: world.kube.job(name) is None and not world.leftovers(name), 180, f"{name}, left running, gone")
+        if phase(world, name) not in ("Succeeded", "Failed"):
+            delete_job(world, name, check=False)
 
 
 def pytest_terminal_summary(terminalreporter):

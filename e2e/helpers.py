@@ -41,3 +41,12 @@ def phase(world, job: str) -> str | None:
 def prom_value(resp: dict) -> float | None:
     result = resp.get("data", {}).get("result", [])
     return float(result[0]["value"][1]) if result else None
+
+
+def delete_job(world, name: str, check: bool = True, timeout: float = 180) -> None:
+    """Delete the job and wait until it, its pods and every process of theirs are gone (`check`: a refused delete
+    fails at once)."""
+    from kube.harness import wait_for
+
+    world.kubectl("delete", "rlhfjob", name, "--wait=false", check=check)
+    wait_for(lambda: world.kube.job(name) is None and not world.leftovers(name), timeout, f"{name} and its pods gone")

@@ -15,7 +15,7 @@ import time
 import pytest
 from kube.harness import wait_for
 
-from e2e.helpers import RECOVERY_SECONDS, job_variant, live_pod_names, phase
+from e2e.helpers import RECOVERY_SECONDS, delete_job, job_variant, live_pod_names, phase
 from e2e.worlds import current_head
 
 STEPS = 36
@@ -238,8 +238,7 @@ def test_killed_pods_are_replaced_alone_and_a_hung_pod_restarts_the_gang(world, 
     assert logged == list(range(1, logged[-1] + 1)), f"a step was lost or repeated: {logged}"
     new_rollout = [p for p in _uids(world, name) if "-rollout-" in p]
     assert new_rollout == [f"{name}-rollout-0-g1"], f"the new gang's rollout pods: {new_rollout}"
-    world.kubectl("delete", "rlhfjob", name, "--wait=false")
-    wait_for(lambda: world.kube.job(name) is None and not world.leftovers(name), 180, f"{name} and its pods gone")
+    delete_job(world, name)
 
 
 def test_an_eviction_does_not_use_the_backoff_limit_and_exhausting_it_fails_the_job(world, tmp_path):
