@@ -22,7 +22,7 @@ from hybridflow_operator.meta import (
     AGENT_ENDPOINT_PORTS, ENVIRONMENT_PORT, ENVIRONMENT_ROLE, FS_GROUP, MANAGED_BY, MODEL_CACHE, MODELS_MOUNT,
     RAY_AGENT_PORT, RAY_PORT, RESUME_MOUNT, SANDBOX_ENV, SANDBOX_PARTIAL, SANDBOX_REQUIRED, SANDBOX_TOKEN_ENV,
     SANDBOX_TOKEN_KEY, SCRATCH_MOUNT, SCRATCH_SIZE, SPEC_KEY, SPEC_MOUNT, object_meta, job_labels, job_namespace,
-    owner_reference, ray_token_secret_name, selector,
+    metrics_port, owner_reference, ray_token_secret_name, selector,
 )
 from hybridflow_operator.pods import (
     CONTAINER_SECURITY, POD_SECURITY, agent_endpoint_ports, environment_pod_name, environment_service_name,
@@ -41,7 +41,7 @@ __all__ = [  # what the operator's modules and tests reach through this module
     "job_checkpoint_url", "ENVIRONMENT_PORT", "ENVIRONMENT_ROLE", "FS_GROUP", "MANAGED_BY", "MODEL_CACHE",
     "MODELS_MOUNT", "RAY_AGENT_PORT", "RAY_PORT", "RESUME_MOUNT", "SANDBOX_ENV", "SANDBOX_PARTIAL", "SANDBOX_REQUIRED",
     "SANDBOX_TOKEN_ENV", "SANDBOX_TOKEN_KEY", "SCRATCH_MOUNT", "SCRATCH_SIZE", "SPEC_KEY", "SPEC_MOUNT", "job_labels",
-    "job_namespace", "owner_reference", "ray_token_secret_name", "selector", "CONTAINER_SECURITY", "POD_SECURITY",
+    "job_namespace", "metrics_port", "owner_reference", "ray_token_secret_name", "selector", "CONTAINER_SECURITY", "POD_SECURITY",
     "environment_pod_name", "environment_service_name", "environment_urls", "gang_pods", "head_pod",
     "leave_grace_seconds", "sandbox_token_env", "sandbox_urls_env", "worker_pod", "MAX_CONFIGMAP_BYTES",
     "agent_endpoint_ports", "runs_program", "AGENT_ENDPOINT_PORTS", "ENDPOINT_PORTS_ENV", "POD_IP_ENV",
@@ -64,7 +64,7 @@ def head_service(job: RLHFJob, uid: str) -> dict[str, Any]:
             "selector": {LABEL_JOB: name, LABEL_ROLE: "head"},
             "ports": [
                 {"name": "gcs", "port": RAY_PORT, "targetPort": RAY_PORT, "protocol": "TCP"},
-                {"name": "metrics", "port": job.spec.metrics.port or 8000, "protocol": "TCP"},
+                {"name": "metrics", "port": metrics_port(job), "protocol": "TCP"},
             ],
         },
     }
@@ -121,12 +121,12 @@ def network_policy(job: RLHFJob, uid: str, metrics_namespaces: list[str],
     if pool and runs_program(job):
         rules.append({"from": [{"podSelector": {"matchLabels": {LABEL_JOB: name, LABEL_ROLE: ENVIRONMENT_ROLE}}}],
                       "ports": [agent_endpoint_ports()]})
-    if job.spec.metrics.port and metrics_namespaces:
+    if metrics_namespaces:
         rules.append({
             "from": [{"namespaceSelector": {"matchExpressions": [{"key": "kubernetes.io/metadata.name",
                                                                   "operator": "In",
                                                                   "values": sorted(set(metrics_namespaces))}]}}],
-            "ports": [{"protocol": "TCP", "port": job.spec.metrics.port}],
+            "ports": [{"protocol": "TCP", "port": metrics_port(job)}],
         })
     trainer = job.spec.trainer
     object_storage = is_url(trainer.checkpoint_dir) or bool(trainer.resume_from and is_url(trainer.resume_from))

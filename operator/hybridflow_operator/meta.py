@@ -9,6 +9,7 @@ from typing import Any
 
 from hybridflow.api import API_GROUP as GROUP
 from hybridflow.api import RLHFJob
+from hybridflow.api.sections import DEFAULT_METRICS_PORT
 from hybridflow.api.names import LABEL_JOB, names
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "hybridflow-operator", "app.kubernetes.io/name": "hybridflow"}
@@ -77,6 +78,14 @@ def owner_reference(job: RLHFJob, uid: str) -> dict[str, Any]:
 def job_namespace(job: RLHFJob) -> str:
     """Where the job and its children live (a manifest without one is the default namespace's, as kubectl's)."""
     return job.metadata.namespace or "default"
+
+
+def metrics_port(job: RLHFJob) -> int:
+    """The port a job's driver serves its metrics on in a pod: spec.metrics.port, and the default for 0. On
+    Kubernetes the driver always serves: the operator follows the job's steps, ETA and deadlines there (and would
+    find a job it cannot poll Stalled at every deadline). 0 turns metrics off for a local run, where the examples
+    set it so that several jobs run side by side; the same YAML applied to a cluster runs there."""
+    return job.spec.metrics.port or DEFAULT_METRICS_PORT
 
 
 def object_meta(job: RLHFJob, uid: str, name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:

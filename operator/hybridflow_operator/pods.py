@@ -22,7 +22,7 @@ from hybridflow.api.storage import CHECKPOINT_MOUNT, STORAGE_CREDENTIAL_KEYS, TR
 from hybridflow_operator.meta import (
     AGENT_ENDPOINT_PORTS, ENVIRONMENT_PORT, FS_GROUP, MODEL_CACHE, MODEL_CACHE_SIZE, MODELS_MOUNT, RAY_PORT,
     RESUME_MOUNT, SANDBOX_ENV, SANDBOX_REQUIRED, SANDBOX_TOKEN_ENV, SANDBOX_TOKEN_KEY, SCRATCH_MOUNT, SCRATCH_SIZE,
-    SPEC_KEY, SPEC_MOUNT, object_meta, job_namespace, ray_token_secret_name,
+    SPEC_KEY, SPEC_MOUNT, metrics_port, object_meta, job_namespace, ray_token_secret_name,
 )
 from hybridflow_operator.resolve import is_below, model_sources, resolved_job
 
@@ -257,7 +257,7 @@ def pod_manifest(
 def head_pod(job: RLHFJob, uid: str, generation: int) -> dict[str, Any]:
     """Ray head (no devices of its own) plus the single controller; the pod's exit code is the job's."""
     name = job.metadata.name
-    port = job.spec.metrics.port or 8000
+    port = metrics_port(job)
     script = "\n".join([
         "set -eu",
         f"ray start --head --port={RAY_PORT} --node-ip-address=\"$POD_IP\" --num-cpus=0 "

@@ -219,10 +219,10 @@ def _poll_progress(poller: Poller, namespace: str, job: RLHFJob, pods: list[dict
     gen = int(status.get("restarts", 0))
     head = [p for p in pods if p["view"].role == "head" and p["podIP"] and p["view"].generation == gen
             and not p["view"].deleting]
-    if not head or not job.spec.metrics.port:
+    if not head:
         poller.forget((namespace, job.metadata.name))
         return
-    text = poller.poll((namespace, job.metadata.name), head[-1]["podIP"], job.spec.metrics.port,
+    text = poller.poll((namespace, job.metadata.name), head[-1]["podIP"], mf.metrics_port(job),
                        target=head[-1]["view"].name)
     if text:
         progress = parse_progress(text, job.metadata.name)

@@ -10,7 +10,7 @@ import yaml
 
 from hybridflow.api import parse_job, pool_resource
 from hybridflow_operator import manifests as mf
-from support.operator_views import ROOT, K8S_VERSIONS, _raw, _all_manifests, TOKEN, _files_job, _pods
+from support.operator_views import NOW, ROOT, K8S_VERSIONS, _raw, _all_manifests, TOKEN, _files_job, _pods
 
 
 @pytest.mark.parametrize("example", ["tiny-grpo.yaml", "gpu-grpo-7b.yaml", "tiny-ppo.yaml"])
@@ -97,9 +97,43 @@ def test_network_policy_admits_the_jobs_pods_and_the_scrapers_metrics_port_only(
     assert scrapers["ports"] == [{"protocol": "TCP", "port": 8000}]
     sel = scrapers["from"][0]["namespaceSelector"]["matchExpressions"][0]
     assert sel["key"] == "kubernetes.io/metadata.name" and sel["values"] == ["hybridflow-system", "monitoring"]
-    raw["spec"]["metrics"] = {"port": 0}
+    raw["spec"]["metrics"] = {"port": 9100}
     np = next(o for o in _all_manifests(raw) if o["kind"] == "NetworkPolicy")
-    assert len(np["spec"]["ingress"]) == 1, "no metrics port, no door for scrapers"
+    assert np["spec"]["ingress"][1]["ports"] == [{"protocol": "TCP", "port": 9100}]
+
+
+@pytest.mark.parametrize("port, served", [(0, 8000), (9100, 9100)])
+def test_the_driver_serves_metrics_on_kubernetes_where_the_operator_polls_them_even_for_port_0(port, served):
+    """spec.metrics.port 0 turns metrics off for a local run (the examples set it); on a cluster the operator follows
+    the job's steps there, and a job it could not poll would be Stalled at every deadline."""
+    from hybridflow_operator.phases import PodView
+    from hybridflow_operator.reconcile import _poll_progress
+
+    raw = _raw("tiny-gspo.yaml", metrics={"port": port})
+    objs = _all_manifests(raw)
+    head = next(o for o in objs if o["kind"] == "Pod" and o["metadata"]["labels"][mf.LABEL_ROLE] == "head")
+    controller = head["spec"]["containers"][0]
+    assert f"--metrics-port={served}" in controller["command"][-1]
+    assert {"name": "metrics", "containerPort": served} in controller["ports"]
+    service = next(o for o in objs if o["kind"] == "Service")
+    assert {"name": "metrics", "port": served, "protocol": "TCP"} in service["spec"]["ports"]
+    np = next(o for o in objs if o["kind"] == "NetworkPolicy")
+    assert np["spec"]["ingress"][1]["ports"] == [{"protocol": "TCP", "port": served}]
+    assert mf.resolved_job(parse_job(raw)).spec.metrics.port == served  # the spec the pods read says so too
+
+    class RecordingPoller:  # stands in for the HTTP poller (tested in test_progress_polling): what it is asked
+        asked: list = []
+
+        def poll(self, key, ip, port, target):
+            self.asked.append((ip, port, target))
+
+        def forget(self, key):
+            self.asked.append("forgotten")
+
+    view = PodView(name="tiny-gspo-head-g0", role="head", generation=0, phase="Running")
+    poller = RecordingPoller()
+    _poll_progress(poller, "ml", parse_job(raw), [{"view": view, "podIP": "10.0.0.7"}], {}, NOW)
+    assert poller.asked == [("10.0.0.7", served, "tiny-gspo-head-g0")]
 
 
 def _restricted_problems(pod: dict) -> list[str]:

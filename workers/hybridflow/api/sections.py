@@ -360,8 +360,13 @@ def profile_steps_problem(profiled: list[int], steps: int | None) -> str | None:
     return None
 
 
+DEFAULT_METRICS_PORT = 8000
+
+
 class Metrics(SpecModel):
-    port: int = Field(8000, ge=0, le=65535, description="Prometheus port of the driver (0: disabled).")
+    port: int = Field(DEFAULT_METRICS_PORT, ge=0, le=65535, description=(
+        "Prometheus port of the driver (0: disabled, for a local run; on Kubernetes the driver always serves, on "
+        f"{DEFAULT_METRICS_PORT} for 0: the operator follows the job's steps and deadlines there)."))
     address: str = Field("127.0.0.1", min_length=1, max_length=253, description="Bind address of the metrics server.")
     linger_seconds: int = Field(
         0, ge=0, le=3600, description="Keep serving /metrics this long after the last step, so Prometheus scrapes "
