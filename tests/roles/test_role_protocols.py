@@ -73,7 +73,7 @@ class _Host:
 
 class _Group:
     independent = False
-    collective_timeout_s = 1.0
+    call_timeout_s = 1.0
 
     def __init__(self, n):
         self.hosts = [_Host(r) for r in range(n)]

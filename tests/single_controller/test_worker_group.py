@@ -35,6 +35,11 @@ class Echo:
         dist.all_reduce(t)
         return t.item()
 
+    @register(Dispatch.ONE_TO_ALL)
+    def nap(self, seconds):
+        time.sleep(seconds)
+        return self.ctx.rank
+
     @register(Dispatch.DP_COMPUTE, blocking=False)
     def produce(self, batch):
         n = len(batch)
@@ -134,6 +139,22 @@ def test_all_to_all_and_rank_zero(groups):
     with pytest.raises(ValueError, match="one argument per rank"):
         g1["a"].scale([1, 2, 3])
     assert g1["a"].all_reduce(1.0) == 3.0  # 1*1 + 1*2 over gloo
+
+
+def test_the_controller_waits_for_answers_as_long_as_the_groups_call_timeout_says_now(groups):
+    """A gang's start-up (a checkpoint's load) is allowed longer than a step (trainer.setup.Workers.first_step_done
+    lowers the bound after the first step): the wait for a call's answers is read at each call, not fixed when the
+    group formed; the ranks' collectives keep the group's own timeout."""
+    g1, _ = groups
+    before = g1.call_timeout_s
+    try:
+        g1.call_timeout_s = 0.5
+        with pytest.raises(RankFailure, match=r"a\.nap.*did not answer"):
+            g1["a"].nap(3.0)
+        g1.call_timeout_s = 60.0
+        assert g1["a"].nap(1.0) == [0, 1]  # (queued behind the nap that was given up on)
+    finally:
+        g1.call_timeout_s = before
 
 
 def test_unregistered_method_is_refused(groups):

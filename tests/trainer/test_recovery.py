@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from hybridflow.api import RunPolicy
-from hybridflow.api.run_policy import STALL_FLOOR_SECONDS, collective_timeout, progress_deadline
+from hybridflow.api.run_policy import STALL_FLOOR_SECONDS, collective_timeout, progress_deadline, startup_call_timeout
 from hybridflow.engines.bridge.stream import WeightStreamBroken, WeightStreamError
 from hybridflow.single_controller.failures import RankFailure, is_worker_loss, one_line
 from hybridflow.trainer.recovery import Recoveries
@@ -92,6 +92,10 @@ def test_the_progress_deadline_scales_with_the_slowest_step_above_a_floor():
     assert progress_deadline(RunPolicy(progress_deadline_seconds=60), 300.0) == 60.0
     assert collective_timeout(RunPolicy(progress_deadline_seconds=60)) == 60.0
     assert collective_timeout(default) == 1800.0  # torch's own default: a long stage of a large model is no hang
+    # until the first step the controller waits as long as the operator's start-up deadline allows
+    assert startup_call_timeout(RunPolicy(progress_deadline_seconds=60)) == STALL_FLOOR_SECONDS
+    assert startup_call_timeout(RunPolicy(progress_deadline_seconds=60, startup_deadline_seconds=3600)) == 3600.0
+    assert startup_call_timeout(default) == 1800.0
 
 
 def _worker_pids() -> set[int]:

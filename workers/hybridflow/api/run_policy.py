@@ -3,7 +3,8 @@ run` reads only what applies to one machine: the in-place recoveries of restartP
 timeout). The only section a live job's spec may change, so each field is read afresh at every tick.
 
 Also the recovery facts both sides share, so the operator and the controller never disagree: when a job counts as
-Stalled (`progress_deadline`, `startup_deadline`), how long a collective waits (`collective_timeout`)."""
+Stalled (`progress_deadline`, `startup_deadline`), how long a collective waits (`collective_timeout`) and the
+controller for a worker's answer while the gang starts (`startup_call_timeout`)."""
 from __future__ import annotations
 
 from typing import Literal
@@ -82,3 +83,12 @@ def collective_timeout(policy: RunPolicy) -> float:
     answer, last before they fail naming the rank that did not answer: the progress deadline when one is set (no
     single call may outlast it), else torch's default of 30 minutes (a stage of a large model may take long)."""
     return float(policy.progress_deadline_seconds or COLLECTIVE_TIMEOUT_SECONDS)
+
+
+def startup_call_timeout(policy: RunPolicy) -> float:
+    """How long the controller waits for a worker's answer while the gang starts, until its first completed step
+    (loading the checkpoint, the engines, the held-out evaluation before, the first step): the larger of the
+    collective timeout and the start-up deadline, so that a start-up the operator allows (`startup_deadline`) is not
+    cut short inside the job by a progress deadline set to catch hung steps. Collectives keep `collective_timeout`:
+    the ranks of a load or a step wait on each other for no longer than a step may take."""
+    return max(collective_timeout(policy), startup_deadline(policy, None))

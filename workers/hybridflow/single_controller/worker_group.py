@@ -142,7 +142,7 @@ class RoleHandle(Generic[P]):
         ranks = self._ranks if self._ranks is not None else range(len(self._group.hosts))
         hosts = [self._group.hosts[i] for i in ranks]
         n = len(hosts)
-        named = (f"{self._role}.{method}", [self._group.where[i] for i in ranks], self._group.collective_timeout_s)
+        named = (f"{self._role}.{method}", [self._group.where[i] for i in ranks], self._group.call_timeout_s)
         if dispatch == Dispatch.DP_COMPUTE:
             layout = self.layouts[mesh]
             per_rank = [self._dp_args(a, layout) for a in args]
@@ -188,10 +188,14 @@ class WorkerGroup:
 
     def __init__(self, pool: RayResourcePool, roles: dict[str, RoleSpec],
                  env: dict[str, str] | None = None, process_env: dict[str, str] | None = None,
-                 collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> None:
+                 collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, call_timeout_s: float | None = None
+                 ) -> None:
         """`env` is set in each worker once it runs; `process_env` is the environment its process starts with (what
         must be there before Python is: the allocator's LD_PRELOAD, single_controller.allocator). A collective
-        waits at most `collective_timeout_s` for its slowest rank, then fails (single_controller.failures)."""
+        waits at most `collective_timeout_s` for its slowest rank, then fails (single_controller.failures); the
+        controller waits for a call's answers `call_timeout_s` (default: the collective timeout), which the caller
+        may change between calls (the gang's start-up is allowed longer: trainer.setup.Workers.first_step_done)."""
+        self.call_timeout_s = collective_timeout_s if call_timeout_s is None else call_timeout_s
         self.pool = pool
         self.hosts: list[Any] = []
         self.independent = all(spec.independent for spec in roles.values())
@@ -216,7 +220,6 @@ class WorkerGroup:
             nodes = ray.get([h.init_distributed.remote(addr, port, collective_timeout_s) for h in self.hosts])
         # how a failure names each rank: its pool, rank and node (a pod's address on Kubernetes)
         self.where = [f"pool {pool.name} rank {rank} ({node})" for rank, node in enumerate(nodes)]
-        self.collective_timeout_s = collective_timeout_s
         self._roles: dict[str, RoleHandle[Any]] = {}
         for role, spec in roles.items():
             ray.get([h.build.remote(role, spec) for h in self.hosts])

@@ -117,6 +117,8 @@ def fit(job: RLHFJob, w: Workers, task: Task, metrics: JobMetrics, progress: Cal
                                    trackers=trackers, records=records)
             for n in range(start.step + 1, s.trainer.steps + 1):
                 done = _step(w, step, n)
+                if n == start.step + 1:  # the gang has started: judged as a step from now (api.run_policy)
+                    w.first_step_done()
                 for callback in callbacks:
                     callback(done)
         w.weights.settle()  # a replica rebuilt after the last sync takes the final weights before it is evaluated

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from hybridflow.api.run_policy import collective_timeout
+from hybridflow.api.run_policy import collective_timeout, startup_call_timeout
 from hybridflow.single_controller.batch import Batch
 from hybridflow.trainer.generation import rollout_replicas
 from hybridflow.trainer.generation.replicas import RolloutReplicas
@@ -37,6 +37,12 @@ class Workers:
     weights: WeightSync
     spec: JobSpec
     replicas: RolloutReplicas | None = None  # a rollout pool of its own: which replicas take work
+
+    def first_step_done(self) -> None:
+        """The gang has started: from now on the controller waits for a worker's answer as long as a step may take
+        (the collective timeout), not the start-up's longer bound (api.run_policy.startup_call_timeout)."""
+        for group in self.groups:
+            group.call_timeout_s = collective_timeout(self.spec.run_policy)
 
     def sync_weights(self, version: int) -> dict[str, float]:
         return self.weights.sync(version)
@@ -161,7 +167,8 @@ def build_workers(job: RLHFJob, model_dir: Path, task: Task, critic_dir: Path | 
                                    slots=slots)
             allocator = worker_allocator_env(pool_spec.allocator, f"spec.resourcePools[{index}].allocator")
             group = WorkerGroup(pool, by_pool[pool_spec.name], env={**env, "OMP_NUM_THREADS": str(threads)},
-                                process_env=allocator, collective_timeout_s=collective_timeout(s.run_policy))
+                                process_env=allocator, collective_timeout_s=collective_timeout(s.run_policy),
+                                call_timeout_s=startup_call_timeout(s.run_policy))  # until first_step_done
             groups.append(group)
             roles.update({r: group[r] for r in group.roles})
         if "reference" in runs and actor_is_reference(s.training):
