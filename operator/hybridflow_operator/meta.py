@@ -84,7 +84,9 @@ def metrics_port(job: RLHFJob) -> int:
     """The port a job's driver serves its metrics on in a pod: spec.metrics.port, and the default for 0. On
     Kubernetes the driver always serves: the operator follows the job's steps, ETA and deadlines there (and would
     find a job it cannot poll Stalled at every deadline). 0 turns metrics off for a local run, where the examples
-    set it so that several jobs run side by side; the same YAML applied to a cluster runs there."""
+    set it so that several jobs run side by side; the same YAML applied to a cluster runs there. The head pod's
+    command line (--metrics-port) says it to the driver; the spec the pods read keeps the author's value, so the
+    accepted spec's digest is the one an older operator recorded."""
     return job.spec.metrics.port or DEFAULT_METRICS_PORT
 
 

@@ -17,13 +17,11 @@ from hybridflow.api.storage import (
     CHECKPOINT_MOUNT, is_url, job_checkpoint_dir, job_checkpoint_url, namespace_url, resume_source,
 )
 
-from hybridflow_operator.meta import (
-    MODELS_MOUNT, RESUME_MOUNT, SCRATCH_MOUNT, SPEC_KEY, job_namespace, metrics_port, object_meta,
-)
+from hybridflow_operator.meta import MODELS_MOUNT, RESUME_MOUNT, SCRATCH_MOUNT, SPEC_KEY, object_meta, job_namespace
 
 
 def resolved_job(job: RLHFJob) -> RLHFJob:
-    """The spec as it runs in pods: metrics on all interfaces and never off (meta.metrics_port), checkpoints in the job's own directory (under the
+    """The spec as it runs in pods: metrics on all interfaces, checkpoints in the job's own directory (under the
     object-storage URL trainer.checkpointDir names, else on the PVC when one is given), trainer.resumeFrom, model
     paths and data.cacheDir confined to what this job may read or write, prompt files inside the data volume and
     the code files (reward function, tools, environment, agent program) inside the mount of the job's copy of its
@@ -32,7 +30,7 @@ def resolved_job(job: RLHFJob) -> RLHFJob:
     without kubernetes.checkpointSecret, a code file on the data claim) raises SpecError, naming the fields."""
     run = job.model_copy(deep=True)
     s, k8s = run.spec, run.spec.kubernetes
-    s.metrics.address, s.metrics.port = "0.0.0.0", metrics_port(run)
+    s.metrics.address = "0.0.0.0"
     ns, name = run.metadata.namespace or "default", run.metadata.name
     # (parse_job refuses code on the data claim already: here too, for a spec changed since it was parsed)
     problems = _credential_problems(s) + kubernetes_code_problems(s)
