@@ -9,8 +9,8 @@ from typing import Any
 
 from hybridflow.api import API_GROUP as GROUP
 from hybridflow.api import RLHFJob
-from hybridflow.api.sections import DEFAULT_METRICS_PORT
 from hybridflow.api.names import LABEL_JOB, names
+from hybridflow.api.sections import DEFAULT_METRICS_PORT
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "hybridflow-operator", "app.kubernetes.io/name": "hybridflow"}
 
