@@ -4,8 +4,9 @@
 # Needs PYTHON (the venv's); MAKE_START (seconds since the epoch) counts the install in the total.
 #
 # Two streams side by side: the slow tests (real jobs on Ray, in the foreground), and beside them the e2e scenarios,
-# then the tests not marked slow (light, single-process ones; two pytest processes share them). Each alone leaves ~30% of the 2 cores idle (pods and
-# jobs wait on Ray, the operator, start-up and each other): run one after the other, that idle time was on the
+# then the tests not marked slow (light, single-process ones; two pytest processes share them). Each alone leaves
+# ~30% of the 2 cores idle (pods and jobs wait on Ray, the operator, start-up and each other): run one after the
+# other, that idle time was on the
 # critical path (measured: 28.6% idle over 1394 s of slow tests alone); side by side the machine is ~85-90% busy,
 # each part slower, the whole shorter; the waits in both have wide margins. The second stream's output is
 # kept in a file and printed once both have ended, so the logs do not interleave. With PYTEST_ARGS (a selection of
@@ -47,6 +48,9 @@ else
   # The light tests run in two processes that share them the same way (light_claims): one process keeps less than
   # one core busy (waits on sandboxes, operator ticks, servers, subprocesses). Measured alone on a 2-core AMX
   # machine, two processes then one, the same hour: 408 s / 610 busy CPU-s, against 774 s / 677.
+  claimed() {  # pytest on the modules it claims in directory $1, taking them from the $2 (front or back)
+    HYBRIDFLOW_TEST_CLAIMS="$1" HYBRIDFLOW_TEST_CLAIM_FROM="$2" "$PYTHON" -m pytest "${@:3}"
+  }
   claims="$(mktemp -d -t test-claims.XXXXXX)"
   light_claims="$(mktemp -d -t light-claims.XXXXXX)"
   e2e_log="$(mktemp -t e2e-log.XXXXXX)"
@@ -59,11 +63,9 @@ else
      # code and times in light_status
     while kill -0 "$e2e_pid" 2>/dev/null; do sleep 2; done
     t=$(date +%s)
-    HYBRIDFLOW_TEST_CLAIMS="$light_claims" HYBRIDFLOW_TEST_CLAIM_FROM=back \
-      "$PYTHON" -m pytest -ra --durations=15 -m "not slow and not gpu" >"$light_back_log" 2>&1 &
+    claimed "$light_claims" back -ra --durations=15 -m "not slow and not gpu" >"$light_back_log" 2>&1 &
     back_pid=$!
-    HYBRIDFLOW_TEST_CLAIMS="$light_claims" HYBRIDFLOW_TEST_CLAIM_FROM=front \
-      "$PYTHON" -m pytest -ra --durations=15 -m "not slow and not gpu"
+    claimed "$light_claims" front -ra --durations=15 -m "not slow and not gpu"
     light_rc=$?
     wait "$back_pid" || light_rc=1
     light_end=$(date +%s)
@@ -72,8 +74,7 @@ else
     tail_rc=0
     if [ ! -e "$claims/front-done" ]; then  # (else nothing is left: not even pytest's ~15 s of collection)
       echo "---------------- slow tests from the back (those the first stream had not claimed) ----------------"
-      HYBRIDFLOW_TEST_CLAIMS="$claims" HYBRIDFLOW_TEST_CLAIM_FROM=back \
-        "$PYTHON" -m pytest -ra --durations=15 -m "slow and not gpu" || tail_rc=$?
+      claimed "$claims" back -ra --durations=15 -m "slow and not gpu" || tail_rc=$?
     fi
     echo "$light_rc $t $light_end $tail_rc $(date +%s)" >"$light_status"
   ) >"$light_log" 2>&1 &
@@ -84,8 +85,7 @@ else
   trap 'kill -KILL "$e2e_pid" 2>/dev/null; pkill -P "$light_pid" 2>/dev/null; kill "$light_pid" 2>/dev/null
         echo "(interrupted; e2e, then light tests, so far:)"; tail -n 40 "$e2e_log" "$light_log" "$light_back_log"
         rm -rf "$e2e_log" "$light_log" "$light_back_log" "$light_status" "$claims" "$light_claims"' EXIT
-  HYBRIDFLOW_TEST_CLAIMS="$claims" HYBRIDFLOW_TEST_CLAIM_FROM=front \
-    "$PYTHON" -m pytest -ra --durations=30 -m "slow and not gpu" || rc=$?
+  claimed "$claims" front -ra --durations=30 -m "slow and not gpu" || rc=$?
   t1=$(date +%s)
   touch "$claims/front-done"
   wait "$e2e_pid" || e2e_rc=$?

@@ -80,8 +80,9 @@ COLLECTIVE_TIMEOUT_SECONDS = 1800  # torch.distributed's own default for gloo an
 
 def collective_timeout(policy: RunPolicy) -> float:
     """How long a collective (an all-reduce, a weight sync) inside the job, and the controller's wait for a worker's
-    answer, last before they fail naming the rank that did not answer: the progress deadline when one is set (no
-    single call may outlast it), else torch's default of 30 minutes (a stage of a large model may take long)."""
+    answer once the gang has started (before: `startup_call_timeout`), last before they fail naming the rank that did
+    not answer: the progress deadline when one is set (no single call may outlast it), else torch's default of 30
+    minutes (a stage of a large model may take long)."""
     return float(policy.progress_deadline_seconds or COLLECTIVE_TIMEOUT_SECONDS)
 
 
