@@ -85,6 +85,7 @@ OPTIMISATIONS = {
     "keep gathered for backward": {"training": {"keepGatheredForBackward": "off"}},
     "reduce gradients per step": {"training": {"reduceGradientsPerStep": "off"}},
     "skip zero-advantage rows": {"training": {"skipZeroAdvantageRows": False}},
+    "fp32 attention backward": {"training": {"fp32AttentionBackward": "off"}},
 }
 # Each feature the defaults leave off, as the spec fields that switch it on (issue 54: LoRA against full fine-tuning,
 # at the ~10x learning rate LoRA wants).

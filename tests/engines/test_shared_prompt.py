@@ -197,7 +197,7 @@ def test_an_attention_backend_without_custom_masks_runs_unshared_and_says_why_on
         assert not can_share(gpu_only) and not can_share(gpu_only)
     assert [r.getMessage() for r in caplog.records if "flash_attention_2" in r.getMessage()] == [
         "shared-prompt packing is off: the model's attention implementation 'flash_attention_2' takes no custom mask "
-        "(it works with sdpa or eager); rows of a group run unshared"]
+        "(it works with sdpa or hybridflow_cpu_sdpa or eager); rows of a group run unshared"]
     assert can_share(_model("sdpa"))
 
 

@@ -76,3 +76,8 @@ def test_ablate_one_rank_kept_gathered_is_one_rank_with_both_fsdp_switches_force
     assert tp.pool_shape(runs["with one rank kept gathered"]) == (1, 2)
     assert (one.training.keep_gathered_for_backward, one.training.reduce_gradients_per_step) == ("auto", "auto")
     assert (kept.training.keep_gathered_for_backward, kept.training.reduce_gradients_per_step) == ("on", "on")
+
+
+def test_ablate_fp32_attention_backward_runs_the_defaults_beside_the_bf16_backward():
+    runs = tp.variants(False, False, ["fp32 attention backward"])
+    assert [parse_job(doc).spec.training.fp32_attention_backward for doc in runs.values()] == ["auto", "off"]

@@ -330,13 +330,18 @@ def _lora_problems(spec: JobFields) -> list[str]:
 
 
 def _fsdp_switch_problems(spec: JobFields) -> list[str]:
-    """FSDP's communication switches set "on" for a model-parallel engine, which would silently ignore them."""
+    """The FSDP engine's switches set "on" for a model-parallel engine, which would silently ignore them."""
     t = spec.training
     if not TRAIN_ENGINES[t.engine].model_parallel:
         return []
-    return [f"spec.training.{field}: \"on\" does nothing with the {t.engine} engine, which shards by tensorParallel x "
-            f"pipelineParallel and gathers nothing (the switch is FSDP's); leave it \"auto\" or set it \"off\""
-            for field in fsdp_switches_forced_on(t)]
+    out = [f"spec.training.{field}: \"on\" does nothing with the {t.engine} engine, which shards by tensorParallel x "
+           f"pipelineParallel and gathers nothing (the switch is FSDP's); leave it \"auto\" or set it \"off\""
+           for field in fsdp_switches_forced_on(t)]
+    if t.fp32_attention_backward == "on":
+        out.append(f"spec.training.fp32AttentionBackward: \"on\" does nothing with the {t.engine} engine, whose "
+                   f"attention is its own (the switch is the FSDP engine's, for HF models); leave it \"auto\" or set "
+                   f"it \"off\"")
+    return out
 
 
 _CONFIGMAP_KEY = re.compile(r"[-._a-zA-Z0-9]+")

@@ -113,6 +113,15 @@ class Training(SpecModel):
         "keepGatheredForBackward)."
     )
 
+    fp32_attention_backward: Literal["auto", "on", "off"] = Field(
+        "auto", description="FSDP engine on CPU, computing in bfloat16: the attention's backward runs in fp32 "
+        "(torch's CPU flash-attention kernel, forward in bf16 as before, saving the same tensors: no more memory), "
+        "because that kernel's bf16 backward is ~2.4x slower than its fp32 one on AMX Xeons (measured: "
+        "docs/performance.md); gradients come out more precise, not different in kind. auto: on for CPU pools "
+        "computing in bfloat16, off on GPUs (their kernels are native) and in float32 (where it changes nothing). "
+        "Quote \"on\" and \"off\". The megatron engine has its own attention: there it does nothing."
+    )
+
     lora: Lora | None = Field(
         None, description="Train LoRA adapters on a frozen base instead of every weight (the FSDP engine; megatron at "
         "tensorParallel 1 and pipelineParallel 1). Absent: full fine-tuning."
@@ -136,6 +145,14 @@ def fsdp_switch_on(switch: str, device: str, ranks: int) -> bool:
     memory: docs/performance.md). The engine (engines.train.fsdp) and the memory model (memory.terms) both read it
     here."""
     return switch == "on" or (switch == "auto" and device != "gpu" and ranks > 1)
+
+
+def fp32_attention_backward_on(switch: str, device: str, compute_dtype: str) -> bool:
+    """training.fp32AttentionBackward on a pool of `device` computing in `compute_dtype`: auto is on for CPUs
+    computing in bf16, where torch's flash-attention backward is 2.4x faster in fp32 (one SmolLM2 layer's
+    shared-prompt micro-batch on an AMX Xeon: 4.4 ms against 12.0; the bf16 update 13% shorter), and off on GPUs and
+    in fp32, where the kernel already runs natively (engines.train.cpu_attention)."""
+    return switch == "on" or (switch == "auto" and device != "gpu" and compute_dtype == "bfloat16")
 
 
 def fsdp_switches_forced_on(training: Training) -> list[str]:

@@ -54,7 +54,7 @@ class ActorWorker(CheckpointMixin):
             dynamic_batch_size=t.dynamic_batch_size, shared_prompt=t.shared_prompt, tensor_parallel=t.tensor_parallel,
             pipeline_parallel=t.pipeline_parallel, seed=config.seed, lora=LoraSettings.from_spec(t.lora),
             keep_gathered_for_backward=t.keep_gathered_for_backward,
-            reduce_gradients_per_step=t.reduce_gradients_per_step))
+            reduce_gradients_per_step=t.reduce_gradients_per_step, fp32_attention_backward=t.fp32_attention_backward))
         self._dp_rank = train_dp_rank(ctx, config.train_engine, t.tensor_parallel, t.pipeline_parallel)
         release_free_memory()  # the whole model it loaded before sharding
         self.parameters = self.engine.num_parameters()  # collective where the engine gathers to count

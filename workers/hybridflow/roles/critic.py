@@ -53,7 +53,7 @@ class CriticWorker(CheckpointMixin):
             self.model_dir, config.dtype, head="value", lr=t.critic_lr, grad_clip=t.grad_clip,
             compute_dtype=t.compute_dtype, dynamic_batch_size=t.dynamic_batch_size, shared_prompt=t.shared_prompt,
             seed=config.seed, lora=critic_lora(config), keep_gathered_for_backward=t.keep_gathered_for_backward,
-            reduce_gradients_per_step=t.reduce_gradients_per_step))
+            reduce_gradients_per_step=t.reduce_gradients_per_step, fp32_attention_backward=t.fp32_attention_backward))
 
     @register(Dispatch.DP_COMPUTE, blocking=False)
     def compute_values(self, batch: Batch) -> Batch:

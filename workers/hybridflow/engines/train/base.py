@@ -68,6 +68,7 @@ class TrainSettings:
     lora: LoraSettings | None = None  # spec.training.lora: adapters trained on a frozen base (models.lora)
     keep_gathered_for_backward: str = "off"  # spec.training.keepGatheredForBackward: auto, on, off (FSDP)
     reduce_gradients_per_step: str = "off"  # spec.training.reduceGradientsPerStep: auto, on, off (FSDP)
+    fp32_attention_backward: str = "off"  # spec.training.fp32AttentionBackward: auto, on, off (FSDP, HF models)
 
 
 class TrainEngine(Protocol):

@@ -22,8 +22,9 @@ from hybridflow.single_controller.context import WorkerContext
 from hybridflow.models.lora import LoraSettings
 from hybridflow.engines.precision import compute_dtype, dtype_name, master_dtype
 from hybridflow.engines.train.base import TrainLoop, TrainSettings, optimizer_settings, restore_optimizer_settings
+from hybridflow.engines.train import cpu_attention
 from hybridflow.engines.train.shared_prompt import can_share, packed_outputs, shared_layout
-from hybridflow.api.training import fsdp_switch_on, fsdp_unsharded
+from hybridflow.api.training import fp32_attention_backward_on, fsdp_switch_on, fsdp_unsharded
 
 
 def sequence_inputs(batch: Batch) -> dict[str, torch.Tensor]:
@@ -183,7 +184,8 @@ def build(ctx: WorkerContext, settings: TrainSettings) -> FSDPEngine:
     The model is built on the meta device, sharded, and each rank then reads only its own shards from the
     safetensors files (`load_sharded_weights`): a rank's peak while loading is its 1/N of the model, not the whole
     model (30 GB per GPU for a 7B one in fp32, and a 32B one could not start). A checkpoint without safetensors
-    files (.bin) is loaded whole on every rank and then sharded, as before."""
+    files (.bin) is loaded whole on every rank and then sharded, as before. A trained model on CPU computing in bf16
+    runs its attention's backward in fp32 (training.fp32AttentionBackward: engines.train.cpu_attention)."""
     s = settings
     computes = compute_dtype(s.compute_dtype, ctx.device, model_dtype=s.dtype)
     dtype = weights_dtype(s, computes)
@@ -194,6 +196,8 @@ def build(ctx: WorkerContext, settings: TrainSettings) -> FSDPEngine:
         model = empty_hf_model(s.model_dir, dtype, s.head)
     if s.lora is not None:
         model = with_adapters(model, s.lora, train_head=s.head == "value")
+    if s.trainable and fp32_attention_backward_on(s.fp32_attention_backward, ctx.device, dtype_name(computes)):
+        cpu_attention.adopt(model)
     switch = lambda value: s.trainable and fsdp_switch_on(value, ctx.device, ctx.world_size)  # noqa: E731
     engine = FSDPEngine(model, s.lr, s.grad_clip, ctx.device, trainable=s.trainable, compute_dtype=computes,
                         dynamic_batch_size=s.dynamic_batch_size, shared_prompt=s.shared_prompt, lora=s.lora,

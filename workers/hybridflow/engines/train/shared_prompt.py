@@ -8,8 +8,8 @@ in its own unshared row: same context, same rotary positions. The output at the 
 every response's first token) is computed once and read by each response; gradients reach the prompt positions once,
 summed over the group, by autograd through the same indexing.
 
-Only attention backends that take an arbitrary mask can run this (`sdpa` as a boolean mask, `eager` as an additive
-one); anything else runs unshared, with the reason logged once per process.
+Only attention backends that take an arbitrary mask can run this (`sdpa` and `cpu_attention.ATTENTION` as a boolean
+mask, `eager` as an additive one); anything else runs unshared, with the reason logged once per process.
 """
 from __future__ import annotations
 
@@ -20,12 +20,14 @@ import torch
 from torch import nn
 
 from hybridflow.data.packing import padded_positions, prompt_groups
+from hybridflow.engines.train.cpu_attention import ATTENTION
 from hybridflow.logs import say_once
 from hybridflow.single_controller.batch import Batch
 
 log = logging.getLogger(__name__)
 
-MASK_KINDS = {"sdpa": "bool", "eager": "additive"}  # HF attention implementations that take a custom 4D mask
+# HF attention implementations that take a custom 4D mask (ATTENTION: sdpa's, its backward in fp32 on CPU)
+MASK_KINDS = {"sdpa": "bool", ATTENTION: "bool", "eager": "additive"}
 
 
 @dataclass(frozen=True)
