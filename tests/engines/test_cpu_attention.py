@@ -45,7 +45,9 @@ def _step(attn: str, rows: tuple, shared: bool) -> tuple[torch.Tensor, dict[str,
     logits = response_outputs(model, batch, shared)
     logp = torch.log_softmax(logits, -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
     mask = batch["response_mask"].double()
-    (-(logp * torch.linspace(-1, 1, len(batch), dtype=torch.float64)[:, None] * mask).sum()).backward()
+    loss = -(logp * torch.linspace(-1, 1, len(batch), dtype=torch.float64)[:, None] * mask).sum()
+    assert ("FlashWithWideBackwardBackward" in _graph(loss.grad_fn)) == (attn == "ours")  # the model ran it
+    loss.backward()
     return logp * mask, {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -105,17 +107,19 @@ def test_without_a_gradient_wanted_it_is_sdpa():
         assert torch.equal(out, _sdpa(q, k, v, allowed))
     assert out.grad_fn is None
     assert "FlashWithWideBackwardBackward" in _graph(_ours(q, k, v, allowed).grad_fn)
+    narrow_v = v[..., :8].detach().requires_grad_()  # latent attention's shapes: the flash kernel refuses them
+    assert "FlashWithWideBackwardBackward" not in _graph(_ours(q, k, narrow_v, allowed).grad_fn)
 
 
 def _graph(fn) -> set[str]:
     """The names of the autograd nodes behind `fn`."""
-    names, todo = set(), [fn]
+    seen, todo = {}, [fn]
     while todo:
         node = todo.pop()
-        if node is not None and type(node).__name__ not in names:
-            names.add(type(node).__name__)
+        if node is not None and id(node) not in seen:
+            seen[id(node)] = type(node).__name__
             todo += [n for n, _ in node.next_functions]
-    return names
+    return set(seen.values())
 
 
 def test_auto_is_on_for_cpus_computing_in_bf16():
@@ -137,8 +141,11 @@ def test_the_fsdp_engine_trains_with_it_where_the_switch_is_on(one_rank, tiny_di
 
 
 def test_only_a_model_running_sdpa_through_hfs_registry_is_switched():
-    own_code = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="sdpa"))  # no registry flag
-    assert not cpu_attention.adopt(own_code) and own_code.config._attn_implementation == "sdpa"
+    own_code = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="sdpa", model_type="llama"))
+    assert not cpu_attention.adopt(own_code) and own_code.config._attn_implementation == "sdpa"  # no registry flag
+    other = _model("sdpa")
+    other.config.model_type = "deepseek_v3"  # latent attention: value heads narrower than the query's
+    assert not cpu_attention.adopt(other) and other.config._attn_implementation == "sdpa"
     eager = _model("eager")
     assert not cpu_attention.adopt(eager) and eager.config._attn_implementation == "eager"
     sdpa = _model("sdpa")
@@ -149,7 +156,7 @@ def test_on_with_the_megatron_engine_is_refused():
     doc = {"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "t"},
            "spec": {"training": {"engine": "megatron", "fp32AttentionBackward": "on"}}}
     with pytest.raises(SpecError, match=r'spec.training.fp32AttentionBackward: "on" does nothing with the megatron '
-                                        r'engine, whose attention is its own'):
+                                        r'engine, which runs an attention of its own, not HF\'s'):
         parse_job(doc)
     doc["spec"]["training"]["fp32AttentionBackward"] = "auto"
     parse_job(doc)

@@ -20,7 +20,8 @@ from hybridflow.api.names import DATA_MOUNT, reward_configmap_key
 from hybridflow.api.roles import ROLE_KINDS
 from hybridflow.api.scaling import elastic_problems
 from hybridflow.api.sections import JobFields
-from hybridflow.api.training import LORA_PROJECTIONS, MEGATRON_LINEAR_PARTS, fsdp_switches_forced_on
+from hybridflow.api.training import (FSDP_ONLY_SWITCHES, LORA_PROJECTIONS, MEGATRON_LINEAR_PARTS,
+                                     fsdp_switches_forced_on)
 from hybridflow.api.reward_rules import judge_problems, reward_source_problems
 from hybridflow.api.storage import is_url
 from hybridflow.rewards.rules import RULES, TASK_DEFAULT_RULE
@@ -334,14 +335,8 @@ def _fsdp_switch_problems(spec: JobFields) -> list[str]:
     t = spec.training
     if not TRAIN_ENGINES[t.engine].model_parallel:
         return []
-    out = [f"spec.training.{field}: \"on\" does nothing with the {t.engine} engine, which shards by tensorParallel x "
-           f"pipelineParallel and gathers nothing (the switch is FSDP's); leave it \"auto\" or set it \"off\""
-           for field in fsdp_switches_forced_on(t)]
-    if t.fp32_attention_backward == "on":
-        out.append(f"spec.training.fp32AttentionBackward: \"on\" does nothing with the {t.engine} engine, whose "
-                   f"attention is its own (the switch is the FSDP engine's, for HF models); leave it \"auto\" or set "
-                   f"it \"off\"")
-    return out
+    return [f"spec.training.{field}: \"on\" does nothing with the {t.engine} engine, which {FSDP_ONLY_SWITCHES[field]} "
+            f"(the switch is FSDP's); leave it \"auto\" or set it \"off\"" for field in fsdp_switches_forced_on(t)]
 
 
 _CONFIGMAP_KEY = re.compile(r"[-._a-zA-Z0-9]+")

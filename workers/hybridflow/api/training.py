@@ -24,9 +24,10 @@ MEGATRON_LINEAR_PARTS: dict[str, tuple[str, ...]] = {
 # HF config.model_type -> the linear modules that get adapters when spec.training.lora.targetModules is empty: every
 # attention and MLP projection (what the LoRA-for-RL results train; PEFT's own default is q_proj and v_proj only).
 # Here, torch-free, because both the engine (models/lora.py) and the memory model (memory/) read it.
-LORA_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
-    family: LORA_PROJECTIONS for family in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "olmo2")
-}
+# HF model families (config.model_type) whose decoder is the Llama pattern: q/k/v/o and gate/up/down projections, HF's
+# registered attention functions. LoRA's default targets and the CPU attention (engines.train.cpu_attention) know them.
+LLAMA_PATTERN_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "olmo2")
+LORA_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {family: LORA_PROJECTIONS for family in LLAMA_PATTERN_FAMILIES}
 
 
 class Lora(SpecModel):
@@ -115,11 +116,12 @@ class Training(SpecModel):
 
     fp32_attention_backward: Literal["auto", "on", "off"] = Field(
         "auto", description="FSDP engine on CPU, computing in bfloat16: the attention's backward runs in fp32 "
-        "(torch's CPU flash-attention kernel, forward in bf16 as before, saving the same tensors: no more memory), "
+        "(torch's CPU flash-attention kernel, forward in bf16 as before, saving what sdpa saves with a mask), "
         "because that kernel's bf16 backward is ~2.4x slower than its fp32 one on AMX Xeons (measured: "
         "docs/performance.md); gradients come out more precise, not different in kind. auto: on for CPU pools "
         "computing in bfloat16, off on GPUs (their kernels are native) and in float32 (where it changes nothing). "
-        "Quote \"on\" and \"off\". The megatron engine has its own attention: there it does nothing."
+        "Quote \"on\" and \"off\". Llama-pattern model families only (llama, qwen2/3, mistral, gemma/2, olmo2); the "
+        "megatron engine has its own attention (\"on\" is refused there)."
     )
 
     lora: Lora | None = Field(
@@ -155,12 +157,19 @@ def fp32_attention_backward_on(switch: str, device: str, compute_dtype: str) -> 
     return switch == "on" or (switch == "auto" and device != "gpu" and compute_dtype == "bfloat16")
 
 
+_GATHERS_NOTHING = "shards by tensorParallel x pipelineParallel and gathers nothing"
+# The FSDP engine's switches (camelCase) and why a model-parallel engine (megatron) would ignore each
+FSDP_ONLY_SWITCHES = {"keepGatheredForBackward": _GATHERS_NOTHING, "reduceGradientsPerStep": _GATHERS_NOTHING,
+                      "fp32AttentionBackward": "runs an attention of its own, not HF's"}
+
+
 def fsdp_switches_forced_on(training: Training) -> list[str]:
-    """The FSDP communication switches the spec sets "on" (camelCase field names): what an engine that gathers
-    nothing (megatron, model parallel) cannot honour. The rules refuse such a pair and the planner offers none."""
-    return [field for field, value in (("keepGatheredForBackward", training.keep_gathered_for_backward),
-                                       ("reduceGradientsPerStep", training.reduce_gradients_per_step))
-            if value == "on"]
+    """The FSDP engine's switches the spec sets "on" (camelCase field names, FSDP_ONLY_SWITCHES): what a
+    model-parallel engine (megatron) cannot honour. The rules refuse such a pair and the planner offers none."""
+    values = {"keepGatheredForBackward": training.keep_gathered_for_backward,
+              "reduceGradientsPerStep": training.reduce_gradients_per_step,
+              "fp32AttentionBackward": training.fp32_attention_backward}
+    return [field for field in FSDP_ONLY_SWITCHES if values[field] == "on"]
 
 
 def fsdp_unsharded(ranks: int, weight_dtypes: Collection[str], compute_dtype: str) -> bool:

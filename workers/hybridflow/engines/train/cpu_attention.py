@@ -4,12 +4,14 @@ backward in fp32 (spec.training.fp32AttentionBackward; issue 57).
 Why: on an AMX Xeon torch's CPU flash-attention backward takes 2.4x longer in bf16 than in fp32 (11-12 ms against
 4.9 ms for one SmolLM2 layer of a shared-prompt micro-batch, 3 x 9 heads x 176 x 64), so in a bf16 update it took
 18% of the time, more than any op but the matmuls. Its forward is fast in bf16. So the forward runs as `sdpa` runs
-it and saves the same tensors (query, key, value, output and the row log-sum-exp: no more memory), and the backward
-upcasts them and runs the kernel's fp32 backward: the same gradients, computed more precisely, then cast back.
+it and saves the same tensors (query, key, value, output and the row log-sum-exp: what sdpa saves with a mask; without
+one, on a grouped-query model, sdpa keeps key and value unrepeated and this repeats them), and the backward upcasts
+them, one layer at a time, and runs the kernel's fp32 backward: the same gradients, computed more precisely, then
+cast back.
 
 Registered with HF as attention implementation `ATTENTION` (and its mask as sdpa's: a boolean mask, or none with
 causal attention); `adopt` switches a model that runs sdpa to it. Anything else (no gradient wanted, a GPU,
-a KV cache, dropout) runs HF's own sdpa path unchanged. In float64 (the equivalence tests) the backward runs in
+a KV cache, dropout, a value head size other than the query's) runs HF's own sdpa path unchanged. In float64 (the equivalence tests) the backward runs in
 float64: the same kernel as sdpa's, end to end.
 """
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from hybridflow.api.training import LLAMA_PATTERN_FAMILIES
 
 ATTENTION = "hybridflow_cpu_sdpa"
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -67,7 +71,8 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
 
     T = query.shape[2]
     ours = (query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad and dropout == 0.0
-            and key.shape[2] == T and kwargs.get("position_bias") is None and kwargs.get("cache") is None)
+            and key.shape[2] == T and query.shape[-1] == key.shape[-1] == value.shape[-1]
+            and kwargs.get("position_bias") is None and kwargs.get("cache") is None)
     if not ours:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -81,11 +86,12 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
 
 
 def adopt(model: nn.Module) -> bool:
-    """Switch `model` to `ATTENTION` where it runs HF's sdpa through HF's attention registry (its class says it takes
-    registered attention functions); a model with attention code of its own keeps it. Whether it switched."""
+    """Switch `model` to `ATTENTION` where it runs HF's sdpa through HF's attention registry and is of a family whose
+    attention is plain scaled-dot-product (LLAMA_PATTERN_FAMILIES: no latent or sparse attention, whose models
+    check the implementation's name or pass the kernel other shapes); any other keeps its own. Whether it switched."""
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa" or not getattr(model, "_supports_attention_backend",
-                                                                              False):
+    if (getattr(config, "_attn_implementation", None) != "sdpa" or getattr(config, "model_type", None)
+            not in LLAMA_PATTERN_FAMILIES or not getattr(model, "_supports_attention_backend", False)):
         return False
     model.set_attn_implementation(register())
     return True
