@@ -10,9 +10,9 @@ them, one layer at a time, and runs the kernel's fp32 backward: the same gradien
 cast back.
 
 Registered with HF as attention implementation `ATTENTION` (and its mask as sdpa's: a boolean mask, or none with
-causal attention); `adopt` switches a model that runs sdpa to it. Anything else (no gradient wanted, a GPU,
-a KV cache, dropout, a value head size other than the query's) runs HF's own sdpa path unchanged. In float64 (the equivalence tests) the backward runs in
-float64: the same kernel as sdpa's, end to end.
+causal attention); `adopt` switches a model that runs sdpa to it. Anything else (no gradient wanted, a GPU, a KV
+cache, dropout, a value head size other than the query's) runs HF's own sdpa path unchanged. In float64 (the
+equivalence tests) the backward runs in float64: the same kernel as sdpa's, end to end.
 """
 from __future__ import annotations
 
