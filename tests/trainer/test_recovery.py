@@ -3,6 +3,7 @@ names the ranks that died or never answered, and, when a worker process is kille
 worker groups and resumes from the last checkpoint without ending the job; every step is logged exactly once. The
 operator's side (replacing the failed pod alone, Stalled) is in tests/operator/test_operator_phases.py and e2e/test_faults.py.
 """
+import contextlib
 import json
 import os
 import signal
@@ -99,10 +100,17 @@ def test_the_progress_deadline_scales_with_the_slowest_step_above_a_floor():
 
 
 def _worker_pids() -> set[int]:
+    """This job's worker processes: the WorkerHosts under this process (the shared Ray is in-process: its raylet,
+    and the workers it spawns, descend from it). Not every WorkerHost on the machine: make test runs another pytest
+    process with a Ray and jobs of its own beside this one, whose worker a fault here once killed instead."""
     import psutil
 
-    return {p.pid for p in psutil.process_iter(["cmdline"])
-            if any("ray::WorkerHost" in part for part in (p.info["cmdline"] or []))}
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if any("ray::WorkerHost" in part for part in p.cmdline()):
+                out.add(p.pid)
+    return out
 
 
 def _logged(ckpt: Path) -> list[dict]:
