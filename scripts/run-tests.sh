@@ -4,14 +4,14 @@
 # Needs PYTHON (the venv's); MAKE_START (seconds since the epoch) counts the install in the total.
 #
 # Two streams side by side: the slow tests (real jobs on Ray, in the foreground), and beside them the e2e scenarios,
-# then the tests not marked slow (light, single-process ones; two pytest processes share them). Each alone leaves
-# ~30% of the 2 cores idle (pods and jobs wait on Ray, the operator, start-up and each other): run one after the
-# other, that idle time was on the
-# critical path (measured: 28.6% idle over 1394 s of slow tests alone); side by side the machine is ~85-90% busy,
-# each part slower, the whole shorter; the waits in both have wide margins. The second stream's output is
-# kept in a file and printed once both have ended, so the logs do not interleave. With PYTEST_ARGS (a selection of
-# tests), pytest runs once and then e2e. The GPU suite (tests/gpu, marked `gpu`: it fails without a GPU) is left out
-# of every run here (-m '... not gpu'; a PYTEST_ARGS with a -m of its own decides); bench/gpu_check.sh runs it.
+# then the tests not marked slow (light, single-process ones; two pytest processes share them). Each alone leaves ~30%
+# of the 2 cores idle (pods and jobs wait on Ray, the operator, start-up and each other): run one after the other,
+# that idle time was on the critical path (measured: 28.6% idle over 1394 s of slow tests alone); side by side the
+# machine is ~85-90% busy, each part slower, the whole shorter; the waits in both have wide margins. The second
+# stream's output is kept in a file and printed once both have ended, so the logs do not interleave. With PYTEST_ARGS
+# (a selection of tests), pytest runs once and then e2e. The GPU suite (tests/gpu, marked `gpu`: it fails without a
+# GPU) is left out of every run here (-m '... not gpu'; a PYTEST_ARGS with a -m of its own decides);
+# bench/gpu_check.sh runs it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:?the venv python}"
