@@ -1,6 +1,8 @@
 """The spec's runPolicy: how the operator runs, restarts, replaces, queues and ends a job on Kubernetes (`hybridflow
 run` reads only what applies to one machine: the in-place recoveries of restartPolicy failedPod and the collective
-timeout). The only section a live job's spec may change, so each field is read afresh at every tick.
+timeout). With an elastic rollout pool's size and bounds, the only part of a live job's spec that may change
+(operator accept.spec_fields), so the operator reads each field afresh at every tick; the job's own timeouts derived
+from it (`collective_timeout`, `startup_call_timeout`) keep the values it was accepted with.
 
 Also the recovery facts both sides share, so the operator and the controller never disagree: when a job counts as
 Stalled (`progress_deadline`, `startup_deadline`), how long a collective waits (`collective_timeout`) and the
