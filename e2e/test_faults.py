@@ -54,6 +54,11 @@ def _reasons(world, name: str) -> list[str]:
     return [e.reason for e in world.kube.events() if e.involved_object.name == name]
 
 
+def _messages(world, name: str, reason: str) -> list[str]:
+    """The messages of the job's events of one reason, as the API lists them."""
+    return [e.message for e in world.kube.events() if e.involved_object.name == name and e.reason == reason]
+
+
 def _restart_reasons(world, name: str, head: str = "") -> str:
     """Why each gang restart or replacement happened, and the head's log (default: the newest head's) with those
     of the generations before it: what a failed scenario needs."""
@@ -241,8 +246,7 @@ def test_killed_pods_are_replaced_alone_and_a_hung_pod_restarts_the_gang(world, 
     wait_for(lambda: world.kube.status(name).get("restarts") == 1, STALL_DEADLINE + 180,
              lambda: f"the Stalled restart; {_restart_reasons(world, name)}")
     restarted = time.time()
-    stalled = wait_for(lambda: next((e.message for e in world.kube.events() if e.involved_object.name == name
-                                     and e.reason == "Stalled"), None), 30, "the Stalled event")
+    stalled = wait_for(lambda: _messages(world, name, "Stalled"), 30, "the Stalled event")[0]
     assert f"(progress deadline {STALL_DEADLINE}s: runPolicy.progressDeadlineSeconds)" in stalled, stalled
     # STALL_DEADLINE is for hung steps: the new gang's start-up (Ray, its workers, the checkpoint, the first
     # generation: ~50 s on an idle 2-core AMX machine, past 90 s on a loaded CI machine whose rollout pod's raylet
@@ -263,8 +267,7 @@ def test_killed_pods_are_replaced_alone_and_a_hung_pod_restarts_the_gang(world, 
                      f"{_restart_reasons(world, name)}")
     st = world.kube.status(name)
     # a pod of the new gang that failed to start is replaced alone, with its event: counted, not a restart
-    later = [e.message for e in world.kube.events() if e.involved_object.name == name and e.reason == "PodReplaced"
-             and re.match(rf"pod {name}-\S+-g1 ", e.message)]
+    later = [m for m in _messages(world, name, "PodReplaced") if re.match(rf"pod {name}-\S+-g1 ", m)]
     assert st["phase"] == "Running" and st["restarts"] == 1 and st["podReplacements"] == 2 + len(later), (
         f"{st}; {_restart_reasons(world, name)}")
     logged = world.step_log(name)
@@ -297,6 +300,6 @@ def test_an_eviction_does_not_use_the_backoff_limit_and_exhausting_it_fails_the_
     assert st["reason"] == "BackoffLimitExceeded" and st["disruptions"] == 1, st
     assert f"{name}-default-0-g2" in st["message"] and "137" in st["message"], st["message"]
     def restarts() -> list[str]:
-        return [e.message for e in world.kube.events() if e.involved_object.name == name and e.reason == "GangRestart"]
+        return _messages(world, name, "GangRestart")
     wait_for(lambda: any("not counted against runPolicy.backoffLimit" in m for m in restarts()), 30,
              lambda: f"the eviction's GangRestart event; events: {restarts()}")
